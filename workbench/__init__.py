@@ -1,0 +1,37 @@
+"""workbench: see and steer expert offloading of vision-language MoE models.
+
+Public API (imported lazily so that ``import workbench`` stays cheap):
+
+- :func:`load` — a local Hugging Face checkpoint (the embedded default model when no path).
+- :class:`Knobs` — every run setting, validated.
+- :class:`Runtime` — the live offloaded runtime; :meth:`Runtime.run` returns a :class:`RunResult`.
+- :func:`open_run` — a run store as an xarray Dataset (``ds.moe`` for analysis).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from workbench._version import __version__
+
+_LAZY = {
+    "load": "workbench.models.loading",
+    "LoadedModel": "workbench.models.loading",
+    "Knobs": "workbench.knobs",
+    "Runtime": "workbench.runtime.runtime",
+    "RunResult": "workbench.runtime.runtime",
+    "Request": "workbench.models.inputs",
+    "open_run": "workbench.telemetry.store",
+    "set_options": "workbench.options",
+    "get_options": "workbench.options",
+    "WorkbenchError": "workbench.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")

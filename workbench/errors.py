@@ -1,0 +1,36 @@
+"""User-facing errors.
+
+Every error a user can cause by bad input derives from :class:`WorkbenchError`; the CLI turns
+these into a one-line message and exit status 2. Messages name the thing at fault, the bad value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+
+class WorkbenchError(Exception):
+    """Base class of errors caused by the user's input (CLI exit status 2)."""
+
+
+class KnobError(WorkbenchError, ValueError):
+    """A knob name or value is not allowed."""
+
+
+class ModelLoadError(WorkbenchError):
+    """A model directory is missing, incomplete or unreadable."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model has no MoE blocks the adapter can find."""
+
+
+class InputError(WorkbenchError, ValueError):
+    """A request input (image, prompt, trace …) is not usable."""
+
+
+class StoreExistsError(WorkbenchError, FileExistsError):
+    """A run store already exists and overwriting was not asked for."""
+
+
+class PlanError(WorkbenchError):
+    """A memory plan does not fit the device budget."""

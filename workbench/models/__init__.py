@@ -1,0 +1,1 @@
+"""Loading local checkpoints, the MoE adapter, request inputs, tiny and embedded models."""

@@ -1,0 +1,48 @@
+"""Process-wide options (as opposed to per-run knobs), like ``xarray.set_options``.
+
+>>> import workbench
+>>> with workbench.set_options(flush_every=4):
+...     pass
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_OPTIONS: dict[str, Any] = {
+    "workspace": Path("runs"),  # where runs without an explicit store path go
+    "flush_every": 16,  # steps buffered before an append to the store
+    "flush_interval_s": 0.5,  # … or seconds since the last append, whichever first
+}
+
+_VALIDATORS = {
+    "workspace": lambda v: isinstance(v, (str, Path)),
+    "flush_every": lambda v: isinstance(v, int) and v >= 1,
+    "flush_interval_s": lambda v: isinstance(v, (int, float)) and v >= 0,
+}
+
+
+def get_options() -> dict[str, Any]:
+    return dict(_OPTIONS)
+
+
+class set_options:
+    """Set options for the process, or for a ``with`` block only."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._old: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            if k not in _OPTIONS:
+                raise ValueError(f"option {k!r} is unknown; options: {', '.join(_OPTIONS)}")
+            if not _VALIDATORS[k](v):
+                raise ValueError(f"option {k}={v!r} is not valid")
+        for k, v in kwargs.items():
+            self._old[k] = _OPTIONS[k]
+            _OPTIONS[k] = Path(v) if k == "workspace" else v
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPTIONS.update(self._old)

@@ -1,0 +1,1 @@
+"""The live offloaded runtime: host store, expert cache, transfer engine, clocks, the step loop."""

@@ -1,0 +1,134 @@
+"""The two clocks.
+
+*Measured*: wall time of what really ran here (``perf_counter``), per lane: compute (the main
+thread working), transfer (the copy engine busy), stall (compute waiting for a transfer).
+
+*Modeled*: a discrete-event timeline of a compute lane and a transfer lane under a named
+:class:`~workbench.runtime.profiles.HardwareProfile`, driven by the same step events. Every figure
+it produces is labelled *modeled*. Per MoE layer of a step with T tokens:
+
+1. dense work (attention, router, shared experts): ``compute_time(T·dense_flops, dense_bytes)``;
+2. the router's misses are queued on the transfer lane at the end of the dense work (FIFO,
+   ``transfer_time(expert_bytes)`` each);
+3. resident experts compute first, ``compute_time(n_e·expert_flops, expert_bytes)`` each;
+4. each missed expert computes when both the compute lane and its transfer are done; the gap is a
+   modeled stall.
+
+Steps run back to back on the compute lane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.models.adapter import MoELayout
+from workbench.runtime.profiles import HardwareProfile, TargetModel
+from workbench.telemetry.events import CLOCKS, LANES, Span, StepEvent
+
+_MODELED = CLOCKS.index("modeled")
+_MEASURED = CLOCKS.index("measured")
+_COMPUTE, _TRANSFER, _STALL = (LANES.index(x) for x in ("compute", "transfer", "stall"))
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Sizes the modeled clock prices work with (bytes; FLOPs per token)."""
+
+    source: str  # "loaded model" or a target model name
+    expert_bytes: float
+    expert_flops_per_token: float
+    dense_bytes_per_layer: float
+    dense_flops_per_token_per_layer: float
+
+    @classmethod
+    def from_layout(cls, layout: MoELayout, dtype_bytes: int) -> "CostSpec":
+        """Costs of the loaded model itself, at the run's dtype."""
+        b = layout.blocks[0]
+        params_per_expert = sum(
+            int(getattr(b.experts, p)[0].numel()) for p in b.expert_params)
+        backbone_params = layout.backbone_bytes / max(
+            getattr(b.experts, b.expert_params[0]).element_size(), 1)
+        dense_params_per_layer = backbone_params / layout.num_layers
+        return cls(
+            source="loaded model",
+            expert_bytes=params_per_expert * dtype_bytes,
+            expert_flops_per_token=2.0 * params_per_expert,
+            dense_bytes_per_layer=dense_params_per_layer * dtype_bytes,
+            dense_flops_per_token_per_layer=2.0 * dense_params_per_layer,
+        )
+
+    @classmethod
+    def from_target(cls, target: TargetModel) -> "CostSpec":
+        """Costs of a real model: each MoE layer of the trace is priced as one of its layers."""
+        return cls(
+            source=target.name,
+            expert_bytes=float(target.expert_bytes),
+            expert_flops_per_token=float(target.expert_flops_per_token),
+            dense_bytes_per_layer=target.backbone_bytes / target.num_layers,
+            dense_flops_per_token_per_layer=float(target.dense_flops_per_token_per_layer),
+        )
+
+
+class ModeledClock:
+    """Discrete-event timeline of one run. ``price(step_event)`` fills the step's modeled fields
+    and appends its modeled spans; the timeline continues across steps."""
+
+    def __init__(self, profile: HardwareProfile, cost: CostSpec) -> None:
+        self.profile = profile
+        self.cost = cost
+        self.now = 0.0  # compute lane free at
+        self.transfer_free = 0.0
+
+    def price(self, ev: StepEvent) -> None:
+        p, c = self.profile, self.cost
+        T = len(ev.token_ids)
+        step_start = self.now
+        stall_total = 0.0
+        moved = 0
+        spans = ev.spans
+        t = self.now
+        for le in ev.layers:
+            dense = p.compute_time(T * c.dense_flops_per_token_per_layer, c.dense_bytes_per_layer)
+            spans.append(Span(_MODELED, _COMPUTE, ev.step, le.layer, -1, t, t + dense))
+            t += dense
+            ready: dict[int, float] = {}
+            for e in le.misses:
+                start = max(self.transfer_free, t)
+                end = start + p.transfer_time(c.expert_bytes)
+                spans.append(Span(_MODELED, _TRANSFER, ev.step, le.layer, e, start, end))
+                self.transfer_free = end
+                ready[e] = end
+                moved += int(c.expert_bytes)
+            for e in [*le.hits, *le.misses]:
+                if e in ready and ready[e] > t:
+                    spans.append(Span(_MODELED, _STALL, ev.step, le.layer, e, t, ready[e]))
+                    stall_total += ready[e] - t
+                    t = ready[e]
+                n = le.expert_tokens.get(e, 0)
+                d = p.compute_time(n * c.expert_flops_per_token, c.expert_bytes)
+                spans.append(Span(_MODELED, _COMPUTE, ev.step, le.layer, e, t, t + d))
+                t += d
+        self.now = t
+        ev.latency_modeled_s = t - step_start
+        ev.stall_modeled_s = stall_total
+        ev.transfer_bytes_modeled = moved
+
+
+def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float) -> None:
+    """Fill the step's measured lanes: compute = the step minus its stalls; transfer = the copy
+    engine's busy intervals; stall = as recorded. ``t0`` is the run start (perf_counter)."""
+    start, end = ev.step_start_s, ev.step_start_s + ev.latency_measured_s
+    cursor = start
+    for s in sorted(stalls, key=lambda s: s.start):
+        if s.start > cursor:
+            ev.spans.append(Span(_MEASURED, _COMPUTE, ev.step, -1, -1, cursor, s.start))
+        ev.spans.append(s)
+        cursor = max(cursor, s.end)
+    if end > cursor:
+        ev.spans.append(Span(_MEASURED, _COMPUTE, ev.step, -1, -1, cursor, end))
+    for tr in transfers:
+        layer, expert = tr.key
+        ev.spans.append(Span(_MEASURED, _TRANSFER, ev.step, layer, expert,
+                             tr.start - t0, tr.end - t0))
+        ev.transfer_bytes += tr.nbytes
+    ev.stall_measured_s = sum(s.end - s.start for s in stalls)

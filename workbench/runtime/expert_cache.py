@@ -1,0 +1,107 @@
+"""The expert cache: a fixed pool of pre-allocated device slots, one routed expert each.
+
+Invariants (checked by tests):
+- ``slot_of[key] == s``  ⇔  ``key_in[s] == key``; at most ``num_slots`` experts are resident.
+- An expert the current layer still needs (``protected``) is never evicted.
+- Counters live here, per MoE layer: ``hits``, ``misses``, ``loads``, ``evictions`` (cumulative
+  since the run started); telemetry reads them, it does not count on its own.
+
+The cache knows nothing about models or transfers: it maps keys to slots and asks its eviction
+policy for victims, so trace replay can drive the very same object.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+import numpy as np
+import torch
+
+from workbench.policies.eviction import EvictionPolicy
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertCache:
+    """Slot bookkeeping + the device pool tensors (``pool[name]`` is ``[num_slots, ...]``)."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy, num_layers: int, num_experts: int,
+                 param_shapes: dict[str, tuple[int, ...]] | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, not {num_slots}")
+        self.num_slots = num_slots
+        self.policy = policy
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.pool: dict[str, torch.Tensor] = {
+            name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+            for name, shape in (param_shapes or {}).items()
+        }
+        self.slot_of: dict[Key, int] = {}
+        self.key_in: list[Key | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.t = 0  # logical access clock handed to the policy
+        z = lambda: np.zeros(num_layers, dtype=np.int64)  # noqa: E731
+        self.hits, self.misses, self.loads, self.evictions = z(), z(), z(), z()
+
+    # -- queries ---------------------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        return key in self.slot_of
+
+    def residency(self) -> np.ndarray:
+        """``bool[num_layers, num_experts]``: which experts occupy a slot now."""
+        r = np.zeros((self.num_layers, self.num_experts), dtype=bool)
+        for layer, expert in self.slot_of:
+            r[layer, expert] = True
+        return r
+
+    def slot_view(self, slot: int) -> dict[str, torch.Tensor]:
+        return {n: t[slot] for n, t in self.pool.items()}
+
+    # -- accesses ----------------------------------------------------------------------------
+    def lookup(self, layer: int, experts: Iterable[int]) -> tuple[list[int], list[int]]:
+        """Count one access per expert of ``layer``; returns (hit experts, missed experts)."""
+        hits, misses = [], []
+        for e in experts:
+            key = (layer, e)
+            self.t += 1
+            if key in self.slot_of:
+                hits.append(e)
+                self.policy.on_hit(key, self.t)
+            else:
+                misses.append(e)
+        self.hits[layer] += len(hits)
+        self.misses[layer] += len(misses)
+        return hits, misses
+
+    def admit(self, key: Key, protected: set[Hashable] = frozenset()) -> tuple[int, Key | None] | None:
+        """Give ``key`` a slot, evicting a non-protected resident if needed.
+
+        Returns ``(slot, evicted key or None)``, or ``None`` when every slot is protected (the
+        caller must finish work on some protected expert first). Counts a load.
+        """
+        if key in self.slot_of:
+            raise ValueError(f"expert {key} is already resident")
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            candidates = [k for k in self.slot_of if k not in protected]
+            if not candidates:
+                return None
+            evicted = self.policy.choose_victim(candidates, self.t)
+            slot = self.slot_of.pop(evicted)
+            self.policy.on_evict(evicted)
+            self.evictions[evicted[0]] += 1
+        self.slot_of[key] = slot
+        self.key_in[slot] = key
+        self.t += 1
+        self.policy.on_insert(key, self.t)
+        self.loads[key[0]] += 1
+        return slot, evicted
+
+    def counters(self) -> dict[str, np.ndarray]:
+        """Copies of the cumulative per-layer counters."""
+        return {"hits": self.hits.copy(), "misses": self.misses.copy(),
+                "loads": self.loads.copy(), "evictions": self.evictions.copy()}

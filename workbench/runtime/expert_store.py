@@ -1,0 +1,43 @@
+"""Host store: the home of every offloaded routed expert.
+
+For each offloaded MoE layer and each fused expert parameter (e.g. ``gate_up_proj``,
+``down_proj``) the store keeps one host tensor ``[E, ...]``; expert ``e`` is the slice ``[e]``.
+On a CUDA machine the tensors are page-locked (pinned) so copies to the device run asynchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostExpertStore:
+    """Host copies of routed experts, addressed by ``(layer, expert)``."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._layers: dict[int, dict[str, torch.Tensor]] = {}
+
+    def add_layer(self, layer: int, params: dict[str, torch.Tensor]) -> None:
+        """Take host copies of one layer's fused expert tensors (each ``[E, ...]``)."""
+        host = {}
+        for name, t in params.items():
+            h = t.detach().to("cpu", copy=t.device.type == "cpu")
+            if self.pin_memory:
+                h = h.pin_memory()
+            host[name] = h
+        self._layers[layer] = host
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._layers[layer]
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Views of one expert's weights (no copy)."""
+        return {n: t[expert] for n, t in self._layers[layer].items()}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self._layers.values() for t in d.values())

@@ -1,0 +1,366 @@
+"""The live offloaded runtime: one request in, an answer, a summary and a run store out.
+
+``Runtime.run`` wraps ``model.generate`` (the model's own generation loop, greedy by default)
+with three things that are always removed afterwards, whatever happens:
+
+- the :class:`~workbench.runtime.offload.Offloader` (experts in the host store, a slot cache);
+- a forward pre/post hook on the model that marks step boundaries (one step = one forward pass:
+  the prefill, then one per decode token);
+- a streamer that receives each generated token, closes that step's event and hands it to the
+  recorder (zarr store) and to the caller's ``on_token``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from workbench.errors import InputError
+from workbench.knobs import Knobs
+from workbench.models.inputs import ModelInputs, Request, build_inputs, modality_of
+from workbench.models.loading import LoadedModel, load
+from workbench.options import get_options
+from workbench.policies.eviction import EVICTION
+from workbench.runtime.clocks import CostSpec, ModeledClock, measured_spans
+from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.plan import MemoryPlan, device_budget
+from workbench.runtime.profiles import get_profile, get_target_model
+from workbench.telemetry.events import PHASES, StepEvent
+from workbench.telemetry.store import Recorder
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class RunResult:
+    """What one request produced. Latencies: *measured* = wall time here, *modeled* = the
+    hardware profile's timeline. ``hit_rate`` counts offloaded (non-pinned) layers only."""
+
+    text: str
+    token_ids: list[int]
+    steps: int
+    hits: int
+    misses: int
+    loads: int
+    evictions: int
+    latency_measured_s: float
+    latency_modeled_s: float
+    stall_measured_s: float
+    stall_modeled_s: float
+    prefill_measured_s: float
+    prefill_modeled_s: float
+    transfer_bytes: int
+    transfer_bytes_modeled: int
+    store: str | None
+    knobs: dict[str, Any]
+    model_id: str
+    stopped: bool = False
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["hit_rate"] = None if np.isnan(self.hit_rate) else self.hit_rate
+        return d
+
+    def summary(self) -> str:
+        hr = "n/a (no offloaded layer)" if np.isnan(self.hit_rate) else f"{self.hit_rate:.1%}"
+        k = self.knobs
+        lines = [
+            f"answer: {self.text}",
+            f"model {self.model_id} · {self.steps} steps (1 prefill + {self.steps - 1} decode) · "
+            f"cache_slots={k.get('cache_slots')} pinned_layers={k.get('pinned_layers')} "
+            f"eviction={k.get('eviction')}",
+            f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "
+            f"{self.loads} loads, {self.evictions} evictions",
+            f"measured: {self.latency_measured_s * 1e3:.1f} ms total "
+            f"(prefill {self.prefill_measured_s * 1e3:.1f} ms), stall "
+            f"{self.stall_measured_s * 1e3:.2f} ms, {self.transfer_bytes / 1e6:.2f} MB moved",
+            f"modeled ({k.get('profile')}, costs of {k.get('target_model')}): "
+            f"{self.latency_modeled_s * 1e3:.1f} ms total (prefill "
+            f"{self.prefill_modeled_s * 1e3:.1f} ms), stall {self.stall_modeled_s * 1e3:.1f} ms, "
+            f"{self.transfer_bytes_modeled / 1e6:.1f} MB moved",
+        ]
+        if self.store:
+            lines.append(f"store: {self.store}")
+        return "\n".join(lines)
+
+
+class _Streamer:
+    """transformers streamer protocol: ``put`` gets the prompt once, then each new token."""
+
+    def __init__(self, on_token: Callable[[int], None]) -> None:
+        self._seen_prompt = False
+        self.on_token = on_token
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        for t in value.reshape(-1).tolist():
+            self.on_token(int(t))
+
+    def end(self) -> None:
+        pass
+
+
+class _StopOnEvent:
+    """A stopping criterion that ends generation when ``event`` is set (the UI's Stop)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class Runtime:
+    """A loaded model + knobs; ``run`` serves one request with experts offloaded.
+
+    >>> rt = Runtime()                                    # the embedded default model
+    >>> res = rt.run("what color is the circle?", images=["data/demo/scene_0.png"])
+    """
+
+    def __init__(self, model: LoadedModel | str | Path | None = None,
+                 knobs: Knobs | None = None, **knob_values: Any) -> None:
+        self.knobs = (knobs.copy() if knobs is not None else Knobs()).set(**knob_values)
+        if isinstance(model, LoadedModel):
+            self.lm = model
+        else:
+            self.lm = load(model, dtype=self.knobs.dtype, device=self.knobs.device)
+        self._check()
+
+    # -- plan ------------------------------------------------------------------------------
+    def _check(self) -> None:
+        lay = self.lm.layout
+        self.knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+
+    def cost_spec(self) -> CostSpec:
+        if self.knobs.target_model != "none":
+            return CostSpec.from_target(get_target_model(self.knobs.target_model))
+        return CostSpec.from_layout(self.lm.layout, _DTYPE_BYTES[self.knobs.dtype])
+
+    def plans(self) -> tuple[MemoryPlan, MemoryPlan]:
+        """(live plan of this model here, modeled plan of the cost model on the profile)."""
+        k, lay = self.knobs, self.lm.layout
+        slots = self.num_slots()
+        live = MemoryPlan(
+            label=f"live plan ({self.lm.device})", num_layers=lay.num_layers,
+            num_experts=lay.num_experts, pinned_layers=k.pinned_layers, slots=slots,
+            expert_bytes=lay.expert_bytes, backbone_bytes=lay.backbone_bytes,
+            budget_bytes=device_budget(self.lm.device))
+        cost = self.cost_spec()
+        prof = get_profile(k.profile)
+        if k.target_model != "none":
+            t = get_target_model(k.target_model)
+            modeled = MemoryPlan(
+                label=f"modeled plan ({t.name} on {prof.name})", num_layers=t.num_layers,
+                num_experts=t.num_experts, pinned_layers=min(k.pinned_layers, t.num_layers),
+                slots=k.effective_slots(int(cost.expert_bytes)) if k.cache_bytes is not None
+                else slots, expert_bytes=cost.expert_bytes, backbone_bytes=t.backbone_bytes,
+                budget_bytes=prof.device_memory_bytes)
+        else:
+            modeled = MemoryPlan(
+                label=f"modeled plan ({self.lm.model_id} on {prof.name})",
+                num_layers=lay.num_layers, num_experts=lay.num_experts,
+                pinned_layers=k.pinned_layers, slots=slots, expert_bytes=cost.expert_bytes,
+                backbone_bytes=lay.backbone_bytes * _DTYPE_BYTES[k.dtype] / max(
+                    _DTYPE_BYTES[self.lm.dtype], 1),
+                budget_bytes=prof.device_memory_bytes)
+        return live, modeled
+
+    def num_slots(self) -> int:
+        lay = self.lm.layout
+        if self.knobs.pinned_layers >= lay.num_layers:
+            return 0
+        offloaded = (lay.num_layers - self.knobs.pinned_layers) * lay.num_experts
+        return min(self.knobs.effective_slots(lay.expert_bytes), offloaded)
+
+    def info(self) -> dict[str, Any]:
+        live, modeled = self.plans()
+        return {"model": str(self.lm.path), "model_id": self.lm.model_id,
+                "config_hash": self.lm.config_hash, "vision": self.lm.is_vision,
+                "layout": self.lm.layout.summary(), "knobs": self.knobs.to_dict(),
+                "live_plan": live.as_dict(), "modeled_plan": modeled.as_dict(),
+                "notes": self.lm.notes}
+
+    # -- run -------------------------------------------------------------------------------
+    def run(self, prompt: str | Request, images: Sequence[Any] = (), *,
+            store: str | Path | None = None, overwrite: bool = False, record: bool = True,
+            on_token: Callable[[int, str], None] | None = None,
+            stop: threading.Event | None = None, **knob_values: Any) -> RunResult:
+        """Serve one request. ``store`` defaults to a fresh folder in the workspace option;
+        ``record=False`` skips telemetry (for overhead benchmarks). ``on_token(id, text_so_far)``
+        streams tokens. Knob values given here apply to this run only."""
+        knobs = self.knobs.copy(**knob_values) if knob_values else self.knobs
+        if knob_values:
+            lay = self.lm.layout
+            knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+        saved, self.knobs = self.knobs, knobs
+        try:
+            return self._run(prompt, images, store, overwrite, record, on_token, stop)
+        finally:
+            self.knobs = saved
+
+    def _run(self, prompt, images, store, overwrite, record, on_token, stop) -> RunResult:
+        k, lm, lay = self.knobs, self.lm, self.lm.layout
+        request = prompt if isinstance(prompt, Request) else Request(prompt, list(images))
+        inputs = build_inputs(lm, request, k.max_new_tokens)
+        live, modeled = self.plans()
+        live.check()
+        modeled.check()
+        store_path = _store_path(store) if record else None
+        if store_path is not None and store_path.exists() and not overwrite:
+            from workbench.errors import StoreExistsError
+
+            raise StoreExistsError(
+                f"store {str(store_path)!r} already exists; pass --overwrite (overwrite=True) "
+                f"to replace it, or choose another path")
+        clock = ModeledClock(get_profile(k.profile), self.cost_spec())
+        t0 = time.perf_counter()
+        probe = StepProbe(t0)
+        policy = EVICTION.create(k.eviction)
+        pinned = [b.index < k.pinned_layers for b in lay.blocks]
+        recorder = None
+        if store_path is not None:
+            recorder = Recorder(
+                store_path, lay.num_layers, lay.num_experts, lay.top_k,
+                attrs=self._attrs(request, inputs, live, modeled), pinned=pinned,
+                overwrite=overwrite, flush_every=get_options()["flush_every"],
+                flush_interval_s=get_options()["flush_interval_s"])
+        events: list[StepEvent] = []
+        generated: list[int] = []
+        pending: list[StepEvent] = []
+        state = {"step": -1, "t_start": 0.0}
+        tok = lm.tokenizer
+
+        def pre_hook(module, args, kwargs):
+            state["step"] += 1
+            probe.begin(state["step"])
+            state["t_start"] = time.perf_counter()
+
+        def post_hook(module, args, kwargs, output):
+            t_end = time.perf_counter()
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            ids = ids if ids is not None else torch.zeros(0, dtype=torch.long)
+            step = state["step"]
+            ev = StepEvent(step=step, phase=0 if step == 0 else 1,
+                           token_ids=ids.reshape(-1).cpu().numpy(),
+                           modality=modality_of(ids, lm.image_token_id, lm.video_token_id),
+                           layers=list(probe.layers), step_start_s=state["t_start"] - t0,
+                           latency_measured_s=t_end - state["t_start"])
+            res = off.cache.residency()
+            res[np.asarray(pinned)] = True
+            ev.residency = res
+            transfers = off.engine.drain() if off.engine is not None else []
+            measured_spans(ev, probe.stalls, transfers, t0)
+            clock.price(ev)
+            pending.append(ev)
+
+        def take_token(token: int) -> None:
+            generated.append(token)
+            if pending:
+                ev = pending.pop(0)
+                ev.generated_token = token
+                events.append(ev)
+                if recorder is not None:
+                    recorder.add(ev)
+            if on_token is not None:
+                on_token(token, tok.decode(generated, skip_special_tokens=True))
+
+        gen_kwargs: dict[str, Any] = dict(max_new_tokens=k.max_new_tokens, do_sample=k.sampling,
+                                          streamer=_Streamer(take_token))
+        if k.sampling:
+            torch.manual_seed(k.seed)
+            gen_kwargs.update(temperature=k.temperature, top_p=k.top_p)
+        else:
+            gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        if stop is not None:
+            from transformers import StoppingCriteriaList
+
+            gen_kwargs["stopping_criteria"] = StoppingCriteriaList([_StopOnEvent(stop)])
+        off = Offloader(lay, self.num_slots(), k.pinned_layers, policy, lm.device, probe)
+        model = lm.model
+        try:
+            with off:
+                h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+                h2 = model.register_forward_hook(post_hook, with_kwargs=True)
+                try:
+                    with torch.no_grad():
+                        model.generate(**inputs.tensors, **gen_kwargs)
+                finally:
+                    h1.remove()
+                    h2.remove()
+                counters = off.cache.counters()
+        except BaseException as e:
+            if recorder is not None:
+                recorder.close("failed", error=f"{type(e).__name__}: {e}")
+            raise
+        for ev in pending:  # a forward whose token never came (stopped): keep it
+            events.append(ev)
+            if recorder is not None:
+                recorder.add(ev)
+        offl = ~np.asarray(pinned)
+        result = RunResult(
+            text=tok.decode(generated, skip_special_tokens=True).strip(),
+            token_ids=generated, steps=len(events),
+            hits=int(counters["hits"][offl].sum()), misses=int(counters["misses"][offl].sum()),
+            loads=int(counters["loads"].sum()), evictions=int(counters["evictions"].sum()),
+            latency_measured_s=sum(e.latency_measured_s for e in events),
+            latency_modeled_s=sum(e.latency_modeled_s for e in events),
+            stall_measured_s=sum(e.stall_measured_s for e in events),
+            stall_modeled_s=sum(e.stall_modeled_s for e in events),
+            prefill_measured_s=events[0].latency_measured_s if events else 0.0,
+            prefill_modeled_s=events[0].latency_modeled_s if events else 0.0,
+            transfer_bytes=sum(e.transfer_bytes for e in events),
+            transfer_bytes_modeled=sum(e.transfer_bytes_modeled for e in events),
+            store=str(store_path) if store_path is not None else None,
+            knobs=k.to_dict(), model_id=lm.model_id,
+            stopped=bool(stop is not None and stop.is_set()))
+        if recorder is not None:
+            recorder.close("complete", summary=json.dumps(result.to_json()))
+        return result
+
+    def _attrs(self, request: Request, inputs: ModelInputs, live: MemoryPlan,
+               modeled: MemoryPlan) -> dict[str, Any]:
+        k, lm = self.knobs, self.lm
+        prof = get_profile(k.profile)
+        return {
+            **k.to_attrs(),
+            "model_id": lm.model_id, "model_path": str(lm.path),
+            "config_hash": lm.config_hash, "architecture": lm.layout.architecture,
+            "model_type": lm.layout.model_type, "top_k": lm.layout.top_k,
+            "bytes_per_expert": lm.layout.expert_bytes,
+            "hardware_profile": prof.name, "hardware_profile_label": prof.label,
+            "cost_source": self.cost_spec().source,
+            "prompt": request.prompt,
+            "images": json.dumps([str(i) if not hasattr(i, "size") else "<PIL image>"
+                                  for i in request.images]),
+            "prompt_tokens": int(inputs.input_ids.shape[-1]),
+            "live_plan": json.dumps(live.as_dict()), "modeled_plan": json.dumps(modeled.as_dict()),
+            "device": str(lm.device), "torch_version": torch.__version__,
+        }
+
+
+def _store_path(store: str | Path | None) -> Path:
+    if store is not None:
+        return Path(store)
+    ws = Path(get_options()["workspace"])
+    ws.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        p = ws / f"run-{stamp}-{i:03d}.zarr"
+        if not p.exists():
+            return p
+    raise InputError(f"workspace {str(ws)!r} has no free run name for {stamp}")

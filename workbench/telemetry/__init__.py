@@ -1,0 +1,1 @@
+"""Events, the streaming zarr recorder, the store schema and readers."""

@@ -1,0 +1,75 @@
+"""Events: what happened in one step, as plain data (no I/O, no torch).
+
+The runtime fills a :class:`StepEvent` while a step runs; the recorder turns a batch of them into
+xarray chunks and the modeled clock prices them. Times are seconds; measured times are relative to
+the run's start (``perf_counter`` based), modeled times to the start of the modeled timeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: modality codes carried by every routed token
+MODALITIES: tuple[str, ...] = ("text", "image", "video")
+TEXT, IMAGE, VIDEO = 0, 1, 2
+#: step phases
+PHASES: tuple[str, ...] = ("prefill", "decode")
+#: lanes of a timeline
+LANES: tuple[str, ...] = ("compute", "transfer", "stall")
+CLOCKS: tuple[str, ...] = ("measured", "modeled")
+
+
+@dataclass
+class LayerEvent:
+    """Routing and cache outcome of one MoE layer in one step.
+
+    ``topk_ids``/``topk_weights`` are ``[T, k]`` for the T tokens of the step (rank order as the
+    router returned them). ``hits``/``misses`` are expert ids (each counted once per layer-step).
+    ``expert_tokens`` maps expert → routed-token count.
+    """
+
+    layer: int
+    pinned: bool
+    topk_ids: np.ndarray
+    topk_weights: np.ndarray
+    hits: list[int] = field(default_factory=list)
+    misses: list[int] = field(default_factory=list)
+    evicted: list[tuple[int, int]] = field(default_factory=list)
+    expert_tokens: dict[int, int] = field(default_factory=dict)
+    stall_s: float = 0.0
+
+
+@dataclass
+class Span:
+    """One interval on a timeline lane (``clock`` measured or modeled)."""
+
+    clock: int  # index into CLOCKS
+    lane: int  # index into LANES
+    step: int
+    layer: int  # -1 when not tied to a layer
+    expert: int  # -1 when not tied to an expert
+    start: float
+    end: float
+
+
+@dataclass
+class StepEvent:
+    """Everything recorded about one forward pass (a prefill or one decode token)."""
+
+    step: int
+    phase: int  # index into PHASES
+    token_ids: np.ndarray  # [T] input ids of this step's tokens
+    modality: np.ndarray  # [T] int8 codes into MODALITIES
+    layers: list[LayerEvent] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    step_start_s: float = 0.0  # measured, relative to run start
+    latency_measured_s: float = 0.0
+    stall_measured_s: float = 0.0
+    latency_modeled_s: float = 0.0
+    stall_modeled_s: float = 0.0
+    transfer_bytes: int = 0
+    transfer_bytes_modeled: int = 0
+    residency: np.ndarray | None = None  # bool [L, E] at the end of the step
+    generated_token: int = -1  # the token chosen after this step (-1 if none)

@@ -1,0 +1,278 @@
+"""Run stores: zarr v3 groups that an xarray Dataset reads, written while the run goes on.
+
+The schema (variables, dims, units) is documented in ``docs/telemetry.md`` and declared once in
+:data:`SCHEMA`. Three dimensions grow while a run streams: ``step`` (forward passes), ``token``
+(routed tokens, all steps back to back) and ``span`` (timeline intervals). The recorder appends a
+batch of steps to every array, then records the new lengths in the group attribute ``committed``.
+Readers (:func:`open_run`) cut every growing dimension to ``committed``, so a half-written batch
+(the writer was killed with SIGKILL mid-flush, or another process reads during a run) is never
+seen: every flushed step stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from workbench._version import __version__
+from workbench.errors import InputError, StoreExistsError
+from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
+
+SCHEMA_VERSION = 1
+GROWING = ("step", "token", "span")
+
+
+@dataclass(frozen=True)
+class Var:
+    """One stored variable: dims (first one grows), dtype, chunk length along the growing dim,
+    units and a one-line description (the docs table is generated from these)."""
+
+    dims: tuple[str, ...]
+    dtype: str
+    chunk: int
+    units: str
+    doc: str
+
+
+SCHEMA: dict[str, Var] = {
+    # -- per step ------------------------------------------------------------------------------
+    "phase": Var(("step",), "int8", 1024, "code", "0 = prefill, 1 = decode (attrs phase_names)"),
+    "step_tokens": Var(("step",), "int32", 1024, "tokens", "tokens processed by the step"),
+    "step_start_s": Var(("step",), "float64", 1024, "s (measured)", "step start since run start"),
+    "latency_measured_s": Var(("step",), "float64", 1024, "s (measured)", "wall time of the step"),
+    "latency_modeled_s": Var(("step",), "float64", 1024, "s (modeled)",
+                             "step time on the modeled timeline under the hardware profile"),
+    "stall_measured_s": Var(("step",), "float64", 1024, "s (measured)",
+                            "compute time spent waiting for expert transfers"),
+    "stall_modeled_s": Var(("step",), "float64", 1024, "s (modeled)",
+                           "compute-lane wait for transfers on the modeled timeline"),
+    "transfer_bytes": Var(("step",), "int64", 1024, "bytes (measured)",
+                          "bytes copied host→device by the live runtime"),
+    "transfer_bytes_modeled": Var(("step",), "int64", 1024, "bytes (modeled)",
+                                  "loads × expert bytes of the cost model (target model if set)"),
+    "generated_token": Var(("step",), "int64", 1024, "token id",
+                           "token chosen after the step (-1: none)"),
+    # -- per step × layer ----------------------------------------------------------------------
+    "hits": Var(("step", "layer"), "int32", 256, "experts",
+                "routed experts already resident (pinned layers: all)"),
+    "misses": Var(("step", "layer"), "int32", 256, "experts", "routed experts not resident"),
+    "loads": Var(("step", "layer"), "int32", 256, "experts", "experts copied into a cache slot"),
+    "evictions": Var(("step", "layer"), "int32", 256, "experts",
+                     "experts of this layer evicted during the step"),
+    "stall_layer_measured_s": Var(("step", "layer"), "float64", 256, "s (measured)",
+                                  "stall inside the layer"),
+    # -- per step × layer × expert -------------------------------------------------------------
+    "routed_tokens": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
+                         "tokens routed to the expert, split by modality"),
+    "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
+                    "expert in a cache slot or pinned at the end of the step"),
+    # -- per routed token ----------------------------------------------------------------------
+    "token_id": Var(("token",), "int64", 4096, "token id", "input id of the token"),
+    "token_step": Var(("token",), "int32", 4096, "step", "step that processed the token"),
+    "token_modality": Var(("token",), "int8", 4096, "code",
+                          "0 text, 1 image, 2 video (coordinate modality)"),
+    "topk_ids": Var(("token", "layer", "k"), "int16", 1024, "expert id",
+                    "routed experts in the router's rank order"),
+    "topk_weights": Var(("token", "layer", "k"), "float32", 1024, "weight",
+                        "combine weights of the routed experts"),
+    # -- timeline ------------------------------------------------------------------------------
+    "span_clock": Var(("span",), "int8", 4096, "code", "0 measured, 1 modeled"),
+    "span_lane": Var(("span",), "int8", 4096, "code", "0 compute, 1 transfer, 2 stall"),
+    "span_step": Var(("span",), "int32", 4096, "step", "step of the interval"),
+    "span_layer": Var(("span",), "int16", 4096, "layer", "MoE layer (-1: none)"),
+    "span_expert": Var(("span",), "int16", 4096, "expert", "expert (-1: none)"),
+    "span_start_s": Var(("span",), "float64", 4096, "s", "interval start (clock's own origin)"),
+    "span_end_s": Var(("span",), "float64", 4096, "s", "interval end"),
+}
+
+
+def _check_new_store(path: Path, overwrite: bool) -> None:
+    if path.exists():
+        if not overwrite:
+            raise StoreExistsError(
+                f"store {str(path)!r} already exists; pass --overwrite (overwrite=True) to replace "
+                f"it, or choose another path")
+        if not (path / "zarr.json").exists():
+            raise StoreExistsError(
+                f"{str(path)!r} exists and is not a zarr store; refusing to overwrite it")
+
+
+class Recorder:
+    """Streams :class:`StepEvent` batches into a zarr v3 store.
+
+    Use as a context manager; on exit the store's ``status`` attr says ``complete`` or
+    ``failed`` (with the error). ``flush_every`` steps or ``flush_interval_s`` seconds, whichever
+    comes first, trigger an append.
+    """
+
+    def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
+                 attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
+                 flush_every: int = 16, flush_interval_s: float = 0.5) -> None:
+        self.path = Path(path)
+        _check_new_store(self.path, overwrite)
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.L, self.E, self.k = num_layers, num_experts, top_k
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self._buf: list[StepEvent] = []
+        self._last_flush = time.perf_counter()
+        self.committed = {d: 0 for d in GROWING}
+        self.group = zarr.open_group(str(self.path), mode="w-", zarr_format=3)
+        sizes = {"layer": num_layers, "expert": num_experts, "modality": len(MODALITIES),
+                 "k": top_k}
+        self.arrays: dict[str, zarr.Array] = {}
+        for name, v in SCHEMA.items():
+            shape = (0, *(sizes[d] for d in v.dims[1:]))
+            chunks = (v.chunk, *(sizes[d] for d in v.dims[1:]))
+            a = self.group.create_array(name, shape=shape, chunks=chunks, dtype=v.dtype,
+                                        dimension_names=list(v.dims), fill_value=0)
+            a.attrs.update({"units": v.units, "description": v.doc})
+            self.arrays[name] = a
+        for name, values in (("layer", np.arange(num_layers, dtype=np.int32)),
+                             ("expert", np.arange(num_experts, dtype=np.int32)),
+                             ("k", np.arange(top_k, dtype=np.int32))):
+            a = self.group.create_array(name, shape=values.shape, dtype=values.dtype,
+                                        dimension_names=[name])
+            a[:] = values
+        m = self.group.create_array("modality", shape=(len(MODALITIES),), dtype=str,
+                                    dimension_names=["modality"])
+        m[:] = np.array(MODALITIES)
+        p = self.group.create_array("pinned", shape=(num_layers,), dtype="bool",
+                                    dimension_names=["layer"])
+        p[:] = np.asarray(pinned, dtype=bool)
+        p.attrs.update({"description": "layer belongs to the pinned (always resident) prefix"})
+        self.group.attrs.update({
+            **attrs,
+            "schema_version": SCHEMA_VERSION,
+            "workbench_version": __version__,
+            "phase_names": list(PHASES), "lane_names": list(LANES), "clock_names": list(CLOCKS),
+            "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "committed": self.committed,
+        })
+
+    # -- writing ---------------------------------------------------------------------------
+    def add(self, ev: StepEvent) -> None:
+        self._buf.append(ev)
+        if (len(self._buf) >= self.flush_every
+                or time.perf_counter() - self._last_flush >= self.flush_interval_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """Append buffered steps to every array, then publish the new committed lengths."""
+        if not self._buf:
+            return
+        cols = _columns(self._buf, self.L, self.E, self.k)
+        for name, data in cols.items():
+            self.arrays[name].append(data, axis=0)
+        for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
+            self.committed[dim] += len(cols[var])
+        self.group.attrs["committed"] = dict(self.committed)
+        self._buf = []
+        self._last_flush = time.perf_counter()
+
+    def set_attrs(self, **attrs: Any) -> None:
+        self.group.attrs.update(attrs)
+
+    def close(self, status: str = "complete", **attrs: Any) -> None:
+        self.flush()
+        self.group.attrs.update({**attrs, "status": status})
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close("complete")
+        else:
+            try:
+                self.close("failed", error=f"{exc_type.__name__}: {exc}")
+            except Exception:  # never hide the original error
+                pass
+
+
+def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.ndarray]:
+    """Turn a batch of step events into one array per schema variable."""
+    n = len(events)
+    out: dict[str, np.ndarray] = {}
+    out["phase"] = np.array([e.phase for e in events], np.int8)
+    out["step_tokens"] = np.array([len(e.token_ids) for e in events], np.int32)
+    for name in ("step_start_s", "latency_measured_s", "latency_modeled_s", "stall_measured_s",
+                 "stall_modeled_s"):
+        out[name] = np.array([getattr(e, name) for e in events], np.float64)
+    out["transfer_bytes"] = np.array([e.transfer_bytes for e in events], np.int64)
+    out["transfer_bytes_modeled"] = np.array([e.transfer_bytes_modeled for e in events], np.int64)
+    out["generated_token"] = np.array([e.generated_token for e in events], np.int64)
+    hits, misses, loads, evictions = (np.zeros((n, L), np.int32) for _ in range(4))
+    stall_layer = np.zeros((n, L), np.float64)
+    routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
+    resident = np.zeros((n, L, E), bool)
+    tok_ids, tok_step, tok_mod, topk_ids, topk_w = [], [], [], [], []
+    for i, e in enumerate(events):
+        T = len(e.token_ids)
+        ids = np.full((T, L, k), -1, np.int16)
+        w = np.zeros((T, L, k), np.float32)
+        for le in e.layers:
+            l = le.layer
+            hits[i, l] += len(le.hits)
+            misses[i, l] += len(le.misses)
+            loads[i, l] += len(le.misses)
+            stall_layer[i, l] += le.stall_s
+            for key in le.evicted:
+                evictions[i, key[0]] += 1
+            kk = le.topk_ids.shape[1]
+            ids[:, l, :kk] = le.topk_ids
+            w[:, l, :kk] = le.topk_weights
+            # routed_tokens[l, expert, modality] += 1 for every (token, rank)
+            np.add.at(routed[i, l], (le.topk_ids.reshape(-1),
+                                     np.repeat(e.modality, kk)), 1)
+        if e.residency is not None:
+            resident[i] = e.residency
+        tok_ids.append(np.asarray(e.token_ids, np.int64))
+        tok_step.append(np.full(T, e.step, np.int32))
+        tok_mod.append(np.asarray(e.modality, np.int8))
+        topk_ids.append(ids)
+        topk_w.append(w)
+    out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
+               stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident)
+    out["token_id"] = np.concatenate(tok_ids)
+    out["token_step"] = np.concatenate(tok_step)
+    out["token_modality"] = np.concatenate(tok_mod)
+    out["topk_ids"] = np.concatenate(topk_ids)
+    out["topk_weights"] = np.concatenate(topk_w)
+    spans = [s for e in events for s in e.spans]
+    out["span_clock"] = np.array([s.clock for s in spans], np.int8)
+    out["span_lane"] = np.array([s.lane for s in spans], np.int8)
+    out["span_step"] = np.array([s.step for s in spans], np.int32)
+    out["span_layer"] = np.array([s.layer for s in spans], np.int16)
+    out["span_expert"] = np.array([s.expert for s in spans], np.int16)
+    out["span_start_s"] = np.array([s.start for s in spans], np.float64)
+    out["span_end_s"] = np.array([s.end for s in spans], np.float64)
+    return out
+
+
+def open_run(path: str | Path) -> xr.Dataset:
+    """Open a run store (finished, failed or still being written) as an xarray Dataset.
+
+    Growing dimensions are cut to the lengths the writer last committed, so a concurrent writer
+    or a killed one never exposes half-written steps. Knob values are in ``ds.attrs`` as
+    ``knob.<name>`` (JSON text); ``workbench.Knobs.from_attrs(ds.attrs)`` rebuilds them.
+    """
+    path = Path(path)
+    if not (path / "zarr.json").exists():
+        raise InputError(f"run store {str(path)!r} does not exist or is not a zarr store")
+    ds = xr.open_zarr(str(path), consolidated=False, zarr_format=3)
+    committed = ds.attrs.get("committed", {})
+    if isinstance(committed, str):
+        committed = json.loads(committed)
+    cut = {d: slice(0, int(committed.get(d, 0))) for d in GROWING if d in ds.dims}
+    ds = ds.isel(cut)
+    return ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
