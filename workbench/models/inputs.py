@@ -125,6 +125,11 @@ def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> di
     for i, rest in enumerate(parts[1:]):
         out += placeholder * int(grid[i].prod().item() // (merge * merge)) + rest
     tensors = dict(lm.tokenizer([out], return_tensors="pt"))
+    # per-token modality, as transformers processors return it (0 text, 1 image, 2 video):
+    # the model needs it for multimodal RoPE
+    tensors["mm_token_type_ids"] = torch.from_numpy(
+        modality_of(tensors["input_ids"], lm.image_token_id, lm.video_token_id).astype(np.int64)
+    ).reshape(tensors["input_ids"].shape)
     tensors["pixel_values"] = enc["pixel_values"]
     tensors["image_grid_thw"] = grid
     return tensors

@@ -92,6 +92,7 @@ def load(path: str | Path | None = None, *, dtype: str = "float32",
     import transformers as tf
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tf.utils.logging.disable_progress_bar()
     path = Path(path) if path is not None else default_model_dir()
     _check_dir(path)
     if dtype not in _DTYPES:

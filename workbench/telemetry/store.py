@@ -276,3 +276,5 @@ def open_run(path: str | Path) -> xr.Dataset:
     cut = {d: slice(0, int(committed.get(d, 0))) for d in GROWING if d in ds.dims}
     ds = ds.isel(cut)
     return ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
+
+import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)

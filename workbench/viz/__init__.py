@@ -1,1 +1,1 @@
-"""viz."""
+"""viz: plotly figure builders (Dataset / DataArray in, ``go.Figure`` out)."""

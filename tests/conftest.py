@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny real transformers checkpoints (built here, no download) and paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Factory: a loadable tiny checkpoint directory of a text MoE architecture."""
+    from workbench.models.tiny import save_tiny_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "qwen2_moe") -> Path:
+        if arch not in made:
+            made[arch] = save_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch) / "ckpt")
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    from workbench.models.embedded import EMBEDDED_MODEL_DIR
+
+    if not (Path(EMBEDDED_MODEL_DIR) / "model.safetensors").exists():
+        pytest.fail(f"the embedded model is missing at {EMBEDDED_MODEL_DIR}; run "
+                    f"`python -m workbench.models.embedded.train`")
+    return Path(EMBEDDED_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_dir):
+    """The embedded model, loaded once per session (float32, CPU)."""
+    import workbench
+
+    return workbench.load(embedded_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_inputs():
+    import json
+
+    demo = REPO / "data" / "demo"
+    prompts = json.loads((demo / "prompts.json").read_text())
+    return [(demo / p["image"], p["prompt"], p.get("answer")) for p in prompts]

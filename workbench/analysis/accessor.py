@@ -1,0 +1,347 @@
+"""``ds.moe``: metrics and figures of a run store, as pure functions of the Dataset.
+
+Importing this module registers the accessor (``workbench.open_run`` does it for you)::
+
+    ds = workbench.open_run("runs/r1.zarr")
+    ds.moe.hit_rate()                      # offloaded layers, whole run
+    ds.moe.expert_counts(modality="image", phase="prefill")
+    ds.moe.heatmap(modality="text").show()
+
+Nothing here needs a model or torch: every number comes from the variables documented in
+``docs/telemetry.md``. Arguments are checked; a bad one raises :class:`ValueError` (as
+:class:`workbench.errors.InputError`) naming the argument, the bad value and the allowed values.
+
+Conventions
+-----------
+- ``steps`` selects on the ``step`` coordinate like ``Dataset.sel``: an int, a list of ints or a
+  ``slice(a, b)`` **including both ends** (step numbers, not positions).
+- ``modality`` is ``None``/``"all"`` (every token) or a name of the ``modality`` coordinate
+  (``"text"``, ``"image"``, ``"video"``); ``phase`` is ``None`` (both), ``"prefill"`` or ``"decode"``.
+- Counts are tokens × ranks: a token routed to k experts adds 1 to each of its k experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import xarray as xr
+
+from workbench.errors import InputError
+from workbench.telemetry.events import MODALITIES, PHASES
+
+__all__ = ["MoEAccessor"]
+
+_HIT_RATE_BY = (None, "layer", "step")
+
+
+def _bad(arg: str, value: Any, allowed: str) -> InputError:
+    return InputError(f"{arg} must be {allowed}, not {value!r}")
+
+
+@xr.register_dataset_accessor("moe")
+class MoEAccessor:
+    """Expert-offloading metrics of one run store (see the module docstring for conventions)."""
+
+    def __init__(self, ds: xr.Dataset) -> None:
+        self._ds = ds
+
+    # -- argument helpers --------------------------------------------------------------------
+    @property
+    def _modalities(self) -> tuple[str, ...]:
+        if "modality" in self._ds.coords:
+            return tuple(str(m) for m in self._ds["modality"].values)
+        return MODALITIES
+
+    @property
+    def _phases(self) -> tuple[str, ...]:
+        return tuple(self._ds.attrs.get("phase_names", PHASES))
+
+    def _modality(self, modality: str | None) -> str | None:
+        """Validated modality name, or None for all tokens."""
+        if modality is None or modality == "all":
+            return None
+        if not isinstance(modality, str) or modality not in self._modalities:
+            raise _bad("modality", modality,
+                       "None, 'all' or one of " + ", ".join(map(repr, self._modalities)))
+        return modality
+
+    def _phase_code(self, phase: str | None) -> int | None:
+        if phase is None or phase == "all":
+            return None
+        if not isinstance(phase, str) or phase not in self._phases:
+            raise _bad("phase", phase, "None or one of " + ", ".join(map(repr, self._phases)))
+        return self._phases.index(phase)
+
+    def _select(self, obj: xr.DataArray, steps: Any = None, phase: str | None = None
+                ) -> xr.DataArray:
+        """``obj`` (with a step dim) cut to ``steps`` (label based, inclusive) and ``phase``."""
+        if steps is not None:
+            ok = (isinstance(steps, slice)
+                  or (isinstance(steps, (int, np.integer)) and not isinstance(steps, bool))
+                  or (isinstance(steps, Sequence) and not isinstance(steps, str)
+                      and all(isinstance(s, (int, np.integer)) for s in steps)))
+            if not ok:
+                raise _bad("steps", steps, "None, an int, a list of ints or a slice of steps")
+            if isinstance(steps, (int, np.integer)):
+                steps = [int(steps)]
+            try:
+                obj = obj.sel(step=steps)
+            except KeyError as e:
+                n = self._ds.sizes.get("step", 0)
+                raise _bad("steps", steps, f"steps recorded in this store (0..{n - 1})") from e
+        code = self._phase_code(phase)
+        if code is not None:
+            ph = self._ds["phase"].sel(step=obj["step"]).values
+            obj = obj.isel(step=np.flatnonzero(ph == code))
+        return obj
+
+    def _pinned(self) -> np.ndarray:
+        """bool [layer]: layers of the always-resident prefix (all False if not recorded)."""
+        if "pinned" in self._ds:
+            return np.asarray(self._ds["pinned"].values, bool)
+        return np.zeros(self._ds.sizes["layer"], bool)
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token: attrs ``top_k``, else the length of the ``k`` dim."""
+        return int(self._ds.attrs.get("top_k", self._ds.sizes.get("k", 1)))
+
+    # -- cache -------------------------------------------------------------------------------
+    def hit_rate(self, by: str | None = None, include_pinned: bool = False
+                 ) -> float | xr.DataArray:
+        """Expert-cache hit rate = hits / (hits + misses), a fraction in [0, 1].
+
+        ``hits``/``misses`` count each routed expert once per layer and step. Pinned layers
+        (always resident, so always hits) are left out unless ``include_pinned``.
+        ``by=None`` gives one float for the run; ``"layer"`` a DataArray over ``layer`` (pinned
+        layers NaN when excluded); ``"step"`` a DataArray over ``step``. NaN where there was no
+        access.
+        """
+        if by not in _HIT_RATE_BY:
+            raise _bad("by", by, "None, 'layer' or 'step'")
+        keep = xr.DataArray(np.ones_like(self._pinned()) if include_pinned else ~self._pinned(),
+                            dims="layer")
+        hits = self._ds["hits"].where(keep, 0)
+        misses = self._ds["misses"].where(keep, 0)
+        if by is None:
+            h, m = int(hits.sum()), int(misses.sum())
+            return h / (h + m) if h + m else float("nan")
+        other = "step" if by == "layer" else "layer"
+        h, m = hits.sum(other), misses.sum(other)
+        rate = (h / (h + m).where(h + m > 0)).astype(float)
+        if by == "layer":
+            rate = rate.where(keep)
+        rate.name = "hit_rate"
+        rate.attrs = {"units": "fraction", "long_name": "expert-cache hit rate",
+                      "description": "hits / (hits + misses)"
+                      + ("" if include_pinned else "; pinned layers excluded")}
+        return rate
+
+    # -- routing -----------------------------------------------------------------------------
+    def expert_counts(self, modality: str | None = None, steps: Any = None,
+                      phase: str | None = None) -> xr.DataArray:
+        """Routed tokens per expert, DataArray [layer, expert] (int64, tokens × ranks).
+
+        Summed over the selected ``steps`` and ``phase``; ``modality`` keeps only tokens of
+        that modality. The grand total over all modalities is ``step_tokens.sum() × top_k`` for
+        a run where every layer routes every token.
+        """
+        name = self._modality(modality)
+        rt = self._select(self._ds["routed_tokens"], steps, phase)
+        rt = rt.sum("modality") if name is None else rt.sel(modality=name, drop=True)
+        out = rt.sum("step").astype(np.int64).transpose("layer", "expert")
+        out.name = "expert_counts"
+        out.attrs = {"units": "tokens", "long_name": "routed tokens",
+                     "modality": name or "all", "phase": phase or "all",
+                     "steps": "all" if steps is None else str(steps)}
+        return out
+
+    def working_set(self, window: int | None = None) -> xr.DataArray:
+        """Distinct (layer, expert) pairs routed, DataArray over ``step`` (int64).
+
+        With ``window=w`` the count is over the union of steps ``s-w+1 .. s`` (fewer at the
+        start); ``window=None`` or 1 is per step. All layers count, pinned ones included.
+        """
+        if window is not None and (not isinstance(window, (int, np.integer))
+                                   or isinstance(window, bool) or window < 1):
+            raise _bad("window", window, "None or an int ≥ 1 (steps)")
+        used = (self._ds["routed_tokens"].sum("modality") > 0).transpose("step", "layer",
+                                                                          "expert")
+        u = np.asarray(used.values, np.int32).reshape(used.shape[0], -1)
+        w = 1 if window is None else int(window)
+        if w > 1:
+            c = np.cumsum(u, axis=0)
+            lag = np.zeros_like(c)
+            lag[w:] = c[:-w]
+            u = (c - lag) > 0
+        out = xr.DataArray(u.sum(axis=1).astype(np.int64), dims="step",
+                           coords={"step": used["step"]}, name="working_set")
+        out.attrs = {"units": "(layer, expert) pairs", "window": w,
+                     "long_name": "expert working set"}
+        return out
+
+    def concentration(self, top: int | None = None, modality: str | None = None
+                      ) -> xr.DataArray:
+        """Share of each layer's routed-token mass taken by its ``top`` busiest experts.
+
+        DataArray over ``layer``, fraction in [top/E, 1] (1 = everything on ``top`` experts);
+        ``top`` defaults to the model's top-k. NaN for a layer with no routed tokens.
+        """
+        E = self._ds.sizes["expert"]
+        n = self.top_k if top is None else top
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n <= E:
+            raise _bad("top", top, f"None or an int in 1..{E} (experts per layer)")
+        c = self.expert_counts(modality)
+        v = np.sort(c.values, axis=1)[:, ::-1]
+        tot = v.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(tot > 0, v[:, :n].sum(axis=1) / tot, np.nan)
+        return xr.DataArray(share, dims="layer", coords={"layer": c["layer"]},
+                            name="concentration",
+                            attrs={"units": "fraction", "top": int(n),
+                                   "modality": c.attrs["modality"],
+                                   "long_name": f"routed-token share of the top-{n} experts"})
+
+    def entropy(self, modality: str | None = None) -> xr.DataArray:
+        """Shannon entropy of each layer's expert-usage distribution, in bits.
+
+        DataArray over ``layer``, in [0, log2 E] (log2 E = perfectly uniform usage); NaN for a
+        layer with no routed tokens.
+        """
+        c = self.expert_counts(modality)
+        v = c.values.astype(float)
+        tot = v.sum(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = v / tot
+            h = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+        h = np.where(tot[:, 0] > 0, h, np.nan)
+        return xr.DataArray(h, dims="layer", coords={"layer": c["layer"]}, name="entropy",
+                            attrs={"units": "bits", "modality": c.attrs["modality"],
+                                   "long_name": "expert-usage entropy"})
+
+    def inactive_experts(self, modality: str | None = None) -> xr.DataArray:
+        """Experts of each layer that received no routed token (int64 over ``layer``)."""
+        c = self.expert_counts(modality)
+        out = (c == 0).sum("expert").astype(np.int64)
+        out.name = "inactive_experts"
+        out.attrs = {"units": "experts", "modality": c.attrs["modality"],
+                     "long_name": "experts with zero routed tokens"}
+        return out
+
+    def layer_similarity(self, modality: str | None = None) -> xr.DataArray:
+        """Inter-layer routing similarity, DataArray [layer, layer2] in [0, 1].
+
+        VisMMOE (Fig. 4) reports "inter-layer routing similarity" without a formula, so this uses:
+        for every routed token t, S(t, l) = its set of top-k experts at layer l (``topk_ids``,
+        -1 padding ignored); similarity(l, m) = mean over tokens of the Jaccard overlap
+        |S(t, l) ∩ S(t, m)| / |S(t, l) ∪ S(t, m)|, over tokens routed at both layers. Expert ids
+        are compared by index across layers (expert e of layer l vs expert e of layer m), so
+        the consecutive-layer similarity ``np.diagonal(sim, 1)`` measures how much a token's
+        routing carries over to the next layer. The diagonal is 1; NaN where no token counts.
+        """
+        name = self._modality(modality)
+        ids = np.asarray(self._ds["topk_ids"].transpose("token", "layer", "k").values)
+        if name is not None:
+            code = self._modalities.index(name)
+            ids = ids[np.asarray(self._ds["token_modality"].values) == code]
+        T, L, _ = ids.shape
+        E = self._ds.sizes["expert"]
+        total = np.zeros((L, L))
+        count = np.zeros((L, L))
+        chunk = max(1, (1 << 21) // (L * (E + 1)))  # ≈ 8 MB of one-hot per chunk
+        for s in range(0, T, chunk):
+            blk = ids[s:s + chunk].astype(np.int64)
+            blk = np.where((blk < 0) | (blk >= E), E, blk)  # padding → a dropped column
+            b = blk.shape[0]
+            onehot = np.zeros((b, L, E + 1), np.float32)
+            onehot[np.arange(b)[:, None, None], np.arange(L)[None, :, None], blk] = 1.0
+            onehot = onehot[..., :E]
+            size = onehot.sum(-1).astype(np.float64)  # [b, L]
+            inter = (onehot @ onehot.transpose(0, 2, 1)).astype(np.float64)  # [b, L, L], exact
+            union = size[:, :, None] + size[:, None, :] - inter
+            valid = (size[:, :, None] > 0) & (size[:, None, :] > 0)
+            total += np.where(valid, inter / np.maximum(union, 1), 0.0).sum(0)
+            count += valid.sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sim = np.where(count > 0, total / count, np.nan)
+        layer = self._ds["layer"].values
+        return xr.DataArray(
+            sim, dims=("layer", "layer2"), coords={"layer": layer, "layer2": layer},
+            name="layer_similarity",
+            attrs={"units": "fraction", "modality": name or "all",
+                   "long_name": "inter-layer routing similarity",
+                   "definition": "mean over tokens of the Jaccard overlap of the token's top-k "
+                                 "expert sets at the two layers"})
+
+    # -- figures -----------------------------------------------------------------------------
+    def heatmap(self, modality: str | None = "all", steps: Any = None, phase: str | None = None,
+                normalize: bool = True):
+        """Layer × expert heatmap (plotly ``go.Figure``) of :meth:`expert_counts`.
+
+        ``normalize=True`` shows each layer's row as the share of that layer's routed tokens
+        (rows sum to 1; an empty layer is blank); ``False`` shows raw token counts.
+        """
+        from workbench.viz.heatmap import expert_heatmap
+
+        counts = self.expert_counts(modality, steps, phase)
+        if normalize:
+            tot = counts.sum("expert")
+            shown = (counts / tot.where(tot > 0)).astype(float)
+            shown.attrs = {**counts.attrs, "units": "share of layer's routed tokens"}
+        else:
+            shown = counts
+        what = f"{counts.attrs['modality']} tokens" if modality not in (None, "all") \
+            else "all tokens"
+        parts = [what, f"{phase} phase" if phase else "all phases"]
+        if steps is not None:
+            parts.append(f"steps {_fmt_steps(steps)}")
+        return expert_heatmap(shown, "routed tokens per expert — " + ", ".join(parts))
+
+    # -- headline ----------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers of the run, computed from the data (works on a running store).
+
+        Cache counts (``hits``, ``misses``, ``hit_rate``) cover offloaded layers only, as
+        ``RunResult`` does; ``loads``/``evictions`` all layers. Times are seconds and bytes are
+        bytes, each key saying whether it is *measured* (wall time / real copies here) or
+        *modeled* (the hardware profile's timeline).
+        """
+        ds = self._ds
+        off = xr.DataArray(~self._pinned(), dims="layer")
+        hits = int(ds["hits"].where(off, 0).sum())
+        misses = int(ds["misses"].where(off, 0).sum())
+        phase = np.asarray(ds["phase"].values)
+        prefill = phase == self._phases.index("prefill") if "prefill" in self._phases \
+            else np.zeros_like(phase, bool)
+
+        def tot(var: str, mask: np.ndarray | None = None) -> float:
+            v = np.asarray(ds[var].values)
+            return float(v[mask].sum() if mask is not None else v.sum())
+
+        return {
+            "status": ds.attrs.get("status"),
+            "steps": int(ds.sizes.get("step", 0)),
+            "tokens": int(ds.sizes.get("token", 0)),
+            "hit_rate": hits / (hits + misses) if hits + misses else float("nan"),
+            "hits": hits,
+            "misses": misses,
+            "loads": int(ds["loads"].sum()),
+            "evictions": int(ds["evictions"].sum()),
+            "latency_measured_s": tot("latency_measured_s"),
+            "latency_modeled_s": tot("latency_modeled_s"),
+            "prefill_latency_measured_s": tot("latency_measured_s", prefill),
+            "prefill_latency_modeled_s": tot("latency_modeled_s", prefill),
+            "stall_measured_s": tot("stall_measured_s"),
+            "stall_modeled_s": tot("stall_modeled_s"),
+            "transfer_bytes_measured": int(tot("transfer_bytes")),
+            "transfer_bytes_modeled": int(tot("transfer_bytes_modeled")),
+        }
+
+
+def _fmt_steps(steps: Any) -> str:
+    if isinstance(steps, slice):
+        a = "" if steps.start is None else steps.start
+        b = "" if steps.stop is None else steps.stop
+        return f"{a}–{b}"
+    return str(steps)

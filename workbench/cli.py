@@ -1,0 +1,176 @@
+"""The ``workbench`` command.
+
+``workbench run``   one request on the offloaded runtime: answer, offloading summary, run store.
+``workbench info``  architecture, MoE layout and memory plans of a model under the given knobs.
+``workbench knobs`` every knob with its default, bounds and doc.
+
+Bad input (unknown knob, bad value, missing image or model, empty or too long prompt, an existing
+store without ``--overwrite``) prints one ``workbench: error: …`` line and exits with status 2;
+nothing is written and no existing store is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    from workbench._version import __version__
+
+    p = argparse.ArgumentParser(
+        prog="workbench", description="See and steer expert offloading of VL-MoE models.")
+    p.add_argument("--version", action="version", version=f"workbench {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", metavar="DIR",
+                        help="local Hugging Face checkpoint directory (default: the embedded "
+                             "Qwen3-VL-MoE model in data/)")
+        sp.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a knob (repeatable); `workbench knobs` lists them")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    r = sub.add_parser("run", help="serve one request with experts offloaded")
+    common(r)
+    r.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
+                   help="input image (repeatable)")
+    r.add_argument("--prompt", required=True, help="the question or instruction")
+    r.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="tokens to generate at most (the max_new_tokens knob)")
+    r.add_argument("--store", metavar="PATH",
+                   help="zarr run store to write (default: a new folder under runs/)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    r.add_argument("--no-record", action="store_true", help="do not write a run store")
+
+    i = sub.add_parser("info", help="architecture, MoE layout and memory plan")
+    common(i)
+
+    k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
+    k.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from workbench.errors import WorkbenchError
+
+    try:
+        return {"run": _run, "info": _info, "knobs": _knobs}[args.command](args)
+    except WorkbenchError as e:
+        print(f"workbench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("workbench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _knobs_from(args) -> "object":
+    from workbench.knobs import Knobs
+
+    knobs = Knobs().set_from_strings(args.sets)
+    if getattr(args, "max_new_tokens", None) is not None:
+        knobs.set(max_new_tokens=args.max_new_tokens)
+    return knobs
+
+
+def _runtime(args, knobs):
+    from workbench.runtime.runtime import Runtime
+
+    return Runtime(Path(args.model) if args.model else None, knobs=knobs)
+
+
+def _run(args) -> int:
+    from workbench.errors import InputError, StoreExistsError
+    from workbench.models.inputs import open_image
+    from workbench.telemetry.store import _check_new_store
+
+    knobs = _knobs_from(args)
+    # cheap checks first, so that bad input costs no model load and touches nothing
+    if not args.prompt.strip():
+        raise InputError("prompt is empty; give a question or instruction")
+    images = [open_image(p) for p in args.images]
+    store = Path(args.store) if args.store else None
+    if store is not None and not args.no_record:
+        _check_new_store(store, args.overwrite)
+    rt = _runtime(args, knobs)
+    streamed = {"n": 0}
+
+    def on_token(_tok: int, text: str) -> None:
+        if args.json:
+            return
+        new = text[streamed["n"]:]
+        streamed["n"] = len(text)
+        print(new, end="", flush=True)
+
+    if not args.json:
+        print("answer: ", end="", flush=True)
+    try:
+        res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
+                     record=not args.no_record, on_token=on_token)
+    except StoreExistsError:
+        raise
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        print()
+        print("\n".join(res.summary().splitlines()[1:]))
+    return 0
+
+
+def _info(args) -> int:
+    knobs = _knobs_from(args)
+    rt = _runtime(args, knobs)
+    info = rt.info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    lay, live, modeled = info["layout"], info["live_plan"], info["modeled_plan"]
+    mb = lambda b: f"{b / 1e6:,.2f} MB"  # noqa: E731
+    print(f"model: {info['model']} (config {info['config_hash']})")
+    print(f"architecture: {lay['architecture']} ({lay['model_type']}"
+          f"{'' if lay['tested'] else ', untested'}), vision: {info['vision']}")
+    print(f"MoE: {lay['moe_layers']} layers x {lay['experts_per_layer']} experts, "
+          f"top-{lay['top_k']}, shared: {', '.join(lay['shared_expert_modules']) or 'none'}, "
+          f"{mb(lay['bytes_per_expert'])} per expert")
+    for plan in (live, modeled):
+        budget = f"{plan['budget_bytes'] / 1e9:.1f} GB" if plan["budget_bytes"] else "unbounded"
+        print(f"{plan['label']}: backbone {mb(plan['backbone_bytes'])} + pinned prefix "
+              f"{mb(plan['pinned_bytes'])} ({plan['pinned_layers']} layers) + cache "
+              f"{mb(plan['cache_bytes'])} ({plan['slots']} slots) = {mb(plan['device_bytes'])} "
+              f"on device (budget {budget}, {'fits' if plan['fits'] else 'DOES NOT FIT'}); "
+              f"host {mb(plan['host_bytes'])}")
+    for note in info["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+def _knobs(args) -> int:
+    from workbench.knobs import Knobs
+
+    k = Knobs()
+    rows = []
+    for key, group in k.groups.items():
+        for name in group.knob_names():
+            p = group.param[name]
+            rows.append({"name": name, "group": key, "default": getattr(group, name),
+                         "type": type(p).__name__, "bounds": getattr(p, "bounds", None),
+                         "objects": list(getattr(p, "objects", []) or []) or None,
+                         "doc": p.doc})
+    if args.json:
+        print(json.dumps(rows, default=str))
+        return 0
+    for r in rows:
+        allowed = r["objects"] or r["bounds"] or ""
+        print(f"{r['name']:<16} {r['group']:<10} default={r['default']!r:<12} {allowed}")
+        print(f"{'':<16} {r['doc']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
