@@ -283,7 +283,8 @@ def test_timeline_lanes_and_clock_filter():
     assert sum(len(t.x) for t in fig.data) == keep.sum()
     for i, t in enumerate(fig.data):
         m = keep & (ds.span_lane.values == i)
-        np.testing.assert_allclose(np.sort(np.asarray(t.base, float)), np.sort(ds.span_start_s.values[m] * 1e3))
+        np.testing.assert_allclose(np.sort(np.asarray(t.base, float)),
+                                   np.sort(ds.span_start_s.values[m] * 1e3))
     assert "modeled" in fig.layout.xaxis.title.text
     measured = timeline_figure(ds, clock="measured")
     assert sum(len(t.x) for t in measured.data) == (ds.span_clock.values == 0).sum()
@@ -316,16 +317,15 @@ def test_bad_clock():
 
 # -- a real (tiny) run -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tiny_ckpt, tmp_path_factory):
+    """One offloaded run of the tiny random qwen2_moe (text only): (RunResult, Dataset)."""
     import workbench
-    from workbench.models.tiny import save_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny")
-    save_tiny_checkpoint("qwen2_moe", root / "model")
-    rt = workbench.Runtime(root / "model", cache_slots=4, pinned_layers=1, max_new_tokens=6,
-                           device="cpu")
-    res = rt.run("hello world", store=root / "r.zarr")
-    return res, workbench.open_run(root / "r.zarr")
+    store = tmp_path_factory.mktemp("tiny_run") / "r.zarr"
+    rt = workbench.Runtime(tiny_ckpt("qwen2_moe"), cache_slots=4, pinned_layers=1,
+                           max_new_tokens=6, device="cpu")
+    res = rt.run("hello world", store=store)
+    return res, workbench.open_run(store)
 
 
 def test_tiny_run_end_to_end(tiny_run):

@@ -167,8 +167,9 @@ class Runtime:
             modeled = MemoryPlan(
                 label=f"modeled plan ({t.name} on {prof.name})", num_layers=t.num_layers,
                 num_experts=t.num_experts, pinned_layers=min(k.pinned_layers, t.num_layers),
-                slots=k.effective_slots(int(cost.expert_bytes)) if k.cache_bytes is not None
-                else slots, expert_bytes=cost.expert_bytes, backbone_bytes=t.backbone_bytes,
+                slots=min(k.effective_slots(int(cost.expert_bytes)),
+                          (t.num_layers - min(k.pinned_layers, t.num_layers)) * t.num_experts),
+                expert_bytes=cost.expert_bytes, backbone_bytes=t.backbone_bytes,
                 budget_bytes=prof.device_memory_bytes)
         else:
             modeled = MemoryPlan(

@@ -1,0 +1,121 @@
+"""The CLI contract: JSON keys, exit status 2 on bad input, existing stores untouched."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from workbench.cli import main
+
+KEYS = {"text", "token_ids", "hit_rate", "hits", "misses", "loads", "latency_measured_s",
+        "latency_modeled_s", "store"}
+
+
+def test_run_json_has_the_contract_keys(tiny_ckpt, tmp_path, capsys):
+    store = tmp_path / "r.zarr"
+    rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "hello there", "--json",
+               "--max-new-tokens", "4", "--set", "cache_slots=3", "--set", "eviction=lfu",
+               "--store", str(store)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and KEYS <= set(out)
+    assert len(out["token_ids"]) == 4 and out["store"] == str(store)
+    assert out["knobs"]["cache_slots"] == 3 and out["knobs"]["eviction"] == "lfu"
+    assert out["hits"] + out["misses"] > 0
+    assert out["hit_rate"] == pytest.approx(out["hits"] / (out["hits"] + out["misses"]))
+
+
+def test_run_prints_answer_and_summary(tiny_ckpt, capsys):
+    rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "abc", "--max-new-tokens", "3",
+               "--no-record"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("answer: ")
+    assert "hit rate" in out and "measured:" in out and "modeled (" in out
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "x", "--image", "/nonexistent/cat.png"], "image '/nonexistent/cat.png' does not exist"),
+    (["--prompt", "x", "--set", "cache_slots=1"], "cache_slots must be at least 2 (top-k), not 1"),
+    (["--prompt", "x", "--set", "pinned_layers=9"], "pinned_layers must be between 0 and 3"),
+    (["--prompt", "x", "--set", "colour=red"], "unknown knob 'colour'"),
+    (["--prompt", "x", "--set", "cache_slots=lots"], "cache_slots must be an integer"),
+    (["--prompt", "x" * 300], "exceeds the model's context of 256 tokens"),
+])
+def test_bad_input_exits_2_with_a_clear_message(tiny_ckpt, capsys, extra, fragment):
+    rc = main(["run", "--model", str(tiny_ckpt()), "--no-record", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and fragment in err and err.startswith("workbench: error:")
+
+
+def test_unreadable_image_and_text_model_with_image(tiny_ckpt, tmp_path, capsys):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--image", str(bad)]) == 2
+    assert "is not a readable image" in capsys.readouterr().err
+    from PIL import Image
+
+    good = tmp_path / "good.png"
+    Image.new("RGB", (8, 8)).save(good)
+    assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--image", str(good),
+                 "--no-record"]) == 2
+    assert "is text-only" in capsys.readouterr().err
+
+
+def test_missing_model_dir(capsys, tmp_path):
+    assert main(["run", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_existing_store_is_kept_without_overwrite(tiny_ckpt, tmp_path, capsys):
+    import workbench
+
+    store = tmp_path / "keep.zarr"
+    args = ["run", "--model", str(tiny_ckpt()), "--prompt", "first", "--max-new-tokens", "2",
+            "--store", str(store), "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    assert main([*args[:4], "second", *args[5:]]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+    ds = workbench.open_run(store)
+    assert ds.attrs["prompt"] == "first" and ds.sizes["step"] == len(first["token_ids"])
+    assert main([*args[:4], "second", *args[5:], "--overwrite"]) == 0
+    capsys.readouterr()
+    assert workbench.open_run(store).attrs["prompt"] == "second"
+
+
+def test_non_store_directory_is_never_overwritten(tiny_ckpt, tmp_path, capsys):
+    d = tmp_path / "precious"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--store", str(d),
+               "--overwrite"])
+    assert rc == 2 and "not a zarr store" in capsys.readouterr().err
+    assert (d / "notes.txt").read_text() == "keep me"
+
+
+def test_info_json_and_plan_refusal(tiny_ckpt, capsys):
+    assert main(["info", "--model", str(tiny_ckpt()), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    lay = info["layout"]
+    assert (lay["moe_layers"], lay["experts_per_layer"], lay["top_k"]) == (3, 8, 2)
+    assert lay["shared_expert_modules"] == ["shared_expert", "shared_expert_gate"]
+    plan = info["live_plan"]
+    assert plan["device_bytes"] == plan["backbone_bytes"] + plan["pinned_bytes"] + plan["cache_bytes"]
+    # Qwen3-VL-30B costs, every layer pinned on a 24 GB card: refused with what to change
+    rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--no-record",
+               "--set", "target_model=qwen3-vl-30b-a3b", "--set", "profile=rtx-3090",
+               "--set", "cache_slots=1200"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "rtx-3090" in err and "cache_slots ≤" in err
+
+
+def test_console_script_and_argparse_errors_exit_2():
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "run"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "--prompt" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "knobs"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "cache_slots" in r.stdout
