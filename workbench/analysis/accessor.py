@@ -16,7 +16,8 @@ Conventions
 - ``steps`` selects on the ``step`` coordinate like ``Dataset.sel``: an int, a list of ints or a
   ``slice(a, b)`` **including both ends** (step numbers, not positions).
 - ``modality`` is ``None``/``"all"`` (every token) or a name of the ``modality`` coordinate
-  (``"text"``, ``"image"``, ``"video"``); ``phase`` is ``None`` (both), ``"prefill"`` or ``"decode"``.
+  (``"text"``, ``"image"``, ``"video"``); ``phase`` is ``None`` (both), ``"prefill"`` or
+  ``"decode"``.
 - Counts are tokens × ranks: a token routed to k experts adds 1 to each of its k experts.
 """
 
@@ -79,7 +80,7 @@ class MoEAccessor:
         if steps is not None:
             ok = (isinstance(steps, slice)
                   or (isinstance(steps, (int, np.integer)) and not isinstance(steps, bool))
-                  or (isinstance(steps, Sequence) and not isinstance(steps, str)
+                  or (isinstance(steps, (Sequence, np.ndarray)) and not isinstance(steps, str)
                       and all(isinstance(s, (int, np.integer)) for s in steps)))
             if not ok:
                 raise _bad("steps", steps, "None, an int, a list of ints or a slice of steps")
