@@ -12,7 +12,7 @@ from typing import Any
 
 _OPTIONS: dict[str, Any] = {
     "workspace": Path("runs"),  # where runs without an explicit store path go
-    "flush_every": 16,  # steps buffered before an append to the store
+    "flush_every": 32,  # steps buffered before an append to the store
     "flush_interval_s": 0.5,  # … or seconds since the last append, whichever first
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -124,6 +125,7 @@ class Recorder:
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="workbench-store")
         self._last_flush = time.perf_counter()
         self.committed = {d: 0 for d in GROWING}
         self.group = zarr.open_group(str(self.path), mode="w-", zarr_format=3)
@@ -171,8 +173,10 @@ class Recorder:
         if not self._buf:
             return
         cols = _columns(self._buf, self.L, self.E, self.k)
-        for name, data in cols.items():
-            self.arrays[name].append(data, axis=0)
+        # appends to different arrays touch different files: issue them concurrently (zarr's
+        # I/O loop overlaps them; each array's own append stays sequential)
+        list(self._pool.map(lambda item: self.arrays[item[0]].append(item[1], axis=0),
+                            cols.items()))
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
             self.committed[dim] += len(cols[var])
         self.group.attrs["committed"] = dict(self.committed)
@@ -183,8 +187,11 @@ class Recorder:
         self.group.attrs.update(attrs)
 
     def close(self, status: str = "complete", **attrs: Any) -> None:
-        self.flush()
-        self.group.attrs.update({**attrs, "status": status})
+        try:
+            self.flush()
+            self.group.attrs.update({**attrs, "status": status})
+        finally:
+            self._pool.shutdown(wait=True)
 
     def __enter__(self) -> "Recorder":
         return self

@@ -1,0 +1,96 @@
+"""Runtime and telemetry overhead, measured side by side in one process (ratios, not absolutes).
+
+- runtime overhead: the workbench runtime with every expert resident (pinned_layers = all MoE
+  layers, no recording) vs the plain transformers ``generate`` of the same model — goal ≤ 1.30×;
+- telemetry overhead: the same offloaded run with and without streaming to a zarr store
+  — goal ≤ 1.10×.
+
+Variants are interleaved round-robin after a warm-up, and medians of the per-variant wall times
+are compared. Model: the embedded Qwen3-VL-MoE on a demo scene (or --model DIR, text-only prompt).
+
+    python benchmarks/bench_runtime.py [--repeats 7] [--max-new-tokens 16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import workbench
+from workbench.models.inputs import Request, build_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--cache-slots", type=int, default=64)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    lm = workbench.load(a.model, device="cpu")
+    if lm.is_vision:
+        demo = json.loads((REPO / "data/demo/prompts.json").read_text())[0]
+        req = Request(demo["prompt"], [REPO / "data/demo" / demo["image"]])
+    else:
+        req = Request("the quick brown fox")
+    L = lm.layout.num_layers
+    rt = workbench.Runtime(lm, max_new_tokens=a.max_new_tokens, device="cpu")
+    inputs = build_inputs(lm, req, a.max_new_tokens).tensors
+    tmp = Path(tempfile.mkdtemp())
+    counter = iter(range(10**6))
+
+    def plain():
+        with torch.no_grad():
+            lm.model.generate(**inputs, max_new_tokens=a.max_new_tokens, do_sample=False,
+                              temperature=None, top_p=None, top_k=None)
+
+    variants = {
+        "plain_generate": plain,
+        "runtime_all_resident": lambda: rt.run(req, record=False, pinned_layers=L),
+        "offloaded_no_record": lambda: rt.run(req, record=False, pinned_layers=1,
+                                              cache_slots=a.cache_slots),
+        "offloaded_record": lambda: rt.run(req, store=tmp / f"r{next(counter)}.zarr",
+                                           pinned_layers=1, cache_slots=a.cache_slots),
+    }
+    for f in variants.values():  # warm-up
+        f()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(a.repeats):
+        for name, f in variants.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "model": lm.model_id, "moe_layers": L, "max_new_tokens": a.max_new_tokens,
+        "repeats": a.repeats, "cache_slots": a.cache_slots,
+        "median_s_measured": med,
+        "runtime_overhead_ratio": med["runtime_all_resident"] / med["plain_generate"],
+        "telemetry_overhead_ratio": med["offloaded_record"] / med["offloaded_no_record"],
+        "offload_vs_plain_ratio": med["offloaded_no_record"] / med["plain_generate"],
+    }
+    if a.json:
+        print(json.dumps(out))
+        return
+    for k, v in med.items():
+        print(f"{k:<24} {v * 1e3:8.1f} ms (median of {a.repeats}, measured)")
+    print(f"runtime overhead (all resident / plain generate): {out['runtime_overhead_ratio']:.3f}x"
+          f"  (goal <= 1.30x)")
+    print(f"telemetry overhead (record / no record):          {out['telemetry_overhead_ratio']:.3f}x"
+          f"  (goal <= 1.10x)")
+    print(f"offloaded (cache_slots={a.cache_slots}, pinned 1) / plain:      "
+          f"{out['offload_vs_plain_ratio']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The modeled clock against hand-computed timelines, and the profiles' figures."""
+
+import numpy as np
+import pytest
+
+from workbench.errors import KnobError
+from workbench.runtime.clocks import CostSpec, ModeledClock
+from workbench.runtime.profiles import (PROFILES, TARGET_MODELS, available_profiles,
+                                        get_profile, get_target_model)
+from workbench.telemetry.events import LayerEvent, StepEvent
+
+COST = CostSpec(source="test", expert_bytes=1e7, expert_flops_per_token=1e7,
+                dense_bytes_per_layer=1e8, dense_flops_per_token_per_layer=1e8)
+
+
+def _step(layers, T=1, step=0):
+    les = [LayerEvent(layer=l, pinned=False, topk_ids=np.zeros((T, 2), np.int32),
+                      topk_weights=np.zeros((T, 2), np.float32), hits=h, misses=m,
+                      expert_tokens={e: T for e in h + m}) for l, (h, m) in enumerate(layers)]
+    return StepEvent(step=step, phase=0, token_ids=np.zeros(T, np.int64),
+                     modality=np.zeros(T, np.int8), layers=les)
+
+
+def test_all_hits_never_stall_and_sum_compute():
+    p = get_profile("a100-40gb")
+    ev = _step([([0, 1], []), ([2, 3], [])])
+    ModeledClock(p, COST).price(ev)
+    dense = p.compute_time(1e8, 1e8)
+    expert = p.compute_time(1e7, 1e7)
+    assert ev.stall_modeled_s == 0 and ev.transfer_bytes_modeled == 0
+    assert ev.latency_modeled_s == pytest.approx(2 * dense + 4 * expert)
+
+
+def test_a_miss_stalls_by_the_transfer_left_after_the_hits():
+    p = get_profile("rtx-3090")
+    ev = _step([([0], [5])])
+    ModeledClock(p, COST).price(ev)
+    dense = p.compute_time(1e8, 1e8)
+    expert = p.compute_time(1e7, 1e7)
+    xfer = p.transfer_time(int(1e7))
+    # the transfer starts when the router is done (after dense work), the hit computes meanwhile
+    expected_stall = max(0.0, xfer - expert)
+    assert ev.stall_modeled_s == pytest.approx(expected_stall)
+    assert ev.latency_modeled_s == pytest.approx(dense + max(xfer, expert) + expert)
+    assert ev.transfer_bytes_modeled == int(1e7)
+
+
+def test_transfers_queue_fifo_on_one_lane():
+    p = get_profile("jetson-orin")  # slow SSD link: transfers dominate
+    ev = _step([([], [1, 2, 3])])
+    ModeledClock(p, COST).price(ev)
+    xfer = p.transfer_time(int(1e7))
+    transfers = sorted((s.start, s.end) for s in ev.spans if s.lane == 1)
+    assert len(transfers) == 3
+    for (s0, e0), (s1, e1) in zip(transfers, transfers[1:]):
+        assert s1 == pytest.approx(e0) and e1 - s1 == pytest.approx(xfer)
+    assert ev.stall_modeled_s > 2 * xfer
+
+
+def test_faster_link_never_slower():
+    ev = lambda: _step([([0], [1, 2]), ([3], [4, 5, 6])], T=4)  # noqa: E731
+    times = {}
+    for name in ("jetson-orin", "a100-40gb", "h200"):
+        e = ev()
+        ModeledClock(get_profile(name), COST).price(e)
+        times[name] = e.latency_modeled_s
+    assert times["h200"] < times["a100-40gb"] < times["jetson-orin"]
+
+
+def test_profiles_and_targets_carry_sources_and_the_cited_expert_sizes():
+    assert {"a100-40gb", "rtx-3090", "h200", "jetson-orin"} <= set(available_profiles())
+    for p in PROFILES.values():
+        assert p.sources and p.link_bandwidth > 0 and p.device_flops > 0
+        assert p.transfer_time(10**6) == pytest.approx(p.link_latency_s + 1e6 / p.link_bandwidth)
+    assert get_target_model("qwen3-vl-30b-a3b").expert_bytes == 17_300_000
+    assert get_target_model("deepseek-vl2").expert_bytes == 23_600_000
+    for t in TARGET_MODELS.values():
+        assert t.sources
+    with pytest.raises(KnobError, match="profile 'tpu-v9' is unknown; available: a100-40gb"):
+        get_profile("tpu-v9")
+
+
+def test_target_cost_spec_uses_the_target_sizes():
+    t = get_target_model("qwen3-vl-30b-a3b")
+    c = CostSpec.from_target(t)
+    assert c.expert_bytes == 17.3e6 and c.dense_bytes_per_layer == pytest.approx(4.1e9 / 48)
