@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,6 +29,7 @@ from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEv
 
 SCHEMA_VERSION = 1
 GROWING = ("step", "token", "span")
+INITIAL_CAPACITY = {"step": 1024, "token": 16384, "span": 16384}
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,17 @@ class Recorder:
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="workbench-store")
         self._last_flush = time.perf_counter()
         self.committed = {d: 0 for d in GROWING}
+        # arrays are allocated ahead of the data (unwritten chunks cost nothing on disk) so that a
+        # flush writes chunks only; readers never look past ``committed``
+        self.capacity = dict(INITIAL_CAPACITY)
         self.group = zarr.open_group(str(self.path), mode="w-", zarr_format=3)
         sizes = {"layer": num_layers, "expert": num_experts, "modality": len(MODALITIES),
                  "k": top_k}
         self.arrays: dict[str, zarr.Array] = {}
         for name, v in SCHEMA.items():
-            shape = (0, *(sizes[d] for d in v.dims[1:]))
+            shape = (self.capacity[v.dims[0]], *(sizes[d] for d in v.dims[1:]))
             chunks = (v.chunk, *(sizes[d] for d in v.dims[1:]))
             a = self.group.create_array(name, shape=shape, chunks=chunks, dtype=v.dtype,
                                         dimension_names=list(v.dims), fill_value=0)
@@ -169,29 +172,50 @@ class Recorder:
             self.flush()
 
     def flush(self) -> None:
-        """Append buffered steps to every array, then publish the new committed lengths."""
+        """Write buffered steps past the committed end of every array, then publish the new
+        committed lengths (the only metadata write of a flush, unless an array must grow)."""
         if not self._buf:
             return
         cols = _columns(self._buf, self.L, self.E, self.k)
-        # appends to different arrays touch different files: issue them concurrently (zarr's
-        # I/O loop overlaps them; each array's own append stays sequential)
-        list(self._pool.map(lambda item: self.arrays[item[0]].append(item[1], axis=0),
-                            cols.items()))
+        start = dict(self.committed)
+        end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
-            self.committed[dim] += len(cols[var])
-        self.group.attrs["committed"] = dict(self.committed)
+            end[dim] += len(cols[var])
+        for dim in GROWING:
+            if end[dim] > self.capacity[dim]:
+                self._grow(dim, end[dim])
+        writes = [(self.arrays[name], slice(start[SCHEMA[name].dims[0]],
+                                            end[SCHEMA[name].dims[0]]), data)
+                  for name, data in cols.items() if len(data)]
+        _write_all(writes)
+        self.committed = end
+        self.group.attrs["committed"] = dict(end)
         self._buf = []
         self._last_flush = time.perf_counter()
+
+    def _grow(self, dim: str, needed: int) -> None:
+        cap = self.capacity[dim]
+        while cap < needed:
+            cap *= 2
+        for name, v in SCHEMA.items():
+            if v.dims[0] == dim:
+                a = self.arrays[name]
+                a.resize((cap, *a.shape[1:]))
+        self.capacity[dim] = cap
 
     def set_attrs(self, **attrs: Any) -> None:
         self.group.attrs.update(attrs)
 
     def close(self, status: str = "complete", **attrs: Any) -> None:
-        try:
-            self.flush()
-            self.group.attrs.update({**attrs, "status": status})
-        finally:
-            self._pool.shutdown(wait=True)
+        """Flush, trim every growing array to its committed length, and set ``status``."""
+        self.flush()
+        for name, v in SCHEMA.items():
+            a = self.arrays[name]
+            n = self.committed[v.dims[0]]
+            if a.shape[0] != n:
+                a.resize((n, *a.shape[1:]))
+        self.capacity = dict(self.committed)
+        self.group.attrs.update({**attrs, "status": status})
 
     def __enter__(self) -> "Recorder":
         return self
@@ -204,6 +228,21 @@ class Recorder:
                 self.close("failed", error=f"{exc_type.__name__}: {exc}")
             except Exception:  # never hide the original error
                 pass
+
+
+def _write_all(writes: list[tuple[zarr.Array, slice, np.ndarray]]) -> None:
+    """Region writes into several arrays, issued concurrently on zarr's event loop (each touches
+    its own chunk files, so they are independent)."""
+    from zarr.core.sync import sync
+
+    async def go() -> None:
+        await asyncio.gather(*(a._async_array.setitem(region, data) for a, region, data in writes))
+
+    try:
+        sync(go())
+    except AttributeError:  # a zarr without the async array handle: write one by one
+        for a, region, data in writes:
+            a[region] = data
 
 
 def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.ndarray]:
@@ -238,9 +277,6 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
             kk = le.topk_ids.shape[1]
             ids[:, l, :kk] = le.topk_ids
             w[:, l, :kk] = le.topk_weights
-            # routed_tokens[l, expert, modality] += 1 for every (token, rank)
-            np.add.at(routed[i, l], (le.topk_ids.reshape(-1),
-                                     np.repeat(e.modality, kk)), 1)
         if e.residency is not None:
             resident[i] = e.residency
         tok_ids.append(np.asarray(e.token_ids, np.int64))
@@ -248,12 +284,24 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
         tok_mod.append(np.asarray(e.modality, np.int8))
         topk_ids.append(ids)
         topk_w.append(w)
+    # routed_tokens[step, layer, expert, modality]: one count per (token, rank), by bincount
+    all_ids = np.concatenate(topk_ids).astype(np.int64)  # [tokens, L, k], -1 = not routed
+    n_tok = all_ids.shape[0]
+    step_of = np.repeat(np.arange(n), [len(e.token_ids) for e in events])
+    mod_of = np.concatenate(tok_mod).astype(np.int64)
+    M = len(MODALITIES)
+    flat = (((step_of[:, None, None] * L + np.arange(L)[None, :, None]) * E + all_ids) * M
+            + mod_of[:, None, None])
+    valid = all_ids >= 0
+    if n_tok:
+        routed = np.bincount(flat[valid], minlength=n * L * E * M).astype(np.int32).reshape(
+            n, L, E, M)
     out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
                stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident)
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)
-    out["topk_ids"] = np.concatenate(topk_ids)
+    out["topk_ids"] = all_ids.astype(np.int16)
     out["topk_weights"] = np.concatenate(topk_w)
     spans = [s for e in events for s in e.spans]
     out["span_clock"] = np.array([s.clock for s in spans], np.int8)
