@@ -21,7 +21,9 @@ class HostExpertStore:
         """Take host copies of one layer's fused expert tensors (each ``[E, ...]``)."""
         host = {}
         for name, t in params.items():
-            h = t.detach().to("cpu", copy=t.device.type == "cpu")
+            # a CPU tensor is kept as is (no second copy): the offloader hands the experts module
+            # the slot pool instead and gives this tensor back unchanged when it is done
+            h = t.detach().to("cpu")
             if self.pin_memory:
                 h = h.pin_memory()
             host[name] = h
