@@ -24,6 +24,8 @@ _LAZY = {
     "Request": "workbench.models.inputs",
     "open_run": "workbench.telemetry.store",
     "set_options": "workbench.options",
+    "sweep": "workbench.analysis.sweep",
+    "open_summary": "workbench.analysis.sweep",
     "get_options": "workbench.options",
     "WorkbenchError": "workbench.errors",
 }

@@ -51,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="architecture, MoE layout and memory plan")
     common(i)
 
+    s = sub.add_parser("sweep", help="run a knob grid × inputs on Dask distributed")
+    common(s)
+    s.add_argument("--grid", action="append", default=[], metavar="NAME=V1,V2,…",
+                   help="a knob and its values (repeatable; the grid is their product)")
+    s.add_argument("--input", dest="inputs", action="append", default=[],
+                   metavar="'IMAGE|PROMPT' or 'PROMPT'",
+                   help="an input (repeatable; default: two bundled demo scenes)")
+    s.add_argument("--out", required=True, metavar="PATH", help="sweep folder")
+    s.add_argument("--scheduler", metavar="ADDRESS",
+                   help="existing Dask scheduler (default: a LocalCluster on 127.0.0.1)")
+    s.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="LocalCluster worker processes (default 2)")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -61,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
 
     try:
-        return {"run": _run, "info": _info, "knobs": _knobs}[args.command](args)
+        return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep}[args.command](args)
     except WorkbenchError as e:
         print(f"workbench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -147,6 +160,37 @@ def _info(args) -> int:
               f"host {mb(plan['host_bytes'])}")
     for note in info["notes"]:
         print(f"note: {note}")
+    return 0
+
+
+def _sweep(args) -> int:
+    from workbench.analysis.sweep import SweepInput, parse_grid, sweep
+    from workbench.errors import InputError
+
+    knobs = _knobs_from(args)
+    grid = parse_grid(args.grid)
+    inputs = [SweepInput.parse(t) for t in args.inputs] or None
+    for inp in inputs or []:
+        for img in inp.images:
+            if not Path(img).is_file():
+                raise InputError(f"image {img!r} of --input {inp.name!r} does not exist")
+    if args.workers < 1:
+        raise InputError(f"--workers must be at least 1, not {args.workers}")
+    if args.model and not Path(args.model).is_dir():
+        from workbench.errors import ModelLoadError
+
+        raise ModelLoadError(f"model directory {args.model!r} does not exist")
+    ds = sweep(grid, inputs, out=args.out, model=args.model, knobs=knobs,
+               scheduler=args.scheduler, workers=args.workers, progress=not args.json)
+    failed = int((ds.status != "complete").sum())
+    if args.json:
+        print(json.dumps({"out": args.out, "summary": str(Path(args.out) / "summary.zarr"),
+                          "points": int(ds.status.size), "failed": failed,
+                          "hit_rate": ds.hit_rate.to_dict()["data"]}, default=str))
+    else:
+        print(ds.hit_rate.to_dataframe().to_string())
+        print(f"{ds.status.size} points, {failed} failed; summary: "
+              f"{Path(args.out) / 'summary.zarr'}")
     return 0
 
 

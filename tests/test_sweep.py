@@ -1,0 +1,96 @@
+"""Sweeps on a real Dask LocalCluster (two worker processes) over a tiny checkpoint."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import workbench
+from workbench.analysis.sweep import SweepInput, open_summary, parse_grid, sweep
+from workbench.errors import InputError, KnobError
+
+INPUTS = [SweepInput.parse("hello sweep"), SweepInput.parse("another prompt")]
+
+
+@pytest.fixture(scope="module")
+def swept(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    grid = {"cache_slots": [2, 6], "pinned_layers": [0, 1, 9]}  # 9 > 3 layers: those fail
+    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), workers=2, progress=False,
+               knobs=workbench.Knobs(max_new_tokens=3, device="cpu"))
+    return out, grid, ds
+
+
+def test_summary_has_grid_dims_and_matches_each_point_store(swept):
+    out, grid, ds = swept
+    assert ds.hit_rate.dims == ("cache_slots", "pinned_layers", "input")
+    assert ds.hit_rate.shape == (2, 3, 2)
+    ok = ds.status.sel(pinned_layers=[0, 1])
+    assert (ok == "complete").all()
+    for slots in (2, 6):
+        for pinned in (0, 1):
+            for inp in ds.input.values:
+                pt = ds.sel(cache_slots=slots, pinned_layers=pinned, input=inp)
+                run = workbench.open_run(out / str(pt.store.values))
+                assert json.loads(run.attrs["knob.cache_slots"]) == slots
+                assert run.moe.hit_rate() == pytest.approx(float(pt.hit_rate))
+    # more slots → at least as many hits for LRU on the same requests (stack property)
+    h = ds.hits.sel(pinned_layers=0)
+    assert (h.sel(cache_slots=6) >= h.sel(cache_slots=2)).all()
+    assert open_summary(out).hit_rate.shape == (2, 3, 2)
+
+
+def test_failed_points_are_recorded_and_do_not_stop_the_sweep(swept):
+    _, _, ds = swept
+    bad = ds.sel(pinned_layers=9)
+    assert (bad.status == "failed").all()
+    assert all("pinned_layers must be between 0 and 3" in e for e in bad.error.values.ravel())
+    assert np.isnan(bad.hit_rate).all()
+
+
+def test_rerun_skips_finished_points(swept, tiny_ckpt):
+    out, grid, _ = swept
+    metas = {p: p.stat().st_mtime_ns for p in (out / "points").glob("*.json")}
+    complete = [p for p in metas if json.loads(p.read_text())["status"] == "complete"]
+    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), workers=1, progress=False,
+               knobs=workbench.Knobs(max_new_tokens=3, device="cpu"))
+    for p in complete:  # untouched
+        assert p.stat().st_mtime_ns == metas[p]
+    assert int((ds.status == "complete").sum()) == len(complete)
+
+
+def test_grid_parsing_validates_values():
+    assert parse_grid(["cache_slots=4,8", "eviction=lru,lfu"]) == {
+        "cache_slots": [4, 8], "eviction": ["lru", "lfu"]}
+    with pytest.raises(KnobError, match="cache_slots must be at least 1, not 0"):
+        parse_grid(["cache_slots=0,4"])
+    with pytest.raises(KnobError, match="unknown knob"):
+        parse_grid(["slots=4"])
+    with pytest.raises(KnobError, match="at least one --grid"):
+        parse_grid([])
+    with pytest.raises(InputError, match="empty prompt"):
+        SweepInput.parse("img.png|  ")
+
+
+def test_ctrl_c_keeps_finished_points(tiny_ckpt, tmp_path):
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "workbench.cli", "sweep", "--model", str(tiny_ckpt()),
+           "--grid", "cache_slots=2,3,4,5,6,7,8,9", "--input", "interrupt me", "--out", str(out),
+           "--workers", "1", "--set", "max_new_tokens=40", "--set", "device=cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not list((out / "points").glob("*.json")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    finished = [json.loads(p.read_text()) for p in (out / "points").glob("*.json")]
+    assert finished and len(finished) < 8
+    for f in finished:
+        assert f["status"] == "complete"
+        assert workbench.open_run(out / "points" / f"{f['id']}.zarr").attrs["status"] == "complete"
