@@ -224,11 +224,11 @@ def summarize(out: str | Path, grid: dict[str, Sequence[Any]], inputs: Sequence[
                 v = o["result"].get(f)
                 data[f][idx] = np.nan if v is None else v
     coords = {n: _coord(grid[n]) for n in names}
-    coords["input"] = [i.name for i in inputs]
+    coords["input"] = _vstr(np.array([i.name for i in inputs], dtype=object))
     ds = xr.Dataset({f: (dims, v) for f, v in data.items()}, coords=coords)
-    ds["status"] = (dims, status.astype(str))
-    ds["error"] = (dims, error.astype(str))
-    ds["store"] = (dims, store.astype(str))
+    ds["status"] = (dims, _vstr(status))
+    ds["error"] = (dims, _vstr(error))
+    ds["store"] = (dims, _vstr(store))
     ds.attrs.update({"grid": json.dumps({n: list(map(_jsonable, grid[n])) for n in names}),
                      "base_knobs": json.dumps(base.to_dict()),
                      "description": "one value per grid point × input; 'store' is relative to "
@@ -251,9 +251,14 @@ def open_summary(out: str | Path) -> xr.Dataset:
     return xr.open_zarr(p, consolidated=False, zarr_format=3).load()
 
 
+def _vstr(a: np.ndarray) -> np.ndarray:
+    """Variable-length strings: zarr v3's specified "string" type (fixed-width unicode is not)."""
+    return a.astype(str).astype(np.dtypes.StringDType())
+
+
 def _coord(values: Sequence[Any]) -> Any:
-    if any(v is None for v in values):
-        return [str(v) for v in values]
+    if any(v is None for v in values) or all(isinstance(v, str) for v in values):
+        return _vstr(np.array([str(v) for v in values], dtype=object))
     return list(values)
 
 
