@@ -2,6 +2,8 @@
 
 ``workbench run``   one request on the offloaded runtime: answer, offloading summary, run store.
 ``workbench info``  architecture, MoE layout and memory plans of a model under the given knobs.
+``workbench sweep``  a knob grid × inputs on Dask distributed, one store per point + a summary.
+``workbench dashboard`` the Panel dashboard on 127.0.0.1.
 ``workbench knobs`` every knob with its default, bounds and doc.
 
 Bad input (unknown knob, bad value, missing image or model, empty or too long prompt, an existing
@@ -64,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=2, metavar="N",
                    help="LocalCluster worker processes (default 2)")
 
+    d = sub.add_parser("dashboard", help="serve the Panel dashboard (127.0.0.1 by default)")
+    d.add_argument("--address", default="127.0.0.1",
+                   help="interface to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    d.add_argument("--port", type=int, default=5006, help="port (default 5006; 0 = any free)")
+    d.add_argument("--show", action="store_true", help="open a browser tab")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -74,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
 
     try:
-        return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep}[args.command](args)
+        return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
+                "dashboard": _dashboard}[args.command](args)
     except WorkbenchError as e:
         print(f"workbench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -191,6 +200,13 @@ def _sweep(args) -> int:
         print(ds.hit_rate.to_dataframe().to_string())
         print(f"{ds.status.size} points, {failed} failed; summary: "
               f"{Path(args.out) / 'summary.zarr'}")
+    return 0
+
+
+def _dashboard(args) -> int:
+    from workbench.ui.app import serve
+
+    serve(address=args.address, port=args.port, show=args.show)
     return 0
 
 
