@@ -2,8 +2,8 @@
 
 Each scene is a ``SCENE_SIZE`` x ``SCENE_SIZE`` RGB image (pixels, uint8) made of a
 large, *uninformative* textured background (noise, stripes, checkerboard or
-gradient, always in muted low-saturation tones) and 1-3 small, *informative*
-saturated objects. Every object has a distinct shape and a distinct colour, so
+gradient, always in muted low-saturation tones) and 1-3 small (22-36 px),
+*informative* saturated objects. Every object has a distinct shape and a distinct colour, so
 questions about "the circle" or "the blue shape" are never ambiguous.
 
 Questions have single-word answers and come in four kinds (see ``QUESTION_KINDS``):
@@ -55,7 +55,8 @@ VOCAB_WORDS: tuple[str, ...] = tuple(
     dict.fromkeys((*QUESTION_WORDS, *SHAPES, *COLORS, *COUNT_WORDS, *YES_NO))
 )
 
-_OBJ_MIN_SIZE, _OBJ_MAX_SIZE = 22, 36  # object bounding-box side, pixels
+OBJECT_MIN_SIZE, OBJECT_MAX_SIZE = 22, 36
+"""Range of an object's bounding-box side, pixels (inclusive)."""
 _MARGIN = 4  # minimum gap between object boxes and between a box and the border, pixels
 
 
@@ -97,7 +98,7 @@ def _place_boxes(rng: np.random.Generator, k: int) -> list[tuple[int, int, int]]
     """Sample ``k`` non-overlapping square boxes ``(x0, y0, side)`` inside the canvas."""
     boxes: list[tuple[int, int, int]] = []
     while len(boxes) < k:
-        side = int(rng.integers(_OBJ_MIN_SIZE, _OBJ_MAX_SIZE + 1))
+        side = int(rng.integers(OBJECT_MIN_SIZE, OBJECT_MAX_SIZE + 1))
         x0 = int(rng.integers(_MARGIN, SCENE_SIZE - side - _MARGIN))
         y0 = int(rng.integers(_MARGIN, SCENE_SIZE - side - _MARGIN))
         if all(
