@@ -324,7 +324,8 @@ def open_run(path: str | Path) -> xr.Dataset:
     path = Path(path)
     if not (path / "zarr.json").exists():
         raise InputError(f"run store {str(path)!r} does not exist or is not a zarr store")
-    ds = xr.open_zarr(str(path), consolidated=False, zarr_format=3)
+    # chunks=None: lazily indexed numpy arrays, not dask (runs are read piecewise by the UI)
+    ds = xr.open_zarr(str(path), consolidated=False, zarr_format=3, chunks=None)
     committed = ds.attrs.get("committed", {})
     if isinstance(committed, str):
         committed = json.loads(committed)

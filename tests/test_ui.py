@@ -1,0 +1,441 @@
+"""Dashboard logic without a browser: DataStore state, views, safety checks, A/B, live tail."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import workbench
+from workbench.errors import InputError
+from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, ab_deltas, check_image_upload,
+                                    demo_inputs, list_runs, resolve_run_path, safe_run_name,
+                                    selected_steps, share_difference)
+from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
+                                LatencyView, TimelineView)
+
+KNOBS = dict(cache_slots=3, pinned_layers=1, max_new_tokens=6, device="cpu")
+
+
+def _png(size=(16, 16), fmt="PNG", mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, (200, 30, 30) if mode == "RGB" else 0).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _store(tmp_path, ckpt, **knobs) -> DataStore:
+    s = DataStore(workspace=tmp_path / "ws", model=ckpt)
+    s.knobs.set(**{**KNOBS, **knobs})
+    return s
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_ckpt, tmp_path_factory):
+    """A workspace with two finished runs of the same request: 3 slots (a) and 12 slots (b)."""
+    ws = tmp_path_factory.mktemp("ab")
+    s = _store(ws, tiny_ckpt("qwen3_moe"))
+    for name, slots in (("a", 3), ("b", 12)):
+        s.knobs.set(cache_slots=slots)
+        s.start_run(name=name, prompt="the same request for both runs")
+        s.wait()
+        assert not s.error, s.error
+    return s
+
+
+# -- names and paths ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["../x", "..", "a/../../b", "/etc/passwd", "a/b", "a\\b",
+                                 "..\\x", ".hidden", "", "  ", "x" * 120, "C:evil", "ok..zarr",
+                                 "a b", "run\x00"])
+def test_run_names_cannot_escape_the_workspace(bad, tmp_path):
+    with pytest.raises(InputError):
+        resolve_run_path(tmp_path, bad)
+
+
+def test_good_run_names_get_the_store_suffix(tmp_path):
+    assert safe_run_name("my-run_1.v2") == "my-run_1.v2.zarr"
+    assert safe_run_name("r.zarr") == "r.zarr"
+    assert resolve_run_path(tmp_path, "r1") == tmp_path.resolve() / "r1.zarr"
+
+
+def test_symlink_out_of_the_workspace_is_rejected(tmp_path):
+    ws, outside = tmp_path / "ws", tmp_path / "outside.zarr"
+    ws.mkdir()
+    outside.mkdir()
+    (outside / "zarr.json").write_text("{}")
+    (ws / "evil.zarr").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(InputError, match="outside the workspace"):
+        resolve_run_path(ws, "evil")
+
+
+def test_store_methods_refuse_escaping_names_before_doing_anything(tmp_path):
+    s = DataStore(workspace=tmp_path / "ws")
+    with pytest.raises(InputError):
+        s.open("../../etc")
+    with pytest.raises(InputError):
+        s.start_run(name="../escape", prompt="hi")
+    with pytest.raises(InputError, match="not a store"):
+        s.open("missing")
+    assert not s.running and s._job is None
+    assert not (tmp_path / "escape.zarr").exists()
+
+
+def test_workspace_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_WORKSPACE", str(tmp_path / "env-ws"))
+    assert DataStore().workspace_path == tmp_path / "env-ws"
+    monkeypatch.delenv("WORKBENCH_WORKSPACE")
+    with workbench.set_options(workspace=tmp_path / "opt-ws"):
+        assert DataStore().workspace_path == tmp_path / "opt-ws"
+
+
+# -- uploads ------------------------------------------------------------------------------------
+def test_upload_accepts_png_and_jpeg_and_stores_a_png(tmp_path):
+    s = DataStore(workspace=tmp_path / "ws")
+    assert check_image_upload(_png(fmt="JPEG"), "a.jpg").size == (16, 16)
+    path = s.accept_upload(_png(), "scene.png")
+    assert s.image == str(path) and path.parent == tmp_path / "ws" / "uploads"
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "empty"),
+    (b"GIF89a not really", "not a readable"),
+    (b"\x89PNG\r\n\x1a\n truncated", "not a readable"),
+    (b"#!/bin/sh\nrm -rf /\n", "not a readable"),
+    (_png(fmt="GIF", mode="P"), "only PNG and JPEG"),
+    (_png(fmt="BMP"), "only PNG and JPEG"),
+    (_png(size=(5000, 4000), mode="L"), "pixels"),
+])
+def test_upload_rejects_other_types_and_bombs(data, match, tmp_path):
+    s = DataStore(workspace=tmp_path / "ws")
+    with pytest.raises(InputError, match=match):
+        s.accept_upload(data, "x.png")  # the extension is not trusted
+    assert s.image is None
+
+
+def test_upload_size_limit():
+    big = b"\x89PNG\r\n\x1a\n" + b"\0" * MAX_UPLOAD_BYTES
+    with pytest.raises(InputError, match="MB"):
+        check_image_upload(big, "big.png")
+
+
+def test_demo_inputs_skip_missing_and_escaping_images(tmp_path):
+    (tmp_path / "scene_0.png").write_bytes(_png())
+    (tmp_path / "prompts.json").write_text(json.dumps([
+        {"image": "scene_0.png", "prompt": "what color?", "answer": "red"},
+        {"image": "../scene_0.png", "prompt": "escape"},
+        {"image": "missing.png", "prompt": "gone"}]))
+    items = demo_inputs(tmp_path)
+    assert [i["prompt"] for i in items] == ["what color?"]
+    assert demo_inputs(tmp_path / "nowhere") == []
+
+
+# -- runs: state transitions -----------------------------------------------------------------------
+def test_run_state_transitions(tiny_ckpt, tmp_path):
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"))
+    seen = []
+    s.param.watch(lambda e: seen.append(e.new), "running")
+    path = s.start_run(prompt="hello there")
+    assert s.running and s.run_name == path.name and s.dataset is None
+    assert path.parent == tmp_path / "ws" and path.name.startswith("run-")
+    with pytest.raises(InputError, match="already in progress"):
+        s.start_run(prompt="again")
+    s.wait()
+    assert seen == [True, False]
+    assert not s.error and s.status.startswith("complete")
+    ds = s.dataset
+    assert ds is not None and ds.attrs["status"] == "complete"
+    assert ds.sizes["step"] == 6 and s.progress == s.progress_max == 6
+    assert s.answer == json.loads(ds.attrs["summary"])["text"]
+    assert [r.name for r in s.runs] == [path.name] and s.runs[0].status == "complete"
+    assert json.loads(ds.attrs["knob.cache_slots"]) == 3
+
+
+def test_own_run_streams_while_it_goes(tiny_ckpt, tmp_path, monkeypatch):
+    """Progress, answer and the dataset (re-read from the store) update before the run ends."""
+    from workbench.runtime import runtime as rtmod
+
+    run = rtmod.Runtime.run
+
+    def slow_run(self, *args, on_token=None, **kw):
+        def slower(token, text):
+            time.sleep(0.05)
+            on_token(token, text)
+        return run(self, *args, on_token=slower, **kw)
+
+    monkeypatch.setattr(rtmod.Runtime, "run", slow_run)
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), max_new_tokens=30)
+    seen = []
+    with workbench.set_options(flush_every=1):
+        s.start_run(prompt="stream into the dashboard")
+        deadline = time.time() + 60
+        while s.running and time.time() < deadline:
+            s.poll()
+            steps = s.dataset.sizes["step"] if s.dataset is not None else 0
+            seen.append((s.progress, steps, s.answer, s.running))
+            time.sleep(0.05)
+    assert not s.running and s.dataset.sizes["step"] == 30
+    mid = [x for x in seen if x[3] and 0 < x[1] < 30]
+    assert mid, seen  # the plots' dataset grew while the run was going
+    assert any(p > 0 and a for p, _, a, _ in mid)  # tokens appear as generated
+    assert [x[1] for x in seen] == sorted(x[1] for x in seen)
+
+
+def test_knob_change_applies_to_the_next_run_only(tiny_ckpt, tmp_path):
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"))
+    s.start_run(name="first", prompt="p")
+    s.knobs.set(cache_slots=5)  # while running: the run keeps its snapshot
+    s.wait()
+    assert json.loads(s.dataset.attrs["knob.cache_slots"]) == 3
+    s.start_run(name="second", prompt="p")
+    s.wait()
+    assert json.loads(s.dataset.attrs["knob.cache_slots"]) == 5
+    with pytest.raises(InputError, match="already exists"):
+        s.start_run(name="second", prompt="p")
+
+
+def test_bad_knob_for_the_model_is_reported_not_raised(tiny_ckpt, tmp_path):
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), cache_slots=1)  # top-k is 2
+    s.start_run(prompt="p")
+    s.wait()
+    assert "cache_slots must be at least 2" in s.error
+    assert not s.running and s.run_name is None and s.dataset is None
+    assert list_runs(s.workspace_path) == []
+
+
+def test_empty_prompt_is_rejected_before_the_thread(tmp_path):
+    s = DataStore(workspace=tmp_path / "ws")
+    with pytest.raises(InputError, match="prompt is empty"):
+        s.start_run(prompt="   ")
+    assert s._job is None
+
+
+def test_stop_ends_the_run_early(tiny_ckpt, tmp_path):
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), max_new_tokens=200)
+    s.start_run(prompt="a long one")
+    deadline = time.time() + 60
+    while s._job is not None and s._job.tokens < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    s.stop()
+    s.wait()
+    assert not s.running and not s.error
+    assert s.status.startswith("stopped") and s.dataset.sizes["step"] < 200
+
+
+# -- views ----------------------------------------------------------------------------------------
+def test_filter_changes_redraw_only_the_views_that_use_them(two_runs):
+    s = two_runs
+    s.open("a")
+    views = {v.view: v for v in (HeatmapView(s), HitRateView(s), LatencyView(s),
+                                 TimelineView(s))}
+    before = {k: v.redraws for k, v in views.items()}
+    heat0 = np.array(views["heatmap"].pane.object.data[0].z, float)
+    s.modality = "image"  # a text-only run: no image tokens anywhere
+    assert views["heatmap"].redraws == before["heatmap"] + 1
+    assert all(views[k].redraws == before[k] for k in ("hit_rate", "latency", "timeline"))
+    assert np.isnan(np.array(views["heatmap"].pane.object.data[0].z, float)).all()
+    s.modality = "text"
+    np.testing.assert_allclose(np.array(views["heatmap"].pane.object.data[0].z, float), heat0)
+
+    s.clock = "measured"
+    assert views["timeline"].redraws == before["timeline"] + 1
+    assert "measured" in views["timeline"].pane.object.layout.xaxis.title.text
+    assert views["latency"].redraws == before["latency"]
+
+    s.phase = "prefill"
+    lat = views["latency"].pane.object
+    assert list(lat.data[0].x) == [0] and "measured" in lat.data[0].name
+    assert "modeled" in lat.data[1].name
+    s.phase = "all"
+    s.step_range = (2, 4)
+    assert list(views["hit_rate"].pane.object.data[1].x) == [2, 3, 4]
+    spans = {int(c[0]) for tr in views["timeline"].pane.object.data for c in tr.customdata}
+    assert spans <= {2, 3, 4}
+    s.step_range = None
+
+
+def test_views_show_a_placeholder_without_a_run(tmp_path):
+    s = DataStore(workspace=tmp_path / "ws")
+    for cls in (HeatmapView, HitRateView, LatencyView, TimelineView, DiffHeatmapView):
+        fig = cls(s).pane.object
+        assert fig.layout.meta["view"] == cls.view and len(fig.data) == 0
+
+
+def test_adopt_the_knobs_of_a_stored_run(two_runs, tmp_path):
+    s = DataStore(workspace=two_runs.workspace)
+    with pytest.raises(InputError, match="no run is shown"):
+        s.adopt_knobs()
+    s.open("a")
+    s.knobs.set(cache_slots=50, eviction="lru", max_new_tokens=99)
+    s.adopt_knobs()
+    assert (s.knobs.cache_slots, s.knobs.max_new_tokens) == (3, 6)
+
+
+def test_selected_steps(two_runs):
+    ds = two_runs.open("a")
+    assert list(selected_steps(ds)) == list(range(6))
+    assert list(selected_steps(ds, (1, 3))) == [1, 2, 3]
+    assert list(selected_steps(ds, None, "prefill")) == [0]
+    assert list(selected_steps(ds, (1, 3), "prefill")) == []
+    with pytest.raises(InputError):
+        selected_steps(ds, None, "warmup")
+
+
+# -- A/B ------------------------------------------------------------------------------------------
+def test_ab_deltas_and_difference_heatmap(two_runs):
+    s = two_runs
+    a = s.open("a")
+    with pytest.raises(InputError):
+        DataStore(workspace=s.workspace).pin_baseline()  # nothing shown
+    s.pin_baseline()
+    assert s.baseline_name == "a.zarr"
+    b = s.open("b")
+    rows = {r["metric"]: r for r in s.deltas()}
+    sa, sb = a.moe.summary(), b.moe.summary()
+    for key in ("hit_rate", "loads", "misses", "latency_measured_s", "latency_modeled_s"):
+        assert rows[key]["current"] == pytest.approx(sb[key])
+        assert rows[key]["baseline"] == pytest.approx(sa[key])
+        assert rows[key]["delta"] == pytest.approx(sb[key] - sa[key])
+    assert rows["loads"]["relative"] == pytest.approx((sb["loads"] - sa["loads"]) / sa["loads"])
+    # more slots: fewer loads, a higher hit rate (same request, LRU is a stack algorithm)
+    assert rows["loads"]["delta"] < 0 and rows["hit_rate"]["delta"] > 0
+    assert ab_deltas(a, a)[0]["delta"] == 0
+
+    # same request, same model → same routing: the difference heatmap is zero
+    d = share_difference(b, a)
+    assert d.dims == ("layer", "expert") and np.abs(d.values).max() == 0
+    # against a run of another request it is current share − baseline share
+    s.start_run(name="c", prompt="a different request altogether, longer")
+    s.wait()
+    c = s.dataset
+    d = share_difference(c, a, modality="text")
+    ca, cc = a.moe.expert_counts("text").values, c.moe.expert_counts("text").values
+    np.testing.assert_allclose(
+        d.values, cc / cc.sum(1, keepdims=True) - ca / ca.sum(1, keepdims=True), atol=1e-12)
+
+    html = DeltasView(s).pane.object
+    assert "hit rate" in html and "current: <b>c</b>" in html and "baseline: <b>a</b>" in html
+    names = [t.name for t in HitRateView(s).pane.object.data]
+    assert "baseline, per step" in names and "current, per step" in names
+    assert any("baseline" in t.name for t in LatencyView(s).pane.object.data)
+    assert len(DiffHeatmapView(s).pane.object.data) == 1
+    s.clear_baseline()
+    assert s.deltas() == [] and s.baseline is None
+
+
+# -- live tail ------------------------------------------------------------------------------------
+WRITER = textwrap.dedent("""
+    import sys, time, workbench
+    workbench.set_options(flush_every=1)
+    rt = workbench.Runtime(sys.argv[1], cache_slots=3, pinned_layers=1, max_new_tokens=40,
+                           device="cpu")
+    rt.run("written by another process", store=sys.argv[2],
+           on_token=lambda t, s: time.sleep(0.08))
+""")
+
+
+def test_live_tail_of_a_store_written_by_another_process(tiny_ckpt, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    store = ws / "live.zarr"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tiny_ckpt("qwen3_moe")),
+                             str(store)], stderr=subprocess.PIPE)
+    try:
+        s = DataStore(workspace=ws, refresh_s=0.0)
+        deadline = time.time() + 90
+        while not any(r.name == "live.zarr" and r.steps >= 2 for r in s.refresh()):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.time() < deadline, "writer made no progress"
+            time.sleep(0.05)
+        assert s.runs[0].status == "running"
+        s.open("live")
+        first = s.dataset.sizes["step"]
+        assert s.live and "live tail" in s.status
+        seen = [first]
+        while proc.poll() is None and time.time() < deadline:
+            s.poll()
+            seen.append(s.dataset.sizes["step"])
+            time.sleep(0.1)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()
+        s.poll()
+        assert s.dataset.attrs["status"] == "complete" and s.dataset.sizes["step"] == 40
+        assert len(set(seen)) > 2 and seen == sorted(seen)  # it grew while being written
+        assert not s.live and s.runs[0].status == "complete"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- widgets and app ------------------------------------------------------------------------------
+def test_knob_widgets_come_from_the_knob_classes_and_registries(tmp_path):
+    from workbench.policies.eviction import EVICTION, LRU
+    from workbench.ui.widgets import knob_panels
+
+    @EVICTION.register("test-ui-policy")
+    class _P(LRU):
+        """A policy registered after import."""
+
+    try:
+        s = DataStore(workspace=tmp_path / "ws")
+        panels = knob_panels(s.knobs)
+        assert set(panels) == set(s.knobs.groups)
+        ev = panels["cache"]._widgets["eviction"]
+        assert "test-ui-policy" in ev.options
+        slots = panels["cache"]._widgets["cache_slots"]
+        slots.value = 17
+        assert s.knobs.cache_slots == 17  # the widget edits the knob
+    finally:
+        EVICTION._classes.pop("test-ui-policy", None)
+
+
+def test_build_app_without_a_server(two_runs):
+    from workbench.ui.app import build_app
+
+    s = DataStore(workspace=two_runs.workspace, model=two_runs.model)
+    app = build_app(s, template=False, preload=False, poll_ms=0)
+    assert app._wb_store is s and s.run_name == s.runs[0].name  # the newest run is shown
+    assert len(app._wb_views["heatmap"].pane.object.data) == 1
+    tpl = build_app(DataStore(workspace=two_runs.workspace), preload=False)
+    try:
+        assert tpl.title.startswith("workbench") and tpl._wb_poll is not None
+    finally:
+        tpl._wb_poll.stop()
+
+
+def test_serve_binds_the_loopback_address(tmp_path):
+    """``workbench.ui.serve()`` (what ``workbench dashboard`` calls) answers on 127.0.0.1."""
+    import os
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = f"from workbench.ui.app import serve; serve(port={port})"
+    env = {**os.environ, "WORKBENCH_WORKSPACE": str(tmp_path / "ws")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+        assert b"workbench" in page
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0].decode()
+    assert f"http://127.0.0.1:{port}/" in out
+    listening = [c for c in out.splitlines() if "0.0.0.0" in c]
+    assert not listening, out

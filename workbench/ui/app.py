@@ -1,0 +1,186 @@
+"""The dashboard app: wires widgets (``widgets.py``) and views (``views.py``) to one
+:class:`~workbench.ui.datastore.DataStore` per browser session.
+
+``build_app()`` returns a ``BootstrapTemplate`` (``template=False``: a plain layout for a
+notebook). All state and logic live in the DataStore; this module holds layout only, plus the
+periodic callback that lets the store pick up a run's progress (``DataStore.poll``) on the
+Bokeh event loop. ``serve()`` runs it on ``127.0.0.1`` by default.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import panel as pn
+
+from workbench.errors import WorkbenchError
+from workbench.ui.datastore import DataStore
+from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
+                                LatencyView, TimelineView, answer_view, progress_view)
+from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
+                                  runs_widgets)
+
+__all__ = ["build_app", "serve", "STYLE", "TITLE"]
+
+log = logging.getLogger(__name__)
+
+TITLE = "workbench · offloaded MoE inference"
+#: poll period of the periodic callback, ms (run progress and live tail)
+POLL_MS = 200
+
+#: styles of the HTML panes (Panel renders into shadow roots, so they are passed per pane)
+STYLE = """
+.wb-muted { color: #6b7280; }
+.wb-status { color: #374151; font-size: 13px; }
+.wb-label { color: #374151; font-size: 12px; font-weight: 600; margin-bottom: 2px; }
+.wb-answer { padding: 2px 4px; }
+.wb-answer-text { font-size: 20px; font-weight: 600; color: #111827; min-height: 28px;
+                  white-space: pre-wrap; }
+table.wb-ab { border-collapse: collapse; width: 100%; font-size: 13px; }
+table.wb-ab th, table.wb-ab td { padding: 4px 10px; border-bottom: 1px solid #e5e7eb;
+                                 text-align: right; white-space: nowrap; }
+.wb-ab-names { font-size: 12px; margin-bottom: 6px; }
+table.wb-ab th:first-child, table.wb-ab td:first-child { text-align: left; }
+table.wb-ab th { color: #374151; font-weight: 600; vertical-align: bottom; }
+td.wb-good { color: #047857; font-weight: 600; }
+td.wb-bad { color: #b91c1c; font-weight: 600; }
+"""
+
+pn.extension("plotly")
+
+
+def _styled(*objs: Any) -> None:
+    for o in objs:
+        o.stylesheets = [*o.stylesheets, STYLE]
+
+
+def _labelled(label: str, widget: Any, **kw: Any) -> pn.Column:
+    head = pn.pane.HTML(f"<div class='wb-label'>{label}</div>", margin=(0, 10), height=18)
+    _styled(head)
+    return pn.Column(head, widget, margin=(0, 4), **kw)
+
+
+def build_app(store: DataStore | None = None, *, template: bool = True,
+              poll_ms: int = POLL_MS, preload: bool = True, open_latest: bool = True,
+              demo_folder: str | Path | None = None) -> Any:
+    """The dashboard for one session. ``store`` defaults to a fresh :class:`DataStore` on the
+    workspace (``$WORKBENCH_WORKSPACE`` or ``runs/``) and the embedded model; ``preload``
+    loads the model in the background so the first Run starts fast; ``open_latest`` shows the
+    newest run of the workspace at start."""
+    store = store if store is not None else DataStore()
+    if preload:  # after the page has rendered: the import of torch holds the GIL a while
+        if pn.state.curdoc is not None:
+            pn.state.onload(store.preload)
+        else:
+            store.preload()
+    if open_latest and store.runs and store.dataset is None:
+        try:
+            store.open(store.runs[0].name)
+        except WorkbenchError as e:
+            log.info("could not open the latest run: %s", e)
+
+    # -- left: request, knobs, run control, runs -------------------------------------------
+    inp = input_widgets(store, demo_folder)
+    run_b = make(pn.widgets.Button, "▶ Run", "success", sizing_mode="stretch_width",
+                 height=40, css_classes=["wb-run"])
+    stop_b = make(pn.widgets.Button, "■ Stop", "danger", width=110, height=40, disabled=True,
+                  css_classes=["wb-stop"])
+    error = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
+
+    def on_run(event: Any) -> None:
+        try:
+            store.start_run(name=inp["run_name"].value.strip() or None)
+            inp["run_name"].value = ""
+        except WorkbenchError as e:
+            store.error = str(e)
+
+    def on_running(*events: Any) -> None:
+        run_b.disabled = store.running
+        stop_b.disabled = not store.running
+
+    def on_error(*events: Any) -> None:
+        error.param.update(object=html.escape(store.error), visible=bool(store.error))
+
+    run_b.on_click(on_run)
+    stop_b.on_click(lambda e: store.stop())
+    store.param.watch(on_running, "running")
+    store.param.watch(on_error, "error")
+
+    runs = runs_widgets(store)
+    request = card(
+        inp["demo"], inp["preview"], inp["upload_hint"], inp["upload"], inp["upload_message"],
+        inp["prompt"], inp["run_name"],
+        title="Request", collapsible=False)
+    runs_card = card(
+        runs["select"], pn.Row(runs["open"], runs["refresh"], runs["adopt"]),
+        pn.Row(runs["pin"], runs["clear"], sizing_mode="stretch_width"), runs["baseline"],
+        runs["message"],
+        title="Runs", collapsible=False)
+    _styled(inp["upload_hint"], runs["baseline"])
+    sidebar = [request, pn.Row(run_b, stop_b), error, *knob_cards(store.knobs), runs_card]
+
+    # -- right: progress and answer, filters, plots, A/B -------------------------------------
+    filt = filter_widgets(store)
+    filters = pn.FlexBox(_labelled("heatmap tokens", filt["modality"], width=210),
+                         _labelled("phase", filt["phase"], width=240),
+                         _labelled("step range", filt["steps"], width=300),
+                         _labelled("timeline clock", filt["clock"], width=200),
+                         flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width")
+    heat, hit, lat, tl = (HeatmapView(store), HitRateView(store), LatencyView(store),
+                          TimelineView(store, height=340))
+    diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
+    answer, progress = answer_view(store), progress_view(store)
+    _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])
+    status = card(progress, answer, title="Answer", collapsible=False, margin=(4, 4))
+    ab = card(pn.FlexBox(pn.Column(deltas.pane, width=560),
+                         pn.Column(diff.pane, min_width=420, sizing_mode="stretch_width"),
+                         flex_wrap="wrap", sizing_mode="stretch_width"),
+              title="A/B: shown run vs pinned baseline", margin=(4, 4))
+
+    def on_baseline(*events: Any) -> None:
+        diff.pane.visible = store.baseline is not None
+
+    store.param.watch(on_baseline, "baseline")
+    on_baseline()
+    main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), ab]
+    views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
+             "heatmap_diff": diff, "deltas": deltas}
+
+    # served: runs on the session's event loop; in a notebook: on the kernel's loop
+    poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None
+
+    if template:
+        # Bootstrap, not Fast: the Fast design fetches a Google font (no third-party requests)
+        app = pn.template.BootstrapTemplate(
+            title=TITLE, sidebar=sidebar, main=main, sidebar_width=400,
+            header_background="#2F4F6F")
+    else:
+        app = pn.Row(pn.Column(*sidebar, width=400), pn.Column(*main))
+    app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
+    return app
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def serve(address: str = "127.0.0.1", port: int = 0, show: bool = False, **kwargs: Any):
+    """Serve the dashboard with ``pn.serve`` on ``address`` (loopback by default) and ``port``
+    (0: a free one). Blocks until interrupted (pass ``threaded=True`` to get the server thread
+    back instead); extra keyword arguments go to ``pn.serve``."""
+    import os
+
+    # spinning OpenMP waits starve the event loop on a busy CPU (effective before torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    port = port or _free_port(address)
+    origins = kwargs.pop("websocket_origin",
+                         sorted({f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"}))
+    print(f"workbench dashboard: http://{address}:{port}/", flush=True)
+    return pn.serve(build_app, address=address, port=port, show=show,
+                    websocket_origin=origins, title=TITLE, **kwargs)

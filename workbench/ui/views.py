@@ -1,0 +1,397 @@
+"""Views: small classes that turn a :class:`~workbench.ui.datastore.DataStore` into Panel panes.
+
+Each plot view watches only the DataStore parameters its figure depends on (``watches``) and
+redraws by calling the pure figure builders of :mod:`workbench.viz.heatmap` (via the
+``*_figure`` functions here, which add the dashboard's filters, the A/B baseline overlay and a
+placeholder when there is nothing to show). A filter change therefore redraws the views that use
+it, from the in-memory dataset, without re-running the model.
+
+Every figure carries ``layout.meta = {"view": <name>}`` so a browser test can find it, and a
+``uirevision`` per run so zoom survives the redraws of a live run. Time axes say which clock
+they show (*measured* = wall time here; *modeled* = the hardware profile's timeline).
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any, Callable
+
+import numpy as np
+import panel as pn
+import plotly.graph_objects as go
+import xarray as xr
+
+from workbench.errors import WorkbenchError
+from workbench.ui.datastore import DataStore, ab_deltas, selected_steps, share_difference
+from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
+
+__all__ = ["PlotView", "HeatmapView", "DiffHeatmapView", "HitRateView", "LatencyView",
+           "TimelineView", "DeltasView", "heatmap_figure", "diff_heatmap_figure",
+           "hit_rate_view_figure", "latency_view_figure", "timeline_view_figure",
+           "placeholder_figure", "deltas_html", "answer_view", "progress_view"]
+
+log = logging.getLogger(__name__)
+
+#: steps drawn by the timeline at most (the last ones of the selection): a Gantt chart of a
+#: long run is unreadable and slow
+TIMELINE_MAX_STEPS = 64
+BASELINE_COLOR = "#9A9A9A"
+_FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 12}
+
+
+def _finish(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
+    fig.update_layout(meta={"view": view}, uirevision=str(revision), template="plotly_white",
+                      font=_FONT, margin={"l": 60, "r": 30, "t": 60, "b": 50},
+                      title={"x": 0.01, "xanchor": "left", "font": {"size": 14}})
+    return fig
+
+
+def placeholder_figure(view: str, title: str, message: str) -> go.Figure:
+    """An empty figure with ``message`` in the middle (no run yet, empty selection, …)."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font={"size": 13, "color": "#666"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(title=title)
+    return _finish(fig, view, "empty")
+
+
+def _steps_arg(steps: np.ndarray) -> Any:
+    """Step numbers as the accessor's ``steps``: an inclusive slice when contiguous."""
+    s = [int(x) for x in steps]
+    if s and s == list(range(s[0], s[-1] + 1)):
+        return slice(s[0], s[-1])
+    return s
+
+
+def _describe(step_range: tuple[int, int] | None, phase: str) -> str:
+    parts = []
+    if step_range is not None:
+        parts.append(f"steps {step_range[0]}–{step_range[1]}")
+    if phase not in (None, "all"):
+        parts.append(f"{phase} only")
+    return (" · " + ", ".join(parts)) if parts else ""
+
+
+# -- figures (pure: datasets and filter values in, a figure out) --------------------------------
+def heatmap_figure(ds: xr.Dataset | None, modality: str = "all",
+                   step_range: tuple[int, int] | None = None, phase: str = "all",
+                   revision: Any = None) -> go.Figure:
+    """Layer × expert share of routed tokens (``ds.moe.heatmap``) under the filters."""
+    title = "expert routing heatmap"
+    if ds is None:
+        return placeholder_figure("heatmap", title, "no run yet — press Run or open a run")
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("heatmap", title, "no steps in the selection")
+    fig = ds.moe.heatmap(modality=modality, steps=_steps_arg(steps))
+    what = "all tokens" if modality in (None, "all") else f"{modality} tokens"
+    fig.update_layout(title=f"routed-token share per expert — {what}"
+                            f"{_describe(step_range, phase)}")
+    if np.isnan(np.asarray(fig.data[0].z, float)).all():  # every layer empty
+        fig.add_annotation(text=f"no {what} in the selection", showarrow=False, x=0.5, y=0.5,
+                           xref="paper", yref="paper", font={"size": 13, "color": "#666"})
+    return _finish(fig, "heatmap", revision)
+
+
+def diff_heatmap_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None,
+                        modality: str = "all", step_range: tuple[int, int] | None = None,
+                        phase: str = "all", revision: Any = None) -> go.Figure:
+    """Current − baseline routed-token shares per (layer, expert), diverging colours at 0."""
+    title = "heatmap difference vs baseline"
+    if ds is None or baseline is None:
+        return placeholder_figure("heatmap_diff", title, "pin a baseline to compare runs")
+    try:
+        d = share_difference(ds, baseline, modality, step_range, phase)
+    except WorkbenchError as e:
+        return placeholder_figure("heatmap_diff", title, str(e))
+    what = "all tokens" if modality in (None, "all") else f"{modality} tokens"
+    fig = expert_heatmap(d, f"Δ routed-token share (current − baseline) — {what}"
+                            f"{_describe(step_range, phase)}")
+    lim = float(np.nanmax(np.abs(d.values))) if d.size else 0.0
+    fig.update_traces(colorscale="RdBu_r", zmid=0, zmin=-max(lim, 0.01), zmax=max(lim, 0.01))
+    if lim == 0:
+        fig.add_annotation(text="same routing in both runs (Δ = 0 everywhere)",
+                           showarrow=False, x=0.5, y=1.02, xref="paper", yref="paper",
+                           yanchor="bottom", font={"size": 12, "color": "#666"})
+    return _finish(fig, "heatmap_diff", revision)
+
+
+def hit_rate_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = None,
+                         step_range: tuple[int, int] | None = None, phase: str = "all",
+                         revision: Any = None) -> go.Figure:
+    """Cache hit rate per layer and per step (``hit_rate_figure``) of the selected steps, with
+    the baseline's (same filters) in grey when one is pinned."""
+    title = "expert-cache hit rate"
+    if ds is None:
+        return placeholder_figure("hit_rate", title, "no run yet")
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("hit_rate", title, "no steps in the selection")
+    sub = ds.sel(step=steps)
+    fig = hit_rate_figure(sub)
+    fig.data[0].name, fig.data[1].name = "current, per layer", "current, per step"
+    if baseline is not None:
+        bsteps = selected_steps(baseline, step_range, phase)
+        if len(bsteps):
+            b = baseline.sel(step=bsteps)
+            bl, bs = b.moe.hit_rate(by="layer"), b.moe.hit_rate(by="step")
+            fig.add_trace(go.Bar(x=bl["layer"].values, y=bl.values, name="baseline, per layer",
+                                 marker_color=BASELINE_COLOR,
+                                 hovertemplate="baseline layer %{x}: %{y:.1%}<extra></extra>"),
+                          row=1, col=1)
+            fig.add_trace(go.Scatter(x=bs["step"].values, y=bs.values, mode="lines+markers",
+                                     name="baseline, per step",
+                                     line={"color": BASELINE_COLOR, "dash": "dash"},
+                                     hovertemplate="baseline step %{x}: %{y:.1%}"
+                                                   "<extra></extra>"), row=1, col=2)
+            hr = b.moe.hit_rate()
+            fig.update_layout(showlegend=True, barmode="group",
+                              legend={"orientation": "h", "y": -0.25},
+                              title=f"{fig.layout.title.text} · baseline "
+                                    f"{'n/a' if np.isnan(hr) else f'{hr:.1%}'}")
+    fig.update_layout(title=f"{fig.layout.title.text}{_describe(step_range, phase)}")
+    return _finish(fig, "hit_rate", revision)
+
+
+def latency_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = None,
+                        step_range: tuple[int, int] | None = None, phase: str = "all",
+                        revision: Any = None) -> go.Figure:
+    """Per-step latency, measured (left axis) and modeled (right axis), of the selected steps;
+    the baseline's in grey when pinned."""
+    title = "per-step latency: measured vs modeled"
+    if ds is None:
+        return placeholder_figure("latency", title, "no run yet")
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("latency", title, "no steps in the selection")
+    fig = latency_figure(ds.sel(step=steps))
+    if baseline is not None:
+        bsteps = selected_steps(baseline, step_range, phase)
+        b = baseline.sel(step=bsteps)
+        for var, label, secondary, dash in (("latency_measured_s", "measured", False, "solid"),
+                                            ("latency_modeled_s", "modeled", True, "dot")):
+            fig.add_trace(go.Scatter(
+                x=b["step"].values, y=np.asarray(b[var].values) * 1e3, mode="lines",
+                name=f"baseline, {label} (ms)", line={"dash": dash, "color": BASELINE_COLOR},
+                hovertemplate=f"baseline step %{{x}}: %{{y:.3f}} ms {label}<extra></extra>"),
+                secondary_y=secondary)
+    fig.update_layout(title=f"{title}{_describe(step_range, phase)}",
+                      legend={"orientation": "h", "y": -0.25})
+    return _finish(fig, "latency", revision)
+
+
+def timeline_view_figure(ds: xr.Dataset | None, clock: str = "modeled",
+                         step_range: tuple[int, int] | None = None, phase: str = "all",
+                         revision: Any = None) -> go.Figure:
+    """Gantt chart of the compute / transfer / stall lanes on one clock (``timeline_figure``),
+    for at most the last :data:`TIMELINE_MAX_STEPS` steps of the selection."""
+    title = f"timeline, {clock} clock"  # lanes compute / transfer / stall on the y axis
+    if ds is None:
+        return placeholder_figure("timeline", title, "no run yet")
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("timeline", title, "no steps in the selection")
+    note = ""
+    if len(steps) > TIMELINE_MAX_STEPS:
+        steps = steps[-TIMELINE_MAX_STEPS:]
+        note = f" (last {TIMELINE_MAX_STEPS} steps of the selection)"
+    arg = _steps_arg(steps)
+    fig = timeline_figure(ds, clock=clock, steps=arg)
+    shown = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    stall = "stall_measured_s" if clock == "measured" else "stall_modeled_s"
+    total = float(np.asarray(ds[stall].sel(step=steps).values).sum()) * 1e3
+    fig.update_layout(title=f"{title} · {shown}{note} · stall {total:.3f} ms ({clock})",
+                      legend={"orientation": "h", "y": -0.3})
+    return _finish(fig, "timeline", revision)
+
+
+# -- views ---------------------------------------------------------------------------------------
+class PlotView:
+    """A plotly pane redrawn from the DataStore when one of ``watches`` changes."""
+
+    view = "plot"
+    watches: tuple[str, ...] = ()
+
+    def __init__(self, store: DataStore, height: int = 380) -> None:
+        self.store = store
+        self.redraws = 0
+        self.pane = pn.pane.Plotly(self._safe_figure(), height=height,
+                                   sizing_mode="stretch_width",
+                                   config={"displaylogo": False, "responsive": True})
+        store.param.watch(self.redraw, list(self.watches))
+
+    def figure(self) -> go.Figure:
+        raise NotImplementedError
+
+    def _safe_figure(self) -> go.Figure:
+        """The figure, or a placeholder saying why not (a view never breaks the page)."""
+        try:
+            return self.figure()
+        except WorkbenchError as e:
+            return placeholder_figure(self.view, self.view, str(e))
+        except Exception as e:  # an unexpected store: say so, keep the other views going
+            log.exception("view %s could not be drawn", self.view)
+            return placeholder_figure(self.view, self.view,
+                                      f"could not draw: {type(e).__name__}: {e}")
+
+    def redraw(self, *events: Any) -> None:
+        self.pane.object = self._safe_figure()
+        self.redraws += 1
+
+    def _revision(self) -> str:
+        return str(self.store.run_name)
+
+    def __panel__(self) -> pn.pane.Plotly:
+        return self.pane
+
+
+class HeatmapView(PlotView):
+    view = "heatmap"
+    watches = ("dataset", "modality", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return heatmap_figure(s.dataset, s.modality, s.step_range, s.phase, self._revision())
+
+
+class DiffHeatmapView(PlotView):
+    view = "heatmap_diff"
+    watches = ("dataset", "baseline", "modality", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return diff_heatmap_figure(s.dataset, s.baseline, s.modality, s.step_range, s.phase,
+                                   self._revision())
+
+
+class HitRateView(PlotView):
+    view = "hit_rate"
+    watches = ("dataset", "baseline", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return hit_rate_view_figure(s.dataset, s.baseline, s.step_range, s.phase,
+                                    self._revision())
+
+
+class LatencyView(PlotView):
+    view = "latency"
+    watches = ("dataset", "baseline", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return latency_view_figure(s.dataset, s.baseline, s.step_range, s.phase,
+                                   self._revision())
+
+
+class TimelineView(PlotView):
+    view = "timeline"
+    watches = ("dataset", "clock", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return timeline_view_figure(s.dataset, s.clock, s.step_range, s.phase,
+                                    self._revision())
+
+
+#: +1: higher is better, -1: lower is better, 0: neutral (colours the A/B deltas)
+_BETTER = {"hit_rate": 1, "hits": 1, "misses": -1, "loads": -1, "evictions": -1,
+           "latency_measured_s": -1, "latency_modeled_s": -1, "stall_measured_s": -1,
+           "stall_modeled_s": -1, "transfer_bytes_measured": -1, "transfer_bytes_modeled": -1,
+           "steps": 0}
+
+
+def _fmt(value: float, units: str, signed: bool = False) -> str:
+    if not np.isfinite(value):
+        return "n/a"
+    sign = "+" if signed and value > 0 else ""
+    if units == "fraction":
+        return f"{sign}{value * 100:.1f} pp" if signed else f"{value:.1%}"
+    if units == "s":
+        return f"{sign}{value * 1e3:,.2f} ms"
+    if units == "bytes":
+        return f"{sign}{value / 1e6:,.2f} MB"
+    return f"{sign}{value:,.0f}"
+
+
+def deltas_html(rows: list[dict[str, Any]], current: str | None, baseline: str | None) -> str:
+    """The A/B table as HTML (deltas green when better, red when worse)."""
+    if not rows:
+        return ("<p class='wb-muted'>Pin a run as baseline (left, <b>Runs</b>), then run or "
+                "open another: its hit rate, loads, latency and routing are compared here.</p>")
+    def short(name: str | None) -> str:
+        return (name or "").removesuffix(".zarr")
+
+    head = (f"<div class='wb-muted wb-ab-names'>current: <b>{short(current)}</b> · baseline: "
+            f"<b>{short(baseline)}</b></div><table class='wb-ab'><thead><tr><th>whole run</th>"
+            f"<th>current</th><th>baseline</th><th>Δ</th><th>Δ %</th></tr></thead><tbody>")
+    body = []
+    for r in rows:
+        good = _BETTER.get(r["metric"], 0) * np.sign(r["delta"]) if np.isfinite(r["delta"]) \
+            else 0
+        cls = "wb-good" if good > 0 else "wb-bad" if good < 0 else ""
+        rel = "n/a" if not np.isfinite(r["relative"]) else f"{r['relative']:+.1%}"
+        body.append(f"<tr><td>{r['label']}</td><td>{_fmt(r['current'], r['units'])}</td>"
+                    f"<td>{_fmt(r['baseline'], r['units'])}</td>"
+                    f"<td class='{cls}'>{_fmt(r['delta'], r['units'], signed=True)}</td>"
+                    f"<td class='{cls}'>{rel}</td></tr>")
+    return head + "".join(body) + "</tbody></table>"
+
+
+class DeltasView:
+    """A/B table of the shown run vs the pinned baseline (whole runs, ``ab_deltas``)."""
+
+    watches = ("dataset", "baseline")
+
+    def __init__(self, store: DataStore) -> None:
+        self.store = store
+        self.rows: list[dict[str, Any]] = []
+        self.pane = pn.pane.HTML(self._html(), sizing_mode="stretch_width")
+        store.param.watch(self.redraw, list(self.watches))
+
+    def _html(self) -> str:
+        s = self.store
+        self.rows = ab_deltas(s.dataset, s.baseline) if s.dataset is not None and \
+            s.baseline is not None else []
+        return deltas_html(self.rows, s.run_name, s.baseline_name)
+
+    def redraw(self, *events: Any) -> None:
+        self.pane.object = self._html()
+
+    def __panel__(self) -> pn.pane.HTML:
+        return self.pane
+
+
+def answer_view(store: DataStore) -> pn.viewable.Viewable:
+    """The prompt and the answer as it streams."""
+
+    def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None
+               ) -> str:
+        text = answer.strip() or ("…" if running else "—")
+        esc = html.escape(text)
+        prompt = str(ds.attrs.get("prompt", "")) if ds is not None else ""
+        prompt = html.escape(prompt)
+        return (f"<div class='wb-answer'><div class='wb-muted'>{prompt}</div>"
+                f"<div class='wb-answer-text' data-testid='answer'>{esc}</div></div>")
+
+    return pn.pane.HTML(pn.bind(render, store.param.answer, store.param.running,
+                                store.param.run_name, store.param.dataset),
+                        sizing_mode="stretch_width")
+
+
+def progress_view(store: DataStore) -> pn.viewable.Viewable:
+    """Progress bar (tokens generated / max_new_tokens) and the status line."""
+    bar = pn.indicators.Progress(value=store.param.progress, max=store.param.progress_max,
+                                 bar_color="primary", sizing_mode="stretch_width", height=18,
+                                 margin=(8, 10, 0, 10))
+    line = pn.pane.HTML(pn.bind(lambda s: f"<span class='wb-status'>{html.escape(s)}</span>",
+                                store.param.status),
+                        sizing_mode="stretch_width", margin=(0, 10))
+    return pn.Column(bar, line, sizing_mode="stretch_width")
+
+
+VIEW_CLASSES: tuple[Callable[[DataStore], PlotView], ...] = (
+    HeatmapView, HitRateView, LatencyView, TimelineView, DiffHeatmapView)

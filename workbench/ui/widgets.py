@@ -1,0 +1,252 @@
+"""Widgets generated from the knob classes, the view filters and the request inputs.
+
+Knob widgets are never written by hand: :func:`knob_panels` makes one ``pn.Param`` per group of
+``Knobs().groups`` (the knob classes refresh their policy ``Selector`` menus from the registries
+on instantiation, so a policy registered later shows up in its menu with no UI change). Numeric
+knobs with soft bounds become editable sliders (the slider spans the soft bounds, the text box
+accepts anything inside the hard bounds); every widget's tooltip is the knob's ``doc``.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import panel as pn
+import param
+
+from workbench.errors import WorkbenchError
+from workbench.knobs import Knobs
+from workbench.ui.datastore import MAX_UPLOAD_BYTES, DataStore, demo_inputs
+
+__all__ = ["knob_panels", "knob_cards", "filter_widgets", "input_widgets", "runs_widgets",
+           "card", "make", "names"]
+
+CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: #1f2937; "
+                    "text-align: left; padding: 2px 0; }")
+#: groups whose card starts open
+OPEN_GROUPS = ("cache", "generation")
+
+
+def names(cls: type, label: str | None = None, color: str | None = None,
+          variant: str | None = None) -> dict[str, Any]:
+    """Keyword arguments with Panel ≥ 1.9 names (``label``, ``color``, ``variant``), or the
+    older ``name``, ``button_type``, ``button_style`` where a Panel release lacks them."""
+    kw: dict[str, Any] = {}
+    for new, old, value in (("label", "name", label), ("color", "button_type", color),
+                            ("variant", "button_style", variant)):
+        if value is not None:
+            kw[new if new in cls.param else old] = value
+    return kw
+
+
+def make(cls: type, label: str | None = None, color: str | None = None,
+         variant: str | None = None, **kw: Any) -> Any:
+    """``cls(**kw)`` with :func:`names` for the label and colours."""
+    return cls(**names(cls, label, color, variant), **kw)
+
+
+def _knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
+    specs: dict[str, Any] = {}
+    for name in group.param:
+        if name == "name":
+            continue
+        p = group.param[name]
+        spec: dict[str, Any] = {"css_classes": [f"wb-knob-{name}"],
+                                "sizing_mode": "stretch_width"}
+        soft = getattr(p, "softbounds", None)
+        if isinstance(p, param.Integer) and soft is not None and not p.allow_None:
+            spec["type"] = pn.widgets.EditableIntSlider
+        elif isinstance(p, param.Number) and not isinstance(p, param.Integer) \
+                and soft is not None and not p.allow_None:
+            spec["type"] = pn.widgets.EditableFloatSlider
+        if "type" in spec and "description" in spec["type"].param:
+            spec["description"] = p.doc  # pn.Param sets it on the widgets it picks itself
+        specs[name] = spec
+    return specs
+
+
+def card(*objects: Any, title: str, **kw: Any) -> pn.Card:
+    """A card whose title is left-aligned whether or not it collapses."""
+    head = pn.pane.HTML(f"<div class='wb-card-title'>{title}</div>", margin=(0, 4),
+                        stylesheets=[CARD_TITLE_STYLE], sizing_mode="stretch_width")
+    return pn.Card(*objects, header=head, title=title, **{"sizing_mode": "stretch_width",
+                                                          "margin": (4, 0), **kw})
+
+
+def knob_panels(knobs: Knobs) -> dict[str, pn.Param]:
+    """One ``pn.Param`` per knob group, keyed like ``knobs.groups`` (editing a widget sets the
+    knob on ``knobs``; param validates it)."""
+    return {key: pn.Param(group, name=getattr(group, "title", key) or key, show_name=False,
+                          widgets=_knob_widget_specs(group), sizing_mode="stretch_width")
+            for key, group in knobs.groups.items()}
+
+
+def knob_cards(knobs: Knobs) -> list[pn.Card]:
+    """:func:`knob_panels` in collapsible cards titled by the group's ``title``."""
+    return [card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
+            for key, panel in knob_panels(knobs).items()]
+
+
+class _RangeLink:
+    """Keeps an IntRangeSlider and ``store.step_range`` in step: the slider spans the shown
+    run's steps; a full-span slider means ``None`` (every step, growing with a live run)."""
+
+    def __init__(self, store: DataStore, slider: pn.widgets.IntRangeSlider) -> None:
+        self.store, self.slider = store, slider
+        self._busy = False
+        slider.param.watch(self._from_slider, "value_throttled")
+        store.param.watch(self._from_store, ["dataset", "step_range"])
+        self._from_store()
+
+    def _from_slider(self, event: Any) -> None:
+        if self._busy or event.new is None:
+            return
+        lo, hi = int(event.new[0]), int(event.new[1])
+        full = (lo, hi) == (self.slider.start, self.slider.end)
+        self.store.step_range = None if full else (lo, hi)
+
+    def _from_store(self, *events: Any) -> None:
+        ds = self.store.dataset
+        n = int(ds.sizes["step"]) if ds is not None else 0
+        self._busy = True
+        try:
+            end = max(n - 1, 1)
+            value = self.store.step_range or (0, end)
+            value = (min(value[0], end), min(value[1], end))
+            self.slider.param.update(start=0, end=end, value=value, disabled=n < 2)
+        finally:
+            self._busy = False
+
+
+def filter_widgets(store: DataStore) -> dict[str, pn.widgets.Widget]:
+    """View filters bound to the store: modality, phase, clock (button groups) and step range
+    (slider; applied when released)."""
+    rbg = pn.widgets.RadioButtonGroup
+    w = {
+        "modality": rbg.from_param(store.param.modality, css_classes=["wb-filter-modality"],
+                                   width=200, **names(rbg, "tokens", "primary", "outline")),
+        "phase": rbg.from_param(store.param.phase, css_classes=["wb-filter-phase"], width=230,
+                                **names(rbg, "phase", "primary", "outline")),
+        "clock": rbg.from_param(store.param.clock, css_classes=["wb-filter-clock"], width=190,
+                                **names(rbg, "timeline clock", "primary", "outline")),
+        "steps": make(pn.widgets.IntRangeSlider, "steps", css_classes=["wb-filter-steps"],
+                      start=0, end=1, value=(0, 1), step=1, disabled=True, min_width=200,
+                      sizing_mode="stretch_width"),
+    }
+    w["steps"]._wb_link = _RangeLink(store, w["steps"])  # keep the link alive with the widget
+    return w
+
+
+def _message(kind: str = "danger") -> pn.pane.Alert:
+    return pn.pane.Alert("", alert_type=kind, visible=False, sizing_mode="stretch_width",
+                         margin=(4, 0))
+
+
+def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
+    """Request inputs: demo selector, image upload (checked: PNG/JPEG, ≤ 5 MB), image preview,
+    prompt box, optional run name; all write to the store."""
+    demos = demo_inputs(demo_folder)
+    options = {"(text only, no image)": -1, **{d["label"]: i for i, d in enumerate(demos)}}
+    demo = make(pn.widgets.Select, "Demo input", options=options, value=0 if demos else -1,
+                sizing_mode="stretch_width")
+    upload = pn.widgets.FileInput(accept=".png,.jpg,.jpeg,image/png,image/jpeg",
+                                  multiple=False, sizing_mode="stretch_width")
+    upload_msg = _message()
+    preview = pn.pane.Image(None, height=140, sizing_mode="fixed", width=140,
+                            visible=False, margin=(4, 10))
+    prompt = pn.widgets.TextAreaInput.from_param(
+        store.param.prompt, **names(pn.widgets.TextAreaInput, "Prompt"),
+        placeholder="Ask about the image …", rows=2, auto_grow=True, max_rows=6,
+        sizing_mode="stretch_width")
+    run_name = make(pn.widgets.TextInput, "Run name (optional)", placeholder="run-<time>",
+                    sizing_mode="stretch_width")
+
+    def on_demo(event: Any) -> None:
+        i = event.new
+        if i is None or i < 0:
+            store.param.update(image=None)
+        else:
+            store.use_demo(demos[i])
+
+    def on_upload(event: Any) -> None:
+        if not upload.value:
+            return
+        try:
+            store.accept_upload(upload.value, upload.filename)
+        except WorkbenchError as e:
+            upload_msg.param.update(object=html.escape(str(e)), visible=True)
+            return
+        upload_msg.visible = False
+
+    def on_image(*events: Any) -> None:
+        preview.param.update(object=store.image, visible=bool(store.image))
+
+    demo.param.watch(on_demo, "value")
+    upload.param.watch(on_upload, "value")
+    store.param.watch(on_image, "image")
+    if demos and not store.prompt:
+        store.use_demo(demos[0])
+    on_image()
+    return {"demo": demo, "upload": upload, "upload_message": upload_msg,
+            "upload_hint": pn.pane.HTML(
+                f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
+                f"{MAX_UPLOAD_BYTES // 2**20} MB)</small>", margin=(0, 10)),
+            "preview": preview, "prompt": prompt, "run_name": run_name}
+
+
+def runs_widgets(store: DataStore) -> dict[str, Any]:
+    """Past runs of the workspace (newest first) with Open, and the A/B baseline buttons."""
+    select = make(pn.widgets.Select, "Runs in the workspace", options={},
+                  sizing_mode="stretch_width")
+    btn = pn.widgets.Button
+    open_b = make(btn, "Open", "default", width=80, css_classes=["wb-open"])
+    refresh = make(btn, "↻", "light", width=40, description="Re-list the workspace")
+    pin = make(btn, "Pin as baseline", "primary", css_classes=["wb-pin"],
+               sizing_mode="stretch_width")
+    clear = make(btn, "Clear baseline", "light", width=120, css_classes=["wb-clear"])
+    adopt = make(btn, "Use its knobs", "default", width=110, css_classes=["wb-adopt"],
+                 description="Set the knobs to those of the shown run")
+    msg = _message()
+    baseline = pn.pane.HTML("", margin=(0, 10), sizing_mode="stretch_width")
+
+    listed: set[str] = set()
+
+    def sync_runs(*events: Any) -> None:
+        """Options follow the run list. The selection moves to the shown run when that changes
+        or first appears in the list (a new run); otherwise it stays where the user put it."""
+        opts = {r.label: r.name for r in store.runs}
+        now = set(opts.values())
+        shown = store.run_name if store.run_name in now else None
+        moved = any(e.name == "run_name" for e in events) or (shown and shown not in listed)
+        keep = select.value if select.value in now else None
+        select.param.update(options=opts, value=(shown or keep) if moved else (keep or shown))
+        listed.clear()
+        listed.update(now)
+
+    def sync_baseline(*events: Any) -> None:
+        baseline.object = (f"<small>baseline: <b>{store.baseline_name}</b></small>"
+                           if store.baseline_name else "<small class='wb-muted'>no baseline"
+                                                       "</small>")
+        clear.disabled = store.baseline is None
+
+    def guarded(fn):
+        def run(event: Any) -> None:
+            try:
+                fn()
+                msg.visible = False
+            except WorkbenchError as e:
+                msg.param.update(object=html.escape(str(e)), visible=True)
+        return run
+
+    open_b.on_click(guarded(lambda: select.value and store.open(select.value)))
+    refresh.on_click(guarded(store.refresh))
+    pin.on_click(guarded(store.pin_baseline))
+    clear.on_click(guarded(store.clear_baseline))
+    adopt.on_click(guarded(store.adopt_knobs))
+    store.param.watch(sync_runs, ["runs", "run_name"])
+    store.param.watch(sync_baseline, ["baseline", "baseline_name"])
+    sync_runs()
+    sync_baseline()
+    return {"select": select, "open": open_b, "refresh": refresh, "pin": pin, "clear": clear,
+            "adopt": adopt, "message": msg, "baseline": baseline}
