@@ -20,9 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
 import torch
-
-import workbench
 from workbench.models.inputs import Request, build_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +33,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--cache-slots", type=int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="decode exactly --max-new-tokens tokens (all variants alike)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -44,7 +45,8 @@ def main() -> None:
     else:
         req = Request("the quick brown fox")
     L = lm.layout.num_layers
-    rt = workbench.Runtime(lm, max_new_tokens=a.max_new_tokens, device="cpu")
+    rt = workbench.Runtime(lm, max_new_tokens=a.max_new_tokens, device="cpu",
+                           ignore_eos=a.ignore_eos)
     inputs = build_inputs(lm, req, a.max_new_tokens).tensors
     tmp = Path(tempfile.mkdtemp())
     counter = iter(range(10**6))
@@ -52,7 +54,8 @@ def main() -> None:
     def plain():
         with torch.no_grad():
             lm.model.generate(**inputs, max_new_tokens=a.max_new_tokens, do_sample=False,
-                              temperature=None, top_p=None, top_k=None)
+                              temperature=None, top_p=None, top_k=None,
+                              min_new_tokens=a.max_new_tokens if a.ignore_eos else None)
 
     variants = {
         "plain_generate": plain,
@@ -71,8 +74,10 @@ def main() -> None:
             f()
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    steps = rt.run(req, record=False).steps
     out = {
         "model": lm.model_id, "moe_layers": L, "max_new_tokens": a.max_new_tokens,
+        "ignore_eos": a.ignore_eos, "steps_per_run": steps,
         "repeats": a.repeats, "cache_slots": a.cache_slots,
         "median_s_measured": med,
         "runtime_overhead_ratio": med["runtime_all_resident"] / med["plain_generate"],
@@ -82,6 +87,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(out))
         return
+    print(f"{lm.model_id}: {steps} steps per run (1 prefill + {steps - 1} decode)")
     for k, v in med.items():
         print(f"{k:<24} {v * 1e3:8.1f} ms (median of {a.repeats}, measured)")
     print(f"runtime overhead (all resident / plain generate): {out['runtime_overhead_ratio']:.3f}x"

@@ -69,7 +69,7 @@ def run(steps: int, flush_every: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--flush-every", type=int, default=16)
+    ap.add_argument("--flush-every", type=int, default=32, help="the flush_every option default")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     r = run(a.steps, a.flush_every)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see workbench/__init__)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parents[1]

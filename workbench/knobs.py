@@ -105,6 +105,9 @@ class GenerationKnobs(KnobGroup):
         default=1.0, bounds=(0.0, 1.0), inclusive_bounds=(False, True),
         doc="Nucleus sampling mass when sampling.")
     seed = param.Integer(default=0, bounds=(0, None), doc="Random seed for sampling.")
+    ignore_eos = param.Boolean(
+        default=False, doc="Generate exactly max_new_tokens, past the end-of-sequence token "
+                           "(for benchmarks, like vLLM's ignore_eos).")
 
 
 _GROUPS: dict[str, type[KnobGroup]] = {}

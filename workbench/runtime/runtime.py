@@ -282,6 +282,8 @@ class Runtime:
 
         gen_kwargs: dict[str, Any] = dict(max_new_tokens=k.max_new_tokens, do_sample=k.sampling,
                                           streamer=_Streamer(take_token))
+        if k.ignore_eos:
+            gen_kwargs["min_new_tokens"] = k.max_new_tokens
         if k.sampling:
             torch.manual_seed(k.seed)
             gen_kwargs.update(temperature=k.temperature, top_p=k.top_p)

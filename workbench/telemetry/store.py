@@ -134,28 +134,27 @@ class Recorder:
         self.group = zarr.open_group(str(self.path), mode="w-", zarr_format=3)
         sizes = {"layer": num_layers, "expert": num_experts, "modality": len(MODALITIES),
                  "k": top_k}
-        self.arrays: dict[str, zarr.Array] = {}
-        for name, v in SCHEMA.items():
-            shape = (self.capacity[v.dims[0]], *(sizes[d] for d in v.dims[1:]))
-            chunks = (v.chunk, *(sizes[d] for d in v.dims[1:]))
-            a = self.group.create_array(name, shape=shape, chunks=chunks, dtype=v.dtype,
-                                        dimension_names=list(v.dims), fill_value=0)
-            a.attrs.update({"units": v.units, "description": v.doc})
-            self.arrays[name] = a
-        for name, values in (("layer", np.arange(num_layers, dtype=np.int32)),
-                             ("expert", np.arange(num_experts, dtype=np.int32)),
-                             ("k", np.arange(top_k, dtype=np.int32))):
-            a = self.group.create_array(name, shape=values.shape, dtype=values.dtype,
-                                        dimension_names=[name])
-            a[:] = values
-        m = self.group.create_array("modality", shape=(len(MODALITIES),), dtype=str,
-                                    dimension_names=["modality"])
-        m[:] = np.array(MODALITIES)
-        p = self.group.create_array("pinned", shape=(num_layers,), dtype="bool",
-                                    dimension_names=["layer"])
-        p[:] = np.asarray(pinned, dtype=bool)
-        p.attrs.update({"description": "layer belongs to the pinned (always resident) prefix"})
-        self.group.attrs.update({
+        specs = {name: dict(shape=(self.capacity[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
+                            chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
+                            dimension_names=list(v.dims), fill_value=0,
+                            attributes={"units": v.units, "description": v.doc})
+                 for name, v in SCHEMA.items()}
+        index = {"layer": np.arange(num_layers, dtype=np.int32),
+                 "expert": np.arange(num_experts, dtype=np.int32),
+                 "k": np.arange(top_k, dtype=np.int32)}
+        for name, values in index.items():
+            specs[name] = dict(shape=values.shape, dtype=values.dtype, dimension_names=[name])
+        specs["modality"] = dict(shape=(len(MODALITIES),), dtype=str,
+                                 dimension_names=["modality"])
+        specs["pinned"] = dict(shape=(num_layers,), dtype="bool", dimension_names=["layer"],
+                               attributes={"description": "layer belongs to the pinned "
+                                                          "(always resident) prefix"})
+        created = _create_all(self.group, specs)
+        self.arrays: dict[str, zarr.Array] = {n: created[n] for n in SCHEMA}
+        _write_all([*((created[name], slice(None), values) for name, values in index.items()),
+                    (created["modality"], slice(None), np.array(MODALITIES)),
+                    (created["pinned"], slice(None), np.asarray(pinned, dtype=bool))])
+        self.group.update_attributes({
             **attrs,
             "schema_version": SCHEMA_VERSION,
             "workbench_version": __version__,
@@ -189,7 +188,7 @@ class Recorder:
                   for name, data in cols.items() if len(data)]
         _write_all(writes)
         self.committed = end
-        self.group.attrs["committed"] = dict(end)
+        self.group.update_attributes({"committed": dict(end)})
         self._buf = []
         self._last_flush = time.perf_counter()
 
@@ -204,18 +203,22 @@ class Recorder:
         self.capacity[dim] = cap
 
     def set_attrs(self, **attrs: Any) -> None:
-        self.group.attrs.update(attrs)
+        self.group.update_attributes(attrs)
 
     def close(self, status: str = "complete", **attrs: Any) -> None:
         """Flush, trim every growing array to its committed length, and set ``status``."""
         self.flush()
-        for name, v in SCHEMA.items():
-            a = self.arrays[name]
-            n = self.committed[v.dims[0]]
-            if a.shape[0] != n:
-                a.resize((n, *a.shape[1:]))
+        from zarr.core.sync import sync
+
+        async def trim() -> None:  # no chunk lies wholly past the committed end: only metadata
+            await asyncio.gather(*(
+                a._async_array.resize((self.committed[SCHEMA[n].dims[0]], *a.shape[1:]),
+                                      delete_outside_chunks=False)
+                for n, a in self.arrays.items() if a.shape[0] != self.committed[SCHEMA[n].dims[0]]))
+
+        sync(trim())
         self.capacity = dict(self.committed)
-        self.group.attrs.update({**attrs, "status": status})
+        self.group.update_attributes({**attrs, "status": status})
 
     def __enter__(self) -> "Recorder":
         return self
@@ -228,6 +231,17 @@ class Recorder:
                 self.close("failed", error=f"{exc_type.__name__}: {exc}")
             except Exception:  # never hide the original error
                 pass
+
+
+def _create_all(group: zarr.Group, specs: dict[str, dict]) -> dict[str, zarr.Array]:
+    """Create many arrays at once (their metadata writes overlap on zarr's event loop)."""
+    from zarr.core.sync import sync
+
+    async def go():
+        return await asyncio.gather(*(group._async_group.create_array(name, **kw)
+                                      for name, kw in specs.items()))
+
+    return {name: zarr.Array(a) for name, a in zip(specs, sync(go()))}
 
 
 def _write_all(writes: list[tuple[zarr.Array, slice, np.ndarray]]) -> None:
