@@ -44,7 +44,8 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme.split("## Fresh machine")[1], re.S)
     cmds = [b.strip() for b in blocks[:2]]
     assert len(cmds) == 2
-    assert "torch==2.13.0" in cmds[0] and "workbench run" in cmds[0]
+    assert "torch==2.13.0" in cmds[0] and "panel serve apps/dashboard.py" in cmds[0]
+    assert "--address 127.0.0.1" in cmds[0]
     assert "torch==2.13.0" in cmds[1] and "pytest" in cmds[1]
     ci = (REPO / ".ci" / "run").read_text()
     assert cmds[1] in ci, "the CI script must run the README's test command verbatim"
