@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +24,7 @@ import zarr
 
 from workbench._version import __version__
 from workbench.errors import InputError, StoreExistsError
+from workbench.telemetry import zarr_files
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
 
 SCHEMA_VERSION = 1
@@ -112,7 +112,8 @@ class Recorder:
 
     Use as a context manager; on exit the store's ``status`` attr says ``complete`` or
     ``failed`` (with the error). ``flush_every`` steps or ``flush_interval_s`` seconds, whichever
-    comes first, trigger an append.
+    comes first, trigger an append. The recorder is the store's only writer and writes files
+    directly (:mod:`workbench.telemetry.zarr_files`); everything reads it with zarr/xarray.
     """
 
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
@@ -131,37 +132,27 @@ class Recorder:
         # arrays are allocated ahead of the data (unwritten chunks cost nothing on disk) so that a
         # flush writes chunks only; readers never look past ``committed``
         self.capacity = dict(INITIAL_CAPACITY)
-        self.group = zarr.open_group(str(self.path), mode="w-", zarr_format=3)
-        sizes = {"layer": num_layers, "expert": num_experts, "modality": len(MODALITIES),
-                 "k": top_k}
-        specs = {name: dict(shape=(self.capacity[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
-                            chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
-                            dimension_names=list(v.dims), fill_value=0,
-                            attributes={"units": v.units, "description": v.doc})
-                 for name, v in SCHEMA.items()}
-        index = {"layer": np.arange(num_layers, dtype=np.int32),
-                 "expert": np.arange(num_experts, dtype=np.int32),
-                 "k": np.arange(top_k, dtype=np.int32)}
-        for name, values in index.items():
-            specs[name] = dict(shape=values.shape, dtype=values.dtype, dimension_names=[name])
-        specs["modality"] = dict(shape=(len(MODALITIES),), dtype=str,
-                                 dimension_names=["modality"])
-        specs["pinned"] = dict(shape=(num_layers,), dtype="bool", dimension_names=["layer"],
-                               attributes={"description": "layer belongs to the pinned "
-                                                          "(always resident) prefix"})
-        created = _create_all(self.group, specs)
-        self.arrays: dict[str, zarr.Array] = {n: created[n] for n in SCHEMA}
-        _write_all([*((created[name], slice(None), values) for name, values in index.items()),
-                    (created["modality"], slice(None), np.array(MODALITIES)),
-                    (created["pinned"], slice(None), np.asarray(pinned, dtype=bool))])
-        self.group.update_attributes({
+        files = _layout_files(num_layers, num_experts, top_k)
+        self.path.mkdir(parents=True)
+        zarr_files.materialize(self.path, files, skip={"zarr.json"})
+        self.arrays = {name: zarr_files.AppendArray(self.path, name,
+                                                    json.loads(files[f"{name}/zarr.json"]))
+                       for name in (*SCHEMA, "pinned")}
+        self.arrays.pop("pinned").write(0, np.asarray(pinned, dtype=bool))
+        self._group_meta = json.loads(files["zarr.json"])
+        self.attrs: dict[str, Any] = {
             **attrs,
             "schema_version": SCHEMA_VERSION,
             "workbench_version": __version__,
             "phase_names": list(PHASES), "lane_names": list(LANES), "clock_names": list(CLOCKS),
             "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "committed": self.committed,
-        })
+        }
+        self._write_attrs()  # the root document last: from now on the store opens
+
+    def _write_attrs(self) -> None:
+        self._group_meta["attributes"] = self.attrs
+        zarr_files.atomic_write(self.path / "zarr.json", zarr_files.dump_json(self._group_meta))
 
     # -- writing ---------------------------------------------------------------------------
     def add(self, ev: StepEvent) -> None:
@@ -170,9 +161,10 @@ class Recorder:
                 or time.perf_counter() - self._last_flush >= self.flush_interval_s):
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, publish: bool = True) -> None:
         """Write buffered steps past the committed end of every array, then publish the new
-        committed lengths (the only metadata write of a flush, unless an array must grow)."""
+        committed lengths (the only metadata write of a flush, unless an array must grow;
+        ``publish=False`` leaves that write to the caller)."""
         if not self._buf:
             return
         cols = _columns(self._buf, self.L, self.E, self.k)
@@ -183,12 +175,12 @@ class Recorder:
         for dim in GROWING:
             if end[dim] > self.capacity[dim]:
                 self._grow(dim, end[dim])
-        writes = [(self.arrays[name], slice(start[SCHEMA[name].dims[0]],
-                                            end[SCHEMA[name].dims[0]]), data)
-                  for name, data in cols.items() if len(data)]
-        _write_all(writes)
+        for name, data in cols.items():
+            self.arrays[name].write(start[SCHEMA[name].dims[0]], data)
         self.committed = end
-        self.group.update_attributes({"committed": dict(end)})
+        self.attrs["committed"] = dict(end)
+        if publish:
+            self._write_attrs()
         self._buf = []
         self._last_flush = time.perf_counter()
 
@@ -198,27 +190,23 @@ class Recorder:
             cap *= 2
         for name, v in SCHEMA.items():
             if v.dims[0] == dim:
-                a = self.arrays[name]
-                a.resize((cap, *a.shape[1:]))
+                self.arrays[name].resize(cap)
         self.capacity[dim] = cap
 
     def set_attrs(self, **attrs: Any) -> None:
-        self.group.update_attributes(attrs)
+        self.attrs.update(attrs)
+        self._write_attrs()
 
     def close(self, status: str = "complete", **attrs: Any) -> None:
-        """Flush, trim every growing array to its committed length, and set ``status``."""
-        self.flush()
-        from zarr.core.sync import sync
-
-        async def trim() -> None:  # no chunk lies wholly past the committed end: only metadata
-            await asyncio.gather(*(
-                a._async_array.resize((self.committed[SCHEMA[n].dims[0]], *a.shape[1:]),
-                                      delete_outside_chunks=False)
-                for n, a in self.arrays.items() if a.shape[0] != self.committed[SCHEMA[n].dims[0]]))
-
-        sync(trim())
+        """Flush, trim every growing array to its committed length, and set ``status`` (the new
+        committed lengths and the status are published in one write, after the trim)."""
+        self.flush(publish=False)
+        for name, a in self.arrays.items():
+            n = self.committed[SCHEMA[name].dims[0]]
+            if a.length != n:
+                a.resize(n)
         self.capacity = dict(self.committed)
-        self.group.update_attributes({**attrs, "status": status})
+        self.set_attrs(**attrs, status=status)
 
     def __enter__(self) -> "Recorder":
         return self
@@ -233,30 +221,30 @@ class Recorder:
                 pass
 
 
-def _create_all(group: zarr.Group, specs: dict[str, dict]) -> dict[str, zarr.Array]:
-    """Create many arrays at once (their metadata writes overlap on zarr's event loop)."""
-    from zarr.core.sync import sync
+def _layout_files(L: int, E: int, k: int) -> dict[str, bytes]:
+    """The files of an empty run store for an (L layers, E experts, top-k) layout: every
+    array's metadata at its initial capacity plus the constant coordinate variables."""
 
-    async def go():
-        return await asyncio.gather(*(group._async_group.create_array(name, **kw)
-                                      for name, kw in specs.items()))
+    def build(group: zarr.Group) -> None:
+        sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k}
+        specs = {name: dict(shape=(INITIAL_CAPACITY[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
+                            chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
+                            dimension_names=list(v.dims), fill_value=0,
+                            attributes={"units": v.units, "description": v.doc})
+                 for name, v in SCHEMA.items()}
+        index = {"layer": np.arange(L, dtype=np.int32), "expert": np.arange(E, dtype=np.int32),
+                 "k": np.arange(k, dtype=np.int32), "modality": np.array(MODALITIES)}
+        for name, values in index.items():
+            specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
+                               else str, dimension_names=[name])
+        specs["pinned"] = dict(shape=(L,), dtype="bool", dimension_names=["layer"], fill_value=False,
+                               attributes={"description": "layer belongs to the pinned "
+                                                          "(always resident) prefix"})
+        zarr_files.create_arrays(group, specs)
+        for name, values in index.items():
+            group[name][:] = values
 
-    return {name: zarr.Array(a) for name, a in zip(specs, sync(go()))}
-
-
-def _write_all(writes: list[tuple[zarr.Array, slice, np.ndarray]]) -> None:
-    """Region writes into several arrays, issued concurrently on zarr's event loop (each touches
-    its own chunk files, so they are independent)."""
-    from zarr.core.sync import sync
-
-    async def go() -> None:
-        await asyncio.gather(*(a._async_array.setitem(region, data) for a, region, data in writes))
-
-    try:
-        sync(go())
-    except AttributeError:  # a zarr without the async array handle: write one by one
-        for a, region, data in writes:
-            a[region] = data
+    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k), build)
 
 
 def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.ndarray]:
