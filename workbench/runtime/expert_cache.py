@@ -101,7 +101,42 @@ class ExpertCache:
         self.loads[key[0]] += 1
         return slot, evicted
 
+    def fill(self, layer: int, experts: Iterable[int], misses: Iterable[int]) -> "LayerFill":
+        """Start admitting ``misses`` of ``layer`` (see :class:`LayerFill`)."""
+        return LayerFill(self, layer, experts, misses)
+
     def counters(self) -> dict[str, np.ndarray]:
         """Copies of the cumulative per-layer counters."""
         return {"hits": self.hits.copy(), "misses": self.misses.copy(),
                 "loads": self.loads.copy(), "evictions": self.evictions.copy()}
+
+
+class LayerFill:
+    """Admits one layer's missed experts into the cache, in order, as slots allow.
+
+    Every routed expert of the layer starts *protected* (it must stay until the layer has
+    computed it). :meth:`issue` admits pending misses while a slot is free or holds an
+    unprotected expert and returns ``(expert, slot, evicted key or None)`` per admission;
+    :meth:`done` unprotects experts the layer has finished with. The live offloader and trace
+    replay both drive this object in the same order (issue → done(hits) → issue → per admitted
+    miss: done → issue), which is what makes their evictions identical.
+    """
+
+    def __init__(self, cache: ExpertCache, layer: int, experts: Iterable[int],
+                 misses: Iterable[int]) -> None:
+        self.cache = cache
+        self.layer = layer
+        self.pending = list(misses)
+        self.protected = {(layer, e) for e in experts}
+
+    def issue(self) -> list[tuple[int, int, Key | None]]:
+        out = []
+        while self.pending:
+            got = self.cache.admit((self.layer, self.pending[0]), self.protected)
+            if got is None:
+                break  # every slot holds an expert this layer still needs
+            out.append((self.pending.pop(0), *got))
+        return out
+
+    def done(self, experts: Iterable[int]) -> None:
+        self.protected.difference_update((self.layer, e) for e in experts)

@@ -182,31 +182,24 @@ class Offloader:
             ev, experts = self._layer_event(b, top_k_index, top_k_weights)
             hits, misses = cache.lookup(layer, experts)
             ev.hits, ev.misses = hits, misses
-            pending = list(misses)
-            protected = {(layer, e) for e in experts}  # not yet computed in this layer
+            fill = cache.fill(layer, experts, misses)
             inflight: list[tuple[int, Transfer]] = []
 
             def issue() -> None:
-                while pending:
-                    key = (layer, pending[0])
-                    got = cache.admit(key, protected)
-                    if got is None:
-                        return  # every slot holds an expert this layer still needs
-                    slot, evicted = got
+                for e, slot, evicted in fill.issue():
                     if evicted is not None:
                         ev.evicted.append(evicted)
-                    pending.pop(0)
                     assert self.engine is not None
-                    tr = self.engine.submit(key, slot, cache.slot_view(slot),
-                                            self.store.expert(layer, key[1]))
-                    inflight.append((key[1], tr))
+                    tr = self.engine.submit((layer, e), slot, cache.slot_view(slot),
+                                            self.store.expert(layer, e))
+                    inflight.append((e, tr))
 
             issue()
             out = None
             if hits:
                 out = run_group(hidden_states, top_k_index, top_k_weights,
                                 {e: cache.slot_of[(layer, e)] for e in hits})
-                protected.difference_update((layer, e) for e in hits)
+                fill.done(hits)
                 issue()
             while inflight:
                 e, tr = inflight.pop(0)
@@ -217,10 +210,10 @@ class Offloader:
                     self._span(_STALL, layer, e, t)
                 part = run_group(hidden_states, top_k_index, top_k_weights, {e: tr.slot})
                 out = part if out is None else out + part
-                protected.discard((layer, e))
+                fill.done((e,))
                 issue()
-            if pending:  # cannot happen with num_slots ≥ 1: every wait frees a slot
-                raise RuntimeError(f"layer {layer}: {len(pending)} experts found no slot")
+            if fill.pending:  # cannot happen with num_slots ≥ 1: every wait frees a slot
+                raise RuntimeError(f"layer {layer}: {len(fill.pending)} experts found no slot")
             if out is None:  # no token routed here (empty input)
                 out = torch.zeros_like(hidden_states)
             return out
