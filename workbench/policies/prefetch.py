@@ -1,0 +1,174 @@
+"""Prefetch policies: which experts to start copying before a layer asks for them.
+
+A policy is asked once per (step, layer) group, right after that layer's router ran, for an
+ordered list of ``(layer, expert)`` candidates for the next ``prefetch_lead`` layers; the cache
+loads them in that order (skipping resident ones) up to ``prefetch_budget`` per group, behind the
+layer's own demand misses on the transfer lane. What a policy may look at is in
+:class:`PrefetchContext`: the recorded router lookahead (``pred``), the previous step's routing
+(``previous``) or, for the oracle bound only, the true future (``future``).
+
+Register a new policy with ``@PREFETCH.register("name")``; it then appears in the ``prefetch``
+knob's menu, the dashboard and ``--set prefetch=name``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from workbench.errors import KnobError
+from workbench.policies.registry import Registry
+
+
+@dataclass
+class PrefetchContext:
+    """What a prefetch policy sees at one (step, layer) group.
+
+    ``pred(d)``: experts the router of layer ``layer + d`` picks on this layer's hidden states,
+    most-routed first (d ≥ 1; empty past the last layer or when the trace has no lookahead).
+    ``previous(l)``: experts layer ``l`` used in the previous step, most-routed first.
+    ``future(d)``: experts layer ``layer + d`` will really use in this step (oracle only).
+    """
+
+    step: int
+    layer: int
+    num_layers: int
+    lead: int
+    pred: Callable[[int], list[int]]
+    previous: Callable[[int], list[int]]
+    future: Callable[[int], list[int]]
+
+
+class PrefetchPolicy(ABC):
+    name: str = "abstract"
+    #: trace fields the policy needs: "pred_ids" (recorded router lookahead) or "future"
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    @abstractmethod
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        """Ordered ``(layer, expert)`` pairs to fetch now (may include resident ones)."""
+
+
+PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch", knob="prefetch")
+
+
+def _ahead(ctx: PrefetchContext, depths: range, source: Callable[[int], list[int]]
+           ) -> list[tuple[int, int]]:
+    return [(ctx.layer + d, e) for d in depths if ctx.layer + d < ctx.num_layers
+            for e in source(d)]
+
+
+@PREFETCH.register("none")
+class NoPrefetch(PrefetchPolicy):
+    """On demand only: an expert is copied when a layer routes to it and finds it missing."""
+
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        return []
+
+
+@PREFETCH.register("speculative")
+class NextLayerSpeculation(PrefetchPolicy):
+    """Mixtral-offloading style: the next layer's router applied to this layer's hidden state
+    names the experts to fetch for the next layer (one layer ahead, whatever the lead)."""
+
+    needs = frozenset({"pred_ids"})
+
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        return _ahead(ctx, range(1, 2), ctx.pred)
+
+
+@PREFETCH.register("apex")
+class RouterGuidedMultiLayer(PrefetchPolicy):
+    """Aggressive router-guided prefetch (MoE-APEX-like): the routers of the next
+    ``prefetch_lead`` layers applied to this layer's hidden state, nearest layer first."""
+
+    needs = frozenset({"pred_ids"})
+
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        return _ahead(ctx, range(1, ctx.lead + 1), ctx.pred)
+
+
+@PREFETCH.register("previous-step")
+class PreviousStep(PrefetchPolicy):
+    """Temporal locality: fetch what the next ``prefetch_lead`` layers used in the previous
+    step (needs no lookahead, so it works on any trace)."""
+
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        return _ahead(ctx, range(1, ctx.lead + 1), lambda d: ctx.previous(ctx.layer + d))
+
+
+@PREFETCH.register("oracle")
+class Oracle(PrefetchPolicy):
+    """The bound for any prefetcher: knows the true experts of the next ``prefetch_lead`` layers
+    (of this step). Replay only."""
+
+    needs = frozenset({"future"})
+
+    def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
+        return _ahead(ctx, range(1, ctx.lead + 1), ctx.future)
+
+
+def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lead: int,
+                  budget: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Ask ``policy`` at every group of ``trace`` (a :class:`~workbench.traces.trace.Trace`);
+    returns CSR ``(ptr[G+1], keys)`` with keys ``layer · E + expert``, at most ``budget`` per
+    group (None: unlimited), duplicates and ``pinned`` (always resident) layers removed, order
+    kept."""
+    if "pred_ids" in policy.needs and trace.pred_ids is None:
+        raise KnobError(
+            f"prefetch {policy.name!r} needs recorded router lookahead (pred_ids), which this "
+            f"trace ({trace.attrs.get('source', 'unknown source')}) lacks; record it live with "
+            f"lookahead_depth ≥ 1, or choose one of: none, previous-step, oracle")
+    E, L = groups.num_experts, groups.num_layers
+    G = groups.num_groups
+    if G == 0 or policy.name == "none":
+        return np.zeros(G + 1, np.int64), np.zeros(0, np.int64)
+    steps_tokens = np.r_[0, np.cumsum(groups.step_tokens)]
+    ranked_cache: dict[tuple[int, int], list[int]] = {}
+
+    def ranked_ids(ids: np.ndarray) -> list[int]:
+        ids = ids[ids >= 0]
+        if ids.size == 0:
+            return []
+        u, c = np.unique(ids, return_counts=True)
+        return u[np.lexsort((u, -c))].tolist()  # most-routed first, then by id
+
+    def routed(step: int, layer: int) -> list[int]:
+        if step < 0:
+            return []
+        key = (step, layer)
+        if key not in ranked_cache:
+            a, b = steps_tokens[step], steps_tokens[step + 1]
+            ranked_cache[key] = ranked_ids(trace.topk_ids[a:b, layer])
+        return ranked_cache[key]
+
+    ptr = [0]
+    keys: list[int] = []
+    for g in range(G):
+        s, l = int(groups.step[g]), int(groups.layer[g])
+        a, b = steps_tokens[s], steps_tokens[s + 1]
+
+        def pred(d: int, a=a, b=b, l=l) -> list[int]:
+            if trace.pred_ids is None or d - 1 >= trace.pred_ids.shape[2]:
+                return []
+            return ranked_ids(trace.pred_ids[a:b, l, d - 1])
+
+        ctx = PrefetchContext(step=s, layer=l, num_layers=L, lead=lead, pred=pred,
+                              previous=lambda layer, s=s: routed(s - 1, layer),
+                              future=lambda d, s=s, l=l: routed(s, l + d))
+        seen: set[int] = set()
+        for layer, e in policy.candidates(ctx):
+            k = layer * E + e
+            if layer < L and not pinned[layer] and k not in seen:
+                seen.add(k)
+                keys.append(k)
+                if budget is not None and len(seen) >= budget:
+                    break
+        ptr.append(len(keys))
+    return np.asarray(ptr, np.int64), np.asarray(keys, np.int64)
