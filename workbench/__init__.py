@@ -31,6 +31,8 @@ _LAZY = {
     "RunResult": "workbench.runtime.runtime",
     "Request": "workbench.models.inputs",
     "open_run": "workbench.telemetry.store",
+    "replay_trace": "workbench.replay",
+    "load_trace": "workbench.traces",
     "set_options": "workbench.options",
     "sweep": "workbench.analysis.sweep",
     "open_summary": "workbench.analysis.sweep",

@@ -72,6 +72,22 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=5006, help="port (default 5006; 0 = any free)")
     d.add_argument("--show", action="store_true", help="open a browser tab")
 
+    rp = sub.add_parser("replay", help="replay a routing trace under cache/prefetch knobs")
+    rp.add_argument("trace", metavar="TRACE",
+                    help="run store, .jsonl, .npy or .wbtrace file (see docs/traces.md)")
+    rp.add_argument("--format", default="auto",
+                    help="trace format: auto, store, jsonl, npy, plain (default auto)")
+    rp.add_argument("--scope", default="global",
+                    help="global: one slot pool for all layers; per-layer: an equal share each")
+    rp.add_argument("--num-experts", type=int, metavar="N",
+                    help="experts per layer (jsonl/npy; default: largest id + 1)")
+    rp.add_argument("--prefill-tokens", type=int, default=0, metavar="N",
+                    help="npy: the first N tokens form one prefill step")
+    rp.add_argument("--engine", default="auto", help="auto, fast (numba) or python")
+    rp.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a knob (repeatable); see `workbench knobs`")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -83,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
-                "dashboard": _dashboard}[args.command](args)
+                "dashboard": _dashboard, "replay": _replay}[args.command](args)
     except WorkbenchError as e:
         print(f"workbench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -142,6 +158,62 @@ def _run(args) -> int:
     else:
         print()
         print("\n".join(res.summary().splitlines()[1:]))
+    return 0
+
+
+def _replay(args) -> int:
+    from workbench.errors import InputError
+    from workbench.knobs import Knobs
+    from workbench.replay import SCOPES, replay_trace
+    from workbench.traces import FORMATS, load_trace
+
+    if args.scope not in SCOPES:
+        raise InputError(f"--scope must be one of {', '.join(SCOPES)}, not {args.scope!r}")
+    if args.format not in FORMATS:
+        raise InputError(f"--format must be one of {', '.join(FORMATS)}, not {args.format!r}")
+    opts = {}
+    fmt = args.format
+    if fmt == "auto":
+        suffix = Path(args.trace).suffix
+        fmt = {".jsonl": "jsonl", ".npy": "npy"}.get(suffix, fmt)
+    if args.num_experts is not None and fmt in ("jsonl", "npy"):
+        opts["num_experts"] = args.num_experts
+    if args.prefill_tokens and fmt == "npy":
+        opts["prefill_tokens"] = args.prefill_tokens
+    trace = load_trace(Path(args.trace), format=args.format, **opts)
+    base = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
+    knobs = base.set_from_strings(args.sets)
+    res = replay_trace(trace, knobs, scope=args.scope, engine=args.engine)
+    m = res.metrics()
+    out = {"trace": str(args.trace), "trace_summary": repr(trace),
+           "config": res.config, "metrics": m,
+           "labels": {"times": "modeled", "replay_s_measured": "measured"}}
+    if args.json:
+        print(json.dumps(out, default=float))
+        return 0
+    c = res.config
+    print(f"{trace!r}")
+    print(f"eviction={c['eviction']} prefetch={c['prefetch']} (lead {c['prefetch_lead']}) "
+          f"cache_slots={c['cache_slots']} pinned_layers={c['pinned_layers']} "
+          f"scope={c['scope']} cost={c['cost_source']} on {c['profile']}")
+    rows = [("accesses", f"{m['accesses']}"), ("hits / misses", f"{m['hits']} / {m['misses']}"),
+            ("hit rate", f"{m['hit_rate']:.4f}")]
+    if m.get("belady_hit_rate") is not None:
+        rows += [("Belady hit rate (bound)", f"{m['belady_hit_rate']:.4f}"),
+                 ("share of Belady", f"{m['share_of_belady']:.3f}")]
+    rows += [("transfers (demand + prefetch)", f"{m['transfers']} ({m['demand_loads']} + "
+                                               f"{m['prefetch_loads']})"),
+             ("transfer bytes", f"{m['transfer_bytes']:.4g}"),
+             ("transfer bytes per token", f"{m['transfer_bytes_per_token']:.4g}"),
+             ("blocking I/O (modeled)", f"{m['blocking_io_s'] * 1e3:.2f} ms"),
+             ("total I/O (modeled)", f"{m['total_io_s'] * 1e3:.2f} ms"),
+             ("redundant-transfer share", f"{m['redundant_share']:.3f}"),
+             ("fetch precision / prefetch recall",
+              f"{m['fetch_precision']:.3f} / {m['prefetch_recall']:.3f}"),
+             ("replay time (measured)", f"{m['replay_s_measured'] * 1e3:.1f} ms")]
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b}")
     return 0
 
 

@@ -20,6 +20,7 @@ import param
 
 from workbench.errors import KnobError
 from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
 from workbench.policies.registry import Registry
 from workbench.runtime.profiles import available_profiles, available_target_models
 
@@ -60,7 +61,32 @@ class CacheKnobs(KnobGroup):
         doc="The first N MoE layers keep all their experts resident (the pinned prefix).")
     eviction = param.Selector(
         default="lru", objects=EVICTION.available(),
-        doc="Which cached expert leaves when a slot is needed.")
+        doc="Which cached expert leaves when a slot is needed ('belady' needs the future: "
+            "trace replay only).")
+    hotness_decay = param.Number(
+        default=0.8, bounds=(0.0, 1.0), inclusive_bounds=(False, True), softbounds=(0.5, 1.0),
+        doc="γ of the 'hotness' eviction policy: a use s steps ago weighs γ^s.")
+    hotness_window = param.Integer(
+        default=16, bounds=(1, 64), softbounds=(1, 64),
+        doc="T of the 'hotness' eviction policy: uses older than T steps are forgotten.")
+
+
+class PrefetchKnobs(KnobGroup):
+    """Prefetch: copy experts before a layer asks for them (SPEC §2 baselines and bounds)."""
+
+    title = "Prefetch"
+    _registries = {"prefetch": PREFETCH}
+
+    prefetch = param.Selector(
+        default="none", objects=PREFETCH.available(),
+        doc="Which experts to fetch ahead: 'speculative'/'apex' use the recorded router "
+            "lookahead, 'oracle' knows the future (trace replay only).")
+    prefetch_lead = param.Integer(
+        default=1, bounds=(1, None), softbounds=(1, 8),
+        doc="How many layers ahead a prefetch may target.")
+    prefetch_budget = param.Integer(
+        default=None, allow_None=True, bounds=(1, None), softbounds=(1, 64),
+        doc="Most experts prefetched per layer step (None: no limit).")
 
 
 class CostKnobs(KnobGroup):
@@ -123,8 +149,8 @@ def register_group(key: str, cls: type[KnobGroup]) -> type[KnobGroup]:
     return cls
 
 
-for _key, _cls in (("cache", CacheKnobs), ("cost", CostKnobs), ("exec", ExecKnobs),
-                   ("generation", GenerationKnobs)):
+for _key, _cls in (("cache", CacheKnobs), ("prefetch", PrefetchKnobs), ("cost", CostKnobs),
+                   ("exec", ExecKnobs), ("generation", GenerationKnobs)):
     register_group(_key, _cls)
 
 
@@ -247,7 +273,24 @@ class Knobs:
 
     # -- checks that need the model -------------------------------------------------------
     def check_against(self, num_layers: int, top_k: int, expert_bytes: int) -> None:
-        """Raise :class:`KnobError` if a knob is out of range for this model's MoE layout."""
+        """Raise :class:`KnobError` if a knob is out of range for this model's MoE layout or
+        cannot run live (policies that need the future are trace-replay only)."""
+        live_ev = [n for n in EVICTION.available()
+                   if not getattr(EVICTION.get(n), "needs_future", False)]
+        if getattr(EVICTION.get(self.eviction), "needs_future", False):
+            raise KnobError(
+                f"eviction {self.eviction!r} needs the future, so only trace replay can run it "
+                f"(workbench replay); live runs take one of {', '.join(live_ev)}")
+        needs = PREFETCH.get(self.prefetch).needs
+        if "future" in needs:
+            live_pf = [n for n in PREFETCH.available() if "future" not in PREFETCH.get(n).needs]
+            raise KnobError(
+                f"prefetch {self.prefetch!r} needs the future, so only trace replay can run it "
+                f"(workbench replay); live runs take one of {', '.join(live_pf)}")
+        if "pred_ids" in needs and getattr(self, "lookahead_depth", 0) < 1:
+            raise KnobError(
+                f"prefetch {self.prefetch!r} uses router lookahead: lookahead_depth must be at "
+                f"least 1, not {getattr(self, 'lookahead_depth', 0)}")
         if self.pinned_layers > num_layers:
             raise KnobError(
                 f"pinned_layers must be between 0 and {num_layers} (the model's MoE layers), "
@@ -282,3 +325,6 @@ def _reword(msg: str, name: str) -> str:
     import re
 
     return re.sub(r"^\w+ parameter '\w+\.(\w+)'", r"\1", msg)
+
+
+import workbench.policies.active_evict  # noqa: E402,F401  (registers the "active_evict" knob group)

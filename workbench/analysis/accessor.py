@@ -340,6 +340,37 @@ class MoEAccessor:
         }
 
 
+    # -- caching lab (issue 4): replay this run's routing under any cache/prefetch knobs -------
+    def replay(self, knobs: Any = None, *, scope: str = "global", **knob_values: Any):
+        """Replay this store's routing (:func:`workbench.replay_trace`): the run's own knobs
+        unless ``knobs``/``knob_values`` change them. With unchanged knobs the result equals
+        the live run (per step and layer; tested). Times are *modeled*."""
+        from workbench.replay import replay_trace
+
+        return replay_trace(self._ds, knobs, scope=scope, **knob_values)
+
+    def io_metrics(self, by: str | None = None, *, scope: str = "global",
+                   **knob_values: Any) -> Any:
+        """SPEC §2 I/O metrics and the bounds for this run (or for other knobs).
+
+        ``by=None``: one dict — hit rate and share of the Belady hit rate, blocking and total I/O
+        time (*modeled*, per the run's hardware profile), transfer bytes per token, redundant-
+        transfer share, fetch precision and prefetch recall. ``by="layer"``: a Dataset of the
+        per-layer figures (``hits``, ``misses``, ``hit_rate``, ``stall_s``, ``evictions``,
+        ``redundant``, ``pinned``).
+        """
+        if by not in (None, "layer"):
+            raise _bad("by", by, "None or 'layer'")
+        res = self.replay(scope=scope, **knob_values)
+        if by is None:
+            return res.metrics()
+        per = res.per_layer()
+        return xr.Dataset({k: ("layer", np.asarray(v)) for k, v in per.items()},
+                          coords={"layer": np.arange(len(per["hits"]))},
+                          attrs={"times": "modeled", **{f"config.{k}": str(v)
+                                                         for k, v in res.config.items()}})
+
+
 def _fmt_steps(steps: Any) -> str:
     if isinstance(steps, slice):
         a = "" if steps.start is None else steps.start

@@ -60,6 +60,36 @@ class MoEBlock:
     def shared_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for m in self.shared.values() for p in m.parameters())
 
+    def route(self, hidden_states: torch.Tensor, top_k: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run this layer's own router on ``hidden_states [T, H]``: ``(logits [T, E],
+        weights [T, k], ids [T, k])``, exactly what the block hands its experts.
+
+        ``top_k`` (optional) runs the router with another top-k (its ``top_k`` attribute is
+        set for the call and restored), so selection and weight normalisation are the model's
+        own for that k. The router's ``forward`` is called directly: module hooks (e.g.
+        transformers' router-logit recording) do not see these extra calls. Every supported
+        transformers ≥ 5 router returns ``(router_logits, top_k_weights, top_k_index)``.
+        """
+        r = self.router
+        saved = getattr(r, "top_k", None)
+        if top_k is not None and top_k != saved:
+            if not isinstance(saved, int):
+                raise UnsupportedArchitectureError(
+                    f"router of MoE layer {self.index} ({type(r).__name__}) has no integer "
+                    f"top_k attribute, so it cannot route with another k")
+            r.top_k = int(top_k)
+        try:
+            out = r.forward(hidden_states)
+        finally:
+            if top_k is not None and top_k != saved:
+                r.top_k = saved
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise UnsupportedArchitectureError(
+                f"router of MoE layer {self.index} ({type(r).__name__}) returned "
+                f"{type(out).__name__}, not (router_logits, top_k_weights, top_k_index)")
+        return out
+
 
 @dataclass
 class MoELayout:

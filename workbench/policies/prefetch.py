@@ -114,6 +114,32 @@ class Oracle(PrefetchPolicy):
         return _ahead(ctx, range(1, ctx.lead + 1), ctx.future)
 
 
+def ranked_ids(ids: np.ndarray) -> list[int]:
+    """Distinct expert ids (≥ 0) of ``ids``, most-routed first, ties by id."""
+    ids = np.asarray(ids)
+    ids = ids[ids >= 0]
+    if ids.size == 0:
+        return []
+    u, c = np.unique(ids, return_counts=True)
+    return u[np.lexsort((u, -c))].tolist()
+
+
+def select(candidates, pinned, num_layers: int, num_experts: int, budget: int | None
+           ) -> list[int]:
+    """Keys ``layer · E + expert`` of ``candidates`` in order: duplicates, pinned layers and
+    layers past the last dropped, at most ``budget`` (None: all)."""
+    seen: set[int] = set()
+    keys: list[int] = []
+    for layer, e in candidates:
+        k = layer * num_experts + e
+        if layer < num_layers and not pinned[layer] and k not in seen:
+            seen.add(k)
+            keys.append(k)
+            if budget is not None and len(keys) >= budget:
+                break
+    return keys
+
+
 def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lead: int,
                   budget: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Ask ``policy`` at every group of ``trace`` (a :class:`~workbench.traces.trace.Trace`);
@@ -131,13 +157,6 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
         return np.zeros(G + 1, np.int64), np.zeros(0, np.int64)
     steps_tokens = np.r_[0, np.cumsum(groups.step_tokens)]
     ranked_cache: dict[tuple[int, int], list[int]] = {}
-
-    def ranked_ids(ids: np.ndarray) -> list[int]:
-        ids = ids[ids >= 0]
-        if ids.size == 0:
-            return []
-        u, c = np.unique(ids, return_counts=True)
-        return u[np.lexsort((u, -c))].tolist()  # most-routed first, then by id
 
     def routed(step: int, layer: int) -> list[int]:
         if step < 0:
@@ -162,13 +181,6 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
         ctx = PrefetchContext(step=s, layer=l, num_layers=L, lead=lead, pred=pred,
                               previous=lambda layer, s=s: routed(s - 1, layer),
                               future=lambda d, s=s, l=l: routed(s, l + d))
-        seen: set[int] = set()
-        for layer, e in policy.candidates(ctx):
-            k = layer * E + e
-            if layer < L and not pinned[layer] and k not in seen:
-                seen.add(k)
-                keys.append(k)
-                if budget is not None and len(seen) >= budget:
-                    break
+        keys.extend(select(policy.candidates(ctx), pinned, L, E, budget))
         ptr.append(len(keys))
     return np.asarray(ptr, np.int64), np.asarray(keys, np.int64)

@@ -287,19 +287,47 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
     ready: dict[tuple[int, int], float] = {}
     now = xfer_free = 0.0
     clock = 0  # the pools share one access clock, like the kernel
+
+    def evicted(key, step: int) -> None:
+        ev_sl[step * L + key[0]] += 1
+        if not used.get(key, True):
+            red_sl[step * L + key[0]] += 1
+        pref.discard(key)
+
+    def prefetch(g: int, step: int, now: float, protected=frozenset()) -> None:
+        nonlocal clock, xfer_free
+        for k in pf_key[pf_ptr[g]:pf_ptr[g + 1]].tolist():
+            key = (k // E, k % E)
+            c = pools[int(pool_of_layer[key[0]])]
+            if key in c:
+                continue
+            c.t = clock
+            got = c.admit(key, protected)
+            clock = c.t
+            if got is None:
+                continue
+            if got[1] is not None:
+                evicted(got[1], step)
+            used[key] = False
+            pref.add(key)
+            xfer_free = max(xfer_free, now) + xfer
+            ready[key] = xfer_free
+            out_pl[g] += 1
+
     for g in range(G):
         layer, step = int(groups.layer[g]), int(groups.step[g])
         a, b = int(groups.ptr[g]), int(groups.ptr[g + 1])
         experts = groups.expert[a:b].tolist()
         now += dense[g]
+        for c in pools:
+            c.policy.begin_group(g, step)
         if pinned[layer]:
             out_h[g] = len(experts)
+            prefetch(g, step, now)
             now += float(comp[a:b].sum())
             g_end[g] = now
             continue
         cache = pools[int(pool_of_layer[layer])]
-        for c in pools:
-            c.policy.begin_group(g, step)
         cache.t = clock
         hits, misses = cache.lookup(layer, experts)
         out_h[g], out_m[g] = len(hits), len(misses)
@@ -313,22 +341,23 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
             xfer_free = max(xfer_free, now) + xfer
             ready[(layer, e)] = xfer_free
 
-        def evicted(key) -> None:
-            ev_sl[step * L + key[0]] += 1
-            if not used.get(key, True):
-                red_sl[step * L + key[0]] += 1
-            pref.discard(key)
-
         fill = cache.fill(layer, experts, misses)
         admitted = []
+        pf_done = False
 
         def issue() -> None:
+            nonlocal pf_done, clock
             for e, _slot, victim in fill.issue():
                 if victim is not None:
-                    evicted(victim)
+                    evicted(victim, step)
                 used[(layer, e)] = True
                 pref.discard((layer, e))
                 admitted.append(e)
+            if not pf_done and not fill.pending:  # as the live offloader does
+                pf_done = True
+                clock = cache.t
+                prefetch(g, step, now, fill.protected)
+                cache.t = clock
 
         issue()
         fill.done(hits)
@@ -339,23 +368,6 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
             i += 1
             issue()
         clock = cache.t
-        for k in pf_key[pf_ptr[g]:pf_ptr[g + 1]].tolist():
-            key = (k // E, k % E)
-            c = pools[int(pool_of_layer[key[0]])]
-            if key in c:
-                continue
-            c.t = clock
-            got = c.admit(key)
-            clock = c.t
-            if got is None:
-                continue
-            if got[1] is not None:
-                evicted(got[1])
-            used[key] = False
-            pref.add(key)
-            xfer_free = max(xfer_free, now) + xfer
-            ready[key] = xfer_free
-            out_pl[g] += 1
         miss_set = set(misses)
         for e, cost in zip(experts, comp[a:b]):
             if e not in miss_set:

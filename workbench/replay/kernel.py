@@ -59,12 +59,14 @@ def _touch(k, step, policy, count, ring, ring_n):
 
 
 @njit(cache=True, _nrt=False, error_model="numpy")
-def _hot_score(k, step, ring, ring_n, decay, window):
+def _hot_score(k, step, ring, ring_n, hot_pow, window):
+    n = ring_n[k]
+    lo = n
+    while lo > max(0, n - RING) and step - ring[k, (lo - 1) % RING] < window:
+        lo -= 1  # uses are at distinct, increasing steps: stop at the first one too old
     s = 0.0
-    for j in range(max(0, ring_n[k] - RING), ring_n[k]):  # oldest first, as the Python policy
-        age = step - ring[k, j % RING]
-        if age < window:
-            s += decay ** float(age)
+    for j in range(lo, n):  # oldest first, as the Python policy sums
+        s += hot_pow[step - ring[k, j % RING]]
     return s
 
 
@@ -81,7 +83,7 @@ def _next_use(k, g, occ_ptr, occ_grp, optr):
 
 
 def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
-             pool_cap, policy, decay, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
+             pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
              num_keys, num_experts, num_steps, num_layers):
     """Allocate the state, run :func:`_simulate` (compiled without numba's reference counting,
     whose atomic increments on every array passed to a helper cost ~85 % of the time)."""
@@ -104,10 +106,13 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
         stall=np.zeros(G, np.float64), g_end=np.zeros(G, np.float64),
         evict_sl=np.zeros(num_steps * num_layers, np.int64),
         redundant_sl=np.zeros(num_steps * num_layers, np.int64))
+    # γ^age for age < window, computed by Python's float pow like the policy class does, so
+    # that both sum identical terms in the same order (ties then break the same way)
+    hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
     n = max(1, num_experts)
     bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
     unused = _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
-                       pool_of_layer, pool_cap, policy, decay, window, occ_ptr, occ_grp, pf_ptr,
+                       pool_of_layer, pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr,
                        pf_key, xfer_time, num_experts, num_layers, *state.values(),
                        *out.values(), *bufs)
     return (out["hits"], out["misses"], out["pf_loads"], out["pf_hits"], out["stall"],
@@ -116,7 +121,7 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
 
 @njit(cache=True, _nrt=False, error_model="numpy")
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
-              pool_cap, policy, decay, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
+              pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
               num_experts, num_layers, resident, protected, is_miss, used, pref, ready, prev,
               nxt, head, tail, occ, res_list, pos, last_use, count, ring, ring_n, optr, hits,
               misses, pf_loads, pf_hits, stall, g_end, evict_sl, redundant_sl, miss_buf, adm_buf,
@@ -134,6 +139,12 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         now += g_dense[g]
         if layer_pinned[layer]:
             hits[g] = b - a
+            t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
+                                     pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail, protected,
+                                     res_list, pos, last_use, count, ring, ring_n, hot_pow,
+                                     window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl,
+                                     used, pref, ready, pf_loads, xfer_time, num_experts,
+                                     num_layers)
             for i in range(a, b):
                 now += acc_comp[i]
             g_end[g] = now
@@ -173,6 +184,7 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         nxt_miss = 0
         done_adm = 0
         hits_done = False
+        pf_done = False
         while True:
             # issue()
             while nxt_miss < nm:
@@ -180,7 +192,7 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 pool = pool_of_layer[k // num_experts]
                 if occ[pool] >= pool_cap[pool]:
                     victim = _victim(pool, policy, prev, tail, protected, res_list, occ,
-                                     last_use, count, ring, ring_n, decay, window, step, g,
+                                     last_use, count, ring, ring_n, hot_pow, window, step, g,
                                      occ_ptr, occ_grp, optr)
                     if victim == -1:
                         break
@@ -200,6 +212,15 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 adm_buf[na] = k
                 na += 1
                 nxt_miss += 1
+            if not pf_done and nxt_miss >= nm:
+                # every miss has a slot: prefetch for the layers ahead (as the live offloader)
+                pf_done = True
+                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_layer,
+                                             pool_cap, occ, policy, prev, nxt, head, tail, protected,
+                                             res_list, pos, last_use, count, ring, ring_n, hot_pow,
+                                             window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl,
+                                             used, pref, ready, pf_loads, xfer_time, num_experts,
+                                             num_layers)
             if not hits_done:
                 hits_done = True
                 for i in range(a, b):
@@ -214,34 +235,6 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             break
         for i in range(a, b):
             protected[acc_key[i]] = False
-        # -- prefetch for the layers ahead, behind the demand misses -------------------------
-        for j in range(pf_ptr[g], pf_ptr[g + 1]):
-            k = pf_key[j]
-            if resident[k]:
-                continue
-            pool = pool_of_layer[k // num_experts]
-            if occ[pool] >= pool_cap[pool]:
-                victim = _victim(pool, policy, prev, tail, protected, res_list, occ, last_use,
-                                 count, ring, ring_n, decay, window, step, g, occ_ptr, occ_grp,
-                                 optr)
-                if victim == -1:
-                    continue
-                _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-                vl = victim // num_experts
-                evict_sl[step * num_layers + vl] += 1
-                if not used[victim]:
-                    redundant_sl[step * num_layers + vl] += 1
-                pref[victim] = False
-            _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-            t += 1
-            last_use[k] = t
-            _touch(k, step, policy, count, ring, ring_n)
-            used[k] = False
-            pref[k] = True
-            start = max(xfer_free, now)
-            xfer_free = start + xfer_time
-            ready[k] = xfer_free
-            pf_loads[g] += 1
         # -- compute: resident experts first, then the misses, each after its transfer ---
         for i in range(a, b):
             k = acc_key[i]
@@ -264,6 +257,42 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         if resident[k] and not used[k]:
             unused_end += 1
     return unused_end
+
+
+@njit(cache=True, _nrt=False, error_model="numpy")
+def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_layer, pool_cap, occ,
+              policy, prev, nxt, head, tail, protected, res_list, pos, last_use, count, ring,
+              ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl, used, pref,
+              ready, pf_loads, xfer_time, num_experts, num_layers):
+    """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
+    unprotected slot can take), queue their transfers behind the demand misses at ``now``.
+    Returns the new (access clock, transfer-lane free time)."""
+    for j in range(pf_ptr[g], pf_ptr[g + 1]):
+        k = pf_key[j]
+        if resident[k]:
+            continue
+        pool = pool_of_layer[k // num_experts]
+        if occ[pool] >= pool_cap[pool]:
+            victim = _victim(pool, policy, prev, tail, protected, res_list, occ, last_use,
+                             count, ring, ring_n, hot_pow, window, step, g, occ_ptr, occ_grp, optr)
+            if victim == -1:
+                continue
+            _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
+            vl = victim // num_experts
+            evict_sl[step * num_layers + vl] += 1
+            if not used[victim]:
+                redundant_sl[step * num_layers + vl] += 1
+            pref[victim] = False
+        _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
+        t += 1
+        last_use[k] = t
+        _touch(k, step, policy, count, ring, ring_n)
+        used[k] = False
+        pref[k] = True
+        xfer_free = max(xfer_free, now) + xfer_time
+        ready[k] = xfer_free
+        pf_loads[g] += 1
+    return t, xfer_free
 
 
 @njit(cache=True, _nrt=False, error_model="numpy")
@@ -293,7 +322,7 @@ def _evict(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
 
 @njit(cache=True, _nrt=False, error_model="numpy")
 def _victim(pool, policy, prev, tail, protected, res_list, occ, last_use, count, ring, ring_n,
-            decay, window, step, g, occ_ptr, occ_grp, optr):
+            hot_pow, window, step, g, occ_ptr, occ_grp, optr):
     """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
     ``choose_victim`` of the policy classes in workbench/policies/eviction.py, ties included."""
     if policy == LRU:
@@ -311,7 +340,7 @@ def _victim(pool, policy, prev, tail, protected, res_list, occ, last_use, count,
         if policy == LFU:
             s1 = float(count[k])
         elif policy == HOTNESS:
-            s1 = _hot_score(k, step, ring, ring_n, decay, window)
+            s1 = _hot_score(k, step, ring, ring_n, hot_pow, window)
         else:  # BELADY: farthest next use first
             s1 = -float(_next_use(k, g, occ_ptr, occ_grp, optr))
         s2 = last_use[k]

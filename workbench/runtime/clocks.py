@@ -12,7 +12,9 @@ it produces is labelled *modeled*. Per MoE layer of a step with T tokens:
    ``transfer_time(expert_bytes)`` each);
 3. resident experts compute first, ``compute_time(n_e·expert_flops, expert_bytes)`` each;
 4. each missed expert computes when both the compute lane and its transfer are done; the gap is a
-   modeled stall.
+   modeled stall;
+5. prefetches issued at the layer are queued behind its misses; a later layer that routes to a
+   prefetched expert still in flight stalls until it lands.
 
 Steps run back to back on the compute lane.
 """
@@ -78,6 +80,7 @@ class ModeledClock:
         self.cost = cost
         self.now = 0.0  # compute lane free at
         self.transfer_free = 0.0
+        self.prefetch_ready: dict[tuple[int, int], float] = {}  # prefetched, not yet used
 
     def price(self, ev: StepEvent) -> None:
         p, c = self.profile, self.cost
@@ -99,6 +102,18 @@ class ModeledClock:
                 self.transfer_free = end
                 ready[e] = end
                 moved += int(c.expert_bytes)
+                self.prefetch_ready.pop((le.layer, e), None)
+            for key in le.prefetched:
+                start = max(self.transfer_free, t)
+                end = start + p.transfer_time(c.expert_bytes)
+                spans.append(Span(_MODELED, _TRANSFER, ev.step, key[0], key[1], start, end))
+                self.transfer_free = end
+                self.prefetch_ready[key] = end
+                moved += int(c.expert_bytes)
+            for e in le.hits:  # a prefetched expert may still be in flight
+                r = self.prefetch_ready.pop((le.layer, e), None)
+                if r is not None:
+                    ready[e] = r
             for e in [*le.hits, *le.misses]:
                 if e in ready and ready[e] > t:
                     spans.append(Span(_MODELED, _STALL, ev.step, le.layer, e, t, ready[e]))

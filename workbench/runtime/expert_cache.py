@@ -101,6 +101,17 @@ class ExpertCache:
         self.loads[key[0]] += 1
         return slot, evicted
 
+    def evict(self, key: Key) -> int:
+        """Free ``key``'s slot now (a pre-eviction, e.g. ActiveEvict's): the policy is told and
+        the layer's ``evictions`` counter grows, as for an eviction inside :meth:`admit`.
+        Returns the freed slot."""
+        slot = self.slot_of.pop(key)
+        self.key_in[slot] = None
+        self._free.append(slot)
+        self.policy.on_evict(key)
+        self.evictions[key[0]] += 1
+        return slot
+
     def fill(self, layer: int, experts: Iterable[int], misses: Iterable[int]) -> "LayerFill":
         """Start admitting ``misses`` of ``layer`` (see :class:`LayerFill`)."""
         return LayerFill(self, layer, experts, misses)

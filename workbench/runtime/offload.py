@@ -17,6 +17,19 @@ hits while transfers run → for each miss in submission order wait for it (a *s
 and let its slot be reused. The output is the sum of the group outputs, which equals the plain
 model's output up to floating-point summation order.
 
+Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evict`):
+
+- **router lookahead** (``lookahead_depth`` D ≥ 1): the routers of layers l+1 … l+D are applied
+  to layer l's MoE input (the tensor layer l's router saw) and their top-k ids go into
+  :attr:`LayerEvent.pred_ids`. The routers' ``forward`` is called directly (no module hooks), on
+  the same input, with no state: the model's outputs do not change.
+- **ActiveEvict** (``active_evict``): layer l's routing feeds the hotness windows; once all of
+  layer l's misses have a slot, experts are pre-evicted so that layer l+1 finds Δ free slots
+  (never one of layer l's routed experts, nor one predicted for l+1). Loads stay on demand.
+- **dynamic top-k** (``dynamic_topk``, decode steps, offloaded layers): before the lookup, the
+  layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
+  slots, and the experts receive the model's own router output for that k.
+
 :class:`Offloader` is a context manager: on exit every wrapper is removed and every expert tensor
 is back in place, whatever happened inside.
 """
@@ -30,6 +43,8 @@ import numpy as np
 import torch
 
 from workbench.models.adapter import MoEBlock, MoELayout
+from workbench.policies.active_evict import ActiveEvict, budget_topk
+from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
 from workbench.runtime.expert_cache import ExpertCache
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.transfer import Transfer, TransferEngine
@@ -63,13 +78,33 @@ class Offloader:
         policy: eviction policy object.
         device: device of the slots (the model's device).
         probe: receives one :class:`LayerEvent` per MoE layer call.
+        lookahead_depth: record the top-k of the routers of the next D layers (0: off).
+        active_evict: an :class:`ActiveEvict` state to pre-evict with (None: off).
+        dynamic_topk: budget-aware dynamic top-k in decode steps (``probe.step`` > 0).
+        k_max: largest k of dynamic top-k (None: each layer's top-k).
+        prefetch: a prefetch policy object (None: on demand only); asked once per layer, when
+            every miss of the layer has a slot, for ``prefetch_lead`` layers ahead, at most
+            ``prefetch_budget`` experts. A prefetched expert a later layer routes to is a hit
+            whose compute waits for its copy.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
-                 device: torch.device, probe: StepProbe) -> None:
+                 device: torch.device, probe: StepProbe, *, lookahead_depth: int = 0,
+                 active_evict: ActiveEvict | None = None, dynamic_topk: bool = False,
+                 k_max: int | None = None, prefetch=None, prefetch_lead: int = 1,
+                 prefetch_budget: int | None = None) -> None:
         self.layout = layout
         self.pinned_layers = pinned_layers
         self.probe = probe
+        self.lookahead_depth = int(lookahead_depth)
+        self.active_evict = active_evict
+        self.dynamic_topk = bool(dynamic_topk)
+        self.k_max = k_max
+        self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
+        self.prefetch_lead = int(prefetch_lead)
+        self.prefetch_budget = prefetch_budget
+        self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
+        self._routing = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -154,11 +189,128 @@ class Offloader:
         self.probe.layers.append(ev)
         return ev, experts.tolist()
 
+    def _lookahead(self, b: MoEBlock, hidden_states: torch.Tensor
+                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Routers of the next layers on this layer's MoE input.
+
+        Returns ``(pred [T, D', k] int16 or None, p̂ of layer l+1 [E] or None)``: D' = the
+        recorded depth (``lookahead_depth``; one layer when only ActiveEvict needs it), -1
+        past the last layer; p̂ only when ActiveEvict is on and layer l+1 exists.
+        """
+        blocks = self.layout.blocks
+        ae = self.active_evict
+        depth = max(self.lookahead_depth, 1 if ae is not None else 0)
+        if depth <= 0:
+            return None, None
+        k = self.layout.top_k
+        T = hidden_states.shape[0]
+        avail = min(depth, len(blocks) - 1 - b.index)
+        if avail <= 0:
+            return np.full((T, depth, k), -1, np.int16), None
+        preds = []
+        p_next = None
+        with torch.no_grad():
+            for d in range(1, avail + 1):
+                logits, _, idx = blocks[b.index + d].route(hidden_states)
+                if idx.shape[-1] < k:
+                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
+                preds.append(idx)
+                if d == 1 and ae is not None:
+                    p_next = torch.softmax(logits.float(), dim=-1).mean(0)
+            pred = torch.stack(preds, 1).to(device="cpu", dtype=torch.int16).numpy()
+        if avail < depth:
+            pred = np.concatenate([pred, np.full((T, depth - avail, k), -1, np.int16)], 1)
+        return pred, (p_next.cpu().double().numpy() if p_next is not None else None)
+
+    def _pre_evict(self, b: MoEBlock, ev: LayerEvent, pred: np.ndarray | None,
+                   p_next: np.ndarray | None, protected: set) -> None:
+        """ActiveEvict before layer l+1 (only when l+1 is an offloaded layer)."""
+        nxt = b.index + 1
+        if self.active_evict is None or pred is None or p_next is None \
+                or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
+            return
+        demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
+        ev.pre_evicted.extend(self.active_evict.pre_evict(
+            self.cache, nxt, demand, p_next, protected))
+
+    def _note_routing(self, layer: int, topk_ids: np.ndarray) -> None:
+        r = self._routing
+        if r["step"] != self.probe.step:
+            r["step"], r["prev"], r["cur"] = self.probe.step, r["cur"], {}
+        if self.prefetch is not None:
+            r["cur"][layer] = ranked_ids(topk_ids)
+
+    def _prefetch(self, b: MoEBlock, ev: LayerEvent, pred: np.ndarray | None,
+                  protected) -> None:
+        """Ask the prefetch policy after ``b``'s router ran and copy its picks ahead of need
+        (the same context, order and filters as trace replay's ``plan_prefetch``)."""
+        if self.prefetch is None or self.engine is None:
+            return
+        lay = self.layout
+
+        def pred_at(d: int) -> list[int]:
+            if pred is None or d - 1 >= pred.shape[1]:
+                return []
+            return ranked_ids(pred[:, d - 1])
+
+        def no_future(d: int) -> list[int]:
+            raise RuntimeError("the live runtime cannot see the future (oracle is replay-only)")
+
+        prev = self._routing["prev"]
+        ctx = PrefetchContext(step=self.probe.step, layer=b.index, num_layers=lay.num_layers,
+                              lead=self.prefetch_lead, pred=pred_at,
+                              previous=lambda l: prev.get(l, []), future=no_future)
+        pinned = [blk.index < self.pinned_layers for blk in lay.blocks]
+        E = lay.num_experts
+        cache = self.cache
+        for k in select(self.prefetch.candidates(ctx), pinned, lay.num_layers, E,
+                        self.prefetch_budget):
+            key = (k // E, k % E)
+            if key in cache:
+                continue
+            got = cache.admit(key, protected)
+            if got is None:
+                continue
+            slot, evicted = got
+            if evicted is not None:
+                ev.evicted.append(evicted)
+                self._pf_inflight.pop(evicted, None)
+            self._pf_inflight[key] = self.engine.submit(key, slot, cache.slot_view(slot),
+                                                        self.store.expert(*key))
+            ev.prefetched.append(key)
+
+    def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Budget-aware dynamic top-k (seed ActiveEvict eq. 18–21) for offloaded layer ``b``."""
+        cache, layer = self.cache, b.index
+        kmax = min(self.k_max or b.top_k, b.num_experts)
+        with torch.no_grad():
+            _, w_max, ids_max = b.route(hidden_states, top_k=kmax)
+            # rank by the router's weights (monotone in its probabilities for every supported
+            # router, including DeepSeek's unsorted top-k)
+            order = torch.argsort(w_max.float(), dim=-1, descending=True, stable=True)
+            ranked = torch.gather(ids_max, -1, order).cpu().numpy()
+        avail = cache.num_slots - len(cache.slot_of)
+        k = budget_topk(ranked, lambda e: (layer, e) in cache.slot_of, avail)
+        if k == top_k_index.shape[-1]:
+            return top_k_index, top_k_weights
+        if k == kmax:
+            return ids_max, w_max
+        with torch.no_grad():
+            _, w, ids = b.route(hidden_states, top_k=k)
+        return ids, w
+
     def _pinned_forward(self, b: MoEBlock, original: Callable) -> Callable:
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             ev, experts = self._layer_event(b, top_k_index, top_k_weights)
             ev.hits = experts
             self.cache.hits[b.index] += len(experts)
+            pred, p_next = self._lookahead(b, hidden_states)
+            if self.lookahead_depth > 0:
+                ev.pred_ids = pred
+            self._note_routing(b.index, ev.topk_ids)
+            self._pre_evict(b, ev, pred, p_next, set())
+            self._prefetch(b, ev, pred, frozenset())
             return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
         return forward
@@ -179,13 +331,28 @@ class Offloader:
             return original(hidden_states, idx, w)
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            if self.dynamic_topk and self.probe.step > 0:
+                top_k_index, top_k_weights = self._budget_topk(
+                    b, hidden_states, top_k_index, top_k_weights)
             ev, experts = self._layer_event(b, top_k_index, top_k_weights)
+            pred, p_next = self._lookahead(b, hidden_states)
+            if self.lookahead_depth > 0:
+                ev.pred_ids = pred
+            self._note_routing(layer, ev.topk_ids)
+            ae = self.active_evict
+            if ae is not None:
+                ae.observe(layer, ev.topk_ids)
+            cache.policy.begin_group(-1, self.probe.step)
             hits, misses = cache.lookup(layer, experts)
             ev.hits, ev.misses = hits, misses
             fill = cache.fill(layer, experts, misses)
             inflight: list[tuple[int, Transfer]] = []
+            # every routed expert of this layer is needed until the layer returns
+            needed = {(layer, e) for e in experts} if ae is not None else set()
+            pre_done = ae is None and self.prefetch is None
 
             def issue() -> None:
+                nonlocal pre_done
                 for e, slot, evicted in fill.issue():
                     if evicted is not None:
                         ev.evicted.append(evicted)
@@ -193,9 +360,23 @@ class Offloader:
                     tr = self.engine.submit((layer, e), slot, cache.slot_view(slot),
                                             self.store.expert(layer, e))
                     inflight.append((e, tr))
+                if not pre_done and not fill.pending:
+                    # all of this layer's misses have a slot: release slots for layer l+1
+                    # while this layer still computes
+                    pre_done = True
+                    self._pre_evict(b, ev, pred, p_next, needed)
+                    self._prefetch(b, ev, pred, fill.protected)
 
             issue()
             out = None
+            for e in hits:  # a prefetched expert computes once its copy has landed
+                tr = self._pf_inflight.pop((layer, e), None)
+                if tr is not None:
+                    t = time.perf_counter()
+                    waited = tr.wait()
+                    if waited > 0:
+                        ev.stall_s += waited
+                        self._span(_STALL, layer, e, t)
             if hits:
                 out = run_group(hidden_states, top_k_index, top_k_weights,
                                 {e: cache.slot_of[(layer, e)] for e in hits})

@@ -12,6 +12,7 @@ with three things that are always removed afterwards, whatever happens:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -22,12 +23,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import InputError
+from workbench.errors import InputError, KnobError
 from workbench.knobs import Knobs
 from workbench.models.inputs import ModelInputs, Request, build_inputs, modality_of
 from workbench.models.loading import LoadedModel, load
 from workbench.options import get_options
+from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import CostSpec, ModeledClock, measured_spans
 from workbench.runtime.offload import Offloader, StepProbe
 from workbench.runtime.plan import MemoryPlan, device_budget
@@ -62,6 +65,7 @@ class RunResult:
     knobs: dict[str, Any]
     model_id: str
     stopped: bool = False
+    pre_evictions: int = 0  # ActiveEvict evictions ahead of demand (included in evictions)
 
     @property
     def hit_rate(self) -> float:
@@ -82,7 +86,8 @@ class RunResult:
             f"cache_slots={k.get('cache_slots')} pinned_layers={k.get('pinned_layers')} "
             f"eviction={k.get('eviction')}",
             f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "
-            f"{self.loads} loads, {self.evictions} evictions",
+            f"{self.loads} loads, {self.evictions} evictions"
+            + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else ""),
             f"measured: {self.latency_measured_s * 1e3:.1f} ms total "
             f"(prefill {self.prefill_measured_s * 1e3:.1f} ms), stall "
             f"{self.stall_measured_s * 1e3:.2f} ms, {self.transfer_bytes / 1e6:.2f} MB moved",
@@ -142,9 +147,13 @@ class Runtime:
         self._check()
 
     # -- plan ------------------------------------------------------------------------------
-    def _check(self) -> None:
+    def _check(self, knobs: Knobs | None = None) -> None:
+        knobs = knobs if knobs is not None else self.knobs
         lay = self.lm.layout
-        self.knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+        knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+        if knobs.k_max is not None and knobs.k_max > lay.num_experts:
+            raise KnobError(f"k_max must be between 1 and {lay.num_experts} (experts per "
+                            f"layer), not {knobs.k_max}")
 
     def cost_spec(self) -> CostSpec:
         if self.knobs.target_model != "none":
@@ -200,21 +209,34 @@ class Runtime:
     def run(self, prompt: str | Request, images: Sequence[Any] = (), *,
             store: str | Path | None = None, overwrite: bool = False, record: bool = True,
             on_token: Callable[[int, str], None] | None = None,
-            stop: threading.Event | None = None, **knob_values: Any) -> RunResult:
+            stop: threading.Event | None = None, logits_processor: Sequence[Any] = (),
+            **knob_values: Any) -> RunResult:
         """Serve one request. ``store`` defaults to a fresh folder in the workspace option;
         ``record=False`` skips telemetry (for overhead benchmarks). ``on_token(id, text_so_far)``
-        streams tokens. Knob values given here apply to this run only."""
+        streams tokens. ``logits_processor``: extra transformers logits processors for
+        ``generate`` (e.g. teacher forcing, see :meth:`quality`). Knob values given here apply
+        to this run only."""
         knobs = self.knobs.copy(**knob_values) if knob_values else self.knobs
-        if knob_values:
-            lay = self.lm.layout
-            knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+        self._check(knobs)  # also when the knobs object was changed in place (widgets)
         saved, self.knobs = self.knobs, knobs
         try:
-            return self._run(prompt, images, store, overwrite, record, on_token, stop)
+            return self._run(prompt, images, store, overwrite, record, on_token, stop,
+                             list(logits_processor))
         finally:
             self.knobs = saved
 
-    def _run(self, prompt, images, store, overwrite, record, on_token, stop) -> RunResult:
+    def quality(self, prompt: str | Request, images: Sequence[Any] = (), *,
+                dynamic_topk: bool = True, **knob_values: Any):
+        """Quality cost of budget-aware dynamic top-k on one request: the same knobs with and
+        without ``dynamic_topk``, teacher-forced on the reference (dynamic top-k off) greedy
+        tokens. Returns a :class:`workbench.analysis.quality.QualityReport` (top-1 agreement,
+        mean KL(reference ‖ modified) of the next-token distributions, both runs' results)."""
+        from workbench.analysis.quality import compare_runs
+
+        return compare_runs(self, prompt, images, dynamic_topk=dynamic_topk, **knob_values)
+
+    def _run(self, prompt, images, store, overwrite, record, on_token, stop,
+             logits_processor) -> RunResult:
         k, lm, lay = self.knobs, self.lm, self.lm.layout
         request = prompt if isinstance(prompt, Request) else Request(prompt, list(images))
         inputs = build_inputs(lm, request, k.max_new_tokens)
@@ -231,15 +253,18 @@ class Runtime:
         clock = ModeledClock(get_profile(k.profile), self.cost_spec())
         t0 = time.perf_counter()
         probe = StepProbe(t0)
-        policy = EVICTION.create(k.eviction)
+        policy = EVICTION.create(k.eviction, **k.to_dict())
+        prefetcher = PREFETCH.create(k.prefetch, **k.to_dict())
         pinned = [b.index < k.pinned_layers for b in lay.blocks]
         recorder = None
+        # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
+        store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
         if store_path is not None:
             recorder = Recorder(
-                store_path, lay.num_layers, lay.num_experts, lay.top_k,
+                store_path, lay.num_layers, lay.num_experts, store_k,
                 attrs=self._attrs(request, inputs, live, modeled), pinned=pinned,
                 overwrite=overwrite, flush_every=get_options()["flush_every"],
-                flush_interval_s=get_options()["flush_interval_s"])
+                flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth)
         events: list[StepEvent] = []
         generated: list[int] = []
         pending: list[StepEvent] = []
@@ -293,7 +318,16 @@ class Runtime:
             from transformers import StoppingCriteriaList
 
             gen_kwargs["stopping_criteria"] = StoppingCriteriaList([_StopOnEvent(stop)])
-        off = Offloader(lay, self.num_slots(), k.pinned_layers, policy, lm.device, probe)
+        if logits_processor:
+            from transformers import LogitsProcessorList
+
+            gen_kwargs["logits_processor"] = LogitsProcessorList(logits_processor)
+        ae = (ActiveEvict.from_knobs(k, lay.num_layers, lay.num_experts)
+              if k.active_evict else None)
+        off = Offloader(lay, self.num_slots(), k.pinned_layers, policy, lm.device, probe,
+                        lookahead_depth=k.lookahead_depth, active_evict=ae,
+                        dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
+                        prefetch_lead=k.prefetch_lead, prefetch_budget=k.prefetch_budget)
         model = lm.model
         try:
             with off:
@@ -330,7 +364,8 @@ class Runtime:
             transfer_bytes_modeled=sum(e.transfer_bytes_modeled for e in events),
             store=str(store_path) if store_path is not None else None,
             knobs=k.to_dict(), model_id=lm.model_id,
-            stopped=bool(stop is not None and stop.is_set()))
+            stopped=bool(stop is not None and stop.is_set()),
+            pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers))
         if recorder is not None:
             recorder.close("complete", summary=json.dumps(result.to_json()))
         return result
@@ -347,6 +382,8 @@ class Runtime:
             "bytes_per_expert": lm.layout.expert_bytes,
             "hardware_profile": prof.name, "hardware_profile_label": prof.label,
             "cost_source": self.cost_spec().source,
+            # the modeled clock's sizes, so replay can price this trace the same way
+            "cost_spec": json.dumps(dataclasses.asdict(self.cost_spec())),
             "prompt": request.prompt,
             "images": json.dumps([str(i) if not hasattr(i, "size") else "<PIL image>"
                                   for i in request.images]),

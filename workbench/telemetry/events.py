@@ -26,8 +26,14 @@ class LayerEvent:
     """Routing and cache outcome of one MoE layer in one step.
 
     ``topk_ids``/``topk_weights`` are ``[T, k]`` for the T tokens of the step (rank order as the
-    router returned them). ``hits``/``misses`` are expert ids (each counted once per layer-step).
-    ``expert_tokens`` maps expert → routed-token count.
+    router returned them; k is the k the layer really used, see ``dynamic_topk``).
+    ``hits``/``misses`` are expert ids (each counted once per layer-step). ``expert_tokens`` maps
+    expert → routed-token count. ``evicted`` are keys evicted on demand to admit this layer's
+    misses; ``pre_evicted`` are keys ActiveEvict evicted ahead of demand while this layer ran
+    (both are booked on the evicted expert's layer); ``prefetched`` are keys the prefetch
+    policy copied ahead of need while this layer ran. ``pred_ids`` is ``[T, D, k]`` (int16, -1 =
+    none): the routers of layers ``layer + 1 … layer + D`` applied to this layer's MoE input
+    (router lookahead), or ``None`` when lookahead is off.
     """
 
     layer: int
@@ -37,6 +43,9 @@ class LayerEvent:
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
     evicted: list[tuple[int, int]] = field(default_factory=list)
+    pre_evicted: list[tuple[int, int]] = field(default_factory=list)
+    prefetched: list[tuple[int, int]] = field(default_factory=list)
+    pred_ids: np.ndarray | None = None
     expert_tokens: dict[int, int] = field(default_factory=dict)
     stall_s: float = 0.0
 

@@ -71,6 +71,15 @@ SCHEMA: dict[str, Var] = {
                      "experts of this layer evicted during the step"),
     "stall_layer_measured_s": Var(("step", "layer"), "float64", 256, "s (measured)",
                                   "stall inside the layer"),
+    "pre_evictions": Var(("step", "layer"), "int32", 256, "experts",
+                         "experts of this layer evicted ahead of demand by ActiveEvict "
+                         "(included in evictions)"),
+    "prefetches": Var(("step", "layer"), "int32", 256, "experts",
+                      "experts prefetched while this layer ran (the copies also count in the "
+                      "loads of their own layer)"),
+    "topk_used": Var(("step", "layer"), "int16", 256, "experts",
+                     "experts per token the layer computed: top-k, or the k chosen by "
+                     "dynamic_topk (0: layer did not run)"),
     # -- per step × layer × expert -------------------------------------------------------------
     "routed_tokens": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
                          "tokens routed to the expert, split by modality"),
@@ -85,6 +94,10 @@ SCHEMA: dict[str, Var] = {
                     "routed experts in the router's rank order"),
     "topk_weights": Var(("token", "layer", "k"), "float32", 1024, "weight",
                         "combine weights of the routed experts"),
+    "pred_ids": Var(("token", "layer", "depth", "k"), "int16", 1024, "expert id",
+                    "router lookahead: the router of layer (layer + depth) applied to this "
+                    "layer's MoE input, in its rank order (-1: none, past the last layer or "
+                    "lookahead off)"),
     # -- timeline ------------------------------------------------------------------------------
     "span_clock": Var(("span",), "int8", 4096, "code", "0 measured, 1 modeled"),
     "span_lane": Var(("span",), "int8", 4096, "code", "0 compute, 1 transfer, 2 stall"),
@@ -118,12 +131,13 @@ class Recorder:
 
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
-                 flush_every: int = 16, flush_interval_s: float = 0.5) -> None:
+                 flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1) -> None:
         self.path = Path(path)
         _check_new_store(self.path, overwrite)
         if self.path.exists():
             shutil.rmtree(self.path)
         self.L, self.E, self.k = num_layers, num_experts, top_k
+        self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
@@ -132,7 +146,7 @@ class Recorder:
         # arrays are allocated ahead of the data (unwritten chunks cost nothing on disk) so that a
         # flush writes chunks only; readers never look past ``committed``
         self.capacity = dict(INITIAL_CAPACITY)
-        files = _layout_files(num_layers, num_experts, top_k)
+        files = _layout_files(num_layers, num_experts, top_k, self.D)
         self.path.mkdir(parents=True)
         zarr_files.materialize(self.path, files, skip={"zarr.json"})
         self.arrays = {name: zarr_files.AppendArray(self.path, name,
@@ -167,7 +181,7 @@ class Recorder:
         ``publish=False`` leaves that write to the caller)."""
         if not self._buf:
             return
-        cols = _columns(self._buf, self.L, self.E, self.k)
+        cols = _columns(self._buf, self.L, self.E, self.k, self.D)
         start = dict(self.committed)
         end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
@@ -221,19 +235,21 @@ class Recorder:
                 pass
 
 
-def _layout_files(L: int, E: int, k: int) -> dict[str, bytes]:
-    """The files of an empty run store for an (L layers, E experts, top-k) layout: every
-    array's metadata at its initial capacity plus the constant coordinate variables."""
+def _layout_files(L: int, E: int, k: int, D: int = 1) -> dict[str, bytes]:
+    """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D)
+    layout: every array's metadata at its initial capacity plus the constant coordinates."""
 
     def build(group: zarr.Group) -> None:
-        sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k}
+        sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D}
         specs = {name: dict(shape=(INITIAL_CAPACITY[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
                             attributes={"units": v.units, "description": v.doc})
                  for name, v in SCHEMA.items()}
         index = {"layer": np.arange(L, dtype=np.int32), "expert": np.arange(E, dtype=np.int32),
-                 "k": np.arange(k, dtype=np.int32), "modality": np.array(MODALITIES)}
+                 "k": np.arange(k, dtype=np.int32),
+                 "depth": np.arange(1, D + 1, dtype=np.int32),  # layers ahead
+                 "modality": np.array(MODALITIES)}
         for name, values in index.items():
             specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
                                else str, dimension_names=[name])
@@ -244,10 +260,11 @@ def _layout_files(L: int, E: int, k: int) -> dict[str, bytes]:
         for name, values in index.items():
             group[name][:] = values
 
-    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k), build)
+    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k, D), build)
 
 
-def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.ndarray]:
+def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
+             ) -> dict[str, np.ndarray]:
     """Turn a batch of step events into one array per schema variable."""
     n = len(events)
     out: dict[str, np.ndarray] = {}
@@ -259,15 +276,17 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
     out["transfer_bytes"] = np.array([e.transfer_bytes for e in events], np.int64)
     out["transfer_bytes_modeled"] = np.array([e.transfer_bytes_modeled for e in events], np.int64)
     out["generated_token"] = np.array([e.generated_token for e in events], np.int64)
-    hits, misses, loads, evictions = (np.zeros((n, L), np.int32) for _ in range(4))
+    hits, misses, loads, evictions, pre_ev, pf = (np.zeros((n, L), np.int32) for _ in range(6))
+    topk_used = np.zeros((n, L), np.int16)
     stall_layer = np.zeros((n, L), np.float64)
     routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     resident = np.zeros((n, L, E), bool)
-    tok_ids, tok_step, tok_mod, topk_ids, topk_w = [], [], [], [], []
+    tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds = [], [], [], [], [], []
     for i, e in enumerate(events):
         T = len(e.token_ids)
         ids = np.full((T, L, k), -1, np.int16)
         w = np.zeros((T, L, k), np.float32)
+        pred = np.full((T, L, D, k), -1, np.int16)
         for le in e.layers:
             l = le.layer
             hits[i, l] += len(le.hits)
@@ -276,9 +295,19 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
             stall_layer[i, l] += le.stall_s
             for key in le.evicted:
                 evictions[i, key[0]] += 1
+            for key in le.pre_evicted:
+                evictions[i, key[0]] += 1
+                pre_ev[i, key[0]] += 1
+            pf[i, l] += len(le.prefetched)
+            for key in le.prefetched:
+                loads[i, key[0]] += 1
             kk = le.topk_ids.shape[1]
+            topk_used[i, l] = kk
             ids[:, l, :kk] = le.topk_ids
             w[:, l, :kk] = le.topk_weights
+            if le.pred_ids is not None:
+                _, dd, pk = le.pred_ids.shape
+                pred[:, l, :min(dd, D), :min(pk, k)] = le.pred_ids[:, :D, :k]
         if e.residency is not None:
             resident[i] = e.residency
         tok_ids.append(np.asarray(e.token_ids, np.int64))
@@ -286,6 +315,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
         tok_mod.append(np.asarray(e.modality, np.int8))
         topk_ids.append(ids)
         topk_w.append(w)
+        preds.append(pred)
     # routed_tokens[step, layer, expert, modality]: one count per (token, rank), by bincount
     all_ids = np.concatenate(topk_ids).astype(np.int64)  # [tokens, L, k], -1 = not routed
     n_tok = all_ids.shape[0]
@@ -299,12 +329,14 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int) -> dict[str, np.nd
         routed = np.bincount(flat[valid], minlength=n * L * E * M).astype(np.int32).reshape(
             n, L, E, M)
     out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
-               stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident)
+               stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident,
+               pre_evictions=pre_ev, prefetches=pf, topk_used=topk_used)
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)
     out["topk_ids"] = all_ids.astype(np.int16)
     out["topk_weights"] = np.concatenate(topk_w)
+    out["pred_ids"] = np.concatenate(preds)
     spans = [s for e in events for s in e.spans]
     out["span_clock"] = np.array([s.clock for s in spans], np.int8)
     out["span_lane"] = np.array([s.lane for s in spans], np.int8)

@@ -103,8 +103,8 @@ def from_store(path_or_dataset: Any) -> Trace:
     One request (``step_request`` all 0); phase, modality, weights and pinned layers as recorded
     (the store writes weight 0 where ``topk_ids`` is -1). ``pred_ids`` is taken when the dataset
     has it with dims (token, layer, depth, k) and it holds any id (all -1 = lookahead off →
-    None). attrs: source, path, model_id and the run's
-    ``knob.*`` attrs (JSON text)."""
+    None). attrs: source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
+    ``cost_spec``/``hardware_profile`` (so replay prices it as the live modeled clock did)."""
     import xarray as xr
 
     from workbench.telemetry.store import open_run
@@ -144,7 +144,7 @@ def from_store(path_or_dataset: Any) -> Trace:
     if path:
         attrs["path"] = str(path)
     for k, v in ds.attrs.items():
-        if k == "model_id" or k.startswith("knob."):
+        if k in ("model_id", "cost_spec", "hardware_profile") or k.startswith("knob."):
             attrs[k] = v
     return Trace(topk_ids=ids, token_step=token_step, num_experts=num_experts,
                  topk_weights=var("topk_weights", ("token", "layer", "k")),

@@ -1,0 +1,269 @@
+"""Trace replay: equal to the live run it replays, to the reference engine, and to libCacheSim."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workbench.errors import KnobError
+from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
+from workbench.replay.engine import flat_hits, replay
+from workbench.telemetry.store import open_run
+from workbench.traces import from_store, read_jsonl
+
+SHARED = Path(os.environ.get("WORKBENCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+MIXTRAL = SHARED / "data" / "traces" / "mixtral-8x7b-vllm" / "humaneval_2_routing.jsonl"
+needs_mixtral = pytest.mark.skipif(not MIXTRAL.exists(),
+                                   reason=f"real Mixtral trace not found at {MIXTRAL}")
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    if not MIXTRAL.exists():
+        pytest.skip(f"real Mixtral trace not found at {MIXTRAL}")
+    return read_jsonl(MIXTRAL, num_experts=8)
+
+
+@pytest.fixture(scope="module")
+def live_runs(embedded, demo_inputs, tmp_path_factory):
+    """Live runs of the embedded model with a small cache (many evictions), one per policy."""
+    import workbench
+
+    image, prompt, _ = demo_inputs[1]
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=6, ignore_eos=True)
+    out = {}
+    for policy, slots, pinned in (("lru", 12, 1), ("lfu", 20, 2), ("lru", 40, 0)):
+        path = tmp_path_factory.mktemp("live") / f"{policy}-{slots}.zarr"
+        rt.run(prompt, [image], store=path, eviction=policy, cache_slots=slots,
+               pinned_layers=pinned)
+        out[(policy, slots, pinned)] = path
+    return out
+
+
+def test_replay_reproduces_the_live_run(live_runs):
+    """Live = replay: per-step, per-layer hits, misses and evictions, and the modeled clock."""
+    for (policy, slots, pinned), path in live_runs.items():
+        ds = open_run(path)
+        res = replay(from_store(ds), eviction=policy, cache_slots=slots, pinned_layers=pinned,
+                     profile=ds.attrs["hardware_profile"])
+        assert int(ds["misses"].sum()) > 0
+        np.testing.assert_array_equal(res.hits, ds["hits"].values)
+        np.testing.assert_array_equal(res.misses, ds["misses"].values)
+        np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
+        np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values,
+                                   rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values,
+                                   rtol=1e-9)
+
+
+def _configs():
+    for ev in ("lru", "lfu", "belady", "hotness"):
+        for pf, scope in (("none", "global"), ("oracle", "per-layer"),
+                          ("previous-step", "global")):
+            yield ev, pf, scope
+
+
+@needs_mixtral
+@pytest.mark.parametrize("eviction,prefetch,scope", list(_configs()))
+def test_fast_engine_equals_the_policy_objects(mixtral, eviction, prefetch, scope):
+    kw = dict(eviction=eviction, cache_slots=96, pinned_layers=2, prefetch=prefetch,
+              prefetch_lead=2, scope=scope, target_model="qwen3-vl-30b-a3b")
+    a, b = replay(mixtral, engine="fast", **kw), replay(mixtral, engine="python", **kw)
+    for name in ("hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.stall_s, b.stall_s, rtol=1e-12, atol=1e-15)
+    assert a.unused_at_end == b.unused_at_end
+
+
+@needs_mixtral
+@pytest.mark.parametrize("slots", [2, 8, 31, 64, 150])
+def test_lru_and_belady_equal_libcachesim_on_the_flattened_trace(mixtral, slots):
+    lcs = pytest.importorskip("libcachesim", reason="libcachesim is in the test extra")
+    keys = mixtral.groups().keys()
+    nxt = np.full(len(keys), -1, np.int64)  # next access index, computed independently
+    last: dict[int, int] = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = last.get(int(keys[i]), -1)
+        last[int(keys[i])] = i
+
+    def lcs_hits(cache, with_next: bool) -> int:
+        h = 0
+        for i, k in enumerate(keys.tolist()):
+            r = lcs.Request()
+            r.obj_id, r.obj_size, r.clock_time = k + 1, 1, i
+            if with_next:
+                r.next_access_vtime = int(nxt[i]) if nxt[i] >= 0 else 1 << 62
+            h += bool(cache.get(r))
+        return h
+
+    assert flat_hits(keys, slots, "lru") == lcs_hits(lcs.LRU(cache_size=slots), False)
+    assert flat_hits(keys, slots, "belady") == lcs_hits(lcs.Belady(cache_size=slots), True)
+
+
+@needs_mixtral
+def test_belady_is_the_ceiling_and_the_oracle_the_best_prefetcher(mixtral):
+    base = dict(cache_slots=64, pinned_layers=0, target_model="qwen3-vl-30b-a3b")
+    rates = {ev: replay(mixtral, eviction=ev, **base).hit_rate for ev in EVICTION.available()}
+    assert rates["belady"] == max(rates.values())
+    assert rates["belady"] > rates["lru"]
+    none = replay(mixtral, prefetch="none", **base).metrics()
+    assert none["prefetch_loads"] == 0 and none["prefetch_recall"] == 0.0
+    assert none["fetch_precision"] == pytest.approx(
+        1 - none["unused_at_end"] / none["transfers"])
+    oracle = replay(mixtral, prefetch="oracle", prefetch_lead=1, **base).metrics()
+    prev = replay(mixtral, prefetch="previous-step", prefetch_lead=1, **base).metrics()
+    assert oracle["prefetch_recall"] > prev["prefetch_recall"]
+    assert oracle["misses"] < none["misses"]
+    # prefetching more moves more bytes; what was prefetched and never used is redundant
+    assert prev["transfer_bytes"] >= none["transfer_bytes"]
+    assert 0 <= prev["redundant_share"] <= 1
+
+
+@needs_mixtral
+def test_scope_per_layer_splits_the_slots(mixtral):
+    g = replay(mixtral, cache_slots=64, target_model="qwen3-vl-30b-a3b")
+    p = replay(mixtral, cache_slots=64, scope="per-layer", target_model="qwen3-vl-30b-a3b")
+    assert g.accesses == p.accesses
+    assert g.hit_rate != p.hit_rate
+    with pytest.raises(KnobError, match="scope=per-layer"):
+        replay(mixtral, cache_slots=40, scope="per-layer", target_model="qwen3-vl-30b-a3b")
+
+
+@needs_mixtral
+def test_bad_settings_are_refused_with_the_allowed_values(mixtral):
+    with pytest.raises(KnobError, match="scope must be one of global, per-layer, not 'x'"):
+        replay(mixtral, scope="x", target_model="qwen3-vl-30b-a3b")
+    with pytest.raises(KnobError, match="cache_slots must be at least 2"):
+        replay(mixtral, cache_slots=1, target_model="qwen3-vl-30b-a3b")
+    with pytest.raises(KnobError, match="needs recorded router lookahead"):
+        replay(mixtral, prefetch="speculative", target_model="qwen3-vl-30b-a3b")
+    with pytest.raises(KnobError, match="target_model must name a real model"):
+        replay(mixtral)
+    with pytest.raises(KnobError, match="eviction must be one of"):
+        replay(mixtral, eviction="fifo", target_model="qwen3-vl-30b-a3b")
+
+
+def test_a_policy_registered_later_replays_through_the_reference_engine(live_runs):
+    from workbench.policies.eviction import EvictionPolicy
+
+    @EVICTION.register("test-replay-mru")
+    class MRU(EvictionPolicy):
+        def reset(self):
+            self.last = {}
+
+        def on_hit(self, key, t):
+            self.last[key] = t
+
+        on_insert = on_hit
+
+        def choose_victim(self, candidates, t):
+            return max(candidates, key=lambda k: self.last.get(k, -1))
+
+    try:
+        path = live_runs[("lru", 12, 1)]
+        res = replay(from_store(path), eviction="test-replay-mru", cache_slots=12,
+                     pinned_layers=1)
+        assert res.config["engine"] == "python"
+        lru = replay(from_store(path), cache_slots=12, pinned_layers=1)
+        assert res.accesses == lru.accesses and res.hit_rate != lru.hit_rate
+    finally:
+        EVICTION._classes.pop("test-replay-mru")
+
+
+def test_prefetch_menu_comes_from_the_registry():
+    assert {"none", "speculative", "apex", "previous-step", "oracle"} <= set(PREFETCH.available())
+
+
+def test_accessor_io_metrics_on_a_store(live_runs):
+    ds = open_run(live_runs[("lru", 40, 0)])
+    m = ds.moe.io_metrics()
+    assert m["hits"] + m["misses"] == m["accesses"] > 0
+    assert m["hit_rate"] == pytest.approx(ds.moe.summary()["hit_rate"])  # live = replay
+    assert m["blocking_io_s"] == pytest.approx(float(ds["stall_modeled_s"].sum()))
+    assert 0 < m["share_of_belady"] <= 1
+    per = ds.moe.io_metrics(by="layer")
+    assert not per["pinned"].values.any()
+    assert open_run(live_runs[("lfu", 20, 2)]).moe.io_metrics(by="layer")["pinned"].values[
+        :2].all()
+    np.testing.assert_array_equal(per["misses"].values, ds["misses"].sum("step").values)
+    bigger = ds.moe.io_metrics(cache_slots=64)
+    assert bigger["hit_rate"] >= m["hit_rate"]
+    with pytest.raises(Exception, match="by must be None or 'layer'"):
+        ds.moe.io_metrics(by="expert")
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "workbench.cli", "replay", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_replay_json_and_errors(live_runs, tmp_path):
+    import json
+
+    path = live_runs[("lfu", 20, 2)]
+    r = _cli(str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    ds = open_run(path)
+    assert out["config"]["eviction"] == "lfu" and out["config"]["cache_slots"] == 20
+    assert out["metrics"]["misses"] == int(ds["misses"].sum())  # the store's own knobs
+    r = _cli(str(path), "--set", "eviction=belady", "--set", "cache_slots=30", "--scope",
+             "per-layer", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["metrics"]["hit_rate"] >= out["metrics"]["hit_rate"]
+    for args, msg in ((["--scope", "bad"], "--scope must be one of global, per-layer"),
+                      (["--set", "eviction=fifo"], "eviction does not accept 'fifo'"),
+                      (["--set", "cache_slots=0"], "cache_slots"),
+                      (["--format", "csv"], "--format must be one of")):
+        r = _cli(str(path), *args)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"layer": 0, "token_idx": 0, "experts": [1, 2]}\n{"layer": 0, oops}\n')
+    r = _cli(str(bad))
+    assert r.returncode == 2 and "line 2" in r.stderr
+
+
+@pytest.mark.parametrize("prefetch,lead,slots,pinned", [("previous-step", 2, 24, 1),
+                                                         ("speculative", 1, 20, 0),
+                                                         ("apex", 2, 28, 2)])
+def test_live_prefetch_equals_replay(embedded, demo_inputs, tmp_path, prefetch, lead, slots,
+                                     pinned):
+    """Prefetch runs live with the same policy objects; replaying its store reproduces the
+    hits, misses, evictions, prefetch count and the modeled clock."""
+    import workbench
+
+    image, prompt, _ = demo_inputs[2]
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=6, ignore_eos=True)
+    path = tmp_path / "pf.zarr"
+    rt.run(prompt, [image], store=path, prefetch=prefetch, prefetch_lead=lead,
+           cache_slots=slots, pinned_layers=pinned, lookahead_depth=2)
+    ds = open_run(path)
+    assert int(ds["prefetches"].sum()) > 0
+    res = ds.moe.replay()
+    assert res.config["prefetch"] == prefetch
+    np.testing.assert_array_equal(res.hits, ds["hits"].values)
+    np.testing.assert_array_equal(res.misses, ds["misses"].values)
+    np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
+    np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
+    np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
+                               atol=1e-15)
+    np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values, rtol=1e-9)
+
+
+def test_replay_only_policies_are_refused_live(embedded):
+    import workbench
+
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=2)
+    with pytest.raises(KnobError, match="eviction 'belady' needs the future"):
+        rt.run("x", record=False, eviction="belady")
+    with pytest.raises(KnobError, match="prefetch 'oracle' needs the future"):
+        rt.run("x", record=False, prefetch="oracle")
+    with pytest.raises(KnobError, match="lookahead_depth must be at least 1"):
+        rt.run("x", record=False, prefetch="speculative", lookahead_depth=0)
