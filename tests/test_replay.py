@@ -267,3 +267,16 @@ def test_replay_only_policies_are_refused_live(embedded):
         rt.run("x", record=False, prefetch="oracle")
     with pytest.raises(KnobError, match="lookahead_depth must be at least 1"):
         rt.run("x", record=False, prefetch="speculative", lookahead_depth=0)
+
+
+def test_replaying_an_active_evict_run_needs_it_switched_off(embedded, demo_inputs, tmp_path):
+    import workbench
+
+    image, prompt, _ = demo_inputs[0]
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=3, ignore_eos=True)
+    path = tmp_path / "ae.zarr"
+    rt.run(prompt, [image], store=path, active_evict=True, cache_slots=16)
+    ds = open_run(path)
+    with pytest.raises(KnobError, match="active_evict runs live only"):
+        ds.moe.io_metrics()
+    assert ds.moe.io_metrics(active_evict=False)["accesses"] > 0

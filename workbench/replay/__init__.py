@@ -45,6 +45,12 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     if knobs is None:
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     knobs = knobs.copy(**knob_values)
+    if getattr(knobs, "active_evict", False):
+        from workbench.errors import KnobError
+
+        raise KnobError("active_evict runs live only (it acts on the router lookahead's "
+                        "probabilities, which traces do not keep): pass active_evict=False to "
+                        "replay this trace under the other policies")
     kw = {n: getattr(knobs, n) for n in _REPLAY_KNOBS}
     if knobs.cache_bytes is not None:
         from workbench.replay.engine import _cost
