@@ -6,6 +6,9 @@ animation frame after the plotly element's data changed):
 
 - **filter → plot**: a view-filter change (heatmap modality buttons; step-range slider moved
   with the keyboard) until the plot shows the new data — goal ≤ 300 ms;
+- **replay view**: toggling an eviction policy (curves redrawn from replays already made) and
+  moving the cache-range slider one slot with the keyboard (the new sizes are replayed for
+  every drawn policy and Belady) until the replay plot changed — goal ≤ 300 ms;
 - **knob + Run → first plot**: a knob change (``cache_slots``) and a click on Run until the
   first plot shows data of the new run (``layout.uirevision`` = the new run's name) — goal
   ≤ 3 s. The model is warm (one run before timing); the first, cold run is reported apart.
@@ -208,6 +211,28 @@ def main() -> None:
                                           lambda: handle.press(key), 10))
                     page.wait_for_timeout(200)
                 out["step_range_filter_to_plot"] = _stats(step_ms)
+
+            # replay view (the last run): toggling a policy redraws from replays already made;
+            # moving the cache-range slider replays the new sizes (every policy + Belady)
+            page.locator(".wb-replay-table").first.scroll_into_view_if_needed()
+            page.wait_for_function(
+                "() => window.__wb.plotsOf().some(e => (e.layout.meta || {}).view === 'replay'"
+                " && (e.data || []).length > 1)", timeout=60_000)
+            tog_ms = []
+            btn = page.locator(".wb-replay-evictions button", has_text="lfu").first
+            for i in range(2 * a.repeats):
+                tog_ms.append(_timed(page, "view", "replay", btn.click, 10))
+                page.wait_for_timeout(200)
+            out["replay_policy_toggle_to_plot"] = _stats(tog_ms)
+            rng_ms = []
+            handle = page.locator(".wb-replay-slots .noUi-handle-upper").first
+            if handle.count():
+                for i in range(a.repeats):
+                    handle.focus()
+                    rng_ms.append(_timed(page, "view", "replay",
+                                         lambda: handle.press("ArrowLeft"), 10))
+                    page.wait_for_timeout(200)
+                out["replay_range_to_plot"] = _stats(rng_ms)
             browser.close()
     finally:
         server.terminate()
@@ -229,6 +254,9 @@ def main() -> None:
     for key, label, goal in (("modality_filter_to_plot", "filter (modality) → heatmap", 300),
                              ("step_range_filter_to_plot", "filter (step range) → hit rate",
                               300),
+                             ("replay_policy_toggle_to_plot",
+                              "replay: policy toggle → curves", 300),
+                             ("replay_range_to_plot", "replay: cache range → curves", 300),
                              ("knob_run_first_plot", "knob + Run → first plot (warm)", 3000)):
         if key in out:
             s = out[key]

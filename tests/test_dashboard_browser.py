@@ -2,7 +2,8 @@
 
 Loads the page, changes a knob, presses Run and waits until the plots show the new run (data
 read from the plotly elements, searched through Panel's shadow roots), checks the run used the
-knob, that there were no console errors, and saves ``test-artifacts/dashboard.png``.
+knob, that a view filter and the replay view's policy selection redraw without a new run, that
+there were no console errors, and saves ``test-artifacts/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -166,6 +167,22 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         wait_for(lambda: plots(page)["heatmap"]["title"] != after["heatmap"]["title"], 10,
                  "the heatmap to follow the modality filter")
         assert "image tokens" in plots(page)["heatmap"]["title"]
+
+        # the replay view: the new run's recorded routing under other policies, Belady on top;
+        # toggling a policy replays (no model run) and redraws the curves
+        def replayed():
+            r = plots(page).get("replay")
+            return r if r and any(t["name"] == "belady (ceiling)" for t in r["data"]) else None
+
+        rep = wait_for(replayed, 20, "the replay curves of the new run")
+        assert rep["run"] == after["heatmap"]["run"]
+        assert {"lru", "lfu"} <= {t["name"] for t in rep["data"]}
+        page.locator(".wb-replay-evictions button", has_text="lfu").first.click()
+        wait_for(lambda: plots(page)["replay"]["data"] != rep["data"], 10,
+                 "the replay view to follow the policy selection")
+        names = {t["name"] for t in plots(page)["replay"]["data"]}
+        assert "lfu" not in names and {"lru", "belady (ceiling)"} <= names
+        assert "modeled" in page.locator(".wb-replay-table").first.inner_text()
 
         out = REPO / "test-artifacts"
         out.mkdir(exist_ok=True)

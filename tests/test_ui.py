@@ -19,7 +19,7 @@ from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, ab_deltas, chec
                                     demo_inputs, list_runs, resolve_run_path, safe_run_name,
                                     selected_steps, share_difference)
 from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
-                                LatencyView, TimelineView)
+                                LatencyView, ReplayView, TimelineView)
 
 KNOBS = dict(cache_slots=3, pinned_layers=1, max_new_tokens=6, device="cpu")
 
@@ -374,6 +374,82 @@ def test_live_tail_of_a_store_written_by_another_process(tiny_ckpt, tmp_path):
             proc.wait()
 
 
+# -- replay view ----------------------------------------------------------------------------------
+def _curves(fig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    return {t.name: (np.asarray(t.x, int), np.asarray(t.y, float)) for t in fig.data
+            if t.mode != "markers"}
+
+
+def test_replay_view_draws_policy_curves_under_the_belady_ceiling(two_runs):
+    from workbench.policies.eviction import EVICTION
+    from workbench.policies.prefetch import PREFETCH
+    from workbench.replay.engine import SCOPES
+    from workbench.ui import replay as R
+
+    assert R.SCOPES == SCOPES  # the UI's copy (kept to avoid importing torch) is the engine's
+    assert R.cache_sizes(4, 224, 5) == [4, 59, 114, 169, 224]
+    log = R.cache_sizes(4, 224, 8, spacing="log")
+    assert log[0] == 4 and log[-1] == 224 and log == sorted(set(log)) and log[1] < 10
+    s0 = DataStore(workspace=two_runs.workspace, replay_evictions=["lru"], replay_scope="per-layer")
+    assert (s0.replay_evictions, s0.replay_scope) == (["lru"], "per-layer")
+    s = DataStore(workspace=two_runs.workspace)
+    v = ReplayView(s)
+    assert v.pane.object.layout.meta["view"] == "replay" and len(v.pane.object.data) == 0
+    assert "no run" in v.message
+    s.open("a")  # a real recorded run: 3 slots, LRU, first layer pinned
+    fig = v.pane.object
+    assert fig.layout.meta["view"] == "replay" and fig.layout.uirevision == "a.zarr"
+    curves = _curves(fig)
+    ceil_x, ceiling = curves.pop("belady (ceiling)")
+    assert set(curves) == set(EVICTION.available()) - {R.CEILING}  # menu = registry
+    for name, (x, y) in curves.items():
+        assert list(x) == list(ceil_x) and len(x) >= 2
+        assert (ceiling >= y - 1e-12).all(), f"{name} above Belady: {y} > {ceiling}"
+    # the recorded run's own hit rate lies on the replayed LRU curve (live and replay agree)
+    (own,) = [t for t in fig.data if t.mode == "markers"]
+    x, y = curves["lru"]
+    assert own.x[0] == 3 and y[list(x).index(3)] == pytest.approx(own.y[0])
+    assert "<table" in v.table.object and "modeled" in v.table.object
+
+    # changing a setting replays (no model run) and redraws only this view
+    hit = HitRateView(s)
+    n, n_hit = v.redraws, hit.redraws
+    s.replay_evictions = ["lfu"]
+    assert v.redraws == n + 1 and hit.redraws == n_hit
+    assert set(_curves(v.pane.object)) == {"lfu", "belady (ceiling)"}
+    s.replay_slots = (4, 6)
+    assert set(_curves(v.pane.object)["lfu"][0]) <= {4, 5, 6}
+
+    # Belady bounds every policy at every size, in both scopes and under every prefetch policy
+    trace = s.replay_trace()
+    for scope in SCOPES:
+        for pf in PREFETCH.available():
+            try:
+                df = R.replay_curves(trace, scope=scope, prefetch=pf, prefetch_lead=2)
+            except workbench.WorkbenchError as e:
+                assert "lookahead" in str(e)  # only policies that need router lookahead
+                continue
+            tab = df.pivot(index="cache_slots", columns="eviction", values="hit_rate")
+            assert (tab.max(axis=1) <= tab[R.CEILING] + 1e-12).all(), (scope, pf, tab)
+
+    # a prefetch policy the run cannot serve stays in the menu; the view says why
+    s.replay_evictions = EVICTION.available()
+    trace.pred_ids = None  # as if recorded without router lookahead
+    s._replay_memo.clear()
+    s.replay_prefetch = "speculative"
+    assert v.study is None and "lookahead" in v.message and len(v.pane.object.data) == 0
+    assert "lookahead" in v.table.object
+    assert "speculative" in s.param["replay_prefetch"].objects
+
+
+def test_replay_waits_for_a_live_run(two_runs):
+    s = DataStore(workspace=two_runs.workspace)
+    s.open("b")
+    s.dataset = s.dataset.assign_attrs(status="running")  # as a live tail would show it
+    v = ReplayView(s)
+    assert "still being written" in v.message and len(v.pane.object.data) == 0
+
+
 # -- widgets and app ------------------------------------------------------------------------------
 def test_knob_widgets_come_from_the_knob_classes_and_registries(tmp_path):
     from workbench.policies.eviction import EVICTION, LRU
@@ -392,6 +468,12 @@ def test_knob_widgets_come_from_the_knob_classes_and_registries(tmp_path):
         slots = panels["cache"]._widgets["cache_slots"]
         slots.value = 17
         assert s.knobs.cache_slots == 17  # the widget edits the knob
+        from workbench.policies.prefetch import PREFETCH
+        from workbench.ui.widgets import replay_widgets
+
+        rw = replay_widgets(s)  # the replay view's menus come from the registries too
+        assert "test-ui-policy" in list(rw["evictions"].options)
+        assert list(rw["prefetch"].options) == PREFETCH.available()
     finally:
         EVICTION._classes.pop("test-ui-policy", None)
 
@@ -403,6 +485,7 @@ def test_build_app_without_a_server(two_runs):
     app = build_app(s, template=False, preload=False, poll_ms=0)
     assert app._wb_store is s and s.run_name == s.runs[0].name  # the newest run is shown
     assert len(app._wb_views["heatmap"].pane.object.data) == 1
+    assert app._wb_views["replay"].study is not None  # the replay view follows the shown run
     tpl = build_app(DataStore(workspace=two_runs.workspace), preload=False)
     try:
         assert tpl.title.startswith("workbench") and tpl._wb_poll is not None

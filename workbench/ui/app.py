@@ -20,9 +20,10 @@ import panel as pn
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
 from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
-                                LatencyView, TimelineView, answer_view, progress_view)
+                                LatencyView, ReplayView, TimelineView, answer_view,
+                                progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
-                                  runs_widgets)
+                                  replay_widgets, runs_widgets)
 
 __all__ = ["build_app", "serve", "STYLE", "TITLE"]
 
@@ -146,9 +147,29 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
 
     store.param.watch(on_baseline, "baseline")
     on_baseline()
-    main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), ab]
+
+    # what-if replay of the shown run (pick it in Runs → Open): policies × cache sizes
+    served = pn.state.curdoc is not None
+    rw, rep = replay_widgets(store), ReplayView(store, defer=served)
+    if served:  # the first replay imports torch: after the page has rendered
+        pn.state.onload(rep.redraw)
+    _styled(rep.table)
+    replay = card(
+        pn.FlexBox(_labelled("eviction policies (Belady: the ceiling, always drawn)",
+                             rw["evictions"], width=380),
+                   _labelled("prefetch", rw["prefetch"], width=160),
+                   _labelled("lead", rw["lead"], width=80),
+                   _labelled("scope", rw["scope"], width=190),
+                   _labelled("cache-size range (slots)", rw["slots"], width=300),
+                   _labelled("table at slots", rw["at"], width=120),
+                   _labelled("priced as", rw["target"], width=180),
+                   flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width"),
+        rep.pane, rep.table,
+        title="Replay: the shown run under other cache and prefetch policies "
+              "(recorded routing, modeled I/O)", margin=(4, 4), css_classes=["wb-replay"])
+    main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), ab, replay]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
-             "heatmap_diff": diff, "deltas": deltas}
+             "heatmap_diff": diff, "deltas": deltas, "replay": rep}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None

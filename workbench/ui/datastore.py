@@ -21,8 +21,13 @@ Invariants
 - **No pickle**: uploaded images are decoded by PIL (PNG/JPEG only, size-limited) and re-encoded
   as PNG into ``<workspace>/uploads``; everything else on disk is zarr/JSON.
 
+- **Replay never runs the model**: the ``replay_*`` parameters re-serve the shown run's recorded
+  routing through other cache/prefetch policies (:meth:`DataStore.replay_study`, milliseconds;
+  replays already made on a run are reused), and only once the run is complete.
+
 Units: ``step_range`` is an inclusive pair of step numbers (``None`` = every step); progress
-counts generated tokens; times are seconds.
+counts generated tokens; times are seconds; ``replay_slots`` is an inclusive pair of cache sizes
+in slots (``None`` = every useful size).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ import xarray as xr
 from workbench.errors import InputError, WorkbenchError
 from workbench.knobs import Knobs
 from workbench.options import get_options
+from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
+from workbench.ui.replay import AS_RECORDED, SCOPES, ReplayStudy, recorded_slots, study, \
+    target_choices
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +357,24 @@ def load_run(path: str | Path) -> xr.Dataset:
     return ds
 
 
+def _policies_of(attrs: dict[str, Any]) -> str:
+    """The cache policies a run was recorded with, in words (from its ``knob.*`` attrs)."""
+    def knob(name: str, default: Any = None) -> Any:
+        try:
+            return json.loads(attrs.get(f"knob.{name}", "null"))
+        except (TypeError, ValueError):
+            return default
+
+    words = [str(knob("eviction") or "?")]
+    if knob("prefetch") not in (None, "none"):
+        words.append(f"{knob('prefetch')} prefetch")
+    if knob("active_evict"):
+        words.append("ActiveEvict")
+    if knob("dynamic_topk"):
+        words.append("dynamic top-k")
+    return " + ".join(words)
+
+
 # -- models shared by the sessions of one process -----------------------------------------------
 _MODELS: dict[tuple[str, str, str], Any] = {}
 _MODEL_LOCK = threading.Lock()  # loading
@@ -422,18 +449,50 @@ class DataStore(param.Parameterized):
     status = param.String(default="", doc="One line on what is shown / happening.")
     error = param.String(default="", doc="Last error for the user ('' = none).")
 
+    # replay of the shown run's recorded routing under other policies: changing these replays
+    # the trace (milliseconds), never re-runs the model. Menus come from the registries.
+    replay_evictions = param.ListSelector(
+        default=EVICTION.available(), objects=EVICTION.available(),
+        doc="Eviction policies drawn (Belady, the offline optimum, is always drawn: the "
+            "ceiling).")
+    replay_prefetch = param.Selector(default="none", objects=PREFETCH.available(),
+                                     doc="Prefetch policy of the replay.")
+    replay_lead = param.Integer(default=1, bounds=(1, None), softbounds=(1, 8),
+                                doc="How many layers ahead a prefetch may target.")
+    replay_scope = param.Selector(default="global", objects=list(SCOPES),
+                                  doc="One pool of slots for every offloaded layer, or an "
+                                      "equal share per layer.")
+    replay_slots = param.Range(default=None, allow_None=True,
+                               doc="Inclusive (smallest, largest) cache size drawn, in slots; "
+                                   "None = every useful size of the run.")
+    replay_at = param.Integer(default=None, allow_None=True, bounds=(1, None),
+                              doc="Cache size of the metrics table; None = the run's own "
+                                  "(moved into the range drawn).")
+    replay_target = param.Selector(default=AS_RECORDED, objects=target_choices(),
+                                   doc="Sizes the replay is priced with (modeled clock): the "
+                                       "run's own, or a real model's.")
+
     def __init__(self, workspace: str | Path | None = None, model: str | Path | None = None,
                  knobs: Knobs | None = None, refresh_s: float = 2.0, **params: Any) -> None:
         ws = Path(workspace).expanduser().absolute() if workspace is not None \
             else default_workspace()
+        replay = {k: params.pop(k) for k in list(params) if k.startswith("replay_")}
         super().__init__(workspace=str(ws), model=None if model is None else str(model),
                          **params)
+        # menus offer every policy registered by now (as the knob classes do)
+        self.param["replay_evictions"].objects = EVICTION.available()
+        self.param["replay_prefetch"].objects = PREFETCH.available()
+        self.param["replay_target"].objects = target_choices()
+        self.param.update(**{"replay_evictions": EVICTION.available(), **replay})
         self.knobs = knobs if knobs is not None else Knobs()
         self.refresh_s = refresh_s
         self._job: _Job | None = None
         self._path: Path | None = None  # store being shown
         self._sig: tuple | None = None  # (committed, status) of the loaded dataset
         self._last_refresh = 0.0
+        self._trace: Any = None  # routing of the shown run, for replay
+        self._trace_key: tuple | None = None
+        self._replay_memo: dict = {}  # replays already made on that trace
         self.refresh()
 
     # -- workspace ---------------------------------------------------------------------------
@@ -691,3 +750,48 @@ class DataStore(param.Parameterized):
         if self.dataset is None or self.baseline is None:
             return []
         return ab_deltas(self.dataset, self.baseline)
+
+    # -- replay (what-if) ----------------------------------------------------------------------
+    def replay_trace(self):
+        """The routing of the shown run as a :class:`~workbench.traces.Trace`, read from its
+        store once per committed state. :class:`InputError` without a finished run shown."""
+        if self._path is None or self.dataset is None:
+            raise InputError("no run is shown; open or run one to replay it")
+        if self.live:
+            raise InputError(f"{self.run_name} is still being written; its replay is drawn "
+                             f"once it is complete")
+        key = (str(self._path), self._sig)
+        if key != self._trace_key:
+            from workbench.traces import from_store
+
+            self._trace, self._trace_key, self._replay_memo = from_store(self._path), key, {}
+        return self._trace
+
+    def replay_bounds(self) -> tuple[int, int] | None:
+        """Useful cache sizes (smallest, largest) of the shown run under ``replay_scope``;
+        None when there is nothing to replay."""
+        from workbench.ui.replay import slot_bounds
+
+        try:
+            return slot_bounds(self.replay_trace(), self.replay_scope)
+        except WorkbenchError:
+            return None
+
+    def replay_study(self, points: int = 12) -> ReplayStudy:
+        """Replay the shown run under the ``replay_*`` settings (see
+        :func:`workbench.ui.replay.study`): hit-rate curves of the chosen eviction policies and
+        Belady over the cache-size range, the metrics table, and the run's own point. Replays
+        already made on this run are reused. Raises :class:`WorkbenchError` with a message for
+        the user (no run, a live run, a prefetch policy the run cannot serve, …)."""
+        trace = self.replay_trace()
+        ds = self.dataset
+        slots = recorded_slots(ds.attrs)
+        own = None
+        if slots is not None:
+            own = (slots, float(ds.moe.hit_rate()), f"this run, as recorded "
+                                                     f"({_policies_of(ds.attrs)})")
+        return study(trace, self.replay_evictions, slot_range=self.replay_slots,
+                     at_slots=self.replay_at, points=points, own=own,
+                     prefetch=self.replay_prefetch, prefetch_lead=self.replay_lead,
+                     scope=self.replay_scope, target_model=self.replay_target,
+                     memo=self._replay_memo)

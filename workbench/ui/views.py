@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import logging
+import textwrap
 from typing import Any, Callable
 
 import numpy as np
@@ -24,12 +25,14 @@ import xarray as xr
 
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore, ab_deltas, selected_steps, share_difference
+from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 
 __all__ = ["PlotView", "HeatmapView", "DiffHeatmapView", "HitRateView", "LatencyView",
-           "TimelineView", "DeltasView", "heatmap_figure", "diff_heatmap_figure",
+           "TimelineView", "DeltasView", "ReplayView", "heatmap_figure", "diff_heatmap_figure",
            "hit_rate_view_figure", "latency_view_figure", "timeline_view_figure",
-           "placeholder_figure", "deltas_html", "answer_view", "progress_view"]
+           "replay_view_figure", "replay_table_html", "placeholder_figure", "deltas_html",
+           "answer_view", "progress_view"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +211,46 @@ def timeline_view_figure(ds: xr.Dataset | None, clock: str = "modeled",
     return _finish(fig, "timeline", revision)
 
 
+REPLAY_TITLE = "replay: hit rate vs cache size"
+
+
+def replay_view_figure(st: ReplayStudy, revision: Any = None) -> go.Figure:
+    """Hit-rate curves of a :class:`~workbench.ui.replay.ReplayStudy` (Belady dashed: the
+    ceiling; a star: the run as recorded; a dotted line: the table's cache size)."""
+    cfg = st.settings
+    pf = cfg.get("prefetch", "none")
+    how = [f"{cfg.get('scope', 'global')} cache", "no prefetch" if pf == "none" else
+           f"prefetch {pf} (lead {cfg.get('prefetch_lead', 1)})"]
+    if cfg.get("target_model") not in (None, "as recorded"):
+        how.append(f"priced as {cfg['target_model']}")
+    fig = curves_figure(st.curves, f"{REPLAY_TITLE} · whole run · {', '.join(how)}", st.own)
+    fig.add_vline(x=st.at_slots, line={"color": "#9ca3af", "dash": "dot", "width": 1},
+                  annotation_text=f"table: {st.at_slots} slots", annotation_position="top left",
+                  annotation_font={"size": 11, "color": "#6b7280"})
+    return _finish(fig, "replay", revision)
+
+
+def replay_table_html(st: ReplayStudy | None, message: str = "") -> str:
+    """The replay metrics at the table's cache size, one row per policy (modeled figures say
+    so), or ``message`` when there is no study."""
+    if st is None:
+        return f"<p class='wb-muted'>{html.escape(message)}</p>" if message else ""
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label, _ in METRICS)
+    rows = []
+    for _, r in st.table.iterrows():
+        name = f"{r['eviction']} (ceiling)" if r["eviction"] == CEILING else r["eviction"]
+        cells = "".join(f"<td>{_fmt(float(r.get(key, np.nan)), units)}</td>"
+                        for key, _, units in METRICS)
+        rows.append(f"<tr><td>{html.escape(str(name))}</td>{cells}</tr>")
+    note = (f"<div class='wb-muted wb-ab-names'>at <b>{st.at_slots}</b> cache slots · useful "
+            f"sizes {st.bounds[0]}–{st.bounds[1]} · replay took {st.elapsed_s * 1e3:.0f} ms "
+            f"(measured) · I/O figures are <i>modeled</i> on the run's hardware profile"
+            f"</div>")
+    return (f"{note}<div style='overflow-x: auto'><table class='wb-ab wb-replay-table'><thead>"
+            f"<tr><th>policy</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"</div>")
+
+
 # -- views ---------------------------------------------------------------------------------------
 class PlotView:
     """A plotly pane redrawn from the DataStore when one of ``watches`` changes."""
@@ -295,6 +338,47 @@ class TimelineView(PlotView):
         s = self.store
         return timeline_view_figure(s.dataset, s.clock, s.step_range, s.phase,
                                     self._revision())
+
+
+class ReplayView(PlotView):
+    """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
+    the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
+    Watches the shown run and the ``replay_*`` settings only; replays, never re-runs."""
+
+    view = "replay"
+    watches = ("dataset", "running", "replay_evictions", "replay_prefetch", "replay_lead",
+               "replay_scope", "replay_slots", "replay_at", "replay_target")
+
+    def __init__(self, store: DataStore, height: int = 420, defer: bool = False) -> None:
+        """``defer``: start with a placeholder and replay on the first :meth:`redraw` (the app
+        calls it once the page has rendered: the first replay imports torch and the compiled
+        replay kernel)."""
+        self.study: ReplayStudy | None = None
+        self.message = ""
+        self._deferred = defer
+        self.table = pn.pane.HTML("", sizing_mode="stretch_width")
+        super().__init__(store, height)
+        self.table.object = replay_table_html(self.study, self.message)
+        self._deferred = False
+
+    def figure(self) -> go.Figure:
+        self.study, self.message = None, ""
+        if self._deferred and self.store.dataset is not None:
+            return placeholder_figure(self.view, REPLAY_TITLE, "replaying …")
+        if self.store.dataset is None:
+            self.message = "no run yet — press Run or open a run to replay it"
+            return placeholder_figure(self.view, REPLAY_TITLE, self.message)
+        try:
+            self.study = self.store.replay_study()
+        except WorkbenchError as e:  # e.g. a prefetch policy this run cannot serve
+            self.message = str(e)
+            return placeholder_figure(self.view, REPLAY_TITLE,
+                                      "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
+        return replay_view_figure(self.study, self._revision())
+
+    def redraw(self, *events: Any) -> None:
+        super().redraw(*events)
+        self.table.object = replay_table_html(self.study, self.message)
 
 
 #: +1: higher is better, -1: lower is better, 0: neutral (colours the A/B deltas)

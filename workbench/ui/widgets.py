@@ -4,7 +4,8 @@ Knob widgets are never written by hand: :func:`knob_panels` makes one ``pn.Param
 ``Knobs().groups`` (the knob classes refresh their policy ``Selector`` menus from the registries
 on instantiation, so a policy registered later shows up in its menu with no UI change). Numeric
 knobs with soft bounds become editable sliders (the slider spans the soft bounds, the text box
-accepts anything inside the hard bounds); every widget's tooltip is the knob's ``doc``.
+accepts anything inside the hard bounds); numeric knobs that may be ``None`` ("no limit") become
+number boxes, which can be left empty; every widget's tooltip is the knob's ``doc``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from workbench.knobs import Knobs
 from workbench.ui.datastore import MAX_UPLOAD_BYTES, DataStore, demo_inputs
 
 __all__ = ["knob_panels", "knob_cards", "filter_widgets", "input_widgets", "runs_widgets",
-           "card", "make", "names"]
+           "replay_widgets", "card", "make", "names"]
 
 CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: #1f2937; "
                     "text-align: left; padding: 2px 0; }")
@@ -55,10 +56,15 @@ def _knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
         spec: dict[str, Any] = {"css_classes": [f"wb-knob-{name}"],
                                 "sizing_mode": "stretch_width"}
         soft = getattr(p, "softbounds", None)
-        if isinstance(p, param.Integer) and soft is not None and not p.allow_None:
+        if isinstance(p, param.Integer) and p.allow_None:
+            spec["type"] = pn.widgets.IntInput  # a slider cannot hold None ("no limit")
+            spec["placeholder"] = "none"
+        elif isinstance(p, param.Number) and p.allow_None:
+            spec["type"] = pn.widgets.FloatInput
+            spec["placeholder"] = "none"
+        elif isinstance(p, param.Integer) and soft is not None:
             spec["type"] = pn.widgets.EditableIntSlider
-        elif isinstance(p, param.Number) and not isinstance(p, param.Integer) \
-                and soft is not None and not p.allow_None:
+        elif isinstance(p, param.Number) and soft is not None:
             spec["type"] = pn.widgets.EditableFloatSlider
         if "type" in spec and "description" in spec["type"].param:
             spec["description"] = p.doc  # pn.Param sets it on the widgets it picks itself
@@ -250,3 +256,81 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
     sync_baseline()
     return {"select": select, "open": open_b, "refresh": refresh, "pin": pin, "clear": clear,
             "adopt": adopt, "message": msg, "baseline": baseline}
+
+
+class _SlotsLink:
+    """Keeps an IntRangeSlider and ``store.replay_slots`` in step: the slider spans the shown
+    run's useful cache sizes (``DataStore.replay_bounds``, which depend on the scope); a
+    full-span slider means ``None`` (every useful size)."""
+
+    def __init__(self, store: DataStore, slider: pn.widgets.IntRangeSlider) -> None:
+        self.store, self.slider = store, slider
+        self._busy = False
+        slider.param.watch(self._from_slider, "value_throttled")
+        store.param.watch(self._from_store, ["dataset", "running", "replay_scope",
+                                             "replay_slots"])
+        self._bounds: tuple[int, int] | None = None
+        self._from_store()
+
+    def _from_slider(self, event: Any) -> None:
+        if self._busy or event.new is None:
+            return
+        lo, hi = int(event.new[0]), int(event.new[1])
+        full = (lo, hi) == (self.slider.start, self.slider.end)
+        self.store.replay_slots = None if full else (lo, hi)
+
+    def _from_store(self, *events: Any) -> None:
+        if events and all(e.name in ("dataset", "running") for e in events) \
+                and self.store.live:
+            return  # bounds are known once the run is complete
+        b = self.store.replay_bounds()
+        self._busy = True
+        try:
+            if b is None:
+                self.slider.param.update(disabled=True)
+                return
+            lo, hi = b
+            end = max(hi, lo + 1)
+            value = self.store.replay_slots or (lo, end)
+            value = (min(max(value[0], lo), end), min(max(value[1], lo), end))
+            self.slider.param.update(start=lo, end=end, value=value, disabled=hi <= lo)
+        finally:
+            self._busy = False
+
+
+def replay_widgets(store: DataStore) -> dict[str, Any]:
+    """Settings of the replay view, bound to the store's ``replay_*`` parameters: eviction
+    policies (toggle buttons, from the registry), prefetch policy and lead, scope, cache-size
+    range (slider over the run's useful sizes; applied when released), the size of the metrics
+    table and the model the replay is priced as."""
+    cbg, rbg = pn.widgets.CheckButtonGroup, pn.widgets.RadioButtonGroup
+    w = {
+        "evictions": cbg.from_param(store.param.replay_evictions,
+                                    css_classes=["wb-replay-evictions"],
+                                    **names(cbg, "", "primary", "outline")),
+        "prefetch": pn.widgets.Select.from_param(store.param.replay_prefetch,
+                                                 css_classes=["wb-replay-prefetch"], width=150,
+                                                 **names(pn.widgets.Select, "")),
+        "lead": pn.widgets.IntInput.from_param(store.param.replay_lead,
+                                               css_classes=["wb-replay-lead"], width=70,
+                                               **names(pn.widgets.IntInput, "")),
+        "scope": rbg.from_param(store.param.replay_scope, css_classes=["wb-replay-scope"],
+                                **names(rbg, "", "primary", "outline")),
+        "slots": make(pn.widgets.IntRangeSlider, "slots",
+                      css_classes=["wb-replay-slots"], start=1, end=2, value=(1, 2), step=1,
+                      disabled=True, min_width=220, sizing_mode="stretch_width"),
+        "at": pn.widgets.IntInput.from_param(store.param.replay_at,
+                                             css_classes=["wb-replay-at"], width=110,
+                                             placeholder="run's own",
+                                             **names(pn.widgets.IntInput, "")),
+        "target": pn.widgets.Select.from_param(store.param.replay_target,
+                                               css_classes=["wb-replay-target"], width=170,
+                                               **names(pn.widgets.Select, "")),
+    }
+    for key, doc in (("prefetch", store.param.replay_prefetch.doc),
+                     ("scope", store.param.replay_scope.doc),
+                     ("target", store.param.replay_target.doc)):
+        if "description" in w[key].param:
+            w[key].description = doc
+    w["slots"]._wb_link = _SlotsLink(store, w["slots"])  # keep the link alive with the widget
+    return w

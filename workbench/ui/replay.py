@@ -1,0 +1,350 @@
+"""What-if replay of a routing trace: policy × cache-size curves, for the dashboard and notebooks.
+
+Pure computation and figures (no Panel): :func:`replay_curves` replays a
+:class:`~workbench.traces.Trace` with :func:`workbench.replay.engine.replay` for every eviction
+policy asked for, at every cache size, and returns one row per (policy, size) with the replay's
+metrics; :func:`curves_figure` draws hit rate against cache size with Belady (the offline
+optimum: it evicts the expert needed furthest in the future) as the ceiling line;
+:func:`prefetch_comparison` compares the prefetch policies at one cache size; :func:`study`
+bundles curves and a metrics table at one size for the dashboard's replay view.
+
+Policy names always come from the registries (``EVICTION.available()``,
+``PREFETCH.available()``), so a policy registered later appears here with no change. A policy
+the trace cannot serve (``speculative``/``apex`` without recorded router lookahead) raises
+:class:`~workbench.errors.KnobError` from :func:`replay_curves`; :func:`prefetch_comparison`
+keeps its message in the ``error`` column instead.
+
+Units: ``cache_slots`` in experts (one routed expert per slot); hit rates and shares are
+fractions of the offloaded layers' accesses; every time and byte count is *modeled* (the
+hardware profile's timeline), never measured. The replay engine, which imports torch, is
+imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from workbench.errors import InputError, KnobError
+from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
+
+__all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "pinned_prefix", "slot_bounds",
+           "cache_sizes", "recorded_slots", "replay_curves", "belady_share", "curves_figure",
+           "prefetch_comparison", "target_choices", "ReplayStudy", "study"]
+
+#: the eviction policy drawn as the ceiling (Belady's offline optimum)
+CEILING = "belady"
+#: ``target_model`` choice meaning "price the trace as its run was priced"
+AS_RECORDED = "as recorded"
+#: cache scopes of the replay engine (``workbench.replay.engine.SCOPES``, kept here so that this
+#: module does not import torch; a test holds them equal)
+SCOPES = ("global", "per-layer")
+#: (metric key, label, units) of the replay metrics table, in display order; ``belady_share``
+#: is the policy's hit rate over Belady's at the same size
+METRICS: tuple[tuple[str, str, str], ...] = (
+    ("hit_rate", "hit rate", "fraction"),
+    ("belady_share", "share of Belady", "fraction"),
+    ("blocking_io_s", "blocking I/O, modeled", "s"),
+    ("total_io_s", "total I/O, modeled", "s"),
+    ("transfer_bytes_per_token", "moved per token, modeled", "bytes"),
+    ("redundant_share", "redundant transfers", "fraction"),
+    ("fetch_precision", "fetch precision", "fraction"),
+    ("prefetch_recall", "prefetch recall", "fraction"),
+)
+_KEEP = ("hit_rate", "hits", "misses", "accesses", "transfers", "prefetch_loads",
+         "prefetch_hits", "evictions", "blocking_io_s", "total_io_s", "latency_s",
+         "transfer_bytes", "transfer_bytes_per_token", "redundant_share", "fetch_precision",
+         "prefetch_recall")
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+            "#bcbd22", "#7f7f7f")
+#: most replays a memo keeps (each a small dict of numbers) before it starts over
+MEMO_MAX = 20_000
+#: marker symbols per policy, so that policies with equal hit rates stay visible
+_SYMBOLS = ("circle", "square-open", "diamond-open", "triangle-up-open", "x-thin-open",
+            "star-open", "hexagon-open", "cross-open", "circle-open")
+CEILING_COLOR = "#111827"
+
+
+def target_choices() -> list[str]:
+    """Choices of the pricing target: :data:`AS_RECORDED`, then every registered target model."""
+    from workbench.runtime.profiles import available_target_models
+
+    return [AS_RECORDED, *available_target_models()]
+
+
+def pinned_prefix(trace) -> int:
+    """Number of leading layers the recording run kept resident (replay pins a prefix)."""
+    pinned = np.asarray(trace.pinned, bool)
+    return int(np.argmin(pinned)) if not pinned.all() else len(pinned)
+
+
+def slot_bounds(trace, scope: str = "global", pinned_layers: int | None = None
+                ) -> tuple[int, int]:
+    """Smallest and largest useful ``cache_slots`` for ``trace``: at least top-k (``global``)
+    or top-k per offloaded layer (``per-layer``); at most every offloaded expert (beyond it
+    nothing is ever evicted). :class:`InputError` if every layer is pinned."""
+    if scope not in SCOPES:
+        raise KnobError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
+    n_off = trace.num_layers - pin
+    if n_off <= 0:
+        raise InputError("every layer of this run is pinned (resident): there is no expert "
+                         "cache to replay")
+    lo = trace.top_k if scope == "global" else n_off * trace.top_k
+    return lo, max(lo, n_off * trace.num_experts)
+
+
+def cache_sizes(lo: int, hi: int, n: int = 12, spacing: str = "linear") -> list[int]:
+    """At most ``n`` distinct integer sizes over ``[lo, hi]``, both included, spread evenly
+    (``spacing="linear"``) or by a constant factor (``"log"``: denser at small caches, where
+    the curves bend)."""
+    lo, hi = int(lo), int(hi)
+    if hi < lo:
+        lo, hi = hi, lo
+    if spacing not in ("linear", "log"):
+        raise KnobError(f"spacing must be 'linear' or 'log', not {spacing!r}")
+    xs = np.geomspace(max(lo, 1), hi, max(2, n)) if spacing == "log" and hi > 0 else \
+        np.linspace(lo, hi, max(2, n))
+    return sorted({lo, hi} | {int(round(x)) for x in xs})
+
+
+def recorded_slots(attrs: dict[str, Any]) -> int | None:
+    """Cache slots a run had (its ``live_plan``, else its ``cache_slots`` knob), from store
+    attrs; None if unknown."""
+    for key, field in (("live_plan", "slots"), ("knob.cache_slots", None)):
+        v = attrs.get(key)
+        try:
+            v = json.loads(v) if isinstance(v, str) else v
+            v = v.get(field) if field and isinstance(v, dict) else v
+            if v is not None and not isinstance(v, (dict, list)):
+                return int(v)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _target(target_model: str) -> str:
+    return "none" if target_model in (None, AS_RECORDED) else target_model
+
+
+def _replay_one(trace, eviction: str, slots: int, *, prefetch: str, prefetch_lead: int,
+                scope: str, pinned_layers: int, target_model: str, profile: str | None,
+                memo: dict | None) -> dict[str, Any]:
+    key = (eviction, int(slots), prefetch, int(prefetch_lead), scope, int(pinned_layers),
+           target_model, profile)
+    if memo is not None:
+        if memo.get("trace") is not trace or len(memo) > MEMO_MAX:  # one trace, bounded
+            memo.clear()
+            memo["trace"] = trace
+        if key in memo:
+            return memo[key]
+    from workbench.replay.engine import replay
+
+    kw = {"profile": profile} if profile else {}
+    m = replay(trace, eviction=eviction, cache_slots=int(slots), pinned_layers=pinned_layers,
+               scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
+               target_model=_target(target_model), **kw).metrics()
+    row = {k: m[k] for k in _KEEP if k in m}
+    if memo is not None:
+        memo[key] = row
+    return row
+
+
+def _profile_of(trace, profile: str | None) -> str | None:
+    """The hardware profile the run was priced on (trace attrs), unless one is given."""
+    if profile:
+        return profile
+    p = trace.attrs.get("hardware_profile") or trace.attrs.get("knob.profile")
+    try:
+        p = json.loads(p) if isinstance(p, str) and p.startswith('"') else p
+    except ValueError:
+        pass
+    return str(p) if p else None
+
+
+def replay_curves(trace, evictions: Iterable[str] | None = None,
+                  sizes: Sequence[int] | None = None, *, prefetch: str = "none",
+                  prefetch_lead: int = 1, scope: str = "global",
+                  pinned_layers: int | None = None, target_model: str = AS_RECORDED,
+                  profile: str | None = None, memo: dict | None = None) -> pd.DataFrame:
+    """Hit rate (and the other replay metrics) of each eviction policy at each cache size.
+
+    ``evictions``: registered names (default: every one); :data:`CEILING` is always added.
+    ``sizes``: cache slots (default: :func:`cache_sizes` over :func:`slot_bounds`); sizes
+    below the scope's minimum are left out. ``pinned_layers``: default the run's pinned prefix.
+    ``target_model``: a registered target model to price the trace as, or :data:`AS_RECORDED`
+    (the run's own cost spec; imported traces need a target). ``profile``: default the run's.
+    ``memo``: a dict reused across calls to skip replays already made (it serves one trace:
+    given another, it is cleared).
+
+    Returns a long DataFrame: ``eviction``, ``cache_slots``, the metrics of
+    :meth:`ReplayResult.metrics` (times *modeled*) and ``belady_share`` = hit rate / Belady's
+    hit rate at the same size (NaN where Belady's is 0). Raises :class:`KnobError` when the
+    trace cannot serve the prefetch policy or a setting is out of range.
+    """
+    avail = EVICTION.available()
+    names = list(avail if evictions is None else evictions)
+    for n in names:
+        EVICTION.get(n)  # unknown names list the available ones
+    PREFETCH.get(prefetch)
+    if CEILING in avail and CEILING not in names:
+        names.append(CEILING)
+    pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
+    lo, hi = slot_bounds(trace, scope, pin)
+    sizes = cache_sizes(lo, hi) if sizes is None else sorted({int(s) for s in sizes if s >= lo})
+    if not sizes:
+        raise KnobError(f"cache sizes must reach at least {lo} slots with scope={scope} "
+                        f"(top-k {'per offloaded layer' if scope != 'global' else ''}); "
+                        f"allowed: {lo} … {hi}")
+    prof = _profile_of(trace, profile)
+    rows = []
+    for ev in names:
+        for s in sizes:
+            row = _replay_one(trace, ev, s, prefetch=prefetch, prefetch_lead=prefetch_lead,
+                              scope=scope, pinned_layers=pin, target_model=target_model,
+                              profile=prof, memo=memo)
+            rows.append({"eviction": ev, "cache_slots": int(s), **row})
+    df = pd.DataFrame(rows)
+    if CEILING in names:
+        ceil = df[df.eviction == CEILING].set_index("cache_slots")["hit_rate"]
+        c = df["cache_slots"].map(ceil).to_numpy(float)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            df["belady_share"] = np.where(c > 0, df["hit_rate"].to_numpy(float) / c, np.nan)
+    else:
+        df["belady_share"] = np.nan
+    df.attrs.update(prefetch=prefetch, prefetch_lead=prefetch_lead, scope=scope,
+                    pinned_layers=pin, target_model=target_model, profile=prof,
+                    slot_bounds=(lo, hi))
+    return df
+
+
+def belady_share(df: pd.DataFrame) -> pd.DataFrame:
+    """``cache_slots`` × policy table of each policy's hit rate as a share of Belady's."""
+    return df.pivot(index="cache_slots", columns="eviction", values="belady_share")
+
+
+def curves_figure(df: pd.DataFrame, title: str = "hit rate vs cache size",
+                  own: tuple[int, float, str] | None = None, log_x: bool = False) -> go.Figure:
+    """Hit rate against cache slots, one line per policy of ``df`` (from
+    :func:`replay_curves`), Belady as a thick dashed ceiling line on top. ``own`` =
+    ``(slots, hit_rate, label)`` marks what the recorded run itself got; ``log_x`` draws the
+    cache size on a log axis (for sizes from ``cache_sizes(..., spacing="log")``)."""
+    fig = go.Figure()
+    names = list(dict.fromkeys(df["eviction"]))
+    others = [n for n in names if n != CEILING]
+    for i, ev in enumerate(others):
+        d = df[df.eviction == ev]
+        fig.add_trace(go.Scatter(
+            x=d["cache_slots"], y=d["hit_rate"], mode="lines+markers", name=ev,
+            line={"color": _PALETTE[i % len(_PALETTE)], "width": 2},
+            marker={"symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 8 if i else 7},
+            customdata=np.c_[d["belady_share"], d["blocking_io_s"] * 1e3],
+            hovertemplate=f"{ev} · %{{x}} slots: %{{y:.1%}} hit rate<br>%{{customdata[0]:.0%}} "
+                          f"of Belady · blocking I/O %{{customdata[1]:.2f}} ms (modeled)"
+                          f"<extra></extra>"))
+    if CEILING in names:
+        d = df[df.eviction == CEILING]
+        fig.add_trace(go.Scatter(
+            x=d["cache_slots"], y=d["hit_rate"], mode="lines", name=f"{CEILING} (ceiling)",
+            line={"color": CEILING_COLOR, "width": 3, "dash": "dash"},
+            customdata=d["blocking_io_s"] * 1e3,
+            hovertemplate=f"{CEILING} (offline optimum) · %{{x}} slots: %{{y:.1%}}<br>blocking "
+                          f"I/O %{{customdata:.2f}} ms (modeled)<extra></extra>"))
+    if own is not None and own[0] is not None and np.isfinite(own[1]):
+        fig.add_trace(go.Scatter(
+            x=[own[0]], y=[own[1]], mode="markers", name=own[2],
+            marker={"symbol": "star", "size": 14, "color": "#dc2626"},
+            hovertemplate=f"{own[2]}: %{{x}} slots, %{{y:.1%}} hit rate<extra></extra>"))
+    fig.update_layout(title=title, legend={"orientation": "h", "y": -0.22},
+                      hovermode="closest")
+    fig.update_xaxes(title="cache slots (experts resident on the device)"
+                     + (", log scale" if log_x else ""), type="log" if log_x else "linear")
+    fig.update_yaxes(title="hit rate (offloaded layers)", tickformat=".0%",
+                     range=[-0.02, 1.02])
+    return fig
+
+
+def prefetch_comparison(trace, cache_slots: int, *, eviction: str = "lru",
+                        prefetches: Iterable[str] | None = None, prefetch_lead: int = 1,
+                        scope: str = "global", pinned_layers: int | None = None,
+                        target_model: str = AS_RECORDED, profile: str | None = None,
+                        memo: dict | None = None) -> pd.DataFrame:
+    """Every prefetch policy (default: all registered) at one cache size and eviction policy.
+
+    One row per policy: ``prefetch``, the replay metrics (times *modeled*) and ``error``: ''
+    or, for a policy this trace cannot serve, the :class:`KnobError` message (its metrics NaN).
+    """
+    pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
+    prof = _profile_of(trace, profile)
+    rows = []
+    for pf in (PREFETCH.available() if prefetches is None else prefetches):
+        try:
+            row = _replay_one(trace, eviction, cache_slots, prefetch=pf,
+                              prefetch_lead=prefetch_lead, scope=scope, pinned_layers=pin,
+                              target_model=target_model, profile=prof, memo=memo)
+            rows.append({"prefetch": pf, **row, "error": ""})
+        except KnobError as e:
+            rows.append({"prefetch": pf, "error": str(e)})
+    df = pd.DataFrame(rows)
+    df.attrs.update(cache_slots=int(cache_slots), eviction=eviction, scope=scope,
+                    prefetch_lead=prefetch_lead, target_model=target_model, profile=prof)
+    return df
+
+
+@dataclass
+class ReplayStudy:
+    """What the dashboard's replay view shows for one run and one set of replay settings.
+
+    ``curves``: :func:`replay_curves` over ``sizes``; ``table``: one row per policy (Belady
+    included) at ``at_slots``; ``bounds``: useful cache sizes of the trace and scope;
+    ``own``: ``(slots, hit_rate, label)`` of the recorded run itself, or None (unknown, or
+    outside the range drawn); ``elapsed_s``:
+    measured wall time of the replays (cached ones cost nothing)."""
+
+    curves: pd.DataFrame
+    table: pd.DataFrame
+    sizes: list[int]
+    at_slots: int
+    bounds: tuple[int, int]
+    own: tuple[int, float, str] | None
+    settings: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def study(trace, evictions: Iterable[str] | None = None, *,
+          slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
+          points: int = 12, own: tuple[int, float, str] | None = None,
+          prefetch: str = "none", prefetch_lead: int = 1, scope: str = "global",
+          target_model: str = AS_RECORDED, memo: dict | None = None) -> ReplayStudy:
+    """:class:`ReplayStudy` of ``trace``: curves over ``points`` sizes of ``slot_range``
+    (clipped to :func:`slot_bounds`; None = all of it) plus ``own[0]`` and ``at_slots`` when
+    inside it, and the metrics table at ``at_slots`` (default ``own[0]``, else the middle of
+    the range; clipped to the range)."""
+    t0 = time.perf_counter()
+    pin = pinned_prefix(trace)
+    lo, hi = slot_bounds(trace, scope, pin)
+    a, b = (lo, hi) if slot_range is None else (int(min(slot_range)), int(max(slot_range)))
+    a, b = min(max(a, lo), hi), min(max(b, lo), hi)
+    sizes = cache_sizes(a, b, points)
+    if at_slots is None:
+        at_slots = own[0] if own is not None and own[0] is not None else (a + b) // 2
+    at_slots = min(max(int(at_slots), a), b)
+    if own is not None and (own[0] is None or not a <= own[0] <= b):
+        own = None  # outside the range drawn
+    sizes = sorted(set(sizes) | {at_slots} | ({own[0]} if own is not None else set()))
+    kw = dict(prefetch=prefetch, prefetch_lead=prefetch_lead, scope=scope, pinned_layers=pin,
+              target_model=target_model, memo=memo)
+    curves = replay_curves(trace, evictions, sizes, **kw)
+    table = curves[curves.cache_slots == at_slots]
+    table = pd.concat([table[table.eviction != CEILING], table[table.eviction == CEILING]],
+                      ignore_index=True)  # the ceiling last
+    return ReplayStudy(curves=curves, table=table, sizes=sizes, at_slots=at_slots,
+                       bounds=(lo, hi), own=own, settings=dict(curves.attrs),
+                       elapsed_s=time.perf_counter() - t0)
