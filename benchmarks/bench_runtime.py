@@ -5,7 +5,7 @@
 - telemetry overhead: the same offloaded run with and without streaming to a zarr store
   — goal ≤ 1.10×.
 
-Variants are interleaved round-robin after a warm-up, and medians of the per-variant wall times
+Variants are interleaved, in a shuffled order each round, after a warm-up, and medians of the per-variant wall times
 are compared. Model: the embedded Qwen3-VL-MoE on a demo scene (or --model DIR, text-only prompt).
 
     python benchmarks/bench_runtime.py [--repeats 7] [--max-new-tokens 16] [--json]
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--cache-slots", type=int, default=64)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="decode exactly --max-new-tokens tokens (all variants alike)")
+    ap.add_argument("--lookahead-depth", type=int, default=None,
+                    help="router lookahead layers (default: the knob's default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -45,8 +48,13 @@ def main() -> None:
     else:
         req = Request("the quick brown fox")
     L = lm.layout.num_layers
-    rt = workbench.Runtime(lm, max_new_tokens=a.max_new_tokens, device="cpu",
-                           ignore_eos=a.ignore_eos)
+    extra = {} if a.lookahead_depth is None else {"lookahead_depth": a.lookahead_depth}
+    common = dict(max_new_tokens=a.max_new_tokens, device="cpu", ignore_eos=a.ignore_eos,
+                  **extra)
+    # one runtime per configuration, as a user would hold it (per-call knob overrides copy the
+    # knobs, ~1 ms, which is not what these ratios are about)
+    rt = workbench.Runtime(lm, pinned_layers=L, **common)
+    rt_off = workbench.Runtime(lm, pinned_layers=1, cache_slots=a.cache_slots, **common)
     inputs = build_inputs(lm, req, a.max_new_tokens).tensors
     tmp = Path(tempfile.mkdtemp())
     counter = iter(range(10**6))
@@ -59,24 +67,26 @@ def main() -> None:
 
     variants = {
         "plain_generate": plain,
-        "runtime_all_resident": lambda: rt.run(req, record=False, pinned_layers=L),
-        "offloaded_no_record": lambda: rt.run(req, record=False, pinned_layers=1,
-                                              cache_slots=a.cache_slots),
-        "offloaded_record": lambda: rt.run(req, store=tmp / f"r{next(counter)}.zarr",
-                                           pinned_layers=1, cache_slots=a.cache_slots),
+        "runtime_all_resident": lambda: rt.run(req, record=False),
+        "offloaded_no_record": lambda: rt_off.run(req, record=False),
+        "offloaded_record": lambda: rt_off.run(req, store=tmp / f"r{next(counter)}.zarr"),
     }
     for f in variants.values():  # warm-up
         f()
     times: dict[str, list[float]] = {k: [] for k in variants}
+    order = list(variants)
+    rng = random.Random(0)
     for _ in range(a.repeats):
-        for name, f in variants.items():
+        rng.shuffle(order)  # no variant always follows the same one (cache/thread after-effects)
+        for name in order:
+            f = variants[name]
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     steps = rt.run(req, record=False).steps
     out = {
-        "model": lm.model_id, "moe_layers": L, "max_new_tokens": a.max_new_tokens,
+        "model": lm.model_id, "moe_layers": L, "lookahead_depth": rt.knobs.lookahead_depth, "max_new_tokens": a.max_new_tokens,
         "ignore_eos": a.ignore_eos, "steps_per_run": steps,
         "repeats": a.repeats, "cache_slots": a.cache_slots,
         "median_s_measured": med,

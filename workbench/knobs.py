@@ -187,6 +187,9 @@ class Knobs:
 
     def __init__(self, **values: Any) -> None:
         object.__setattr__(self, "_groups", {key: cls() for key, cls in _GROUPS.items()})
+        # knob name → its group (names are unique across groups): O(1) flat access
+        object.__setattr__(self, "_by_name", {n: g for g in self._groups.values()
+                                              for n in g.knob_names()})
         self.set(**values)
 
     # -- access ---------------------------------------------------------------------------
@@ -201,9 +204,9 @@ class Knobs:
         return [n for g in self._groups.values() for n in g.knob_names()]
 
     def _owner(self, name: str) -> KnobGroup:
-        for g in self._groups.values():
-            if name in g.param and name != "name":
-                return g
+        g = self._by_name.get(name)
+        if g is not None:
+            return g
         raise KnobError(f"unknown knob {name!r}; known knobs: {', '.join(sorted(self.names()))}")
 
     def __getattr__(self, name: str) -> Any:

@@ -253,8 +253,9 @@ class Runtime:
         clock = ModeledClock(get_profile(k.profile), self.cost_spec())
         t0 = time.perf_counter()
         probe = StepProbe(t0)
-        policy = EVICTION.create(k.eviction, **k.to_dict())
-        prefetcher = PREFETCH.create(k.prefetch, **k.to_dict())
+        kd = k.to_dict()
+        policy = EVICTION.create(k.eviction, **kd)
+        prefetcher = PREFETCH.create(k.prefetch, **kd)
         pinned = [b.index < k.pinned_layers for b in lay.blocks]
         recorder = None
         # the store's k dim holds every k a layer may use (dynamic top-k may widen it)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +28,7 @@ from workbench.errors import InputError, StoreExistsError
 from workbench.telemetry import zarr_files
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: chunk keys "c.0.0" (readers need nothing new: zarr reads both)
 GROWING = ("step", "token", "span")
 INITIAL_CAPACITY = {"step": 1024, "token": 16384, "span": 16384}
 
@@ -127,6 +128,10 @@ class Recorder:
     ``failed`` (with the error). ``flush_every`` steps or ``flush_interval_s`` seconds, whichever
     comes first, trigger an append. The recorder is the store's only writer and writes files
     directly (:mod:`workbench.telemetry.zarr_files`); everything reads it with zarr/xarray.
+
+    File I/O runs on one background writer thread, in submission order, so laying out the store
+    and intermediate flushes overlap the model's compute; :meth:`flush` and :meth:`close` wait
+    for it, and an error on the writer is raised by the next call on the recorder.
     """
 
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
@@ -136,6 +141,7 @@ class Recorder:
         _check_new_store(self.path, overwrite)
         if self.path.exists():
             shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)  # claimed now; filled in by the writer
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
         self.flush_every = flush_every
@@ -146,42 +152,36 @@ class Recorder:
         # arrays are allocated ahead of the data (unwritten chunks cost nothing on disk) so that a
         # flush writes chunks only; readers never look past ``committed``
         self.capacity = dict(INITIAL_CAPACITY)
-        files = _layout_files(num_layers, num_experts, top_k, self.D)
-        self.path.mkdir(parents=True)
-        zarr_files.materialize(self.path, files, skip={"zarr.json"})
-        self.arrays = {name: zarr_files.AppendArray(self.path, name,
-                                                    json.loads(files[f"{name}/zarr.json"]))
-                       for name in (*SCHEMA, "pinned")}
-        self.arrays.pop("pinned").write(0, np.asarray(pinned, dtype=bool))
-        self._group_meta = json.loads(files["zarr.json"])
         self.attrs: dict[str, Any] = {
             **attrs,
             "schema_version": SCHEMA_VERSION,
             "workbench_version": __version__,
             "phase_names": list(PHASES), "lane_names": list(LANES), "clock_names": list(CLOCKS),
             "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "committed": self.committed,
+            "committed": dict(self.committed),
         }
+        self.arrays: dict[str, zarr_files.AppendArray] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-recorder")
+        self._pending: list[Future] = []
+        self._submit(self._lay_out, np.asarray(pinned, dtype=bool))
+
+    # -- the writer thread's work ----------------------------------------------------------
+    def _lay_out(self, pinned: np.ndarray) -> None:
+        files = _layout_files(self.L, self.E, self.k, self.D)
+        zarr_files.materialize(self.path, files, skip={"zarr.json"})
+        self.arrays = {name: zarr_files.AppendArray(self.path, name,
+                                                    json.loads(files[f"{name}/zarr.json"]))
+                       for name in (*SCHEMA, "pinned")}
+        self.arrays.pop("pinned").write(0, pinned)
+        self._group_meta = json.loads(files["zarr.json"])
         self._write_attrs()  # the root document last: from now on the store opens
 
     def _write_attrs(self) -> None:
         self._group_meta["attributes"] = self.attrs
         zarr_files.atomic_write(self.path / "zarr.json", zarr_files.dump_json(self._group_meta))
 
-    # -- writing ---------------------------------------------------------------------------
-    def add(self, ev: StepEvent) -> None:
-        self._buf.append(ev)
-        if (len(self._buf) >= self.flush_every
-                or time.perf_counter() - self._last_flush >= self.flush_interval_s):
-            self.flush()
-
-    def flush(self, publish: bool = True) -> None:
-        """Write buffered steps past the committed end of every array, then publish the new
-        committed lengths (the only metadata write of a flush, unless an array must grow;
-        ``publish=False`` leaves that write to the caller)."""
-        if not self._buf:
-            return
-        cols = _columns(self._buf, self.L, self.E, self.k, self.D)
+    def _write_batch(self, events: list[StepEvent], publish: bool) -> None:
+        cols = _columns(events, self.L, self.E, self.k, self.D)
         start = dict(self.committed)
         end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
@@ -195,8 +195,6 @@ class Recorder:
         self.attrs["committed"] = dict(end)
         if publish:
             self._write_attrs()
-        self._buf = []
-        self._last_flush = time.perf_counter()
 
     def _grow(self, dim: str, needed: int) -> None:
         cap = self.capacity[dim]
@@ -207,20 +205,60 @@ class Recorder:
                 self.arrays[name].resize(cap)
         self.capacity[dim] = cap
 
-    def set_attrs(self, **attrs: Any) -> None:
-        self.attrs.update(attrs)
-        self._write_attrs()
-
-    def close(self, status: str = "complete", **attrs: Any) -> None:
-        """Flush, trim every growing array to its committed length, and set ``status`` (the new
-        committed lengths and the status are published in one write, after the trim)."""
-        self.flush(publish=False)
-        for name, a in self.arrays.items():
+    def _finish(self, attrs: dict[str, Any]) -> None:
+        for name, a in self.arrays.items():  # trim to the committed lengths
             n = self.committed[SCHEMA[name].dims[0]]
             if a.length != n:
                 a.resize(n)
         self.capacity = dict(self.committed)
-        self.set_attrs(**attrs, status=status)
+        self.attrs.update(attrs)
+        self._write_attrs()
+
+    # -- the caller's side -----------------------------------------------------------------
+    def _submit(self, fn, *args) -> None:
+        for f in [f for f in self._pending if f.done()]:
+            self._pending.remove(f)
+            f.result()  # an earlier write failed: raise it here
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Block until every submitted write is on disk (raises a writer error)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def add(self, ev: StepEvent) -> None:
+        self._buf.append(ev)
+        if (len(self._buf) >= self.flush_every
+                or time.perf_counter() - self._last_flush >= self.flush_interval_s):
+            self._flush(publish=True)
+
+    def _flush(self, publish: bool) -> None:
+        if self._buf:
+            batch, self._buf = self._buf, []
+            self._submit(self._write_batch, batch, publish)
+        self._last_flush = time.perf_counter()
+
+    def flush(self) -> None:
+        """Write buffered steps past the committed end of every array, publish the new
+        committed lengths (the only metadata write of a flush, unless an array must grow), and
+        wait until it is on disk."""
+        self._flush(publish=True)
+        self.wait()
+
+    def set_attrs(self, **attrs: Any) -> None:
+        self._submit(lambda: (self.attrs.update(attrs), self._write_attrs()))
+        self.wait()
+
+    def close(self, status: str = "complete", **attrs: Any) -> None:
+        """Flush, trim every growing array to its committed length, and set ``status`` (the new
+        committed lengths and the status are published in one write, after the trim)."""
+        try:
+            self._flush(publish=False)
+            self._submit(self._finish, {**attrs, "status": status})
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
     def __enter__(self) -> "Recorder":
         return self
@@ -244,6 +282,9 @@ def _layout_files(L: int, E: int, k: int, D: int = 1) -> dict[str, bytes]:
         specs = {name: dict(shape=(INITIAL_CAPACITY[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
+                            # chunk files "c.0.0" sit in the array's folder: no subfolders to
+                            # create while streaming (each costs syscalls on every new chunk)
+                            chunk_key_encoding={"name": "default", "separator": "."},
                             attributes={"units": v.units, "description": v.doc})
                  for name, v in SCHEMA.items()}
         index = {"layer": np.arange(L, dtype=np.int32), "expert": np.arange(E, dtype=np.int32),
