@@ -280,3 +280,32 @@ def test_replaying_an_active_evict_run_needs_it_switched_off(embedded, demo_inpu
     with pytest.raises(KnobError, match="active_evict runs live only"):
         ds.moe.io_metrics()
     assert ds.moe.io_metrics(active_evict=False)["accesses"] > 0
+
+
+@needs_mixtral
+def test_vectorised_prefetch_plans_equal_the_per_group_policy_calls(mixtral, live_runs):
+    """The built-ins' fast plan equals asking the policy object group by group."""
+    from workbench.policies import prefetch as P
+
+    def per_group(policy, *args):
+        cls = type(policy)
+        src = cls.__dict__["source"]
+        delattr(cls, "source")  # hide the fast path
+        try:
+            return P.plan_prefetch(policy, *args)
+        finally:
+            cls.source = src
+
+    for trace in (mixtral, from_store(live_runs[("lru", 40, 0)])):
+        groups = trace.groups()
+        for name in P.PREFETCH.available():
+            policy = P.PREFETCH.create(name)
+            if "source" not in type(policy).__dict__ or (
+                    "pred_ids" in policy.needs and trace.pred_ids is None):
+                continue
+            for pinned_n, lead, budget in ((0, 1, None), (2, 3, None), (1, 2, 3)):
+                pinned = np.arange(trace.num_layers) < pinned_n
+                fast = P.plan_prefetch(policy, trace, groups, pinned, lead, budget)
+                slow = per_group(policy, trace, groups, pinned, lead, budget)
+                np.testing.assert_array_equal(fast[0], slow[0], err_msg=name)
+                np.testing.assert_array_equal(fast[1], slow[1], err_msg=name)

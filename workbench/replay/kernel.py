@@ -139,12 +139,13 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         now += g_dense[g]
         if layer_pinned[layer]:
             hits[g] = b - a
-            t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
-                                     pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail, protected,
-                                     res_list, pos, last_use, count, ring, ring_n, hot_pow,
-                                     window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl,
-                                     used, pref, ready, pf_loads, xfer_time, num_experts,
-                                     num_layers)
+            if pf_ptr[g + 1] > pf_ptr[g]:  # (a call with ~40 array arguments is not free)
+                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
+                                         pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
+                                         tail, protected, res_list, pos, last_use, count, ring,
+                                         ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl,
+                                         redundant_sl, used, pref, ready, pf_loads, xfer_time,
+                                         num_experts, num_layers)
             for i in range(a, b):
                 now += acc_comp[i]
             g_end[g] = now
@@ -215,12 +216,13 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             if not pf_done and nxt_miss >= nm:
                 # every miss has a slot: prefetch for the layers ahead (as the live offloader)
                 pf_done = True
-                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_layer,
-                                             pool_cap, occ, policy, prev, nxt, head, tail, protected,
-                                             res_list, pos, last_use, count, ring, ring_n, hot_pow,
-                                             window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl,
-                                             used, pref, ready, pf_loads, xfer_time, num_experts,
-                                             num_layers)
+                if pf_ptr[g + 1] > pf_ptr[g]:
+                    t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
+                                             pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
+                                             tail, protected, res_list, pos, last_use, count, ring,
+                                             ring_n, hot_pow, window, occ_ptr, occ_grp, optr,
+                                             evict_sl, redundant_sl, used, pref, ready, pf_loads,
+                                             xfer_time, num_experts, num_layers)
             if not hits_done:
                 hits_done = True
                 for i in range(a, b):
