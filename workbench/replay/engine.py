@@ -188,14 +188,15 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
                 f"not {cache_slots}")
         pool_of_layer = np.arange(L, dtype=np.int64)
         pool_cap = np.full(L, min(share, E), np.int64)
-    # modeled prices, exactly as ModeledClock computes them
-    dense = np.array([prof.compute_time(int(t) * cost.dense_flops_per_token_per_layer,
-                                        cost.dense_bytes_per_layer)
-                      for t in groups.step_tokens], np.float64)[groups.step]
-    n_tok = groups.expert_tokens
-    comp_by_n = {int(n): prof.compute_time(int(n) * cost.expert_flops_per_token,
-                                           cost.expert_bytes) for n in np.unique(n_tok)}
-    comp = np.array([comp_by_n[int(n)] for n in n_tok], np.float64)
+    # modeled prices, exactly as ModeledClock computes them (one call per distinct size)
+    def priced(counts: np.ndarray, flops: float, nbytes: float) -> np.ndarray:
+        vals, inv = np.unique(counts, return_inverse=True)
+        return np.array([prof.compute_time(int(v) * flops, nbytes) for v in vals],
+                        np.float64)[inv.reshape(-1)]
+
+    dense = priced(groups.step_tokens, cost.dense_flops_per_token_per_layer,
+                   cost.dense_bytes_per_layer)[groups.step]
+    comp = priced(groups.expert_tokens, cost.expert_flops_per_token, cost.expert_bytes)
     xfer = prof.transfer_time(cost.expert_bytes)
     pf_ptr, pf_key = plan_prefetch(pf_policy, trace, groups, pinned, prefetch_lead,
                                    prefetch_budget)
@@ -221,10 +222,13 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
     hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused = out
     S = trace.num_steps
 
+    flat_sl = groups.step.astype(np.int64) * L + groups.layer  # (step, layer) of each group
+
     def per_sl(v: np.ndarray) -> np.ndarray:
-        m = np.zeros((S, L), v.dtype)
-        np.add.at(m, (groups.step, groups.layer), v)
-        return m
+        # each (step, layer) has at most one group: a scatter, no accumulation needed
+        m = np.zeros(S * L, v.dtype)
+        m[flat_sl] = v
+        return m.reshape(S, L)
 
     # step latency: end of the step's last group minus the end of the previous step
     step_end = np.zeros(S)

@@ -190,24 +190,13 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             # issue()
             while nxt_miss < nm:
                 k = miss_buf[nxt_miss]
-                pool = pool_of_layer[k // num_experts]
-                if occ[pool] >= pool_cap[pool]:
-                    victim = _victim(pool, policy, prev, tail, protected, res_list, occ,
-                                     last_use, count, ring, ring_n, hot_pow, window, step, g,
-                                     occ_ptr, occ_grp, optr)
-                    if victim == -1:
-                        break
-                    _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ,
-                           pos)
-                    vl = victim // num_experts
-                    evict_sl[step * num_layers + vl] += 1
-                    if not used[victim]:
-                        redundant_sl[step * num_layers + vl] += 1
-                    pref[victim] = False
-                _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-                t += 1
-                last_use[k] = t
-                _touch(k, step, policy, count, ring, ring_n)
+                t2 = _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
+                            tail, protected, resident, res_list, pos, last_use, count, ring,
+                            ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl,
+                            redundant_sl, used, pref, num_experts, num_layers)
+                if t2 < 0:
+                    break  # every slot holds an expert this layer still needs
+                t = t2
                 used[k] = True
                 pref[k] = False
                 adm_buf[na] = k
@@ -262,6 +251,33 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
 
 
 @njit(cache=True, _nrt=False, error_model="numpy")
+def _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail, protected,
+           resident, res_list, pos, last_use, count, ring, ring_n, hot_pow, window, occ_ptr,
+           occ_grp, optr, evict_sl, redundant_sl, used, pref, num_experts, num_layers):
+    """``ExpertCache.admit``: give ``k`` a slot, evicting the policy's victim among the
+    unprotected residents of its pool if the pool is full (booked on the victim's layer, and as
+    redundant if it was never used). Returns the new access clock, or -1 when every resident
+    is protected (nothing changed)."""
+    pool = pool_of_layer[k // num_experts]
+    if occ[pool] >= pool_cap[pool]:
+        victim = _victim(pool, policy, prev, tail, protected, res_list, occ, last_use, count,
+                         ring, ring_n, hot_pow, window, step, g, occ_ptr, occ_grp, optr)
+        if victim == -1:
+            return -1
+        _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
+        vl = victim // num_experts
+        evict_sl[step * num_layers + vl] += 1
+        if not used[victim]:
+            redundant_sl[step * num_layers + vl] += 1
+        pref[victim] = False
+    _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
+    t += 1
+    last_use[k] = t
+    _touch(k, step, policy, count, ring, ring_n)
+    return t
+
+
+@njit(cache=True, _nrt=False, error_model="numpy")
 def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_layer, pool_cap, occ,
               policy, prev, nxt, head, tail, protected, res_list, pos, last_use, count, ring,
               ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl, used, pref,
@@ -273,22 +289,13 @@ def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_laye
         k = pf_key[j]
         if resident[k]:
             continue
-        pool = pool_of_layer[k // num_experts]
-        if occ[pool] >= pool_cap[pool]:
-            victim = _victim(pool, policy, prev, tail, protected, res_list, occ, last_use,
-                             count, ring, ring_n, hot_pow, window, step, g, occ_ptr, occ_grp, optr)
-            if victim == -1:
-                continue
-            _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-            vl = victim // num_experts
-            evict_sl[step * num_layers + vl] += 1
-            if not used[victim]:
-                redundant_sl[step * num_layers + vl] += 1
-            pref[victim] = False
-        _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-        t += 1
-        last_use[k] = t
-        _touch(k, step, policy, count, ring, ring_n)
+        t2 = _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail,
+                    protected, resident, res_list, pos, last_use, count, ring, ring_n, hot_pow,
+                    window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl, used, pref,
+                    num_experts, num_layers)
+        if t2 < 0:
+            continue
+        t = t2
         used[k] = False
         pref[k] = True
         xfer_free = max(xfer_free, now) + xfer_time

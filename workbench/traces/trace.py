@@ -123,7 +123,13 @@ class Trace:
         ids = self.topk_ids.astype(np.int64)
         valid = ids >= 0
         code = (step[valid].astype(np.int64) * L + layer[valid]) * E + ids[valid]
-        uniq, ntok = np.unique(code, return_counts=True)  # sorted: step, layer, expert
+        space = self.num_steps * L * E
+        if space <= 16 * max(code.size, 1):  # dense enough: counting beats sorting
+            counts = np.bincount(code, minlength=space)
+            uniq = np.flatnonzero(counts)
+            ntok = counts[uniq]
+        else:
+            uniq, ntok = np.unique(code, return_counts=True)  # sorted: step, layer, expert
         g_code = uniq // E
         starts = np.flatnonzero(np.r_[True, g_code[1:] != g_code[:-1]]) if len(uniq) else \
             np.zeros(0, np.int64)

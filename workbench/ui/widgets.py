@@ -95,34 +95,59 @@ def knob_cards(knobs: Knobs) -> list[pn.Card]:
 
 
 class _RangeLink:
-    """Keeps an IntRangeSlider and ``store.step_range`` in step: the slider spans the shown
-    run's steps; a full-span slider means ``None`` (every step, growing with a live run)."""
+    """Keeps an IntRangeSlider and ``store.<attr>`` in step: the slider spans :meth:`bounds`;
+    a full-span slider means ``None`` (the whole span, which may grow with a live run)."""
+
+    attr = ""
+    watch: tuple[str, ...] = ()
 
     def __init__(self, store: DataStore, slider: pn.widgets.IntRangeSlider) -> None:
         self.store, self.slider = store, slider
         self._busy = False
         slider.param.watch(self._from_slider, "value_throttled")
-        store.param.watch(self._from_store, ["dataset", "step_range"])
+        store.param.watch(self._from_store, [*self.watch, self.attr])
         self._from_store()
+
+    def bounds(self) -> tuple[int, int] | None:
+        """(first, last) value the slider may take; None disables it."""
+        raise NotImplementedError
+
+    def _skip(self, events: tuple) -> bool:
+        return False
 
     def _from_slider(self, event: Any) -> None:
         if self._busy or event.new is None:
             return
         lo, hi = int(event.new[0]), int(event.new[1])
         full = (lo, hi) == (self.slider.start, self.slider.end)
-        self.store.step_range = None if full else (lo, hi)
+        setattr(self.store, self.attr, None if full else (lo, hi))
 
     def _from_store(self, *events: Any) -> None:
-        ds = self.store.dataset
-        n = int(ds.sizes["step"]) if ds is not None else 0
+        if self._skip(events):
+            return
+        b = self.bounds()
         self._busy = True
         try:
-            end = max(n - 1, 1)
-            value = self.store.step_range or (0, end)
-            value = (min(value[0], end), min(value[1], end))
-            self.slider.param.update(start=0, end=end, value=value, disabled=n < 2)
+            if b is None:
+                self.slider.param.update(disabled=True)
+                return
+            lo, hi = b
+            end = max(hi, lo + 1)
+            value = getattr(self.store, self.attr) or (lo, end)
+            value = (min(max(value[0], lo), end), min(max(value[1], lo), end))
+            self.slider.param.update(start=lo, end=end, value=value, disabled=hi <= lo)
         finally:
             self._busy = False
+
+
+class _StepsLink(_RangeLink):
+    """``store.step_range`` over the shown run's steps."""
+
+    attr, watch = "step_range", ("dataset",)
+
+    def bounds(self) -> tuple[int, int]:
+        ds = self.store.dataset
+        return 0, (int(ds.sizes["step"]) if ds is not None else 0) - 1
 
 
 def filter_widgets(store: DataStore) -> dict[str, pn.widgets.Widget]:
@@ -140,7 +165,7 @@ def filter_widgets(store: DataStore) -> dict[str, pn.widgets.Widget]:
                       start=0, end=1, value=(0, 1), step=1, disabled=True, min_width=200,
                       sizing_mode="stretch_width"),
     }
-    w["steps"]._wb_link = _RangeLink(store, w["steps"])  # keep the link alive with the widget
+    w["steps"]._wb_link = _StepsLink(store, w["steps"])  # keep the link alive with the widget
     return w
 
 
@@ -258,44 +283,19 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
             "adopt": adopt, "message": msg, "baseline": baseline}
 
 
-class _SlotsLink:
-    """Keeps an IntRangeSlider and ``store.replay_slots`` in step: the slider spans the shown
-    run's useful cache sizes (``DataStore.replay_bounds``, which depend on the scope); a
-    full-span slider means ``None`` (every useful size)."""
+class _SlotsLink(_RangeLink):
+    """``store.replay_slots`` over the shown run's useful cache sizes
+    (``DataStore.replay_bounds``, which depend on the scope)."""
 
-    def __init__(self, store: DataStore, slider: pn.widgets.IntRangeSlider) -> None:
-        self.store, self.slider = store, slider
-        self._busy = False
-        slider.param.watch(self._from_slider, "value_throttled")
-        store.param.watch(self._from_store, ["dataset", "running", "replay_scope",
-                                             "replay_slots"])
-        self._bounds: tuple[int, int] | None = None
-        self._from_store()
+    attr, watch = "replay_slots", ("dataset", "running", "replay_scope")
 
-    def _from_slider(self, event: Any) -> None:
-        if self._busy or event.new is None:
-            return
-        lo, hi = int(event.new[0]), int(event.new[1])
-        full = (lo, hi) == (self.slider.start, self.slider.end)
-        self.store.replay_slots = None if full else (lo, hi)
+    def bounds(self) -> tuple[int, int] | None:
+        return self.store.replay_bounds()
 
-    def _from_store(self, *events: Any) -> None:
-        if events and all(e.name in ("dataset", "running") for e in events) \
-                and self.store.live:
-            return  # bounds are known once the run is complete
-        b = self.store.replay_bounds()
-        self._busy = True
-        try:
-            if b is None:
-                self.slider.param.update(disabled=True)
-                return
-            lo, hi = b
-            end = max(hi, lo + 1)
-            value = self.store.replay_slots or (lo, end)
-            value = (min(max(value[0], lo), end), min(max(value[1], lo), end))
-            self.slider.param.update(start=lo, end=end, value=value, disabled=hi <= lo)
-        finally:
-            self._busy = False
+    def _skip(self, events: tuple) -> bool:
+        # bounds are known once the run is complete
+        return bool(events) and all(e.name in ("dataset", "running") for e in events) \
+            and self.store.live
 
 
 def replay_widgets(store: DataStore) -> dict[str, Any]:
