@@ -101,3 +101,25 @@ def test_store_schema_attrs_and_consistency(tiny_ckpt, tmp_path):
     # residency: pinned layer always resident; never more cached experts than slots
     assert ds.resident.values[:, 0, :].all()
     assert (ds.resident.values[:, offl, :].sum(axis=(1, 2)) <= 4).all()
+
+
+def test_a_failed_background_write_still_marks_the_store_failed(tmp_path):
+    """The recorder writes on a thread: a write error surfaces at close, and the store is left
+    with status 'failed' (never 'running', which readers take for a killed writer)."""
+    from workbench.telemetry.events import StepEvent
+    from workbench.telemetry.store import Recorder
+
+    rec = Recorder(tmp_path / "r.zarr", 2, 4, 2, {}, [False, False], flush_every=1)
+
+    def broken(events, publish):
+        raise OSError("disk full (simulated)")
+
+    rec._write_batch = broken
+    ev = StepEvent(step=0, phase=0, token_ids=np.array([1]), modality=np.array([0], np.int8))
+    rec.add(ev)  # submitted; fails on the writer thread
+    with pytest.raises(OSError, match="disk full"):
+        rec.close("complete")
+    ds = workbench.open_run(tmp_path / "r.zarr")
+    assert ds.attrs["status"] == "failed"
+    assert "disk full" in ds.attrs["error"]
+    assert ds.sizes["step"] == 0  # nothing unflushed is exposed

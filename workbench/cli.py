@@ -171,14 +171,10 @@ def _replay(args) -> int:
         raise InputError(f"--scope must be one of {', '.join(SCOPES)}, not {args.scope!r}")
     if args.format not in FORMATS:
         raise InputError(f"--format must be one of {', '.join(FORMATS)}, not {args.format!r}")
-    opts = {}
-    fmt = args.format
-    if fmt == "auto":
-        suffix = Path(args.trace).suffix
-        fmt = {".jsonl": "jsonl", ".npy": "npy"}.get(suffix, fmt)
-    if args.num_experts is not None and fmt in ("jsonl", "npy"):
+    opts = {}  # load_trace refuses an option the trace's format does not take
+    if args.num_experts is not None:
         opts["num_experts"] = args.num_experts
-    if args.prefill_tokens and fmt == "npy":
+    if args.prefill_tokens:
         opts["prefill_tokens"] = args.prefill_tokens
     trace = load_trace(Path(args.trace), format=args.format, **opts)
     base = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
@@ -196,11 +192,14 @@ def _replay(args) -> int:
     print(f"eviction={c['eviction']} prefetch={c['prefetch']} (lead {c['prefetch_lead']}) "
           f"cache_slots={c['cache_slots']} pinned_layers={c['pinned_layers']} "
           f"scope={c['scope']} cost={c['cost_source']} on {c['profile']}")
+    def num(v, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
     rows = [("accesses", f"{m['accesses']}"), ("hits / misses", f"{m['hits']} / {m['misses']}"),
-            ("hit rate", f"{m['hit_rate']:.4f}")]
-    if m.get("belady_hit_rate") is not None:
-        rows += [("Belady hit rate (bound)", f"{m['belady_hit_rate']:.4f}"),
-                 ("share of Belady", f"{m['share_of_belady']:.3f}")]
+            ("hit rate", num(m["hit_rate"], ".4f"))]
+    if "belady_hit_rate" in m:
+        rows += [("Belady hit rate (bound)", num(m["belady_hit_rate"], ".4f")),
+                 ("share of Belady", num(m["share_of_belady"], ".3f"))]
     rows += [("transfers (demand + prefetch)", f"{m['transfers']} ({m['demand_loads']} + "
                                                f"{m['prefetch_loads']})"),
              ("transfer bytes", f"{m['transfer_bytes']:.4g}"),

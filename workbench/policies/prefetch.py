@@ -135,6 +135,8 @@ def select(candidates, pinned, num_layers: int, num_experts: int, budget: int | 
     layers past the last dropped, at most ``budget`` (None: all)."""
     seen: set[int] = set()
     keys: list[int] = []
+    if budget is not None and budget < 1:
+        return keys
     for layer, e in candidates:
         k = layer * num_experts + e
         if layer < num_layers and not pinned[layer] and k not in seen:

@@ -65,7 +65,8 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
             bound = _replay(trace, scope=scope, **{**kw, "eviction": "belady",
                                                          "prefetch": "none"})
         res.extra["belady_hit_rate"] = bound.hit_rate
-        res.extra["share_of_belady"] = res.hit_rate / bound.hit_rate if bound.hit_rate else None
+        res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
+                                        if bound.hit_rate > 0 else None)  # NaN > 0 is False
     return res
 
 

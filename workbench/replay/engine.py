@@ -9,7 +9,7 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
 - ``python``: the real :class:`ExpertCache`, :class:`LayerFill` and policy objects, for any
   registered policy (tests hold both equal, and equal to the live run they replay).
 
-``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // layers`` slots
+``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
 """
 
@@ -100,7 +100,8 @@ class ReplayResult:
             "accesses_per_s_measured": self.accesses / self.elapsed_s if self.elapsed_s else None,
         }
         out.update(self.extra)
-        return out
+        # no offloaded access (empty trace, everything pinned): no rate, rather than NaN
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
 
     def per_layer(self) -> dict[str, np.ndarray]:
         """Per-layer totals (pinned layers included, flagged in ``pinned``)."""
@@ -173,6 +174,15 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
     if n_off and cache_slots < trace.top_k:
         raise KnobError(f"cache_slots must be at least {trace.top_k} (top-k), not {cache_slots}")
     pol_cls = EVICTION.get(eviction)
+    try:
+        pol_cls(**policy_knobs)  # the policy checks its own knobs (e.g. hotness γ and T)
+    except ValueError as e:
+        raise KnobError(str(e)) from None
+    if eviction == "hotness" and int(policy_knobs.get("hotness_window", 16)) > K.RING:
+        raise KnobError(f"hotness_window must be at most {K.RING} steps, not "
+                        f"{policy_knobs['hotness_window']}")
+    if prefetch_budget is not None and prefetch_budget < 1:
+        raise KnobError(f"prefetch_budget must be at least 1 or None, not {prefetch_budget}")
     pf_policy = PREFETCH.create(prefetch, **policy_knobs)
     cost, prof = _cost(trace, profile, target_model, expert_bytes)
     groups = trace.groups()
@@ -200,7 +210,7 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
     xfer = prof.transfer_time(cost.expert_bytes)
     pf_ptr, pf_key = plan_prefetch(pf_policy, trace, groups, pinned, prefetch_lead,
                                    prefetch_budget)
-    kernel_code = K.POLICY_CODES.get(eviction) if pol_cls is EVICTION.get(eviction) else None
+    kernel_code = K.POLICY_CODES.get(eviction)
     if engine == "auto":
         engine = "fast" if eviction in K.POLICY_CODES else "python"
     if engine not in ("fast", "python"):
@@ -264,9 +274,7 @@ def _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, code, knobs,
         occ_ptr, occ_grp = _occurrences(groups, nk)
     else:
         occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
-    window = int(knobs.get("hotness_window", 16))
-    if window > K.RING:
-        raise KnobError(f"hotness_window must be at most {K.RING} steps, not {window}")
+    window = min(int(knobs.get("hotness_window", 16)), K.RING)  # checked in replay()
     return K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
                       groups.ptr.astype(np.int64), groups.keys(), dense, comp, pinned,
                       pool_of_layer, pool_cap, code, float(knobs.get("hotness_decay", 0.8)),
@@ -399,6 +407,10 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     keys = np.asarray(keys, np.int64)
     uniq, dense_keys = np.unique(keys, return_inverse=True)
     n = len(keys)
+    if cache_slots < 1:
+        raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
+    cache_slots = min(cache_slots, max(len(uniq), 1))  # more slots than keys change nothing
+    pol_cls = EVICTION.get(eviction)
     groups = Groups(step=np.arange(n, dtype=np.int32), layer=np.zeros(n, np.int32),
                     ptr=np.arange(n + 1, dtype=np.int64), expert=dense_keys.astype(np.int32),
                     expert_tokens=np.ones(n, np.int32), step_tokens=np.ones(n, np.int64),
@@ -409,9 +421,10 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     pools = np.zeros(1, np.int64)
     empty = (np.zeros(n + 1, np.int64), np.zeros(0, np.int64))
     if engine == "fast":
+        if eviction not in K.POLICY_CODES:
+            raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
         out = _run_fast(groups, z, z, pinned, pools, cap, K.POLICY_CODES[eviction], {}, *empty,
                         0.0, n)
     else:
-        out = _run_python(groups, z, z, pinned, pools, cap, EVICTION.get(eviction), {}, *empty,
-                          0.0, n)
+        out = _run_python(groups, z, z, pinned, pools, cap, pol_cls, {}, *empty, 0.0, n)
     return int(out[0].sum())

@@ -230,8 +230,10 @@ class Offloader:
                 or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
             return
         demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
-        ev.pre_evicted.extend(self.active_evict.pre_evict(
-            self.cache, nxt, demand, p_next, protected))
+        gone = self.active_evict.pre_evict(self.cache, nxt, demand, p_next, protected)
+        ev.pre_evicted.extend(gone)
+        for key in gone:
+            self._pf_inflight.pop(key, None)
 
     def _note_routing(self, layer: int, topk_ids: np.ndarray) -> None:
         r = self._routing
@@ -356,6 +358,7 @@ class Offloader:
                 for e, slot, evicted in fill.issue():
                     if evicted is not None:
                         ev.evicted.append(evicted)
+                        self._pf_inflight.pop(evicted, None)
                     assert self.engine is not None
                     tr = self.engine.submit((layer, e), slot, cache.slot_view(slot),
                                             self.store.expert(layer, e))

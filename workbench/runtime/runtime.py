@@ -341,14 +341,17 @@ class Runtime:
                     h1.remove()
                     h2.remove()
                 counters = off.cache.counters()
+            for ev in pending:  # a forward whose token never came (stopped): keep it
+                events.append(ev)
+                if recorder is not None:
+                    recorder.add(ev)
         except BaseException as e:
             if recorder is not None:
-                recorder.close("failed", error=f"{type(e).__name__}: {e}")
+                try:
+                    recorder.close("failed", error=f"{type(e).__name__}: {e}")
+                except Exception:  # never hide the original error
+                    pass
             raise
-        for ev in pending:  # a forward whose token never came (stopped): keep it
-            events.append(ev)
-            if recorder is not None:
-                recorder.add(ev)
         offl = ~np.asarray(pinned)
         result = RunResult(
             text=tok.decode(generated, skip_special_tokens=True).strip(),

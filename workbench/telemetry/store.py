@@ -253,12 +253,20 @@ class Recorder:
     def close(self, status: str = "complete", **attrs: Any) -> None:
         """Flush, trim every growing array to its committed length, and set ``status`` (the new
         committed lengths and the status are published in one write, after the trim)."""
+        error: Exception | None = None
         try:
             self._flush(publish=False)
-            self._submit(self._finish, {**attrs, "status": status})
+            self.wait()  # the status depends on whether every write landed
+        except Exception as e:  # a write failed: still try to mark the store failed
+            error = e
+            status, attrs = "failed", {**attrs, "error": f"recorder: {type(e).__name__}: {e}"}
+        try:
+            self._pending.append(self._pool.submit(self._finish, {**attrs, "status": status}))
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "Recorder":
         return self

@@ -143,7 +143,10 @@ class AppendArray:
         return self.sep.join(["c", str(index), *("0" * len(self.tail))])
 
     def write(self, start: int, data: np.ndarray) -> None:
-        """Write ``data`` at rows ``start : start + len(data)`` (which must lie in the shape)."""
+        """Write ``data`` at rows ``start : start + len(data)`` (which must lie in the shape).
+
+        Rows before ``start`` may be being read by another process (the recorder appends at its
+        committed end): every chunk holding one of them is replaced atomically."""
         n = len(data)
         if n == 0:
             return
@@ -160,9 +163,10 @@ class AppendArray:
             buf[lo - c * L:hi - c * L] = data[lo - start:hi - start]
             # a chunk still all fill value needs no file (zarr reads a missing chunk as fill)
             if c in self._on_disk or (buf != self.fill).any():
-                # a chunk not on disk yet holds no committed row: no reader can be reading it
+                # readers may read rows before ``start`` (they are committed), so a chunk that
+                # holds any of them is replaced atomically; a chunk past them is written in place
                 atomic_write(self.dir / self._key(c), bytes(self._compress(buf.tobytes())),
-                             unseen=c not in self._on_disk)
+                             unseen=c * L >= start and c not in self._on_disk)
                 self._on_disk.add(c)
             self._open_index, self._open = c, buf
 
