@@ -148,6 +148,10 @@ def _replay_one(trace, eviction: str, slots: int, *, prefetch: str, prefetch_lea
     from workbench.replay.engine import replay
 
     kw = {"profile": profile} if profile else {}
+    for name in ("hotness_decay", "hotness_window"):  # the run's own policy knobs, if recorded
+        v = trace.attrs.get(f"knob.{name}")
+        if v is not None:
+            kw[name] = json.loads(v) if isinstance(v, str) else v
     m = replay(trace, eviction=eviction, cache_slots=int(slots), pinned_layers=pinned_layers,
                scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
                target_model=_target(target_model), **kw).metrics()
