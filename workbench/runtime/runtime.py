@@ -12,6 +12,7 @@ with three things that are always removed afterwards, whatever happens:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -23,6 +24,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from workbench.compression.placement import PrunedPlacement, check_supported
+from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError, KnobError
 from workbench.knobs import Knobs
 from workbench.models.inputs import ModelInputs, Request, build_inputs, modality_of
@@ -66,6 +69,13 @@ class RunResult:
     model_id: str
     stopped: bool = False
     pre_evictions: int = 0  # ActiveEvict evictions ahead of demand (included in evictions)
+    # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
+    # reached the layers after the pinned prefix; measured seconds of the selection (prefix
+    # routing + policy) and of the vision-saliency recomputation
+    visual_tokens: int = 0
+    kept_visual_tokens: int = 0
+    compression_select_s: float = 0.0
+    compression_saliency_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -96,6 +106,13 @@ class RunResult:
             f"{self.prefill_modeled_s * 1e3:.1f} ms), stall {self.stall_modeled_s * 1e3:.1f} ms, "
             f"{self.transfer_bytes_modeled / 1e6:.1f} MB moved",
         ]
+        if k.get("compression", "none") != "none" and self.visual_tokens:
+            lines.append(
+                f"compression {k.get('compression')} (beta={k.get('beta')}, lam={k.get('lam')}): "
+                f"kept {self.kept_visual_tokens}/{self.visual_tokens} visual tokens after "
+                f"{k.get('pinned_layers')} pinned layers; selection "
+                f"{self.compression_select_s * 1e3:.2f} ms, saliency "
+                f"{self.compression_saliency_s * 1e3:.2f} ms (measured)")
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)
@@ -151,6 +168,11 @@ class Runtime:
         knobs = knobs if knobs is not None else self.knobs
         lay = self.lm.layout
         knobs.check_against(lay.num_layers, lay.top_k, lay.expert_bytes)
+        if knobs.compression != "none":
+            check_supported(self.lm.model)
+            if knobs.alpha > knobs.beta:
+                raise KnobError(f"alpha must be at most beta (the salient core is part of the "
+                                f"kept tokens), not alpha={knobs.alpha} > beta={knobs.beta}")
         if knobs.k_max is not None and knobs.k_max > lay.num_experts:
             raise KnobError(f"k_max must be between 1 and {lay.num_experts} (experts per "
                             f"layer), not {knobs.k_max}")
@@ -290,6 +312,8 @@ class Runtime:
             res = off.cache.residency()
             res[np.asarray(pinned)] = True
             ev.residency = res
+            if placement is not None and step == 0:
+                placement.scatter_event(ev)
             transfers = off.engine.drain() if off.engine is not None else []
             measured_spans(ev, probe.stalls, transfers, t0)
             clock.price(ev)
@@ -330,8 +354,13 @@ class Runtime:
                         dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
                         prefetch_lead=k.prefetch_lead, prefetch_budget=k.prefetch_budget)
         model = lm.model
+        comp = COMPRESSION.create(k.compression, **kd)
+        placement = None
+        if comp.prunes and bool((inputs.modality != 0).any()):  # text-only: nothing to prune
+            check_supported(model, inputs.input_ids)
+            placement = PrunedPlacement(model, lay, k.pinned_layers, comp)
         try:
-            with off:
+            with off, (placement if placement is not None else contextlib.nullcontext()):
                 h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
                 h2 = model.register_forward_hook(post_hook, with_kwargs=True)
                 try:
@@ -370,8 +399,18 @@ class Runtime:
             knobs=k.to_dict(), model_id=lm.model_id,
             stopped=bool(stop is not None and stop.is_set()),
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers))
+        if placement is not None:
+            result.visual_tokens = placement.num_visual
+            result.kept_visual_tokens = (int(placement.kept_visual.numel())
+                                         if placement.kept_visual is not None else 0)
+            result.compression_select_s = placement.select_s
+            result.compression_saliency_s = placement.saliency_s
         if recorder is not None:
-            recorder.close("complete", summary=json.dumps(result.to_json()))
+            recorder.close("complete", summary=json.dumps(result.to_json()),
+                           compression_visual_tokens=result.visual_tokens,
+                           compression_kept_visual_tokens=result.kept_visual_tokens,
+                           compression_select_s=result.compression_select_s,
+                           compression_saliency_s=result.compression_saliency_s)
         return result
 
     def _attrs(self, request: Request, inputs: ModelInputs, live: MemoryPlan,

@@ -82,3 +82,6 @@ class StepEvent:
     transfer_bytes_modeled: int = 0
     residency: np.ndarray | None = None  # bool [L, E] at the end of the step
     generated_token: int = -1  # the token chosen after this step (-1 if none)
+    # bool [T]: the token reached every layer (False: a visual token pruned after the pinned
+    # prefix by token compression; its routing on later layers is -1 / 0). None = all True.
+    kept: np.ndarray | None = None

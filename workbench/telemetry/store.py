@@ -91,6 +91,9 @@ SCHEMA: dict[str, Var] = {
     "token_step": Var(("token",), "int32", 4096, "step", "step that processed the token"),
     "token_modality": Var(("token",), "int8", 4096, "code",
                           "0 text, 1 image, 2 video (coordinate modality)"),
+    "kept": Var(("token",), "bool", 4096, "flag",
+                "token reached every layer; False: a visual token pruned after the pinned prefix "
+                "by token compression (its topk_ids there are -1, topk_weights 0)"),
     "topk_ids": Var(("token", "layer", "k"), "int16", 1024, "expert id",
                     "routed experts in the router's rank order"),
     "topk_weights": Var(("token", "layer", "k"), "float32", 1024, "weight",
@@ -330,7 +333,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
     stall_layer = np.zeros((n, L), np.float64)
     routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     resident = np.zeros((n, L, E), bool)
-    tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds = [], [], [], [], [], []
+    tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
     for i, e in enumerate(events):
         T = len(e.token_ids)
         ids = np.full((T, L, k), -1, np.int16)
@@ -362,6 +365,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
         tok_ids.append(np.asarray(e.token_ids, np.int64))
         tok_step.append(np.full(T, e.step, np.int32))
         tok_mod.append(np.asarray(e.modality, np.int8))
+        kept.append(np.ones(T, bool) if e.kept is None else np.asarray(e.kept, bool))
         topk_ids.append(ids)
         topk_w.append(w)
         preds.append(pred)
@@ -383,6 +387,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)
+    out["kept"] = np.concatenate(kept) if kept else np.zeros(0, bool)
     out["topk_ids"] = all_ids.astype(np.int16)
     out["topk_weights"] = np.concatenate(topk_w)
     out["pred_ids"] = np.concatenate(preds)

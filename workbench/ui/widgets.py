@@ -26,7 +26,7 @@ __all__ = ["knob_panels", "knob_cards", "filter_widgets", "input_widgets", "runs
 CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: #1f2937; "
                     "text-align: left; padding: 2px 0; }")
 #: groups whose card starts open
-OPEN_GROUPS = ("cache", "generation")
+OPEN_GROUPS = ("cache", "compression", "generation")
 
 
 def names(cls: type, label: str | None = None, color: str | None = None,
