@@ -295,3 +295,107 @@ def test_bad_compression_knobs_are_refused(embedded):
         workbench.Runtime(embedded, device="cpu").run("x", record=False, compression="affinity",
                                                       alpha=0.6, beta=0.5)
     assert workbench.Knobs().set_from_strings(["compression=saliency", "beta=0.7"]).beta == 0.7
+
+
+# -- (g) pricing of pruned layers; lookahead restricted to kept tokens -------------------------
+def test_pruned_prefill_prices_only_the_tokens_reaching_each_layer(embedded, demo_inputs,
+                                                                   tmp_path, monkeypatch):
+    """Dense work behind the pinned prefix is priced over text + kept visual tokens: the pruned
+    prefill is cheaper than the unpruned one (same knobs otherwise) and replay prices it the
+    same; a trace without ``kept`` prices every layer over all of the step's tokens."""
+    import dataclasses
+
+    import workbench
+    from workbench import open_run
+    from workbench.replay.engine import replay
+    from workbench.runtime import profiles
+    from workbench.runtime.clocks import layer_tokens
+    from workbench.traces import from_store
+
+    # a compute-starved device, so that the tiny model's dense work is compute-bound (it is
+    # weight-read-bound on the real profiles at ~80 tokens) and grows with the token count
+    slow = dataclasses.replace(profiles.PROFILES["a100-40gb"],
+                               device_flops=profiles.PROFILES["a100-40gb"].device_flops / 1e4)
+    monkeypatch.setitem(profiles.PROFILES, "a100-40gb", slow)
+    image, prompt, _ = demo_inputs[3]
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=2, ignore_eos=True)
+    L = embedded.layout.num_layers
+    kw = dict(pinned_layers=1, cache_slots=L * embedded.layout.num_experts)  # no evictions
+    plain = rt.run(prompt, [image], store=tmp_path / "n.zarr", **kw)
+    pruned = rt.run(prompt, [image], store=tmp_path / "p.zarr", compression="random",
+                    beta=0.5, seed=3, **kw)
+    assert pruned.kept_visual_tokens < pruned.visual_tokens
+    assert pruned.prefill_modeled_s < plain.prefill_modeled_s
+    ds = open_run(pruned.store)
+    kept = ds["kept"].values
+    S = int((ds["token_step"].values == 0).sum())
+    ids0 = ds["topk_ids"].values[:S]  # prefill tokens [S, layer, k]
+    assert layer_tokens(S, kept[:S], ids0[:, 0]) == S  # the pinned layer sees every token
+    assert layer_tokens(S, kept[:S], ids0[:, 1]) == int(kept[:S].sum())
+    tr = from_store(pruned.store)
+    assert not tr.kept.all()
+    g = tr.groups()
+    pre = g.step == 0
+    np.testing.assert_array_equal(g.layer_tokens[pre & (g.layer == 0)], [S])
+    assert (g.layer_tokens[pre & (g.layer >= 1)] == int(kept[:S].sum())).all()
+    assert (g.layer_tokens[~pre] == 1).all()
+    for store in (pruned.store, plain.store):
+        r = ds.moe.replay() if store == pruned.store else open_run(store).moe.replay()
+        np.testing.assert_allclose(r.step_latency_s, open_run(store)["latency_modeled_s"].values,
+                                   rtol=1e-9)
+    # without kept (an older store): every layer priced over the whole step, as before
+    old = dataclasses.replace(tr, kept=None)
+    assert old.kept.all()
+    go = old.groups()
+    assert (go.layer_tokens == go.step_tokens[go.step]).all()
+    # same routing, same cache outcome: only the dense work of the pruned layers differs
+    knobs = dict(cache_slots=kw["cache_slots"], pinned_layers=1, eviction="lru")
+    a, b = replay(old, **knobs), replay(tr, **knobs)
+    np.testing.assert_array_equal(a.misses, b.misses)
+    cost = rt.cost_spec()
+    dense = [slow.compute_time(n * cost.dense_flops_per_token_per_layer,
+                               cost.dense_bytes_per_layer) for n in (S, int(kept[:S].sum()))]
+    assert dense[0] > dense[1]
+    # the prefill saves exactly the dense work of the L − 1 layers behind the prefix
+    np.testing.assert_allclose(a.step_latency_s[0] - b.step_latency_s[0],
+                               (dense[0] - dense[1]) * (L - 1), rtol=1e-9)
+    np.testing.assert_allclose(a.step_latency_s[1:], b.step_latency_s[1:], rtol=1e-12)
+
+
+@pytest.mark.parametrize("policy,pinned,depth,prefetch",
+                         [("affinity", 2, 1, "speculative"), ("random", 2, 2, "apex"),
+                          ("affinity", 2, 2, "speculative")])
+def test_lookahead_behind_the_prefix_skips_pruned_tokens(embedded, demo_inputs, tmp_path,
+                                                         policy, pinned, depth, prefetch):
+    """Router lookahead of pinned layers predicts nothing for pruned tokens on layers behind
+    the prefix (once the selection is known: the last pinned layer; every pinned layer for a
+    policy that needs no prefix routing), and replay of the run still reproduces it."""
+    import workbench
+    from workbench import open_run
+
+    image, prompt, _ = demo_inputs[4]
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=STEPS, ignore_eos=True)
+    res = rt.run(prompt, [image], store=tmp_path / "p.zarr", compression=policy, beta=0.5,
+                 pinned_layers=pinned, cache_slots=16, lookahead_depth=depth,
+                 prefetch=prefetch)
+    ds = open_run(res.store)
+    kept = ds["kept"].values
+    pred = ds["pred_ids"].values  # [token, layer, depth, k]
+    pruned, S = ~kept, int((ds["token_step"].values == 0).sum())
+    assert pruned.sum() > 0
+    L = embedded.layout.num_layers
+    first = 0 if policy == "random" else pinned - 1  # first layer that knows the selection
+    for l in range(first, pinned):
+        for d in range(1, min(depth, L - 1 - l) + 1):
+            if l + d >= pinned:
+                assert (pred[pruned, l, d - 1] == -1).all()
+                assert (pred[:S][kept[:S], l, d - 1] >= 0).all()  # kept tokens still predicted
+            else:
+                assert (pred[pruned, l, d - 1] >= 0).all()  # inside the prefix: all tokens
+    if policy == "affinity" and depth > 1:  # layer 0 cannot know affinity's selection yet
+        assert (pred[pruned, 0, 1] >= 0).all()
+    r = ds.moe.replay()
+    np.testing.assert_array_equal(r.hits, ds["hits"].values)
+    np.testing.assert_array_equal(r.misses, ds["misses"].values)
+    np.testing.assert_array_equal(r.prefetch_loads, ds["prefetches"].values)
+    np.testing.assert_allclose(r.step_latency_s, ds["latency_modeled_s"].values, rtol=1e-9)

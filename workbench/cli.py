@@ -88,6 +88,30 @@ def _parser() -> argparse.ArgumentParser:
                     help="set a knob (repeatable); see `workbench knobs`")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
 
+    c = sub.add_parser("calibrate", help="train the lookahead predictor from recorded runs")
+    c.add_argument("--model", metavar="DIR",
+                   help="local Hugging Face checkpoint directory (default: the embedded model)")
+    c.add_argument("--inputs", nargs="+", default=[], metavar="FILE",
+                   help="images (asked --prompt) or JSON lists of {image, prompt} "
+                        "(default: --requests generated scenes)")
+    c.add_argument("--prompt", default="what shape is red?",
+                   help="question asked about each --inputs image")
+    c.add_argument("--out", required=True, metavar="PATH",
+                   help="directory for predictor.safetensors + predictor.json")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing PATH")
+    c.add_argument("--steps", type=int, default=300, metavar="N",
+                   help="training steps (full-batch Adam; default 300)")
+    c.add_argument("--requests", type=int, default=48, metavar="N",
+                   help="generated scenes when no --inputs (default 48)")
+    c.add_argument("--max-new-tokens", type=int, default=4, metavar="N",
+                   help="decode steps recorded per request (default 4)")
+    c.add_argument("--seed", type=int, default=0, help="seed of scenes and training (default 0)")
+    c.add_argument("--window", type=int, default=5, metavar="W", help="W (default 5)")
+    c.add_argument("--decay", type=float, default=0.8, metavar="GAMMA", help="γ (default 0.8)")
+    c.add_argument("--no-visual-summary", action="store_true",
+                   help="train the ablation without h^(v)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -99,13 +123,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
-                "dashboard": _dashboard, "replay": _replay}[args.command](args)
+                "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate}[args.command](args)
     except WorkbenchError as e:
         print(f"workbench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
+
+
+def _calibrate(args) -> int:
+    from workbench.errors import InputError, StoreExistsError
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise StoreExistsError(f"{str(out)!r} already exists; pass --overwrite to replace it, "
+                               f"or choose another path")
+    if args.steps < 1 or args.requests < 2 or args.max_new_tokens < 1 or args.window < 1 \
+            or not 0.0 < args.decay <= 1.0:
+        raise InputError("--steps ≥ 1, --requests ≥ 2, --max-new-tokens ≥ 1, --window ≥ 1 and "
+                         "0 < --decay ≤ 1 are required")
+    from workbench.predictor.calibrate import (calibrate, format_report, parse_inputs,
+                                               scene_requests)
+
+    requests = (parse_inputs(args.inputs, args.prompt) if args.inputs
+                else None)
+    from workbench.models.loading import load
+    from workbench.predictor.model import save
+
+    lm = load(Path(args.model) if args.model else None, device="cpu")
+    if requests is None:
+        requests = scene_requests(args.seed, args.requests)
+    pred, report = calibrate(lm, requests, steps=args.steps, seed=args.seed,
+                             window=args.window, decay=args.decay,
+                             use_visual=not args.no_visual_summary,
+                             max_new_tokens=args.max_new_tokens)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    save(pred, out, report)
+    report["out"] = str(out)
+    if args.json:
+        print(json.dumps(report, default=float))
+    else:
+        print(format_report(report))
+        print(f"saved: {out}")
+    return 0
 
 
 def _knobs_from(args) -> "object":

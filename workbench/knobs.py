@@ -332,3 +332,4 @@ def _reword(msg: str, name: str) -> str:
 
 import workbench.policies.active_evict  # noqa: E402,F401  (registers the "active_evict" knob group)
 import workbench.compression.policies  # noqa: E402,F401  (registers the "compression" knob group)
+import workbench.predictor.policy  # noqa: E402,F401  (registers the "predictor" knob group and prefetch "vismmoe")

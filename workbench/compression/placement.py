@@ -11,7 +11,8 @@ original M-RoPE positions: bitwise-equal logits with ``pinned_layers = 0``, see
 
 - **Selection** runs once per request, in the pre-hook of the first pruned decoder layer, when
   the prefix routing (router hooks on the pinned MoE layers: top-k ids ``[S, k]``) and the vision
-  saliency are complete. Kept positions = all text positions ∪ kept visual positions, in original
+  saliency are complete — or earlier, when the offloader's router lookahead asks for the keep
+  set (:meth:`PrunedPlacement.prefill_keep_mask`) and the policy's inputs are complete. Kept positions = all text positions ∪ kept visual positions, in original
   order.
 - **Every** pruned layer gets sliced copies of the loop invariants of the text model's layer loop:
   ``position_embeddings`` (cos, sin), ``position_ids`` and a materialised 4-D attention mask;
@@ -160,6 +161,27 @@ class PrunedPlacement:
             mask[self.keep_positions.numpy()] = True
         return mask
 
+    def prefill_keep_mask(self, moe_layer: int) -> np.ndarray | None:
+        """bool ``[S]`` of the tokens that will reach the layers behind the pinned prefix, asked
+        during a prefill by pinned MoE layer ``moe_layer`` once its router has run (the router
+        lookahead restricts its predictions for later layers to these tokens). The selection is
+        made here, earlier than the first pruned layer, when its inputs are complete: the vision
+        saliency always is; the prefix routing is once every pinned layer has routed
+        (``moe_layer = pinned_layers − 1``). Only a policy that ignores the prefix routing
+        (:attr:`~workbench.compression.policies.CompressionPolicy.needs_prefix_routing` False:
+        ``random``) is decided before that. Deciding early does not change the selection. ``None``: not a prefill, not yet
+        decidable, or nothing pruned."""
+        if not self.prefill or self.boundary is None or moe_layer >= self.pinned:
+            return None
+        if self.keep_positions is None:
+            complete = all(i in self.routing for i in range(self.pinned))
+            if self.policy.needs_prefix_routing and not complete:
+                return None
+            self._decide()
+        if self.keep_positions.numel() == self.S_full:
+            return None
+        return self.kept_mask()
+
     def scatter_event(self, ev) -> None:
         """Put a prefill :class:`StepEvent`'s pruned-layer routing back at the original token
         positions (``topk_ids``/``pred_ids`` −1, ``topk_weights`` 0 for pruned tokens) and set
@@ -218,7 +240,7 @@ class PrunedPlacement:
                 raise RuntimeError(f"vision saliency has {None if sal is None else sal.numel()} "
                                    f"scores for {n} visual tokens")
         prefix = None
-        if self.pinned > 0 and n:
+        if self.pinned > 0 and n and all(i in self.routing for i in range(self.pinned)):
             vp = self.visual_pos
             prefix = torch.stack([self.routing[i].to("cpu")[vp] for i in range(self.pinned)])
         kv = (self.policy.select(SelectionInput(n, self.num_experts, sal, prefix))

@@ -7,7 +7,9 @@ pinned prefix. It sees a :class:`SelectionInput`:
   vision encoder's last block (:mod:`workbench.compression.saliency`), raw (not normalised), in
   the order of the visual positions of the sequence; ``None`` when the policy does not ask for it.
 - ``prefix_topk`` ``[P, N, k]`` int64: the top-k expert ids each visual token was routed to in
-  each of the P = ``pinned_layers`` pinned-prefix MoE layers; ``None`` when P = 0.
+  each of the P = ``pinned_layers`` pinned-prefix MoE layers; ``None`` when P = 0, or for a
+  policy with ``needs_prefix_routing = False`` (``random``) when the router lookahead asked for
+  the selection before the prefix was complete.
 
 and returns the **sorted** indices (into ``0..N-1``) of the visual tokens to keep, exactly
 K_keep = ⌊βN⌋ of them. Text tokens are never given to a policy, so they are never pruned.
@@ -51,6 +53,11 @@ class CompressionPolicy:
     needs_saliency = False
     #: False: keep every token, install nothing
     prunes = True
+    #: True: the selection waits until every pinned layer has routed, so ``prefix_topk`` is
+    #: complete; False (a policy that ignores the prefix routing): the placement may select as
+    #: soon as the router lookahead asks for it, see
+    #: :meth:`~workbench.compression.placement.PrunedPlacement.prefill_keep_mask`
+    needs_prefix_routing = True
 
     def __init__(self, beta: float = 0.5, **_: object) -> None:
         self.beta = float(beta)
@@ -79,6 +86,8 @@ class NoCompression(CompressionPolicy):
 @COMPRESSION.register("random")
 class RandomCompression(CompressionPolicy):
     """Keep a uniformly random ⌊βN⌋-subset; the generator is seeded with the ``seed`` knob."""
+
+    needs_prefix_routing = False
 
     def __init__(self, beta: float = 0.5, seed: int = 0, **kw: object) -> None:
         super().__init__(beta, **kw)

@@ -31,6 +31,9 @@ class PrefetchContext:
     most-routed first (d ≥ 1; empty past the last layer or when the trace has no lookahead).
     ``previous(l)``: experts layer ``l`` used in the previous step, most-routed first.
     ``future(d)``: experts layer ``layer + d`` will really use in this step (oracle only).
+    ``predicted()``: the lookahead predictor's ranked ``(expert, score)`` pairs of y_layer
+    (score σ(y) ∈ [0, 1]); ``None`` where the caller has none (a policy may then use its own
+    live source, see :mod:`workbench.predictor.policy`).
     """
 
     step: int
@@ -40,6 +43,7 @@ class PrefetchContext:
     pred: Callable[[int], list[int]]
     previous: Callable[[int], list[int]]
     future: Callable[[int], list[int]]
+    predicted: Callable[[], list[tuple[int, float]]] | None = None
 
 
 class PrefetchPolicy(ABC):
@@ -158,6 +162,12 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
             f"prefetch {policy.name!r} needs recorded router lookahead (pred_ids), which this "
             f"trace ({trace.attrs.get('source', 'unknown source')}) lacks; record it live with "
             f"lookahead_depth ≥ 1, or choose one of: none, previous-step, oracle")
+    if "predicted_ids" in policy.needs and getattr(trace, "predicted_ids", None) is None:
+        raise KnobError(
+            f"prefetch {policy.name!r} needs the lookahead predictor's outputs, which this "
+            f"trace ({trace.attrs.get('source', 'unknown source')}) does not carry; run it "
+            f"live (workbench run --set prefetch={policy.name}), or choose one of: none, "
+            f"previous-step, oracle")
     E, L = groups.num_experts, groups.num_layers
     G = groups.num_groups
     if G == 0 or policy.name == "none":

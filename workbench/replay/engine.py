@@ -204,8 +204,12 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
         return np.array([prof.compute_time(int(v) * flops, nbytes) for v in vals],
                         np.float64)[inv.reshape(-1)]
 
-    dense = priced(groups.step_tokens, cost.dense_flops_per_token_per_layer,
-                   cost.dense_bytes_per_layer)[groups.step]
+    # dense work over the tokens that reach each group's layer (pruned tokens skip the layers
+    # behind the pinned prefix), as ModeledClock prices it
+    layer_tokens = (groups.layer_tokens if groups.layer_tokens is not None
+                    else groups.step_tokens[groups.step])
+    dense = priced(layer_tokens, cost.dense_flops_per_token_per_layer,
+                   cost.dense_bytes_per_layer)
     comp = priced(groups.expert_tokens, cost.expert_flops_per_token, cost.expert_bytes)
     xfer = prof.transfer_time(cost.expert_bytes)
     pf_ptr, pf_key = plan_prefetch(pf_policy, trace, groups, pinned, prefetch_lead,

@@ -7,7 +7,9 @@ thread working), transfer (the copy engine busy), stall (compute waiting for a t
 :class:`~workbench.runtime.profiles.HardwareProfile`, driven by the same step events. Every figure
 it produces is labelled *modeled*. Per MoE layer of a step with T tokens:
 
-1. dense work (attention, router, shared experts): ``compute_time(T·dense_flops, dense_bytes)``;
+1. dense work (attention, router, shared experts): ``compute_time(T_l·dense_flops, dense_bytes)``
+   where T_l = the tokens that reach the layer (:func:`layer_tokens`: T, except behind the
+   pinned prefix of a prefill with visual-token compression, where pruned tokens are gone);
 2. the router's misses are queued on the transfer lane at the end of the dense work (FIFO,
    ``transfer_time(expert_bytes)`` each);
 3. resident experts compute first, ``compute_time(n_e·expert_flops, expert_bytes)`` each;
@@ -22,6 +24,8 @@ Steps run back to back on the compute lane.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from workbench.models.adapter import MoELayout
 from workbench.runtime.profiles import HardwareProfile, TargetModel
@@ -71,6 +75,22 @@ class CostSpec:
         )
 
 
+def layer_tokens(num_tokens: int, kept: np.ndarray | None, topk_ids: np.ndarray) -> int:
+    """Tokens of a step of ``num_tokens`` that reach a layer whose routing is ``topk_ids``
+    ``[T, k]``: every token that was kept (``kept`` None = all: ``num_tokens``) or that the
+    layer routed (a pruned visual token still runs the pinned prefix, where it has routing;
+    behind the prefix its routing is all -1). Trace replay counts the same way
+    (:meth:`workbench.traces.trace.Trace.groups`)."""
+    if kept is None:
+        return num_tokens
+    kept = np.asarray(kept, bool)
+    T = int(topk_ids.shape[0])
+    if kept.all() or len(kept) != T:
+        return num_tokens
+    ids = np.asarray(topk_ids).reshape(T, -1)
+    return int((kept | (ids >= 0).any(1)).sum())
+
+
 class ModeledClock:
     """Discrete-event timeline of one run. ``price(step_event)`` fills the step's modeled fields
     and appends its modeled spans; the timeline continues across steps."""
@@ -84,13 +104,14 @@ class ModeledClock:
 
     def price(self, ev: StepEvent) -> None:
         p, c = self.profile, self.cost
-        T = len(ev.token_ids)
+        n_tokens = len(ev.token_ids)
         step_start = self.now
         stall_total = 0.0
         moved = 0
         spans = ev.spans
         t = self.now
         for le in ev.layers:
+            T = layer_tokens(n_tokens, ev.kept, le.topk_ids)
             dense = p.compute_time(T * c.dense_flops_per_token_per_layer, c.dense_bytes_per_layer)
             spans.append(Span(_MODELED, _COMPUTE, ev.step, le.layer, -1, t, t + dense))
             t += dense

@@ -22,7 +22,11 @@ Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evi
 - **router lookahead** (``lookahead_depth`` D ≥ 1): the routers of layers l+1 … l+D are applied
   to layer l's MoE input (the tensor layer l's router saw) and their top-k ids go into
   :attr:`LayerEvent.pred_ids`. The routers' ``forward`` is called directly (no module hooks), on
-  the same input, with no state: the model's outputs do not change.
+  the same input, with no state: the model's outputs do not change. With visual-token
+  compression (``pruning``), a pinned layer's predictions for layers behind the pinned prefix
+  are restricted to the tokens that will reach them: a pruned token's are -1 (and ActiveEvict's
+  p̂ averages the kept tokens only), as soon as the selection is known (at the last pinned layer;
+  earlier for policies that need no prefix routing).
 - **ActiveEvict** (``active_evict``): layer l's routing feeds the hotness windows; once all of
   layer l's misses have a slot, experts are pre-evicted so that layer l+1 finds Δ free slots
   (never one of layer l's routed experts, nor one predicted for l+1). Loads stay on demand.
@@ -86,14 +90,18 @@ class Offloader:
             every miss of the layer has a slot, for ``prefetch_lead`` layers ahead, at most
             ``prefetch_budget`` experts. A prefetched expert a later layer routes to is a hit
             whose compute waits for its copy.
+        pruning: the request's :class:`~workbench.compression.placement.PrunedPlacement`
+            (None: no token compression); the lookahead asks it which tokens survive the
+            pinned prefix.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
                  device: torch.device, probe: StepProbe, *, lookahead_depth: int = 0,
                  active_evict: ActiveEvict | None = None, dynamic_topk: bool = False,
                  k_max: int | None = None, prefetch=None, prefetch_lead: int = 1,
-                 prefetch_budget: int | None = None) -> None:
+                 prefetch_budget: int | None = None, pruning=None) -> None:
         self.layout = layout
+        self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
         self.lookahead_depth = int(lookahead_depth)
@@ -207,6 +215,14 @@ class Offloader:
         avail = min(depth, len(blocks) - 1 - b.index)
         if avail <= 0:
             return np.full((T, depth, k), -1, np.int16), None
+        # token compression: tokens that will not reach the layers behind the pinned prefix
+        keep, first_pruned = None, len(blocks)
+        if self.pruning is not None and b.index < self.pinned_layers:
+            keep = self.pruning.prefill_keep_mask(b.index)
+            if keep is not None and len(keep) != T:
+                keep = None
+            if keep is not None:
+                first_pruned = self.pruning.pinned
         preds = []
         p_next = None
         with torch.no_grad():
@@ -216,8 +232,15 @@ class Offloader:
                     idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
                 preds.append(idx)
                 if d == 1 and ae is not None:
-                    p_next = torch.softmax(logits.float(), dim=-1).mean(0)
+                    prob = torch.softmax(logits.float(), dim=-1)
+                    if keep is not None and b.index + 1 >= first_pruned:
+                        prob = prob[torch.as_tensor(keep, device=prob.device)]
+                    p_next = prob.mean(0)
             pred = torch.stack(preds, 1).to(device="cpu", dtype=torch.int16).numpy()
+        if keep is not None:
+            d0 = max(first_pruned - b.index, 1)  # first lookahead distance behind the prefix
+            if d0 <= avail:
+                pred[~keep, d0 - 1:] = -1
         if avail < depth:
             pred = np.concatenate([pred, np.full((T, depth - avail, k), -1, np.int16)], 1)
         return pred, (p_next.cpu().double().numpy() if p_next is not None else None)

@@ -76,6 +76,8 @@ class RunResult:
     kept_visual_tokens: int = 0
     compression_select_s: float = 0.0
     compression_saliency_s: float = 0.0
+    # lookahead predictor (predictor or prefetch = vismmoe): measured seconds per call
+    predictor_cost: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -176,6 +178,27 @@ class Runtime:
         if knobs.k_max is not None and knobs.k_max > lay.num_experts:
             raise KnobError(f"k_max must be between 1 and {lay.num_experts} (experts per "
                             f"layer), not {knobs.k_max}")
+        if _uses_predictor(knobs):
+            self._predictor(knobs)
+
+    def _predictor(self, knobs: Knobs):
+        """The calibrated lookahead predictor of ``knobs`` (loaded once per path), checked
+        against this model's MoE layout."""
+        from workbench.predictor.model import load as load_predictor
+        from workbench.predictor.policy import default_path
+
+        path = Path(knobs.predictor_path) if knobs.predictor_path else default_path(self.lm.path)
+        cache = self.__dict__.setdefault("_predictors", {})
+        if path not in cache:
+            pred = load_predictor(path)
+            lay = self.lm.layout
+            if (pred.cfg.num_layers, pred.cfg.num_experts) != (lay.num_layers, lay.num_experts):
+                raise InputError(
+                    f"predictor in {str(path)!r} was calibrated for {pred.cfg.num_layers} MoE "
+                    f"layers × {pred.cfg.num_experts} experts, this model has "
+                    f"{lay.num_layers} × {lay.num_experts}; run workbench calibrate for it")
+            cache[path] = pred
+        return cache[path]
 
     def cost_spec(self) -> CostSpec:
         if self.knobs.target_model != "none":
@@ -349,18 +372,28 @@ class Runtime:
             gen_kwargs["logits_processor"] = LogitsProcessorList(logits_processor)
         ae = (ActiveEvict.from_knobs(k, lay.num_layers, lay.num_experts)
               if k.active_evict else None)
-        off = Offloader(lay, self.num_slots(), k.pinned_layers, policy, lm.device, probe,
-                        lookahead_depth=k.lookahead_depth, active_evict=ae,
-                        dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
-                        prefetch_lead=k.prefetch_lead, prefetch_budget=k.prefetch_budget)
         model = lm.model
         comp = COMPRESSION.create(k.compression, **kd)
         placement = None
         if comp.prunes and bool((inputs.modality != 0).any()):  # text-only: nothing to prune
             check_supported(model, inputs.input_ids)
             placement = PrunedPlacement(model, lay, k.pinned_layers, comp)
+        off = Offloader(lay, self.num_slots(), k.pinned_layers, policy, lm.device, probe,
+                        lookahead_depth=k.lookahead_depth, active_evict=ae,
+                        dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
+                        prefetch_lead=k.prefetch_lead, prefetch_budget=_prefetch_budget(k),
+                        pruning=placement)
+        live_pred = None
+        if _uses_predictor(k):
+            from workbench.predictor.policy import LivePredictor
+
+            live_pred = LivePredictor(model, lay, self._predictor(k), _prefetch_budget(k) or 20,
+                                      placement=placement)
+            if hasattr(prefetcher, "attach"):
+                prefetcher.attach(live_pred)
         try:
-            with off, (placement if placement is not None else contextlib.nullcontext()):
+            with off, (placement if placement is not None else contextlib.nullcontext()), \
+                    (live_pred if live_pred is not None else contextlib.nullcontext()):
                 h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
                 h2 = model.register_forward_hook(post_hook, with_kwargs=True)
                 try:
@@ -405,12 +438,16 @@ class Runtime:
                                          if placement.kept_visual is not None else 0)
             result.compression_select_s = placement.select_s
             result.compression_saliency_s = placement.saliency_s
+        if live_pred is not None:
+            result.predictor_cost = live_pred.cost_summary()
         if recorder is not None:
             recorder.close("complete", summary=json.dumps(result.to_json()),
                            compression_visual_tokens=result.visual_tokens,
                            compression_kept_visual_tokens=result.kept_visual_tokens,
                            compression_select_s=result.compression_select_s,
-                           compression_saliency_s=result.compression_saliency_s)
+                           compression_saliency_s=result.compression_saliency_s,
+                           **({"predictor_cost": json.dumps(result.predictor_cost)}
+                              if live_pred is not None else {}))
         return result
 
     def _attrs(self, request: Request, inputs: ModelInputs, live: MemoryPlan,
@@ -434,6 +471,19 @@ class Runtime:
             "live_plan": json.dumps(live.as_dict()), "modeled_plan": json.dumps(modeled.as_dict()),
             "device": str(lm.device), "torch_version": torch.__version__,
         }
+
+
+def _uses_predictor(knobs: Knobs) -> bool:
+    return knobs.predictor == "vismmoe" or knobs.prefetch == "vismmoe"
+
+
+def _prefetch_budget(knobs: Knobs) -> int | None:
+    """``prefetch_budget``; for prefetch = vismmoe None means the predictor's B = 20."""
+    if knobs.prefetch_budget is None and knobs.prefetch == "vismmoe":
+        from workbench.predictor.policy import DEFAULT_BUDGET
+
+        return DEFAULT_BUDGET
+    return knobs.prefetch_budget
 
 
 def _store_path(store: str | Path | None) -> Path:

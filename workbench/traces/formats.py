@@ -101,9 +101,10 @@ def from_store(path_or_dataset: Any) -> Trace:
     """The routing of a run store (a path, or a Dataset from :func:`workbench.open_run`).
 
     One request (``step_request`` all 0); phase, modality, weights and pinned layers as recorded
-    (the store writes weight 0 where ``topk_ids`` is -1). ``pred_ids`` is taken when the dataset
-    has it with dims (token, layer, depth, k) and it holds any id (all -1 = lookahead off →
-    None). attrs: source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
+    (the store writes weight 0 where ``topk_ids`` is -1); ``kept`` when the store has it (token
+    compression; else all True). ``pred_ids`` is taken when the dataset has it with dims
+    (token, layer, depth, k) and it holds any id (all -1 = lookahead off → None). attrs:
+    source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
     ``cost_spec``/``hardware_profile`` (so replay prices it as the live modeled clock did)."""
     import xarray as xr
 
@@ -151,7 +152,7 @@ def from_store(path_or_dataset: Any) -> Trace:
                  token_modality=var("token_modality", ("token",)),
                  phase=var("phase", ("step",)), step_request=var("step_request", ("step",)),
                  pinned=var("pinned", ("layer",)),
-                 pred_ids=pred, attrs=attrs)
+                 pred_ids=pred, attrs=attrs, kept=var("kept", ("token",)))
 
 
 # -- JSON lines ----------------------------------------------------------------------------------

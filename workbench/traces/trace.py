@@ -16,6 +16,9 @@ Every source (a run store, the importers in :mod:`workbench.traces.formats`) pro
 - ``pred_ids``     int16   [token, layer, depth, k] or None: the router of layer ``l + 1 + d``
                                              applied to layer ``l``'s hidden state (recorded live
                                              with router lookahead; -1 where none).
+- ``kept``         bool    [token]            False: a visual token that token compression pruned
+                                             after the pinned prefix (its routing on the later
+                                             layers is -1); default all True.
 
 Accesses are served in this order: step by step, layer 0 … L-1 within a step, and within a
 (step, layer) *group* the distinct routed experts in ascending id order — the order the live
@@ -44,6 +47,7 @@ class Trace:
     pinned: np.ndarray | None = None
     pred_ids: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    kept: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         ids = np.asarray(self.topk_ids)
@@ -74,6 +78,9 @@ class Trace:
             self.step_request = np.zeros(S, np.int32)
         if self.pinned is None:
             self.pinned = np.zeros(L, bool)
+        if self.kept is None:
+            self.kept = np.ones(T, bool)
+        self.kept = np.asarray(self.kept, bool)
         self.topk_weights = np.asarray(self.topk_weights, np.float32)
         self.token_modality = np.asarray(self.token_modality, np.int8)
         self.phase = np.asarray(self.phase, np.int8)
@@ -82,7 +89,7 @@ class Trace:
         for name, arr, shape in (("topk_weights", self.topk_weights, ids.shape),
                                  ("token_modality", self.token_modality, (T,)),
                                  ("phase", self.phase, (S,)), ("step_request", self.step_request, (S,)),
-                                 ("pinned", self.pinned, (L,))):
+                                 ("pinned", self.pinned, (L,)), ("kept", self.kept, (T,))):
             if arr.shape != shape:
                 raise InputError(f"trace {name} must have shape {shape}, got {arr.shape}")
         if self.pred_ids is not None:
@@ -135,19 +142,31 @@ class Trace:
             np.zeros(0, np.int64)
         ptr = np.r_[starts, len(uniq)].astype(np.int64)
         gc = g_code[starts]
-        # tokens per step (dense work is priced per token of the step)
+        # tokens per step, and per group the tokens that reach its layer (dense work is priced
+        # per token reaching the layer): all of the step's, except pruned tokens (kept False)
+        # on the layers where they have no routing (behind the pinned prefix)
         step_tokens = np.bincount(self.token_step, minlength=self.num_steps).astype(np.int64)
+        if self.kept.all():
+            layer_tokens = step_tokens[gc // L]
+        else:
+            reach = self.kept[:, None] | (self.topk_ids >= 0).any(-1)  # [token, layer]
+            sl = self.token_step.astype(np.int64)[:, None] * L + np.arange(L)[None, :]
+            layer_tokens = np.bincount(sl[reach], minlength=self.num_steps * L)[gc]
         return Groups(step=(gc // L).astype(np.int32), layer=(gc % L).astype(np.int32),
                       ptr=ptr, expert=(uniq % E).astype(np.int32),
                       expert_tokens=ntok.astype(np.int32), step_tokens=step_tokens,
-                      num_layers=L, num_experts=E)
+                      num_layers=L, num_experts=E,
+                      layer_tokens=np.asarray(layer_tokens, np.int64))
 
 
 @dataclass
 class Groups:
     """Accesses grouped per (step, layer), CSR style: group ``g`` accesses
     ``expert[ptr[g]:ptr[g+1]]`` (ascending ids), routed to ``expert_tokens[...]`` tokens each.
-    Groups are in serving order; a (step, layer) with no routed token has no group."""
+    Groups are in serving order; a (step, layer) with no routed token has no group.
+    ``step_tokens`` [step]: tokens per step; ``layer_tokens`` [group]: tokens of the group's
+    step that reach its layer (fewer than ``step_tokens`` only behind the pinned prefix of a
+    pruned prefill; None: the step's tokens)."""
 
     step: np.ndarray
     layer: np.ndarray
@@ -157,6 +176,7 @@ class Groups:
     step_tokens: np.ndarray
     num_layers: int
     num_experts: int
+    layer_tokens: np.ndarray | None = None
 
     @property
     def num_groups(self) -> int:
