@@ -79,3 +79,14 @@ def test_new_policy_appears_in_menu_without_ui_changes():
     finally:
         EVICTION._classes.pop("test-mru")
     assert "test-mru" not in CacheKnobs().param["eviction"].objects
+
+
+def test_every_group_renders_with_plain_panel_param():
+    """Notebook users call pn.Param(knobs.group(...)) directly: every group must render."""
+    import panel as pn
+
+    pn.extension()
+    k = Knobs()
+    for key, group in k.groups.items():
+        # what a notebook does to show it: raises if a widget cannot hold its knob's value
+        pn.Param(group)._repr_mimebundle_()

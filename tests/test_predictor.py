@@ -145,3 +145,50 @@ def test_policy_in_prefetch_menu():
                           predicted=lambda: [(3, 0.9), (5, 0.6)])
     # (2,3):0.9, (2,5):0.6 vs (3,3):0.45, (3,5):0.3
     assert pol.candidates(ctx) == [(2, 3), (2, 5), (3, 3), (3, 5)]
+
+
+@pytest.mark.parametrize("knobs", [dict(cache_slots=16, pinned_layers=0),
+                                   dict(cache_slots=20, pinned_layers=1, prefetch_budget=6,
+                                        window=3, decay=0.7)])
+def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs):
+    """The predictor's outputs are recorded per (step, layer) (predicted_ids/_scores), so
+    replaying a vismmoe run reproduces it exactly, as for the other prefetch policies."""
+    import workbench
+    from workbench.errors import KnobError
+    from workbench.telemetry.store import open_run
+    from workbench.traces import from_store
+
+    pred, rep = calibrated
+    save(pred, tmp_path / "p", rep)
+    rt = workbench.Runtime(lm, device="cpu", max_new_tokens=6, ignore_eos=True)
+    path = tmp_path / "vis.zarr"
+    rt.run("what shape is red?", ["data/demo/scene_0.png"], store=path, prefetch="vismmoe",
+           predictor_path=str(tmp_path / "p"), **knobs)
+    ds = open_run(path)
+    B = knobs.get("prefetch_budget") or 20
+    L = lm.layout.num_layers
+    assert ds["predicted_ids"].dims == ("step", "layer", "rank")
+    assert ds.sizes["rank"] == B
+    ids = ds["predicted_ids"].values
+    assert (ids[:, : L - 1] >= 0).all() and (ids[:, L - 1] == -1).all()  # none past the last
+    assert int(ds["prefetches"].sum()) > 0
+    tr = from_store(ds)
+    assert tr.predicted_ids.shape == (ds.sizes["step"], L, B)
+    res = ds.moe.replay()
+    assert res.config["prefetch"] == "vismmoe"
+    np.testing.assert_array_equal(res.hits, ds["hits"].values)
+    np.testing.assert_array_equal(res.misses, ds["misses"].values)
+    np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
+    np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
+    np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
+                               atol=1e-15)
+    np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values, rtol=1e-9)
+    # a run without the predictor records no predictions (rank 1, all -1) and replay refuses
+    plain = tmp_path / "plain.zarr"
+    rt.run("what shape is red?", ["data/demo/scene_0.png"], store=plain, max_new_tokens=2,
+           cache_slots=16)
+    dp = open_run(plain)
+    assert dp.sizes["rank"] == 1 and (dp["predicted_ids"].values == -1).all()
+    assert from_store(dp).predicted_ids is None
+    with pytest.raises(KnobError, match="needs the lookahead predictor's outputs"):
+        dp.moe.replay(prefetch="vismmoe")

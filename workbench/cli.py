@@ -302,6 +302,13 @@ def _info(args) -> int:
               f"{mb(plan['cache_bytes'])} ({plan['slots']} slots) = {mb(plan['device_bytes'])} "
               f"on device (budget {budget}, {'fits' if plan['fits'] else 'DOES NOT FIT'}); "
               f"host {mb(plan['host_bytes'])}")
+        lo, hi = plan["valid_interval"]
+        print(f"  valid pinned prefix: [{lo}, {hi}]{' (empty)' if lo > hi else ''} "
+              f"(L_semantic ≤ L ≤ ⌊(M_avail − C_safe)/S_layer⌋: M_avail "
+              f"{mb(plan['avail_bytes']) if plan['budget_bytes'] else 'unbounded'}, C_safe "
+              f"{mb(plan['reserve_bytes'])} ({plan['reserve_slots']} slots), S_layer "
+              f"{mb(plan['layer_bytes'])}); pinned_layers {plan['pinned_layers']} "
+              f"{'is valid' if plan['pinned_valid'] else 'is OUTSIDE it'}")
     for note in info["notes"]:
         print(f"note: {note}")
     return 0

@@ -26,7 +26,8 @@ from workbench.runtime.profiles import available_profiles, available_target_mode
 
 
 class KnobGroup(param.Parameterized):
-    """Base of knob groups. ``_registries`` maps Selector knobs to the policy registry behind them,
+    """Base of knob groups. A knob that may be None ("no limit", "auto") has no softbounds, so
+    that ``pn.Param(group)`` renders it as a number box (a slider cannot hold None). ``_registries`` maps Selector knobs to the policy registry behind them,
     so each new instance offers every policy registered so far."""
 
     _registries: dict[str, Registry] = {}
@@ -59,6 +60,18 @@ class CacheKnobs(KnobGroup):
     pinned_layers = param.Integer(
         default=1, bounds=(0, None), softbounds=(0, 48),
         doc="The first N MoE layers keep all their experts resident (the pinned prefix).")
+    semantic_layers = param.Integer(
+        default=None, allow_None=True, bounds=(0, None),
+        doc="L_semantic, the lower end of the valid pinned prefix L_semantic ≤ pinned_layers ≤ "
+            "⌊(M_avail − C_safe)/S_layer⌋ (seed VisMMOE eq. 10): the fewest MoE layers whose "
+            "routing the run needs. The paper finds it empirically; None (auto) = 1 when "
+            "compression is 'affinity' with λ > 0 (its expert affinity reads the prefix "
+            "routing), else 0 (no lower bound).")
+    cache_reserve_slots = param.Integer(
+        default=None, allow_None=True, bounds=(0, None),
+        doc="C_safe in expert slots: the least the dynamic expert cache keeps beside the pinned "
+            "prefix, which caps it at ⌊(M_avail − C_safe)/S_layer⌋ layers. None (auto) = the "
+            "model's top-k (the cache must hold one layer's routing of a token).")
     eviction = param.Selector(
         default="lru", objects=EVICTION.available(),
         doc="Which cached expert leaves when a slot is needed ('belady' needs the future: "
@@ -85,7 +98,7 @@ class PrefetchKnobs(KnobGroup):
         default=1, bounds=(1, None), softbounds=(1, 8),
         doc="How many layers ahead a prefetch may target.")
     prefetch_budget = param.Integer(
-        default=None, allow_None=True, bounds=(1, None), softbounds=(1, 64),
+        default=None, allow_None=True, bounds=(1, None),
         doc="Most experts prefetched per layer step (None: no limit).")
 
 
@@ -307,6 +320,18 @@ class Knobs:
                         f"{top_k * expert_bytes} bytes, not {self.cache_bytes}")
                 raise KnobError(
                     f"cache_slots must be at least {top_k} (top-k), not {self.cache_slots}")
+
+    def semantic_floor(self) -> int:
+        """L_semantic: ``semantic_layers`` when set, else 1 for 'affinity' compression with
+        λ > 0 (it reads the prefix routing) and 0 otherwise."""
+        if self.semantic_layers is not None:
+            return int(self.semantic_layers)
+        comp = getattr(self, "compression", "none")
+        return 1 if comp == "affinity" and getattr(self, "lam", 0.0) > 0 else 0
+
+    def reserve_slots(self, top_k: int) -> int:
+        """C_safe in slots: ``cache_reserve_slots`` when set, else the model's top-k."""
+        return int(top_k if self.cache_reserve_slots is None else self.cache_reserve_slots)
 
     def effective_slots(self, expert_bytes: int) -> int:
         """Slots the cache gets: from ``cache_bytes`` when set, else ``cache_slots``."""

@@ -100,7 +100,7 @@ class ActiveEvictKnobs(KnobGroup):
             "layer of a decode step use the largest k ≤ k_max whose misses fit the free cache "
             "slots (at least 1). Best combined with active_evict.")
     k_max = param.Integer(
-        default=None, allow_None=True, bounds=(1, None), softbounds=(1, 16),
+        default=None, allow_None=True, bounds=(1, None),
         doc="Largest k dynamic top-k may choose; None = the model's top-k (only narrows "
             "routing). Values above the model's top-k widen routing when slots are free.")
 

@@ -156,18 +156,22 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
     """Ask ``policy`` at every group of ``trace`` (a :class:`~workbench.traces.trace.Trace`);
     returns CSR ``(ptr[G+1], keys)`` with keys ``layer · E + expert``, at most ``budget`` per
     group (None: unlimited), duplicates and ``pinned`` (always resident) layers removed, order
-    kept."""
+    kept. ``ctx.predicted`` serves the trace's recorded predictor outputs (when it has them).
+    A policy's ``default_budget`` (if any) stands in for ``budget`` None, as live."""
+    if budget is None:
+        budget = getattr(policy, "default_budget", None)
     if "pred_ids" in policy.needs and trace.pred_ids is None:
         raise KnobError(
             f"prefetch {policy.name!r} needs recorded router lookahead (pred_ids), which this "
             f"trace ({trace.attrs.get('source', 'unknown source')}) lacks; record it live with "
             f"lookahead_depth ≥ 1, or choose one of: none, previous-step, oracle")
-    if "predicted_ids" in policy.needs and getattr(trace, "predicted_ids", None) is None:
+    if "predicted_ids" in policy.needs and trace.predicted_ids is None:
         raise KnobError(
-            f"prefetch {policy.name!r} needs the lookahead predictor's outputs, which this "
-            f"trace ({trace.attrs.get('source', 'unknown source')}) does not carry; run it "
-            f"live (workbench run --set prefetch={policy.name}), or choose one of: none, "
-            f"previous-step, oracle")
+            f"prefetch {policy.name!r} needs the lookahead predictor's outputs "
+            f"(predicted_ids), which this trace ({trace.attrs.get('source', 'unknown source')}) "
+            f"does not carry; record a run store live with the predictor on (workbench run "
+            f"--set prefetch={policy.name}, or predictor=vismmoe) and replay that, or choose "
+            f"one of: none, previous-step, oracle")
     E, L = groups.num_experts, groups.num_layers
     G = groups.num_groups
     if G == 0 or policy.name == "none":
@@ -200,7 +204,9 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
 
         ctx = PrefetchContext(step=s, layer=l, num_layers=L, lead=lead, pred=pred,
                               previous=lambda layer, s=s: routed(s - 1, layer),
-                              future=lambda d, s=s, l=l: routed(s, l + d))
+                              future=lambda d, s=s, l=l: routed(s, l + d),
+                              predicted=(None if trace.predicted_ids is None
+                                         else lambda s=s, l=l: trace.predicted(s, l)))
         keys.extend(select(policy.candidates(ctx), pinned, L, E, budget))
         ptr.append(len(keys))
     return np.asarray(ptr, np.int64), np.asarray(keys, np.int64)

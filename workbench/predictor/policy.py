@@ -11,7 +11,10 @@ prefetch policy, which happens inside the experts call), and keeps y_l's top-B e
 their scores. :class:`VisMMoEPrefetch` reads them through :attr:`PrefetchContext.predicted`
 when the caller provides it (trace replay of recorded predictions), else from the attached
 live predictor — so the offloader needs no change. Installed when ``predictor = vismmoe`` or
-``prefetch = vismmoe``.
+``prefetch = vismmoe``; the runtime then records every step's predictions
+(:meth:`LivePredictor.step_predictions`) in the store variables ``predicted_ids`` /
+``predicted_scores``, which replay feeds back through ``PrefetchContext.predicted`` (live =
+replay, tested).
 
 Candidates at layer l: the pairs (l + d, e) for d = 1 … W (cut at the last layer) and e in
 the top-B of y_l, ordered by γ^(d−1)·σ(y_l)_e (descending; ties: nearer layer, then rank), so
@@ -82,6 +85,8 @@ class VisMMoEPrefetch(PrefetchPolicy):
     weighted γ^(d−1) (live; replay needs recorded predictor outputs)."""
 
     needs = frozenset({"predicted_ids"})
+    #: prefetch_budget None means B = 20 live, so replay must cap the same way
+    default_budget = DEFAULT_BUDGET
 
     def __init__(self, window: int = 5, decay: float = 0.8, **_: object) -> None:
         self.window = int(window)
@@ -127,12 +132,26 @@ class LivePredictor(RoutingProbe):
         with torch.no_grad():
             s = self.predictor.scores(x)[0]
         top = np.argsort(-s, kind="stable")[: self.budget]
-        self.by_step.setdefault(self.step, {})[layer] = [(int(e), float(s[e])) for e in top]
+        # float32 scores (σ in float32): the store keeps them exactly, so replay ties the same
+        self.by_step.setdefault(self.step, {})[layer] = [(int(e), float(np.float32(s[e])))
+                                                         for e in top]
         self.by_step.pop(self.step - 2, None)  # keep memory bounded
         self.costs.append(now() - t0)
 
     def ranked(self, step: int, layer: int) -> list[tuple[int, float]]:
         return self.by_step.get(step, {}).get(layer, [])
+
+    def step_predictions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """What the predictor said in ``step``, for the run store (and so for trace replay):
+        ``ids`` int16 ``[L, budget]`` (y_layer's top experts best first; -1 where it did not run
+        for the layer) and their σ(y_layer) ``scores`` float32 (the exact values
+        :meth:`ranked` gives, so replay orders candidates as the live policy did)."""
+        ids = np.full((self.L, self.budget), -1, np.int16)
+        scores = np.zeros((self.L, self.budget), np.float32)
+        for layer, ranked in self.by_step.get(step, {}).items():
+            for r, (e, s) in enumerate(ranked):
+                ids[layer, r], scores[layer, r] = e, s
+        return ids, scores
 
     def cost_summary(self) -> dict[str, float]:
         if not self.costs:

@@ -8,6 +8,16 @@ Two plans are made: the *live* plan of the loaded model on this machine (bytes m
 tensors), and the *modeled* plan of the cost model (the target model if one is set) on the
 hardware profile. A plan that does not fit its device is refused with a :class:`PlanError` that
 says what to change.
+
+Each plan also carries the *valid prefix interval* of seed VisMMOE eq. (10),
+
+    L_semantic ≤ L_pinned ≤ ⌊(M_avail − C_safe) / S_layer⌋
+
+with M_avail = budget − backbone (the expert VRAM budget), S_layer = one MoE layer's routed
+experts and C_safe = ``reserve_slots`` × bytes per expert (the least the dynamic cache must keep).
+The upper end is capped at the model's MoE layers; on an unbounded device (budget 0) it is the
+number of MoE layers. A ``pinned_layers`` outside it is refused by :meth:`MemoryPlan.check_pinned`
+with a :class:`KnobError` that names the value and the interval.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workbench.errors import PlanError
+from workbench.errors import KnobError, PlanError
 
 _GB = 1e9
 
@@ -34,6 +44,8 @@ class MemoryPlan:
     expert_bytes: float
     backbone_bytes: float
     budget_bytes: float
+    semantic_layers: int = 0  # L_semantic: fewest pinned layers (lower end of the interval)
+    reserve_slots: int = 0  # C_safe in expert slots: the least the dynamic cache keeps
 
     @property
     def pinned_bytes(self) -> float:
@@ -63,10 +75,71 @@ class MemoryPlan:
         layer = self.num_experts * self.expert_bytes
         return max(0, min(self.num_layers, int(room // layer)))
 
+    # -- valid prefix interval (seed VisMMOE eq. 10) ---------------------------------------
+    @property
+    def layer_bytes(self) -> float:
+        """S_layer: bytes of one MoE layer's routed experts."""
+        return self.num_experts * self.expert_bytes
+
+    @property
+    def reserve_bytes(self) -> float:
+        """C_safe: bytes the dynamic cache keeps at least."""
+        return self.reserve_slots * self.expert_bytes
+
+    @property
+    def avail_bytes(self) -> float:
+        """M_avail: the expert VRAM budget (device budget − backbone); 0 when unbounded."""
+        return max(0.0, self.budget_bytes - self.backbone_bytes) if self.budget_bytes else 0.0
+
+    @property
+    def valid_interval(self) -> tuple[int, int]:
+        """(lo, hi) of the valid pinned prefix: lo = L_semantic, hi = ⌊(M_avail − C_safe) /
+        S_layer⌋ capped at the MoE layers (the MoE layers when the budget is unbounded). Empty
+        when lo > hi; hi is −1 when not even C_safe fits."""
+        lo = min(self.semantic_layers, self.num_layers)
+        if not self.budget_bytes:
+            return lo, self.num_layers
+        room = self.avail_bytes - self.reserve_bytes
+        hi = -1 if room < 0 else min(self.num_layers, int(room // self.layer_bytes))
+        return lo, hi
+
+    @property
+    def pinned_valid(self) -> bool:
+        lo, hi = self.valid_interval
+        return lo <= self.pinned_layers <= hi
+
+    def interval_rule(self) -> str:
+        """The interval's formula with this plan's numbers, for messages and ``workbench info``."""
+        lo, hi = self.valid_interval
+        if not self.budget_bytes:
+            return (f"L_semantic {lo} ≤ L ≤ {self.num_layers} MoE layers; the device budget is "
+                    f"unbounded")
+        return (f"L_semantic {lo} ≤ L ≤ ⌊(M_avail {self.avail_bytes / _GB:.2f} GB − C_safe "
+                f"{self.reserve_bytes / _GB:.2f} GB ({self.reserve_slots} slots)) / S_layer "
+                f"{self.layer_bytes / _GB:.2f} GB⌋"
+                + (f", capped at {self.num_layers} MoE layers" if hi == self.num_layers else ""))
+
+    def check_pinned(self) -> None:
+        """Raise :class:`KnobError` when ``pinned_layers`` is outside :attr:`valid_interval`."""
+        if self.pinned_valid:
+            return
+        lo, hi = self.valid_interval
+        if lo > hi:
+            raise KnobError(
+                f"pinned_layers has no valid value for the {self.label}: the valid interval [{lo}, {hi}] is "
+                f"empty ({self.interval_rule()}); lower semantic_layers or cache_reserve_slots, "
+                f"or choose a larger profile (not {self.pinned_layers})")
+        raise KnobError(
+            f"pinned_layers must be within the valid interval [{lo}, {hi}] for the {self.label} "
+            f"({self.interval_rule()}), not {self.pinned_layers}")
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(pinned_bytes=self.pinned_bytes, cache_bytes=self.cache_bytes,
-                 host_bytes=self.host_bytes, device_bytes=self.device_bytes, fits=self.fits)
+                 host_bytes=self.host_bytes, device_bytes=self.device_bytes, fits=self.fits,
+                 layer_bytes=self.layer_bytes, reserve_bytes=self.reserve_bytes,
+                 avail_bytes=self.avail_bytes, valid_interval=list(self.valid_interval),
+                 pinned_valid=self.pinned_valid)
         return d
 
     def check(self) -> None:

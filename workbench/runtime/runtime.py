@@ -180,6 +180,10 @@ class Runtime:
                             f"layer), not {knobs.k_max}")
         if _uses_predictor(knobs):
             self._predictor(knobs)
+        # the valid prefix interval (seed VisMMOE eq. 10), on the profile first, then here
+        live, modeled = self.plans(knobs)
+        modeled.check_pinned()
+        live.check_pinned()
 
     def _predictor(self, knobs: Knobs):
         """The calibrated lookahead predictor of ``knobs`` (loaded once per path), checked
@@ -200,21 +204,24 @@ class Runtime:
             cache[path] = pred
         return cache[path]
 
-    def cost_spec(self) -> CostSpec:
-        if self.knobs.target_model != "none":
-            return CostSpec.from_target(get_target_model(self.knobs.target_model))
-        return CostSpec.from_layout(self.lm.layout, _DTYPE_BYTES[self.knobs.dtype])
+    def cost_spec(self, knobs: Knobs | None = None) -> CostSpec:
+        k = knobs if knobs is not None else self.knobs
+        if k.target_model != "none":
+            return CostSpec.from_target(get_target_model(k.target_model))
+        return CostSpec.from_layout(self.lm.layout, _DTYPE_BYTES[k.dtype])
 
-    def plans(self) -> tuple[MemoryPlan, MemoryPlan]:
-        """(live plan of this model here, modeled plan of the cost model on the profile)."""
-        k, lay = self.knobs, self.lm.layout
-        slots = self.num_slots()
+    def plans(self, knobs: Knobs | None = None) -> tuple[MemoryPlan, MemoryPlan]:
+        """(live plan of this model here, modeled plan of the cost model on the profile), of
+        ``knobs`` (default: this runtime's), each with its valid pinned-prefix interval."""
+        k, lay = (knobs if knobs is not None else self.knobs), self.lm.layout
+        slots = self.num_slots(k)
         live = MemoryPlan(
             label=f"live plan ({self.lm.device})", num_layers=lay.num_layers,
             num_experts=lay.num_experts, pinned_layers=k.pinned_layers, slots=slots,
             expert_bytes=lay.expert_bytes, backbone_bytes=lay.backbone_bytes,
-            budget_bytes=device_budget(self.lm.device))
-        cost = self.cost_spec()
+            budget_bytes=device_budget(self.lm.device), semantic_layers=k.semantic_floor(),
+            reserve_slots=k.reserve_slots(lay.top_k))
+        cost = self.cost_spec(k)
         prof = get_profile(k.profile)
         if k.target_model != "none":
             t = get_target_model(k.target_model)
@@ -224,7 +231,8 @@ class Runtime:
                 slots=min(k.effective_slots(int(cost.expert_bytes)),
                           (t.num_layers - min(k.pinned_layers, t.num_layers)) * t.num_experts),
                 expert_bytes=cost.expert_bytes, backbone_bytes=t.backbone_bytes,
-                budget_bytes=prof.device_memory_bytes)
+                budget_bytes=prof.device_memory_bytes, semantic_layers=k.semantic_floor(),
+                reserve_slots=k.reserve_slots(t.top_k))
         else:
             modeled = MemoryPlan(
                 label=f"modeled plan ({self.lm.model_id} on {prof.name})",
@@ -232,15 +240,16 @@ class Runtime:
                 pinned_layers=k.pinned_layers, slots=slots, expert_bytes=cost.expert_bytes,
                 backbone_bytes=lay.backbone_bytes * _DTYPE_BYTES[k.dtype] / max(
                     _DTYPE_BYTES[self.lm.dtype], 1),
-                budget_bytes=prof.device_memory_bytes)
+                budget_bytes=prof.device_memory_bytes, semantic_layers=k.semantic_floor(),
+                reserve_slots=k.reserve_slots(lay.top_k))
         return live, modeled
 
-    def num_slots(self) -> int:
-        lay = self.lm.layout
-        if self.knobs.pinned_layers >= lay.num_layers:
+    def num_slots(self, knobs: Knobs | None = None) -> int:
+        k, lay = (knobs if knobs is not None else self.knobs), self.lm.layout
+        if k.pinned_layers >= lay.num_layers:
             return 0
-        offloaded = (lay.num_layers - self.knobs.pinned_layers) * lay.num_experts
-        return min(self.knobs.effective_slots(lay.expert_bytes), offloaded)
+        offloaded = (lay.num_layers - k.pinned_layers) * lay.num_experts
+        return min(k.effective_slots(lay.expert_bytes), offloaded)
 
     def info(self) -> dict[str, Any]:
         live, modeled = self.plans()
@@ -310,7 +319,8 @@ class Runtime:
                 store_path, lay.num_layers, lay.num_experts, store_k,
                 attrs=self._attrs(request, inputs, live, modeled), pinned=pinned,
                 overwrite=overwrite, flush_every=get_options()["flush_every"],
-                flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth)
+                flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
+                rank=_predictor_budget(k) if _uses_predictor(k) else 1)
         events: list[StepEvent] = []
         generated: list[int] = []
         pending: list[StepEvent] = []
@@ -337,6 +347,8 @@ class Runtime:
             ev.residency = res
             if placement is not None and step == 0:
                 placement.scatter_event(ev)
+            if live_pred is not None:  # what the predictor said, for replay
+                ev.predicted_ids, ev.predicted_scores = live_pred.step_predictions(step)
             transfers = off.engine.drain() if off.engine is not None else []
             measured_spans(ev, probe.stalls, transfers, t0)
             clock.price(ev)
@@ -387,7 +399,7 @@ class Runtime:
         if _uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
-            live_pred = LivePredictor(model, lay, self._predictor(k), _prefetch_budget(k) or 20,
+            live_pred = LivePredictor(model, lay, self._predictor(k), _predictor_budget(k),
                                       placement=placement)
             if hasattr(prefetcher, "attach"):
                 prefetcher.attach(live_pred)
@@ -484,6 +496,13 @@ def _prefetch_budget(knobs: Knobs) -> int | None:
 
         return DEFAULT_BUDGET
     return knobs.prefetch_budget
+
+
+def _predictor_budget(knobs: Knobs) -> int:
+    """B: how many experts of y_l the live predictor keeps (and the store records)."""
+    from workbench.predictor.policy import DEFAULT_BUDGET
+
+    return _prefetch_budget(knobs) or DEFAULT_BUDGET
 
 
 def _store_path(store: str | Path | None) -> Path:

@@ -85,3 +85,9 @@ class StepEvent:
     # bool [T]: the token reached every layer (False: a visual token pruned after the pinned
     # prefix by token compression; its routing on later layers is -1 / 0). None = all True.
     kept: np.ndarray | None = None
+    # the lookahead predictor's outputs (set from LivePredictor.step_predictions when it ran):
+    # ``predicted_ids`` int16 [L, B], per MoE layer y_l's top-B expert ids best first (-1 where
+    # the predictor did not run for the layer), ``predicted_scores`` float32 [L, B] their
+    # σ(y_l) scores (the vismmoe prefetch policy orders by γ^(d−1)·score). None: no predictor.
+    predicted_ids: np.ndarray | None = None
+    predicted_scores: np.ndarray | None = None

@@ -81,6 +81,13 @@ SCHEMA: dict[str, Var] = {
     "topk_used": Var(("step", "layer"), "int16", 256, "experts",
                      "experts per token the layer computed: top-k, or the k chosen by "
                      "dynamic_topk (0: layer did not run)"),
+    "predicted_ids": Var(("step", "layer", "rank"), "int16", 256, "expert id",
+                         "lookahead predictor (predictor/prefetch = vismmoe): the top-B experts "
+                         "of y_layer, best first (-1: predictor off or did not run for the "
+                         "layer; rank has size 1 when off)"),
+    "predicted_scores": Var(("step", "layer", "rank"), "float32", 256, "score",
+                            "σ(y_layer) of predicted_ids (0 where the id is -1); the vismmoe "
+                            "prefetch orders its candidates by decay^(d−1)·score"),
     # -- per step × layer × expert -------------------------------------------------------------
     "routed_tokens": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
                          "tokens routed to the expert, split by modality"),
@@ -139,7 +146,8 @@ class Recorder:
 
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
-                 flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1) -> None:
+                 flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1,
+                 rank: int = 1) -> None:
         self.path = Path(path)
         _check_new_store(self.path, overwrite)
         if self.path.exists():
@@ -147,6 +155,7 @@ class Recorder:
         self.path.mkdir(parents=True)  # claimed now; filled in by the writer
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
+        self.R = max(int(rank), 1)  # size of the predictor's rank dim (1 when it is off)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
@@ -170,7 +179,7 @@ class Recorder:
 
     # -- the writer thread's work ----------------------------------------------------------
     def _lay_out(self, pinned: np.ndarray) -> None:
-        files = _layout_files(self.L, self.E, self.k, self.D)
+        files = _layout_files(self.L, self.E, self.k, self.D, self.R)
         zarr_files.materialize(self.path, files, skip={"zarr.json"})
         self.arrays = {name: zarr_files.AppendArray(self.path, name,
                                                     json.loads(files[f"{name}/zarr.json"]))
@@ -184,7 +193,7 @@ class Recorder:
         zarr_files.atomic_write(self.path / "zarr.json", zarr_files.dump_json(self._group_meta))
 
     def _write_batch(self, events: list[StepEvent], publish: bool) -> None:
-        cols = _columns(events, self.L, self.E, self.k, self.D)
+        cols = _columns(events, self.L, self.E, self.k, self.D, self.R)
         start = dict(self.committed)
         end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
@@ -284,12 +293,14 @@ class Recorder:
                 pass
 
 
-def _layout_files(L: int, E: int, k: int, D: int = 1) -> dict[str, bytes]:
-    """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D)
-    layout: every array's metadata at its initial capacity plus the constant coordinates."""
+def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1) -> dict[str, bytes]:
+    """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D,
+    predictor rank R) layout: every array's metadata at its initial capacity plus the constant
+    coordinates."""
 
     def build(group: zarr.Group) -> None:
-        sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D}
+        sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D,
+                 "rank": R}
         specs = {name: dict(shape=(INITIAL_CAPACITY[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
@@ -301,6 +312,7 @@ def _layout_files(L: int, E: int, k: int, D: int = 1) -> dict[str, bytes]:
         index = {"layer": np.arange(L, dtype=np.int32), "expert": np.arange(E, dtype=np.int32),
                  "k": np.arange(k, dtype=np.int32),
                  "depth": np.arange(1, D + 1, dtype=np.int32),  # layers ahead
+                 "rank": np.arange(R, dtype=np.int32),
                  "modality": np.array(MODALITIES)}
         for name, values in index.items():
             specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
@@ -312,10 +324,10 @@ def _layout_files(L: int, E: int, k: int, D: int = 1) -> dict[str, bytes]:
         for name, values in index.items():
             group[name][:] = values
 
-    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k, D), build)
+    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k, D, R), build)
 
 
-def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
+def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1
              ) -> dict[str, np.ndarray]:
     """Turn a batch of step events into one array per schema variable."""
     n = len(events)
@@ -330,6 +342,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
     out["generated_token"] = np.array([e.generated_token for e in events], np.int64)
     hits, misses, loads, evictions, pre_ev, pf = (np.zeros((n, L), np.int32) for _ in range(6))
     topk_used = np.zeros((n, L), np.int16)
+    p_ids = np.full((n, L, R), -1, np.int16)
+    p_scores = np.zeros((n, L, R), np.float32)
     stall_layer = np.zeros((n, L), np.float64)
     routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     resident = np.zeros((n, L, E), bool)
@@ -362,6 +376,11 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
                 pred[:, l, :min(dd, D), :min(pk, k)] = le.pred_ids[:, :D, :k]
         if e.residency is not None:
             resident[i] = e.residency
+        if e.predicted_ids is not None:
+            pi = np.asarray(e.predicted_ids, np.int16)[:, :R]
+            p_ids[i, :, :pi.shape[1]] = pi
+            if e.predicted_scores is not None:
+                p_scores[i, :, :pi.shape[1]] = np.asarray(e.predicted_scores, np.float32)[:, :R]
         tok_ids.append(np.asarray(e.token_ids, np.int64))
         tok_step.append(np.full(T, e.step, np.int32))
         tok_mod.append(np.asarray(e.modality, np.int8))
@@ -383,7 +402,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1
             n, L, E, M)
     out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
                stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident,
-               pre_evictions=pre_ev, prefetches=pf, topk_used=topk_used)
+               pre_evictions=pre_ev, prefetches=pf, topk_used=topk_used,
+               predicted_ids=p_ids, predicted_scores=p_scores)
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)

@@ -103,7 +103,9 @@ def from_store(path_or_dataset: Any) -> Trace:
     One request (``step_request`` all 0); phase, modality, weights and pinned layers as recorded
     (the store writes weight 0 where ``topk_ids`` is -1); ``kept`` when the store has it (token
     compression; else all True). ``pred_ids`` is taken when the dataset has it with dims
-    (token, layer, depth, k) and it holds any id (all -1 = lookahead off → None). attrs:
+    (token, layer, depth, k) and it holds any id (all -1 = lookahead off → None); likewise
+    ``predicted_ids``/``predicted_scores`` (step, layer, rank), the lookahead predictor's
+    outputs (all -1 = predictor off → None). attrs:
     source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
     ``cost_spec``/``hardware_profile`` (so replay prices it as the live modeled clock did)."""
     import xarray as xr
@@ -141,6 +143,10 @@ def from_store(path_or_dataset: Any) -> Trace:
     pred = var("pred_ids", ("token", "layer", "depth", "k"))
     if pred is not None and not (pred >= 0).any():
         pred = None  # lookahead was off: the store keeps a depth-1 array of -1
+    p_ids = var("predicted_ids", ("step", "layer", "rank"))
+    p_scores = var("predicted_scores", ("step", "layer", "rank"))
+    if p_ids is None or p_scores is None or not (p_ids >= 0).any():
+        p_ids = p_scores = None  # predictor off: the store keeps a rank-1 array of -1
     attrs: dict[str, Any] = {"source": "store"}
     if path:
         attrs["path"] = str(path)
@@ -152,7 +158,8 @@ def from_store(path_or_dataset: Any) -> Trace:
                  token_modality=var("token_modality", ("token",)),
                  phase=var("phase", ("step",)), step_request=var("step_request", ("step",)),
                  pinned=var("pinned", ("layer",)),
-                 pred_ids=pred, attrs=attrs, kept=var("kept", ("token",)))
+                 pred_ids=pred, attrs=attrs, kept=var("kept", ("token",)),
+                 predicted_ids=p_ids, predicted_scores=p_scores)
 
 
 # -- JSON lines ----------------------------------------------------------------------------------
@@ -381,8 +388,9 @@ def read_npy(path: str | Path, num_experts: int | None = None, prefill_tokens: i
 # -- plain text (.wbtrace) -----------------------------------------------------------------------
 def write_plain(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
     """Write ``trace`` as ``.wbtrace`` text (format in ``docs/traces.md``). Lossless except
-    ``pred_ids`` (not stored) and the provenance attrs ``source``/``path`` (set by the reader).
-    An existing file is kept unless ``overwrite``: :class:`StoreExistsError`."""
+    ``pred_ids`` and ``predicted_ids``/``predicted_scores`` (not stored) and the provenance
+    attrs ``source``/``path`` (set by the reader). An existing file is kept unless
+    ``overwrite``: :class:`StoreExistsError`."""
     p = Path(path)
     if p.is_dir():
         raise InputError(f"trace file {str(p)!r} is a folder; give a file path")
@@ -410,6 +418,8 @@ def write_plain(trace: Trace, path: str | Path, overwrite: bool = False) -> Path
         out.append(f"@attr\t{key}\t{text}")
     if trace.pred_ids is not None:
         out.append("# pred_ids are not stored in this format")
+    if trace.predicted_ids is not None:
+        out.append("# predicted_ids/predicted_scores are not stored in this format")
     out.append("# step\trequest\tphase\tmodality\t" + "\t".join(f"layer {i}" for i in range(L)))
     ids, w = trace.topk_ids, trace.topk_weights
     for t in range(T):

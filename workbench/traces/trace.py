@@ -19,6 +19,11 @@ Every source (a run store, the importers in :mod:`workbench.traces.formats`) pro
 - ``kept``         bool    [token]            False: a visual token that token compression pruned
                                              after the pinned prefix (its routing on the later
                                              layers is -1); default all True.
+- ``predicted_ids`` int16 [step, layer, rank] or None: the lookahead predictor's top-B experts of
+                                             y_layer, best first (recorded live with predictor /
+                                             prefetch = vismmoe; -1 where it did not run);
+- ``predicted_scores`` float32 [step, layer, rank] or None: their σ(y_layer) scores (required
+                                             with ``predicted_ids``).
 
 Accesses are served in this order: step by step, layer 0 … L-1 within a step, and within a
 (step, layer) *group* the distinct routed experts in ascending id order — the order the live
@@ -48,6 +53,8 @@ class Trace:
     pred_ids: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     kept: np.ndarray | None = None
+    predicted_ids: np.ndarray | None = None
+    predicted_scores: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         ids = np.asarray(self.topk_ids)
@@ -97,6 +104,34 @@ class Trace:
             if self.pred_ids.ndim != 4 or self.pred_ids.shape[:2] != (T, L):
                 raise InputError(f"trace pred_ids must be [token, layer, depth, k] with "
                                  f"{T} tokens and {L} layers, got {self.pred_ids.shape}")
+        if (self.predicted_ids is None) != (self.predicted_scores is None):
+            raise InputError("trace predicted_ids and predicted_scores come together (both or "
+                             "neither)")
+        if self.predicted_ids is not None:
+            self.predicted_ids = np.asarray(self.predicted_ids, np.int16)
+            self.predicted_scores = np.asarray(self.predicted_scores, np.float32)
+            for name, arr in (("predicted_ids", self.predicted_ids),
+                              ("predicted_scores", self.predicted_scores)):
+                if arr.ndim != 3 or arr.shape[:2] != (S, L):
+                    raise InputError(f"trace {name} must be [step, layer, rank] with {S} steps "
+                                     f"and {L} layers, got {arr.shape}")
+            if self.predicted_scores.shape != self.predicted_ids.shape:
+                raise InputError(f"trace predicted_scores must have the shape of predicted_ids "
+                                 f"{self.predicted_ids.shape}, got {self.predicted_scores.shape}")
+            bad = (self.predicted_ids < -1) | (self.predicted_ids >= self.num_experts)
+            if bad.any():
+                s_, l_, r_ = np.argwhere(bad)[0]
+                raise InputError(f"trace predicted expert id {int(self.predicted_ids[s_, l_, r_])}"
+                                 f" at step {s_}, layer {l_}, rank {r_} is outside "
+                                 f"0..{self.num_experts - 1}")
+
+    def predicted(self, step: int, layer: int) -> list[tuple[int, float]]:
+        """The predictor's ranked ``(expert, score)`` pairs of y_layer in ``step`` (empty where
+        it did not run, or the trace has no predictions)."""
+        if self.predicted_ids is None:
+            return []
+        ids, sc = self.predicted_ids[step, layer], self.predicted_scores[step, layer]
+        return [(int(e), float(s)) for e, s in zip(ids, sc) if e >= 0]
 
     # -- sizes -----------------------------------------------------------------------------
     @property
