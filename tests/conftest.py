@@ -65,3 +65,22 @@ def demo_inputs():
     demo = REPO / "data" / "demo"
     prompts = json.loads((demo / "prompts.json").read_text())
     return [(demo / p["image"], p["prompt"], p.get("answer")) for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def assert_replays_live():
+    """``check(res, ds)``: a replay (``ReplayResult``) reproduces the live run stored in ``ds``
+    — per-step, per-layer hits, misses, evictions and prefetches, and the modeled clock."""
+    import numpy as np
+
+    def check(res, ds) -> None:
+        np.testing.assert_array_equal(res.hits, ds["hits"].values)
+        np.testing.assert_array_equal(res.misses, ds["misses"].values)
+        np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
+        np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
+        np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
+                                   atol=1e-15)
+        np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values,
+                                   rtol=1e-9)
+
+    return check

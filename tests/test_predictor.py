@@ -150,7 +150,8 @@ def test_policy_in_prefetch_menu():
 @pytest.mark.parametrize("knobs", [dict(cache_slots=16, pinned_layers=0),
                                    dict(cache_slots=20, pinned_layers=1, prefetch_budget=6,
                                         window=3, decay=0.7)])
-def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs):
+def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs,
+                                            assert_replays_live):
     """The predictor's outputs are recorded per (step, layer) (predicted_ids/_scores), so
     replaying a vismmoe run reproduces it exactly, as for the other prefetch policies."""
     import workbench
@@ -176,13 +177,7 @@ def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs):
     assert tr.predicted_ids.shape == (ds.sizes["step"], L, B)
     res = ds.moe.replay()
     assert res.config["prefetch"] == "vismmoe"
-    np.testing.assert_array_equal(res.hits, ds["hits"].values)
-    np.testing.assert_array_equal(res.misses, ds["misses"].values)
-    np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
-    np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
-    np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
-                               atol=1e-15)
-    np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values, rtol=1e-9)
+    assert_replays_live(res, ds)
     # a run without the predictor records no predictions (rank 1, all -1) and replay refuses
     plain = tmp_path / "plain.zarr"
     rt.run("what shape is red?", ["data/demo/scene_0.png"], store=plain, max_new_tokens=2,

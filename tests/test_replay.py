@@ -44,20 +44,14 @@ def live_runs(embedded, demo_inputs, tmp_path_factory):
     return out
 
 
-def test_replay_reproduces_the_live_run(live_runs):
+def test_replay_reproduces_the_live_run(live_runs, assert_replays_live):
     """Live = replay: per-step, per-layer hits, misses and evictions, and the modeled clock."""
     for (policy, slots, pinned), path in live_runs.items():
         ds = open_run(path)
         res = replay(from_store(ds), eviction=policy, cache_slots=slots, pinned_layers=pinned,
                      profile=ds.attrs["hardware_profile"])
         assert int(ds["misses"].sum()) > 0
-        np.testing.assert_array_equal(res.hits, ds["hits"].values)
-        np.testing.assert_array_equal(res.misses, ds["misses"].values)
-        np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
-        np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values,
-                                   rtol=1e-9, atol=1e-15)
-        np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values,
-                                   rtol=1e-9)
+        assert_replays_live(res, ds)
 
 
 def _configs():
@@ -234,7 +228,7 @@ def test_cli_replay_json_and_errors(live_runs, tmp_path):
                                                          ("speculative", 1, 20, 0),
                                                          ("apex", 2, 28, 2)])
 def test_live_prefetch_equals_replay(embedded, demo_inputs, tmp_path, prefetch, lead, slots,
-                                     pinned):
+                                     pinned, assert_replays_live):
     """Prefetch runs live with the same policy objects; replaying its store reproduces the
     hits, misses, evictions, prefetch count and the modeled clock."""
     import workbench
@@ -248,13 +242,7 @@ def test_live_prefetch_equals_replay(embedded, demo_inputs, tmp_path, prefetch, 
     assert int(ds["prefetches"].sum()) > 0
     res = ds.moe.replay()
     assert res.config["prefetch"] == prefetch
-    np.testing.assert_array_equal(res.hits, ds["hits"].values)
-    np.testing.assert_array_equal(res.misses, ds["misses"].values)
-    np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
-    np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
-    np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
-                               atol=1e-15)
-    np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values, rtol=1e-9)
+    assert_replays_live(res, ds)
 
 
 def test_replay_only_policies_are_refused_live(embedded):
