@@ -199,3 +199,170 @@ class Hotness(EvictionPolicy):
 
     def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
         return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
+
+
+class SlabStates:
+    """State bookkeeping of the VisMMOE slab cache (SPEC §1c "Safety-guarded eviction").
+
+    Fed once per (step, layer) by :meth:`begin_layer` with the lookahead predictor's ranked
+    ``(expert, σ)`` pairs of y_layer; the window is then the keys ``(layer + d, e)`` for
+    d = 1 … ``window`` and e in those pairs, with priority γ^(d−1)·σ_e (the order the ``vismmoe``
+    prefetch policy fetches them in). :meth:`note_use` marks what the current layer routes.
+    A resident key is
+
+    - **Required** (``REQUIRED``): in the current window, or routed by the layer being computed;
+    - **Speculative** (``SPECULATIVE``): not Required, its layer still ahead in this step, and
+      predicted by an earlier window of this step or prefetched in this step (kept to absorb
+      prediction shifts);
+    - **Expired** (``EXPIRED``): neither (its layer finished for this token, or nothing
+      predicted it).
+
+    :meth:`victim` takes Expired keys only, lowest priority (the last predictor priority the key
+    had; 0 if never predicted) first, ties least recently used, then the smallest key. When no
+    candidate is Expired it falls back — counted in :attr:`fallbacks` — to the Speculative ones
+    (same order), and only when every candidate is Required to the one farthest ahead in the
+    window (largest d; ties lowest priority, LRU, key): the cache must free a slot, and the
+    experts it protects for the current layer are never offered.
+    """
+
+    REQUIRED, SPECULATIVE, EXPIRED = "required", "speculative", "expired"
+
+    def __init__(self, window: int = 5, decay: float = 0.8) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1 layer, not {window}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], not {decay}")
+        self.window, self.decay = int(window), float(decay)
+        self.reset()
+
+    def reset(self) -> None:
+        self.step, self.layer = -1, -1
+        self.required: dict[Key, float] = {}  # key → priority, current window
+        self.routed: set[Key] = set()  # keys the current layer uses
+        self.priority: dict[Key, float] = {}  # last priority a window gave each key
+        self.ahead_step: dict[Key, int] = {}  # step in which a window named / prefetch loaded it
+        self.last_use: dict[Key, int] = {}
+        self.fallbacks = {"speculative": 0, "required": 0}
+        self.victims = 0
+
+    def begin_layer(self, step: int, layer: int, ranked) -> None:
+        """Layer ``layer`` of ``step`` is being computed; ``ranked``: the predictor's
+        ``(expert, score)`` pairs of y_layer (empty: no prediction)."""
+        if (step, layer) == (self.step, self.layer):
+            return
+        self.step, self.layer = int(step), int(layer)
+        self.routed = set()
+        req: dict[Key, float] = {}
+        for d in range(1, self.window + 1):
+            w = self.decay ** (d - 1)
+            for e, s in ranked:
+                req[(layer + d, int(e))] = w * float(s)
+        self.required = req
+        for k, p in req.items():
+            self.priority[k] = p
+            self.ahead_step[k] = self.step
+
+    def note_use(self, key: Key, t: int, inserted: bool = False) -> None:
+        """``key`` was used (or loaded, ``inserted``) at access clock ``t``."""
+        self.last_use[key] = t
+        if key[0] == self.layer:
+            self.routed.add(key)
+        elif inserted and key[0] > self.layer:  # a prefetch for a layer still ahead
+            self.ahead_step[key] = self.step
+
+    def forget(self, key: Key) -> None:
+        self.last_use.pop(key, None)
+
+    def state(self, key: Key) -> str:
+        if key in self.required or key in self.routed:
+            return self.REQUIRED
+        if key[0] > self.layer and self.ahead_step.get(key) == self.step:
+            return self.SPECULATIVE
+        return self.EXPIRED
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        by_state: dict[str, list[Key]] = {self.REQUIRED: [], self.SPECULATIVE: [],
+                                          self.EXPIRED: []}
+        for k in candidates:
+            by_state[self.state(k)].append(k)
+        self.victims += 1
+
+        def low(k: Key):
+            return (self.priority.get(k, 0.0), self.last_use.get(k, -1), k)
+
+        if by_state[self.EXPIRED]:
+            return min(by_state[self.EXPIRED], key=low)
+        if by_state[self.SPECULATIVE]:
+            self.fallbacks["speculative"] += 1
+            return min(by_state[self.SPECULATIVE], key=low)
+        if not by_state[self.REQUIRED]:
+            raise ValueError("no candidate to evict")
+        self.fallbacks["required"] += 1
+        return min(by_state[self.REQUIRED],
+                   key=lambda k: (-(k[0] - self.layer), self.required.get(k, 0.0),
+                                  self.last_use.get(k, -1), k))
+
+
+@EVICTION.register("slab")
+class Slab(EvictionPolicy):
+    """VisMMOE safety-guarded slab eviction: resident experts are Required (inside the lookahead
+    predictor's window W, or routed by the current layer), Speculative or Expired
+    (:class:`SlabStates`); only Expired experts are evicted, lowest predictor priority first.
+    If no candidate is Expired it falls back to Speculative (lowest priority first), then to
+    Required farthest ahead in the window, and counts it (``stats()``). Needs the predictor:
+    live it reads the attached :class:`~workbench.predictor.policy.LivePredictor` (the runtime
+    refuses ``eviction=slab`` without ``predictor=vismmoe``); replay reads the trace's recorded
+    ``predicted_ids``/``predicted_scores`` (a trace without them leaves every window empty,
+    which makes the policy LRU). Knobs ``window`` (W) and ``decay`` (γ)."""
+
+    needs_predictor = True
+
+    def __init__(self, window: int = 5, decay: float = 0.8, **kw: object) -> None:
+        self.states = SlabStates(window, decay)
+        self._layer_of = None
+        self._predicted = None
+        super().__init__(**kw)
+
+    def reset(self) -> None:
+        self.states.reset()
+
+    # -- feeds -------------------------------------------------------------------------------
+    def attach(self, live) -> None:
+        """Live: ``live`` (a LivePredictor) calls back right after each layer's router."""
+        live.listeners.append(lambda step, layer: self.states.begin_layer(
+            step, layer, live.ranked(step, layer)))
+
+    def prepare(self, groups) -> None:
+        """Replay: the layer of every access group."""
+        self._layer_of = groups.layer
+
+    def attach_trace(self, trace) -> None:
+        """Replay: the trace's recorded predictions (none: empty windows)."""
+        self._predicted = trace.predicted if trace.predicted_ids is not None else None
+
+    def begin_group(self, group: int, step: int) -> None:
+        if group < 0 or self._layer_of is None:  # live: fed by the predictor's callback
+            return
+        layer = int(self._layer_of[group])
+        ranked = self._predicted(step, layer) if self._predicted is not None else []
+        self.states.begin_layer(step, layer, ranked)
+
+    # -- cache calls -------------------------------------------------------------------------
+    def on_hit(self, key: Key, t: int) -> None:
+        self.states.note_use(key, t)
+
+    def on_insert(self, key: Key, t: int) -> None:
+        self.states.note_use(key, t, inserted=True)
+
+    def on_evict(self, key: Key) -> None:
+        self.states.forget(key)
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        return self.states.victim(candidates)
+
+    def stats(self) -> dict[str, int]:
+        """Victims chosen and how often no Expired candidate existed (the fallbacks)."""
+        s = self.states
+        return {"slab_victims": s.victims,
+                "slab_fallback_speculative": s.fallbacks["speculative"],
+                "slab_fallback_required": s.fallbacks["required"]}

@@ -117,7 +117,14 @@ class LivePredictor(RoutingProbe):
         self.budget = int(budget)
         self.costs: list[float] = []
         self.by_step: dict[int, dict[int, list[tuple[int, float]]]] = {}
-        self.on_layer = LivePredictor._predict
+        #: ``f(step, layer)`` called after each layer's prediction (e.g. the slab eviction policy)
+        self.listeners: list = []
+        self.on_layer = LivePredictor._on_layer
+
+    def _on_layer(self, layer: int) -> None:
+        self._predict(layer)
+        for f in self.listeners:
+            f(self.step, layer)
 
     def _predict(self, layer: int) -> None:
         if layer >= self.L - 1 or self.hmean is None:

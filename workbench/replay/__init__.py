@@ -52,7 +52,8 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
                         "probabilities, which traces do not keep): pass active_evict=False to "
                         "replay this trace under the other policies")
     kw = {n: getattr(knobs, n) for n in _REPLAY_KNOBS}
-    if kw["prefetch"] == "vismmoe":  # the predictor policy's own knobs (W, γ), as live
+    if kw["prefetch"] == "vismmoe" or kw["eviction"] == "slab":
+        # the predictor policies' own knobs (W, γ), as live
         kw.update(window=knobs.window, decay=knobs.decay)
     if knobs.cache_bytes is not None:
         from workbench.replay.engine import _cost

@@ -225,13 +225,15 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
                   scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
                   prefetch_budget=prefetch_budget, profile=prof.name, cost_source=cost.source,
                   engine=engine, **policy_knobs)
+    policy_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     if engine == "fast":
         out = _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, kernel_code,
                         policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps)
     else:
         out = _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap,
-                          pol_cls, policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps)
+                          pol_cls, policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps,
+                          trace=trace, stats=policy_stats)
     elapsed = time.perf_counter() - t0
     hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused = out
     S = trace.num_steps
@@ -257,7 +259,7 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
         evictions=ev_sl.reshape(S, L), redundant=red_sl.reshape(S, L), stall_s=per_sl(stall),
         step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
         num_tokens=trace.num_tokens, expert_bytes=cost.expert_bytes, transfer_time_s=xfer,
-        elapsed_s=elapsed)
+        elapsed_s=elapsed, extra=policy_stats)
 
 
 def _occurrences(groups: Groups, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -286,15 +288,19 @@ def _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, code, knobs,
 
 
 def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, knobs, pf_ptr,
-                pf_key, xfer, S):
+                pf_key, xfer, S, trace=None, stats=None):
     """The same sequence of calls as the live offloader, on the real cache and policy objects
-    (one cache per pool)."""
+    (one cache per pool). A policy with ``attach_trace`` gets ``trace`` (e.g. the slab policy
+    reads its recorded predictor outputs); ``stats``, when a dict, receives the summed
+    ``policy.stats()`` of the pools."""
     L, E = groups.num_layers, groups.num_experts
     G = groups.num_groups
     pools = [ExpertCache(int(c), pol_cls(**knobs), L, E) for c in pool_cap]
     for c in pools:
         if hasattr(c.policy, "prepare"):
             c.policy.prepare(groups)
+        if trace is not None and hasattr(c.policy, "attach_trace"):
+            c.policy.attach_trace(trace)
     out_h, out_m, out_pl, out_ph = (np.zeros(G, np.int64) for _ in range(4))
     stall, g_end = np.zeros(G), np.zeros(G)
     ev_sl, red_sl = np.zeros(S * L, np.int64), np.zeros(S * L, np.int64)
@@ -401,6 +407,10 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
                 now += cost
         g_end[g] = now
     unused = sum(1 for c in pools for key in c.slot_of if not used.get(key, True))
+    if stats is not None:
+        for c in pools:
+            for k, v in (c.policy.stats() if hasattr(c.policy, "stats") else {}).items():
+                stats[k] = stats.get(k, 0) + v
     return out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, unused
 
 

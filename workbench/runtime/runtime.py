@@ -78,6 +78,8 @@ class RunResult:
     compression_saliency_s: float = 0.0
     # lookahead predictor (predictor or prefetch = vismmoe): measured seconds per call
     predictor_cost: dict[str, Any] = field(default_factory=dict)
+    # the eviction policy's own counters (slab: victims and fallbacks), when it keeps any
+    eviction_stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -178,6 +180,12 @@ class Runtime:
         if knobs.k_max is not None and knobs.k_max > lay.num_experts:
             raise KnobError(f"k_max must be between 1 and {lay.num_experts} (experts per "
                             f"layer), not {knobs.k_max}")
+        if getattr(EVICTION.get(knobs.eviction), "needs_predictor", False) \
+                and not _uses_predictor(knobs):
+            raise KnobError(
+                f"eviction {knobs.eviction!r} keeps the experts the lookahead predictor names "
+                f"for the next window layers, so it needs the predictor: set predictor=vismmoe "
+                f"(or prefetch=vismmoe), or choose another eviction policy")
         if _uses_predictor(knobs):
             self._predictor(knobs)
         # the valid prefix interval (seed VisMMOE eq. 10), on the profile first, then here
@@ -403,6 +411,8 @@ class Runtime:
                                       placement=placement)
             if hasattr(prefetcher, "attach"):
                 prefetcher.attach(live_pred)
+            if hasattr(policy, "attach"):  # slab eviction: fed the window at every layer
+                policy.attach(live_pred)
         try:
             with off, (placement if placement is not None else contextlib.nullcontext()), \
                     (live_pred if live_pred is not None else contextlib.nullcontext()):
@@ -452,6 +462,8 @@ class Runtime:
             result.compression_saliency_s = placement.saliency_s
         if live_pred is not None:
             result.predictor_cost = live_pred.cost_summary()
+        if hasattr(policy, "stats"):
+            result.eviction_stats = policy.stats()
         if recorder is not None:
             recorder.close("complete", summary=json.dumps(result.to_json()),
                            compression_visual_tokens=result.visual_tokens,
