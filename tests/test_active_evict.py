@@ -12,29 +12,11 @@ from workbench.errors import KnobError
 from workbench.knobs import Knobs
 from workbench.models.adapter import find_moe_blocks
 from workbench.models.inputs import Request, build_inputs
-from workbench.models.tiny import TINY_ARCHITECTURES, tiny_model
+from workbench.models.tiny import TINY_ARCHITECTURES, tiny_inputs, tiny_model
 from workbench.policies.active_evict import (ActiveEvict, Hotness, budget_topk, release_target)
 from workbench.policies.eviction import EVICTION
 from workbench.runtime.expert_cache import ExpertCache
 from workbench.runtime.offload import Offloader, StepProbe
-
-
-def _inputs(model, arch):
-    """Same inputs as tests/test_exactness.py (the VL model gets an image)."""
-    torch.manual_seed(1)
-    if arch != "qwen3_vl_moe":
-        return {"input_ids": torch.randint(3, 120, (1, 14))}
-    cfg = model.config
-    grid = torch.tensor([[1, 4, 4]])
-    n_vis = int(grid.prod()) // cfg.vision_config.spatial_merge_size ** 2
-    ids = torch.cat([torch.randint(3, 140, (4,)), torch.tensor([cfg.vision_start_token_id]),
-                     torch.full((n_vis,), cfg.image_token_id),
-                     torch.tensor([cfg.vision_end_token_id]), torch.randint(3, 140, (5,))])
-    v = cfg.vision_config
-    pix = torch.randn(int(grid.prod()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
-    mm = (ids == cfg.image_token_id).long()
-    return {"input_ids": ids[None], "mm_token_type_ids": mm[None], "pixel_values": pix,
-            "image_grid_thw": grid}
 
 
 def _ae(layout):
@@ -46,7 +28,7 @@ def _ae(layout):
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_lookahead_equals_next_router_on_the_same_hidden_state(arch):
     model = tiny_model(arch)
-    inputs = _inputs(model, arch)
+    inputs = tiny_inputs(model, arch)
     layout = find_moe_blocks(model)
     L, k = layout.num_layers, layout.top_k
     seen: dict[int, torch.Tensor] = {}  # layer → the MoE block's input, as its router saw it
@@ -80,7 +62,7 @@ def test_lookahead_equals_next_router_on_the_same_hidden_state(arch):
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_lookahead_and_active_evict_do_not_change_outputs(arch):
     model = tiny_model(arch)
-    inputs = _inputs(model, arch)
+    inputs = tiny_inputs(model, arch)
     gen = dict(max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         ref_logits = model(**inputs).logits

@@ -10,34 +10,17 @@ import pytest
 import torch
 
 from workbench.models.adapter import find_moe_blocks
-from workbench.models.tiny import TINY_ARCHITECTURES, tiny_model
+from workbench.models.tiny import TINY_ARCHITECTURES, tiny_inputs, tiny_model
 from workbench.policies.eviction import EVICTION
 from workbench.runtime.offload import Offloader, StepProbe
 
 CASES = [(2, 0), (3, 1), (5, 2), (4, 3), (24, 0)]  # (cache_slots, pinned_layers); top-k = 2
 
 
-def _inputs(model, arch):
-    torch.manual_seed(1)
-    if arch != "qwen3_vl_moe":
-        return {"input_ids": torch.randint(3, 120, (1, 14))}
-    cfg = model.config
-    grid = torch.tensor([[1, 4, 4]])  # 16 patches → 4 merged visual tokens
-    n_vis = int(grid.prod()) // cfg.vision_config.spatial_merge_size ** 2
-    ids = torch.cat([torch.randint(3, 140, (4,)), torch.tensor([cfg.vision_start_token_id]),
-                     torch.full((n_vis,), cfg.image_token_id),
-                     torch.tensor([cfg.vision_end_token_id]), torch.randint(3, 140, (5,))])
-    v = cfg.vision_config
-    pix = torch.randn(int(grid.prod()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
-    mm = (ids == cfg.image_token_id).long()  # 0 text, 1 image: needed for multimodal RoPE
-    return {"input_ids": ids[None], "mm_token_type_ids": mm[None], "pixel_values": pix,
-            "image_grid_thw": grid}
-
-
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_offloaded_equals_plain(arch):
     model = tiny_model(arch)
-    inputs = _inputs(model, arch)
+    inputs = tiny_inputs(model, arch)
     gen = dict(max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         ref_logits = model(**inputs).logits

@@ -70,6 +70,25 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     return model
 
 
+def tiny_inputs(model, arch: str, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random model inputs for a :func:`tiny_model` (seeded): 14 text tokens, or for the
+    vision-language architecture a prompt with one 4×4-patch image (4 merged visual tokens)."""
+    torch.manual_seed(seed)
+    if arch != "qwen3_vl_moe":
+        return {"input_ids": torch.randint(3, 120, (1, 14))}
+    cfg = model.config
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches → 4 merged visual tokens
+    n_vis = int(grid.prod()) // cfg.vision_config.spatial_merge_size ** 2
+    ids = torch.cat([torch.randint(3, 140, (4,)), torch.tensor([cfg.vision_start_token_id]),
+                     torch.full((n_vis,), cfg.image_token_id),
+                     torch.tensor([cfg.vision_end_token_id]), torch.randint(3, 140, (5,))])
+    v = cfg.vision_config
+    pix = torch.randn(int(grid.prod()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
+    mm = (ids == cfg.image_token_id).long()  # 0 text, 1 image: needed for multimodal RoPE
+    return {"input_ids": ids[None], "mm_token_type_ids": mm[None], "pixel_values": pix,
+            "image_grid_thw": grid}
+
+
 def tiny_tokenizer():
     """A character-level tokenizer (printable ASCII; ids < 128) for the tiny models:
     id 0 ``<pad>``, id 1 ``<eos>``, then one id per character."""
