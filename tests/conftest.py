@@ -70,7 +70,8 @@ def demo_inputs():
 @pytest.fixture(scope="session")
 def assert_replays_live():
     """``check(res, ds)``: a replay (``ReplayResult``) reproduces the live run stored in ``ds``
-    — per-step, per-layer hits, misses, evictions and prefetches, and the modeled clock."""
+    — per-step, per-layer hits, misses, evictions, prefetches and host runs (hybrid mode), and
+    the modeled clock."""
     import numpy as np
 
     def check(res, ds) -> None:
@@ -78,9 +79,33 @@ def assert_replays_live():
         np.testing.assert_array_equal(res.misses, ds["misses"].values)
         np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
         np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
+        if "host_runs" in ds:
+            np.testing.assert_array_equal(res.host_runs, ds["host_runs"].values)
         np.testing.assert_allclose(res.stall_s.sum(1), ds["stall_modeled_s"].values, rtol=1e-9,
                                    atol=1e-15)
         np.testing.assert_allclose(res.step_latency_s, ds["latency_modeled_s"].values,
                                    rtol=1e-9)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def vismmoe_run(embedded, demo_inputs, tmp_path_factory):
+    """A stored run of the embedded model with VisMMOE on — affinity token compression
+    (β = 0.5, pinned_layers = 1) and the lookahead predictor, calibrated here on 4 generated
+    scenes (< 1 s; weak, but real) — 6 tokens of demo input 0: ``(store path, RunResult)``."""
+    from workbench.knobs import Knobs
+    from workbench.predictor.calibrate import calibrate, scene_requests
+    from workbench.predictor.model import save
+    from workbench.runtime.runtime import Runtime
+
+    root = tmp_path_factory.mktemp("vismmoe")
+    pred, report = calibrate(embedded, scene_requests(0, 4), steps=40, seed=0,
+                             max_new_tokens=1, ablation=False)
+    save(pred, root / "predictor", report)
+    image, prompt, _ = demo_inputs[0]
+    rt = Runtime(embedded, knobs=Knobs(compression="affinity", predictor="vismmoe",
+                                       predictor_path=str(root / "predictor"), cache_slots=16,
+                                       max_new_tokens=6, ignore_eos=True, device="cpu"))
+    res = rt.run(prompt, [image], store=root / "run.zarr")
+    return root / "run.zarr", res

@@ -3,6 +3,7 @@ run end to end."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -351,3 +352,82 @@ def test_tiny_run_end_to_end(tiny_run):
     for fig in (hit_rate_figure(ds), latency_figure(ds), timeline_figure(ds),
                 timeline_figure(ds, "measured"), ds.moe.heatmap()):
         assert isinstance(fig, go.Figure) and len(fig.data) > 0
+
+
+# -- VisMMOE: Hot Recall and visual tokens of a real run (issue 5) -----------------------------
+def _recall_by_sets(ds: xr.Dataset, k: int, window: int) -> np.ndarray:
+    """Hot Recall@k per layer from the per-token routing (``topk_ids``, ``token_step``) and the
+    recorded ranking, with Python sets: an independent computation of ``ds.moe.hot_recall``."""
+    ids = ds["predicted_ids"].values
+    topk = ds["topk_ids"].values
+    tstep = ds["token_step"].values
+    S, L = ids.shape[:2]
+    out = np.full(L, np.nan)
+    for l in range(L):
+        vals = []
+        for s in range(S):
+            if (ids[s, l] < 0).all():
+                continue
+            used = topk[tstep == s]
+            ahead = {int(e) for j in range(l + 1, min(l + window, L - 1) + 1)
+                     for e in used[:, j].ravel() if e >= 0}
+            if ahead:
+                vals.append(len(ahead & {int(e) for e in ids[s, l, :k]}) / len(ahead))
+        if vals:
+            out[l] = np.mean(vals)
+    return out
+
+
+def test_hot_recall_of_a_vismmoe_run_matches_a_set_computation(vismmoe_run):
+    path, res = vismmoe_run
+    ds = open_run(path)
+    W = json.loads(ds.attrs["knob.window"])
+    E = ds.sizes["expert"]
+    for k, window in ((10, None), (20, None), (10, 1), (3, 2)):
+        hr = ds.moe.hot_recall(k, window=window)
+        want = _recall_by_sets(ds, k, W if window is None else window)
+        np.testing.assert_allclose(hr.values, want, rtol=1e-12, equal_nan=True)
+        assert hr.dims == ("layer",) and hr.attrs["k"] == k
+        assert np.isnan(hr.values[-1]) and (hr["samples"].values[:-1] == res.steps).all()
+        rnd = ds.moe.hot_recall(k, window=window, baseline="random")
+        np.testing.assert_allclose(rnd.values[:-1], min(k, E) / E)
+        orc = ds.moe.hot_recall(k, window=window, baseline="oracle")
+        assert (orc.values[:-1] >= hr.values[:-1] - 1e-12).all()  # nothing beats the oracle
+    # the decode steps alone: one token a step, so few experts ahead and a sharper recall
+    dec = ds.moe.hot_recall(10, phase="decode")
+    assert (dec["samples"].values[:-1] == res.steps - 1).all()
+
+
+def test_hot_recall_refuses_runs_without_predictions_and_bad_arguments(vismmoe_run, tiny_run):
+    _, ds_plain = tiny_run
+    with pytest.raises(ValueError, match="predicted_ids.*predictor=vismmoe"):
+        ds_plain.moe.hot_recall()
+    ds = open_run(vismmoe_run[0])
+    B = ds.sizes["rank"]
+    for bad in (0, B + 1, 2.5, True):
+        with pytest.raises(ValueError, match=f"k must be an int in 1..{B}"):
+            ds.moe.hot_recall(bad)
+    with pytest.raises(ValueError, match="window must be"):
+        ds.moe.hot_recall(window=0)
+    with pytest.raises(ValueError, match="baseline must be None, 'random' or 'oracle'"):
+        ds.moe.hot_recall(baseline="best")
+
+
+def test_visual_tokens_of_a_compressed_run(vismmoe_run):
+    path, res = vismmoe_run
+    ds = open_run(path)
+    vt = ds.moe.visual_tokens()
+    grid = json.loads(ds.attrs["image_grid_thw"])
+    m = ds.attrs["spatial_merge_size"]
+    rows, cols = grid[0][1] // m, grid[0][2] // m
+    assert json.loads(vt.attrs["grids"]) == [[rows, cols]]
+    assert vt.sizes["visual_token"] == rows * cols == res.visual_tokens
+    assert int(vt["kept"].sum()) == res.kept_visual_tokens < res.visual_tokens
+    # row-major cells, each once
+    np.testing.assert_array_equal(vt["row"].values * cols + vt["col"].values,
+                                  np.arange(rows * cols))
+    assert (ds["token_modality"].values[vt["token"].values] == IMAGE).all()
+    old = ds.copy()
+    del old.attrs["image_grid_thw"]  # as a store written before the grid was recorded
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        old.moe.visual_tokens()

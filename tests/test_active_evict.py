@@ -12,7 +12,7 @@ from workbench.errors import KnobError
 from workbench.knobs import Knobs
 from workbench.models.adapter import find_moe_blocks
 from workbench.models.inputs import Request, build_inputs
-from workbench.models.tiny import TINY_ARCHITECTURES, tiny_inputs, tiny_model
+from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
 from workbench.policies.active_evict import (ActiveEvict, Hotness, budget_topk, release_target)
 from workbench.policies.eviction import EVICTION
 from workbench.runtime.expert_cache import ExpertCache
@@ -63,19 +63,14 @@ def test_lookahead_equals_next_router_on_the_same_hidden_state(arch):
 def test_lookahead_and_active_evict_do_not_change_outputs(arch):
     model = tiny_model(arch)
     inputs = tiny_inputs(model, arch)
-    gen = dict(max_new_tokens=6, do_sample=False)
-    with torch.no_grad():
-        ref_logits = model(**inputs).logits
-        ref_tokens = model.generate(**inputs, **gen)
+    ref_logits, ref_tokens = greedy_outputs(model, inputs)
     layout = find_moe_blocks(model)
     top_ks = [b.router.top_k for b in layout.blocks]
     for slots, pinned in [(2, 0), (3, 1), (5, 2), (24, 0)]:
         with Offloader(layout, slots, pinned, EVICTION.create("lru"), "cpu",
                        StepProbe(time.perf_counter()), lookahead_depth=2,
                        active_evict=_ae(layout)):
-            with torch.no_grad():
-                logits = model(**inputs).logits
-                tokens = model.generate(**inputs, **gen)
+            logits, tokens = greedy_outputs(model, inputs)
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
         assert torch.equal(tokens, ref_tokens), (arch, slots, pinned)
     assert [b.router.top_k for b in layout.blocks] == top_ks

@@ -1,9 +1,10 @@
 """The dashboard in a real browser: ``panel serve apps/dashboard.py`` + Playwright + Chromium.
 
-Loads the page, changes a knob, presses Run and waits until the plots show the new run (data
-read from the plotly elements, searched through Panel's shadow roots), checks the run used the
-knob, that a view filter and the replay view's policy selection redraw without a new run, that
-there were no console errors, and saves ``test-artifacts/dashboard.png``.
+Loads the page, changes knobs (affinity token compression in the VisMMOE card among them),
+presses Run and waits until the plots show the new run (data read from the plotly elements,
+searched through Panel's shadow roots), checks the run used the knobs and that the kept/pruned
+visual-token overlay is drawn, that a view filter and the replay view's policy selection redraw
+without a new run, that there were no console errors, and saves ``test-artifacts/dashboard.png``.
 """
 
 from __future__ import annotations
@@ -138,8 +139,12 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
                           "the plotly views to render")
         assert before["heatmap"]["data"] == []  # empty workspace: placeholders
 
+        for knob in ("compression", "beta", "lam", "pinned_layers"):  # the VisMMOE card
+            assert page.locator(f".wb-vismmoe .wb-knob-{knob}").count() == 1, knob
         set_number(page, ".wb-knob-cache_slots", 9)
         set_number(page, ".wb-knob-max_new_tokens", 6)
+        # VisMMOE card: affinity token compression (β, λ, pinned layers at their defaults)
+        page.locator(".wb-knob-compression button", has_text="affinity").first.click()
         page.locator(".wb-run button").first.click()
 
         def new_run():
@@ -160,7 +165,21 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         attrs = json.loads((store / "zarr.json").read_text())["attributes"]
         assert json.loads(attrs["knob.cache_slots"]) == 9
         assert json.loads(attrs["knob.max_new_tokens"]) == 6
+        assert json.loads(attrs["knob.compression"]) == "affinity"
         assert attrs["status"] == "complete"
+
+        # kept vs pruned visual tokens over the image, beside the heatmap
+        def overlay():
+            t = plots(page).get("tokens")
+            cells = {d["name"].split(" ")[0]: len(d["x"] or []) for d in (t or {}).get("data", [])
+                     if d["name"].startswith(("kept (", "pruned ("))}
+            return cells if t and t["run"] == after["heatmap"]["run"] and cells else None
+
+        cells = wait_for(overlay, 20, "the visual-token overlay of the new run")
+        vt = attrs["compression_visual_tokens"]
+        assert 0 < vt and cells["kept"] > 0 and cells["pruned"] > 0  # polygons drawn
+        assert f"{attrs['compression_kept_visual_tokens']} of {vt} kept" in \
+            plots(page)["tokens"]["title"]
 
         # a view filter redraws without a new run
         page.locator(".wb-filter-modality button", has_text="image").first.click()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench.models.adapter import find_moe_blocks
-from workbench.models.tiny import TINY_ARCHITECTURES, tiny_inputs, tiny_model
+from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
 from workbench.policies.eviction import EVICTION
 from workbench.runtime.offload import Offloader, StepProbe
 
@@ -21,18 +21,13 @@ CASES = [(2, 0), (3, 1), (5, 2), (4, 3), (24, 0)]  # (cache_slots, pinned_layers
 def test_offloaded_equals_plain(arch):
     model = tiny_model(arch)
     inputs = tiny_inputs(model, arch)
-    gen = dict(max_new_tokens=6, do_sample=False)
-    with torch.no_grad():
-        ref_logits = model(**inputs).logits
-        ref_tokens = model.generate(**inputs, **gen)
+    ref_logits, ref_tokens = greedy_outputs(model, inputs)
     layout = find_moe_blocks(model)
     params_before = {n: p for n, p in model.named_parameters()}
     for slots, pinned in CASES:
         probe = StepProbe(time.perf_counter())
         with Offloader(layout, slots, pinned, EVICTION.create("lru"), "cpu", probe) as off:
-            with torch.no_grad():
-                logits = model(**inputs).logits
-                tokens = model.generate(**inputs, **gen)
+            logits, tokens = greedy_outputs(model, inputs)
             c = off.cache.counters()
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
         assert torch.equal(tokens, ref_tokens), (arch, slots, pinned)

@@ -522,3 +522,102 @@ def test_serve_binds_the_loopback_address(tmp_path):
     assert f"http://127.0.0.1:{port}/" in out
     listening = [c for c in out.splitlines() if "0.0.0.0" in c]
     assert not listening, out
+
+
+# -- VisMMOE surface (issue 5 §5) ------------------------------------------------------------------
+def _cells(fig, state: str) -> int:
+    return sum(len(t.x) for t in fig.data if (t.meta or {}).get("cells") == state)
+
+
+def test_token_overlay_counts_kept_and_pruned_cells(vismmoe_run, two_runs):
+    from workbench.ui.views import TokenOverlayView, token_overlay_view_figure
+
+    path, res = vismmoe_run
+    s = DataStore(workspace=path.parent)
+    s.open(path.name)  # as the dashboard loads it
+    v = TokenOverlayView(s)
+    fig = v.pane.object
+    assert fig.layout.meta["view"] == "tokens"
+    assert _cells(fig, "kept") == res.kept_visual_tokens
+    assert _cells(fig, "pruned") == res.visual_tokens - res.kept_visual_tokens > 0
+    ds = s.dataset
+    image_kept = ds["kept"].values[ds["token_modality"].values == 1]
+    assert _cells(fig, "kept") == int(image_kept.sum())
+    assert [t.type for t in fig.data].count("image") == 1  # the demo image, from its path
+    assert f"{res.kept_visual_tokens} of {res.visual_tokens} kept" in fig.layout.title.text
+    # an in-memory image is not in the store: the same cells on a canvas, saying so
+    canvas = ds.moe.token_overlay(images=[None])
+    assert _cells(canvas, "pruned") == _cells(fig, "pruned") and not [
+        t for t in canvas.data if t.type == "image"]
+    assert "PIL image" in canvas.layout.annotations[0].text
+    # a run without compression: an honest placeholder
+    s2 = DataStore(workspace=two_runs.workspace)
+    s2.open("a")
+    none = token_overlay_view_figure(s2.dataset)
+    assert len(none.data) == 0 and "compression = none" in none.layout.annotations[0].text
+
+
+def test_merged_token_cells_follow_the_models_rope_positions(embedded):
+    """The raster order of ``merged_token_cells`` is the model's own: the M-RoPE (h, w)
+    positions ``get_rope_index`` gives the visual tokens, on a non-square image."""
+    import torch
+
+    from workbench.analysis.accessor import merged_token_cells
+    from workbench.models.inputs import Request, build_inputs
+
+    img = Image.new("RGB", (160, 96), (10, 200, 30))
+    inp = build_inputs(embedded, Request("what is it?", [img]))
+    t = inp.tensors
+    merge = embedded.model.config.vision_config.spatial_merge_size
+    image, row, col, grids = merged_token_cells(t["image_grid_thw"].tolist(), merge)
+    assert grids[0][0] != grids[0][1]
+    with torch.no_grad():
+        pos, _ = embedded.model.model.get_rope_index(
+            t["input_ids"], t["mm_token_type_ids"], image_grid_thw=t["image_grid_thw"])
+    vis = inp.modality == 1
+    h, w = pos[1, 0].numpy()[vis], pos[2, 0].numpy()[vis]
+    np.testing.assert_array_equal(h - h.min(), row)
+    np.testing.assert_array_equal(w - w.min(), col)
+
+
+def test_hot_recall_view_with_random_baseline(vismmoe_run, two_runs):
+    from workbench.ui.views import HotRecallView, hot_recall_view_figure
+
+    path, _ = vismmoe_run
+    s = DataStore(workspace=path.parent)
+    s.open(path.name)
+    fig = HotRecallView(s).pane.object
+    names = [t.name for t in fig.data]
+    assert names[0].startswith("predictor") and names[1].startswith("random")
+    want = s.dataset.moe.hot_recall(10)
+    np.testing.assert_allclose(np.asarray(fig.data[0].y, float), want.values, equal_nan=True)
+    np.testing.assert_allclose(np.asarray(fig.data[1].y, float)[:-1],
+                               10 / s.dataset.sizes["expert"])
+    s2 = DataStore(workspace=two_runs.workspace)
+    s2.open("a")
+    none = hot_recall_view_figure(s2.dataset)
+    assert len(none.data) == 0 and "predictor = vismmoe" in none.layout.annotations[0].text
+
+
+def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
+    from workbench.ui.widgets import VISMMOE_KNOBS, knob_cards, knob_panels, vismmoe_panel
+
+    s = DataStore(workspace=tmp_path / "ws")
+    panel = vismmoe_panel(s.knobs)
+    w = panel._wb_widgets
+    assert list(w) == ["compression", "beta", "lam", "pinned_layers"] == list(VISMMOE_KNOBS)
+    assert type(w["beta"]).__name__ == "EditableFloatSlider"
+    assert type(w["pinned_layers"]).__name__ == "EditableIntSlider"
+    assert "affinity" in w["compression"].options  # menu from the registry
+    for name, value in (("compression", "affinity"), ("beta", 0.7), ("lam", 3.0),
+                        ("pinned_layers", 2)):
+        w[name].value = value
+        assert getattr(s.knobs, name) == value  # the widget edits the knob
+    s.knobs.set(beta=0.3)
+    assert w["beta"].value == 0.3  # one param object: the knob moves the widget
+    # the VisMMOE card comes first; no other card repeats its knobs
+    cards = knob_cards(s.knobs)
+    assert cards[0].title == "VisMMOE"
+    rest = knob_panels(s.knobs, exclude=VISMMOE_KNOBS)
+    assert not set(VISMMOE_KNOBS) & {n for p in rest.values() for n in p._widgets}
+    assert "alpha" in rest["compression"]._widgets and "cache_slots" in rest["cache"]._widgets

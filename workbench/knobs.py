@@ -82,6 +82,13 @@ class CacheKnobs(KnobGroup):
     hotness_window = param.Integer(
         default=16, bounds=(1, 64), softbounds=(1, 64),
         doc="T of the 'hotness' eviction policy: uses older than T steps are forgotten.")
+    hybrid = param.Boolean(
+        default=False,
+        doc="GPU–CPU hybrid mode (seed VisMMOE §3.4): a miss runs on the host copy of the "
+            "expert instead of being loaded when that ends sooner on the modeled hardware "
+            "(host compute + activations over the link < transfer + device compute; decode "
+            "misses usually qualify, big prefill groups do not). Host runs have their own "
+            "timeline lane.")
 
 
 class PrefetchKnobs(KnobGroup):

@@ -23,6 +23,7 @@ Conventions
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,9 +32,10 @@ import xarray as xr
 from workbench.errors import InputError
 from workbench.telemetry.events import MODALITIES, PHASES
 
-__all__ = ["MoEAccessor"]
+__all__ = ["MoEAccessor", "merged_token_cells"]
 
 _HIT_RATE_BY = (None, "layer", "step")
+_RECALL_BASELINES = (None, "random", "oracle")
 
 
 def _bad(arg: str, value: Any, allowed: str) -> InputError:
@@ -275,6 +277,146 @@ class MoEAccessor:
                    "definition": "mean over tokens of the Jaccard overlap of the token's top-k "
                                  "expert sets at the two layers"})
 
+    # -- visual tokens (token compression, issue 5) ---------------------------------------
+    def visual_tokens(self) -> xr.Dataset:
+        """The prompt's merged visual tokens on their images' grids, kept or pruned.
+
+        Dataset over ``visual_token`` (the image tokens of the prompt, in input order):
+        ``image`` (index into the attrs ``images``), ``row`` and ``col`` (cell of that image's
+        merged-token grid, row 0 at the top, col 0 at the left; see
+        :func:`merged_token_cells`), ``kept`` (False: pruned after the pinned prefix by token
+        compression; all True without compression) and ``token`` (position on the store's
+        ``token`` dim). Attrs ``grids``: JSON ``[[rows, cols], …]`` per image.
+
+        Needs the attrs ``image_grid_thw`` and ``spatial_merge_size`` (recorded by every live
+        run) and the variables ``token_modality`` and ``kept``; a store without them, or whose
+        image-token count disagrees with the grids, raises :class:`InputError` naming it.
+        """
+        ds = self._ds
+        missing = [a for a in ("image_grid_thw", "spatial_merge_size") if a not in ds.attrs]
+        missing += [v for v in ("token_modality", "kept") if v not in ds.variables]
+        if missing:
+            raise InputError(
+                f"this store lacks {', '.join(map(repr, missing))}, needed to place visual "
+                f"tokens on the image (stores written before the image grid was recorded, or "
+                f"imported traces, have no image layout); re-run the request to record it")
+        grids = ds.attrs["image_grid_thw"]
+        grids = json.loads(grids) if isinstance(grids, str) else grids
+        merge = int(ds.attrs["spatial_merge_size"])
+        image, row, col, shapes = merged_token_cells(grids, merge)
+        if "image" not in self._modalities:
+            raise InputError(f"this store has no 'image' modality (it has "
+                             f"{', '.join(self._modalities)})")
+        code = self._modalities.index("image")
+        token = np.flatnonzero(np.asarray(ds["token_modality"].values) == code)
+        if token.size != image.size:
+            raise InputError(
+                f"the store has {token.size} image tokens but its image_grid_thw {grids} with "
+                f"spatial_merge_size {merge} makes {image.size}; the store does not match its "
+                f"image layout")
+        kept = np.asarray(ds["kept"].values, bool)[token]
+        return xr.Dataset(
+            {"image": ("visual_token", image), "row": ("visual_token", row),
+             "col": ("visual_token", col), "kept": ("visual_token", kept),
+             "token": ("visual_token", token.astype(np.int64))},
+            attrs={"grids": json.dumps(shapes), "spatial_merge_size": merge,
+                   "description": "merged visual tokens of the prompt on their image grids; "
+                                  "kept False = pruned after the pinned prefix"})
+
+    def token_overlay(self, images: Sequence[Any] | None = None):
+        """Kept vs pruned visual tokens drawn over the run's image(s) (plotly ``go.Figure``,
+        :func:`workbench.viz.tokens.token_overlay_figure`). ``images`` (PIL images or paths)
+        default to the image files recorded in the attrs ``images``; an image that cannot be
+        opened (an in-memory PIL image of the run, a moved file) is drawn as a blank canvas of
+        its grid, with a note saying why."""
+        from workbench.viz.tokens import open_run_image, run_images, token_overlay_figure
+
+        imgs = run_images(self._ds.attrs) if images is None else [open_run_image(i)
+                                                                   for i in images]
+        return token_overlay_figure(self.visual_tokens(), imgs)
+
+    # -- lookahead predictor (issue 5) ---------------------------------------------------
+    def hot_recall(self, k: int = 10, window: int | None = None, baseline: str | None = None,
+                   steps: Any = None, phase: str | None = None) -> xr.DataArray:
+        """Hot Recall@k of the run's lookahead predictor per MoE layer, a fraction in [0, 1].
+
+        For step s and layer l: A = the experts (ids) any token of step s activated in layers
+        l+1 … min(l+W, L−1) (from ``routed_tokens``; W = ``window``, default the run's knob
+        ``window``), P = the predictor's top-``k`` of y_l (the first k of
+        ``predicted_ids[s, l]``). The sample's recall is |P ∩ A| / |A|, computed by the same
+        function as ``workbench calibrate`` (:func:`workbench.predictor.model.hot_recall`). A
+        is the support of the training target g
+        (:func:`workbench.predictor.features.window_targets`), so the decay γ plays no part;
+        with ``window=1`` this is calibration's held-out per-layer figure, which scores layer
+        l+1 only. The value at layer l is the mean over the selected steps (``steps``,
+        ``phase`` as elsewhere) where the predictor ran at l and A is non-empty; NaN where
+        there is none (the last layer always: nothing lies ahead of it).
+
+        ``baseline="random"``: the expected recall of k experts drawn uniformly, min(k, E)/E,
+        over the same samples; ``"oracle"``: the best any k experts can do, min(k, |A|)/|A|.
+        Coordinates on ``layer``: ``pinned`` (always-resident prefix) and ``samples`` (steps
+        averaged). Runs recorded without the predictor (``predicted_ids`` missing or all -1)
+        raise :class:`InputError`.
+        """
+        from workbench.predictor.features import window_targets
+        from workbench.predictor.model import hot_recall, oracle_recall, random_recall
+
+        ds = self._ds
+        ids_var = ds.get("predicted_ids")
+        if ids_var is None or not bool((np.asarray(ids_var.values) >= 0).any()):
+            raise InputError(
+                "Hot Recall needs the lookahead predictor's predictions, and this run has none "
+                "(store variable 'predicted_ids' is missing or all -1); record the run with "
+                "predictor=vismmoe or prefetch=vismmoe")
+        if baseline not in _RECALL_BASELINES:
+            raise _bad("baseline", baseline, "None, 'random' or 'oracle'")
+        B = int(ids_var.sizes["rank"])
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= B:
+            raise _bad("k", k, f"an int in 1..{B} (the predictor's top-B recorded by this run, "
+                               f"B = prefetch_budget)")
+        if window is None:
+            if "knob.window" not in ds.attrs:
+                raise InputError("this store has no 'knob.window' attr; pass window=W (layers "
+                                 "ahead)")
+            window = json.loads(ds.attrs["knob.window"])
+        if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
+            raise _bad("window", window, "None (the run's knob) or an int ≥ 1 (layers ahead)")
+        ids = np.asarray(self._select(ids_var, steps, phase)
+                         .transpose("step", "layer", "rank").values).astype(np.int64)
+        routed = self._select(ds["routed_tokens"], steps, phase).sum("modality")
+        active = np.asarray((routed > 0).transpose("step", "layer", "expert").values)
+        S, L, E = active.shape
+        ahead = np.stack([window_targets(a, int(window), 1.0) > 0 for a in active]) \
+            if S else np.zeros((0, L, E), bool)
+        A = ahead.reshape(S * L, E)
+        if baseline is None:
+            # the recorded ranking as scores: rank r → B − r, experts it did not rank → −1, so
+            # the top-k of the scores are exactly the first k recorded ids (k ≤ B)
+            scores = np.full((S, L, E), -1.0)
+            s_i, l_i, r_i = np.nonzero((ids >= 0) & (ids < E))
+            scores[s_i, l_i, ids[s_i, l_i, r_i]] = B - r_i
+            per = hot_recall(scores.reshape(S * L, E), A, int(k))
+        else:
+            per = (random_recall if baseline == "random" else oracle_recall)(A, int(k))
+        per = per.reshape(S, L)
+        per[~(ids >= 0).any(-1)] = np.nan  # the predictor did not run there
+        n = np.isfinite(per).sum(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(n > 0, np.nansum(per, 0) / np.maximum(n, 1), np.nan)
+        who = {None: "the predictor's top-k", "random": "k experts drawn uniformly (expected)",
+               "oracle": "the best k experts (oracle)"}[baseline]
+        return xr.DataArray(
+            mean, dims="layer",
+            coords={"layer": ds["layer"].values, "pinned": ("layer", self._pinned()),
+                    "samples": ("layer", n.astype(np.int64))},
+            name="hot_recall" if baseline is None else f"hot_recall_{baseline}",
+            attrs={"units": "fraction", "k": int(k), "window": int(window),
+                   "baseline": baseline or "none",
+                   "long_name": f"Hot Recall@{k}",
+                   "definition": f"share of the experts activated in layers l+1 … l+{window} of "
+                                 f"the same step that are among {who} at layer l, mean over "
+                                 f"steps"})
+
     # -- figures -----------------------------------------------------------------------------
     def heatmap(self, modality: str | None = "all", steps: Any = None, phase: str | None = None,
                 normalize: bool = True):
@@ -329,6 +471,8 @@ class MoEAccessor:
             "misses": misses,
             "loads": int(ds["loads"].sum()),
             "evictions": int(ds["evictions"].sum()),
+            # hybrid mode: misses run on the host copy (0 in stores that predate it)
+            "host_runs": int(ds["host_runs"].sum()) if "host_runs" in ds else 0,
             "latency_measured_s": tot("latency_measured_s"),
             "latency_modeled_s": tot("latency_modeled_s"),
             "prefill_latency_measured_s": tot("latency_measured_s", prefill),
@@ -369,6 +513,45 @@ class MoEAccessor:
                           coords={"layer": np.arange(len(per["hits"]))},
                           attrs={"times": "modeled", **{f"config.{k}": str(v)
                                                          for k, v in res.config.items()}})
+
+
+def merged_token_cells(grid_thw: Sequence[Sequence[int]], spatial_merge_size: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    """Where each merged visual token of a Qwen-VL prompt lies on its image.
+
+    ``grid_thw``: per image the processor's patch grid ``(t, h, w)`` (``image_grid_thw``);
+    ``spatial_merge_size`` m: the vision tower merges m × m patches into one language-model
+    token. Returns ``(image, row, col, grids)``: per visual token, in the order the prompt
+    holds them, its image index and cell on that image's ``(h/m) × (w/m)`` grid, and
+    ``grids = [[h/m, w/m], …]``. Tokens are row-major per image, images one after another:
+    the processor flattens patches as [h/m, w/m, m, m] and the merger joins m² consecutive
+    ones (``Qwen2VLImageProcessor.patchify``), and the M-RoPE positions of the tokens are the
+    same raster (``get_vision_position_ids``; ``tests/test_ui.py`` checks it against the
+    model's own ``get_rope_index``). The processor resizes the whole image to ``(h·p, w·p)``
+    pixels (no crop), so cell (r, c) covers rows r/(h/m) … (r+1)/(h/m) of the image height
+    and likewise columns. Only images (t = 1): a video grid raises :class:`InputError`.
+    """
+    m = int(spatial_merge_size)
+    if m < 1:
+        raise _bad("spatial_merge_size", spatial_merge_size, "an int ≥ 1")
+    image, row, col, grids = [], [], [], []
+    for i, g in enumerate(grid_thw):
+        t, h, w = (int(v) for v in g)
+        if t != 1:
+            raise InputError(f"image {i} has a temporal grid of {t} (a video); only images "
+                             f"(t = 1) are placed on a grid")
+        if h % m or w % m:
+            raise InputError(f"image {i}'s patch grid {h}×{w} is not a multiple of "
+                             f"spatial_merge_size {m}")
+        rows, cols = h // m, w // m
+        r, c = np.divmod(np.arange(rows * cols), cols)
+        image.append(np.full(rows * cols, i))
+        row.append(r)
+        col.append(c)
+        grids.append([rows, cols])
+    cat = (lambda parts: np.concatenate(parts).astype(np.int64) if parts
+           else np.zeros(0, np.int64))
+    return cat(image), cat(row), cat(col), grids
 
 
 def _fmt_steps(steps: Any) -> str:

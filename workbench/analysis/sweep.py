@@ -33,7 +33,7 @@ from workbench.errors import InputError, KnobError
 from workbench.knobs import Knobs
 
 #: result fields gathered into the summary (all from :class:`RunResult`)
-SUMMARY_FIELDS = ("hit_rate", "hits", "misses", "loads", "evictions", "steps",
+SUMMARY_FIELDS = ("hit_rate", "hits", "misses", "loads", "evictions", "host_runs", "steps",
                   "latency_measured_s", "latency_modeled_s", "stall_measured_s",
                   "stall_modeled_s", "transfer_bytes", "transfer_bytes_modeled")
 

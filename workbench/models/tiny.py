@@ -89,6 +89,16 @@ def tiny_inputs(model, arch: str, seed: int = 1) -> dict[str, torch.Tensor]:
             "image_grid_thw": grid}
 
 
+def greedy_outputs(model, inputs: dict[str, torch.Tensor], max_new_tokens: int = 6
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits of one forward pass, greedy tokens of generate)`` on ``inputs``: what an
+    offloaded model must reproduce (the exactness tests compare it inside and outside)."""
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return logits, tokens
+
+
 def tiny_tokenizer():
     """A character-level tokenizer (printable ASCII; ids < 128) for the tiny models:
     id 0 ``<pad>``, id 1 ``<eos>``, then one id per character."""

@@ -5,7 +5,7 @@
 
 Knob names and validation are those of :class:`workbench.Knobs` (``cache_slots``,
 ``pinned_layers``, ``eviction``, ``prefetch``, ``prefetch_lead``, ``prefetch_budget``,
-``hotness_*``, ``profile``, ``target_model``); ``scope`` and ``engine`` are replay's own.
+``hotness_*``, ``profile``, ``target_model``, ``hybrid``); ``scope`` and ``engine`` are replay's own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from workbench.replay.engine import SCOPES, ReplayResult, flat_hits
 from workbench.replay.engine import replay as _replay
 
 _REPLAY_KNOBS = ("cache_slots", "pinned_layers", "eviction", "hotness_decay", "hotness_window",
-                 "prefetch", "prefetch_lead", "prefetch_budget", "profile", "target_model")
+                 "prefetch", "prefetch_lead", "prefetch_budget", "profile", "target_model",
+                 "hybrid")
 
 
 def as_trace(source: Any, **options: Any):

@@ -9,6 +9,10 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
 - ``python``: the real :class:`ExpertCache`, :class:`LayerFill` and policy objects, for any
   registered policy (tests hold both equal, and equal to the live run they replay).
 
+``hybrid=True`` (GPU–CPU hybrid mode) runs every miss that
+:func:`~workbench.runtime.clocks.runs_on_host` picks on the modeled host lane instead of loading
+it, as the live runtime does (python engine only).
+
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
 """
@@ -25,7 +29,7 @@ from workbench.errors import KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
-from workbench.runtime.clocks import CostSpec
+from workbench.runtime.clocks import CostSpec, host_expert_time, runs_on_host
 from workbench.runtime.expert_cache import ExpertCache
 from workbench.runtime.profiles import get_profile, get_target_model
 from workbench.traces.trace import Groups, Trace
@@ -46,6 +50,7 @@ class ReplayResult:
     prefetch_hits: np.ndarray
     evictions: np.ndarray
     redundant: np.ndarray
+    host_runs: np.ndarray  # misses run on the host (hybrid mode), not loaded
     stall_s: np.ndarray  # float [steps, layers], modeled
     step_latency_s: np.ndarray  # float [steps], modeled
     pinned: np.ndarray
@@ -71,8 +76,9 @@ class ReplayResult:
 
     @property
     def loads(self) -> int:
-        """Transfers: demand loads (one per miss) plus prefetches."""
-        return self._off(self.misses) + int(self.prefetch_loads.sum())
+        """Transfers: demand loads (one per miss not run on the host) plus prefetches."""
+        return (self._off(self.misses) - int(self.host_runs.sum())
+                + int(self.prefetch_loads.sum()))
 
     def metrics(self) -> dict[str, Any]:
         """Every figure of SPEC §2 and the bounds, as plain numbers (times modeled)."""
@@ -84,7 +90,8 @@ class ReplayResult:
         out = {
             "accesses": self.accesses, "hits": self._off(self.hits), "misses": misses,
             "hit_rate": self.hit_rate,
-            "demand_loads": misses, "prefetch_loads": pf, "prefetch_hits": pf_hits,
+            "demand_loads": misses - int(self.host_runs.sum()), "prefetch_loads": pf,
+            "prefetch_hits": pf_hits, "host_runs": int(self.host_runs.sum()),
             "transfers": loads, "evictions": int(self.evictions.sum()),
             "transfer_bytes": int(loads * self.expert_bytes),
             "transfer_bytes_per_token": loads * self.expert_bytes / max(self.num_tokens, 1),
@@ -109,6 +116,7 @@ class ReplayResult:
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = h / (h + m)
         return {"hits": h, "misses": m, "hit_rate": rate, "stall_s": self.stall_s.sum(0),
+                "host_runs": self.host_runs.sum(0),
                 "evictions": self.evictions.sum(0), "redundant": self.redundant.sum(0),
                 "pinned": self.pinned}
 
@@ -118,7 +126,7 @@ class ReplayResult:
 
         data = {n: (("step", "layer"), getattr(self, n)) for n in (
             "hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant",
-            "stall_s")}
+            "host_runs", "stall_s")}
         data["step_latency_s"] = (("step",), self.step_latency_s)
         data["pinned"] = (("layer",), self.pinned)
         attrs = {f"config.{k}": str(v) for k, v in self.config.items()}
@@ -157,7 +165,7 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
            pinned_layers: int = 0, scope: str = "global", prefetch: str = "none",
            prefetch_lead: int = 1, prefetch_budget: int | None = None,
            profile: str = "a100-40gb", target_model: str = "none",
-           expert_bytes: float | None = None, engine: str = "auto",
+           expert_bytes: float | None = None, engine: str = "auto", hybrid: bool = False,
            **policy_knobs: Any) -> ReplayResult:
     """Replay ``trace``; see the module docstring. ``policy_knobs`` reach the policy classes
     (e.g. ``hotness_decay``). Raises :class:`KnobError` for bad settings."""
@@ -216,15 +224,23 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
                                    prefetch_budget)
     kernel_code = K.POLICY_CODES.get(eviction)
     if engine == "auto":
-        engine = "fast" if eviction in K.POLICY_CODES else "python"
+        engine = "fast" if eviction in K.POLICY_CODES and not hybrid else "python"
     if engine not in ("fast", "python"):
         raise KnobError(f"engine must be one of auto, fast, python, not {engine!r}")
     if engine == "fast" and kernel_code is None:
         raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
+    if engine == "fast" and hybrid:
+        raise KnobError("hybrid=True has no compiled replay; use engine='python' (or 'auto')")
+    host = None
+    if hybrid:  # per access: (runs on the host?, modeled host seconds), as the live rule decides
+        vals, inv = np.unique(groups.expert_tokens, return_inverse=True)
+        on = np.array([runs_on_host(prof, cost, int(v)) for v in vals], bool)
+        dur = np.array([host_expert_time(prof, cost, int(v)) for v in vals], np.float64)
+        host = (on[inv.reshape(-1)], dur[inv.reshape(-1)])
     config = dict(eviction=eviction, cache_slots=cache_slots, pinned_layers=pinned_layers,
                   scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
                   prefetch_budget=prefetch_budget, profile=prof.name, cost_source=cost.source,
-                  engine=engine, **policy_knobs)
+                  engine=engine, hybrid=bool(hybrid), **policy_knobs)
     policy_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     if engine == "fast":
@@ -233,9 +249,10 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
     else:
         out = _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap,
                           pol_cls, policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps,
-                          trace=trace, stats=policy_stats)
+                          trace=trace, stats=policy_stats, host=host)
     elapsed = time.perf_counter() - t0
-    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused = out
+    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused = out[:9]
+    host_runs = out[9] if len(out) > 9 else np.zeros_like(hits)
     S = trace.num_steps
 
     flat_sl = groups.step.astype(np.int64) * L + groups.layer  # (step, layer) of each group
@@ -256,7 +273,8 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
     return ReplayResult(
         config=config, hits=per_sl(hits), misses=per_sl(misses),
         prefetch_loads=per_sl(pf_loads), prefetch_hits=per_sl(pf_hits),
-        evictions=ev_sl.reshape(S, L), redundant=red_sl.reshape(S, L), stall_s=per_sl(stall),
+        evictions=ev_sl.reshape(S, L), redundant=red_sl.reshape(S, L),
+        host_runs=per_sl(host_runs), stall_s=per_sl(stall),
         step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
         num_tokens=trace.num_tokens, expert_bytes=cost.expert_bytes, transfer_time_s=xfer,
         elapsed_s=elapsed, extra=policy_stats)
@@ -288,11 +306,12 @@ def _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, code, knobs,
 
 
 def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, knobs, pf_ptr,
-                pf_key, xfer, S, trace=None, stats=None):
+                pf_key, xfer, S, trace=None, stats=None, host=None):
     """The same sequence of calls as the live offloader, on the real cache and policy objects
     (one cache per pool). A policy with ``attach_trace`` gets ``trace`` (e.g. the slab policy
     reads its recorded predictor outputs); ``stats``, when a dict, receives the summed
-    ``policy.stats()`` of the pools."""
+    ``policy.stats()`` of the pools. ``host`` (hybrid mode): per access, (runs on the host if
+    missed, modeled host seconds)."""
     L, E = groups.num_layers, groups.num_experts
     G = groups.num_groups
     pools = [ExpertCache(int(c), pol_cls(**knobs), L, E) for c in pool_cap]
@@ -301,13 +320,13 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
             c.policy.prepare(groups)
         if trace is not None and hasattr(c.policy, "attach_trace"):
             c.policy.attach_trace(trace)
-    out_h, out_m, out_pl, out_ph = (np.zeros(G, np.int64) for _ in range(4))
+    out_h, out_m, out_pl, out_ph, out_host = (np.zeros(G, np.int64) for _ in range(5))
     stall, g_end = np.zeros(G), np.zeros(G)
     ev_sl, red_sl = np.zeros(S * L, np.int64), np.zeros(S * L, np.int64)
     used: dict[tuple[int, int], bool] = {}
     pref: set[tuple[int, int]] = set()
     ready: dict[tuple[int, int], float] = {}
-    now = xfer_free = 0.0
+    now = xfer_free = host_free = 0.0
     clock = 0  # the pools share one access clock, like the kernel
 
     def evicted(key, step: int) -> None:
@@ -353,6 +372,16 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
         cache.t = clock
         hits, misses = cache.lookup(layer, experts)
         out_h[g], out_m[g] = len(hits), len(misses)
+        host_done = now
+        on_host: set[int] = set()
+        if host is not None:  # hybrid: these misses run on the host lane, nothing is loaded
+            pos = {e: a + i for i, e in enumerate(experts)}
+            for e in misses:
+                if host[0][pos[e]]:
+                    on_host.add(e)
+                    host_free = host_done = max(host_free, now) + host[1][pos[e]]
+            out_host[g] = len(on_host)
+            misses = [e for e in misses if e not in on_host]
         for e in hits:
             key = (layer, e)
             if key in pref:
@@ -392,7 +421,7 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
         clock = cache.t
         miss_set = set(misses)
         for e, cost in zip(experts, comp[a:b]):
-            if e not in miss_set:
+            if e not in miss_set and e not in on_host:
                 r = ready.get((layer, e), 0.0)
                 if r > now:
                     stall[g] += r - now
@@ -405,13 +434,16 @@ def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, k
                     stall[g] += r - now
                     now = r
                 now += cost
+        if host_done > now:  # the layer waits for the host's outputs
+            stall[g] += host_done - now
+            now = host_done
         g_end[g] = now
     unused = sum(1 for c in pools for key in c.slot_of if not used.get(key, True))
     if stats is not None:
         for c in pools:
             for k, v in (c.policy.stats() if hasattr(c.policy, "stats") else {}).items():
                 stats[k] = stats.get(k, 0) + v
-    return out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, unused
+    return out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, unused, out_host
 
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",

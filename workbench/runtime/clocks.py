@@ -16,7 +16,11 @@ it produces is labelled *modeled*. Per MoE layer of a step with T tokens:
 4. each missed expert computes when both the compute lane and its transfer are done; the gap is a
    modeled stall;
 5. prefetches issued at the layer are queued behind its misses; a later layer that routes to a
-   prefetched expert still in flight stalls until it lands.
+   prefetched expert still in flight stalls until it lands;
+6. GPU–CPU hybrid mode (``hybrid``): a miss that :func:`runs_on_host` is not transferred; it
+   runs on the host lane (activations over the link and back, the expert on the host copy),
+   starting when the layer's dense work ends, and the layer ends when the host lane has
+   delivered its outputs (a later finish is a modeled stall).
 
 Steps run back to back on the compute lane.
 """
@@ -33,7 +37,8 @@ from workbench.telemetry.events import CLOCKS, LANES, Span, StepEvent
 
 _MODELED = CLOCKS.index("modeled")
 _MEASURED = CLOCKS.index("measured")
-_COMPUTE, _TRANSFER, _STALL = (LANES.index(x) for x in ("compute", "transfer", "stall"))
+_COMPUTE, _TRANSFER, _STALL, _HOST = (LANES.index(x)
+                                      for x in ("compute", "transfer", "stall", "host"))
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ class CostSpec:
     expert_flops_per_token: float
     dense_bytes_per_layer: float
     dense_flops_per_token_per_layer: float
+    # hidden-state bytes of one token (hidden size × dtype bytes): what hybrid mode moves over
+    # the link to run an expert on the host and back; 0 in stores written before it existed
+    activation_bytes_per_token: float = 0.0
 
     @classmethod
     def from_layout(cls, layout: MoELayout, dtype_bytes: int) -> "CostSpec":
@@ -55,12 +63,14 @@ class CostSpec:
         backbone_params = layout.backbone_bytes / max(
             getattr(b.experts, b.expert_params[0]).element_size(), 1)
         dense_params_per_layer = backbone_params / layout.num_layers
+        router_w = next(p for p in b.router.parameters() if p.dim() == 2)  # [E, hidden]
         return cls(
             source="loaded model",
             expert_bytes=params_per_expert * dtype_bytes,
             expert_flops_per_token=2.0 * params_per_expert,
             dense_bytes_per_layer=dense_params_per_layer * dtype_bytes,
             dense_flops_per_token_per_layer=2.0 * dense_params_per_layer,
+            activation_bytes_per_token=float(router_w.shape[-1] * dtype_bytes),
         )
 
     @classmethod
@@ -72,6 +82,7 @@ class CostSpec:
             expert_flops_per_token=float(target.expert_flops_per_token),
             dense_bytes_per_layer=target.backbone_bytes / target.num_layers,
             dense_flops_per_token_per_layer=float(target.dense_flops_per_token_per_layer),
+            activation_bytes_per_token=float(target.hidden_size * 2),  # bf16 hidden states
         )
 
 
@@ -91,6 +102,27 @@ def layer_tokens(num_tokens: int, kept: np.ndarray | None, topk_ids: np.ndarray)
     return int((kept | (ids >= 0).any(1)).sum())
 
 
+def host_expert_time(profile: HardwareProfile, cost: CostSpec, n_tokens: int) -> float:
+    """Modeled seconds to run one routed expert for ``n_tokens`` on the host copy (GPU–CPU
+    hybrid mode): the tokens' hidden states cross the link to the host and the outputs come
+    back (two transfers), and the host computes the expert over its weights in host memory."""
+    act = n_tokens * cost.activation_bytes_per_token
+    return 2 * profile.transfer_time(act) + profile.host_compute_time(
+        n_tokens * cost.expert_flops_per_token, cost.expert_bytes)
+
+
+def runs_on_host(profile: HardwareProfile, cost: CostSpec, n_tokens: int) -> bool:
+    """The hybrid rule (seed VisMMOE §3.4 "GPU–CPU hybrid"; the comparison Fiddler makes): a
+    missed expert runs on the host when doing so ends sooner than copying it and computing it
+    on the device, i.e. ``host_expert_time(n) < transfer_time(expert_bytes) +
+    compute_time(n·flops, expert_bytes)``. It depends only on the expert's token count, so the
+    live runtime and trace replay decide every miss the same way. Decode (one token) usually
+    goes to the host, large prefill groups to the device."""
+    device = profile.transfer_time(cost.expert_bytes) + profile.compute_time(
+        n_tokens * cost.expert_flops_per_token, cost.expert_bytes)
+    return host_expert_time(profile, cost, n_tokens) < device
+
+
 class ModeledClock:
     """Discrete-event timeline of one run. ``price(step_event)`` fills the step's modeled fields
     and appends its modeled spans; the timeline continues across steps."""
@@ -100,6 +132,7 @@ class ModeledClock:
         self.cost = cost
         self.now = 0.0  # compute lane free at
         self.transfer_free = 0.0
+        self.host_free = 0.0  # host lane (hybrid mode) free at
         self.prefetch_ready: dict[tuple[int, int], float] = {}  # prefetched, not yet used
 
     def price(self, ev: StepEvent) -> None:
@@ -116,7 +149,16 @@ class ModeledClock:
             spans.append(Span(_MODELED, _COMPUTE, ev.step, le.layer, -1, t, t + dense))
             t += dense
             ready: dict[int, float] = {}
+            host = set(le.host)
+            host_done = t
+            for e in le.host:  # hybrid: on the host lane, beside the device's work
+                start = max(self.host_free, t)
+                end = start + host_expert_time(p, c, le.expert_tokens.get(e, 0))
+                spans.append(Span(_MODELED, _HOST, ev.step, le.layer, e, start, end))
+                self.host_free = host_done = end
             for e in le.misses:
+                if e in host:
+                    continue
                 start = max(self.transfer_free, t)
                 end = start + p.transfer_time(c.expert_bytes)
                 spans.append(Span(_MODELED, _TRANSFER, ev.step, le.layer, e, start, end))
@@ -136,6 +178,8 @@ class ModeledClock:
                 if r is not None:
                     ready[e] = r
             for e in [*le.hits, *le.misses]:
+                if e in host:
+                    continue
                 if e in ready and ready[e] > t:
                     spans.append(Span(_MODELED, _STALL, ev.step, le.layer, e, t, ready[e]))
                     stall_total += ready[e] - t
@@ -144,6 +188,10 @@ class ModeledClock:
                 d = p.compute_time(n * c.expert_flops_per_token, c.expert_bytes)
                 spans.append(Span(_MODELED, _COMPUTE, ev.step, le.layer, e, t, t + d))
                 t += d
+            if host_done > t:  # the layer's output needs the host's experts too
+                spans.append(Span(_MODELED, _STALL, ev.step, le.layer, le.host[-1], t, host_done))
+                stall_total += host_done - t
+                t = host_done
         self.now = t
         ev.latency_modeled_s = t - step_start
         ev.stall_modeled_s = stall_total
@@ -151,8 +199,9 @@ class ModeledClock:
 
 
 def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float) -> None:
-    """Fill the step's measured lanes: compute = the step minus its stalls; transfer = the copy
-    engine's busy intervals; stall = as recorded. ``t0`` is the run start (perf_counter)."""
+    """Fill the step's measured lanes: compute = the step minus its stalls and host runs;
+    transfer = the copy engine's busy intervals; stall and host (hybrid mode: an expert run on
+    the host copy) = as recorded. ``t0`` is the run start (perf_counter)."""
     start, end = ev.step_start_s, ev.step_start_s + ev.latency_measured_s
     cursor = start
     for s in sorted(stalls, key=lambda s: s.start):
@@ -167,4 +216,4 @@ def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float
         ev.spans.append(Span(_MEASURED, _TRANSFER, ev.step, layer, expert,
                              tr.start - t0, tr.end - t0))
         ev.transfer_bytes += tr.nbytes
-    ev.stall_measured_s = sum(s.end - s.start for s in stalls)
+    ev.stall_measured_s = sum(s.end - s.start for s in stalls if s.lane == _STALL)

@@ -33,6 +33,10 @@ Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evi
 - **dynamic top-k** (``dynamic_topk``, decode steps, offloaded layers): before the lookup, the
   layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
   slots, and the experts receive the model's own router output for that k.
+- **GPU–CPU hybrid** (``hybrid``, seed VisMMOE §3.4): a miss the rule picks (a function of the
+  expert's token count, :func:`workbench.runtime.clocks.runs_on_host`) is not loaded: the model's
+  own experts forward runs over the host store's copy of that one expert, on the host, after
+  the hits were launched (on CUDA the device keeps computing meanwhile); the cache is unchanged.
 
 :class:`Offloader` is a context manager: on exit every wrapper is removed and every expert tensor
 is back in place, whatever happened inside.
@@ -54,7 +58,7 @@ from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.transfer import Transfer, TransferEngine
 from workbench.telemetry.events import LANES, LayerEvent, Span
 
-_STALL = LANES.index("stall")
+_STALL, _HOST = LANES.index("stall"), LANES.index("host")
 
 
 class StepProbe:
@@ -93,14 +97,17 @@ class Offloader:
         pruning: the request's :class:`~workbench.compression.placement.PrunedPlacement`
             (None: no token compression); the lookahead asks it which tokens survive the
             pinned prefix.
+        hybrid: GPU–CPU hybrid rule, ``tokens -> run this miss on the host?`` (None: off).
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
                  device: torch.device, probe: StepProbe, *, lookahead_depth: int = 0,
                  active_evict: ActiveEvict | None = None, dynamic_topk: bool = False,
                  k_max: int | None = None, prefetch=None, prefetch_lead: int = 1,
-                 prefetch_budget: int | None = None, pruning=None) -> None:
+                 prefetch_budget: int | None = None, pruning=None,
+                 hybrid: Callable[[int], bool] | None = None) -> None:
         self.layout = layout
+        self.hybrid = hybrid
         self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
@@ -370,7 +377,10 @@ class Offloader:
             cache.policy.begin_group(-1, self.probe.step)
             hits, misses = cache.lookup(layer, experts)
             ev.hits, ev.misses = hits, misses
-            fill = cache.fill(layer, experts, misses)
+            if self.hybrid is not None:
+                ev.host = [e for e in misses if self.hybrid(ev.expert_tokens[e])]
+            host = set(ev.host)
+            fill = cache.fill(layer, experts, [e for e in misses if e not in host])
             inflight: list[tuple[int, Transfer]] = []
             # every routed expert of this layer is needed until the layer returns
             needed = {(layer, e) for e in experts} if ae is not None else set()
@@ -408,6 +418,12 @@ class Offloader:
                                 {e: cache.slot_of[(layer, e)] for e in hits})
                 fill.done(hits)
                 issue()
+            for e in ev.host:
+                t = time.perf_counter()
+                part = self._run_on_host(b, original, hidden_states, top_k_index,
+                                         top_k_weights, e)
+                self._span(_HOST, layer, e, t)
+                out = part if out is None else out + part
             while inflight:
                 e, tr = inflight.pop(0)
                 t = time.perf_counter()
@@ -426,6 +442,32 @@ class Offloader:
             return out
 
         return forward
+
+    def _run_on_host(self, b: MoEBlock, original: Callable, hidden_states: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     expert: int) -> torch.Tensor:
+        """Expert ``expert``'s share of the layer output, computed by the model's own experts
+        forward on the host over the host store's copy (a one-expert view, no copy of the
+        weights); the slot pool is put back afterwards, whatever happens."""
+        ex = b.experts
+        host = self.store.layer(b.index)
+        saved = {n: ex.__dict__[n] for n in b.expert_params}
+        saved_n = ex.num_experts
+        cpu = torch.device("cpu")
+        idx = top_k_index.to(cpu)
+        lut = torch.ones(b.num_experts, dtype=idx.dtype)  # 1 = the sentinel of a 1-expert view
+        lut[expert] = 0
+        idx = lut[idx]
+        w = top_k_weights.to(cpu).masked_fill(idx == 1, 0)
+        try:
+            for n in b.expert_params:
+                ex.__dict__[n] = host[n][expert:expert + 1]
+            ex.num_experts = 1
+            out = original(hidden_states.to(cpu), idx, w)
+        finally:
+            ex.__dict__.update(saved)
+            ex.num_experts = saved_n
+        return out.to(hidden_states.device)
 
     def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:
         t_end = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -34,7 +35,7 @@ from workbench.options import get_options
 from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
-from workbench.runtime.clocks import CostSpec, ModeledClock, measured_spans
+from workbench.runtime.clocks import CostSpec, ModeledClock, measured_spans, runs_on_host
 from workbench.runtime.offload import Offloader, StepProbe
 from workbench.runtime.plan import MemoryPlan, device_budget
 from workbench.runtime.profiles import get_profile, get_target_model
@@ -69,6 +70,7 @@ class RunResult:
     model_id: str
     stopped: bool = False
     pre_evictions: int = 0  # ActiveEvict evictions ahead of demand (included in evictions)
+    host_runs: int = 0  # hybrid mode: misses run on the host copy (in misses, not in loads)
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -101,7 +103,9 @@ class RunResult:
             f"eviction={k.get('eviction')}",
             f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "
             f"{self.loads} loads, {self.evictions} evictions"
-            + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else ""),
+            + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else "")
+            + (f" · {self.host_runs} misses run on the host copy (hybrid)"
+               if self.host_runs else ""),
             f"measured: {self.latency_measured_s * 1e3:.1f} ms total "
             f"(prefill {self.prefill_measured_s * 1e3:.1f} ms), stall "
             f"{self.stall_measured_s * 1e3:.2f} ms, {self.transfer_bytes / 1e6:.2f} MB moved",
@@ -402,7 +406,9 @@ class Runtime:
                         lookahead_depth=k.lookahead_depth, active_evict=ae,
                         dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
                         prefetch_lead=k.prefetch_lead, prefetch_budget=_prefetch_budget(k),
-                        pruning=placement)
+                        pruning=placement,
+                        hybrid=(functools.partial(runs_on_host, clock.profile, clock.cost)
+                                if k.hybrid else None))
         live_pred = None
         if _uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
@@ -453,7 +459,8 @@ class Runtime:
             store=str(store_path) if store_path is not None else None,
             knobs=k.to_dict(), model_id=lm.model_id,
             stopped=bool(stop is not None and stop.is_set()),
-            pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers))
+            pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
+            host_runs=sum(len(le.host) for e in events for le in e.layers))
         if placement is not None:
             result.visual_tokens = placement.num_visual
             result.kept_visual_tokens = (int(placement.kept_visual.numel())
@@ -491,6 +498,12 @@ class Runtime:
             "prompt": request.prompt,
             "images": json.dumps([str(i) if not hasattr(i, "size") else "<PIL image>"
                                   for i in request.images]),
+            # each image's patch grid (t, h, w) from the processor and the vision tower's merge:
+            # one visual token per spatial_merge_size² patches, row-major (ds.moe.visual_tokens)
+            "image_grid_thw": json.dumps(inputs.tensors["image_grid_thw"].tolist()
+                                         if "image_grid_thw" in inputs.tensors else []),
+            "spatial_merge_size": int(getattr(getattr(lm.model.config, "vision_config", None),
+                                              "spatial_merge_size", None) or 1),
             "prompt_tokens": int(inputs.input_ids.shape[-1]),
             "live_plan": json.dumps(live.as_dict()), "modeled_plan": json.dumps(modeled.as_dict()),
             "device": str(lm.device), "torch_version": torch.__version__,

@@ -17,7 +17,7 @@ TEXT, IMAGE, VIDEO = 0, 1, 2
 #: step phases
 PHASES: tuple[str, ...] = ("prefill", "decode")
 #: lanes of a timeline
-LANES: tuple[str, ...] = ("compute", "transfer", "stall")
+LANES: tuple[str, ...] = ("compute", "transfer", "stall", "host")
 CLOCKS: tuple[str, ...] = ("measured", "modeled")
 
 
@@ -33,7 +33,8 @@ class LayerEvent:
     (both are booked on the evicted expert's layer); ``prefetched`` are keys the prefetch
     policy copied ahead of need while this layer ran. ``pred_ids`` is ``[T, D, k]`` (int16, -1 =
     none): the routers of layers ``layer + 1 … layer + D`` applied to this layer's MoE input
-    (router lookahead), or ``None`` when lookahead is off.
+    (router lookahead), or ``None`` when lookahead is off. ``host`` are misses that GPU–CPU
+    hybrid mode ran on the host copy instead of loading (a subset of ``misses``, same order).
     """
 
     layer: int
@@ -45,6 +46,7 @@ class LayerEvent:
     evicted: list[tuple[int, int]] = field(default_factory=list)
     pre_evicted: list[tuple[int, int]] = field(default_factory=list)
     prefetched: list[tuple[int, int]] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
     pred_ids: np.ndarray | None = None
     expert_tokens: dict[int, int] = field(default_factory=dict)
     stall_s: float = 0.0

@@ -78,6 +78,9 @@ SCHEMA: dict[str, Var] = {
     "prefetches": Var(("step", "layer"), "int32", 256, "experts",
                       "experts prefetched while this layer ran (the copies also count in the "
                       "loads of their own layer)"),
+    "host_runs": Var(("step", "layer"), "int32", 256, "experts",
+                     "misses GPU–CPU hybrid mode ran on the host copy instead of loading "
+                     "(included in misses, not in loads)"),
     "topk_used": Var(("step", "layer"), "int16", 256, "experts",
                      "experts per token the layer computed: top-k, or the k chosen by "
                      "dynamic_topk (0: layer did not run)"),
@@ -111,7 +114,7 @@ SCHEMA: dict[str, Var] = {
                     "lookahead off)"),
     # -- timeline ------------------------------------------------------------------------------
     "span_clock": Var(("span",), "int8", 4096, "code", "0 measured, 1 modeled"),
-    "span_lane": Var(("span",), "int8", 4096, "code", "0 compute, 1 transfer, 2 stall"),
+    "span_lane": Var(("span",), "int8", 4096, "code", "0 compute, 1 transfer, 2 stall, 3 host"),
     "span_step": Var(("span",), "int32", 4096, "step", "step of the interval"),
     "span_layer": Var(("span",), "int16", 4096, "layer", "MoE layer (-1: none)"),
     "span_expert": Var(("span",), "int16", 4096, "expert", "expert (-1: none)"),
@@ -340,7 +343,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     out["transfer_bytes"] = np.array([e.transfer_bytes for e in events], np.int64)
     out["transfer_bytes_modeled"] = np.array([e.transfer_bytes_modeled for e in events], np.int64)
     out["generated_token"] = np.array([e.generated_token for e in events], np.int64)
-    hits, misses, loads, evictions, pre_ev, pf = (np.zeros((n, L), np.int32) for _ in range(6))
+    hits, misses, loads, evictions, pre_ev, pf, host = (np.zeros((n, L), np.int32)
+                                                        for _ in range(7))
     topk_used = np.zeros((n, L), np.int16)
     p_ids = np.full((n, L, R), -1, np.int16)
     p_scores = np.zeros((n, L, R), np.float32)
@@ -357,7 +361,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             l = le.layer
             hits[i, l] += len(le.hits)
             misses[i, l] += len(le.misses)
-            loads[i, l] += len(le.misses)
+            loads[i, l] += len(le.misses) - len(le.host)
+            host[i, l] += len(le.host)
             stall_layer[i, l] += le.stall_s
             for key in le.evicted:
                 evictions[i, key[0]] += 1
@@ -402,7 +407,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             n, L, E, M)
     out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
                stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident,
-               pre_evictions=pre_ev, prefetches=pf, topk_used=topk_used,
+               pre_evictions=pre_ev, prefetches=pf, host_runs=host, topk_used=topk_used,
                predicted_ids=p_ids, predicted_scores=p_scores)
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)

@@ -20,8 +20,8 @@ import panel as pn
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
 from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
-                                LatencyView, ReplayView, TimelineView, answer_view,
-                                progress_view)
+                                HotRecallView, LatencyView, ReplayView, TimelineView,
+                                TokenOverlayView, answer_view, progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
                                   replay_widgets, runs_widgets)
 
@@ -133,6 +133,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                          flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width")
     heat, hit, lat, tl = (HeatmapView(store), HitRateView(store), LatencyView(store),
                           TimelineView(store, height=340))
+    # VisMMOE: kept vs pruned visual tokens beside the heatmap, Hot Recall beside the hit rate
+    tokens, recall = TokenOverlayView(store), HotRecallView(store)
     diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
     answer, progress = answer_view(store), progress_view(store)
     _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])
@@ -167,9 +169,11 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
         rep.pane, rep.table,
         title="Replay: the shown run under other cache and prefetch policies "
               "(recorded routing, modeled I/O)", margin=(4, 4), css_classes=["wb-replay"])
-    main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), ab, replay]
+    main = [status, filters, pn.Row(heat.pane, tokens.pane), pn.Row(hit.pane, recall.pane),
+            pn.Row(lat.pane, tl.pane), ab, replay]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
-             "heatmap_diff": diff, "deltas": deltas, "replay": rep}
+             "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
+             "hot_recall": recall}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None

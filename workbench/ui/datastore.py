@@ -281,6 +281,7 @@ AB_METRICS: tuple[tuple[str, str, str], ...] = (
     ("misses", "cache misses", "experts"),
     ("loads", "expert loads", "experts"),
     ("evictions", "evictions", "experts"),
+    ("host_runs", "misses run on the host (hybrid)", "experts"),
     ("latency_measured_s", "latency, measured", "s"),
     ("latency_modeled_s", "latency, modeled", "s"),
     ("stall_measured_s", "stall, measured", "s"),
@@ -339,8 +340,9 @@ def share_difference(current: xr.Dataset, baseline: xr.Dataset, modality: str = 
                         attrs={"units": "Δ share (current − baseline)", "modality": modality})
 
 
-#: per-token variables no view uses: left on disk (``open_run`` has them)
-_NOT_LOADED = ("topk_ids", "topk_weights", "token_id", "token_step", "token_modality")
+#: per-token variables no view uses: left on disk (``open_run`` has them). ``token_modality``
+#: and ``kept`` (one byte a token) are loaded: the visual-token overlay needs them
+_NOT_LOADED = ("topk_ids", "topk_weights", "token_id", "token_step")
 
 
 def load_run(path: str | Path) -> xr.Dataset:

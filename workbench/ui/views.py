@@ -1,7 +1,7 @@
 """Views: small classes that turn a :class:`~workbench.ui.datastore.DataStore` into Panel panes.
 
 Each plot view watches only the DataStore parameters its figure depends on (``watches``) and
-redraws by calling the pure figure builders of :mod:`workbench.viz.heatmap` (via the
+redraws by calling the pure figure builders of :mod:`workbench.viz` (via the
 ``*_figure`` functions here, which add the dashboard's filters, the A/B baseline overlay and a
 placeholder when there is nothing to show). A filter change therefore redraws the views that use
 it, from the in-memory dataset, without re-running the model.
@@ -24,13 +24,17 @@ import plotly.graph_objects as go
 import xarray as xr
 
 from workbench.errors import WorkbenchError
+from workbench.knobs import Knobs
 from workbench.ui.datastore import DataStore, ab_deltas, selected_steps, share_difference
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
+from workbench.viz.predictor import hot_recall_figure
+from workbench.viz.tokens import run_images, token_overlay_figure
 
 __all__ = ["PlotView", "HeatmapView", "DiffHeatmapView", "HitRateView", "LatencyView",
-           "TimelineView", "DeltasView", "ReplayView", "heatmap_figure", "diff_heatmap_figure",
-           "hit_rate_view_figure", "latency_view_figure", "timeline_view_figure",
+           "TimelineView", "DeltasView", "ReplayView", "TokenOverlayView", "HotRecallView",
+           "heatmap_figure", "diff_heatmap_figure", "hit_rate_view_figure", "latency_view_figure",
+           "timeline_view_figure", "token_overlay_view_figure", "hot_recall_view_figure",
            "replay_view_figure", "replay_table_html", "placeholder_figure", "deltas_html",
            "answer_view", "progress_view"]
 
@@ -211,6 +215,67 @@ def timeline_view_figure(ds: xr.Dataset | None, clock: str = "modeled",
     return _finish(fig, "timeline", revision)
 
 
+TOKENS_TITLE = "kept vs pruned visual tokens"
+
+
+def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go.Figure:
+    """The shown run's image with each merged visual token's cell kept (outlined) or pruned
+    (hatched) by token compression (``ds.moe.visual_tokens`` + :func:`token_overlay_figure`);
+    a placeholder saying why not for a run without compression or without an image."""
+    if ds is None:
+        return placeholder_figure("tokens", TOKENS_TITLE, "no run yet")
+    k = Knobs.from_attrs(ds.attrs)
+    if k.compression == "none":
+        return placeholder_figure(
+            "tokens", TOKENS_TITLE, "this run has no token compression (compression = none):"
+                                    "<br>every visual token reaches every layer. Choose a "
+                                    "compression policy<br>in the VisMMOE card and run again.")
+    try:
+        tokens = ds.moe.visual_tokens()
+        n, kept = int(tokens.sizes["visual_token"]), int(tokens["kept"].sum())
+        how = f"{k.compression}, β = {k.beta:g}" + (f", λ = {k.lam:g}" if k.compression ==
+                                                     "affinity" else "")
+        fig = token_overlay_figure(
+            tokens, run_images(ds.attrs),
+            title=f"visual tokens past the pinned prefix: {kept} of {n} kept · {how}")
+    except WorkbenchError as e:  # no image, a store without the image layout, …
+        return placeholder_figure("tokens", TOKENS_TITLE,
+                                  "<br>".join(textwrap.wrap(html.escape(str(e)), 70)))
+    return _finish(fig, "tokens", revision)
+
+
+#: k of the dashboard's Hot Recall view (the paper reports 10, 20, 30; at most the run's B)
+HOT_RECALL_K = 10
+RECALL_TITLE = "Hot Recall per layer"
+
+
+def hot_recall_view_figure(ds: xr.Dataset | None, step_range: tuple[int, int] | None = None,
+                           phase: str = "all", k: int = HOT_RECALL_K,
+                           revision: Any = None) -> go.Figure:
+    """Hot Recall@k of the run's lookahead predictor per MoE layer with the random baseline and
+    the oracle (``ds.moe.hot_recall``) over the selected steps; a placeholder for a run recorded
+    without the predictor. ``k`` is capped at the run's recorded top-B."""
+    if ds is None:
+        return placeholder_figure("hot_recall", RECALL_TITLE, "no run yet")
+    ids = ds.get("predicted_ids")
+    if ids is None or not bool((np.asarray(ids.values) >= 0).any()):
+        return placeholder_figure(
+            "hot_recall", RECALL_TITLE, "this run recorded no lookahead predictions "
+                                        "(predictor = none):<br>run with predictor = vismmoe "
+                                        "(or prefetch = vismmoe) to see Hot Recall")
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("hot_recall", RECALL_TITLE, "no steps in the selection")
+    k = min(int(k), int(ids.sizes["rank"]))
+    sel = [int(s) for s in steps]
+    recall, rnd, orc = (ds.moe.hot_recall(k, steps=sel, baseline=b)
+                        for b in (None, "random", "oracle"))
+    fig = hot_recall_figure(recall, rnd, orc, title=(
+        f"Hot Recall@{k} per layer (layers l+1 … l+{recall.attrs['window']})"
+        f"{_describe(step_range, phase)}"))
+    return _finish(fig, "hot_recall", revision)
+
+
 REPLAY_TITLE = "replay: hit rate vs cache size"
 
 
@@ -340,6 +405,28 @@ class TimelineView(PlotView):
                                     self._revision())
 
 
+class TokenOverlayView(PlotView):
+    """Kept vs pruned visual tokens over the shown run's image (token compression)."""
+
+    view = "tokens"
+    watches = ("dataset",)
+
+    def figure(self) -> go.Figure:
+        return token_overlay_view_figure(self.store.dataset, self._revision())
+
+
+class HotRecallView(PlotView):
+    """Hot Recall per layer of the shown run's lookahead predictor, with the random baseline."""
+
+    view = "hot_recall"
+    watches = ("dataset", "step_range", "phase")
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return hot_recall_view_figure(s.dataset, s.step_range, s.phase,
+                                      revision=self._revision())
+
+
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
@@ -382,7 +469,7 @@ class ReplayView(PlotView):
 
 
 #: +1: higher is better, -1: lower is better, 0: neutral (colours the A/B deltas)
-_BETTER = {"hit_rate": 1, "hits": 1, "misses": -1, "loads": -1, "evictions": -1,
+_BETTER = {"hit_rate": 1, "hits": 1, "misses": -1, "loads": -1, "evictions": -1, "host_runs": 0,
            "latency_measured_s": -1, "latency_modeled_s": -1, "stall_measured_s": -1,
            "stall_modeled_s": -1, "transfer_bytes_measured": -1, "transfer_bytes_modeled": -1,
            "steps": 0}
@@ -478,4 +565,5 @@ def progress_view(store: DataStore) -> pn.viewable.Viewable:
 
 
 VIEW_CLASSES: tuple[Callable[[DataStore], PlotView], ...] = (
-    HeatmapView, HitRateView, LatencyView, TimelineView, DiffHeatmapView)
+    HeatmapView, HitRateView, LatencyView, TimelineView, DiffHeatmapView, TokenOverlayView,
+    HotRecallView)

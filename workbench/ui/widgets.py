@@ -6,27 +6,42 @@ on instantiation, so a policy registered later shows up in its menu with no UI c
 knobs with soft bounds become editable sliders (the slider spans the soft bounds, the text box
 accepts anything inside the hard bounds); numeric knobs that may be ``None`` ("no limit") become
 number boxes, which can be left empty; every widget's tooltip is the knob's ``doc``.
+
+The knobs of :data:`VISMMOE_KNOBS` (compression, β, λ, pinned layers) sit in a prominent
+"VisMMOE" card at the top of the knob sidebar (:func:`vismmoe_panel`): each is a ``pn.Param``
+over the group that declares it, so it drives the same param object, and :func:`knob_cards`
+leaves it out of its group's card — every knob has exactly one widget.
 """
 
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, Iterable
 
 import panel as pn
 import param
 
-from workbench.errors import WorkbenchError
+from workbench.errors import KnobError, WorkbenchError
 from workbench.knobs import Knobs
 from workbench.ui.datastore import MAX_UPLOAD_BYTES, DataStore, demo_inputs
 
-__all__ = ["knob_panels", "knob_cards", "filter_widgets", "input_widgets", "runs_widgets",
-           "replay_widgets", "card", "make", "names"]
+__all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
+           "runs_widgets", "replay_widgets", "card", "make", "names", "VISMMOE_KNOBS"]
 
 CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: #1f2937; "
                     "text-align: left; padding: 2px 0; }")
+LABEL_STYLE = ".wb-label { color: #374151; font-size: 12px; font-weight: 600; }"
 #: groups whose card starts open
 OPEN_GROUPS = ("cache", "compression", "generation")
+#: knobs of the prominent "VisMMOE" card, in this order (seed VisMMOE: β, λ and the pinned prefix
+#: are the knobs a user reaches for first), with the label each gets there
+VISMMOE_KNOBS: dict[str, str] = {
+    "compression": "Token compression",
+    "beta": "β — keep ratio of visual tokens",
+    "lam": "λ — saliency vs expert affinity",
+    "pinned_layers": "Pinned layers — full-stream, resident prefix",
+}
+VISMMOE_TITLE = "VisMMOE"
 
 
 def names(cls: type, label: str | None = None, color: str | None = None,
@@ -80,18 +95,67 @@ def card(*objects: Any, title: str, **kw: Any) -> pn.Card:
                                                           "margin": (4, 0), **kw})
 
 
-def knob_panels(knobs: Knobs) -> dict[str, pn.Param]:
+def knob_panels(knobs: Knobs, exclude: Iterable[str] = ()) -> dict[str, pn.Param]:
     """One ``pn.Param`` per knob group, keyed like ``knobs.groups`` (editing a widget sets the
-    knob on ``knobs``; param validates it)."""
-    return {key: pn.Param(group, name=getattr(group, "title", key) or key, show_name=False,
-                          widgets=_knob_widget_specs(group), sizing_mode="stretch_width")
-            for key, group in knobs.groups.items()}
+    knob on ``knobs``; param validates it). Knobs named in ``exclude`` get no widget here; a
+    group left with none is omitted."""
+    skip = set(exclude)
+    panels = {}
+    for key, group in knobs.groups.items():
+        shown = [n for n in group.knob_names() if n not in skip]
+        if shown:
+            panels[key] = pn.Param(group, parameters=shown,
+                                   name=getattr(group, "title", key) or key, show_name=False,
+                                   widgets=_knob_widget_specs(group),
+                                   sizing_mode="stretch_width")
+    return panels
+
+
+def vismmoe_panel(knobs: Knobs, labels: dict[str, str] | None = None) -> pn.Column:
+    """The prominent knobs (default :data:`VISMMOE_KNOBS`, name → label), one widget each in
+    that order: a ``pn.Param`` of just that knob over the group that declares it, so the widget
+    and every other view of the knob share one param object. Selector knobs with at most six
+    choices become button groups (one click, all choices visible), numeric ones the sliders of
+    :func:`knob_panels`. ``panel._wb_widgets`` maps knob name → widget. An unknown knob name
+    raises :class:`~workbench.errors.KnobError` listing the known ones."""
+    labels = dict(VISMMOE_KNOBS if labels is None else labels)
+    owners = {n: g for g in knobs.groups.values() for n in g.knob_names()}
+    unknown = [n for n in labels if n not in owners]
+    if unknown:
+        raise KnobError(f"unknown knob(s) {', '.join(map(repr, unknown))} for the VisMMOE "
+                        f"card; known knobs: {', '.join(sorted(owners))}")
+    rows: list[Any] = []
+    widgets: dict[str, Any] = {}
+    for name, label in labels.items():
+        group = owners[name]
+        spec = dict(_knob_widget_specs(group)[name])
+        p = group.param[name]
+        buttons = isinstance(p, param.Selector) and len(p.objects) <= 6
+        if buttons:
+            spec.update(type=pn.widgets.RadioButtonGroup, **names(
+                pn.widgets.RadioButtonGroup, color="primary", variant="outline"))
+            if "description" in pn.widgets.RadioButtonGroup.param:
+                spec["description"] = p.doc
+            rows.append(pn.pane.HTML(f"<div class='wb-label'>{html.escape(label)}</div>",
+                                     margin=(4, 10, 0, 10), height=18,
+                                     stylesheets=[LABEL_STYLE]))
+        else:
+            spec["name"] = label
+        panel = pn.Param(group, parameters=[name], widgets={name: spec}, show_name=False,
+                         sizing_mode="stretch_width", margin=0)
+        widgets[name] = panel._widgets[name]
+        rows.append(panel)
+    col = pn.Column(*rows, sizing_mode="stretch_width", css_classes=["wb-vismmoe"])
+    col._wb_widgets = widgets
+    return col
 
 
 def knob_cards(knobs: Knobs) -> list[pn.Card]:
-    """:func:`knob_panels` in collapsible cards titled by the group's ``title``."""
-    return [card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
-            for key, panel in knob_panels(knobs).items()]
+    """The VisMMOE card (:func:`vismmoe_panel`, open, first), then :func:`knob_panels` of the
+    other knobs in collapsible cards titled by the group's ``title``."""
+    top = card(vismmoe_panel(knobs), title=VISMMOE_TITLE, collapsible=False)
+    return [top, *(card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
+                   for key, panel in knob_panels(knobs, exclude=VISMMOE_KNOBS).items())]
 
 
 class _RangeLink:

@@ -22,8 +22,9 @@ from workbench.telemetry.events import CLOCKS, LANES
 
 __all__ = ["expert_heatmap", "hit_rate_figure", "latency_figure", "timeline_figure"]
 
-#: one colour per timeline lane (compute, transfer, stall)
-LANE_COLORS = {"compute": "#4C78A8", "transfer": "#F58518", "stall": "#E45756"}
+#: one colour per timeline lane (compute, transfer, stall, host = hybrid mode's host runs)
+LANE_COLORS = {"compute": "#4C78A8", "transfer": "#F58518", "stall": "#E45756",
+               "host": "#54A24B"}
 
 
 def expert_heatmap(counts: xr.DataArray, title: str = "routed tokens per expert") -> go.Figure:
@@ -96,7 +97,7 @@ def latency_figure(ds: xr.Dataset) -> go.Figure:
 
 def timeline_figure(ds: xr.Dataset, clock: str = "modeled", steps: Any = None) -> go.Figure:
     """Gantt chart of the ``span_*`` intervals of one clock: lanes compute / transfer / stall
-    on the y axis, one colour per lane, time in ms on the x axis.
+    (/ host, when hybrid mode ran experts on the host) on the y axis, one colour per lane, time in ms on the x axis.
 
     ``steps`` (an int, a list of ints or an inclusive ``slice``) keeps the spans of those steps.
     """
@@ -123,10 +124,13 @@ def timeline_figure(ds: xr.Dataset, clock: str = "modeled", steps: Any = None) -
     dur = np.asarray(ds["span_end_s"].values)[keep] * 1e3 - start
     info = np.stack([st[keep], np.asarray(ds["span_layer"].values)[keep],
                      np.asarray(ds["span_expert"].values)[keep]], axis=-1)
-    lane_names = list(ds.attrs.get("lane_names", LANES))
+    # the host lane only where hybrid mode used it
+    lane_names = [n for i, n in enumerate(ds.attrs.get("lane_names", LANES))
+                  if n != "host" or (lane == i).any()]
+    all_names = list(ds.attrs.get("lane_names", LANES))
     fig = go.Figure()
-    for i, name in enumerate(lane_names):
-        m = lane == i
+    for name in lane_names:
+        m = lane == all_names.index(name)
         fig.add_trace(go.Bar(
             orientation="h", base=start[m], x=dur[m], y=np.full(int(m.sum()), name),
             customdata=info[m], name=f"{name} ({clock})",
