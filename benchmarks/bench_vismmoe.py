@@ -1,0 +1,211 @@
+"""VisMMOE reproduced in kind (issue 5 §4) on the embedded model: the ablation ladder, latency vs
+pinned_layers, Hot Recall vs random, routing of text / raw visual / pruned visual tokens, and
+answer accuracy per compression policy × β. Prints markdown tables (BENCHMARKS.md) and the
+command that produced them.
+
+Latencies are *modeled* (the embedded model's routing priced as Qwen3-VL-30B-A3B experts on the
+A100-40GB profile) unless a column says *measured* (CPU wall time here); routing statistics,
+hit rates, loads, Hot Recall and accuracy are counted on the real model. The study functions
+and every scaling decision are in ``workbench/analysis/vismmoe.py`` and ``docs/vismmoe.md``.
+
+    nice python benchmarks/bench_vismmoe.py [--scenes 48] [--sweep-scenes 24]
+        [--accuracy-questions 200] [--calib-requests 48] [--tokens 16] [--out DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench.analysis import vismmoe as V
+
+
+def markdown(df: pd.DataFrame, fmt: dict[str, str] | None = None, index: bool = True) -> str:
+    """A DataFrame as a markdown table; ``fmt`` maps columns to format specs ('%' = percent)."""
+    fmt = fmt or {}
+    cols = list(df.columns)
+    head = ([df.index.name or ""] if index else []) + [str(c) for c in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for i, idx in enumerate(df.index):
+        cells = [str(idx)] if index else []
+        for c in cols:
+            v = df[c].iloc[i]  # per column: iterrows would turn ints into floats
+            f = fmt.get(c)
+            if isinstance(v, (float, np.floating)) and not np.isfinite(v):
+                cells.append("—")
+            elif f == "%":
+                cells.append(f"{v:.1%}")
+            elif f:
+                cells.append(format(v, f))
+            elif isinstance(v, (float, np.floating)):
+                cells.append(f"{v:.3f}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenes", type=int, default=48,
+                    help="held-out scenes for the ladder and the routing characterisation")
+    ap.add_argument("--sweep-scenes", type=int, default=24, help="held-out scenes per sweep point")
+    ap.add_argument("--profile-scenes", type=int, default=8,
+                    help="calibration-seed scenes on which 'full' chooses its pinned prefix")
+    ap.add_argument("--accuracy-questions", type=int, default=200)
+    ap.add_argument("--calib-requests", type=int, default=48)
+    ap.add_argument("--calib-steps", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=16,
+                    help="decoded tokens per request (ignore_eos)")
+    ap.add_argument("--budgets", default="",
+                    help="expert-slot budgets, comma separated (default: the paper's share, "
+                         "86, and twice it)")
+    ap.add_argument("--out", help="folder for the calibrated predictor and the run stores "
+                                  "(default: a new temporary folder)")
+    ap.add_argument("--json", action="store_true", help="also print every result as JSON")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    t_all = time.perf_counter()
+    out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench-vismmoe-"))
+    out.mkdir(parents=True, exist_ok=True)
+    lm = workbench.load(None, device="cpu")
+    lay = lm.layout
+    rt = workbench.Runtime(lm, device="cpu", **V.base_knobs(a.tokens))
+    paper_budget = V.expert_budget_slots(lay.num_layers, lay.num_experts)
+    budgets = ([int(b) for b in a.budgets.split(",")] if a.budgets
+               else [paper_budget, 2 * paper_budget])
+    times: dict[str, float] = {}
+
+    def step(name, fn, *args, **kw):
+        res, t = V.timed(fn, *args, **kw)
+        times[name] = t
+        print(f"[{name}: {t:.1f} s]", file=sys.stderr, flush=True)
+        return res
+
+    pred_path = out / "predictor"
+    calib = V.scenes(V.CALIB_SEED, a.calib_requests)
+    recall = step("calibration + Hot Recall", V.hot_recall_summary, lm, calib, pred_path,
+                  steps=a.calib_steps)
+    profile = V.scenes(V.PROFILE_SEED, a.profile_scenes)
+    evals = V.scenes(V.eval_seed(), max(a.scenes, a.sweep_scenes))
+    chosen = {}
+    for b in budgets:
+        prof = step(f"profiling pinned prefix ({b} slots)", V.pinned_sweep, rt, profile,
+                    budgets=[b], predictor_path=pred_path, max_new_tokens=a.tokens)
+        chosen[b] = V.choose_pinned(prof)
+    ladders = {b: step(f"ladder ({b} slots)", V.ablation_ladder, rt, evals[:a.scenes],
+                       budget_slots=b, pinned_full=chosen[b], predictor_path=pred_path,
+                       max_new_tokens=a.tokens) for b in budgets}
+    sweep = step("pinned sweep", V.pinned_sweep, rt, evals[:a.sweep_scenes], budgets=budgets,
+                 predictor_path=pred_path, max_new_tokens=a.tokens)
+    pruning = step("pruning characterisation", V.characterise_pruning, rt, evals[:a.scenes],
+                   workdir=out / "stores")
+    acc = step("accuracy", V.accuracy_vs_beta, rt, V.scenes(V.eval_seed(),
+                                                            a.accuracy_questions))
+    total = time.perf_counter() - t_all
+
+    cmd = "python benchmarks/bench_vismmoe.py" + "".join(
+        " " + shlex.quote(x) for x in sys.argv[1:])
+    print(f"```\n{cmd}\n```\n")
+    print(f"Embedded model, {lay.num_layers} MoE layers × {lay.num_experts} experts, top-"
+          f"{lay.top_k}; held-out scenes `make_split({V.eval_seed()}, n)`; predictor calibrated "
+          f"on `make_split({V.CALIB_SEED}, {a.calib_requests})`; pinned prefix of *full* "
+          f"profiled on `make_split({V.PROFILE_SEED}, {a.profile_scenes})`; {a.tokens} "
+          f"decoded tokens per request (`ignore_eos`); B = "
+          f"{V.scaled_prefetch_budget(lay.num_experts)}; total {total / 60:.1f} min.\n")
+
+    for b, lad in ladders.items():
+        t = V.ladder_table(lad)
+        print(f"**Ablation ladder, {b} expert slots** ({lad.sizes['request']} scenes; *full* "
+              f"pinned prefix {chosen[b]} chosen in the valid interval "
+              f"{list(V.scaled_plan(lay, b, 1).valid_interval)}; times modeled unless marked "
+              f"measured)\n")
+        print(markdown(t, {"norm. (modeled)": "%", "paper norm.": "%", "hit rate": "%",
+                           "accuracy": "%", "modeled ms": ".1f", "prefill ms (modeled)": ".1f",
+                           "ms / decode token (modeled)": ".2f", "stall ms (modeled)": ".1f",
+                           "loads / request": ".1f", "measured ms (median)": ".1f",
+                           "pinned": "d", "slots": "d"}))
+        print()
+    print(f"**Latency vs pinned_layers** ({a.sweep_scenes} scenes, *full* configuration, "
+          f"cache = budget − {lay.num_experts} × pinned)\n")
+    sw = sweep[sweep["valid"]].set_index("budget_slots")
+    sw.index.name = "budget (slots)"
+    print(markdown(sw.drop(columns=["valid"]), {
+        "pinned_layers": "d", "cache_slots": "d", "latency_modeled_ms": ".1f",
+        "prefill_modeled_ms": ".1f", "decode_modeled_ms_per_token": ".2f", "hit_rate": "%",
+        "loads": ".1f", "latency_measured_ms_median": ".1f"}))
+    print()
+    print(f"**Hot Recall, held out** ({recall.attrs['heldout_requests']} requests, "
+          f"{recall.attrs['heldout_samples']} (step, layer) samples, "
+          f"{recall.attrs['mean_active_next_layer']:.1f} experts active at the next layer on "
+          f"average; predictor cost P50 {recall.attrs['cost_p50_s'] * 1e3:.3f} ms, P99 "
+          f"{recall.attrs['cost_p99_s'] * 1e3:.3f} ms measured)\n")
+    hr = V.hot_recall_table(recall)
+    print(markdown(hr, {"share of experts": "%", "predictor": "%", "random": "%", "oracle": "%",
+                        "without h^(v)": "%", "× random": ".2f", "× random at most": ".2f"}))
+    print()
+    for layers, what in (("after-prefix", "layers behind the pinned prefix, where pruning "
+                                          "acts"), ("prefix", "the pinned prefix, whose "
+                                                              "routing affinity scores")):
+        pt = V.pruning_table(pruning, layers)
+        print(f"**Prefill routing per token group, {what}** (layers {pt.attrs['layers']}; "
+              f"{pruning.sizes['request']} scenes; β = {pruning.attrs['beta']}; measured; "
+              f"Jaccard of unrelated routing {pt.attrs['chance_similarity']:.3f})\n")
+        print(markdown(pt, {"tokens / request": ".1f"}))
+        print()
+    io = V.prefill_io_table(pruning)
+    print(f"**Prefill on-demand loads** (offloaded layers, {pruning.attrs['cache_slots']} "
+          f"slots, cold cache per request; measured)\n")
+    print(markdown(io, {"prefill loads": ".1f", "prefill hits": ".1f"}))
+    print()
+    prompt = float(pruning["tokens"].sel(group=["text", "visual (raw)"]).isel(layer=0)
+                   .sum("group").mean())
+    per_layer = float(io.loc["none", "prefill loads"]) / (
+        lay.num_layers - pruning.attrs["pinned_layers"])
+    mc = V.modeled_costs(lay.top_k, round(prompt), per_layer)
+    print("**What the modeled clock charges per MoE layer** (Qwen3-VL-30B-A3B costs on "
+          "A100-40GB; prompt length and prefill experts per layer as measured above)\n")
+    print(markdown(mc, {"tokens": ".0f", "experts / layer": ".1f", "compute ms / layer": ".3f",
+                        "one expert copy ms": ".3f", "copying the layer's experts ms": ".2f",
+                        "copies / compute": ".1f"}))
+    print()
+    at = V.accuracy_table(acc)
+    print(f"**Answer accuracy** ({at.attrs['questions']} held-out questions, exact match; "
+          f"compression after {acc.attrs['pinned_layers']} pinned layer; β = 1 answers equal "
+          f"no compression for every policy: "
+          f"{all(at.attrs['same_as_none_at_beta_1'].values())}; accuracy per kind without "
+          f"compression: " + ", ".join(f"{k} {v:.0%}" for k, v in
+                                       at.attrs['per_kind_none'].items()) + ")\n")
+    print(markdown(at, {c: "%" for c in at.columns}))
+    print()
+    print("**What appears** (an effect appears when it has the paper's sign and exceeds two "
+          "standard errors of the paired difference)\n")
+    items = V.findings(ladders[budgets[0]], sweep, pruning, acc, recall)
+    for b in budgets[1:]:
+        items += [(f"{e} ({b} slots)", ok, txt) for e, ok, txt in V.findings(ladders[b])]
+    print(V.findings_markdown(items))
+    print()
+    print("Time per part (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    if a.json:
+        print(json.dumps({
+            "ladders": {str(b): V.ladder_table(l).reset_index().to_dict("records")
+                        for b, l in ladders.items()},
+            "sweep": sweep.to_dict("records"), "hot_recall": hr.reset_index().to_dict("records"),
+            "pruning": V.pruning_table(pruning).reset_index().to_dict("records"),
+            "accuracy": at.reset_index().to_dict("records"),
+            "findings": [{"effect": e, "appears": ok, "text": t} for e, ok, t in items],
+            "times_s": times}, default=float))
+
+
+if __name__ == "__main__":
+    main()
