@@ -6,7 +6,7 @@ command that produced them.
 Latencies are *modeled* (the embedded model's routing priced as Qwen3-VL-30B-A3B experts on the
 A100-40GB profile) unless a column says *measured* (CPU wall time here); routing statistics,
 hit rates, loads, Hot Recall and accuracy are counted on the real model. The study functions
-and every scaling decision are in ``workbench/analysis/vismmoe.py`` and ``docs/vismmoe.md``.
+and every scaling decision are in ``workbench/analysis/vismmoe/`` and ``docs/vismmoe.md``.
 
     nice python benchmarks/bench_vismmoe.py [--scenes 48] [--sweep-scenes 24]
         [--accuracy-questions 200] [--calib-requests 48] [--tokens 16] [--out DIR] [--json]
