@@ -1,11 +1,11 @@
-"""Print the variable table of docs/telemetry.md from ``workbench.telemetry.store.SCHEMA``.
+"""Print the variable table of docs/telemetry.md from ``workbench.telemetry.schema.SCHEMA``.
 
     python docs/gen_telemetry_table.py            # paste the output into docs/telemetry.md
 """
 
 from __future__ import annotations
 
-from workbench.telemetry.store import GROWING, SCHEMA
+from workbench.telemetry.schema import GROWING, SCHEMA
 
 
 def table() -> str:

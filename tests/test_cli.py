@@ -92,7 +92,7 @@ def test_non_store_directory_is_never_overwritten(tiny_ckpt, tmp_path, capsys):
     (d / "notes.txt").write_text("keep me")
     rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--store", str(d),
                "--overwrite"])
-    assert rc == 2 and "not a zarr store" in capsys.readouterr().err
+    assert rc == 2 and "not a workbench run store (it holds notes.txt)" in capsys.readouterr().err
     assert (d / "notes.txt").read_text() == "keep me"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="workbench", description="See and steer expert offloading of VL-MoE models.")
     p.add_argument("--version", action="version", version=f"workbench {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="show the Python traceback of an error instead of one line (anywhere "
+                        "on the command line)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -118,27 +122,59 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; bad input prints one ``workbench: error: …`` line and returns 2 (an
+    unexpected failure prints one line too and returns 1); ``--debug`` re-raises instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
+    args = _parser().parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     from workbench.errors import WorkbenchError
 
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate}[args.command](args)
-    except WorkbenchError as e:
-        print(f"workbench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        if isinstance(e, WorkbenchError):
+            print(f"workbench: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, OSError):  # the file system said no: the user's to fix
+            where = f" ({e.filename})" if e.filename else ""
+            print(f"workbench: error: {e.strerror or e}{where}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, MemoryError):
+            print("workbench: error: out of memory; use a smaller input or a machine with more "
+                  "memory", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"workbench: internal error: {type(e).__name__}: {e} (rerun with --debug for the "
+              f"traceback, and please report it)", file=sys.stderr)
+        return 1
 
 
 def _calibrate(args) -> int:
     from workbench.errors import InputError, StoreExistsError
 
+    from workbench.predictor.model import CONFIG, WEIGHTS
+    from workbench.telemetry.destination import check_creatable
+
     out = Path(args.out)
+    if str(args.out).strip() == "":
+        raise InputError("--out is empty; give a folder for the predictor")
     if out.exists() and not args.overwrite:
         raise StoreExistsError(f"{str(out)!r} already exists; pass --overwrite to replace it, "
                                f"or choose another path")
+    if out.exists():  # --overwrite replaces a calibrated predictor and nothing else
+        extra = (sorted(p.name for p in out.iterdir() if p.name not in (CONFIG, WEIGHTS))
+                 if out.is_dir() else [out.name])
+        if extra:
+            raise InputError(f"{str(out)!r} is not a calibrated predictor folder (it holds "
+                             f"{', '.join(extra[:5])}); --overwrite only replaces {CONFIG} + "
+                             f"{WEIGHTS} — refusing to delete it")
+    check_creatable(out, "predictor folder")
     if args.steps < 1 or args.requests < 2 or args.max_new_tokens < 1 or args.window < 1 \
             or not 0.0 < args.decay <= 1.0:
         raise InputError("--steps ≥ 1, --requests ≥ 2, --max-new-tokens ≥ 1, --window ≥ 1 and "
@@ -158,11 +194,22 @@ def _calibrate(args) -> int:
                              window=args.window, decay=args.decay,
                              use_visual=not args.no_visual_summary,
                              max_new_tokens=args.max_new_tokens)
-    if out.exists():
-        import shutil
+    # saved aside, then put in place: a failure leaves the old predictor as it was
+    import secrets
+    import shutil
 
-        shutil.rmtree(out)
-    save(pred, out, report)
+    stage = out.with_name(f".{out.name}.staging-{secrets.token_hex(4)}")
+    try:
+        save(pred, stage, report)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+            os.rename(out, old)
+            os.rename(stage, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     report["out"] = str(out)
     if args.json:
         print(json.dumps(report, default=float))
@@ -188,18 +235,19 @@ def _runtime(args, knobs):
 
 
 def _run(args) -> int:
-    from workbench.errors import InputError, StoreExistsError
+    from workbench.errors import InputError
     from workbench.models.inputs import open_image
-    from workbench.telemetry.store import _check_new_store
+    from workbench.telemetry.store import check_store_path
 
     knobs = _knobs_from(args)
     # cheap checks first, so that bad input costs no model load and touches nothing
     if not args.prompt.strip():
         raise InputError("prompt is empty; give a question or instruction")
     images = [open_image(p) for p in args.images]
-    store = Path(args.store) if args.store else None
+    store = Path(args.store) if args.store is not None else None
     if store is not None and not args.no_record:
-        _check_new_store(store, args.overwrite)
+        # before the model loads: a store that cannot be written costs nothing and touches nothing
+        store = check_store_path(args.store, args.overwrite)
     rt = _runtime(args, knobs)
     streamed = {"n": 0}
 
@@ -212,11 +260,8 @@ def _run(args) -> int:
 
     if not args.json:
         print("answer: ", end="", flush=True)
-    try:
-        res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
-                     record=not args.no_record, on_token=on_token)
-    except StoreExistsError:
-        raise
+    res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
+                 record=not args.no_record, on_token=on_token)
     if args.json:
         print(json.dumps(res.to_json()))
     else:

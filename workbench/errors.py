@@ -32,5 +32,14 @@ class StoreExistsError(WorkbenchError, FileExistsError):
     """A run store already exists and overwriting was not asked for."""
 
 
+class StoreError(WorkbenchError):
+    """A run store is unreadable, tampered with, or not a workbench store; or it cannot be
+    written (busy with another writer, not writable, disk full). The message names the store."""
+
+
+class StoreBusyError(StoreError):
+    """Another process is writing the store (a store has exactly one writer)."""
+
+
 class PlanError(WorkbenchError):
     """A memory plan does not fit the device budget."""

@@ -40,7 +40,7 @@ from workbench.runtime.offload import Offloader, StepProbe
 from workbench.runtime.plan import MemoryPlan, device_budget
 from workbench.runtime.profiles import get_profile, get_target_model
 from workbench.telemetry.events import PHASES, StepEvent
-from workbench.telemetry.store import Recorder
+from workbench.telemetry.store import Recorder, check_store_path
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -309,13 +309,7 @@ class Runtime:
         live, modeled = self.plans()
         live.check()
         modeled.check()
-        store_path = _store_path(store) if record else None
-        if store_path is not None and store_path.exists() and not overwrite:
-            from workbench.errors import StoreExistsError
-
-            raise StoreExistsError(
-                f"store {str(store_path)!r} already exists; pass --overwrite (overwrite=True) "
-                f"to replace it, or choose another path")
+        store_path = (check_store_path(_store_path(store), overwrite) if record else None)
         clock = ModeledClock(get_profile(k.profile), self.cost_spec())
         t0 = time.perf_counter()
         probe = StepProbe(t0)
@@ -324,15 +318,6 @@ class Runtime:
         prefetcher = PREFETCH.create(k.prefetch, **kd)
         pinned = [b.index < k.pinned_layers for b in lay.blocks]
         recorder = None
-        # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
-        store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
-        if store_path is not None:
-            recorder = Recorder(
-                store_path, lay.num_layers, lay.num_experts, store_k,
-                attrs=self._attrs(request, inputs, live, modeled), pinned=pinned,
-                overwrite=overwrite, flush_every=get_options()["flush_every"],
-                flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
-                rank=_predictor_budget(k) if _uses_predictor(k) else 1)
         events: list[StepEvent] = []
         generated: list[int] = []
         pending: list[StepEvent] = []
@@ -420,6 +405,16 @@ class Runtime:
             if hasattr(policy, "attach"):  # slab eviction: fed the window at every layer
                 policy.attach(live_pred)
         try:
+            if store_path is not None:  # inside the try: a failure from here on closes it
+                # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
+                store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
+                recorder = Recorder(
+                    store_path, lay.num_layers, lay.num_experts, store_k,
+                    attrs=self._attrs(request, inputs, live, modeled), pinned=pinned,
+                    overwrite=overwrite, flush_every=get_options()["flush_every"],
+                    flush_interval_s=get_options()["flush_interval_s"],
+                    depth=k.lookahead_depth,
+                    rank=_predictor_budget(k) if _uses_predictor(k) else 1)
             with off, (placement if placement is not None else contextlib.nullcontext()), \
                     (live_pred if live_pred is not None else contextlib.nullcontext()):
                 h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -435,6 +430,9 @@ class Runtime:
                 events.append(ev)
                 if recorder is not None:
                     recorder.add(ev)
+            # the store stays open until the summary is in it
+            return self._finish_run(recorder, events, generated, counters, pinned, store_path,
+                                    stop, placement, live_pred, policy)
         except BaseException as e:
             if recorder is not None:
                 try:
@@ -442,6 +440,12 @@ class Runtime:
                 except Exception:  # never hide the original error
                     pass
             raise
+
+    def _finish_run(self, recorder, events, generated, counters, pinned, store_path, stop,
+                    placement, live_pred, policy) -> RunResult:
+        """The run's result from its events; the store is closed ``complete`` with it."""
+        k, tok = self.knobs, self.lm.tokenizer
+        lm = self.lm
         offl = ~np.asarray(pinned)
         result = RunResult(
             text=tok.decode(generated, skip_special_tokens=True).strip(),

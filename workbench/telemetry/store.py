@@ -12,126 +12,34 @@ seen: every flushed step stays readable.
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import xarray as xr
 import zarr
 
 from workbench._version import __version__
-from workbench.errors import InputError, StoreExistsError
+from workbench.errors import WorkbenchError
 from workbench.telemetry import zarr_files
+from workbench.telemetry.destination import (Destination, check_destination, io_step,
+                                             writable_error)
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
+from workbench.telemetry.schema import (GROWING, INITIAL_CAPACITY, SCHEMA, SCHEMA_VERSION,
+                                        STORE_ENTRIES, Var)
 
-SCHEMA_VERSION = 2  # 2: chunk keys "c.0.0" (readers need nothing new: zarr reads both)
-GROWING = ("step", "token", "span")
-INITIAL_CAPACITY = {"step": 1024, "token": 16384, "span": 16384}
-
-
-@dataclass(frozen=True)
-class Var:
-    """One stored variable: dims (first one grows), dtype, chunk length along the growing dim,
-    units and a one-line description (the docs table is generated from these)."""
-
-    dims: tuple[str, ...]
-    dtype: str
-    chunk: int
-    units: str
-    doc: str
+#: bytes kept free inside a running store, given back just before its last metadata write, so
+#: that a store whose disk filled up can still be marked ``failed``
+RESERVE_BYTES = 256 * 1024
 
 
-SCHEMA: dict[str, Var] = {
-    # -- per step ------------------------------------------------------------------------------
-    "phase": Var(("step",), "int8", 1024, "code", "0 = prefill, 1 = decode (attrs phase_names)"),
-    "step_tokens": Var(("step",), "int32", 1024, "tokens", "tokens processed by the step"),
-    "step_start_s": Var(("step",), "float64", 1024, "s (measured)", "step start since run start"),
-    "latency_measured_s": Var(("step",), "float64", 1024, "s (measured)", "wall time of the step"),
-    "latency_modeled_s": Var(("step",), "float64", 1024, "s (modeled)",
-                             "step time on the modeled timeline under the hardware profile"),
-    "stall_measured_s": Var(("step",), "float64", 1024, "s (measured)",
-                            "compute time spent waiting for expert transfers"),
-    "stall_modeled_s": Var(("step",), "float64", 1024, "s (modeled)",
-                           "compute-lane wait for transfers on the modeled timeline"),
-    "transfer_bytes": Var(("step",), "int64", 1024, "bytes (measured)",
-                          "bytes copied host→device by the live runtime"),
-    "transfer_bytes_modeled": Var(("step",), "int64", 1024, "bytes (modeled)",
-                                  "loads × expert bytes of the cost model (target model if set)"),
-    "generated_token": Var(("step",), "int64", 1024, "token id",
-                           "token chosen after the step (-1: none)"),
-    # -- per step × layer ----------------------------------------------------------------------
-    "hits": Var(("step", "layer"), "int32", 256, "experts",
-                "routed experts already resident (pinned layers: all)"),
-    "misses": Var(("step", "layer"), "int32", 256, "experts", "routed experts not resident"),
-    "loads": Var(("step", "layer"), "int32", 256, "experts", "experts copied into a cache slot"),
-    "evictions": Var(("step", "layer"), "int32", 256, "experts",
-                     "experts of this layer evicted during the step"),
-    "stall_layer_measured_s": Var(("step", "layer"), "float64", 256, "s (measured)",
-                                  "stall inside the layer"),
-    "pre_evictions": Var(("step", "layer"), "int32", 256, "experts",
-                         "experts of this layer evicted ahead of demand by ActiveEvict "
-                         "(included in evictions)"),
-    "prefetches": Var(("step", "layer"), "int32", 256, "experts",
-                      "experts prefetched while this layer ran (the copies also count in the "
-                      "loads of their own layer)"),
-    "host_runs": Var(("step", "layer"), "int32", 256, "experts",
-                     "misses GPU–CPU hybrid mode ran on the host copy instead of loading "
-                     "(included in misses, not in loads)"),
-    "topk_used": Var(("step", "layer"), "int16", 256, "experts",
-                     "experts per token the layer computed: top-k, or the k chosen by "
-                     "dynamic_topk (0: layer did not run)"),
-    "predicted_ids": Var(("step", "layer", "rank"), "int16", 256, "expert id",
-                         "lookahead predictor (predictor/prefetch = vismmoe): the top-B experts "
-                         "of y_layer, best first (-1: predictor off or did not run for the "
-                         "layer; rank has size 1 when off)"),
-    "predicted_scores": Var(("step", "layer", "rank"), "float32", 256, "score",
-                            "σ(y_layer) of predicted_ids (0 where the id is -1); the vismmoe "
-                            "prefetch orders its candidates by decay^(d−1)·score"),
-    # -- per step × layer × expert -------------------------------------------------------------
-    "routed_tokens": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
-                         "tokens routed to the expert, split by modality"),
-    "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
-                    "expert in a cache slot or pinned at the end of the step"),
-    # -- per routed token ----------------------------------------------------------------------
-    "token_id": Var(("token",), "int64", 4096, "token id", "input id of the token"),
-    "token_step": Var(("token",), "int32", 4096, "step", "step that processed the token"),
-    "token_modality": Var(("token",), "int8", 4096, "code",
-                          "0 text, 1 image, 2 video (coordinate modality)"),
-    "kept": Var(("token",), "bool", 4096, "flag",
-                "token reached every layer; False: a visual token pruned after the pinned prefix "
-                "by token compression (its topk_ids there are -1, topk_weights 0)"),
-    "topk_ids": Var(("token", "layer", "k"), "int16", 1024, "expert id",
-                    "routed experts in the router's rank order"),
-    "topk_weights": Var(("token", "layer", "k"), "float32", 1024, "weight",
-                        "combine weights of the routed experts"),
-    "pred_ids": Var(("token", "layer", "depth", "k"), "int16", 1024, "expert id",
-                    "router lookahead: the router of layer (layer + depth) applied to this "
-                    "layer's MoE input, in its rank order (-1: none, past the last layer or "
-                    "lookahead off)"),
-    # -- timeline ------------------------------------------------------------------------------
-    "span_clock": Var(("span",), "int8", 4096, "code", "0 measured, 1 modeled"),
-    "span_lane": Var(("span",), "int8", 4096, "code", "0 compute, 1 transfer, 2 stall, 3 host"),
-    "span_step": Var(("span",), "int32", 4096, "step", "step of the interval"),
-    "span_layer": Var(("span",), "int16", 4096, "layer", "MoE layer (-1: none)"),
-    "span_expert": Var(("span",), "int16", 4096, "expert", "expert (-1: none)"),
-    "span_start_s": Var(("span",), "float64", 4096, "s", "interval start (clock's own origin)"),
-    "span_end_s": Var(("span",), "float64", 4096, "s", "interval end"),
-}
-
-
-def _check_new_store(path: Path, overwrite: bool) -> None:
-    if path.exists():
-        if not overwrite:
-            raise StoreExistsError(
-                f"store {str(path)!r} already exists; pass --overwrite (overwrite=True) to replace "
-                f"it, or choose another path")
-        if not (path / "zarr.json").exists():
-            raise StoreExistsError(
-                f"{str(path)!r} exists and is not a zarr store; refusing to overwrite it")
+def check_store_path(path: str | Path, overwrite: bool) -> Path:
+    """Check, before a model loads, that a run store can be written at ``path`` (see
+    :func:`workbench.telemetry.destination.check_destination`); returns the path to write."""
+    return check_destination(path, overwrite, STORE_ENTRIES)
 
 
 class Recorder:
@@ -139,23 +47,27 @@ class Recorder:
 
     Use as a context manager; on exit the store's ``status`` attr says ``complete`` or
     ``failed`` (with the error). ``flush_every`` steps or ``flush_interval_s`` seconds, whichever
-    comes first, trigger an append. The recorder is the store's only writer and writes files
-    directly (:mod:`workbench.telemetry.zarr_files`); everything reads it with zarr/xarray.
+    comes first, trigger an append. The recorder is the store's only writer (an exclusive lock,
+    :class:`~workbench.telemetry.destination.Destination`) and writes files directly
+    (:mod:`workbench.telemetry.zarr_files`); everything reads it with zarr/xarray.
+
+    Durability: a new store appears at ``path`` with its whole layout at once and is then
+    appended to in place (readers may follow the run); with ``overwrite`` the new run is written
+    aside and exchanged with the old store only when it has finished — a failed run leaves the
+    old store as it was. A crash at any instant leaves every committed step readable.
 
     File I/O runs on one background writer thread, in submission order, so laying out the store
     and intermediate flushes overlap the model's compute; :meth:`flush` and :meth:`close` wait
-    for it, and an error on the writer is raised by the next call on the recorder.
+    for it, and an error on the writer is raised by the next call on the recorder (as a
+    :class:`~workbench.errors.StoreError` naming the store when it is an I/O error).
     """
 
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
                  flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1,
-                 rank: int = 1) -> None:
-        self.path = Path(path)
-        _check_new_store(self.path, overwrite)
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)  # claimed now; filled in by the writer
+                 rank: int = 1, capacity: dict[str, int] | None = None) -> None:
+        self.dest = Destination(path, overwrite, STORE_ENTRIES)  # checks, locks, stages
+        self.path = self.dest.path
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
         self.R = max(int(rank), 1)  # size of the predictor's rank dim (1 when it is off)
@@ -166,34 +78,45 @@ class Recorder:
         self.committed = {d: 0 for d in GROWING}
         # arrays are allocated ahead of the data (unwritten chunks cost nothing on disk) so that a
         # flush writes chunks only; readers never look past ``committed``
-        self.capacity = dict(INITIAL_CAPACITY)
+        # (``capacity``: rows allocated up front per growing dim; small values exercise growth)
+        self.capacity = {**INITIAL_CAPACITY, **(capacity or {})}
         self.attrs: dict[str, Any] = {
             **attrs,
             "schema_version": SCHEMA_VERSION,
             "workbench_version": __version__,
+            "arrays": sorted((*SCHEMA, "pinned")),
+            "writer": {"pid": os.getpid(), "host": socket.gethostname()},
             "phase_names": list(PHASES), "lane_names": list(LANES), "clock_names": list(CLOCKS),
             "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "committed": dict(self.committed),
         }
         self.arrays: dict[str, zarr_files.AppendArray] = {}
+        self._closed = False
+        self._write_error: BaseException | None = None  # the first failed writer task
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-recorder")
         self._pending: list[Future] = []
         self._submit(self._lay_out, np.asarray(pinned, dtype=bool))
 
     # -- the writer thread's work ----------------------------------------------------------
     def _lay_out(self, pinned: np.ndarray) -> None:
-        files = _layout_files(self.L, self.E, self.k, self.D, self.R)
-        zarr_files.materialize(self.path, files, skip={"zarr.json"})
-        self.arrays = {name: zarr_files.AppendArray(self.path, name,
-                                                    json.loads(files[f"{name}/zarr.json"]))
-                       for name in (*SCHEMA, "pinned")}
-        self.arrays.pop("pinned").write(0, pinned)
+        files = _layout_files(self.L, self.E, self.k, self.D, self.R, self.capacity)
+        stage = self.dest.write_dir
+        zarr_files.materialize(stage, files, skip={"zarr.json"})
+        zarr_files.AppendArray(stage, "pinned", json.loads(files["pinned/zarr.json"])
+                               ).write(0, pinned)
+        zarr_files.atomic_write(stage / ".reserve", bytes(RESERVE_BYTES), unseen=True)
         self._group_meta = json.loads(files["zarr.json"])
-        self._write_attrs()  # the root document last: from now on the store opens
+        self._write_attrs()  # the root document last: from now on the layout is complete
+        self.dest.publish()  # a fresh store appears at its path, whole
+        root = self.dest.write_dir
+        self.arrays = {name: zarr_files.AppendArray(root, name,
+                                                    json.loads(files[f"{name}/zarr.json"]))
+                       for name in SCHEMA}
 
     def _write_attrs(self) -> None:
         self._group_meta["attributes"] = self.attrs
-        zarr_files.atomic_write(self.path / "zarr.json", zarr_files.dump_json(self._group_meta))
+        zarr_files.atomic_write(self.dest.write_dir / "zarr.json",
+                                zarr_files.dump_json(self._group_meta))
 
     def _write_batch(self, events: list[StepEvent], publish: bool) -> None:
         cols = _columns(events, self.L, self.E, self.k, self.D, self.R)
@@ -212,6 +135,8 @@ class Recorder:
             self._write_attrs()
 
     def _grow(self, dim: str, needed: int) -> None:
+        # arrays of one dim are resized one file at a time; readers take each array's own shape
+        # (≥ the committed extent at every instant) and cut it, so the window between is harmless
         cap = self.capacity[dim]
         while cap < needed:
             cap *= 2
@@ -221,26 +146,54 @@ class Recorder:
         self.capacity[dim] = cap
 
     def _finish(self, attrs: dict[str, Any]) -> None:
-        for name, a in self.arrays.items():  # trim to the committed lengths
-            n = self.committed[SCHEMA[name].dims[0]]
-            if a.length != n:
-                a.resize(n)
-        self.capacity = dict(self.committed)
+        if attrs.get("status") == "complete":
+            for name, a in self.arrays.items():  # trim to the committed lengths
+                n = self.committed[SCHEMA[name].dims[0]]
+                if a.length != n:
+                    a.resize(n)
+            self.capacity = dict(self.committed)
+        # (a failed store keeps its capacity: one metadata write is all a full disk may allow)
         self.attrs.update(attrs)
+        self.attrs.pop("writer", None)
+        root = self.dest.write_dir
+        io_step("unlink", root / ".reserve")
+        (root / ".reserve").unlink(missing_ok=True)  # room for the last document
         self._write_attrs()
 
     # -- the caller's side -----------------------------------------------------------------
+    def _raise(self, e: BaseException) -> None:
+        if isinstance(e, OSError) and not isinstance(e, WorkbenchError):
+            raise writable_error(e, self.path, "writing failed") from e
+        raise e
+
+    def _guarded(self, fn, *args) -> None:
+        """Run one writer task. After a failed one, only :meth:`_finish` still runs: a later
+        batch would land at the rows of the failed one and shift every step after it."""
+        if self._write_error is not None and fn != self._finish:
+            return
+        try:
+            fn(*args)
+        except BaseException as e:
+            if self._write_error is None:
+                self._write_error = e
+            raise
+
     def _submit(self, fn, *args) -> None:
         for f in [f for f in self._pending if f.done()]:
             self._pending.remove(f)
-            f.result()  # an earlier write failed: raise it here
-        self._pending.append(self._pool.submit(fn, *args))
+            if f.exception() is not None:  # an earlier write failed: raise it here
+                self._raise(f.exception())
+        self._pending.append(self._pool.submit(self._guarded, fn, *args))
 
     def wait(self) -> None:
         """Block until every submitted write is on disk (raises a writer error)."""
         pending, self._pending = self._pending, []
+        error = None
         for f in pending:
-            f.result()
+            if f.exception() is not None and error is None:
+                error = f.exception()
+        if error is not None:
+            self._raise(error)
 
     def add(self, ev: StepEvent) -> None:
         self._buf.append(ev)
@@ -261,25 +214,48 @@ class Recorder:
         self._flush(publish=True)
         self.wait()
 
-    def set_attrs(self, **attrs: Any) -> None:
-        self._submit(lambda: (self.attrs.update(attrs), self._write_attrs()))
-        self.wait()
-
     def close(self, status: str = "complete", **attrs: Any) -> None:
         """Flush, trim every growing array to its committed length, and set ``status`` (the new
-        committed lengths and the status are published in one write, after the trim)."""
-        error: Exception | None = None
+        committed lengths and the status are published in one write, after the trim). Then the
+        store is final: a new store stays where it is; an overwrite replaces the old store if
+        the run completed, and is dropped (the old store kept) if it failed."""
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
         try:
-            self._flush(publish=False)
-            self.wait()  # the status depends on whether every write landed
-        except Exception as e:  # a write failed: still try to mark the store failed
-            error = e
-            status, attrs = "failed", {**attrs, "error": f"recorder: {type(e).__name__}: {e}"}
-        try:
-            self._pending.append(self._pool.submit(self._finish, {**attrs, "status": status}))
-            self.wait()
+            try:
+                self._flush(publish=False)
+                self.wait()  # the status depends on whether every write landed
+            except Exception as e:  # a write failed: still try to mark the store failed
+                error = e
+                cause = e.__cause__ if e.__cause__ is not None else e
+                status, attrs = "failed", {**attrs,
+                                           "error": f"recorder: {type(cause).__name__}: {cause}"}
+            final = {**attrs, "status": status}
+            self._pending.append(self._pool.submit(self._guarded, self._finish, final))
+            try:
+                self.wait()
+                if status == "complete":
+                    self._pending.append(self._pool.submit(self._guarded, self.dest.commit))
+                    self.wait()
+                else:
+                    self.dest.abandon()
+            except Exception as e:
+                if error is None:
+                    error = e
+                if self.dest.published and final["status"] != "failed" or \
+                        self.attrs.get("status") == "running":
+                    try:  # one more try to leave the published store marked failed
+                        cause = e.__cause__ if e.__cause__ is not None else e
+                        self._finish({**attrs, "status": "failed",
+                                      "error": f"recorder: {type(cause).__name__}: {cause}"})
+                    except Exception:
+                        pass
+                self.dest.abandon()
         finally:
             self._pool.shutdown(wait=True)
+            self.dest.release()
         if error is not None:
             raise error
 
@@ -296,7 +272,8 @@ class Recorder:
                 pass
 
 
-def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1) -> dict[str, bytes]:
+def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
+                  capacity: dict[str, int] | None = None) -> dict[str, bytes]:
     """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D,
     predictor rank R) layout: every array's metadata at its initial capacity plus the constant
     coordinates."""
@@ -304,7 +281,7 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1) -> dict[str, b
     def build(group: zarr.Group) -> None:
         sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D,
                  "rank": R}
-        specs = {name: dict(shape=(INITIAL_CAPACITY[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
+        specs = {name: dict(shape=(cap[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
                             # chunk files "c.0.0" sit in the array's folder: no subfolders to
@@ -327,7 +304,9 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1) -> dict[str, b
         for name, values in index.items():
             group[name][:] = values
 
-    return zarr_files.layout_template(("run-store", SCHEMA_VERSION, L, E, k, D, R), build)
+    cap = {**INITIAL_CAPACITY, **(capacity or {})}
+    return zarr_files.layout_template(
+        ("run-store", SCHEMA_VERSION, L, E, k, D, R, tuple(sorted(cap.items()))), build)
 
 
 def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1
@@ -427,23 +406,6 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     return out
 
 
-def open_run(path: str | Path) -> xr.Dataset:
-    """Open a run store (finished, failed or still being written) as an xarray Dataset.
-
-    Growing dimensions are cut to the lengths the writer last committed, so a concurrent writer
-    or a killed one never exposes half-written steps. Knob values are in ``ds.attrs`` as
-    ``knob.<name>`` (JSON text); ``workbench.Knobs.from_attrs(ds.attrs)`` rebuilds them.
-    """
-    path = Path(path)
-    if not (path / "zarr.json").exists():
-        raise InputError(f"run store {str(path)!r} does not exist or is not a zarr store")
-    # chunks=None: lazily indexed numpy arrays, not dask (runs are read piecewise by the UI)
-    ds = xr.open_zarr(str(path), consolidated=False, zarr_format=3, chunks=None)
-    committed = ds.attrs.get("committed", {})
-    if isinstance(committed, str):
-        committed = json.loads(committed)
-    cut = {d: slice(0, int(committed.get(d, 0))) for d in GROWING if d in ds.dims}
-    ds = ds.isel(cut)
-    return ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
+from workbench.telemetry.reader import open_run  # noqa: E402,F401  (the read side)
 
 import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)

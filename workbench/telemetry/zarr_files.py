@@ -12,6 +12,9 @@ writer's part with plain file I/O:
   keeps the last, partly filled chunk in memory, so an append never reads a chunk back.
 - Every file goes through :func:`atomic_write` (temp file + ``os.replace``), as zarr's own
   ``LocalStore`` does, so a concurrent reader sees a chunk or document either whole or not at all.
+- Every chunk inside the written extent has a file (schema 3), so a missing one is corruption.
+- Each file-system step calls :func:`workbench.telemetry.destination.io_step`, where tests
+  inject faults and capture what a crash at that instant leaves.
 
 Invariant: the documents written are exactly those zarr produced for the layout, changed only in
 ``shape`` (growth and trim) and the group's ``attributes``; ``zarr``/``xarray`` read them as usual.
@@ -30,6 +33,9 @@ import numpy as np
 import zarr
 from zarr.storage import MemoryStore
 
+from workbench.telemetry import destination
+from workbench.telemetry.destination import io_step
+
 _TEMPLATES: dict[Any, dict[str, bytes]] = {}
 
 
@@ -37,18 +43,37 @@ def atomic_write(path: Path, data: bytes, *, unseen: bool = False) -> None:
     """Write ``data`` to ``path`` so that readers never see a partial file.
 
     ``unseen=True``: no reader can look at ``path`` yet (a chunk past every committed row), so
-    it is written in place, without the temp file and rename.
+    it is written in place, without the temp file and rename. A failed write (a full disk)
+    removes its temp file before the error propagates.
     """
     target = path if unseen else path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    io_step("open", target)
     try:
         f = open(target, "wb")
     except FileNotFoundError:  # first file in this folder (cheaper than mkdir every time)
+        io_step("mkdir", path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(target, "wb")
-    with f:
-        f.write(data)
-    if not unseen:
-        os.replace(target, path)
+    try:
+        with f:
+            if destination.FAULT_HOOK is not None:  # a crash half way through the bytes
+                half = len(data) // 2
+                f.write(data[:half])
+                f.flush()
+                io_step("write", target)
+                f.write(data[half:])
+            else:
+                f.write(data)
+        if not unseen:
+            io_step("replace", path)
+            os.replace(target, path)
+    except BaseException:
+        if not unseen:
+            try:
+                os.unlink(target)
+            except OSError:
+                pass
+        raise
 
 
 def _json_default(o: Any) -> Any:
@@ -133,7 +158,7 @@ class AppendArray:
             self._compress = z.encode
         self._open_index = -1  # chunk index held in memory (the last one written)
         self._open: np.ndarray | None = None
-        self._on_disk: set[int] = set()  # chunk indices with a file (absent = all fill value)
+        self._on_disk: set[int] = set()  # chunk indices that have a file
 
     @property
     def length(self) -> int:
@@ -161,13 +186,13 @@ class AppendArray:
                 buf = np.full((L, *self.tail), self.fill, self.dtype)
             lo, hi = max(start, c * L), min(end, (c + 1) * L)
             buf[lo - c * L:hi - c * L] = data[lo - start:hi - start]
-            # a chunk still all fill value needs no file (zarr reads a missing chunk as fill)
-            if c in self._on_disk or (buf != self.fill).any():
-                # readers may read rows before ``start`` (they are committed), so a chunk that
-                # holds any of them is replaced atomically; a chunk past them is written in place
-                atomic_write(self.dir / self._key(c), bytes(self._compress(buf.tobytes())),
-                             unseen=c * L >= start and c not in self._on_disk)
-                self._on_disk.add(c)
+            # every chunk gets a file, even one still all fill value: a reader can then tell a
+            # deleted chunk (corruption) from an empty one. Readers may read rows before
+            # ``start`` (they are committed), so a chunk that holds any of them is replaced
+            # atomically; a chunk past them is written in place
+            atomic_write(self.dir / self._key(c), bytes(self._compress(buf.tobytes())),
+                         unseen=c * L >= start and c not in self._on_disk)
+            self._on_disk.add(c)
             self._open_index, self._open = c, buf
 
     def resize(self, length: int) -> None:

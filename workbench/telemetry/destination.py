@@ -1,0 +1,347 @@
+"""Where a run store is written: one writer per path, checked before any model loads, replaced
+atomically.
+
+A run store path goes through three states, and a crash (SIGKILL, power loss of the process,
+a full disk) at any instant leaves it in one of them:
+
+1. **absent** (or an empty folder, which holds nothing to lose);
+2. **published**: a complete store layout whose root ``zarr.json`` says ``running``, ``complete``
+   or ``failed``; readers cut every growing array to the ``committed`` extent;
+3. for ``overwrite``: the **old store, untouched**, until the new run has finished; then the two
+   are exchanged in one ``renameat2(RENAME_EXCHANGE)`` (or two renames where the file system has
+   no exchange; a crash between them leaves the old store in a hidden ``.<name>.old-*`` sibling,
+   which the next writer of the path puts back).
+
+The writer holds an exclusive ``flock`` on ``<parent>/.<name>.lock`` from its checks until the store
+is final, so a second writer of the same path fails at once with :class:`StoreBusyError` instead
+of interleaving its steps with the first one's. New stores are laid out in a hidden staging sibling
+``.<name>.staging-*`` and renamed into place, so a folder at the path is never half laid out.
+Leftovers of a killed writer (staging folders, an ``.old-*`` sibling, temp files) are cleaned by
+the next writer of the same path, under the lock.
+
+``--overwrite`` deletes only what is provably a workbench run store: a folder whose entries are
+exactly the store's own (see :func:`foreign_entries`) and whose root document, if any, carries the
+workbench markers. Anything else is refused, naming what is in the way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
+
+#: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
+#: writer (see :func:`io_step`). Raising from it injects an I/O error at that step; copying the
+#: folder inside it captures exactly what a crash at that instant would leave on disk.
+FAULT_HOOK: Callable[[str, Path], None] | None = None
+
+
+def io_step(op: str, path: Path) -> None:
+    """Mark one file-system step of the writer (a no-op unless a test set :data:`FAULT_HOOK`)."""
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(op, path)
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def _siblings(path: Path, kind: str) -> list[Path]:
+    prefix = f".{path.name}.{kind}-"
+    try:
+        return [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def _is_empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+    except OSError:
+        return False
+
+
+def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
+    """Entries of ``path`` that a workbench run store never holds (empty: provably a store).
+
+    A store holds its array folders (names in ``known``), its root ``zarr.json``, the writer's
+    hidden temp and reserve files, and inside each array folder only ``zarr.json``, chunk files
+    ``c.*`` (or a ``c`` folder of nested chunk keys, schema 1) and temp files. The root document,
+    when present, must be a zarr group carrying ``schema_version`` and ``workbench_version``.
+    """
+    known = set(known)
+    out: list[str] = []
+    try:
+        entries = list(path.iterdir())
+    except OSError as e:
+        return [f"(unreadable: {e.strerror})"]
+    for p in entries:
+        name = p.name
+        if name.startswith(".") and (name.endswith(".tmp") or name == ".reserve"):
+            continue
+        if name == "zarr.json" and p.is_file() and not p.is_symlink():
+            try:
+                doc = json.loads(p.read_bytes())
+                attrs = doc.get("attributes", {}) if isinstance(doc, dict) else None
+                ok = (isinstance(attrs, dict) and doc.get("node_type") == "group"
+                      and "schema_version" in attrs and "workbench_version" in attrs)
+            except (OSError, ValueError, RecursionError):
+                ok = False
+            if not ok:
+                out.append("zarr.json (not a workbench run store's)")
+            continue
+        if name not in known or not p.is_dir() or p.is_symlink():
+            out.append(name)
+            continue
+        try:
+            inner = list(p.iterdir())
+        except OSError:
+            out.append(f"{name}/ (unreadable)")
+            continue
+        for q in inner:
+            n = q.name
+            if q.is_symlink():
+                out.append(f"{name}/{n}")
+            elif n == "zarr.json" or (n.startswith(".") and n.endswith(".tmp")):
+                continue
+            elif n.startswith("c.") and q.is_file():
+                continue
+            elif n == "c" and q.is_dir():
+                continue
+            else:
+                out.append(f"{name}/{n}")
+    return sorted(out)
+
+
+def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -> Path:
+    """Check, before anything is loaded or written, that a run store can be written at
+    ``path``; returns the path to write (a symlink resolved to its target).
+
+    Raises :class:`StoreExistsError` (exists, no ``overwrite``), :class:`StoreError` (empty
+    path, a parent that is a file, not writable, not a workbench store to overwrite) with a
+    message naming the path. Creates nothing but a probe file it removes at once.
+    """
+    if str(path).strip() == "":
+        raise StoreError("store path is empty; give a folder name such as runs/demo.zarr")
+    p = Path(path).expanduser()
+    if p.is_symlink():
+        target = Path(os.path.realpath(p))
+        if not target.exists():
+            raise StoreError(f"store {str(p)!r} is a symlink to {str(target)!r}, which does not "
+                             f"exist; remove the link or point it at a run store")
+        p = target
+    p = Path(os.path.abspath(p))
+    if p.exists():
+        if not p.is_dir():
+            raise StoreError(f"store {str(p)!r} exists and is not a folder; refusing to replace "
+                             f"a file — choose another path")
+        if not _is_empty_dir(p):
+            if not overwrite:
+                raise StoreExistsError(
+                    f"store {str(p)!r} already exists; pass --overwrite (overwrite=True) to "
+                    f"replace it, or choose another path")
+            foreign = foreign_entries(p, known)
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                                  if len(foreign) > 5 else "")
+                raise StoreError(
+                    f"{str(p)!r} is not a workbench run store (it holds {shown}); --overwrite "
+                    f"only replaces run stores — refusing to delete it")
+    check_creatable(p, "store")
+    return p
+
+
+def check_creatable(p: Path, what: str) -> None:
+    """The nearest existing folder above ``p`` is a folder this process can create files in
+    (tried with a probe file, since permission bits say nothing to root, to an immutable folder
+    or a read-only mount); otherwise :class:`StoreError` naming ``p``."""
+    anc = p.parent
+    while not anc.exists():
+        if anc.is_symlink():  # a dangling link in the way
+            raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a broken symlink")
+        anc = anc.parent
+    if not anc.is_dir():
+        raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
+                         f"path under a folder")
+    probe = anc / f".workbench-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StoreError(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
+                         f"({e.strerror or e}); choose a writable location") from None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+class Destination:
+    """The claim of one writer on one store path (see the module doc).
+
+    ``write_dir`` is where the writer puts files: the staging folder until :meth:`publish`
+    (fresh stores) or until :meth:`commit` (overwrite), the store path afterwards. Call
+    :meth:`commit` when the run finished (overwrite: the exchange), :meth:`abandon` when it failed
+    (overwrite: the staged run is dropped and the old store kept), then :meth:`release`.
+    """
+
+    def __init__(self, path: str | Path, overwrite: bool, known: Iterable[str]) -> None:
+        self.known = tuple(known)
+        self.path = check_destination(path, overwrite, self.known)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = self._lock()
+        except OSError as e:
+            raise writable_error(e, self.path, "cannot be created") from e
+        try:
+            self._recover()
+            # checked again under the lock: another writer may have finished in between
+            self.path = check_destination(self.path, overwrite, self.known)
+            self.replace = self.path.exists() and not _is_empty_dir(self.path)
+            self.stage = self.path.with_name(
+                f".{self.path.name}.staging-{os.getpid()}-{secrets.token_hex(4)}")
+            io_step("mkdir", self.stage)
+            self.stage.mkdir()
+        except BaseException as e:
+            self.release()
+            if isinstance(e, OSError) and not isinstance(e, WorkbenchError):
+                raise writable_error(e, self.path, "cannot be created") from e
+            raise
+        self.write_dir = self.stage
+        self.published = False
+
+    # -- the lock ------------------------------------------------------------------------------
+    def _lock(self) -> int:
+        lock = _lock_path(self.path)
+        for _ in range(100):
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    who = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                raise StoreBusyError(
+                    f"store {str(self.path)!r} is being written by another process ({who or 'pid unknown'}); "
+                    f"a store has exactly one writer — wait for that run to finish or choose "
+                    f"another path") from None
+            try:  # the file we locked may have been unlinked by a releasing writer: retry
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                                  f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode(), 0)
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        raise StoreBusyError(f"store {str(self.path)!r}: could not take its lock {str(lock)!r}")
+
+    def release(self) -> None:
+        """Drop the lock (idempotent). The lock file is removed while still held, so a writer
+        waiting on the old file notices and retries on a fresh one."""
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is None:
+            return
+        try:
+            os.unlink(_lock_path(self.path))
+        except OSError:
+            pass
+        os.close(fd)
+
+    # -- crash leftovers -----------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Undo what a killed writer of this path left (we hold the lock, so it is dead)."""
+        olds = sorted(_siblings(self.path, "old"), key=lambda p: p.stat().st_mtime)
+        if olds and (not self.path.exists() or _is_empty_dir(self.path)):
+            # killed between the two renames of a non-atomic replace: the old store comes back
+            if _is_empty_dir(self.path):
+                self.path.rmdir()
+            os.rename(olds.pop(), self.path)
+        for p in [*olds, *_siblings(self.path, "staging")]:
+            shutil.rmtree(p, ignore_errors=True)
+        if self.path.is_dir() and not self.path.is_symlink():
+            _remove_temp_files(self.path)
+
+    # -- the writer's milestones ---------------------------------------------------------------
+    def publish(self) -> None:
+        """A fresh store's layout is complete in the staging folder: rename it into place (from
+        now on readers see it). For an overwrite nothing happens until :meth:`commit`."""
+        if self.replace or self.published:
+            return
+        io_step("publish", self.path)
+        os.rename(self.stage, self.path)  # onto nothing, or onto an empty folder
+        self.write_dir = self.path
+        self.published = True
+
+    def commit(self) -> None:
+        """The run is final: an overwrite exchanges the staged store with the old one."""
+        if not self.replace:
+            self.publish()
+            return
+        io_step("exchange", self.path)
+        if _exchange(self.stage, self.path):
+            old = self.stage
+        else:
+            old = self.path.with_name(
+                f".{self.path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            os.rename(self.path, old)
+            io_step("exchange-2", self.path)
+            os.rename(self.stage, self.path)
+        self.write_dir = self.path
+        self.published = True
+        try:  # the new store is in place: failing to delete the old copy fails nothing (the
+            # next writer of this path removes a leftover)
+            io_step("drop-old", old)
+        except OSError:
+            pass
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """The run failed. Overwrite: the staged store is dropped, the old one stays. A fresh
+        store that was already published stays (marked failed by the writer); one that was not
+        is dropped."""
+        if not self.published:
+            shutil.rmtree(self.stage, ignore_errors=True)
+        elif self.write_dir.is_dir():
+            _remove_temp_files(self.write_dir)
+            (self.write_dir / ".reserve").unlink(missing_ok=True)
+
+
+def _remove_temp_files(root: Path) -> None:
+    for p in [root, *(q for q in root.iterdir() if q.is_dir() and not q.is_symlink())]:
+        try:
+            for f in p.iterdir():
+                if f.name.startswith(".") and f.name.endswith(".tmp"):
+                    f.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def writable_error(e: OSError, path: Path, what: str) -> StoreError:
+    """A :class:`StoreError` for an I/O failure while writing store ``path``."""
+    reason = e.strerror or str(e)
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return StoreError(f"run store {str(path)!r}: {what}: {reason}{where}")
