@@ -661,3 +661,16 @@ def test_old_schema_stores_still_open(tmp_path, good_store):
     (store / "host_runs" / "c.0.0").unlink()  # schema 2 wrote no file for an all-zero chunk
     ds = workbench.open_run(store)
     assert int(ds.host_runs.sum()) == 0 and ds.sizes["step"] == 5
+
+
+def test_store_documents_are_standard_json(tmp_path):
+    """Python writes non-finite floats as NaN/Infinity, which other JSON readers reject; a
+    store's documents hold null there."""
+    store = tmp_path / "run.zarr"
+    rec = Recorder(store, L, E, K, attrs={"x": float("inf"), "y": [1.0, float("nan")]},
+                   pinned=[True, False, False])
+    rec.close()
+    text = (store / "zarr.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    ds = workbench.open_run(store)
+    assert ds.attrs["x"] is None and ds.attrs["y"] == [1.0, None]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -84,9 +85,26 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"store attribute value {o!r} of type {type(o).__name__} is not JSON-serialisable")
 
 
+def _finite(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
 def dump_json(doc: dict) -> bytes:
+    """Standard JSON (RFC 8259), which every reader parses: a non-finite float (which Python
+    would write as the non-standard ``NaN``/``Infinity``) is stored as ``null``."""
     # compact: the C encoder (an indent forces the pure-Python one, ~10x slower)
-    return json.dumps(doc, separators=(",", ":"), default=_json_default).encode()
+    try:
+        text = json.dumps(doc, separators=(",", ":"), default=_json_default, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(json.loads(json.dumps(doc, default=_json_default))),
+                          separators=(",", ":"), allow_nan=False)
+    return text.encode()
 
 
 def layout_template(key: Any, build: Callable[[zarr.Group], None]) -> dict[str, bytes]:
