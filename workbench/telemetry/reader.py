@@ -75,23 +75,47 @@ def _read_doc(path: Path, rel: str) -> dict:
     return doc
 
 
-def _committed(path: Path, attrs: dict) -> dict[str, int]:
+def schema_version(path: Path, attrs: dict) -> int:
+    """The store's schema version, checked: a workbench store this reader can read."""
+    version = attrs.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise _fail(path, f"schema_version is {_short(version)}; not a workbench run store")
+    if version > SCHEMA_VERSION:
+        raise _fail(path, f"schema_version {version} is newer than this workbench reads "
+                          f"(≤ {SCHEMA_VERSION}); upgrade workbench")
+    return version
+
+
+def committed_extent(path: Path, attrs: dict) -> dict[str, int]:
+    """The ``committed`` row counts of the growing dims, checked (whole numbers ≥ 0)."""
     c = attrs.get("committed")
     if isinstance(c, str):  # stores written by early versions kept it as JSON text
         try:
             c = json.loads(c)
-        except ValueError:
+        except (ValueError, RecursionError):
             c = None
     if not isinstance(c, dict):
-        raise _fail(path, f"attribute 'committed' is {attrs.get('committed')!r}; expected an "
-                          f"object with a row count for each of {', '.join(GROWING)}")
+        raise _fail(path, f"attribute 'committed' is {_short(attrs.get('committed'))}; expected "
+                          f"an object with a row count for each of {', '.join(GROWING)}")
     out = {}
     for d in GROWING:
         v = c.get(d)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _fail(path, f"committed extent of {d!r} is {v!r}; expected a whole number ≥ 0")
+            raise _fail(path, f"committed extent of {d!r} is {_short(v)}; expected a whole "
+                              f"number ≥ 0")
         out[d] = v
     return out
+
+
+def run_status(path: Path, attrs: dict) -> str:
+    """``running`` / ``complete`` / ``failed``, or ``interrupted`` for a ``running`` store whose
+    writer process on this host is gone."""
+    status = attrs.get("status")
+    if not isinstance(status, str) or not status or len(status) > 40:
+        raise _fail(path, f"attribute 'status' is {_short(status)}; expected a short text")
+    if status == "running" and _writer_gone(attrs):
+        return "interrupted"
+    return status
 
 
 def _writer_gone(attrs: dict) -> bool:
@@ -109,6 +133,11 @@ def _writer_gone(attrs: dict) -> bool:
     except OSError:
         return False
     return False
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "…"
 
 
 class _StoreArray(BackendArray):
@@ -216,13 +245,9 @@ def open_run(path: str | Path) -> xr.Dataset:
     attrs = root.get("attributes")
     if root.get("node_type") != "group" or not isinstance(attrs, dict):
         raise _fail(path, "zarr.json is not a zarr group with attributes")
-    version = attrs.get("schema_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise _fail(path, f"schema_version is {version!r}; not a workbench run store")
-    if version > SCHEMA_VERSION:
-        raise _fail(path, f"schema_version {version} is newer than this workbench reads "
-                          f"(≤ {SCHEMA_VERSION}); upgrade workbench")
-    committed = _committed(path, attrs)
+    version = schema_version(path, attrs)
+    committed = committed_extent(path, attrs)
+    status = run_status(path, attrs)
     listed = attrs.get("arrays")
     if version >= 3:
         if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
@@ -273,9 +298,7 @@ def open_run(path: str | Path) -> xr.Dataset:
         data = indexing.LazilyIndexedArray(_StoreArray(path, n, arr, rows))
         var_attrs = meta.get("attributes") if isinstance(meta.get("attributes"), dict) else {}
         data_vars[n] = xr.Variable(dims, data, attrs=var_attrs)
-    ds = xr.Dataset(data_vars, coords=coords, attrs=dict(attrs))
-    if ds.attrs.get("status") == "running" and _writer_gone(attrs):
-        ds.attrs["status"] = "interrupted"
+    ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
     ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
     return ds

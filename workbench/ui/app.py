@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 TITLE = "workbench · offloaded MoE inference"
 #: poll period of the periodic callback, ms (run progress and live tail)
 POLL_MS = 200
+#: readable runs tried, newest first, for the run shown when a session starts
+OPEN_LATEST_TRIES = 3
 
 #: styles of the HTML panes (Panel renders into shadow roots, so they are passed per pane)
 STYLE = """
@@ -51,7 +53,7 @@ td.wb-good { color: #047857; font-weight: 600; }
 td.wb-bad { color: #b91c1c; font-weight: 600; }
 """
 
-pn.extension("plotly")
+pn.extension("plotly", "filedropper")
 
 
 def _styled(*objs: Any) -> None:
@@ -78,11 +80,14 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
             pn.state.onload(store.preload)
         else:
             store.preload()
-    if open_latest and store.runs and store.dataset is None:
-        try:
-            store.open(store.runs[0].name)
-        except WorkbenchError as e:
-            log.info("could not open the latest run: %s", e)
+    if open_latest and store.dataset is None:
+        # the newest readable run; an unreadable one is listed with its reason, never raised
+        for info in [r for r in store.runs if r.readable][:OPEN_LATEST_TRIES]:
+            try:
+                store.open(info.name)
+                break
+            except Exception as e:
+                log.info("could not open run %s: %s", info.name, e)
 
     # -- left: request, knobs, run control, runs -------------------------------------------
     inp = input_widgets(store, demo_folder)
@@ -98,6 +103,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
             inp["run_name"].value = ""
         except WorkbenchError as e:
             store.error = str(e)
+        except Exception as e:  # never into Panel: say what happened
+            log.exception("run could not start")
+            store.error = f"the run could not start: {type(e).__name__}: {str(e)[:300]}"
 
     def on_running(*events: Any) -> None:
         run_b.disabled = store.running
@@ -119,7 +127,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     runs_card = card(
         runs["select"], pn.Row(runs["open"], runs["refresh"], runs["adopt"]),
         pn.Row(runs["pin"], runs["clear"], sizing_mode="stretch_width"), runs["baseline"],
-        runs["message"],
+        runs["message"], runs["problems"],
         title="Runs", collapsible=False)
     _styled(inp["upload_hint"], runs["baseline"])
     sidebar = [request, pn.Row(run_b, stop_b), error, *knob_cards(store.knobs), runs_card]
@@ -186,6 +194,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     else:
         app = pn.Row(pn.Column(*sidebar, width=400), pn.Column(*main))
     app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
+    app._wb_widgets = {"input": inp, "runs": runs, "error": error, "progress": progress}
     return app
 
 

@@ -18,6 +18,12 @@ Invariants
 - **Names never escape the workspace**: run names are single path components of letters,
   digits, ``.``, ``_``, ``-`` (no ``..``, separators or absolute paths) and the resolved path,
   symlinks followed, must lie directly in the workspace folder.
+- **A bad file never takes the page down**: :func:`list_runs` lists every ``*.zarr`` entry of
+  the workspace, one that cannot be read (garbage, truncated or tampered ``zarr.json``,
+  attributes of the wrong type, a file, a link loop, an odd name) as ``unreadable`` with the
+  reason; :meth:`DataStore.open` raises :class:`~workbench.errors.StoreError` with the reason
+  (missing or corrupt arrays included, found by :func:`load_run`) and keeps the shown run;
+  :meth:`DataStore.poll` never raises. Views draw a placeholder saying why instead of raising.
 - **No pickle**: uploaded images are decoded by PIL (PNG/JPEG only, size-limited) and re-encoded
   as PNG into ``<workspace>/uploads``; everything else on disk is zarr/JSON.
 
@@ -49,26 +55,36 @@ import numpy as np
 import param
 import xarray as xr
 
-from workbench.errors import InputError, WorkbenchError
+from workbench.errors import InputError, StoreError, WorkbenchError
 from workbench.knobs import Knobs
 from workbench.options import get_options
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
+from workbench.telemetry.schema import GROWING
 from workbench.ui.replay import AS_RECORDED, SCOPES, ReplayStudy, recorded_slots, study, \
     target_choices
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DataStore", "RunInfo", "ab_deltas", "check_image_upload", "default_workspace",
-           "demo_inputs", "list_runs", "resolve_run_path", "safe_run_name", "selected_steps",
-           "MAX_UPLOAD_BYTES", "MAX_UPLOAD_PIXELS"]
+           "demo_inputs", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
+           "selected_steps", "upload_limit_text", "MAX_UPLOAD_BYTES", "MAX_UPLOAD_PIXELS",
+           "UNREADABLE"]
 
-#: largest accepted upload, in bytes (5 MiB)
-MAX_UPLOAD_BYTES = 5 * 1024 * 1024
+#: largest accepted upload, in bytes (5 MB: decimal, as the upload widget counts and says it)
+MAX_UPLOAD_BYTES = 5_000_000
 #: largest accepted upload, in pixels (width × height), against decompression bombs
 MAX_UPLOAD_PIXELS = 4096 * 4096
 #: image formats accepted from uploads (PIL format names)
 UPLOAD_FORMATS = ("PNG", "JPEG")
+
+#: the shown store's zarr.json is re-read at least this often (s), even if its stat looks the same
+TAIL_REREAD_S = 1.0
+#: failed re-reads of a store being written before it is reported unreadable
+TAIL_RETRIES = 10
+#: longest answer shown (characters)
+MAX_ANSWER_CHARS = 20_000
+_BAD = object()
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 MODALITY_CHOICES = ("all", "text", "image")
@@ -110,73 +126,196 @@ def safe_run_name(name: str) -> str:
 
 def resolve_run_path(workspace: str | Path, name: str) -> Path:
     """The store path of run ``name`` inside ``workspace``; :class:`InputError` if it would lie
-    anywhere else (symlinks are followed before the check)."""
+    anywhere else (symlinks are followed before the check; a symlink loop is refused too)."""
     ws = Path(workspace).resolve()
     p = ws / safe_run_name(name)
-    if p.parent != ws or p.resolve().parent != ws:
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        raise InputError(f"run {name!r} is a symbolic link that loops or cannot be followed"
+                         ) from None
+    if p.parent != ws or real.parent != ws:
         raise InputError(f"run {name!r} is outside the workspace {str(ws)!r}")
     return p
 
 
+#: the largest run metadata document (``zarr.json``) read, in bytes (as the store reader)
+MAX_META_BYTES = 64 * 1024 * 1024
+#: characters of a run's prompt kept in listings and shown above the answer
+MAX_PROMPT_CHARS = 1000
+#: characters of a name or reason shown in a run's label
+_LABEL_CHARS = 70
+#: status of a listed store that cannot be read (:attr:`RunInfo.problem` says why)
+UNREADABLE = "unreadable"
+
+
+def _printable(text: str, limit: int = 120) -> str:
+    """``text`` safe to show: undecodable bytes and control characters escaped, cut to
+    ``limit`` characters."""
+    t = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    t = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in t)
+    return t if len(t) <= limit else t[:limit - 1] + "…"
+
+
 @dataclass(frozen=True)
 class RunInfo:
-    """One store of the workspace, as listed (``steps``: committed steps)."""
+    """One store of the workspace, as listed (``steps``: committed steps). A store that cannot
+    be read is listed with ``status == "unreadable"`` and the reason in ``problem``."""
 
     name: str
     status: str
     steps: int
     created: str
     prompt: str
+    problem: str = ""
+
+    @property
+    def readable(self) -> bool:
+        return not self.problem
 
     @property
     def label(self) -> str:
-        return f"{self.name[:-5] if self.name.endswith('.zarr') else self.name} · {self.status}" \
-               f" · {self.steps} steps"
+        short = self.name[:-5] if self.name.endswith(".zarr") else self.name
+        if self.problem:
+            return f"{_printable(short, 40)} · {UNREADABLE}: " \
+                   f"{_printable(self.problem, _LABEL_CHARS)}"
+        return f"{short} · {self.status} · {self.steps} steps"
 
 
 def _read_attrs(path: Path) -> dict[str, Any]:
-    """The group attributes of a store, from its ``zarr.json`` (raises on a half-written file)."""
-    meta = json.loads((path / "zarr.json").read_text())
-    attrs = meta.get("attributes", {})
-    return attrs if isinstance(attrs, dict) else {}
+    """The group attributes of a store, from its ``zarr.json``. :class:`StoreError` (with the
+    reason) when the document is too large, not JSON, not an object or has no attribute object;
+    ``OSError`` when it cannot be read."""
+    meta = path / "zarr.json"
+    size = meta.stat().st_size
+    if size > MAX_META_BYTES:
+        raise StoreError(f"its zarr.json is {size / 2**20:.0f} MiB; a run's metadata is at most "
+                         f"{MAX_META_BYTES // 2**20} MiB")
+    try:
+        doc = json.loads(meta.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise StoreError(f"its zarr.json is not valid JSON ({type(e).__name__}: "
+                         f"{str(e)[:80]})") from None
+    if not isinstance(doc, dict):
+        raise StoreError(f"its zarr.json is not a JSON object (it is a {type(doc).__name__})")
+    attrs = doc.get("attributes", {})
+    if not isinstance(attrs, dict):
+        raise StoreError(f"its zarr.json attributes are a {type(attrs).__name__}, not an object")
+    return attrs
 
 
-def _committed(attrs: dict[str, Any]) -> dict[str, int]:
-    c = attrs.get("committed", {})
-    if isinstance(c, str):
-        c = json.loads(c)
-    return {k: int(v) for k, v in c.items()} if isinstance(c, dict) else {}
+def _check_attrs(path: Path, attrs: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """``(status, committed)`` of a store's attributes, or :class:`StoreError` saying which
+    attribute is wrong (the cheap check of a listing; :func:`load_run` checks the arrays). The
+    reader's own checks: a killed writer's store is ``interrupted`` here too."""
+    from workbench.telemetry.reader import committed_extent, run_status, schema_version
+
+    try:
+        schema_version(path, attrs)
+        return run_status(path, attrs), committed_extent(path, attrs)
+    except StoreError as e:  # the listing names the run already: no server path in the page
+        raise StoreError(str(e).split("': ", 1)[-1]) from None
 
 
-_LIST_CACHE: dict[Path, tuple[int, RunInfo]] = {}
+def _meta_key(path: Path) -> tuple[int, int, int]:
+    """Identity of a store's current ``zarr.json`` (the writer replaces it atomically)."""
+    st = (path / "zarr.json").stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _os_reason(e: OSError) -> str:
+    return f"{e.strerror or type(e).__name__}" + (f" ({type(e).__name__})" if e.strerror else "")
+
+
+#: listed stores by path (the workspace resolved): (key of their zarr.json, RunInfo); a store
+#: that failed to open keeps its reason here until its zarr.json changes
+_LIST_CACHE: dict[Path, tuple[Any, RunInfo]] = {}
+
+
+def _inspect(real_ws: Path, p: Path) -> RunInfo | None:
+    """The listing of entry ``p`` of the workspace: None if it is not meant as a run (hidden,
+    not ``*.zarr``), a RunInfo otherwise — unreadable with the reason if it cannot be read.
+    Never raises."""
+    name = p.name
+    if name.startswith(".") or not name.endswith(".zarr"):
+        return None  # hidden: a writer's staging/lock siblings, or not a store
+
+    def bad(reason: str) -> RunInfo:
+        return RunInfo(name=_printable(name), status=UNREADABLE, steps=0, created="", prompt="",
+                       problem=reason)
+
+    if not _NAME_RE.fullmatch(name):
+        return bad("its name is not a run name (letters, digits, '.', '_' and '-', at most 100, "
+                   "starting with a letter or digit); rename the folder to open it")
+    try:
+        if p.is_symlink():
+            try:
+                real = p.resolve(strict=True)
+            except (OSError, RuntimeError):
+                return bad("it is a symbolic link that loops or points nowhere")
+            if real.parent != real_ws:
+                return bad("it is a symbolic link to a folder outside the workspace")
+        if not p.is_dir():
+            return bad("it is a file, not a run store folder")
+        try:
+            key = _meta_key(p)
+        except FileNotFoundError:
+            return bad("it has no zarr.json: not a run store (or its writer was killed before "
+                       "it published anything)")
+        hit = _LIST_CACHE.get(real_ws / name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        attrs = _read_attrs(p)
+        status, committed = _check_attrs(p, attrs)
+        prompt = attrs.get("prompt", "")
+        info = RunInfo(name=name, status=status, steps=committed["step"],
+                       created=_printable(str(attrs.get("created", "")), 40),
+                       prompt=str(prompt)[:MAX_PROMPT_CHARS])
+    except StoreError as e:
+        info = bad(str(e))
+    except OSError as e:
+        return bad(f"it cannot be read: {_os_reason(e)}")
+    except Exception as e:  # anything else: listed as unreadable, never raised
+        log.warning("listing %s failed: %s", p, traceback.format_exc())
+        return bad(f"{type(e).__name__}: {str(e)[:120]}")
+    _LIST_CACHE[real_ws / name] = (key, info)
+    return info
+
+
+def _mark_unreadable(path: Path, reason: str) -> None:
+    """List the store at ``path`` as unreadable with ``reason`` until its zarr.json changes
+    (a store whose arrays fail to open lists fine from its metadata alone)."""
+    try:
+        key = _meta_key(path)
+    except OSError:
+        return
+    _LIST_CACHE[path] = (key, RunInfo(name=path.name, status=UNREADABLE, steps=0, created="",
+                                      prompt="", problem=reason))
 
 
 def list_runs(workspace: str | Path) -> list[RunInfo]:
-    """Run stores directly in ``workspace`` (folders ``*.zarr`` with a ``zarr.json``), newest
-    first. A store being written is listed with ``status == "running"``."""
+    """Run stores directly in ``workspace`` (entries ``*.zarr``), newest first, then the ones
+    that cannot be read (``status == "unreadable"``, the reason in ``problem``: a garbage or
+    tampered ``zarr.json``, a file or a link loop named ``*.zarr``, a name that is not a run
+    name, …). A store being written is listed with ``status == "running"``. Hidden entries are
+    skipped. Never raises for a bad entry; :class:`InputError` if the workspace itself is a
+    folder that cannot be listed."""
     ws = Path(workspace)
     if not ws.is_dir():
         return []
-    out: list[RunInfo] = []
-    for p in ws.iterdir():
-        meta = p / "zarr.json"
-        if not p.name.endswith(".zarr") or not _NAME_RE.fullmatch(p.name) or not meta.is_file():
-            continue
-        try:
-            mtime = meta.stat().st_mtime_ns
-            hit = _LIST_CACHE.get(p)
-            if hit is not None and hit[0] == mtime:
-                out.append(hit[1])
-                continue
-            attrs = _read_attrs(p)
-        except (OSError, ValueError):
-            continue  # half-written metadata: list it on the next refresh
-        info = RunInfo(name=p.name, status=str(attrs.get("status", "?")),
-                       steps=int(_committed(attrs).get("step", 0)),
-                       created=str(attrs.get("created", "")), prompt=str(attrs.get("prompt", "")))
-        _LIST_CACHE[p] = (mtime, info)
-        out.append(info)
-    return sorted(out, key=lambda r: (r.created, _birth(ws / r.name), r.name), reverse=True)
+    try:
+        entries = list(ws.iterdir())
+        real_ws = ws.resolve()
+    except (OSError, RuntimeError) as e:
+        raise InputError(f"the workspace {str(ws)!r} cannot be listed: "
+                         f"{_os_reason(e) if isinstance(e, OSError) else e}") from None
+    out = [info for p in entries if (info := _inspect(real_ws, p)) is not None]
+    present = {real_ws / p.name for p in entries}
+    for p in [p for p in _LIST_CACHE if p.parent == real_ws and p not in present]:
+        _LIST_CACHE.pop(p, None)  # removed since: forget it
+    good = sorted((r for r in out if r.readable),
+                  key=lambda r: (r.created, _birth(ws / r.name), r.name), reverse=True)
+    return good + sorted((r for r in out if not r.readable), key=lambda r: r.name)
 
 
 def _birth(path: Path) -> int:
@@ -210,17 +349,34 @@ def demo_inputs(folder: str | Path | None = None) -> list[dict[str, str]]:
     (``image`` an absolute path); empty when the folder or file is missing or unreadable."""
     d = Path(folder) if folder is not None else demo_dir()
     try:
-        items = json.loads((d / "prompts.json").read_text())
-    except (OSError, ValueError):
+        f = d / "prompts.json"
+        if f.stat().st_size > MAX_META_BYTES:
+            raise ValueError(f"{f} is too large")
+        items = json.loads(f.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        if not isinstance(e, FileNotFoundError):
+            log.warning("demo inputs in %s are unreadable: %s", d, e)
         return []
     out = []
     for it in items if isinstance(items, list) else []:
-        img = d / str(it.get("image", ""))
-        if not it.get("prompt") or not img.is_file() or img.parent != d:
+        try:
+            if not isinstance(it, dict) or not isinstance(it.get("prompt"), str) \
+                    or not it["prompt"].strip() or not isinstance(it.get("image", ""), str):
+                continue
+            img = d / it.get("image", "")
+            if not img.is_file() or img.parent != d:
+                continue
+            prompt = it["prompt"][:MAX_PROMPT_CHARS]
+            out.append({"label": _printable(f"{img.stem} — {prompt}", 100), "image": str(img),
+                        "prompt": prompt, "answer": str(it.get("answer", ""))[:MAX_PROMPT_CHARS]})
+        except (OSError, ValueError):  # a name the file system refuses (NUL, too long, …)
             continue
-        out.append({"label": f"{img.stem} — {it['prompt']}", "image": str(img),
-                    "prompt": str(it["prompt"]), "answer": str(it.get("answer", ""))})
     return out
+
+
+def upload_limit_text(max_bytes: int = MAX_UPLOAD_BYTES) -> str:
+    """The upload limit in words (``"5 MB"``; decimal megabytes, as the upload widget says)."""
+    return f"{max_bytes / 1e6:g} MB"
 
 
 def check_image_upload(data: bytes | None, filename: str | None = None,
@@ -231,12 +387,15 @@ def check_image_upload(data: bytes | None, filename: str | None = None,
     the type is decided by decoding, never by the extension."""
     from PIL import Image, UnidentifiedImageError
 
-    label = repr(filename) if filename else "the upload"
+    label = _printable(repr(filename), 80) if filename else "the upload"
     if not data:
         raise InputError(f"{label} is empty")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InputError(f"{label} is {type(data).__name__}, not the bytes of an image")
+    data = bytes(data)
     if len(data) > max_bytes:
-        raise InputError(f"{label} is {len(data) / 2**20:.1f} MB; images up to "
-                         f"{max_bytes / 2**20:.0f} MB are accepted")
+        raise InputError(f"{label} is {len(data) / 1e6:.1f} MB; images up to "
+                         f"{upload_limit_text(max_bytes)} are accepted")
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt = im.format
@@ -345,31 +504,92 @@ def share_difference(current: xr.Dataset, baseline: xr.Dataset, modality: str = 
 _NOT_LOADED = ("topk_ids", "topk_weights", "token_id", "token_step")
 
 
+#: name lists a store's attrs carry, with the names the views look up in them
+_NAME_ATTRS = {"phase_names": ("prefill", "decode"), "lane_names": ("compute", "transfer", "stall"),
+               "clock_names": ("measured", "modeled")}
+
+
+def _check_loaded(ds: xr.Dataset) -> None:
+    """What the views index with, checked once: the attrs' name lists (a list of distinct texts
+    holding the names the views use) and the phase codes (each names a phase)."""
+    for key, needed in _NAME_ATTRS.items():
+        names = ds.attrs.get(key, list(needed))
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
+                or len(set(names)) != len(names) or not set(needed) <= set(names):
+            raise StoreError(f"its attribute {key!r} is {_printable(repr(names), 60)}; expected "
+                             f"a list of names holding {', '.join(needed)}")
+    if "phase" in ds:
+        codes = np.asarray(ds["phase"].values)
+        n = len(ds.attrs.get("phase_names", _NAME_ATTRS["phase_names"]))
+        if codes.size and (codes.min() < 0 or codes.max() >= n):
+            raise StoreError(f"its phase codes run {int(codes.min())}…{int(codes.max())}; "
+                             f"{n} phases are named")
+
+
 def load_run(path: str | Path) -> xr.Dataset:
     """``open_run(path)`` read into memory, without the per-token routing variables
     (:data:`_NOT_LOADED`), which no view uses and which dominate a long prefill: the views
-    compute from it many times, and a live run is re-read at every commit."""
+    compute from it many times, and a live run is re-read at every commit.
+
+    The run's headline numbers are computed once as a check (``ds.moe.summary()``): a store
+    the views could not draw raises here. Every failure is a :class:`StoreError` (a
+    :class:`WorkbenchError`) saying what is wrong."""
     from workbench.telemetry.store import open_run
 
-    full = open_run(path)
     try:
-        ds = full.drop_vars([v for v in _NOT_LOADED if v in full.variables]).load()
-    finally:
-        full.close()
+        full = open_run(path)
+        try:
+            ds = full.drop_vars([v for v in _NOT_LOADED if v in full.variables]).load()
+        finally:
+            full.close()
+        _check_loaded(ds)
+        ds.moe.summary()
+    except WorkbenchError as e:  # the reader names the store; the dashboard names the run
+        msg = str(e)
+        for prefix in (f"run store {str(path)!r}: ", f"run store {str(Path(path))!r}: "):
+            msg = msg[len(prefix):] if msg.startswith(prefix) else msg
+        raise StoreError(msg) from None
+    except Exception as e:  # a codec, a shape, a missing variable …: the store is corrupt
+        log.info("run store %s is unreadable:\n%s", path, traceback.format_exc())
+        raise StoreError(f"{type(e).__name__}: {str(e)[:200]}") from None
     return ds
+
+
+def _knob(attrs: dict[str, Any], name: str, default: Any = None) -> Any:
+    """Knob ``name`` of a store's attrs (``knob.<name>``, JSON text), or ``default`` when it is
+    missing or not JSON."""
+    v = attrs.get(f"knob.{name}")
+    if v is None:
+        return default
+    try:
+        return json.loads(v) if isinstance(v, str) else v
+    except (ValueError, RecursionError):
+        return default
+
+
+def knob_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The ``knob.*`` attrs of a store that hold valid JSON (for ``Knobs.from_attrs``, which
+    skips values a knob does not accept but would raise on text that is not JSON)."""
+    return {k: v for k, v in attrs.items()
+            if isinstance(k, str) and k.startswith("knob.")
+            and _knob(attrs, k[5:], _BAD) is not _BAD}
+
+
+def _max_new_tokens(attrs: dict[str, Any]) -> int | None:
+    """The ``max_new_tokens`` knob of a store's attrs when it is a whole number ≥ 1."""
+    m = _knob(attrs, "max_new_tokens")
+    return m if isinstance(m, int) and not isinstance(m, bool) and m >= 1 else None
 
 
 def _policies_of(attrs: dict[str, Any]) -> str:
     """The cache policies a run was recorded with, in words (from its ``knob.*`` attrs)."""
-    def knob(name: str, default: Any = None) -> Any:
-        try:
-            return json.loads(attrs.get(f"knob.{name}", "null"))
-        except (TypeError, ValueError):
-            return default
+    def knob(name: str) -> Any:
+        v = _knob(attrs, name)
+        return v if isinstance(v, (str, bool, int, float, type(None))) else "?"
 
-    words = [str(knob("eviction") or "?")]
+    words = [_printable(str(knob("eviction") or "?"), 40)]
     if knob("prefetch") not in (None, "none"):
-        words.append(f"{knob('prefetch')} prefetch")
+        words.append(f"{_printable(str(knob('prefetch')), 40)} prefetch")
     if knob("active_evict"):
         words.append("ActiveEvict")
     if knob("dynamic_topk"):
@@ -491,6 +711,11 @@ class DataStore(param.Parameterized):
         self._job: _Job | None = None
         self._path: Path | None = None  # store being shown
         self._sig: tuple | None = None  # (committed, status) of the loaded dataset
+        self._meta: tuple | None = None  # _meta_key of the shown store's zarr.json, last read
+        self._last_read = 0.0  # when it was last read (time.monotonic)
+        self._tail_fails = 0  # consecutive failed re-reads of a store being written
+        self._tail_problem = ""  # message shown for the shown store turning unreadable
+        self._failed: tuple | None = None  # _meta_key at which its arrays last failed to load
         self._last_refresh = 0.0
         self._trace: Any = None  # routing of the shown run, for replay
         self._trace_key: tuple | None = None
@@ -503,8 +728,14 @@ class DataStore(param.Parameterized):
         return Path(self.workspace)
 
     def refresh(self) -> list[RunInfo]:
-        """Re-list the workspace's runs."""
-        runs = list_runs(self.workspace_path)
+        """Re-list the workspace's runs (a workspace that cannot be listed sets :attr:`error`
+        and lists nothing)."""
+        try:
+            runs = list_runs(self.workspace_path)
+        except WorkbenchError as e:
+            runs = []
+            if self.error != str(e):
+                self.error = str(e)
         if runs != self.runs:
             self.runs = runs
         self._last_refresh = time.monotonic()
@@ -512,31 +743,103 @@ class DataStore(param.Parameterized):
 
     def open(self, name: str) -> xr.Dataset | None:
         """Show run ``name`` of the workspace; a store still being written is tailed by
-        :meth:`poll`. Returns the dataset (None if nothing is committed yet)."""
-        path = resolve_run_path(self.workspace_path, name)
-        if not (path / "zarr.json").is_file():
+        :meth:`poll`. Returns the dataset (None if nothing is committed yet).
+
+        A name that is not a run of the workspace raises :class:`InputError`; a store that
+        cannot be read (tampered metadata, missing or corrupt arrays, …) raises
+        :class:`StoreError` with the reason and is listed as unreadable. Either way the run
+        shown before stays shown."""
+        listed = next((r for r in self.runs if r.name == name and not r.readable), None)
+        try:
+            path = resolve_run_path(self.workspace_path, name)
+        except InputError:
+            if listed is not None:
+                raise StoreError(f"run {listed.name!r} is unreadable: {listed.problem}") from None
+            raise
+        if not path.is_dir() or not (path / "zarr.json").is_file():
+            if listed is not None:
+                raise StoreError(f"run {listed.name!r} is unreadable: {listed.problem}")
             raise InputError(f"run {name!r} is not a store in the workspace "
                              f"{str(self.workspace_path)!r}")
-        self._path, self._sig = path, None
-        self.param.update(run_name=path.name, step_range=None, error="")
-        self._tail(force=True)
-        if self.dataset is not None and self._job is None:
-            self.answer = self._answer_of(self.dataset)
-        return self.dataset
+        try:
+            key = _meta_key(path)
+            attrs = _read_attrs(path)
+            status, committed = _check_attrs(path, attrs)
+            ds = self._load(path, status) if committed["step"] > 0 else None
+        except (StoreError, OSError) as e:
+            reason = str(e) if isinstance(e, StoreError) else f"it cannot be read: {_os_reason(e)}"
+            _mark_unreadable(path, reason)
+            self.refresh()
+            raise StoreError(f"run {path.name!r} is unreadable: {reason}") from None
+        if _LIST_CACHE.get(path, (None, None))[1] is not None and \
+                not _LIST_CACHE[path][1].readable:
+            _LIST_CACHE.pop(path, None)  # readable again: list it as it is
+            self.refresh()
+        self._path, self._meta, self._last_read = path, key, time.monotonic()
+        self._sig = (tuple(sorted(committed.items())), status) if ds is not None else None
+        self._tail_fails, self._tail_problem, self._failed = 0, "", None
+        upd: dict[str, Any] = {"run_name": path.name, "step_range": None, "error": "",
+                               "dataset": ds}
+        if self._job is None:  # the progress bar belongs to a run in flight, if any
+            if ds is not None:
+                upd.update(self._progress_of(path, ds, status), answer=self._answer_of(ds))
+            else:
+                upd.update(progress=0, progress_max=_max_new_tokens(attrs) or 1, answer="",
+                           status=f"{path.name}: {status}, no step committed yet")
+        self.param.update(**upd)
+        return ds
+
+    @staticmethod
+    def _load(path: Path, status: str) -> xr.Dataset:
+        """:func:`load_run`, tried again shortly for a store being written (a writer between
+        two files of one update)."""
+        tries = 3 if status == "running" else 1
+        for i in range(tries):
+            try:
+                return load_run(path)
+            except StoreError:
+                if i == tries - 1:
+                    raise
+                time.sleep(0.1)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _progress_of(path: Path, ds: xr.Dataset, status: str) -> dict[str, Any]:
+        """Progress parameters of a stored run: ``max_new_tokens`` of its knobs, rescaled to
+        its step count when it has more steps (or no usable knob)."""
+        n = int(ds.sizes.get("step", 0))
+        m = max(_max_new_tokens(ds.attrs) or 1, n, 1)
+        st = ds.attrs.get("status", status)
+        st = st if isinstance(st, str) else status
+        running = st == "running"
+        return {"progress_max": m, "progress": min(n, m) if running else m,
+                "status": f"{path.name}: live tail, {n} steps committed" if running
+                else f"{path.name}: {_printable(st, 40)}, {n} steps"}
 
     def _answer_of(self, ds: xr.Dataset) -> str:
         """Decoded answer of a stored run (from its summary, else blank)."""
+        s = ds.attrs.get("summary")
         try:
-            return str(json.loads(ds.attrs.get("summary", "{}")).get("text", ""))
-        except ValueError:
+            d = json.loads(s) if isinstance(s, str) else s
+        except (ValueError, RecursionError):
             return ""
+        text = d.get("text", "") if isinstance(d, dict) else ""
+        return text[:MAX_ANSWER_CHARS] if isinstance(text, str) else ""
 
     def adopt_knobs(self) -> None:
         """Set the knobs to those the shown run was made with (``Knobs.from_attrs``; knobs
-        unknown to this version, or policies no longer registered, keep their values)."""
+        unknown to this version, policies no longer registered, or values that are not valid
+        JSON keep their values)."""
         if self.dataset is None:
             raise InputError("no run is shown; open one to take its knobs")
-        self.knobs.set(**Knobs.from_attrs(self.dataset.attrs).to_dict())
+        try:
+            knobs = Knobs.from_attrs(knob_attrs(self.dataset.attrs)).to_dict()
+        except WorkbenchError:
+            raise
+        except Exception as e:
+            raise InputError(f"the knobs of {self.run_name} cannot be read: "
+                             f"{type(e).__name__}: {str(e)[:200]}") from None
+        self.knobs.set(**knobs)
 
     # -- inputs ------------------------------------------------------------------------------
     def use_demo(self, item: dict[str, str]) -> None:
@@ -547,13 +850,18 @@ class DataStore(param.Parameterized):
         """Check an uploaded image (:func:`check_image_upload`), store it re-encoded as PNG in
         ``<workspace>/uploads/`` under its content hash, and make it the input image."""
         img = check_image_upload(data, filename)
+        data = bytes(data)
         up = self.workspace_path / "uploads"
-        up.mkdir(parents=True, exist_ok=True)
         path = up / f"upload-{hashlib.sha256(data).hexdigest()[:16]}.png"
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            img.save(tmp, format="PNG")
-            tmp.replace(path)
+        try:
+            up.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                tmp = path.with_suffix(".tmp")
+                img.save(tmp, format="PNG")
+                tmp.replace(path)
+        except OSError as e:
+            raise InputError(f"the upload cannot be stored in {str(up)!r}: "
+                             f"{_os_reason(e)}") from None
         self.param.update(image=str(path), error="")
         return path
 
@@ -587,7 +895,11 @@ class DataStore(param.Parameterized):
         if images is None:
             images = [self.image] if self.image else []
         ws = self.workspace_path
-        ws.mkdir(parents=True, exist_ok=True)
+        try:
+            ws.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"the workspace {str(ws)!r} cannot be created: "
+                             f"{_os_reason(e)}") from None
         path = resolve_run_path(ws, name if name else _auto_name(ws))
         if path.exists():
             raise InputError(f"run {path.name!r} already exists in the workspace; choose "
@@ -598,7 +910,8 @@ class DataStore(param.Parameterized):
                                       args=(job, knobs, prompt, [str(i) for i in images]),
                                       daemon=True)
         self._job = job
-        self._path, self._sig = path, None
+        self._path, self._sig, self._meta = path, None, None
+        self._tail_fails, self._tail_problem, self._failed = 0, "", None
         self.param.update(running=True, progress=0, progress_max=job.max_new_tokens, answer="",
                           error="", run_name=path.name, dataset=None, step_range=None,
                           status="starting …")
@@ -661,13 +974,21 @@ class DataStore(param.Parameterized):
     # -- the periodic callback ---------------------------------------------------------------
     def poll(self) -> None:
         """Bring parameters up to date: the run thread's progress, the shown store's new steps,
-        the run list (every ``refresh_s``). Cheap when nothing changed (one small JSON read)."""
-        job = self._job
-        if job is not None:
-            self._apply(job)
-        self._tail()
-        if time.monotonic() - self._last_refresh >= self.refresh_s:
-            self.refresh()
+        the run list (every ``refresh_s``). Cheap when nothing changed (one ``stat``). Never
+        raises: it runs on the event loop, where an exception would only be logged over and
+        over; an unexpected one is logged once and shown in :attr:`error`."""
+        try:
+            job = self._job
+            if job is not None:
+                self._apply(job)
+            self._tail()
+            if time.monotonic() - self._last_refresh >= self.refresh_s:
+                self.refresh()
+        except Exception as e:
+            msg = f"the dashboard could not update: {type(e).__name__}: {str(e)[:200]}"
+            if self.error != msg:
+                log.error("poll failed:\n%s", traceback.format_exc())
+                self.error = msg
 
     def _apply(self, job: _Job) -> None:
         n, m = job.tokens, job.max_new_tokens
@@ -705,35 +1026,79 @@ class DataStore(param.Parameterized):
         self.param.update(**upd)
 
     def _tail(self, force: bool = False) -> None:
-        """Re-open the shown store if its ``committed`` lengths or ``status`` changed."""
+        """Re-open the shown store if its ``committed`` lengths or ``status`` changed (its
+        ``zarr.json`` is read when the file changed, and at least every
+        :data:`TAIL_REREAD_S`). A store that turns unreadable keeps its last readable state
+        shown and says why in :attr:`error`; one being written is tried again first."""
         path = self._path
         if path is None:
             return
         try:
-            attrs = _read_attrs(path)
-        except (OSError, ValueError):
-            return  # not created yet, or metadata mid-write: next tick
-        sig = (tuple(sorted(_committed(attrs).items())), attrs.get("status"))
-        if sig == self._sig and not force:
+            key = _meta_key(path)
+        except OSError:
+            return  # not created yet (a run starting), or removed: nothing new to show
+        now = time.monotonic()
+        if not force and key == self._meta and now - self._last_read < TAIL_REREAD_S:
             return
-        if _committed(attrs).get("step", 0) == 0:
-            return  # nothing readable yet
+        self._last_read = now
+        try:
+            attrs = _read_attrs(path)
+            status, committed = _check_attrs(path, attrs)
+        except (OSError, WorkbenchError) as e:
+            self._meta = key
+            self._tail_failed(path, e)
+            return
+        sig = (tuple(sorted(committed.items())), status)
+        if (sig == self._sig and not force) or committed["step"] == 0:
+            self._meta = key
+            if sig == self._sig and self._tail_problem:  # readable again, as shown
+                self._clear_tail_problem({})
+            return  # nothing new, or nothing readable yet
+        if key == self._failed and not force:
+            return  # its arrays failed at this very metadata: wait for the next commit
         try:
             ds = load_run(path)
-        except Exception as e:  # a concurrent writer mid-resize: try again on the next tick
-            log.debug("re-open of %s deferred: %s", path, e)
+        except StoreError as e:
+            self._tail_fails += 1
+            if status == "running" and self._tail_fails < TAIL_RETRIES:
+                log.debug("re-open of %s deferred: %s", path, e)  # a writer mid-update
+                return
+            self._meta = self._failed = key
+            self._tail_failed(path, e)
             return
-        self._sig = sig
+        self._meta, self._sig, self._tail_fails = key, sig, 0
         upd: dict[str, Any] = {"dataset": ds}
         if self._job is None:  # a stored run, or one another process is writing
-            st, n = ds.attrs.get("status"), int(ds.sizes["step"])
-            try:
-                m = max(1, int(json.loads(ds.attrs.get("knob.max_new_tokens", "1"))))
-            except (TypeError, ValueError):
-                m = 1
-            upd.update(progress_max=m, progress=min(n, m) if st == "running" else m,
-                       status=f"{path.name}: live tail, {n} steps committed"
-                       if st == "running" else f"{path.name}: {st}, {n} steps")
+            upd.update(self._progress_of(path, ds, status))
+        self._clear_tail_problem(upd)
+
+    def _clear_tail_problem(self, upd: dict[str, Any]) -> None:
+        """Apply ``upd``; the shown store reads again: its unreadable message goes away."""
+        if self._tail_problem:
+            if self.error == self._tail_problem:
+                upd["error"] = ""
+            if self._job is None and "status" not in upd and self.dataset is not None:
+                upd.update(self._progress_of(self._path, self.dataset,
+                                             str(self.dataset.attrs.get("status", ""))))
+            self._tail_problem = ""
+            _LIST_CACHE.pop(self._path, None)
+        if upd:
+            self.param.update(**upd)
+
+    def _tail_failed(self, path: Path, e: Exception) -> None:
+        """The shown store cannot be read (any more): say so once, keep what is shown."""
+        reason = str(e) if isinstance(e, WorkbenchError) else f"it cannot be read: " \
+                                                                f"{_os_reason(e)}"
+        msg = f"run {path.name!r} is unreadable: {reason}"
+        if msg == self._tail_problem:
+            return
+        self._tail_problem = msg
+        if isinstance(e, StoreError):
+            _mark_unreadable(path, reason)
+        upd: dict[str, Any] = {"error": msg}
+        if self._job is None:
+            upd["status"] = f"{path.name}: unreadable" + (
+                " (its last readable state is shown)" if self.dataset is not None else "")
         self.param.update(**upd)
 
     # -- A/B ---------------------------------------------------------------------------------
@@ -766,7 +1131,15 @@ class DataStore(param.Parameterized):
         if key != self._trace_key:
             from workbench.traces import from_store
 
-            self._trace, self._trace_key, self._replay_memo = from_store(self._path), key, {}
+            try:
+                trace = from_store(self._path)
+            except WorkbenchError:
+                raise
+            except Exception as e:  # a store whose routing arrays are damaged
+                log.info("routing of %s:\n%s", self._path, traceback.format_exc())
+                raise StoreError(f"the routing of {self.run_name} cannot be read: "
+                                 f"{type(e).__name__}: {str(e)[:200]}") from None
+            self._trace, self._trace_key, self._replay_memo = trace, key, {}
         return self._trace
 
     def replay_bounds(self) -> tuple[int, int] | None:
@@ -777,6 +1150,9 @@ class DataStore(param.Parameterized):
         try:
             return slot_bounds(self.replay_trace(), self.replay_scope)
         except WorkbenchError:
+            return None
+        except Exception:  # a store whose routing cannot be read: nothing to replay
+            log.info("replay bounds of %s:\n%s", self._path, traceback.format_exc())
             return None
 
     def replay_study(self, points: int = 12) -> ReplayStudy:

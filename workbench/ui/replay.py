@@ -119,15 +119,21 @@ def recorded_slots(attrs: dict[str, Any]) -> int | None:
     """Cache slots a run had (its ``live_plan``, else its ``cache_slots`` knob), from store
     attrs; None if unknown."""
     for key, field in (("live_plan", "slots"), ("knob.cache_slots", None)):
-        v = attrs.get(key)
-        try:
-            v = json.loads(v) if isinstance(v, str) else v
-            v = v.get(field) if field and isinstance(v, dict) else v
-            if v is not None and not isinstance(v, (dict, list)):
-                return int(v)
-        except (TypeError, ValueError):
-            continue
+        v = _json_attr(attrs.get(key))
+        v = v.get(field) if field and isinstance(v, dict) else v
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v
     return None
+
+
+def _json_attr(v: Any) -> Any:
+    """A store attribute kept as JSON text, decoded; None when it is not valid JSON."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return json.loads(v)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _target(target_model: str) -> str:
@@ -149,9 +155,9 @@ def _replay_one(trace, eviction: str, slots: int, *, prefetch: str, prefetch_lea
 
     kw = {"profile": profile} if profile else {}
     for name in ("hotness_decay", "hotness_window"):  # the run's own policy knobs, if recorded
-        v = trace.attrs.get(f"knob.{name}")
-        if v is not None:
-            kw[name] = json.loads(v) if isinstance(v, str) else v
+        v = _json_attr(trace.attrs.get(f"knob.{name}"))
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v):
+            kw[name] = v  # anything else (a tampered store): the policy's default
     m = replay(trace, eviction=eviction, cache_slots=int(slots), pinned_layers=pinned_layers,
                scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
                target_model=_target(target_model), **kw).metrics()
@@ -166,11 +172,9 @@ def _profile_of(trace, profile: str | None) -> str | None:
     if profile:
         return profile
     p = trace.attrs.get("hardware_profile") or trace.attrs.get("knob.profile")
-    try:
-        p = json.loads(p) if isinstance(p, str) and p.startswith('"') else p
-    except ValueError:
-        pass
-    return str(p) if p else None
+    if isinstance(p, str) and p.startswith('"'):
+        p = _json_attr(p)
+    return p if isinstance(p, str) and p else None
 
 
 def replay_curves(trace, evictions: Iterable[str] | None = None,

@@ -25,7 +25,8 @@ import xarray as xr
 
 from workbench.errors import WorkbenchError
 from workbench.knobs import Knobs
-from workbench.ui.datastore import DataStore, ab_deltas, selected_steps, share_difference
+from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_deltas, knob_attrs,
+                                    selected_steps, share_difference)
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 from workbench.viz.predictor import hot_recall_figure
@@ -224,7 +225,7 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     a placeholder saying why not for a run without compression or without an image."""
     if ds is None:
         return placeholder_figure("tokens", TOKENS_TITLE, "no run yet")
-    k = Knobs.from_attrs(ds.attrs)
+    k = Knobs.from_attrs(knob_attrs(ds.attrs))
     if k.compression == "none":
         return placeholder_figure(
             "tokens", TOKENS_TITLE, "this run has no token compression (compression = none):"
@@ -457,11 +458,15 @@ class ReplayView(PlotView):
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
             self.study = self.store.replay_study()
-        except WorkbenchError as e:  # e.g. a prefetch policy this run cannot serve
-            self.message = str(e)
+            return replay_view_figure(self.study, self._revision())
+        except Exception as e:  # e.g. a prefetch policy this run cannot serve, a bad store
+            if not isinstance(e, WorkbenchError):
+                log.exception("replay of %s failed", self.store.run_name)
+            self.study = None
+            self.message = str(e) if isinstance(e, WorkbenchError) else \
+                f"could not replay: {type(e).__name__}: {str(e)[:200]}"
             return placeholder_figure(self.view, REPLAY_TITLE,
                                       "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
-        return replay_view_figure(self.study, self._revision())
 
     def redraw(self, *events: Any) -> None:
         super().redraw(*events)
@@ -525,9 +530,15 @@ class DeltasView:
 
     def _html(self) -> str:
         s = self.store
-        self.rows = ab_deltas(s.dataset, s.baseline) if s.dataset is not None and \
-            s.baseline is not None else []
-        return deltas_html(self.rows, s.run_name, s.baseline_name)
+        try:
+            self.rows = ab_deltas(s.dataset, s.baseline) if s.dataset is not None and \
+                s.baseline is not None else []
+            return deltas_html(self.rows, s.run_name, s.baseline_name)
+        except Exception as e:  # a run whose numbers cannot be computed: say so
+            log.exception("A/B table of %s vs %s", s.run_name, s.baseline_name)
+            self.rows = []
+            return (f"<p class='wb-muted'>the runs cannot be compared: "
+                    f"{html.escape(type(e).__name__)}: {html.escape(str(e)[:200])}</p>")
 
     def redraw(self, *events: Any) -> None:
         self.pane.object = self._html()
@@ -543,7 +554,10 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
                ) -> str:
         text = answer.strip() or ("…" if running else "—")
         esc = html.escape(text)
-        prompt = str(ds.attrs.get("prompt", "")) if ds is not None else ""
+        prompt = ds.attrs.get("prompt", "") if ds is not None else ""
+        prompt = prompt if isinstance(prompt, str) else ""
+        if len(prompt) > MAX_PROMPT_CHARS:  # a store may hold any prompt
+            prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
         return (f"<div class='wb-answer'><div class='wb-muted'>{prompt}</div>"
                 f"<div class='wb-answer-text' data-testid='answer'>{esc}</div></div>")
@@ -553,11 +567,32 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
                         sizing_mode="stretch_width")
 
 
+def _progress_values(store: DataStore) -> tuple[int, int]:
+    """(value, max) of the progress bar: max ≥ 1, 0 ≤ value ≤ max."""
+    m = max(1, int(store.progress_max or 1))
+    return max(0, min(int(store.progress or 0), m)), m
+
+
 def progress_view(store: DataStore) -> pn.viewable.Viewable:
-    """Progress bar (tokens generated / max_new_tokens) and the status line."""
-    bar = pn.indicators.Progress(value=store.param.progress, max=store.param.progress_max,
-                                 bar_color="primary", sizing_mode="stretch_width", height=18,
+    """Progress bar (tokens generated / max_new_tokens) and the status line.
+
+    The bar's ``value`` and ``max`` move together in one watcher (max first): bound one by one
+    to the store, a new run with more steps than the previous run's maximum set the value
+    before the maximum and Panel refused it (``Progress.value must be at most …``)."""
+    value, m = _progress_values(store)
+    bar = pn.indicators.Progress(value=value, max=m, bar_color="primary",
+                                 sizing_mode="stretch_width", height=18,
                                  margin=(8, 10, 0, 10))
+
+    def sync(*events: Any) -> None:
+        v, mx = _progress_values(store)
+        if bar.value is not None and bar.value > mx:
+            bar.value = v  # shrinking: the value first, then the bound
+        bar.max = mx
+        bar.value = v
+
+    store.param.watch(sync, ["progress", "progress_max"])
+    bar._wb_sync = sync  # tests
     line = pn.pane.HTML(pn.bind(lambda s: f"<span class='wb-status'>{html.escape(s)}</span>",
                                 store.param.status),
                         sizing_mode="stretch_width", margin=(0, 10))

@@ -16,17 +16,22 @@ leaves it out of its group's card — every knob has exactly one widget.
 from __future__ import annotations
 
 import html
-from typing import Any, Iterable
+import logging
+from typing import Any, Callable, Iterable
 
 import panel as pn
 import param
 
 from workbench.errors import KnobError, WorkbenchError
 from workbench.knobs import Knobs
-from workbench.ui.datastore import MAX_UPLOAD_BYTES, DataStore, demo_inputs
+from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs,
+                                    upload_limit_text)
 
 __all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
-           "runs_widgets", "replay_widgets", "card", "make", "names", "VISMMOE_KNOBS"]
+           "runs_widgets", "replay_widgets", "card", "make", "names", "ImageDropper",
+           "VISMMOE_KNOBS"]
+
+log = logging.getLogger(__name__)
 
 CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: #1f2937; "
                     "text-align: left; padding: 2px 0; }")
@@ -233,21 +238,120 @@ def filter_widgets(store: DataStore) -> dict[str, pn.widgets.Widget]:
     return w
 
 
+#: unreadable stores named in the Runs card at most (the rest are counted)
+MAX_PROBLEMS_SHOWN = 8
+
+
 def _message(kind: str = "danger") -> pn.pane.Alert:
     return pn.pane.Alert("", alert_type=kind, visible=False, sizing_mode="stretch_width",
                          margin=(4, 0))
 
 
+class ImageDropper(pn.widgets.FileDropper):
+    """The image upload: Panel's ``FileDropper`` (FilePond) with a size limit.
+
+    The limit is checked **in the browser before anything is sent** (FilePond's
+    ``max_file_size``: the file is refused with "File is too large · Maximum file size is
+    5 MB"), and files travel in chunks well below Bokeh's websocket message limit, so a large
+    file can never drop the session (a plain ``FileInput`` sends the whole file in one message:
+    50 MB closed the websocket with no word). A client that sends more anyway is cut off on the
+    server as soon as its chunks pass the limit: ``on_refused(name, size)`` is called and the
+    chunks are dropped. ``on_file(name, data)`` is called for each file received whole."""
+
+    #: bytes per websocket message of an upload (Bokeh's default limit is 20 MB)
+    CHUNK_BYTES = 1_000_000
+
+    def __init__(self, on_file: Callable[[str, Any], None],
+                 on_refused: Callable[[str, int], None], max_bytes: int = MAX_UPLOAD_BYTES,
+                 **params: Any) -> None:
+        params.setdefault("max_file_size", f"{max_bytes // 1000}KB")  # FilePond: 1 KB = 1000 B
+        params.setdefault("chunk_size", min(self.CHUNK_BYTES, max(max_bytes, 1)))
+        super().__init__(**params)
+        self._wb_max, self._wb_on_file, self._wb_on_refused = max_bytes, on_file, on_refused
+        self._wb_sizes: dict[str, int] = {}
+        self._wb_seen: dict[str, int] = {}
+        self.param.watch(self._wb_changed, "value")
+
+    def _process_event(self, event: Any) -> None:
+        try:
+            if not self._wb_admit(event):
+                return
+            super()._process_event(event)
+        except Exception:  # a malformed event from a client: dropped, never into Panel
+            log.exception("upload event dropped")
+
+    def _wb_admit(self, event: Any) -> bool:
+        """Count an upload chunk against the limit; False drops it (and its file)."""
+        data = getattr(event, "data", None)
+        if getattr(event, "event_name", None) != "upload_event":
+            return True
+        if not isinstance(data, dict) or not isinstance(data.get("data"), (bytes, str)):
+            return False
+        name = str(data.get("name", ""))
+        size = len(data["data"])
+        if data.get("chunk") == 1:
+            self._wb_sizes[name] = 0
+        elif name not in self._wb_sizes:
+            return False  # the rest of a refused file, or chunks out of order
+        got = self._wb_sizes[name] + size
+        too_many = sum(self._wb_sizes.values()) + size > 2 * self._wb_max  # many at once
+        if got > self._wb_max or too_many:
+            for n in list(self._wb_sizes) if too_many else [name]:
+                del self._wb_sizes[n]
+                getattr(self, "_file_buffer", {}).pop(n, None)
+            self._wb_on_refused(name, got)
+            return False
+        self._wb_sizes[name] = got
+        if data.get("chunk") == data.get("total_chunks"):
+            del self._wb_sizes[name]
+        return True
+
+    def _wb_changed(self, event: Any) -> None:
+        value = event.new or {}
+        new = [(n, d) for n, d in value.items() if self._wb_seen.get(n) != id(d)]
+        self._wb_seen = {n: id(d) for n, d in value.items()}
+        for name, data in new[-1:]:  # one image is the input: the last one received
+            self._wb_on_file(name, data)
+        if new:  # accepted files live in the workspace: hold no bytes here
+            value.clear()
+            self.mime_type.clear()
+            self._wb_seen.clear()
+
+
 def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
-    """Request inputs: demo selector, image upload (checked: PNG/JPEG, ≤ 5 MB), image preview,
-    prompt box, optional run name; all write to the store."""
+    """Request inputs: demo selector, image upload (checked: PNG/JPEG, ≤ 5 MB, refused in the
+    browser when larger), image preview, prompt box, optional run name; all write to the
+    store."""
     demos = demo_inputs(demo_folder)
     options = {"(text only, no image)": -1, **{d["label"]: i for i, d in enumerate(demos)}}
     demo = make(pn.widgets.Select, "Demo input", options=options, value=0 if demos else -1,
                 sizing_mode="stretch_width")
-    upload = pn.widgets.FileInput(accept=".png,.jpg,.jpeg,image/png,image/jpeg",
-                                  multiple=False, sizing_mode="stretch_width")
     upload_msg = _message()
+
+    def on_file(name: str, data: Any) -> None:
+        try:
+            store.accept_upload(data, name)
+        except WorkbenchError as e:
+            upload_msg.param.update(object=html.escape(str(e)), visible=True)
+            return
+        except Exception as e:  # never into Panel: say what happened
+            log.exception("upload %r", name)
+            upload_msg.param.update(object=html.escape(
+                f"the upload could not be used: {type(e).__name__}: {str(e)[:200]}"),
+                visible=True)
+            return
+        upload_msg.visible = False
+
+    def on_refused(name: str, size: int) -> None:
+        upload_msg.param.update(object=html.escape(
+            f"{name[:80]!r} is larger than {upload_limit_text()}; images up to "
+            f"{upload_limit_text()} are accepted"), visible=True)
+
+    upload = ImageDropper(on_file, on_refused,
+                          accepted_filetypes=[".png", ".jpg", ".jpeg", "image/png",
+                                              "image/jpeg"],
+                          multiple=False, previews=[], layout="compact",
+                          sizing_mode="stretch_width", css_classes=["wb-upload"])
     preview = pn.pane.Image(None, height=140, sizing_mode="fixed", width=140,
                             visible=False, margin=(4, 10))
     prompt = pn.widgets.TextAreaInput.from_param(
@@ -264,21 +368,10 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         else:
             store.use_demo(demos[i])
 
-    def on_upload(event: Any) -> None:
-        if not upload.value:
-            return
-        try:
-            store.accept_upload(upload.value, upload.filename)
-        except WorkbenchError as e:
-            upload_msg.param.update(object=html.escape(str(e)), visible=True)
-            return
-        upload_msg.visible = False
-
     def on_image(*events: Any) -> None:
         preview.param.update(object=store.image, visible=bool(store.image))
 
     demo.param.watch(on_demo, "value")
-    upload.param.watch(on_upload, "value")
     store.param.watch(on_image, "image")
     if demos and not store.prompt:
         store.use_demo(demos[0])
@@ -286,7 +379,7 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     return {"demo": demo, "upload": upload, "upload_message": upload_msg,
             "upload_hint": pn.pane.HTML(
                 f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
-                f"{MAX_UPLOAD_BYTES // 2**20} MB)</small>", margin=(0, 10)),
+                f"{upload_limit_text()})</small>", margin=(0, 10)),
             "preview": preview, "prompt": prompt, "run_name": run_name}
 
 
@@ -304,13 +397,36 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
                  description="Set the knobs to those of the shown run")
     msg = _message()
     baseline = pn.pane.HTML("", margin=(0, 10), sizing_mode="stretch_width")
+    problems = pn.pane.Alert("", alert_type="warning", visible=False,
+                             sizing_mode="stretch_width", margin=(4, 0),
+                             css_classes=["wb-unreadable"])
 
     listed: set[str] = set()
+
+    def sync_problems() -> None:
+        bad = [r for r in store.runs if not r.readable]
+        if not bad:
+            problems.visible = False
+            return
+        items = "".join(f"<li><b>{html.escape(r.name)}</b>: {html.escape(r.problem)}</li>"
+                        for r in bad[:MAX_PROBLEMS_SHOWN])
+        more = (f"<li>… and {len(bad) - MAX_PROBLEMS_SHOWN} more</li>"
+                if len(bad) > MAX_PROBLEMS_SHOWN else "")
+        problems.param.update(object=(
+            f"<small>{len(bad)} {'store' if len(bad) == 1 else 'stores'} in the workspace "
+            f"cannot be read:<ul style='margin: 2px 0 0 0; padding-left: 18px'>{items}{more}"
+            f"</ul></small>"), visible=True)
 
     def sync_runs(*events: Any) -> None:
         """Options follow the run list. The selection moves to the shown run when that changes
         or first appears in the list (a new run); otherwise it stays where the user put it."""
-        opts = {r.label: r.name for r in store.runs}
+        opts: dict[str, str] = {}
+        for r in store.runs:
+            label, i = r.label, 1
+            while label in opts:  # labels are keys: never let two runs share one
+                i += 1
+                label = f"{r.label} ({i})"
+            opts[label] = r.name
         now = set(opts.values())
         shown = store.run_name if store.run_name in now else None
         moved = any(e.name == "run_name" for e in events) or (shown and shown not in listed)
@@ -318,6 +434,7 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
         select.param.update(options=opts, value=(shown or keep) if moved else (keep or shown))
         listed.clear()
         listed.update(now)
+        sync_problems()
 
     def sync_baseline(*events: Any) -> None:
         baseline.object = (f"<small>baseline: <b>{store.baseline_name}</b></small>"
@@ -332,6 +449,10 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
                 msg.visible = False
             except WorkbenchError as e:
                 msg.param.update(object=html.escape(str(e)), visible=True)
+            except Exception as e:  # never into Panel: say what happened
+                log.exception("runs action failed")
+                msg.param.update(object=html.escape(
+                    f"{type(e).__name__}: {str(e)[:300]}"), visible=True)
         return run
 
     open_b.on_click(guarded(lambda: select.value and store.open(select.value)))
@@ -344,7 +465,7 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
     sync_runs()
     sync_baseline()
     return {"select": select, "open": open_b, "refresh": refresh, "pin": pin, "clear": clear,
-            "adopt": adopt, "message": msg, "baseline": baseline}
+            "adopt": adopt, "message": msg, "baseline": baseline, "problems": problems}
 
 
 class _SlotsLink(_RangeLink):
