@@ -144,10 +144,11 @@ class _StoreArray(BackendArray):
     """One stored array cut to ``n`` rows along its first axis; every read goes to zarr and any
     failure there is reported as a :class:`StoreError` naming the store and the array."""
 
-    def __init__(self, path: Path, name: str, arr: zarr.Array, n: int) -> None:
-        self.path, self.name, self.arr = path, name, arr
-        self.shape = (n, *arr.shape[1:])
-        self.dtype = np.dtype(arr.dtype)
+    def __init__(self, path: Path, name: str, meta: dict, n: int) -> None:
+        self.path, self.name = path, name
+        self.arr: zarr.Array | None = None  # opened on the first read (most are never read)
+        self.shape = (n, *meta["shape"][1:])
+        self.dtype = np.dtype(meta["data_type"])
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
         return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.BASIC,
@@ -158,6 +159,8 @@ class _StoreArray(BackendArray):
         key = tuple(slice(*k.indices(n)) if isinstance(k, slice) else k
                     for k, n in zip(key, self.shape))
         try:
+            if self.arr is None:
+                self.arr = zarr.open_array(str(self.path / self.name), mode="r")
             return np.asarray(self.arr[key])
         except Exception as e:
             raise _fail(self.path, f"array {self.name!r} cannot be read at {key!r} "
@@ -289,13 +292,8 @@ def open_run(path: str | Path) -> xr.Dataset:
         rows = committed[grow] if grow else meta["shape"][0]
         if grow and version >= 3:
             _check_chunks(path, n, meta, rows)
-        try:
-            arr = zarr.open_array(str(path / n), mode="r")
-        except Exception as e:
-            raise _fail(path, f"array {n!r} cannot be opened ({type(e).__name__}: "
-                              f"{str(e)[:160]})") from None
         dims = tuple(meta["dimension_names"])
-        data = indexing.LazilyIndexedArray(_StoreArray(path, n, arr, rows))
+        data = indexing.LazilyIndexedArray(_StoreArray(path, n, meta, rows))
         var_attrs = meta.get("attributes") if isinstance(meta.get("attributes"), dict) else {}
         data_vars[n] = xr.Variable(dims, data, attrs=var_attrs)
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
