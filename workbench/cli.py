@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="an input (repeatable; default: two bundled demo scenes)")
     s.add_argument("--out", required=True, metavar="PATH", help="sweep folder")
     s.add_argument("--scheduler", metavar="ADDRESS",
-                   help="existing Dask scheduler (default: a LocalCluster on 127.0.0.1)")
+                   help="existing Dask scheduler, tcp://HOST:PORT (must answer within 5 s; default: a "
+                        "LocalCluster on 127.0.0.1)")
     s.add_argument("--workers", type=int, default=2, metavar="N",
                    help="LocalCluster worker processes (default 2)")
 
@@ -235,15 +236,15 @@ def _runtime(args, knobs):
 
 
 def _run(args) -> int:
-    from workbench.errors import InputError
-    from workbench.models.inputs import open_image
+    from workbench.models.inputs import check_prompt, probe_image
     from workbench.telemetry.store import check_store_path
 
     knobs = _knobs_from(args)
     # cheap checks first, so that bad input costs no model load and touches nothing
-    if not args.prompt.strip():
-        raise InputError("prompt is empty; give a question or instruction")
-    images = [open_image(p) for p in args.images]
+    check_prompt(args.prompt)
+    for p in args.images:
+        probe_image(p)  # header only; the run decodes it (and names the file if it fails)
+    images = list(args.images)
     store = Path(args.store) if args.store is not None else None
     if store is not None and not args.no_record:
         # before the model loads: a store that cannot be written costs nothing and touches nothing
@@ -361,21 +362,12 @@ def _info(args) -> int:
 
 def _sweep(args) -> int:
     from workbench.analysis.sweep import SweepInput, parse_grid, sweep
-    from workbench.errors import InputError
 
     knobs = _knobs_from(args)
     grid = parse_grid(args.grid)
     inputs = [SweepInput.parse(t) for t in args.inputs] or None
-    for inp in inputs or []:
-        for img in inp.images:
-            if not Path(img).is_file():
-                raise InputError(f"image {img!r} of --input {inp.name!r} does not exist")
-    if args.workers < 1:
-        raise InputError(f"--workers must be at least 1, not {args.workers}")
-    if args.model and not Path(args.model).is_dir():
-        from workbench.errors import ModelLoadError
-
-        raise ModelLoadError(f"model directory {args.model!r} does not exist")
+    # sweep() checks images, workers, the model folder, --out and the scheduler before any
+    # cluster starts
     ds = sweep(grid, inputs, out=args.out, model=args.model, knobs=knobs,
                scheduler=args.scheduler, workers=args.workers, progress=not args.json)
     failed = int((ds.status != "complete").sum())
@@ -408,12 +400,12 @@ def _knobs(args) -> int:
             rows.append({"name": name, "group": key, "default": getattr(group, name),
                          "type": type(p).__name__, "bounds": getattr(p, "bounds", None),
                          "objects": list(getattr(p, "objects", []) or []) or None,
-                         "doc": p.doc})
+                         "allowed": k.allowed(name), "doc": p.doc})
     if args.json:
         print(json.dumps(rows, default=str))
         return 0
     for r in rows:
-        allowed = r["objects"] or r["bounds"] or ""
+        allowed = r["allowed"]
         print(f"{r['name']:<16} {r['group']:<10} default={r['default']!r:<12} {allowed}")
         print(f"{'':<16} {r['doc']}")
     return 0

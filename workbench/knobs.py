@@ -9,13 +9,24 @@ ambiguous.
 Later capabilities add a group with :func:`register_group`; it then shows up everywhere.
 Checks that need the model (``cache_slots`` ≥ top-k, ``pinned_layers`` ≤ MoE layers) live in
 :meth:`Knobs.check_against`.
+
+Every value goes through :func:`check_value` (``Knobs(...)``, ``set``, ``set_from_strings``,
+``from_attrs``; :meth:`Knobs.validate` re-checks values a widget set on a group directly): on top
+of param's bounds, a number must be finite (no knob gives ``nan`` or ``inf`` a meaning; ``-0``
+becomes ``0``), an integer must be a real ``int`` (not a bool or a float) no larger than its
+ceiling (:data:`INT_CEILING`, or :data:`CEILINGS` for knobs whose value sizes an allocation or a
+loop), a choice must be text, and text must not hold NUL characters. A bad value raises
+:class:`KnobError` naming the knob, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import param
 
 from workbench.errors import KnobError
@@ -145,8 +156,9 @@ class GenerationKnobs(KnobGroup):
         default=16, bounds=(1, 4096), softbounds=(1, 128), doc="Tokens to generate at most.")
     sampling = param.Boolean(default=False, doc="Sample instead of greedy decoding.")
     temperature = param.Number(
-        default=1.0, bounds=(0.0, None), inclusive_bounds=(False, True), softbounds=(0.1, 2.0),
-        doc="Softmax temperature when sampling.")
+        default=1.0, bounds=(1e-6, None), softbounds=(0.1, 2.0),
+        doc="Softmax temperature when sampling (at least 1e-6: smaller values overflow the "
+            "scaled logits to inf; anything below ~0.01 is greedy in effect).")
     top_p = param.Number(
         default=1.0, bounds=(0.0, 1.0), inclusive_bounds=(False, True),
         doc="Nucleus sampling mass when sampling.")
@@ -174,26 +186,155 @@ for _key, _cls in (("cache", CacheKnobs), ("prefetch", PrefetchKnobs), ("cost", 
     register_group(_key, _cls)
 
 
+#: The largest value of an integer knob whose declaration gives no upper bound: 2**53 − 1, the
+#: largest integer every JSON reader of the store attrs holds exactly (and far beyond any slot,
+#: byte or seed count that means something).
+INT_CEILING = 2**53 - 1
+
+#: Tighter ceilings for knobs whose value sizes an allocation or a loop of the run (a bigger value
+#: would not mean more, only cost memory or time): layers ahead (no model has more MoE layers)
+#: and ActiveEvict's hotness window (a buffer of num_layers × ae_window × experts floats).
+CEILINGS: dict[str, int] = {"lookahead_depth": 256, "prefetch_lead": 256, "window": 256,
+                            "ae_window": 4096}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr`` of a bad value for a message, cut to ``limit`` characters."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 1] + "…"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _int_range(p: param.Parameter, name: str) -> tuple[int | None, int]:
+    lo, hi = p.bounds if p.bounds is not None else (None, None)
+    ceiling = CEILINGS.get(name, INT_CEILING)
+    hi = ceiling if hi is None else min(int(hi), ceiling)
+    return (None if lo is None else int(lo)), hi
+
+
+def allowed(p: param.Parameter, name: str) -> str:
+    """What knob ``name`` (parameter ``p``) accepts, in words: "an integer in [1, 256]",
+    "a finite number in (0, 1]", "one of lru, lfu", "true or false", … (+ " or none")."""
+    if isinstance(p, param.Selector):
+        text = "one of " + ", ".join(map(str, p.objects or []))
+    elif isinstance(p, param.Boolean):
+        text = "true or false"
+    elif isinstance(p, param.Integer):
+        lo, hi = _int_range(p, name)
+        if hi == INT_CEILING:  # no real upper bound: not worth a 16-digit number in every message
+            text = f"an integer ≥ {lo}" if lo is not None else "an integer"
+        else:
+            text = f"an integer in [{lo}, {hi}]" if lo is not None else f"an integer ≤ {hi}"
+    elif isinstance(p, param.Number):
+        lo, hi = p.bounds if p.bounds is not None else (None, None)
+        inc_lo, inc_hi = getattr(p, "inclusive_bounds", (True, True))
+        if lo is not None and hi is not None:
+            text = (f"a finite number in {'[' if inc_lo else '('}{_fmt(lo)}, {_fmt(hi)}"
+                    f"{']' if inc_hi else ')'}")
+        elif lo is not None:
+            text = f"a finite number {'≥' if inc_lo else '>'} {_fmt(lo)}"
+        elif hi is not None:
+            text = f"a finite number {'≤' if inc_hi else '<'} {_fmt(hi)}"
+        else:
+            text = "a finite number"
+    elif isinstance(p, param.String):
+        text = "text (no NUL characters)"
+    else:
+        text = type(p).__name__.lower()
+    return text + (" or none" if getattr(p, "allow_None", False) else "")
+
+
+def check_value(p: param.Parameter, name: str, value: Any) -> Any:
+    """``value`` checked and normalised for knob ``name`` (numpy scalars → Python, ``-0.0`` →
+    ``0.0``); raises :class:`KnobError` naming the knob, the value and what is allowed."""
+    how = f" (allowed: {allowed(p, name)})"
+    if value is None:
+        if p.allow_None:
+            return None
+        raise KnobError(f"{name} must not be none{how}")
+    if isinstance(p, param.Boolean):
+        if isinstance(value, np.bool_):
+            value = bool(value)
+        if not isinstance(value, bool):
+            raise KnobError(f"{name} must be a boolean, not {_show(value)}{how}")
+    elif isinstance(p, param.Integer):
+        if isinstance(value, (bool, np.bool_)):
+            raise KnobError(f"{name} must be an integer, not {value!r} (a boolean){how}")
+        if not isinstance(value, numbers.Integral):
+            kind = "a number with a fraction" if isinstance(value, numbers.Real) else \
+                type(value).__name__
+            raise KnobError(f"{name} must be an integer, not {_show(value)} ({kind}){how}")
+        value = int(value)
+        lo, hi = _int_range(p, name)
+        if value > hi:
+            top = f"{hi} (2**53 − 1)" if hi == INT_CEILING else f"{hi}"
+            raise KnobError(f"{name} must be at most {top}, not {_show(value)}{how}")
+    elif isinstance(p, param.Number):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise KnobError(f"{name} must be a number, not {_show(value)}{how}")
+        try:
+            value = float(value)
+        except (OverflowError, ValueError):  # a huge int or Fraction
+            raise KnobError(f"{name} must be a finite number, not {_show(value)}{how}") from None
+        if not math.isfinite(value):
+            raise KnobError(f"{name} must be a finite number, not {value}{how}")
+        if value == 0.0:
+            value = 0.0  # -0.0 → 0.0
+    elif isinstance(p, param.Selector):
+        if not isinstance(value, str):
+            raise KnobError(f"{name} must be one of {', '.join(map(str, p.objects or []))}, "
+                            f"not {_show(value)}")
+    elif isinstance(p, param.String):
+        if not isinstance(value, str):
+            raise KnobError(f"{name} must be text, not {_show(value)}{how}")
+        if "\x00" in value:
+            raise KnobError(f"{name} must not contain NUL characters, not {_show(value)}{how}")
+    try:
+        p._validate(value)
+    except (ValueError, TypeError) as e:
+        msg = _reword(str(e), name).rstrip(".")
+        raise KnobError(msg if isinstance(p, param.Selector) else msg + how) from None
+    return value
+
+
 def _parse(p: param.Parameter, name: str, text: str) -> Any:
-    """Turn a CLI string into the knob's type (validation proper is param's job)."""
+    """Turn a CLI string into the knob's type (validation proper is :func:`check_value`)."""
     t = text.strip()
     if p.allow_None and t.lower() in ("none", "null", ""):
         return None
-    try:
-        if isinstance(p, param.Boolean):
-            low = t.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(p, param.Integer):
+    how = f" (allowed: {allowed(p, name)})"
+    kind = type(p).__name__.lower()
+    bad = KnobError(f"{name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+                    f"not {_show(text)}{how}")
+    if isinstance(p, param.Boolean):
+        low = t.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise KnobError(f"{name} must be a boolean, not {_show(text)} (allowed: true/false, "
+                        f"yes/no, on/off, 1/0)")
+    if isinstance(p, param.Integer):
+        try:
             return int(t)
-        if isinstance(p, param.Number):
-            return float(t)
-    except ValueError:
-        kind = type(p).__name__.lower()
-        raise KnobError(f"{name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not {text!r}") from None
+        except ValueError:  # also more than 4300 digits
+            raise bad from None
+    if isinstance(p, param.Number):
+        try:
+            v = float(t)
+        except ValueError:
+            raise bad from None
+        if not math.isfinite(v):
+            literal = any(w in t.lower() for w in ("inf", "nan"))
+            raise KnobError(f"{name} must be a finite number, not {_show(text)}"
+                            f"{'' if literal else ' (it overflows to inf)'}{how}")
+        return v
     return t
 
 
@@ -247,15 +388,23 @@ class Knobs:
     def set(self, **values: Any) -> "Knobs":
         """Set knobs by name; a bad name or value raises :class:`KnobError` and changes nothing."""
         owners = {name: self._owner(name) for name in values}
-        for name, value in values.items():
-            p = owners[name].param[name]
-            try:
-                p._validate(value)
-            except ValueError as e:
-                raise KnobError(_reword(str(e), name)) from None
-        for name, value in values.items():
+        clean = {name: check_value(owners[name].param[name], name, value)
+                 for name, value in values.items()}
+        for name, value in clean.items():
             setattr(owners[name], name, value)
         return self
+
+    def validate(self) -> "Knobs":
+        """Re-check every current value (a widget sets a group's knob directly, past
+        :meth:`set`); raises :class:`KnobError` for the first bad one."""
+        for g in self._groups.values():
+            for name in g.knob_names():
+                check_value(g.param[name], name, getattr(g, name))
+        return self
+
+    def allowed(self, name: str) -> str:
+        """What knob ``name`` accepts, in words (for listings and messages)."""
+        return allowed(self._owner(name).param[name], name)
 
     def set_from_strings(self, assignments: Iterable[str]) -> "Knobs":
         """Apply CLI-style ``NAME=VALUE`` strings."""
@@ -274,18 +423,42 @@ class Knobs:
         return {n: getattr(self, n) for n in self.names()}
 
     def to_attrs(self) -> dict[str, str]:
-        """Store attrs: ``knob.<name>`` → JSON text (so ``None`` and types survive zarr attrs)."""
-        return {f"knob.{k}": json.dumps(v) for k, v in self.to_dict().items()}
+        """Store attrs: ``knob.<name>`` → JSON text (so ``None`` and types survive zarr attrs);
+        standard JSON only (values are finite, see :func:`check_value`)."""
+        self.validate()
+        return {f"knob.{k}": json.dumps(v, allow_nan=False) for k, v in self.to_dict().items()}
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "Knobs":
-        """Rebuild from a store's attrs; knobs unknown to this version are ignored."""
+        """Rebuild from a store's attrs; knobs unknown to this version are ignored, and so is a
+        policy that is no longer registered (the knob keeps its default). A ``knob.*`` attribute
+        that is not JSON, or whose value the knob does not accept, raises :class:`KnobError`
+        naming the attribute."""
         k = cls()
         known = set(k.names())
-        vals = {key[5:]: json.loads(v) for key, v in attrs.items()
-                if key.startswith("knob.") and key[5:] in known}
-        # a policy that is no longer registered cannot be re-selected: keep the default
-        return k.set(**{n: v for n, v in vals.items() if _accepts(k, n, v)})
+        vals: dict[str, Any] = {}
+        for key, text in dict(attrs).items():
+            if not (isinstance(key, str) and key.startswith("knob.") and key[5:] in known):
+                continue
+            name = key[5:]
+            if isinstance(text, str):
+                try:
+                    value = json.loads(text, parse_constant=_no_constant)
+                except ValueError as e:  # JSONDecodeError, or NaN/Infinity
+                    raise KnobError(f"store attribute {key!r} is not valid JSON ({e}): "
+                                    f"{_show(text)}; expected {k.allowed(name)} as JSON "
+                                    f"text") from None
+            else:  # an attribute written as a JSON value rather than text
+                value = text
+            p = k._owner(name).param[name]
+            if isinstance(p, param.Selector) and isinstance(value, str) \
+                    and value not in (p.objects or []):
+                continue  # a policy that is no longer registered: keep the default
+            try:
+                vals[name] = check_value(p, name, value)
+            except KnobError as e:
+                raise KnobError(f"store attribute {key!r}: {e}") from None
+        return k.set(**vals)
 
     def copy(self, **changes: Any) -> "Knobs":
         return Knobs(**{**self.to_dict(), **changes})
@@ -297,7 +470,9 @@ class Knobs:
     # -- checks that need the model -------------------------------------------------------
     def check_against(self, num_layers: int, top_k: int, expert_bytes: int) -> None:
         """Raise :class:`KnobError` if a knob is out of range for this model's MoE layout or
-        cannot run live (policies that need the future are trace-replay only)."""
+        cannot run live (policies that need the future are trace-replay only). Every value is
+        re-checked first (:meth:`validate`)."""
+        self.validate()
         live_ev = [n for n in EVICTION.available()
                    if not getattr(EVICTION.get(n), "needs_future", False)]
         if getattr(EVICTION.get(self.eviction), "needs_future", False):
@@ -347,12 +522,8 @@ class Knobs:
         return int(self.cache_slots)
 
 
-def _accepts(k: Knobs, name: str, value: Any) -> bool:
-    try:
-        k._owner(name).param[name]._validate(value)
-        return True
-    except ValueError:
-        return False
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not standard JSON")
 
 
 def _reword(msg: str, name: str) -> str:

@@ -11,17 +11,31 @@ Layout of a sweep folder ``OUT``::
 Workers only ever write their own point's files, and only the client writes the summary, so no
 two processes touch the same zarr metadata. Re-running the same sweep skips finished points; a
 failed point is recorded with its error and the sweep goes on; Ctrl-C cancels what is in flight
-and leaves every finished point intact.
+and leaves every finished point intact. An outcome file that cannot be read (garbage JSON, not
+an object, a directory) counts as not done: the point runs again.
+
+Everything that can be checked is checked before a cluster starts, each failure an
+:class:`~workbench.errors.InputError` or :class:`~workbench.errors.KnobError` naming the thing:
+the grid (known knobs, valid and distinct values, at most :data:`MAX_SWEEP_POINTS` points), every
+point's knobs, the inputs' images (header only), the model directory, the ``out`` folder (a
+folder, new or a previous sweep's, writable) and ``scheduler``: a ``tcp://HOST:PORT`` address
+where a Dask scheduler must answer within :data:`SCHEDULER_TIMEOUT_S` seconds (connect and
+handshake; Dask's own default waits 30 s, and a silent port forever).
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import itertools
 import json
+import math
 import os
+import re
 import shutil
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -31,6 +45,15 @@ import xarray as xr
 
 from workbench.errors import InputError, KnobError
 from workbench.knobs import Knobs
+
+#: seconds a sweep waits for a ``scheduler`` to accept the connection and answer as a Dask
+#: scheduler (Dask's default connect timeout is 30 s, and a port that accepts but never answers
+#: would hang it for good)
+SCHEDULER_TIMEOUT_S = 5.0
+#: most points (grid × inputs) a sweep takes
+MAX_SWEEP_POINTS = 10_000
+#: most LocalCluster worker processes
+MAX_WORKERS = 256
 
 #: result fields gathered into the summary (all from :class:`RunResult`)
 SUMMARY_FIELDS = ("hit_rate", "hits", "misses", "loads", "evictions", "host_runs", "steps",
@@ -87,10 +110,214 @@ def parse_grid(assignments: Iterable[str]) -> dict[str, list[Any]]:
             raise KnobError(f"--grid {name} has no values")
         for v in vals:
             probe.set(**{name: v})  # validates each value against the knob's bounds
-        grid[name] = vals
+        grid[name] = [getattr(probe.set(**{name: v}), name) for v in vals]  # normalised
+        _check_distinct(name, grid[name])
     if not grid:
         raise KnobError("a sweep needs at least one --grid NAME=V1,V2,…")
     return grid
+
+
+def _check_distinct(name: str, values: Sequence[Any]) -> None:
+    seen: list[Any] = []
+    for v in values:
+        if any(v == w and type(v) is type(w) for w in seen):
+            raise KnobError(f"--grid {name} lists {v!r} twice; give each value once")
+        seen.append(v)
+
+
+def check_grid(grid: Any, base: Knobs, n_inputs: int) -> dict[str, list[Any]]:
+    """The grid of the Python API checked like :func:`parse_grid` checks the CLI's: a non-empty
+    mapping of knob names to non-empty lists of distinct valid values; at most
+    :data:`MAX_SWEEP_POINTS` points with ``n_inputs`` inputs."""
+    if not isinstance(grid, dict) or not grid:
+        raise KnobError(f"a sweep grid must be a non-empty mapping of knob names to value lists "
+                        f"(e.g. {{'cache_slots': [16, 32]}}), not {str(grid)[:60]!r}")
+    out: dict[str, list[Any]] = {}
+    for name, values in grid.items():
+        if not isinstance(name, str):
+            raise KnobError(f"grid knob names must be text, not {name!r}")
+        base._owner(name)  # unknown knob → KnobError listing the known ones
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise KnobError(f"grid values of {name} must be a list, not {str(values)[:60]!r}")
+        values = list(values)
+        if not values:
+            raise KnobError(f"grid {name} has no values")
+        probe = base.copy()
+        out[name] = [getattr(probe.set(**{name: v}), name) for v in values]
+        _check_distinct(name, out[name])
+    n = math.prod(len(v) for v in out.values()) * max(n_inputs, 1)
+    if n > MAX_SWEEP_POINTS:
+        raise InputError(f"the sweep has {n:,} points (grid × {n_inputs} inputs); at most "
+                         f"{MAX_SWEEP_POINTS:,} are allowed: split it into several sweeps")
+    return out
+
+
+def check_out(out: str | Path) -> Path:
+    """``out`` as a sweep folder: a new folder whose nearest existing parent is a writable
+    folder, or an existing folder that is empty or holds a previous sweep (``points/``).
+    Nothing is created here."""
+    text = os.fspath(out) if isinstance(out, (str, os.PathLike)) else None
+    if text is None or not text.strip():
+        raise InputError(f"the sweep folder (--out) must be a path, not {out!r}")
+    if "\x00" in text:
+        raise InputError(f"the sweep folder (--out) {text!r} contains a NUL character")
+    out = Path(text)
+    label = f"sweep folder (--out) {text!r}"
+    try:
+        if out.exists():
+            if not out.is_dir():
+                raise InputError(f"{label} is a file, not a folder; give a new folder or the "
+                                 f"folder of a previous sweep")
+            pts = out / "points"
+            if pts.exists() and not pts.is_dir():
+                raise InputError(f"{label} has a 'points' that is not a folder, so it is not "
+                                 f"a sweep folder; give a new folder")
+            if not pts.exists() and any(out.iterdir()):
+                raise InputError(f"{label} already holds other files and is not a sweep folder "
+                                 f"(no points/); give a new folder or a previous sweep's")
+            target = pts if pts.exists() else out
+            if not os.access(target, os.W_OK | os.X_OK):
+                raise InputError(f"{label} is not writable (permission denied)")
+        else:
+            parent = out.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not parent.is_dir():
+                raise InputError(f"{label} cannot be created: {str(parent)!r} is a file, not a "
+                                 f"folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise InputError(f"{label} cannot be created: {str(parent)!r} is not writable "
+                                 f"(permission denied)")
+    except OSError as e:
+        raise InputError(f"{label} cannot be used: {_one_line(e)}") from None
+    return out
+
+
+def _make_out(out: Path) -> None:
+    """Create ``out/points`` and prove it writable (a read-only file system, a full disk…)."""
+    label = f"sweep folder (--out) {str(out)!r}"
+    try:
+        (out / "points").mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out / "points", prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except PermissionError:
+        raise InputError(f"{label} cannot be written: permission denied") from None
+    except OSError as e:
+        raise InputError(f"{label} cannot be written: {_one_line(e)}") from None
+
+
+def _one_line(e: Any, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+
+
+def check_scheduler(address: str, timeout: float = SCHEDULER_TIMEOUT_S) -> str:
+    """The ``tcp://HOST:PORT`` form of ``address`` (``HOST:PORT`` is taken as tcp) once a Dask
+    scheduler there has answered within ``timeout`` seconds; else :class:`InputError` naming
+    the address and what went wrong."""
+    shown = repr(address)
+    if not isinstance(address, str) or not address.strip():
+        raise InputError(f"--scheduler {shown} is not an address; give tcp://HOST:PORT (e.g. "
+                         f"tcp://127.0.0.1:8786)")
+    addr = address.strip()
+    scheme, _, loc = addr.rpartition("://") if "://" in addr else ("tcp", "", addr)
+    if scheme != "tcp":
+        raise InputError(f"--scheduler {shown}: only tcp://HOST:PORT addresses are supported, "
+                         f"not {scheme}:// (tls, ws and ucx need a security or transport setup "
+                         f"the sweep does not make)")
+    from distributed.comm.addressing import parse_host_port
+
+    try:
+        host, port = parse_host_port(loc)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"--scheduler {shown} is not HOST:PORT ({_one_line(e)}); e.g. "
+                         f"tcp://127.0.0.1:8786") from None
+    valid_host = bool(_HOST.match(host))
+    if not valid_host:
+        try:
+            ipaddress.ip_address(host)
+            valid_host = True
+        except ValueError:
+            pass
+    if not valid_host:
+        raise InputError(f"--scheduler {shown}: {host!r} is not a host name or IP address")
+    if not 1 <= int(port) <= 65535:
+        raise InputError(f"--scheduler {shown}: port {port} is not between 1 and 65535")
+    norm = f"tcp://{'[' + host + ']' if ':' in host else host}:{int(port)}"
+    result: dict[str, Any] = {}
+
+    def probe() -> None:
+        import asyncio
+        import socket
+
+        try:  # a plain connect first: refused or unresolvable is said at once, not after retries
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            result["error"] = e
+            return
+
+        async def ask() -> Any:
+            from distributed.comm import connect
+
+            comm = await connect(norm, timeout=timeout)
+            try:
+                await comm.write({"op": "identity", "reply": True})
+                return await comm.read()
+            finally:
+                comm.abort()
+
+        async def bounded() -> Any:
+            return await asyncio.wait_for(ask(), timeout)
+
+        try:
+            result["reply"] = asyncio.run(bounded())
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            result["error"] = e
+
+    t = threading.Thread(target=probe, name="workbench-scheduler-probe", daemon=True)
+    t.start()
+    t.join(timeout + 1.0)
+    where = f"the Dask scheduler at {norm} (--scheduler {shown})"
+    err = result.get("error")
+    if t.is_alive() or isinstance(err, TimeoutError):
+        raise InputError(f"no answer from {where} within {timeout:g} s: is it running, and is "
+                         f"the address right?")
+    import socket
+
+    if isinstance(err, socket.gaierror):
+        raise InputError(f"cannot reach {where}: host {host!r} does not resolve "
+                         f"({_one_line(err, 120)})")
+    if isinstance(err, ConnectionRefusedError):
+        raise InputError(f"cannot reach {where}: connection refused (nothing listens on port "
+                         f"{port} of {host})")
+    if isinstance(err, OSError) or type(err).__name__ in ("CommClosedError",):
+        raise InputError(f"cannot reach {where}: {_one_line(err, 200)}")
+    if err is not None:
+        raise InputError(f"{where} is not a Dask scheduler: it answered with something other "
+                         f"than the Dask protocol ({type(err).__name__})")
+    reply = result.get("reply")
+    if not isinstance(reply, dict) or reply.get("type") != "Scheduler":
+        kind = reply.get("type") if isinstance(reply, dict) else type(reply).__name__
+        raise InputError(f"{where} answered, but is not a Dask scheduler (it says {kind!r})")
+    return norm
+
+
+def read_outcome(meta: str | Path) -> dict[str, Any] | None:
+    """A point's outcome file, or ``None`` when it is missing or unreadable (garbage JSON, not
+    an object, no status, a complete point without a result): such a point is not done."""
+    try:
+        o = json.loads(Path(meta).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(o, dict) or not isinstance(o.get("status"), str):
+        return None
+    if o["status"] == "complete" and not isinstance(o.get("result"), dict):
+        return None
+    return o
 
 
 def point_id(knobs: dict[str, Any], inp: SweepInput) -> str:
@@ -121,9 +348,17 @@ def run_point(model_dir: str | None, knobs: dict[str, Any], prompt: str, images:
         outcome.update(status="complete", result=res.to_json())
     except Exception as e:  # a failed point is data, not a crash of the sweep
         outcome.update(status="failed", error=f"{type(e).__name__}: {e}")
-    tmp = Path(meta).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(outcome))
-    os.replace(tmp, meta)  # atomic: a point is finished exactly when this file says so
+    try:
+        target = Path(meta)
+        if target.is_dir():  # a stray folder where the outcome belongs
+            shutil.rmtree(target)
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(outcome))
+        os.replace(tmp, target)  # atomic: a point is finished exactly when this file says so
+    except Exception as e:  # disk full, permissions: the client still gets the outcome
+        outcome.update(status="failed",
+                       error=f"the outcome file {str(meta)!r} could not be written: "
+                             f"{type(e).__name__}: {e}")
     return outcome
 
 
@@ -139,45 +374,73 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
     """
     from dask.distributed import Client, LocalCluster, as_completed
 
+    if knobs is not None and not isinstance(knobs, Knobs):
+        raise KnobError(f"knobs must be a workbench.Knobs, not {type(knobs).__name__}")
     base = (knobs.copy() if knobs is not None else Knobs())
-    inputs = list(inputs) if inputs else demo_inputs()
+    inputs = [SweepInput.parse(i) if isinstance(i, str) else i
+              for i in inputs] if inputs else demo_inputs()
+    _check_inputs(inputs)
+    grid = check_grid(grid, base, len(inputs))
     names = list(grid)
-    out = Path(out)
-    (out / "points").mkdir(parents=True, exist_ok=True)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or not 1 <= workers <= MAX_WORKERS):
+        raise InputError(f"--workers must be an integer between 1 and {MAX_WORKERS}, not "
+                         f"{workers!r}")
+    if model is not None:
+        from workbench.models.loading import check_model_dir
+
+        check_model_dir(model)
+    out = check_out(out)
     todo, done = [], {}
     for values in itertools.product(*(grid[n] for n in names)):
-        k = base.copy(**dict(zip(names, values))).to_dict()
+        k = base.copy(**dict(zip(names, values))).to_dict()  # every point's knobs, checked
         for inp in inputs:
             pid = point_id(k, inp)
             point = {"id": pid, "grid": dict(zip(names, values)), "knobs": k,
                      "input": inp.name, "prompt": inp.prompt, "images": list(inp.images)}
-            meta = out / "points" / f"{pid}.json"
-            prev = json.loads(meta.read_text()) if meta.exists() else None
+            prev = read_outcome(out / "points" / f"{pid}.json")
             if prev and prev.get("status") == "complete":
                 done[pid] = prev
             else:
                 todo.append((pid, point))
+    address = check_scheduler(scheduler) if todo and scheduler is not None else None
+    _make_out(out)
     model_dir = str(Path(model).resolve()) if model is not None else None
     if todo:
         cluster = None
-        if scheduler is None:
-            cluster = LocalCluster(n_workers=workers or 2, threads_per_worker=1, processes=True,
-                                   host="127.0.0.1", dashboard_address=None)
-        client = Client(scheduler or cluster)
         try:
-            futures = [client.submit(
+            if address is None:
+                cluster = LocalCluster(n_workers=workers or 2, threads_per_worker=1,
+                                       processes=True, host="127.0.0.1", dashboard_address=None)
+            client = Client(address or cluster, timeout=SCHEDULER_TIMEOUT_S)
+        except Exception as e:
+            if cluster is not None:
+                cluster.close()
+            what = (f"the Dask scheduler at {address}" if address
+                    else f"a local Dask cluster of {workers or 2} workers")
+            raise InputError(f"could not start or reach {what}: {type(e).__name__}: "
+                             f"{_one_line(e, 200)}") from None
+        try:
+            if address is not None and progress and not client.scheduler_info().get("workers"):
+                print(f"workbench: the scheduler at {address} has no workers yet; points wait "
+                      f"until one joins (Ctrl-C stops the sweep)", file=sys.stderr)
+            futures = {client.submit(
                 run_point, model_dir, point["knobs"], point["prompt"], point["images"],
                 str(out / "points" / f"{pid}.zarr"), str(out / "points" / f"{pid}.json"),
-                point, key=f"workbench-{pid}", pure=False) for pid, point in todo]
+                point, key=f"workbench-{pid}", pure=False): point for pid, point in todo}
             bar = _progress(len(futures), len(done), progress)
             try:
-                for fut in as_completed(futures):
-                    res = fut.result()
+                for fut in as_completed(list(futures)):
+                    try:
+                        res = fut.result()
+                    except Exception as e:  # the worker died, or the task could not run
+                        res = {**futures[fut], "status": "failed",
+                               "error": f"{type(e).__name__}: {e}"}
                     done[res["id"]] = res
                     bar.update(1)
                     bar.set_postfix_str(f"failed {sum(d['status'] != 'complete' for d in done.values())}")
             except KeyboardInterrupt:
-                client.cancel(futures)
+                client.cancel(list(futures))
                 raise
             finally:
                 bar.close()
@@ -187,6 +450,23 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
                 cluster.close()
     summary = summarize(out, grid, inputs, base)
     return summary
+
+
+def _check_inputs(inputs: Sequence[Any]) -> None:
+    """Every input a :class:`SweepInput` with a prompt and readable images (header only)."""
+    from workbench.models.inputs import probe_image
+
+    for inp in inputs:
+        if not isinstance(inp, SweepInput):
+            raise InputError(f"sweep inputs must be SweepInput objects or 'IMAGE|PROMPT' text, "
+                             f"not {type(inp).__name__}")
+        if not isinstance(inp.prompt, str) or not inp.prompt.strip():
+            raise InputError(f"input {inp.name!r} has an empty prompt")
+        for img in inp.images:
+            try:
+                probe_image(img)
+            except InputError as e:
+                raise InputError(f"input {inp.name!r}: {e}") from None
 
 
 def _progress(total: int, already: int, enabled: bool):
@@ -215,14 +495,17 @@ def summarize(out: str | Path, grid: dict[str, Sequence[Any]], inputs: Sequence[
         meta = out / "points" / f"{pid}.json"
         if not meta.exists():
             continue
-        o = json.loads(meta.read_text())
+        o = read_outcome(meta)
+        if o is None:
+            status[idx] = "failed"
+            error[idx] = f"the outcome file points/{pid}.json is unreadable"
+            continue
         status[idx] = o["status"]
-        error[idx] = o.get("error", "")
+        error[idx] = str(o.get("error", ""))
         if o["status"] == "complete":
             store[idx] = str(Path("points") / f"{pid}.zarr")
             for f in SUMMARY_FIELDS:
-                v = o["result"].get(f)
-                data[f][idx] = np.nan if v is None else v
+                data[f][idx] = _number(o["result"].get(f))
     coords = {n: _coord(grid[n]) for n in names}
     coords["input"] = _vstr(np.array([i.name for i in inputs], dtype=object))
     ds = xr.Dataset({f: (dims, v) for f, v in data.items()}, coords=coords)
@@ -235,20 +518,35 @@ def summarize(out: str | Path, grid: dict[str, Sequence[Any]], inputs: Sequence[
                                     "the sweep folder"})
     target = out / "summary.zarr"
     tmp = out / "summary.zarr.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    ds.to_zarr(tmp, mode="w-", zarr_format=3, consolidated=False)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        ds.to_zarr(tmp, mode="w-", zarr_format=3, consolidated=False)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise InputError(f"the sweep summary {str(target)!r} could not be written: "
+                         f"{_one_line(e)}") from None
     return ds
+
+
+def _number(v: Any) -> float:
+    """A summary field's value as a float (NaN when missing or not a number)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return np.nan
+    return float(v)
 
 
 def open_summary(out: str | Path) -> xr.Dataset:
     p = Path(out) / "summary.zarr"
     if not p.exists():
         raise InputError(f"sweep folder {str(out)!r} has no summary.zarr")
-    return xr.open_zarr(p, consolidated=False, zarr_format=3).load()
+    try:
+        return xr.open_zarr(p, consolidated=False, zarr_format=3).load()
+    except Exception as e:  # a damaged or foreign store
+        raise InputError(f"the sweep summary {str(p)!r} is not readable: "
+                         f"{type(e).__name__}: {_one_line(e, 200)}") from None
 
 
 def _vstr(a: np.ndarray) -> np.ndarray:

@@ -4,22 +4,48 @@ A VL request (images + prompt) goes through the model's ``AutoProcessor`` when i
 through transformers' PIL image processor plus the tokenizer (torchvision-free); the prompt is
 wrapped by the tokenizer's chat template when it has one. Every token gets a modality code
 (``events.MODALITIES``): image/video placeholder ids are the visual tokens, everything else text.
+
+Images are checked before anything decodes them (:func:`probe_image` reads the header only):
+a regular file of at most :data:`MAX_IMAGE_BYTES` bytes, in one of :data:`IMAGE_FORMATS`, with
+at most :data:`MAX_IMAGE_PIXELS` pixels (4096 × 4096: Qwen3-VL's own processor caps an image at
+that many pixels, and the dashboard's upload limit is the same) and an aspect ratio of at most
+:data:`MAX_ASPECT_RATIO`:1 (Qwen2-VL's ``smart_resize``, which the Qwen-VL family's image
+processors share, refuses more). Decoding then turns any mode into RGB the way transformers'
+``convert_to_rgb`` does (alpha composited onto white; 16-bit and float images scaled to 8 bits
+rather than clipped); an animated image gives its first frame. Anything else raises
+:class:`~workbench.errors.InputError` naming the image, what is wrong and what is allowed.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
+import stat
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from workbench.errors import InputError
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
+#: largest image file read (bytes)
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+#: most pixels an image may have, checked from its header before decoding: 4096 × 4096, the
+#: ``max_pixels`` of Qwen3-VL's image processor (bigger images are only shrunk to it) and the
+#: dashboard's upload limit; decoded as RGB it is 48 MiB
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: largest width:height (or height:width) ratio; Qwen2-VL's ``smart_resize`` (shared by the
+#: Qwen-VL image processors) refuses images beyond 200:1
+MAX_ASPECT_RATIO = 200
+#: image formats decoded (Pillow names; JPEG includes the MPO variant of many cameras). Formats
+#: that run external programs (EPS) or are rarely pictures (PDF, PSD, …) are not opened at all.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "PPM")
 
 
 @dataclass
@@ -43,22 +69,159 @@ class ModelInputs:
         return self.tensors["input_ids"]
 
 
-def open_image(img: str | Path | Image.Image) -> Image.Image:
-    """An RGB PIL image; a missing or unreadable file raises :class:`InputError`."""
+def _label(img: Any, i: int | None = None) -> str:
     if isinstance(img, Image.Image):
-        return img.convert("RGB")
-    p = Path(img)
-    if not p.is_file():
-        raise InputError(f"image {str(p)!r} does not exist")
-    if p.stat().st_size > MAX_IMAGE_BYTES:
-        raise InputError(f"image {str(p)!r} is {p.stat().st_size} bytes; at most "
-                         f"{MAX_IMAGE_BYTES} bytes are allowed")
+        return "in-memory image" + (f" #{i + 1}" if i is not None else "")
+    return f"image {str(img)!r}"
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def check_image_size(width: int, height: int, label: str) -> None:
+    """Raise :class:`InputError` unless a ``width`` × ``height`` image is within
+    :data:`MAX_IMAGE_PIXELS` and :data:`MAX_ASPECT_RATIO` (``label`` names it)."""
+    if width < 1 or height < 1:
+        raise InputError(f"{label} is {width}×{height} pixels: an image needs at least 1×1")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InputError(
+            f"{label} is {width}×{height} = {width * height:,} pixels; at most "
+            f"{MAX_IMAGE_PIXELS:,} pixels (4096×4096) are accepted: scale it down first")
+    ratio = max(width, height) / min(width, height)
+    if ratio > MAX_ASPECT_RATIO:
+        raise InputError(
+            f"{label} is {width}×{height} pixels, an aspect ratio of {ratio:.0f}:1; the "
+            f"image processors of Qwen-VL models accept at most {MAX_ASPECT_RATIO}:1: crop or "
+            f"pad it")
+
+
+def _check_file(p: Path) -> int:
+    """Size in bytes of the regular, readable file ``p``; else :class:`InputError`."""
+    label = _label(p)
     try:
-        with Image.open(p) as im:
+        st = p.stat()
+    except FileNotFoundError:
+        raise InputError(f"{label} does not exist") from None
+    except PermissionError:
+        raise InputError(f"{label} cannot be read: permission denied") from None
+    except (OSError, ValueError) as e:  # a link loop, a name too long, a NUL in the path, …
+        raise InputError(f"{label} cannot be read: {_one_line(e)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{label} is a directory, not an image file")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{label} is not a regular file (a device, pipe or socket); give an "
+                         f"image file")
+    if st.st_size == 0:
+        raise InputError(f"{label} is empty (0 bytes)")
+    if st.st_size > MAX_IMAGE_BYTES:
+        raise InputError(f"{label} is {st.st_size:,} bytes; at most {MAX_IMAGE_BYTES:,} bytes "
+                         f"({MAX_IMAGE_BYTES // 2**20} MiB) are allowed")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"{label} cannot be read: permission denied")
+    return st.st_size
+
+
+def _open_header(p: Path) -> Image.Image:
+    """The lazily opened image (header read, nothing decoded), size-checked."""
+    label = _label(p)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(p, formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError as e:
+        n = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(n.group(1)):,} pixels" if n else "more pixels than Pillow allows"
+        raise InputError(f"{label} is {size} (a decompression bomb?); at most "
+                         f"{MAX_IMAGE_PIXELS:,} pixels (4096×4096) are accepted") from None
+    except PermissionError:
+        raise InputError(f"{label} cannot be read: permission denied") from None
+    except Exception as e:  # UnidentifiedImageError, a broken header (SyntaxError, struct.error…)
+        raise InputError(f"{label} is not a readable image in one of the accepted formats "
+                         f"({', '.join(IMAGE_FORMATS)}): {_one_line(e)}") from None
+    try:
+        check_image_size(*im.size, label)
+    except InputError:
+        im.close()
+        raise
+    return im
+
+
+def probe_image(img: str | Path) -> tuple[int, int, str]:
+    """``(width, height, format)`` of an image file, from its header only (nothing decoded);
+    raises :class:`InputError` for anything :func:`open_image` would refuse before decoding."""
+    if isinstance(img, Image.Image):
+        check_image_size(*img.size, _label(img))
+        return img.size[0], img.size[1], str(img.format or "")
+    p = _as_path(img)
+    _check_file(p)
+    with _open_header(p) as im:
+        return im.size[0], im.size[1], str(im.format)
+
+
+def _as_path(img: Any) -> Path:
+    if isinstance(img, (str, os.PathLike)):
+        if not os.fspath(img).strip():
+            raise InputError("image path is empty; give an image file")
+        try:
+            return Path(img)
+        except TypeError:
+            pass
+    raise InputError(f"an image must be a file path or a PIL image, not "
+                     f"{type(img).__name__} ({str(img)[:40]!r})")
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An RGB copy of ``im`` (its current frame): alpha is composited onto white (as
+    transformers' ``convert_to_rgb`` does), 16-bit and 32-bit integer images are scaled to 8
+    bits, float images taken as 0…1 when they fit it (else clipped to 0…255)."""
+    mode = im.mode
+    if mode == "RGB":
+        return im.copy()
+    if mode.startswith("I") or mode == "F":
+        a = np.asarray(im, dtype=np.float64)
+        a = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+        top = float(a.max()) if a.size else 0.0
+        if mode == "F" and top <= 1.0:
+            a = a * 255.0
+        elif top > 255.0 or mode.startswith("I;16"):
+            a = a / 257.0  # 0…65535 → 0…255
+        return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def open_image(img: str | Path | Image.Image) -> Image.Image:
+    """An RGB PIL image from a file path or a PIL image (the first frame of an animated one).
+    Raises :class:`InputError` naming the image for a missing, unreadable, empty, truncated,
+    too large (bytes or pixels) or too elongated image, or anything that is not an image."""
+    if isinstance(img, Image.Image):
+        check_image_size(*img.size, _label(img))
+        try:
+            return to_rgb(img)
+        except Exception as e:
+            raise InputError(f"{_label(img)} (mode {img.mode}) cannot be converted to RGB: "
+                             f"{_one_line(e)}") from None
+    p = _as_path(img)
+    _check_file(p)
+    label = _label(p)
+    im = _open_header(p)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.seek(0)
             im.load()
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError) as e:
-        raise InputError(f"image {str(p)!r} is not a readable image (PNG, JPEG, …): {e}") from None
+            return to_rgb(im)
+    except Exception as e:  # truncated data, broken chunks, zlib errors, oversized text chunks…
+        raise InputError(f"{label} is a damaged or truncated {im.format} file: "
+                         f"{_one_line(e)}") from None
+    finally:
+        im.close()
 
 
 def modality_of(input_ids: torch.Tensor, image_token_id: int | None,
@@ -72,30 +235,70 @@ def modality_of(input_ids: torch.Tensor, image_token_id: int | None,
     return mod
 
 
-def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
-    """Tokenise ``request`` for the loaded model ``lm`` (a :class:`LoadedModel`)."""
-    prompt = request.prompt if request.prompt is not None else ""
+#: longest prompt accepted, in characters (checked before tokenising; the model's context is
+#: checked in tokens after): 4 Mi characters is ≥ 1 M tokens for any tokenizer here
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+
+
+def check_prompt(prompt: Any) -> str:
+    """The prompt as text, or :class:`InputError`: not text, empty, longer than
+    :data:`MAX_PROMPT_CHARS`, or not encodable as UTF-8 (a lone surrogate)."""
+    if not isinstance(prompt, str):
+        raise InputError(f"prompt must be text, not {type(prompt).__name__}")
     if not prompt.strip():
         raise InputError("prompt is empty; give a question or instruction")
-    images = [open_image(i) for i in request.images]
-    if images and not lm.is_vision:
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InputError(f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are "
+                         f"allowed")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"prompt is not valid Unicode text (a lone surrogate at character "
+                         f"{e.start}); give UTF-8 text") from None
+    return prompt
+
+
+def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
+    """Tokenise ``request`` for the loaded model ``lm`` (a :class:`LoadedModel`)."""
+    prompt = check_prompt(request.prompt if request.prompt is not None else "")
+    if isinstance(request.images, (str, os.PathLike, Image.Image)):
+        raw_images: list[Any] = [request.images]
+    else:
+        raw_images = list(request.images)
+    if raw_images and not lm.is_vision:
         raise InputError(f"model {lm.model_id!r} is text-only ({lm.layout.architecture}); "
-                         f"it takes no images, got {len(images)}")
+                         f"it takes no images, got {len(raw_images)}")
+    _check_image_count(lm, len(raw_images))
+    images = [open_image(i) for i in raw_images]
+    labels = [_label(i, n) for n, i in enumerate(raw_images)]
     tok = lm.tokenizer
     if getattr(tok, "chat_template", None):
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
         content.append({"type": "text", "text": prompt})
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": content}],
+                                           tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that raises for this prompt
+            raise InputError(f"the chat template of model {lm.model_id!r} refused the prompt: "
+                             f"{_one_line(e)}") from None
     else:
         text = prompt
-    if images and lm.processor is not None:
-        enc = lm.processor(images=images, text=[text], return_tensors="pt")
-        tensors = dict(enc)
-    elif images:
-        tensors = _encode_with_image_processor(lm, text, images)
+    if images:
+        try:
+            if lm.processor is not None:
+                tensors = dict(lm.processor(images=images, text=[text], return_tensors="pt"))
+            else:
+                tensors = _encode_with_image_processor(lm, text, images)
+        except InputError:
+            raise
+        except Exception as e:
+            ip = lm.processor if lm.processor is not None else lm.image_processor
+            raise InputError(
+                f"the image processor of model {lm.model_id!r} ({type(ip).__name__}) refused "
+                f"{', '.join(labels)}: {_one_line(e)}") from None
     else:
         tensors = dict(tok([text], return_tensors="pt"))
+    _check_placeholders(lm, tensors, tok)
     tensors = {k: v.to(lm.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     if "pixel_values" in tensors:
         tensors["pixel_values"] = tensors["pixel_values"].to(lm.model.dtype)
@@ -110,6 +313,55 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
                                             lm.video_token_id))
 
 
+def _check_image_count(lm, n: int) -> None:
+    """Refuse, before decoding anything, more images than the context could hold: each costs
+    at least ``min_pixels / (patch·merge)²`` tokens with a Qwen-VL style image processor (at
+    least one with any other)."""
+    ctx = lm.context_length
+    if not n or not ctx:
+        return
+    ip = lm.image_processor
+    if ip is None and lm.processor is not None:
+        ip = getattr(lm.processor, "image_processor", None)
+    per = 1
+    try:
+        size = getattr(ip, "size", None) or {}
+        min_pixels = int(getattr(ip, "min_pixels", None) or size.get("shortest_edge") or 0)
+        unit = int(getattr(ip, "patch_size", 0) or 0) * int(getattr(ip, "merge_size", 0) or 0)
+        if min_pixels > 0 and unit > 0:
+            per = max(1, math.ceil(min_pixels / (unit * unit)))
+    except (TypeError, ValueError, AttributeError):
+        per = 1
+    if n * per > ctx:
+        raise InputError(f"{n} images need at least {n * per} tokens ({per} each), more than "
+                         f"the model's context of {ctx} tokens; give fewer images")
+
+
+def _check_placeholders(lm, tensors: dict, tok) -> None:
+    """The prompt must not bring image/video placeholder tokens of its own: the model would
+    look for pixels that are not there (or mismatch those that are)."""
+    ids = tensors["input_ids"]
+    has_images = "pixel_values" in tensors
+    for token_id, what in ((lm.image_token_id, "image"), (lm.video_token_id, "video")):
+        if token_id is None:
+            continue
+        if what == "image" and has_images and "image_grid_thw" not in tensors:
+            continue  # a processor without patch grids: its own count is the reference
+        found = int((ids == token_id).sum())
+        expected = 0
+        if what == "image" and "image_grid_thw" in tensors:
+            ip = lm.image_processor
+            if ip is None and lm.processor is not None:
+                ip = getattr(lm.processor, "image_processor", None)
+            merge = int(getattr(ip, "merge_size", 1) or 1)
+            expected = int(tensors["image_grid_thw"].prod(-1).sum().item()) // (merge * merge)
+        if found != expected:
+            name = tok.convert_ids_to_tokens(int(token_id))
+            raise InputError(f"the prompt contains the model's {what} placeholder {name!r} "
+                             f"itself ({found} {what} tokens where the images give "
+                             f"{expected}); remove it: images are passed as images")
+
+
 def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> dict:
     """Image processor + tokenizer: each image placeholder becomes one token per merged patch
     (``grid_t·grid_h·grid_w / merge_size²``), as the model's own processor would do."""
@@ -120,7 +372,9 @@ def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> di
     placeholder = lm.tokenizer.convert_ids_to_tokens(lm.image_token_id)
     parts = text.split(placeholder)
     if len(parts) - 1 != len(images):
-        raise InputError(f"prompt has {len(parts) - 1} image placeholders for {len(images)} images")
+        raise InputError(f"the prompt contains the model's image placeholder {placeholder!r} "
+                         f"itself ({len(parts) - 1} placeholders for {len(images)} images); "
+                         f"remove it: images are passed as images")
     out = parts[0]
     for i, rest in enumerate(parts[1:]):
         out += placeholder * int(grid[i].prod().item() // (merge * merge)) + rest

@@ -3,14 +3,42 @@
 Nothing here touches the network: every ``from_pretrained`` call gets ``local_files_only=True``
 and ``HF_HUB_OFFLINE`` is set for the process. A missing or broken directory raises
 :class:`~workbench.errors.ModelLoadError` naming the path and what is missing.
+
+What :func:`load` checks, so that a broken checkpoint never runs with made-up weights:
+
+- the directory (:func:`check_model_dir`): ``config.json`` a JSON object with a ``model_type``;
+  weights in safetensors only — ``model.safetensors`` or every shard that
+  ``model.safetensors.index.json`` names (``pytorch_model.bin`` & co. are pickles, which can run
+  code when loaded: they are never opened); tokenizer files;
+- each safetensors header (:func:`read_safetensors_header`, before transformers opens the file):
+  its length, JSON, every tensor's dtype, shape and byte range inside the file;
+- that ``config.json`` does not describe a model far bigger than the weights (built on the
+  ``meta`` device, nothing allocated), so a bad config cannot make transformers allocate and
+  randomly initialise tensors of absurd size;
+- after loading, transformers' own loading report: a **missing** tensor (which transformers
+  would initialise randomly) or a tensor of the **wrong shape** is an error naming it; an
+  **unexpected** tensor (one the architecture has no place for: multi-token-prediction heads and
+  the like, which real checkpoints ship) is ignored with a note in ``LoadedModel.notes`` — it
+  cannot change the answer, and a renamed tensor shows up as missing anyway;
+- every stored weight is a floating-point dtype (an ``int8``/``bool`` tensor cast to float is
+  garbage; quantized checkpoints, with a ``quantization_config``, are left to transformers) and
+  every weight is finite (:func:`check_weights`: NaN or inf weights are an error naming the
+  tensor);
+- the chat template renders a plain request;
+- while running, the logits of every forward pass are finite (:func:`check_logits`, installed as
+  a forward hook by :func:`load`): NaN logits say the weights or the dtype are broken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
+import stat
+import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +48,22 @@ import torch
 
 from workbench.errors import ModelLoadError
 from workbench.models.adapter import MoELayout, find_moe_blocks
+from workbench.models.inputs import _one_line
+
+#: largest config.json read (a real one is a few kB)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: largest safetensors header (the safetensors library's own limit)
+MAX_HEADER_BYTES = 100_000_000
+#: safetensors dtypes → bytes per element (F4 packs two per byte: counted as 1, see
+#: :func:`read_safetensors_header`)
+ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+             "F8_E8M0": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2,
+             "U8": 1, "BOOL": 1}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
+#: pickle-based weight files: never opened (unpickling can run arbitrary code)
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+#: how many tensor names a message lists before "… and N more"
+_LIST = 5
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,66 +114,417 @@ class LoadedModel:
         return int(getattr(cfg, "max_position_embeddings", 0) or 0)
 
 
-def _check_dir(path: Path) -> None:
-    if not path.exists():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+def _names(items, limit: int = _LIST) -> str:
+    items = sorted(map(str, items))
+    head = ", ".join(repr(i) for i in items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return stat.S_ISREG(p.stat().st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def check_model_dir(path: str | Path) -> list[Path]:
+    """Check a checkpoint directory without loading anything big; returns its safetensors
+    weight files (in load order). Raises :class:`ModelLoadError` naming what is missing or
+    broken."""
+    path = Path(path)
+    where = f"model directory {str(path)!r}"
+    try:
+        if not path.exists():
+            raise ModelLoadError(f"{where} does not exist")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{where} cannot be read: {_one_line(e)}") from None
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a directory")
-    if not (path / "config.json").is_file():
+    cfg = path / "config.json"
+    if not _is_file(cfg):
         raise ModelLoadError(
-            f"model directory {str(path)!r} has no config.json (a Hugging Face checkpoint "
+            f"{where} has no config.json (a Hugging Face checkpoint "
             f"directory needs config.json, *.safetensors weights and tokenizer files)")
-    if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ModelLoadError(f"model directory {str(path)!r} has no tokenizer "
+    read_config(path)
+    files = weight_files(path)
+    if not any(_is_file(path / f) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ModelLoadError(f"{where} has no tokenizer "
                              f"(tokenizer.json / tokenizer_config.json)")
+    return files
+
+
+def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
+    """``(config.json as a dict, its bytes)``; :class:`ModelLoadError` unless it is a JSON
+    object of at most :data:`MAX_CONFIG_BYTES` bytes with a ``model_type``."""
+    path = Path(path)
+    f = path / "config.json"
+    where = f"config.json in {str(path)!r}"
+    try:
+        size = f.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ModelLoadError(f"{where} is {size:,} bytes; a config of at most "
+                                 f"{MAX_CONFIG_BYTES:,} bytes is expected")
+        raw = f.read_bytes()
+    except OSError as e:
+        raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
+    try:
+        cfg = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{where} is not readable: not valid JSON ({_one_line(e)})") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where} is not readable: it must be a JSON object "
+                             f"({{\"model_type\": …}}), not a JSON {_json_kind(cfg)}")
+    if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
+        raise ModelLoadError(f"{where} is not readable: it has no \"model_type\" (the "
+                             f"architecture, e.g. \"qwen3_vl_moe\")")
+    return cfg, raw
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not standard JSON")
+
+
+def _json_kind(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files transformers would load from ``path``: ``model.safetensors``, else
+    the shards of ``model.safetensors.index.json``. Pickle weights are refused, never read."""
+    path = Path(path)
+    where = f"model directory {str(path)!r}"
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.exists() and not _is_file(single):
+        raise ModelLoadError(f"{where}: model.safetensors is not a regular file")
+    if _is_file(single):
+        return [single]
+    if _is_file(index):
+        try:
+            idx = json.loads(index.read_bytes())
+            wmap = idx["weight_map"]
+            if not isinstance(wmap, dict) or not wmap or not all(
+                    isinstance(v, str) for v in wmap.values()):
+                raise ValueError("weight_map must map tensor names to shard file names")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{where}: model.safetensors.index.json is not a valid "
+                                 f"shard index: {_one_line(e)}") from None
+        shards = []
+        for name in dict.fromkeys(wmap.values()):
+            f = path / name
+            if Path(name).name != name or not name.endswith(".safetensors"):
+                raise ModelLoadError(f"{where}: model.safetensors.index.json names shard "
+                                     f"{name!r}; shards must be *.safetensors files in the "
+                                     f"directory itself")
+            if not _is_file(f):
+                raise ModelLoadError(f"{where} lacks shard {name!r}, which "
+                                     f"model.safetensors.index.json lists for "
+                                     f"{sum(v == name for v in wmap.values())} tensors")
+            shards.append(f)
+        return shards
+    others = sorted(f.name for f in path.glob("*.safetensors") if _is_file(f))
+    if others:
+        raise ModelLoadError(f"{where} has {_names(others)} but neither model.safetensors nor "
+                             f"model.safetensors.index.json naming them")
+    pickles = sorted({f.name for pat in PICKLE_PATTERNS for f in path.glob(pat)})
+    if pickles:
+        raise ModelLoadError(
+            f"{where} has no *.safetensors weights, only {_names(pickles)}: pickle files can "
+            f"run code when loaded, so they are never opened; convert them to safetensors "
+            f"(e.g. transformers' save_pretrained(..., safe_serialization=True)) first")
+    raise ModelLoadError(f"{where} has no *.safetensors weights")
+
+
+def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
+    """The tensors of a safetensors file, ``{name: {"dtype", "shape", "data_offsets"}}``, with
+    the header checked against the file: length, JSON, known dtypes, shapes, and byte ranges
+    that match the shapes and lie inside the file. Raises :class:`ModelLoadError` naming the
+    file (and tensor)."""
+    f = Path(f)
+    where = f"weights in {str(f.parent)!r} could not be loaded: {f.name}"
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{where} is {size} bytes: too short for a safetensors "
+                                     f"header (empty or truncated)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise ModelLoadError(
+                    f"{where} is not a safetensors file: its header claims {n:,} bytes "
+                    f"(the file has {size:,}; headers are at most {MAX_HEADER_BYTES:,})")
+            raw = fh.read(n)
+    except OSError as e:
+        raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
+    try:
+        header = json.loads(raw, parse_constant=_no_constant)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {_json_kind(header)}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{where} is not a safetensors file: its header is not a JSON "
+                             f"object ({_one_line(e, 120)})") from None
+    data = size - 8 - n
+    tensors: dict[str, dict[str, Any]] = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"{where}: tensor {name!r} has a broken header entry"
+        if not isinstance(info, dict):
+            raise ModelLoadError(f"{bad} ({_one_line(info, 80)})")
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in ST_DTYPES:
+            raise ModelLoadError(f"{bad}: dtype {dtype!r} is not one of "
+                                 f"{', '.join(ST_DTYPES)}")
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ModelLoadError(f"{bad}: shape {_one_line(shape, 80)} is not a list of "
+                                 f"sizes ≥ 0")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise ModelLoadError(f"{bad}: data_offsets {_one_line(offs, 80)} are not "
+                                 f"[begin, end] with 0 ≤ begin ≤ end")
+        nbytes = math.prod(shape) * ST_DTYPES[dtype]
+        if offs[1] - offs[0] != nbytes:
+            raise ModelLoadError(f"{bad}: shape {shape} of {dtype} needs {nbytes:,} bytes, its "
+                                 f"data_offsets span {offs[1] - offs[0]:,}")
+        if offs[1] > data:
+            raise ModelLoadError(
+                f"{where} is truncated: tensor {name!r} ends at byte {offs[1]:,} of the data, "
+                f"which holds {data:,} bytes")
+        end = max(end, offs[1])
+        tensors[name] = {"dtype": dtype, "shape": tuple(shape), "data_offsets": tuple(offs)}
+    if end != data:
+        raise ModelLoadError(f"{where} is not a valid safetensors file: its tensors cover "
+                             f"{end:,} of its {data:,} data bytes")
+    return tensors
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' logger at ERROR (its load report and warnings become our own errors and
+    notes) and Python warnings ignored."""
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _check_config_size(auto, config, tensors: dict[str, dict[str, Any]], path: Path) -> None:
+    """Refuse a config.json that describes a model far bigger than its weights, before
+    transformers allocates (and randomly initialises) it: built on the meta device."""
+    stored = sum(math.prod(t["shape"]) for t in tensors.values())
+    try:
+        with _quiet_transformers(), torch.device("meta"):
+            skeleton = auto.from_config(config)
+    except Exception as e:
+        raise ModelLoadError(f"config.json in {str(path)!r} does not describe a buildable "
+                             f"model: {_one_line(e)}") from None
+    wanted = sum(p.numel() for p in skeleton.parameters())
+    del skeleton
+    if wanted > 2 * stored + 1_000_000:
+        raise ModelLoadError(
+            f"config.json in {str(path)!r} describes a model of {wanted:,} parameters, but "
+            f"the weights hold {stored:,} values: the config and the weights do not belong "
+            f"together (or most tensors are missing)")
+
+
+def check_weights(model: Any, where: str, chunk: int = 1 << 24) -> None:
+    """Raise :class:`ModelLoadError` if a floating-point parameter or buffer of ``model`` holds
+    NaN or inf (scanned in chunks of ``chunk`` elements, so no big temporary)."""
+    bad = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_floating_point() or t.device.type == "meta" or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1)
+        n = 0
+        for i in range(0, flat.numel(), chunk):
+            n += int((~torch.isfinite(flat[i:i + chunk])).sum())
+        if n:
+            bad.append((name, n, t.numel()))
+    if bad:
+        first = ", ".join(f"{n!r} ({k:,} of {m:,} values)" for n, k, m in bad[:_LIST])
+        more = f" and {len(bad) - _LIST} more tensors" if len(bad) > _LIST else ""
+        raise ModelLoadError(f"weights in {where} are broken: NaN or inf in {first}{more}; "
+                             f"the checkpoint is corrupt (re-download or re-export it)")
+
+
+def check_logits(logits: torch.Tensor, model_dir: str | Path, dtype: str | None = None) -> None:
+    """Raise :class:`ModelLoadError` if ``logits`` hold NaN or inf: the weights are broken (or
+    the compute dtype overflows). Cheap: call it on the last position of each step."""
+    if logits.is_floating_point() and not bool(torch.isfinite(logits).all()):
+        hint = (f"; or dtype {dtype} overflows: try dtype=float32" if dtype in ("float16",
+                                                                                "bfloat16")
+                else "")
+        raise ModelLoadError(
+            f"the model in {str(model_dir)!r} produced NaN/inf logits: its weights are broken "
+            f"(a corrupt or wrongly converted checkpoint){hint}")
+
+
+def _logits_guard(lm: "LoadedModel"):
+    """A forward hook that runs :func:`check_logits` on the last position of every forward."""
+
+    def hook(module, args, output):
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, (tuple, list)) and output \
+                and isinstance(output[0], torch.Tensor):
+            logits = output[0]
+        if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[-2] > 0:
+            check_logits(logits[..., -1, :], lm.path, lm.dtype)
+
+    return hook
 
 
 def load(path: str | Path | None = None, *, dtype: str = "float32",
-         device: str = "auto") -> LoadedModel:
-    """Load the checkpoint at ``path`` (the embedded default model when ``None``)."""
+         device: str = "auto", check: bool = True) -> LoadedModel:
+    """Load the checkpoint at ``path`` (the embedded default model when ``None``). ``check``
+    (default): scan every weight for NaN/inf and guard every forward pass's logits (see the
+    module docstring); the structural checks always run."""
     import transformers as tf
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tf.utils.logging.disable_progress_bar()
     path = Path(path) if path is not None else default_model_dir()
-    _check_dir(path)
+    files = check_model_dir(path)
     if dtype not in _DTYPES:
         from workbench.errors import KnobError
 
         raise KnobError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
     dev = resolve_device(device)
-    raw = (path / "config.json").read_bytes()
+    cfg_dict, raw = read_config(path)
+    tensors: dict[str, dict[str, Any]] = {}
+    for f in files:
+        tensors.update(read_safetensors_header(f))
     try:
-        json.loads(raw)
-        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        with _quiet_transformers():
+            config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"config.json in {str(path)!r} is not readable: {e}") from e
+        raise ModelLoadError(f"config.json in {str(path)!r} is not readable: "
+                             f"{_one_line(e)}") from None
     is_vl = getattr(config, "vision_config", None) is not None
     auto = tf.AutoModelForImageTextToText if is_vl else tf.AutoModelForCausalLM
+    quantized = "quantization_config" in cfg_dict
+    if not quantized:
+        _check_config_size(auto, config, tensors, path)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = auto.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
+        with _quiet_transformers():
+            model, info = auto.from_pretrained(
+                path, local_files_only=True, dtype=_DTYPES[dtype], use_safetensors=True,
+                output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
-        raise ModelLoadError(f"weights in {str(path)!r} could not be loaded: {e}") from e
+        raise ModelLoadError(f"weights in {str(path)!r} could not be loaded: "
+                             f"{_one_line(e)}") from None
+    notes: list[str] = []
+    _check_loading_info(info, path, notes)
+    if not quantized:
+        _check_dtypes(model, tensors, info, path)
+    if check:
+        check_weights(model, repr(str(path)))
     model = model.to(dev).eval()
     try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with _quiet_transformers():
+            tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"tokenizer in {str(path)!r} could not be loaded: {e}") from e
+        raise ModelLoadError(f"tokenizer in {str(path)!r} could not be loaded: "
+                             f"{_one_line(e)}") from None
+    _check_chat_template(tokenizer, path, is_vl)
     processor = image_processor = None
-    notes: list[str] = []
     if is_vl:
-        processor, image_processor, notes = _vision_processors(tf, path)
+        processor, image_processor, vnotes = _vision_processors(tf, path)
+        notes += vnotes
     image_id = getattr(config, "image_token_id", None) if is_vl else None
     video_id = getattr(config, "video_token_id", None) if is_vl else None
-    return LoadedModel(
+    layout = find_moe_blocks(model)
+    for b in layout.blocks:
+        if not 1 <= b.top_k <= b.num_experts:
+            raise ModelLoadError(
+                f"config.json in {str(path)!r}: MoE block {b.name} routes to top-{b.top_k} of "
+                f"{b.num_experts} experts; top-k (num_experts_per_tok) must be between 1 and "
+                f"the number of experts")
+    lm = LoadedModel(
         model=model, tokenizer=tokenizer, processor=processor, image_processor=image_processor,
         path=path, model_id=path.name, config_hash=hashlib.sha256(raw).hexdigest()[:16],
-        layout=find_moe_blocks(model), dtype=dtype, device=dev,
+        layout=layout, dtype=dtype, device=dev,
         image_token_id=image_id, video_token_id=video_id, notes=notes)
+    if check:
+        model.register_forward_hook(_logits_guard(lm))
+    return lm
+
+
+def _check_loading_info(info: dict[str, Any], path: Path, notes: list[str]) -> None:
+    """transformers' loading report → errors (missing, mismatched, failed) and a note
+    (unexpected tensors, which are ignored)."""
+    where = f"weights in {str(path)!r}"
+    errors = list(info.get("error_msgs") or [])
+    conv = info.get("conversion_errors") or {}
+    if errors or conv:
+        what = errors[0] if errors else next(iter(conv.values()))
+        raise ModelLoadError(f"{where} could not be loaded: {_one_line(what)}")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(
+            f"{where} lack {len(missing)} tensor{'s' * (len(missing) != 1)} the model needs: "
+            f"{_names(missing)} (transformers would fill them with random values); the "
+            f"checkpoint is incomplete or belongs to another architecture")
+    mism = sorted(info.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mism:
+        shown = ", ".join(f"{k!r} is {tuple(a)} in the checkpoint, {tuple(b)} in the model"
+                          for k, a, b in mism[:_LIST])
+        more = f" and {len(mism) - _LIST} more" if len(mism) > _LIST else ""
+        raise ModelLoadError(f"{where} do not fit config.json: {shown}{more}")
+    extra = sorted(info.get("unexpected_keys") or [])
+    if extra:
+        notes.append(f"ignored {len(extra)} tensor{'s' * (len(extra) != 1)} of the checkpoint "
+                     f"that the architecture does not use: {_names(extra)}")
+
+
+def _check_dtypes(model: Any, tensors: dict[str, dict[str, Any]], info: dict[str, Any],
+                  path: Path) -> None:
+    """Every stored tensor the model loads must be floating point unless the model's own
+    tensor of that name is an integer buffer (int8/bool weights cast to float are garbage)."""
+    state = model.state_dict()
+    unexpected = set(info.get("unexpected_keys") or [])
+    bad = []
+    for name, t in tensors.items():
+        if t["dtype"] in FLOAT_DTYPES or name in unexpected:
+            continue
+        mine = state.get(name)
+        if mine is not None and not mine.is_floating_point():
+            continue  # an integer buffer stored as such (position ids, counters)
+        bad.append(f"{name!r} ({t['dtype']})")
+    if bad:
+        raise ModelLoadError(
+            f"weights in {str(path)!r} store {', '.join(bad[:_LIST])}"
+            f"{f' and {len(bad) - _LIST} more' if len(bad) > _LIST else ''} as "
+            f"integers/booleans where the model needs floating-point weights "
+            f"({', '.join(sorted(FLOAT_DTYPES))}); quantized checkpoints need a "
+            f"quantization_config in config.json")
+
+
+def _check_chat_template(tokenizer: Any, path: Path, is_vl: bool) -> None:
+    """The chat template (when there is one) must render the kind of request build_inputs
+    sends; a broken template is a broken checkpoint, found at load rather than at run."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    content: list[dict[str, Any]] = ([{"type": "image"}] if is_vl else [])
+    content.append({"type": "text", "text": "hello"})
+    try:
+        with _quiet_transformers():
+            out = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                tokenize=False, add_generation_prompt=True)
+        if not isinstance(out, str):
+            raise TypeError(f"it rendered a {type(out).__name__}, not text")
+    except Exception as e:
+        raise ModelLoadError(f"chat template in {str(path)!r} (chat_template.jinja or "
+                             f"tokenizer_config.json) is broken: {_one_line(e)}") from None
 
 
 def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
@@ -147,7 +542,7 @@ def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
         except Exception as e:
             raise ModelLoadError(
                 f"image processor in {str(path)!r} could not be loaded "
-                f"(preprocessor_config.json): {e}") from e
+                f"(preprocessor_config.json): {_one_line(e)}") from None
         return None, ip, [note]
     finally:
         quiet.setLevel(level)

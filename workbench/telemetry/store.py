@@ -93,6 +93,7 @@ class Recorder:
         self.arrays: dict[str, zarr_files.AppendArray] = {}
         self._closed = False
         self._write_error: BaseException | None = None  # the first failed writer task
+        self._group_meta: dict | None = None  # the root document, once laid out
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-recorder")
         self._pending: list[Future] = []
         self._submit(self._lay_out, np.asarray(pinned, dtype=bool))
@@ -146,6 +147,8 @@ class Recorder:
         self.capacity[dim] = cap
 
     def _finish(self, attrs: dict[str, Any]) -> None:
+        if self._group_meta is None:  # the layout never completed: nothing was published
+            return
         if attrs.get("status") == "complete":
             for name, a in self.arrays.items():  # trim to the committed lengths
                 n = self.committed[SCHEMA[name].dims[0]]

@@ -225,7 +225,11 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     a placeholder saying why not for a run without compression or without an image."""
     if ds is None:
         return placeholder_figure("tokens", TOKENS_TITLE, "no run yet")
-    k = Knobs.from_attrs(knob_attrs(ds.attrs))
+    try:
+        k = Knobs.from_attrs(knob_attrs(ds.attrs))
+    except WorkbenchError as e:  # a tampered or foreign store: say so, draw nothing
+        return placeholder_figure("tokens", TOKENS_TITLE, f"this run's knobs cannot be read: "
+                                                          f"{html.escape(str(e))[:200]}")
     if k.compression == "none":
         return placeholder_figure(
             "tokens", TOKENS_TITLE, "this run has no token compression (compression = none):"

@@ -1,0 +1,957 @@
+"""Issue 10 §12, 13, 15, 16: hostile inputs get a message, not a traceback.
+
+Each class of hostile input — images, knob values, model folders, sweeps — is tried with many
+members, and every one must raise a :class:`~workbench.errors.WorkbenchError` (the CLI's exit 2
+and one-line message) whose text names the thing at fault and what is allowed. Broken model
+folders are copies of the tiny and embedded checkpoints, built once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import param
+import pytest
+import torch
+from PIL import Image
+
+import workbench
+from workbench.errors import InputError, KnobError, ModelLoadError, WorkbenchError
+from workbench.knobs import CEILINGS, Knobs
+from workbench.models import inputs as inputs_mod
+from workbench.models.inputs import (MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS,
+                                     Request, build_inputs, open_image, probe_image)
+from workbench.models.loading import check_logits
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENE = ROOT / "data" / "demo" / "scene_0.png"
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e)
+    assert "\n" not in text, f"message is not one line: {text!r}"
+    assert "Traceback" not in text
+    return text
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return (struct.pack(">I", len(data)) + kind + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+
+def png_header(width: int, height: int, idat: bytes | None = None, bits: int = 8,
+               color: int = 2) -> bytes:
+    """A PNG whose header claims ``width`` × ``height`` (with little or no pixel data: the
+    checks must refuse it from the header, before any decoding)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, 0)
+    body = _chunk(b"IHDR", ihdr)
+    if idat is not None:
+        body += _chunk(b"IDAT", idat)
+    return b"\x89PNG\r\n\x1a\n" + body + _chunk(b"IEND", b"")
+
+
+# ============================================================================================
+# §12 images
+# ============================================================================================
+@pytest.fixture(scope="module")
+def img_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("images")
+    (d / "bomb_20000.png").write_bytes(png_header(20000, 20000, zlib.compress(b"\0" * 1000)))
+    (d / "bomb_pil_limit.png").write_bytes(png_header(2**31 - 1, 2**31 - 1))
+    (d / "big_8000.png").write_bytes(png_header(8000, 8000, zlib.compress(b"\0" * 1000)))
+    Image.new("RGB", (10000, 2), "red").save(d / "wide_10000x2.png")
+    Image.new("RGB", (2, 10000), "red").save(d / "tall_2x10000.png")
+    Image.new("RGB", (201, 1), "red").save(d / "ratio_201.png")
+    (d / "empty.png").write_bytes(b"")
+    raw = SCENE.read_bytes()
+    (d / "truncated.png").write_bytes(raw[: len(raw) // 2])
+    (d / "truncated_header.png").write_bytes(raw[:30])
+    (d / "bad_idat.png").write_bytes(png_header(64, 64, os.urandom(200)))
+    (d / "zero_width.png").write_bytes(png_header(0, 10, zlib.compress(b"")))
+    (d / "garbage.png").write_bytes(os.urandom(2048))
+    (d / "text.png").write_text("hello, not an image")
+    gif = Image.new("P", (1, 1))
+    gif.save(d / "tiny.gif")
+    g = bytearray((d / "tiny.gif").read_bytes())
+    g[6:10] = (65535).to_bytes(2, "little") * 2  # logical screen 65535 × 65535
+    (d / "gif_screen_bomb.gif").write_bytes(bytes(g))
+    (d / "a_directory.png").mkdir()
+    (d / "loop_a").symlink_to(d / "loop_b")
+    (d / "loop_b").symlink_to(d / "loop_a")
+    os.mkfifo(d / "fifo.png")
+    with open(d / "huge_bytes.png", "wb") as f:  # sparse: bigger than the byte limit
+        f.truncate(MAX_IMAGE_BYTES + 1)
+    Image.new("RGB", (8, 8)).save(d / "picture.eps")  # a format that runs Ghostscript
+    # accepted modes and shapes
+    Image.new("RGB", (1, 1), "red").save(d / "one_pixel.png")
+    Image.new("RGB", (400, 2), "red").save(d / "ratio_200.png")
+    frames = [Image.new("RGB", (32, 32), c) for c in ("red", "green", "blue")]
+    frames[0].save(d / "animated.gif", save_all=True, append_images=frames[1:], duration=50)
+    Image.new("CMYK", (32, 32), (0, 255, 0, 0)).save(d / "cmyk.jpg")
+    Image.fromarray(np.full((32, 32), 32896, np.uint16)).save(d / "gray16.png")  # mid-gray
+    im = Image.new("P", (32, 32), 0)
+    im.save(d / "palette_transparent.png", transparency=0)
+    Image.new("RGBA", (32, 32), (255, 0, 0, 0)).save(d / "rgba_transparent.png")
+    Image.new("LA", (32, 32), (0, 255)).save(d / "la_black.png")
+    Image.new("1", (32, 32), 1).save(d / "bilevel.png")
+    Image.new("F", (32, 32), 0.5).save(d / "float.tif")
+    Image.new("I", (32, 32), 70000).save(d / "int32.tif")
+    Image.new("RGB", (32, 32), "red").save(d / "red.webp")
+    a, b = Image.new("RGB", (32, 32), "red"), Image.new("RGB", (32, 32), "blue")
+    a.save(d / "camera.mpo", save_all=True, append_images=[b])
+    return d
+
+
+REFUSED = [
+    # (file, fragments of the message)
+    ("bomb_20000.png", ["400,000,000 pixels", f"at most {MAX_IMAGE_PIXELS:,} pixels"]),
+    ("bomb_pil_limit.png", ["decompression bomb", f"at most {MAX_IMAGE_PIXELS:,} pixels"]),
+    ("gif_screen_bomb.gif", ["decompression bomb", f"at most {MAX_IMAGE_PIXELS:,} pixels"]),
+    ("big_8000.png", ["8000×8000", f"at most {MAX_IMAGE_PIXELS:,} pixels"]),
+    ("wide_10000x2.png", ["10000×2", "5000:1", f"at most {MAX_ASPECT_RATIO}:1"]),
+    ("tall_2x10000.png", ["2×10000", "5000:1", f"at most {MAX_ASPECT_RATIO}:1"]),
+    ("ratio_201.png", ["201:1", f"at most {MAX_ASPECT_RATIO}:1"]),
+    ("empty.png", ["is empty (0 bytes)"]),
+    ("truncated.png", ["damaged or truncated PNG"]),
+    ("truncated_header.png", ["not a readable image", "PNG, JPEG"]),
+    ("bad_idat.png", ["damaged or truncated PNG"]),
+    ("zero_width.png", ["not a readable image"]),
+    ("garbage.png", ["not a readable image", "PNG, JPEG"]),
+    ("text.png", ["not a readable image"]),
+    ("picture.eps", ["not a readable image", "PNG, JPEG"]),
+    ("a_directory.png", ["is a directory"]),
+    ("loop_a", ["cannot be read"]),
+    ("fifo.png", ["not a regular file"]),
+    ("huge_bytes.png", [f"at most {MAX_IMAGE_BYTES:,} bytes"]),
+    ("no_such_file.png", ["does not exist"]),
+]
+
+
+@pytest.mark.parametrize("name, fragments", REFUSED, ids=[r[0] for r in REFUSED])
+def test_hostile_image_files_are_refused_by_name(img_dir, name, fragments):
+    path = img_dir / name
+    decode_time = name in ("truncated.png", "bad_idat.png")  # the header is fine
+    for fn in (open_image,) if decode_time else (open_image, probe_image):
+        t0 = time.perf_counter()
+        with pytest.raises(InputError) as e:
+            fn(path)
+        msg = one_line(e.value)
+        assert str(path) in msg
+        for f in fragments:
+            assert f in msg, msg
+        assert time.perf_counter() - t0 < 2.0  # refused from the header, nothing decoded
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (5, "must be a file path or a PIL image, not int"),
+    (b"scene.png", "not bytes"),
+    (None, "not NoneType"),
+    ("", "image path is empty"),
+    ("  ", "image path is empty"),
+    ("bad\x00name.png", "cannot be read"),
+    ("x" * 5000 + ".png", "cannot be read"),
+    (Image.new("RGB", (10000, 2)), "aspect ratio of 5000:1"),
+    (Image.new("RGB", (5000, 5000)), f"at most {MAX_IMAGE_PIXELS:,} pixels"),
+    (Image.new("RGB", (0, 0)), "at least 1×1"),
+])
+def test_hostile_image_objects_are_refused(bad, fragment):
+    with pytest.raises(InputError) as e:
+        open_image(bad)
+    assert fragment in one_line(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_image_file(img_dir, tmp_path):
+    p = tmp_path / "secret.png"
+    shutil.copy(SCENE, p)
+    p.chmod(0)
+    with pytest.raises(InputError, match="permission denied"):
+        open_image(p)
+
+
+@pytest.mark.parametrize("name, pixel", [
+    ("one_pixel.png", (255, 0, 0)),
+    ("ratio_200.png", (255, 0, 0)),
+    ("animated.gif", (255, 0, 0)),  # the first frame
+    ("camera.mpo", (255, 0, 0)),  # the first picture
+    ("cmyk.jpg", (255, 0, 255)),
+    ("gray16.png", (128, 128, 128)),  # scaled to 8 bits, not clipped to white
+    ("palette_transparent.png", (255, 255, 255)),  # alpha onto white, like transformers
+    ("rgba_transparent.png", (255, 255, 255)),
+    ("la_black.png", (0, 0, 0)),
+    ("bilevel.png", (255, 255, 255)),
+    ("float.tif", (128, 128, 128)),
+    ("int32.tif", (255, 255, 255)),
+    ("red.webp", None),
+])
+def test_unusual_but_valid_images_decode_to_rgb(img_dir, name, pixel):
+    im = open_image(img_dir / name)
+    assert im.mode == "RGB" and im.size[0] >= 1
+    if pixel is not None:
+        got = np.asarray(im)[0, 0]
+        assert np.abs(got.astype(int) - pixel).max() <= 2, (name, got)
+
+
+def test_unusual_images_run_through_the_vl_processor(embedded, img_dir):
+    names = ["one_pixel.png", "ratio_200.png", "animated.gif", "cmyk.jpg", "gray16.png",
+             "palette_transparent.png", "float.tif"]
+    for n in names:
+        inp = build_inputs(embedded, Request("what color is it?", [img_dir / n]))
+        assert int((inp.modality != 0).sum()) > 0
+
+
+def test_processor_refusals_become_input_errors(embedded, img_dir, monkeypatch):
+    """The workbench's own 200:1 check is the processor's; were it looser, the processor's
+    refusal still comes back as an InputError naming the image."""
+    monkeypatch.setattr(inputs_mod, "MAX_ASPECT_RATIO", 10**6)
+    path = img_dir / "wide_10000x2.png"
+    with pytest.raises(InputError) as e:
+        build_inputs(embedded, Request("what?", [path]))
+    msg = one_line(e.value)
+    assert "image processor" in msg and "aspect ratio" in msg
+
+
+@pytest.mark.parametrize("prompt, images, fragment", [
+    ("what <|image_pad|> is it?", [], "image placeholder '<|image_pad|>'"),
+    ("what <|image_pad|> is it?", [SCENE], "image placeholder '<|image_pad|>'"),
+    ("a <|video_pad|> b", [], "video placeholder '<|video_pad|>'"),
+    ("bad \ud800 text", [], "lone surrogate"),
+    (42, [], "prompt must be text"),
+    ("   ", [], "prompt is empty"),
+    ("how many?", [SCENE] * 40, "more than the model's context of 512 tokens"),
+])
+def test_hostile_prompts(embedded, prompt, images, fragment):
+    with pytest.raises(InputError) as e:
+        build_inputs(embedded, Request(prompt, images))
+    assert fragment in one_line(e.value)
+
+
+def test_cli_run_refuses_a_bomb_with_one_line(tiny_ckpt, img_dir, capsys):
+    from workbench.cli import main
+
+    for name in ("bomb_20000.png", "wide_10000x2.png", "a_directory.png", "empty.png"):
+        rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--no-record",
+                   "--image", str(img_dir / name)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("workbench: error:") and err.count("\n") == 1, err
+        assert name in err
+
+
+# ============================================================================================
+# §13 knobs
+# ============================================================================================
+def _knobs_of(kind) -> list[str]:
+    k = Knobs()
+    out = []
+    for g in k.groups.values():
+        for n in g.knob_names():
+            p = g.param[n]
+            if kind is param.Number and isinstance(p, param.Integer):
+                continue
+            if isinstance(p, kind):
+                out.append(n)
+    return out
+
+
+NUMBER_KNOBS = _knobs_of(param.Number)
+INTEGER_KNOBS = _knobs_of(param.Integer)
+BOOLEAN_KNOBS = _knobs_of(param.Boolean)
+SELECTOR_KNOBS = _knobs_of(param.Selector)
+
+
+def test_the_knob_classes_are_covered():
+    assert {"lam", "temperature", "top_p", "alpha", "beta", "ae_alpha"} <= set(NUMBER_KNOBS)
+    assert {"cache_slots", "seed", "ae_window", "lookahead_depth"} <= set(INTEGER_KNOBS)
+
+
+@pytest.mark.parametrize("name", NUMBER_KNOBS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, np.float64("nan"),
+                                   np.float32("inf"), 10**400])
+def test_non_finite_numbers_are_refused_in_python(name, value):
+    with pytest.raises(KnobError) as e:
+        Knobs(**{name: value})
+    msg = one_line(e.value)
+    assert msg.startswith(name) and "finite number" in msg and "allowed:" in msg
+
+
+@pytest.mark.parametrize("name", NUMBER_KNOBS)
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "Infinity", "1e999", "-1e999", "NaN"])
+def test_non_finite_numbers_are_refused_from_strings(name, text):
+    with pytest.raises(KnobError) as e:
+        Knobs().set_from_strings([f"{name}={text}"])
+    msg = one_line(e.value)
+    assert msg.startswith(name) and "finite number" in msg and repr(text) in msg
+
+
+@pytest.mark.parametrize("name", NUMBER_KNOBS)
+@pytest.mark.parametrize("value", [True, "0.5", [0.5], None])
+def test_numbers_refuse_other_types(name, value):
+    with pytest.raises(KnobError) as e:
+        Knobs(**{name: value})
+    assert one_line(e.value).startswith(name)
+
+
+def test_minus_zero_is_zero_and_attrs_are_standard_json():
+    k = Knobs().set_from_strings(["lam=-0", "ae_tau=-0.0", "alpha=-0"])
+    assert math.copysign(1.0, k.lam) == 1.0 and k.to_attrs()["knob.lam"] == "0.0"
+    for v in k.to_attrs().values():
+        json.loads(v, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+
+
+@pytest.mark.parametrize("name", INTEGER_KNOBS)
+@pytest.mark.parametrize("value, fragment", [
+    (True, "a boolean"), (False, "a boolean"), (np.True_, "a boolean"), (2.5, "fraction"),
+    (3.0, "fraction"), ("3", "str"), (10**30, "at most"), (2**53, "at most"),
+    (math.inf, "fraction"), ([3], "list"),
+])
+def test_integers_refuse_bools_floats_and_huge_values(name, value, fragment):
+    with pytest.raises(KnobError) as e:
+        Knobs(**{name: value})
+    msg = one_line(e.value)
+    assert msg.startswith(name) and fragment in msg and "allowed: an integer" in msg
+
+
+@pytest.mark.parametrize("name", INTEGER_KNOBS)
+@pytest.mark.parametrize("text", ["1.5", "1e3", "0x10", "ten", "9" * 5000, "true"])
+def test_integers_refuse_bad_strings(name, text):
+    with pytest.raises(KnobError) as e:
+        Knobs().set_from_strings([f"{name}={text}"])
+    msg = one_line(e.value)
+    assert msg.startswith(name) and "must be an integer" in msg and len(msg) < 400
+
+
+@pytest.mark.parametrize("name, ceiling", sorted(CEILINGS.items()))
+def test_allocation_sized_knobs_have_ceilings(name, ceiling):
+    Knobs(**{name: ceiling})
+    with pytest.raises(KnobError, match=rf"{name} must be at most {ceiling}, not {ceiling + 1}"):
+        Knobs(**{name: ceiling + 1})
+
+
+def test_numpy_integers_are_plain_ints():
+    k = Knobs(cache_slots=np.int64(12), sampling=np.bool_(True))
+    assert type(k.cache_slots) is int and type(k.sampling) is bool
+    json.dumps(k.to_dict())
+
+
+@pytest.mark.parametrize("name", BOOLEAN_KNOBS)
+@pytest.mark.parametrize("value", [1, 0, "yes", None, 2.0])
+def test_booleans_refuse_non_booleans(name, value):
+    with pytest.raises(KnobError) as e:
+        Knobs(**{name: value})
+    assert one_line(e.value).startswith(name)
+
+
+@pytest.mark.parametrize("name", SELECTOR_KNOBS)
+@pytest.mark.parametrize("value", [5, ["x"], None, "definitely-not-a-choice"])
+def test_selectors_refuse_non_choices(name, value):
+    with pytest.raises(KnobError) as e:
+        Knobs(**{name: value})
+    msg = one_line(e.value)
+    assert msg.startswith(name)
+    assert str(Knobs()._owner(name).param[name].objects[0]) in msg  # the choices are listed
+
+
+@pytest.mark.parametrize("value", [5, "a\x00b"])
+def test_text_knob_refuses_non_text_and_nul(value):
+    with pytest.raises(KnobError, match="predictor_path"):
+        Knobs(predictor_path=value)
+
+
+def test_tiny_temperature_that_overflows_is_refused():
+    with pytest.raises(KnobError, match=r"temperature must be at least 1e-06, not 1e-40"):
+        Knobs(temperature=1e-40)
+
+
+def test_widget_set_values_are_rechecked_before_a_run(embedded):
+    k = Knobs(compression="affinity")
+    k.group("compression").lam = math.inf  # what a number widget may do, past Knobs.set
+    with pytest.raises(KnobError, match="lam must be a finite number"):
+        k.validate()
+    with pytest.raises(KnobError, match="lam must be a finite number"):
+        workbench.Runtime(embedded, knobs=Knobs()).run("x", record=False, lam=math.inf)
+    rt = workbench.Runtime(embedded, knobs=Knobs(compression="affinity", device="cpu"))
+    rt.knobs.group("compression").lam = math.inf
+    with pytest.raises(KnobError, match="lam must be a finite number"):
+        rt.run("what color is the circle?", [SCENE], record=False)
+
+
+@pytest.mark.parametrize("key, text, fragment", [
+    ("knob.lam", "{not json", "not valid JSON"),
+    ("knob.lam", "Infinity", "Infinity is not standard JSON"),
+    ("knob.lam", "NaN", "NaN is not standard JSON"),
+    ("knob.lam", "-Infinity", "not standard JSON"),
+    ("knob.lam", "1e999", "finite number"),
+    ("knob.lam", '"2.0"', "must be a number"),
+    ("knob.cache_slots", "true", "a boolean"),
+    ("knob.cache_slots", "2.5", "fraction"),
+    ("knob.cache_slots", "1e30", "fraction"),
+    ("knob.cache_slots", "-3", "at least 1"),
+    ("knob.sampling", '"yes"', "must be a boolean"),
+    ("knob.eviction", "42", "must be one of"),
+    ("knob.predictor_path", '"a\\u0000b"', "NUL"),
+])
+def test_from_attrs_names_the_bad_attribute(key, text, fragment):
+    attrs = {**Knobs().to_attrs(), key: text}
+    with pytest.raises(KnobError) as e:
+        Knobs.from_attrs(attrs)
+    msg = one_line(e.value)
+    assert repr(key) in msg and fragment in msg, msg
+
+
+def test_from_attrs_keeps_defaults_for_unknown_knobs_and_policies():
+    attrs = {**Knobs(cache_slots=7).to_attrs(), "knob.eviction": '"retired-policy"',
+             "knob.no_such_knob": "{garbage", "other": "x"}
+    k = Knobs.from_attrs(attrs)
+    assert k.cache_slots == 7 and k.eviction == "lru"
+
+
+def test_lam_inf_with_affinity_is_refused_before_the_run(embedded, capsys):
+    with pytest.raises(KnobError, match="lam must be a finite number"):
+        workbench.Runtime(embedded, compression="affinity", lam=math.inf)
+    from workbench.cli import main
+
+    rc = main(["run", "--prompt", "what color?", "--image", str(SCENE), "--no-record",
+               "--set", "compression=affinity", "--set", "lam=inf"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "lam must be a finite number, not 'inf'" in err and err.count("\n") == 1
+
+
+# ============================================================================================
+# §15 model folders
+# ============================================================================================
+def _edit_weights(d: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = d / "model.safetensors"
+    sd = fn(load_file(f))
+    f.unlink()
+    save_file(sd, f, metadata={"format": "pt"})
+
+
+def _put(key, make):
+    return lambda sd: {**sd, key: make(sd)}
+
+
+def _drop(*keys):
+    return lambda sd: {k: v for k, v in sd.items() if k not in keys}
+
+
+def _cfg(d: Path, **changes) -> None:
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+def _raw(d: Path, data: bytes) -> None:
+    (d / "model.safetensors").write_bytes(data)
+
+
+def _header(h: dict, tail: bytes = b"") -> bytes:
+    hb = json.dumps(h).encode()
+    return struct.pack("<Q", len(hb)) + hb + tail
+
+
+def _truncate(d: Path) -> None:
+    f = d / "model.safetensors"
+    b = f.read_bytes()
+    f.write_bytes(b[: len(b) // 2])
+
+
+def _bin_only(d: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+
+
+def _sharded_missing(d: Path) -> None:
+    from safetensors.torch import load_file
+
+    keys = list(load_file(d / "model.safetensors"))
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}}))
+
+
+def _st_dir(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+
+
+def _cfg_dir(d: Path) -> None:
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+
+
+TEXT_GATE = "model.layers.0.mlp.gate.weight"
+
+#: name → (source checkpoint, breakage, fragments of the ModelLoadError)
+BROKEN = {
+    # tensors: missing, mismatched, wrong dtype, non-finite
+    "missing_tensor": ("tiny", lambda d: _edit_weights(d, _drop(TEXT_GATE)),
+                       ["lack 1 tensor", TEXT_GATE, "random values"]),
+    "missing_lm_head": ("tiny", lambda d: _edit_weights(d, _drop("lm_head.weight")),
+                        ["lack 1 tensor", "lm_head.weight"]),
+    "missing_vision_tensors": ("emb", lambda d: _edit_weights(
+        d, lambda sd: {k: v for k, v in sd.items() if "visual.blocks.0.attn.qkv" not in k}),
+        ["lack 2 tensors", "model.visual.blocks.0.attn.qkv.weight"]),
+    "wrong_shape": ("tiny", lambda d: _edit_weights(d, _put(TEXT_GATE, lambda sd: torch.zeros(
+        9, 32))), [TEXT_GATE, "(9, 32) in the checkpoint, (8, 32) in the model"]),
+    "transposed": ("tiny", lambda d: _edit_weights(d, _put("lm_head.weight", lambda sd: sd[
+        "lm_head.weight"].T.contiguous())), ["'lm_head.weight' is (32, 128) in the checkpoint"]),
+    "int8_lm_head": ("tiny", lambda d: _edit_weights(d, _put("lm_head.weight", lambda sd: (
+        sd["lm_head.weight"] * 100).to(torch.int8))), ["'lm_head.weight' (I8)", "floating"]),
+    "bool_weight": ("tiny", lambda d: _edit_weights(d, _put("model.norm.weight", lambda sd: sd[
+        "model.norm.weight"] > 0)), ["'model.norm.weight' (BOOL)"]),
+    "int64_weight": ("tiny", lambda d: _edit_weights(d, _put("model.norm.weight", lambda sd: sd[
+        "model.norm.weight"].long())), ["'model.norm.weight' (I64)"]),
+    "all_nan": ("tiny", lambda d: _edit_weights(d, lambda sd: {
+        k: torch.full_like(v, math.nan) for k, v in sd.items()}), ["are broken", "NaN or inf"]),
+    "nan_experts": ("tiny", lambda d: _edit_weights(d, lambda sd: {
+        k: (torch.full_like(v, math.nan) if "experts" in k else v) for k, v in sd.items()}),
+        ["are broken", "experts"]),
+    "one_inf": ("tiny", lambda d: _edit_weights(d, _put("model.norm.weight", lambda sd: (
+        torch.full_like(sd["model.norm.weight"], math.inf)))),
+        ["'model.norm.weight' (32 of 32 values)"]),
+    "nan_vision": ("emb", lambda d: _edit_weights(d, lambda sd: {
+        k: (torch.full_like(v, math.nan) if "visual.merger" in k else v) for k, v in sd.items()}),
+        ["are broken", "model.visual.merger"]),
+    # safetensors files
+    "empty_safetensors": ("tiny", lambda d: _raw(d, b""), ["model.safetensors", "too short"]),
+    "garbage_safetensors": ("tiny", lambda d: _raw(d, b"\xff" * 4096),
+                            ["not a safetensors file", "header claims"]),
+    "header_len_huge": ("tiny", lambda d: _raw(d, struct.pack("<Q", 2**62) + b"{}"),
+                        ["header claims 4,611,686,018,427,387,904 bytes"]),
+    "header_not_json": ("tiny", lambda d: _raw(d, struct.pack("<Q", 10) + b"not json!!"),
+                        ["header is not a JSON object"]),
+    "header_not_object": ("tiny", lambda d: _raw(d, _header([1, 2])), ["JSON array"]),
+    "header_huge_tensor": ("tiny", lambda d: _raw(d, _header({"lm_head.weight": {
+        "dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}}, b"\0" * 64)),
+        ["is truncated", "'lm_head.weight' ends at byte 4,000,000,000,000"]),
+    "header_bad_dtype": ("tiny", lambda d: _raw(d, _header({"w": {
+        "dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16)), ["'F128'"]),
+    "header_offsets_lie": ("tiny", lambda d: _raw(d, _header({"w": {
+        "dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8)),
+        ["needs 16 bytes", "span 8"]),
+    "header_negative_shape": ("tiny", lambda d: _raw(d, _header({"w": {
+        "dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4)), ["shape [-1]"]),
+    "header_trailing_bytes": ("tiny", lambda d: _raw(d, _header({"w": {
+        "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 40)),
+        ["cover 4 of its 40"]),
+    "truncated_safetensors": ("tiny", _truncate, ["is truncated", "ends at byte"]),
+    "safetensors_is_dir": ("tiny", _st_dir, ["model.safetensors is not a regular file"]),
+    "no_weights": ("tiny", lambda d: (d / "model.safetensors").unlink(),
+                   ["has no *.safetensors weights"]),
+    "pickle_only": ("tiny", _bin_only, ["only 'pytorch_model.bin'", "never opened"]),
+    "shard_missing": ("tiny", _sharded_missing, ["lacks shard 'model-00002-of-00002"]),
+    "bad_index": ("tiny", lambda d: ((d / "model.safetensors").unlink(), (
+        d / "model.safetensors.index.json").write_text("[]")), ["not a valid shard index"]),
+    "index_escapes_dir": ("tiny", lambda d: ((d / "model.safetensors").unlink(), (
+        d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "../../etc/passwd.safetensors"}}))), ["shards must be *.safetensors files"]),
+    # config.json
+    "config_not_json": ("tiny", lambda d: (d / "config.json").write_text("{nope"),
+                        ["config.json in", "not valid JSON"]),
+    "config_list": ("tiny", lambda d: (d / "config.json").write_text("[]"), ["JSON array"]),
+    "config_null": ("tiny", lambda d: (d / "config.json").write_text("null"), ["JSON null"]),
+    "config_number": ("tiny", lambda d: (d / "config.json").write_text("42"), ["JSON number"]),
+    "config_nan": ("tiny", lambda d: (d / "config.json").write_text('{"model_type": NaN}'),
+                   ["NaN is not standard JSON"]),
+    "config_no_model_type": ("tiny", lambda d: _cfg(d, model_type=None),
+                             ['no "model_type"']),
+    "config_unknown_type": ("tiny", lambda d: _cfg(d, model_type="nope_moe"), ["nope_moe"]),
+    "config_is_dir": ("tiny", _cfg_dir, ["has no config.json"]),
+    "config_huge_file": ("tiny", lambda d: (d / "config.json").write_text(
+        "{" + " " * (17 * 2**20) + "}"), ["a config of at most"]),
+    "config_layers_string": ("tiny", lambda d: _cfg(d, num_hidden_layers="3"),
+                             ["num_hidden_layers"]),
+    "config_layers_huge": ("tiny", lambda d: _cfg(d, num_hidden_layers=10**5),
+                           ["num_hidden_layers"]),
+    "config_hidden_mismatch": ("tiny", lambda d: _cfg(d, hidden_size=64),
+                               ["do not fit config.json", "(128, 64) in the model"]),
+    "config_vocab_huge": ("tiny", lambda d: _cfg(d, vocab_size=10**9),
+                          ["describes a model of", "do not belong together"]),
+    "config_experts_huge": ("tiny", lambda d: _cfg(d, moe_intermediate_size=10**7),
+                            ["describes a model of", "do not belong together"]),
+    "config_more_experts": ("tiny", lambda d: _cfg(d, num_experts=16),
+                            ["(16, 32, 32) in the model"]),
+    "config_topk_above_experts": ("tiny", lambda d: _cfg(d, num_experts_per_tok=99),
+                                  ["top-99 of 8 experts"]),
+    # tokenizer, template, processor
+    "tokenizer_missing": ("tiny", lambda d: [(d / f).unlink() for f in (
+        "tokenizer.json", "tokenizer_config.json")], ["has no tokenizer"]),
+    "tokenizer_garbage": ("tiny", lambda d: (d / "tokenizer.json").write_text("{garbage"),
+                          ["tokenizer in", "could not be loaded"]),
+    "tokenizer_json_missing": ("tiny", lambda d: (d / "tokenizer.json").unlink(),
+                               ["tokenizer in"]),
+    "chat_template_broken": ("emb", lambda d: (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content "), ["chat template in", "is broken"]),
+    "preprocessor_garbage": ("emb", lambda d: [(d / f).write_text("{garbage") for f in (
+        "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
+    "preprocessor_missing": ("emb", lambda d: [(d / f).unlink() for f in (
+        "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
+}
+
+
+@pytest.fixture(scope="module")
+def broken_models(tmp_path_factory, tiny_ckpt, embedded_dir):
+    """Factory: the broken copy ``name`` of :data:`BROKEN` (built once)."""
+    root = tmp_path_factory.mktemp("broken")
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            src, breakage, _ = BROKEN[name]
+            d = root / name
+            shutil.copytree(tiny_ckpt("qwen2_moe") if src == "tiny" else embedded_dir, d)
+            breakage(d)
+            made[name] = d
+        return made[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_model_folders_name_path_and_fault(broken_models, name):
+    d = broken_models(name)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError) as e:
+        workbench.load(d, device="cpu")
+    msg = one_line(e.value)
+    assert str(d) in msg
+    for f in BROKEN[name][2]:
+        assert f in msg, msg
+    assert len(msg) < 1200
+    assert time.perf_counter() - t0 < 20
+
+
+def test_extra_tensors_are_ignored_with_a_note(tiny_ckpt, tmp_path):
+    d = tmp_path / "extra"
+    shutil.copytree(tiny_ckpt("qwen2_moe"), d)
+    _edit_weights(d, _put("model.mtp.0.weight", lambda sd: torch.zeros(3)))
+    lm = workbench.load(d, device="cpu")
+    assert any("'model.mtp.0.weight'" in n and "ignored" in n for n in lm.notes)
+    res = workbench.Runtime(lm, max_new_tokens=2, device="cpu").run("hi", record=False)
+    assert len(res.token_ids) == 2
+
+
+def test_half_precision_weights_still_load(tiny_ckpt, tmp_path):
+    d = tmp_path / "f16"
+    shutil.copytree(tiny_ckpt("qwen2_moe"), d)
+    _edit_weights(d, lambda sd: {k: v.half() for k, v in sd.items()})
+    assert workbench.load(d, device="cpu").notes == []
+
+
+def test_pickle_is_never_opened(tiny_ckpt, tmp_path, monkeypatch):
+    """Beside safetensors, a pytorch_model.bin is never unpickled."""
+    d = tmp_path / "both"
+    shutil.copytree(tiny_ckpt("qwen2_moe"), d)
+    (d / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    workbench.load(d, device="cpu")
+
+
+def test_nan_logits_of_the_first_step_are_an_error(tiny_ckpt, tmp_path, capsys):
+    """Finite weights whose logits overflow (float16): the first step says the weights are
+    broken, as an error, not an answer."""
+    d = tmp_path / "overflow"
+    shutil.copytree(tiny_ckpt("qwen2_moe"), d)
+    _edit_weights(d, _put("lm_head.weight", lambda sd: sd["lm_head.weight"].sign() * 60000.0))
+    lm = workbench.load(d, device="cpu", dtype="float16")
+    with pytest.raises(ModelLoadError) as e:
+        workbench.Runtime(lm, dtype="float16", device="cpu", max_new_tokens=3).run(
+            "hello", record=False)
+    msg = one_line(e.value)
+    assert str(d) in msg and "NaN/inf logits" in msg and "dtype float16" in msg
+    from workbench.cli import main
+
+    rc = main(["run", "--model", str(d), "--prompt", "hello", "--no-record",
+               "--set", "dtype=float16", "--set", "device=cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "NaN/inf logits" in err and err.count("\n") == 1
+
+
+def test_check_logits():
+    check_logits(torch.zeros(2, 5), "m")
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.zeros(2, 5)
+        t[1, 3] = bad
+        with pytest.raises(ModelLoadError, match="'m' produced NaN/inf logits"):
+            check_logits(t, "m")
+
+
+@pytest.mark.parametrize("name", ["missing_tensor", "int8_lm_head", "all_nan", "pickle_only",
+                                  "config_list", "header_huge_tensor"])
+def test_cli_exits_2_on_broken_models(broken_models, name, capsys):
+    from workbench.cli import main
+
+    rc = main(["info", "--model", str(broken_models(name))])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("workbench: error:") and err.count("\n") == 1, err
+
+
+# ============================================================================================
+# §16 sweeps
+# ============================================================================================
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """Fail the test if a Dask cluster or client is started."""
+    import dask.distributed  # imported first: it copies distributed's names
+    import distributed
+
+    def refuse(*a, **k):
+        raise AssertionError("a Dask cluster/client was started")
+
+    for mod in (distributed, dask.distributed):
+        monkeypatch.setattr(mod, "LocalCluster", refuse)
+        monkeypatch.setattr(mod, "Client", refuse)
+
+
+def _sweep(tmp_path, **kw):
+    from workbench.analysis.sweep import SweepInput, sweep
+
+    args = dict(grid={"cache_slots": [2]}, inputs=[SweepInput.parse("hi")],
+                out=tmp_path / "s", workers=1, progress=False,
+                knobs=Knobs(max_new_tokens=2, device="cpu"))
+    args.update(kw)
+    return sweep(args.pop("grid"), args.pop("inputs"), **args)
+
+
+@pytest.mark.parametrize("setup, fragment", [
+    (lambda t: (t / "f").write_text("x") and t / "f", "is a file, not a folder"),
+    (lambda t: (t / "f").write_text("x") and t / "f" / "sub", "f' is a file, not a folder"),
+    (lambda t: ((t / "d").mkdir(), (t / "d" / "notes.txt").write_text("keep"))
+     and t / "d", "is not a sweep folder"),
+    (lambda t: ((t / "d").mkdir(), (t / "d" / "points").write_text("x")) and t / "d",
+     "'points' that is not a folder"),
+    (lambda t: "", "must be a path"),
+    (lambda t: str(t / "a\x00b"), "NUL"),
+])
+def test_sweep_out_must_be_a_usable_folder(tmp_path, no_cluster, setup, fragment):
+    out = setup(tmp_path)
+    with pytest.raises(InputError) as e:
+        _sweep(tmp_path, out=out)
+    assert fragment in one_line(e.value) and "--out" in str(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_sweep_out_in_a_read_only_folder(tmp_path, no_cluster):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(InputError, match="not writable"):
+            _sweep(tmp_path, out=ro / "s")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_sweep_out_that_cannot_be_written(tmp_path, no_cluster, monkeypatch):
+    """Whatever the permission bits say (root, read-only mounts), a failing mkdir is a
+    message naming the folder."""
+    def deny(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", deny)
+    with pytest.raises(InputError, match=r"sweep folder \(--out\) .* permission denied"):
+        _sweep(tmp_path)
+
+
+@pytest.mark.parametrize("grid, fragment", [
+    ({"lam": [math.inf]}, "lam must be a finite number"),
+    ({"lam": [2.0, math.nan]}, "lam must be a finite number"),
+    ({"cache_slots": [0, 4]}, "cache_slots must be at least 1"),
+    ({"cache_slots": [True]}, "a boolean"),
+    ({"cache_slots": [4, 4]}, "lists 4 twice"),
+    ({"cache_slots": []}, "has no values"),
+    ({"cache_slots": 4}, "must be a list"),
+    ({"cache_slots": "4,8"}, "must be a list"),
+    ({"slots": [4]}, "unknown knob 'slots'"),
+    ({}, "non-empty mapping"),
+    ([("cache_slots", [4])], "non-empty mapping"),
+    ({"cache_slots": list(range(1, 200)), "seed": list(range(100))}, "at most 10,000"),
+])
+def test_sweep_grid_is_checked_before_any_cluster(tmp_path, no_cluster, grid, fragment):
+    with pytest.raises(WorkbenchError) as e:
+        _sweep(tmp_path, grid=grid)
+    assert fragment in one_line(e.value)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("assign, fragment", [
+    ("lam=inf,2", "lam must be a finite number"), ("cache_slots=4,4", "lists 4 twice"),
+    ("cache_bytes=none,null", "lists None twice"), ("temperature=nan", "finite"),
+    ("cache_slots=1e999", "must be an integer"), ("lookahead_depth=9999", "at most 256"),
+])
+def test_cli_grid_parsing(assign, fragment):
+    from workbench.analysis.sweep import parse_grid
+
+    with pytest.raises(KnobError) as e:
+        parse_grid([assign])
+    assert fragment in one_line(e.value)
+
+
+def test_sweep_inputs_model_and_workers_are_checked_before_any_cluster(tmp_path, no_cluster,
+                                                                       img_dir):
+    from workbench.analysis.sweep import SweepInput
+
+    bad = SweepInput.parse(f"{img_dir / 'bomb_20000.png'}|what?")
+    with pytest.raises(InputError, match=r"input .*bomb_20000.*400,000,000 pixels"):
+        _sweep(tmp_path, inputs=[bad])
+    with pytest.raises(InputError, match=r"is a directory"):
+        _sweep(tmp_path, inputs=[SweepInput.parse(f"{img_dir / 'a_directory.png'}|what?")])
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        _sweep(tmp_path, model=tmp_path / "no-model")
+    for w in (0, -1, True, 2.5, 10**6):
+        with pytest.raises(InputError, match="--workers must be an integer between 1 and"):
+            _sweep(tmp_path, workers=w)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("address, fragment", [
+    ("", "is not an address"),
+    ("   ", "is not an address"),
+    ("not an address", "is not HOST:PORT"),
+    ("tcp://host:notaport", "is not HOST:PORT"),
+    ("tcp://[::1", "is not HOST:PORT"),
+    ("tcp://", "is not HOST:PORT"),
+    ("http://127.0.0.1:8786", "only tcp://HOST:PORT"),
+    ("tls://127.0.0.1:8786", "only tcp://HOST:PORT"),
+    ("inproc://x", "only tcp://HOST:PORT"),
+    ("tcp://127.0.0.1:99999", "port 99999 is not between 1 and 65535"),
+    ("tcp://127.0.0.1:0", "port 0 is not between 1 and 65535"),
+    ("tcp://bad host:80", "is not a host name or IP address"),
+    ("tcp://-x-:80", "is not a host name or IP address"),
+])
+def test_malformed_scheduler_addresses(address, fragment):
+    from workbench.analysis.sweep import check_scheduler
+
+    t0 = time.perf_counter()
+    with pytest.raises(InputError) as e:
+        check_scheduler(address)
+    assert fragment in one_line(e.value) and repr(address) in str(e.value)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def _server(mode: str) -> tuple[int, socket.socket]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+
+    def loop():
+        while True:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                return
+            if mode == "garbage":
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 4)
+            elif mode == "close":
+                c.close()
+            # silent: keep the connection open, say nothing
+
+    threading.Thread(target=loop, daemon=True).start()
+    return s.getsockname()[1], s
+
+
+def test_unreachable_schedulers_fail_fast_with_the_address(no_cluster):
+    from workbench.analysis.sweep import SCHEDULER_TIMEOUT_S, check_scheduler
+
+    assert SCHEDULER_TIMEOUT_S <= 5
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=rf"tcp://127.0.0.1:{port}.*connection refused"):
+        check_scheduler(f"127.0.0.1:{port}")
+    assert time.perf_counter() - t0 < 3  # not Dask's 30 s of retries
+    with pytest.raises(InputError, match="does not resolve|no answer"):  # DNS may be absent
+        check_scheduler("tcp://no-such-host.invalid:8786", timeout=1.0)
+    for mode, fragment, limit in (("silent", "no answer from .* within 1 s", 4),
+                                  ("garbage", "is not a Dask scheduler", 4),
+                                  ("close", "cannot reach|is not a Dask scheduler", 4)):
+        port, s = _server(mode)
+        try:
+            t0 = time.perf_counter()
+            with pytest.raises(InputError, match=rf"tcp://127.0.0.1:{port}.*") as e:
+                check_scheduler(f"tcp://127.0.0.1:{port}", timeout=1.0)
+            assert __import__("re").search(fragment, one_line(e.value)), e.value
+            assert time.perf_counter() - t0 < limit
+        finally:
+            s.close()
+
+
+def test_a_real_scheduler_answers():
+    from distributed import LocalCluster
+
+    from workbench.analysis.sweep import check_scheduler
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None,
+                      host="127.0.0.1", protocol="tcp") as cl:
+        addr = cl.scheduler_address
+        assert check_scheduler(addr) == addr
+        assert check_scheduler(addr.removeprefix("tcp://")) == addr
+
+
+def test_cli_sweep_errors_are_one_line(tiny_ckpt, tmp_path, capsys):
+    from workbench.cli import main
+
+    (tmp_path / "file").write_text("x")
+    for extra in (["--out", str(tmp_path / "file")],
+                  ["--out", str(tmp_path / "n"), "--scheduler", "tcp://127.0.0.1:1"],
+                  ["--out", str(tmp_path / "n"), "--scheduler", "localhost"],
+                  ["--out", str(tmp_path / "n"), "--grid", "lam=inf"]):
+        rc = main(["sweep", "--model", str(tiny_ckpt()), "--grid", "cache_slots=2",
+                   "--input", "hi", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("workbench: error:") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("content", [b"{garbage", b"[]", b'"complete"', b'{"status": 5}',
+                                     b'{"status": "complete"}', b"\xff\xfe", b"", None])
+def test_read_outcome_treats_corrupt_files_as_not_done(tmp_path, content):
+    from workbench.analysis.sweep import read_outcome
+
+    p = tmp_path / "p-x.json"
+    if content is None:
+        p.mkdir()
+    else:
+        p.write_bytes(content)
+    assert read_outcome(p) is None
+
+
+def test_corrupt_point_files_are_rerun_not_a_crash(tiny_ckpt, tmp_path):
+    """A sweep whose earlier outcome files are garbage (or a folder) runs those points again
+    and writes a correct summary."""
+    from workbench.analysis.sweep import SweepInput, point_id, summarize, sweep
+
+    out = tmp_path / "s"
+    inputs = [SweepInput.parse("hello"), SweepInput.parse("again")]
+    base = Knobs(max_new_tokens=2, device="cpu")
+    grid = {"cache_slots": [2, 3]}
+    (out / "points").mkdir(parents=True)
+    ids = [point_id(base.copy(cache_slots=s).to_dict(), i) for s in (2, 3) for i in inputs]
+    (out / "points" / f"{ids[0]}.json").write_text("{garbage")
+    (out / "points" / f"{ids[1]}.json").write_text('["not", "an", "outcome"]')
+    (out / "points" / f"{ids[2]}.json").mkdir()
+    # summarising before the sweep: corrupt files are failed points, not a crash
+    ds = summarize(out, grid, inputs, base)
+    assert (ds.status.values == "failed").sum() == 3
+    assert all("unreadable" in e for e in ds.error.values.ravel() if e)
+    ds = sweep(grid, inputs, out=out, model=tiny_ckpt(), knobs=base, workers=1,
+               progress=False)
+    assert (ds.status == "complete").all(), ds.error.values
+    for pid in ids:
+        assert json.loads((out / "points" / f"{pid}.json").read_text())["status"] == "complete"
