@@ -674,3 +674,33 @@ def test_store_documents_are_standard_json(tmp_path):
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     ds = workbench.open_run(store)
     assert ds.attrs["x"] is None and ds.attrs["y"] == [1.0, None]
+
+
+def test_a_store_that_lost_a_batch_is_never_closed_complete(tmp_path, hook):
+    """A write error raised at an ``add`` and ignored by the caller: closing 'complete' still
+    marks the store failed (it lacks that batch), and no later batch lands on its rows."""
+    store = tmp_path / "run.zarr"
+    rec = Recorder(store, L, E, K, attrs={}, pinned=[True, False, False], flush_every=1,
+                   capacity=SMALL)
+    events = _events(6, seed=1)
+    rec.add(events[0])
+    rec.flush()
+
+    def full(op, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    hook(full)
+    rec.add(events[1])  # fails on the writer thread
+    with pytest.raises(StoreError):
+        rec.flush()
+    hook(None)
+    for ev in events[2:]:  # the caller goes on regardless
+        try:
+            rec.add(ev)
+        except StoreError:
+            pass
+    with pytest.raises(StoreError, match="No space left"):
+        rec.close("complete")
+    ds = workbench.open_run(store)
+    assert ds.attrs["status"] == "failed" and ds.sizes["step"] == 1
+    assert list(ds.phase.values) == [0]  # step 0 only: no later step moved into its place

@@ -94,6 +94,7 @@ class Recorder:
         self._closed = False
         self._write_error: BaseException | None = None  # the first failed writer task
         self._group_meta: dict | None = None  # the root document, once laid out
+        self._final_written = False  # the closing document (status, committed) is on disk
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-recorder")
         self._pending: list[Future] = []
         self._submit(self._lay_out, np.asarray(pinned, dtype=bool))
@@ -162,6 +163,7 @@ class Recorder:
         io_step("unlink", root / ".reserve")
         (root / ".reserve").unlink(missing_ok=True)  # room for the last document
         self._write_attrs()
+        self._final_written = True
 
     # -- the caller's side -----------------------------------------------------------------
     def _raise(self, e: BaseException) -> None:
@@ -230,6 +232,8 @@ class Recorder:
             try:
                 self._flush(publish=False)
                 self.wait()  # the status depends on whether every write landed
+                if self._write_error is not None:  # one already raised at an add(): the
+                    self._raise(self._write_error)  # store lacks a batch, it cannot be complete
             except Exception as e:  # a write failed: still try to mark the store failed
                 error = e
                 cause = e.__cause__ if e.__cause__ is not None else e
@@ -247,8 +251,7 @@ class Recorder:
             except Exception as e:
                 if error is None:
                     error = e
-                if self.dest.published and final["status"] != "failed" or \
-                        self.attrs.get("status") == "running":
+                if self.dest.published and not self._final_written:
                     try:  # one more try to leave the published store marked failed
                         cause = e.__cause__ if e.__cause__ is not None else e
                         self._finish({**attrs, "status": "failed",
