@@ -25,17 +25,19 @@ import json
 import math
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
+import numcodecs
 import numpy as np
 import xarray as xr
-import zarr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from workbench.errors import StoreError
-from workbench.telemetry.schema import GROWING, SCHEMA, SCHEMA_VERSION
+from workbench.telemetry.events import MODALITIES
+from workbench.telemetry.schema import GROWING, SCHEMA, SCHEMA_VERSION, Var
 
 #: variables of the first schema: every workbench store has them
 CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_modeled_s",
@@ -44,27 +46,48 @@ CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_m
         "routed_tokens", "resident", "token_id", "token_step", "token_modality", "topk_ids",
         "topk_weights", "span_clock", "span_lane", "span_step", "span_layer", "span_expert",
         "span_start_s", "span_end_s")
-#: dimensions with a coordinate array of their own (read eagerly: they are small)
+#: dimensions with a coordinate array of their own: the writer always writes the same values
+#: (an index; ``depth`` counts from 1; ``modality`` the names), so they are rebuilt, not read
 INDEXES = ("layer", "expert", "k", "depth", "rank", "modality")
+#: the one array that does not grow: which layers are in the pinned prefix
+PINNED = Var(("layer",), "bool", 0, "flag", "layer belongs to the pinned prefix")
 #: one chunk may hold at most this many bytes (a tampered chunk shape cannot allocate more)
 MAX_CHUNK_BYTES = 256 * 1024 * 1024
 MAX_DIM = 1 << 20  # a layout dimension (layers, experts, k, …) larger than this is not a run
+MAX_DOC_BYTES = 64 * 1024 * 1024  # a metadata document (zarr.json) at most
+MAX_ROWS = 1 << 48  # a committed extent larger than this is not a run
 
 
 def _fail(path: Path, what: str) -> StoreError:
     return StoreError(f"run store {str(path)!r}: {what}")
 
 
-def _read_doc(path: Path, rel: str) -> dict:
-    f = path / rel
+def _read_file(path: Path, f: Path, what: str, limit: int) -> bytes:
+    """The bytes of ``f``, a regular file (not a link, FIFO or device) of at most ``limit``
+    bytes, checked before reading: a tampered store cannot make a reader hang or fill memory."""
     try:
-        raw = f.read_bytes()
+        st = os.stat(f, follow_symlinks=False)
     except FileNotFoundError:
-        raise _fail(path, f"{rel} is missing") from None
+        raise _fail(path, f"{what} is missing") from None
     except OSError as e:
-        raise _fail(path, f"{rel} cannot be read ({e.strerror or e})") from None
-    if len(raw) > 64 * 1024 * 1024:
-        raise _fail(path, f"{rel} is {len(raw)} bytes; a store document is at most 64 MiB")
+        raise _fail(path, f"{what} cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise _fail(path, f"{what} is {kind}; a run store holds plain files only")
+    if st.st_size > limit:
+        raise _fail(path, f"{what} is {st.st_size} bytes; at most {limit} allowed")
+    try:
+        with open(f, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as e:
+        raise _fail(path, f"{what} cannot be read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise _fail(path, f"{what} is over {limit} bytes")
+    return raw
+
+
+def _read_doc(path: Path, rel: str) -> dict:
+    raw = _read_file(path, path / rel, rel, MAX_DOC_BYTES)
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -100,9 +123,9 @@ def committed_extent(path: Path, attrs: dict) -> dict[str, int]:
     out = {}
     for d in GROWING:
         v = c.get(d)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ROWS:
             raise _fail(path, f"committed extent of {d!r} is {_short(v)}; expected a whole "
-                              f"number ≥ 0")
+                              f"number in [0, 2**48]")
         out[d] = v
     return out
 
@@ -136,49 +159,129 @@ def _writer_gone(attrs: dict) -> bool:
 
 
 def _short(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**30:
+        return f"a {len(str(abs(v)))}-digit number"
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "…"
 
 
 class _StoreArray(BackendArray):
-    """One stored array cut to ``n`` rows along its first axis; every read goes to zarr and any
-    failure there is reported as a :class:`StoreError` naming the store and the array."""
+    """One stored array cut to ``n`` rows along its first axis.
 
-    def __init__(self, path: Path, name: str, meta: dict, n: int) -> None:
-        self.path, self.name = path, name
-        self.arr: zarr.Array | None = None  # opened on the first read (most are never read)
+    Chunks are read and decoded here, with the codec chain the writer uses (``bytes``, little
+    endian, then optionally ``zstd``; :func:`_check_codecs` refused anything else): each chunk
+    file must be a regular file no larger than its decoded size allows, and decodes into a
+    buffer of exactly one chunk, so a tampered chunk (a link, a FIFO, a zstd bomb, a short or
+    long payload) is a :class:`StoreError` naming the store and the array, never a hang, an
+    allocation beyond one chunk, or zeros. Schema ≥ 3: a missing chunk is an error too; older
+    stores read it as the fill value, as zarr does.
+    """
+
+    def __init__(self, path: Path, name: str, meta: dict, n: int, version: int) -> None:
+        self.path, self.name, self.version = path, name, version
         self.shape = (n, *meta["shape"][1:])
         self.dtype = np.dtype(meta["data_type"])
+        self.chunk_len = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        self.sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+        self.zstd = len(meta["codecs"]) > 1
+        self.fill = meta.get("fill_value", 0)
+        self.chunk_items = self.chunk_len * math.prod(self.shape[1:])
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
         return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.BASIC,
                                                   self._read)
 
-    def _read(self, key: tuple) -> np.ndarray:
-        # slices are bounded by the cut shape, never the array's larger capacity
-        key = tuple(slice(*k.indices(n)) if isinstance(k, slice) else k
-                    for k, n in zip(key, self.shape))
+    def _chunk(self, c: int) -> np.ndarray:
+        nbytes = self.chunk_items * self.dtype.itemsize
+        f = self.path / self.name
+        for part in self.sep.join(["c", str(c), *("0" * (len(self.shape) - 1))]).split("/"):
+            f = f / part
+        what = f"array {self.name!r} chunk {f.name!r}"
+        if self.version < 3 and not os.path.lexists(f):
+            return np.full((self.chunk_len, *self.shape[1:]), self.fill, self.dtype)
+        raw = _read_file(self.path, f, what, nbytes + 1024 + nbytes // 64)
+        out = np.empty(nbytes, np.uint8)
         try:
-            if self.arr is None:
-                self.arr = zarr.open_array(str(self.path / self.name), mode="r")
-            return np.asarray(self.arr[key])
+            if self.zstd:
+                got = numcodecs.Zstd().decode(raw, out=out)
+                got = np.frombuffer(got, np.uint8) if not isinstance(got, np.ndarray) else got
+                if got.nbytes != nbytes:
+                    raise ValueError(f"decodes to {got.nbytes} bytes, not {nbytes}")
+            else:
+                if len(raw) != nbytes:
+                    raise ValueError(f"holds {len(raw)} bytes, not {nbytes}")
+                out[:] = np.frombuffer(raw, np.uint8)
         except Exception as e:
-            raise _fail(self.path, f"array {self.name!r} cannot be read at {key!r} "
-                                   f"({type(e).__name__}: {str(e)[:160]}); the store is "
+            raise _fail(self.path, f"{what} cannot be decoded ({str(e)[:160]}); the store is "
                                    f"corrupt") from None
+        return out.view(self.dtype.newbyteorder("<")).astype(self.dtype, copy=False).reshape(
+            self.chunk_len, *self.shape[1:])
+
+    def _read(self, key: tuple) -> np.ndarray:
+        first, rest = key[0], key[1:]
+        n, L = self.shape[0], self.chunk_len
+        if isinstance(first, slice):
+            lo, hi, step = first.indices(n)
+            if step < 0:  # (BASIC indexing hands positive steps; be safe)
+                return self._read((slice(None),) + rest)[first]
+            hi = max(hi, lo)
+            pick: Any = slice(0, hi - lo, step)
+        else:
+            lo, hi, pick = int(first), int(first) + 1, 0
+        if hi <= lo:
+            rows = np.empty((0, *self.shape[1:]), self.dtype)
+        else:
+            parts = []
+            for c in range(lo // L, (hi - 1) // L + 1):
+                a, b = max(lo, c * L) - c * L, min(hi, (c + 1) * L) - c * L
+                parts.append(self._chunk(c)[a:b])
+            rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return np.asarray(rows[(pick, *rest)])
+
+
+def _check_codecs(path: Path, name: str, meta: dict, version: int) -> None:
+    """Exactly what the writer produces: chunk keys ``c.<i>.0…`` (``c/<i>/0…`` in schema 1),
+    the codec chain ``bytes`` (little endian) + optional ``zstd``, fill value 0, no storage
+    transformers. Anything else could make a chunk read as something other than it was
+    written (zeros from keys nobody wrote, transposed or byte-swapped values)."""
+    enc = meta.get("chunk_key_encoding")
+    # ('pinned', written once, keeps zarr's default "/" keys)
+    sep = "/" if version < 2 or name not in SCHEMA else "."
+    if not (isinstance(enc, dict) and enc.get("name") == "default"
+            and isinstance(enc.get("configuration", {}), dict)
+            and enc.get("configuration", {}).get("separator", "/") == sep):
+        raise _fail(path, f"array {name!r} has chunk key encoding {_short(enc)}; run stores of "
+                          f"schema {version} use the default encoding with separator {sep!r}")
+    codecs = meta.get("codecs")
+    ok = isinstance(codecs, list) and 1 <= len(codecs) <= 2 and all(isinstance(c, dict)
+                                                                     for c in codecs)
+    if ok:
+        first = codecs[0]
+        cfg = first.get("configuration", {})
+        ok = (first.get("name") == "bytes" and isinstance(cfg, dict)
+              and cfg.get("endian", "little") == "little"
+              and (len(codecs) == 1 or codecs[1].get("name") == "zstd"))
+    if not ok:
+        raise _fail(path, f"array {name!r} has codecs {_short(codecs)}; run stores use "
+                          f"bytes (little endian) + zstd")
+    if meta.get("storage_transformers") not in (None, []):
+        raise _fail(path, f"array {name!r} has storage transformers; run stores have none")
+    if meta.get("fill_value") not in (0, False):
+        raise _fail(path, f"array {name!r} has fill value {_short(meta.get('fill_value'))}; "
+                          f"run stores use 0")
 
 
 def _check_array(path: Path, name: str, meta: dict, sizes: dict[str, int],
-                 committed: dict[str, int]) -> None:
+                 committed: dict[str, int], version: int) -> None:
     """The array's metadata agrees with the schema and the store's layout."""
-    v = SCHEMA.get(name)
+    v = SCHEMA.get(name) or PINNED
     dims = meta.get("dimension_names")
     shape = meta.get("shape")
     if meta.get("node_type") != "array" or not isinstance(shape, list) \
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise _fail(path, f"array {name!r} has unusable metadata (shape {shape!r})")
-    if v is None:
-        return
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_ROWS
+                       for s in shape):
+        raise _fail(path, f"array {name!r} has unusable metadata (shape {_short(shape)})")
+    _check_codecs(path, name, meta, version)
     if dims != list(v.dims):
         raise _fail(path, f"array {name!r} has dimensions {dims!r}; the schema says "
                           f"{list(v.dims)!r}")
@@ -191,7 +294,11 @@ def _check_array(path: Path, name: str, meta: dict, sizes: dict[str, int],
                               f"{sizes[d]}; the store is inconsistent")
         if s > MAX_DIM:
             raise _fail(path, f"array {name!r} has {s} along {d!r}; at most {MAX_DIM} allowed")
-    if shape[0] < committed[v.dims[0]]:
+    if v is PINNED:
+        if shape[0] != sizes.setdefault("layer", shape[0]):
+            raise _fail(path, f"array 'pinned' has {shape[0]} layers, other arrays "
+                              f"{sizes['layer']}; the store is inconsistent")
+    elif shape[0] < committed[v.dims[0]]:
         raise _fail(path, f"array {name!r} has {shape[0]} rows but {committed[v.dims[0]]} "
                           f"{v.dims[0]} rows are committed; the store is truncated")
     try:
@@ -222,7 +329,7 @@ def _check_chunks(path: Path, name: str, meta: dict, n: int) -> None:
     for f in names:
         if f.startswith("c.") and f.endswith(tail):
             idx = f[2:len(f) - len(tail)]
-            if idx.isdigit():
+            if idx.isdigit() and str(int(idx)) == idx:  # canonical: "c.00.0" is not chunk 0
                 have.add(int(idx))
     missing = [i for i in range(min(need, len(have) + 1)) if i not in have]
     if missing or len(have) < need:
@@ -258,7 +365,14 @@ def open_run(path: str | Path) -> xr.Dataset:
         required = [a for a in listed if a in SCHEMA or a == "pinned"]
     else:
         required = [*CORE, "pinned"]
-    present = {p.name for p in path.iterdir() if p.is_dir() and (p / "zarr.json").exists()}
+    try:
+        entries = list(path.iterdir())
+    except OSError as e:
+        raise _fail(path, f"cannot be listed ({e.strerror or e})") from None
+    links = sorted(p.name for p in entries if p.is_symlink())
+    if links:
+        raise _fail(path, f"{links[0]!r} is a symlink; a run store holds plain folders and files")
+    present = {p.name for p in entries if p.is_dir() and (p / "zarr.json").exists()}
     missing = [a for a in required if a not in present]
     if missing:
         raise _fail(path, f"array {missing[0]!r} is missing"
@@ -267,21 +381,21 @@ def open_run(path: str | Path) -> xr.Dataset:
     metas = {n: _read_doc(path, f"{n}/zarr.json") for n in names}
     sizes: dict[str, int] = {}
     for n in names:
-        _check_array(path, n, metas[n], sizes, committed)
+        _check_array(path, n, metas[n], sizes, committed, version)
     coords: dict[str, Any] = {}
     for d in INDEXES:
         if d in present:
             meta = _read_doc(path, f"{d}/zarr.json")
             shape = meta.get("shape")
             if (meta.get("dimension_names") != [d] or not isinstance(shape, list)
-                    or len(shape) != 1 or (d in sizes and shape[0] != sizes[d])):
-                raise _fail(path, f"coordinate {d!r} has shape {shape!r}, the arrays "
+                    or len(shape) != 1 or (d in sizes and shape[0] != sizes[d])
+                    or (d == "modality" and shape[0] != len(MODALITIES))):
+                raise _fail(path, f"coordinate {d!r} has shape {_short(shape)}, the arrays "
                                   f"{sizes.get(d)!r}")
-            try:
-                coords[d] = np.asarray(zarr.open_array(str(path / d), mode="r")[:])
-            except Exception as e:
-                raise _fail(path, f"coordinate {d!r} cannot be read ({type(e).__name__})"
-                            ) from None
+            n = int(shape[0])
+            coords[d] = (np.array(MODALITIES, dtype=np.dtypes.StringDType()) if d == "modality"
+                         else np.arange(1 if d == "depth" else 0, n + (d == "depth"),
+                                        dtype=np.int32))
     pinned_meta = metas.get("pinned")
     if pinned_meta is not None and pinned_meta.get("dimension_names") != ["layer"]:
         raise _fail(path, "array 'pinned' is not indexed by layer")
@@ -293,7 +407,7 @@ def open_run(path: str | Path) -> xr.Dataset:
         if grow and version >= 3:
             _check_chunks(path, n, meta, rows)
         dims = tuple(meta["dimension_names"])
-        data = indexing.LazilyIndexedArray(_StoreArray(path, n, meta, rows))
+        data = indexing.LazilyIndexedArray(_StoreArray(path, n, meta, rows, version))
         var_attrs = meta.get("attributes") if isinstance(meta.get("attributes"), dict) else {}
         data_vars[n] = xr.Variable(dims, data, attrs=var_attrs)
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
