@@ -119,3 +119,49 @@ def test_console_script_and_argparse_errors_exit_2():
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "knobs"], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "cache_slots" in r.stdout
+
+
+# -- found by the hostile probe (issue 10) ------------------------------------------------------
+def test_a_failed_run_prints_no_answer_label(tiny_ckpt, tmp_path, capsys):
+    """An error is one line on stderr; stdout does not get a dangling 'answer: '."""
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 10)
+    rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--image", str(bad),
+               "--no-record"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and str(bad) in err
+
+
+def test_store_with_no_record_is_a_contradiction(capsys):
+    rc = main(["run", "--prompt", "x", "--no-record", "--store", "runs/x.zarr"])
+    assert rc == 2 and "--no-record writes no store" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_is_not_an_error(tiny_ckpt):
+    proc = subprocess.run(
+        f"{sys.executable} -m workbench.cli run --model {tiny_ckpt()} --prompt hi --no-record "
+        f"--json | head -c 5", shell=True, capture_output=True, text=True)
+    assert proc.stdout == '{"tex' and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("case", ["dangling-link", "bad-steps", "bad-decay", "foreign-folder"])
+def test_calibrate_out_is_checked_before_anything_loads(tmp_path, capsys, case):
+    out = tmp_path / "pred"
+    extra = []
+    if case == "dangling-link":
+        out.symlink_to(tmp_path / "nowhere")
+        want = "is a symlink to"
+    elif case == "bad-steps":
+        extra, want = ["--steps", "0"], "--steps must be ≥ 1, not 0"
+    elif case == "bad-decay":
+        extra, want = ["--decay", "nan"], "--decay must be in (0, 1], not nan"
+    else:
+        out.mkdir()
+        (out / "thesis.tex").write_text("keep me")
+        extra, want = ["--overwrite"], "not a calibrated predictor folder (it holds thesis.tex)"
+    rc = main(["calibrate", "--model", "/nonexistent", "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and want in err, err
+    assert not (tmp_path / "nowhere").exists()
+    if case == "foreign-folder":
+        assert (out / "thesis.tex").read_text() == "keep me"

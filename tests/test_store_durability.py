@@ -742,3 +742,13 @@ def test_a_store_that_lost_a_batch_is_never_closed_complete(tmp_path, hook):
     ds = workbench.open_run(store)
     assert ds.attrs["status"] == "failed" and ds.sizes["step"] == 1
     assert list(ds.phase.values) == [0]  # step 0 only: no later step moved into its place
+
+
+@pytest.mark.parametrize("bad", [None, 123, b"/tmp/x.zarr", "a\0b", "", "   "])
+def test_store_paths_of_the_wrong_kind_are_store_errors(bad):
+    from workbench.telemetry.store import check_store_path
+
+    with pytest.raises(StoreError, match="path"):
+        workbench.open_run(bad)
+    with pytest.raises(StoreError, match="path"):
+        check_store_path(bad, overwrite=False)

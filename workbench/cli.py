@@ -137,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`workbench … | head`): not an error
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 0
     except Exception as e:
         if args.debug:
             raise
@@ -158,28 +164,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _calibrate(args) -> int:
     from workbench.errors import InputError, StoreExistsError
-
     from workbench.predictor.model import CONFIG, WEIGHTS
     from workbench.telemetry.destination import check_creatable
 
+    if str(args.out).strip() == "" or "\0" in str(args.out):
+        raise InputError(f"--out {args.out!r} is not a usable folder name")
     out = Path(args.out)
-    if str(args.out).strip() == "":
-        raise InputError("--out is empty; give a folder for the predictor")
-    if out.exists() and not args.overwrite:
-        raise StoreExistsError(f"{str(out)!r} already exists; pass --overwrite to replace it, "
-                               f"or choose another path")
-    if out.exists():  # --overwrite replaces a calibrated predictor and nothing else
+    if out.is_symlink():  # written through the link, as run stores are
+        target = Path(os.path.realpath(out))
+        if not target.exists():
+            raise InputError(f"--out {str(out)!r} is a symlink to {str(target)!r}, which does "
+                             f"not exist")
+        out = target
+    fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))  # empty = absent
+    if not fresh and not args.overwrite:
+        raise StoreExistsError(f"--out {str(out)!r} already exists; pass --overwrite to replace "
+                               f"it, or choose another path")
+    if not fresh:  # --overwrite replaces a calibrated predictor and nothing else
         extra = (sorted(p.name for p in out.iterdir() if p.name not in (CONFIG, WEIGHTS))
                  if out.is_dir() else [out.name])
         if extra:
-            raise InputError(f"{str(out)!r} is not a calibrated predictor folder (it holds "
-                             f"{', '.join(extra[:5])}); --overwrite only replaces {CONFIG} + "
-                             f"{WEIGHTS} — refusing to delete it")
+            raise InputError(f"--out {str(out)!r} is not a calibrated predictor folder (it "
+                             f"holds {', '.join(extra[:5])}); --overwrite only replaces "
+                             f"{CONFIG} + {WEIGHTS} — refusing to delete it")
     check_creatable(out, "predictor folder")
-    if args.steps < 1 or args.requests < 2 or args.max_new_tokens < 1 or args.window < 1 \
-            or not 0.0 < args.decay <= 1.0:
-        raise InputError("--steps ≥ 1, --requests ≥ 2, --max-new-tokens ≥ 1, --window ≥ 1 and "
-                         "0 < --decay ≤ 1 are required")
+    for flag, value, ok, allowed in (
+            ("--steps", args.steps, args.steps >= 1, "≥ 1"),
+            ("--requests", args.requests, args.requests >= 2, "≥ 2"),
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "≥ 1"),
+            ("--window", args.window, args.window >= 1, "≥ 1"),
+            ("--decay", args.decay, 0.0 < args.decay <= 1.0, "in (0, 1]")):
+        if not ok:
+            raise InputError(f"{flag} must be {allowed}, not {value}")
     from workbench.predictor.calibrate import (calibrate, format_report, parse_inputs,
                                                scene_requests)
 
@@ -201,7 +217,10 @@ def _calibrate(args) -> int:
 
     stage = out.with_name(f".{out.name}.staging-{secrets.token_hex(4)}")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         save(pred, stage, report)
+        if out.exists() and not any(out.iterdir()):
+            out.rmdir()
         if out.exists():
             old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
             os.rename(out, old)
@@ -236,6 +255,7 @@ def _runtime(args, knobs):
 
 
 def _run(args) -> int:
+    from workbench.errors import InputError
     from workbench.models.inputs import check_prompt, probe_image
     from workbench.telemetry.store import check_store_path
 
@@ -245,8 +265,11 @@ def _run(args) -> int:
     for p in args.images:
         probe_image(p)  # header only; the run decodes it (and names the file if it fails)
     images = list(args.images)
-    store = Path(args.store) if args.store is not None else None
-    if store is not None and not args.no_record:
+    if args.no_record and (args.store is not None or args.overwrite):
+        raise InputError("--no-record writes no store: drop --store/--overwrite, or drop "
+                         "--no-record")
+    store = None
+    if args.store is not None:
         # before the model loads: a store that cannot be written costs nothing and touches nothing
         store = check_store_path(args.store, args.overwrite)
     rt = _runtime(args, knobs)
@@ -255,17 +278,20 @@ def _run(args) -> int:
     def on_token(_tok: int, text: str) -> None:
         if args.json:
             return
+        if streamed["n"] == 0 and "started" not in streamed:  # the label only once there is
+            streamed["started"] = True                          # an answer (an error prints
+            print("answer: ", end="", flush=True)               # alone on its line)
         new = text[streamed["n"]:]
         streamed["n"] = len(text)
         print(new, end="", flush=True)
 
-    if not args.json:
-        print("answer: ", end="", flush=True)
     res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
                  record=not args.no_record, on_token=on_token)
     if args.json:
         print(json.dumps(res.to_json()))
     else:
+        if "started" not in streamed:
+            print("answer: ", end="")
         print()
         print("\n".join(res.summary().splitlines()[1:]))
     return 0

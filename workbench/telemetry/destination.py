@@ -36,7 +36,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
 
@@ -123,6 +123,22 @@ def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+def store_path_arg(path: Any, what: str) -> Path:
+    """``path`` as a :class:`Path`, or :class:`StoreError`: not a str/PathLike, empty, or with a
+    NUL byte (which no file system accepts)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise StoreError(f"{what} path must be a str or os.PathLike, not "
+                         f"{type(path).__name__} ({str(path)[:60]!r})")
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if text.strip() == "":
+        raise StoreError(f"{what} path is empty; give a folder name such as runs/demo.zarr")
+    if "\0" in text:
+        raise StoreError(f"{what} path {text[:80]!r} contains a NUL byte")
+    return Path(text)
+
+
 def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -> Path:
     """Check, before anything is loaded or written, that a run store can be written at
     ``path``; returns the path to write (a symlink resolved to its target).
@@ -131,8 +147,7 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
     path, a parent that is a file, not writable, not a workbench store to overwrite) with a
     message naming the path. Creates nothing but a probe file it removes at once.
     """
-    if str(path).strip() == "":
-        raise StoreError("store path is empty; give a folder name such as runs/demo.zarr")
+    path = store_path_arg(path, "store")
     p = Path(path).expanduser()
     if p.is_symlink():
         target = Path(os.path.realpath(p))

@@ -36,6 +36,7 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from workbench.errors import StoreError
+from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
 from workbench.telemetry.schema import GROWING, SCHEMA, SCHEMA_VERSION, Var
 
@@ -348,7 +349,7 @@ def open_run(path: str | Path) -> xr.Dataset:
     left ``running`` by a writer that no longer exists reads with ``status`` ``interrupted``.
     Anything unreadable or inconsistent raises :class:`~workbench.errors.StoreError`.
     """
-    path = Path(path)
+    path = store_path_arg(path, "run store")
     if not path.is_dir() or not (path / "zarr.json").exists():
         raise StoreError(f"run store {str(path)!r} does not exist or is not a zarr store")
     root = _read_doc(path, "zarr.json")
