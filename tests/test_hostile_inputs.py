@@ -721,7 +721,8 @@ def no_cluster(monkeypatch):
 def _sweep(tmp_path, **kw):
     from workbench.analysis.sweep import SweepInput, sweep
 
-    args = dict(grid={"cache_slots": [2]}, inputs=[SweepInput.parse("hi")],
+    # cache_slots 4: the embedded model's top-k (a point with fewer slots is refused up front)
+    args = dict(grid={"cache_slots": [4]}, inputs=[SweepInput.parse("hi")],
                 out=tmp_path / "s", workers=1, progress=False,
                 knobs=Knobs(max_new_tokens=2, device="cpu"))
     args.update(kw)
@@ -955,3 +956,255 @@ def test_corrupt_point_files_are_rerun_not_a_crash(tiny_ckpt, tmp_path):
     assert (ds.status == "complete").all(), ds.error.values
     for pid in ids:
         assert json.loads((out / "points" / f"{pid}.json").read_text())["status"] == "complete"
+
+
+# ============================================================================================
+# predictor folders (predictor=vismmoe, predictor_path=DIR): checked when the run starts
+# ============================================================================================
+@pytest.fixture(scope="module")
+def predictor_dir(embedded, tmp_path_factory) -> Path:
+    """A predictor folder for the embedded model (untrained weights: the files' format is what
+    matters here, not the predictions)."""
+    from workbench.predictor.model import LookaheadPredictor, PredictorConfig, save
+
+    lay = embedded.layout
+    torch.manual_seed(0)
+    cfg = PredictorConfig(lay.num_layers, lay.num_experts, 64, model_id=embedded.model_id,
+                          config_hash=embedded.config_hash)
+    return save(LookaheadPredictor(cfg), tmp_path_factory.mktemp("pred") / "predictor")
+
+
+def _pred_cfg(**changes):
+    def edit(d: Path) -> None:
+        doc = json.loads((d / "predictor.json").read_text())
+        doc["config"].update(changes)
+        (d / "predictor.json").write_text(json.dumps(doc))
+    return edit
+
+
+def _pred_json(text: str):
+    return lambda d: (d / "predictor.json").write_text(text)
+
+
+def _pred_weights(fn):
+    def edit(d: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(str(d / "predictor.safetensors"))
+        fn(sd)
+        save_file(sd, str(d / "predictor.safetensors"))
+    return edit
+
+
+def _pred_bytes(fn):
+    def edit(d: Path) -> None:
+        f = d / "predictor.safetensors"
+        f.write_bytes(fn(bytearray(f.read_bytes())))
+    return edit
+
+
+def _set_nan(sd):
+    sd["W2.weight"][0, 0] = math.nan
+
+
+BROKEN_PREDICTORS = {
+    # name: (edit, fragments of the message)
+    "truncated_1000": (_pred_bytes(lambda b: b[:1000]), ["predictor.safetensors",
+                                                         "header claims"]),
+    "header_2_62": (_pred_bytes(lambda b: struct.pack("<Q", 2**62) + b[8:]),
+                    ["predictor.safetensors", "4,611,686,018,427,387,904 bytes"]),
+    "empty_weights": (_pred_bytes(lambda b: b""), ["predictor.safetensors", "too short"]),
+    "json_list": (_pred_json("[1, 2]"), ["predictor.json", "JSON list"]),
+    "json_garbage": (_pred_json("{garbage"), ["predictor.json", "not valid JSON"]),
+    "json_nan": (_pred_json('{"format": NaN}'), ["predictor.json", "not valid JSON"]),
+    "json_deep": (_pred_json("[" * 100_000 + "]" * 100_000), ["predictor.json",
+                                                               "not valid JSON"]),
+    "wrong_format": (_pred_json('{"format": "x", "config": {}}'), ["format 'x'"]),
+    "config_list": (_pred_json('{"format": "workbench-lookahead-predictor/1", "config": []}'),
+                    ["'config' is []"]),
+    "window_text": (_pred_cfg(window="five"), ["config.window is 'five'", "an integer"]),
+    "window_zero": (_pred_cfg(window=0), ["config.window is 0", "an integer between 1"]),
+    "width_3M": (_pred_cfg(width=3_000_000), ["config.width is 3000000", "between 1 and"]),
+    "width_1e7": (_pred_cfg(width=10**7), ["config.width is 10000000"]),
+    "width_mismatch": (_pred_cfg(width=100_000), ["'W1.weight'", "[128, 232]",
+                                                  "needs [100000, 232]"]),
+    "hidden_mismatch": (_pred_cfg(hidden_size=65), ["'x_mean'", "[232]", "needs [234]"]),
+    "width_bool": (_pred_cfg(width=True), ["config.width is True"]),
+    "decay_big": (_pred_cfg(decay=2.0), ["config.decay is 2.0", "0 < decay ≤ 1"]),
+    "dropout_text": (_pred_cfg(dropout="0.1"), ["config.dropout is '0.1'"]),
+    "use_visual_int": (_pred_cfg(use_visual=1), ["config.use_visual is 1", "true or false"]),
+    "unknown_field": (_pred_cfg(foo=1), ["unknown config field 'foo'"]),
+    "layers_missing": (lambda d: (_pred_json(json.dumps({
+        "format": "workbench-lookahead-predictor/1", "config": {"num_experts": 32,
+                                                                "hidden_size": 64}}))(d)),
+        ["lacks config field 'num_layers'"]),
+    "config_hash": (_pred_cfg(config_hash="deadbeef"), ["config_hash='deadbeef'",
+                                                         "config_hash='"]),
+    "num_experts": (_pred_cfg(num_experts=16), ["num_experts=16", "has 32"]),
+    "num_layers": (_pred_cfg(num_layers=4), ["num_layers=4", "has 8"]),
+    "nan_weight": (_pred_weights(_set_nan), ["'W2.weight'", "NaN or inf"]),
+    "int8_weight": (_pred_weights(lambda sd: sd.__setitem__("Wo.weight",
+                                                            sd["Wo.weight"].to(torch.int8))),
+                    ["'Wo.weight'", "is I8", "F32"]),
+    "missing_tensor": (_pred_weights(lambda sd: sd.pop("Wo.bias")), ["lacks tensor 'Wo.bias'"]),
+    "extra_tensor": (_pred_weights(lambda sd: sd.__setitem__("evil", torch.zeros(2))),
+                     ["unexpected tensor 'evil'"]),
+    "zero_std": (_pred_weights(lambda sd: sd["x_std"].__setitem__(0, 0.0)), ["'x_std'", "≤ 0"]),
+    "no_weights": (lambda d: (d / "predictor.safetensors").unlink(), ["holds no calibrated"]),
+    "json_is_dir": (lambda d: ((d / "predictor.json").unlink(),
+                               (d / "predictor.json").mkdir()), ["holds no calibrated"]),
+}
+
+
+@pytest.fixture(scope="module")
+def broken_predictors(predictor_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("broken_predictors")
+    for name, (edit, _) in BROKEN_PREDICTORS.items():
+        shutil.copytree(predictor_dir, root / name)
+        edit(root / name)
+    return root
+
+
+def test_the_predictor_fixture_is_accepted(embedded, predictor_dir):
+    from workbench.runtime.runtime import Runtime
+
+    rt = Runtime(embedded, knobs=Knobs(predictor="vismmoe", predictor_path=str(predictor_dir),
+                                       cache_slots=8, max_new_tokens=1, device="cpu"))
+    assert rt.run("hi", record=False).steps == 1
+
+
+@pytest.mark.parametrize("name", list(BROKEN_PREDICTORS))
+def test_broken_predictor_folders_are_refused_before_the_run(embedded, broken_predictors,
+                                                             name, monkeypatch):
+    """Refused when the runtime is built (before generation, before the module is built from
+    the config), with one line naming the folder and the fault."""
+    from workbench.predictor import model as pmodel
+    from workbench.runtime.runtime import Runtime
+
+    built, init = [], pmodel.LookaheadPredictor.__init__
+
+    def record(self, cfg):
+        init(self, cfg)
+        built.append((self.W1.weight.device.type, cfg.width))
+
+    monkeypatch.setattr(pmodel.LookaheadPredictor, "__init__", record)
+    d = broken_predictors / name
+    with pytest.raises(InputError) as e:
+        Runtime(embedded, knobs=Knobs(predictor="vismmoe", predictor_path=str(d),
+                                      cache_slots=8, max_new_tokens=1, device="cpu"))
+    text = one_line(e.value)
+    assert str(d) in text
+    for fragment in BROKEN_PREDICTORS[name][1]:
+        assert fragment in text, text
+    # built in memory only from a checked config that matches the weights (else: on meta)
+    assert all(w == 128 for dev, w in built if dev != "meta"), built
+
+
+def test_cli_run_refuses_a_broken_predictor_with_one_line(broken_predictors, capsys):
+    from workbench.cli import main
+
+    rc = main(["run", "--set", "predictor=vismmoe", "--set",
+               f"predictor_path={broken_predictors / 'window_text'}", "--prompt", "hi",
+               "--no-record", "--max-new-tokens", "1"])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.err.startswith("workbench: error: predictor in")
+    assert cap.err.count("\n") == 1 and "answer" not in cap.out
+
+
+# ============================================================================================
+# sweeps apply workbench run's up-front checks to every point
+# ============================================================================================
+@pytest.mark.parametrize("grid, fragment", [
+    ({"eviction": ["belady"]}, "eviction 'belady' needs the future"),
+    ({"prefetch": ["oracle"]}, "needs the future"),
+    ({"eviction": ["slab"]}, "needs the predictor"),
+    ({"pinned_layers": [99]}, "pinned_layers must be between 0 and 8"),
+    ({"cache_slots": [1, 2]}, "cache_slots must be at least 4 (top-k)"),
+])
+def test_sweep_points_get_the_run_checks_before_any_cluster(tmp_path, no_cluster, grid,
+                                                            fragment):
+    with pytest.raises(KnobError) as e:
+        _sweep(tmp_path, grid=grid)
+    text = one_line(e.value)
+    assert fragment in text and "sweep point" in text
+    name, values = next(iter(grid.items()))
+    assert f"{name}={values[0]!r}" in text
+    assert not (tmp_path / "s").exists()
+
+
+def test_sweep_with_a_broken_predictor_is_refused(tmp_path, no_cluster, broken_predictors):
+    with pytest.raises(InputError, match=r"sweep point .*predictor in .*nan_weight.*NaN"):
+        _sweep(tmp_path, grid={"predictor_path": [str(broken_predictors / "nan_weight")]},
+               knobs=Knobs(max_new_tokens=2, device="cpu", predictor="vismmoe"))
+
+
+def test_sweep_records_refused_points_and_runs_the_others(tmp_path, monkeypatch):
+    """A grid with some refused points: those are recorded as failed by the client (no worker
+    time), the others are sent to the cluster."""
+    from workbench.analysis import sweep as sweep_mod
+
+    sent = []
+
+    class FakeClient:
+        def __init__(self, *a, **k):
+            pass
+
+        def submit(self, fn, *args, **kw):
+            sent.append(args[1]["eviction"])
+            raise RuntimeError("stop here")
+
+        def close(self):
+            pass
+
+    import dask.distributed
+    monkeypatch.setattr(dask.distributed, "Client", FakeClient)
+    monkeypatch.setattr(dask.distributed, "LocalCluster", lambda *a, **k: None)
+    with pytest.raises(RuntimeError, match="stop here"):
+        _sweep(tmp_path, grid={"eviction": ["belady", "lru"]})
+    assert sent == ["lru"]
+    outcomes = [json.loads(p.read_text()) for p in (tmp_path / "s" / "points").glob("*.json")]
+    assert [(o["grid"], o["status"]) for o in outcomes] == [({"eviction": "belady"}, "failed")]
+    assert "KnobError: eviction 'belady' needs the future" in outcomes[0]["error"]
+    assert sweep_mod.check_points(None, []) == {}
+
+
+# ============================================================================================
+# Python API argument types
+# ============================================================================================
+@pytest.mark.parametrize("images", ["/tmp/x.png", b"/tmp/x.png", Path("/tmp/x.png"),
+                                    Image.new("RGB", (4, 4)), 5, None])
+def test_run_refuses_a_single_image_or_a_non_list(embedded, images):
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=1)
+    with pytest.raises(InputError) as e:
+        rt.run("hi", images=images, record=False)
+    text = one_line(e.value)
+    assert text.startswith("images must be a list of paths or PIL images, not "
+                           f"{type(images).__name__}")
+
+
+@pytest.mark.parametrize("kwargs, cls, fragment", [
+    (dict(model=123), ModelLoadError, "model must be a checkpoint folder"),
+    (dict(model=["a"]), ModelLoadError, "not list"),
+    (dict(knobs=[("cache_slots", 2)]), KnobError, "knobs must be a workbench.Knobs or a dict"),
+    (dict(knobs="cache_slots=4"), KnobError, "not str"),
+    (dict(knobs={1: 2}), KnobError, "knob names (str)"),
+    (dict(knobs={"slots": 4}), KnobError, "unknown knob 'slots'"),
+    (dict(knobs={"cache_slots": "many"}), KnobError, "cache_slots"),
+])
+def test_runtime_refuses_wrong_argument_types(embedded, kwargs, cls, fragment):
+    kwargs.setdefault("model", embedded)
+    with pytest.raises(cls) as e:
+        workbench.Runtime(**kwargs)
+    assert fragment in one_line(e.value)
+
+
+def test_runtime_accepts_a_dict_of_knobs(embedded):
+    rt = workbench.Runtime(embedded, knobs={"cache_slots": 6, "device": "cpu"}, seed=3)
+    assert (rt.knobs.cache_slots, rt.knobs.seed) == (6, 3)
+
+
+@pytest.mark.parametrize("attrs", [None, "knob.seed", [("knob.seed", "1")], 5])
+def test_from_attrs_refuses_non_mappings(attrs):
+    with pytest.raises(KnobError) as e:
+        Knobs.from_attrs(attrs)
+    assert f"not {type(attrs).__name__}" in one_line(e.value)

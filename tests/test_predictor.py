@@ -123,6 +123,7 @@ def test_cli_refuses_existing_out_and_missing_model(tmp_path, capsys):
     from workbench.cli import main
 
     (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "predictor.json").write_text("{}")  # (an empty folder counts as new)
     assert main(["calibrate", "--out", str(tmp_path / "exists")]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["calibrate", "--out", str(tmp_path / "new"), "--model",

@@ -434,6 +434,11 @@ class Knobs:
         policy that is no longer registered (the knob keeps its default). A ``knob.*`` attribute
         that is not JSON, or whose value the knob does not accept, raises :class:`KnobError`
         naming the attribute."""
+        from collections.abc import Mapping
+
+        if not isinstance(attrs, Mapping):
+            raise KnobError(f"store attributes must be a mapping of 'knob.NAME' to JSON text, "
+                            f"not {type(attrs).__name__} ({_show(attrs)})")
         k = cls()
         known = set(k.names())
         vals: dict[str, Any] = {}

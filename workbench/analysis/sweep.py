@@ -25,6 +25,7 @@ handshake; Dask's own default waits 30 s, and a silent port forever).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import ipaddress
 import itertools
@@ -43,7 +44,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import xarray as xr
 
-from workbench.errors import InputError, KnobError
+from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.knobs import Knobs
 
 #: seconds a sweep waits for a ``scheduler`` to accept the connection and answer as a Dask
@@ -348,6 +349,66 @@ def run_point(model_dir: str | None, knobs: dict[str, Any], prompt: str, images:
         outcome.update(status="complete", result=res.to_json())
     except Exception as e:  # a failed point is data, not a crash of the sweep
         outcome.update(status="failed", error=f"{type(e).__name__}: {e}")
+    return _write_outcome(meta, outcome)
+
+
+# -- the client side ---------------------------------------------------------------------------
+def check_points(model: str | Path | None, points: Sequence[dict[str, Any]],
+                 local: bool = True, refuse_all: bool = True) -> dict[str, WorkbenchError]:
+    """Apply to every point's knobs the up-front checks ``workbench run`` applies (the
+    :class:`~workbench.runtime.runtime.Runtime` constructor's: knobs against the model's MoE
+    layout, live-only policies, the predictor folder, the memory plan), before any cluster
+    starts. Returns ``{point id: error}`` of the refused points (a failed point is data: the
+    sweep records it and runs the others); when *every* point is refused (and ``refuse_all``:
+    the sweep has no finished point either), raises the first one's error (same class,
+    prefixed with the point's grid values), as ``workbench run`` would.
+
+    The model is loaded here once per (dtype, device) of the points, as each worker loads it,
+    and let go afterwards (``local=False``, a remote scheduler whose workers may have devices
+    this machine lacks: on the CPU)."""
+    if not points:
+        return {}
+    from workbench.models.loading import load
+    from workbench.runtime.runtime import Runtime
+
+    models: dict[tuple[str, str], Any] = {}
+    by_knobs: dict[str, WorkbenchError | None] = {}
+    refused: dict[str, WorkbenchError] = {}
+    try:
+        for point in points:
+            k = point["knobs"]
+            key = json.dumps(k, sort_keys=True, default=str)
+            if key not in by_knobs:  # else: the same knobs for another input
+                mk = (k["dtype"], k["device"] if local else "cpu")
+                if mk not in models:
+                    models[mk] = load(model, dtype=mk[0], device=mk[1])
+                try:
+                    Runtime(models[mk], knobs=Knobs(**k))
+                    by_knobs[key] = None
+                except WorkbenchError as e:
+                    by_knobs[key] = e
+            if by_knobs[key] is not None:
+                refused[point["id"]] = by_knobs[key]
+    finally:
+        models.clear()
+        gc.collect()  # the client holds no model while the workers load theirs
+    if refuse_all and len(refused) == len(points):
+        first = points[0]
+        e = refused[first["id"]]
+        where = ", ".join(f"{n}={v!r}" for n, v in first["grid"].items())
+        msg = (f"every sweep point is refused before it runs; the first, {where}: {e}"
+               if len(points) > 1 else f"sweep point {where}: {e}")
+        try:
+            err = type(e)(msg)
+        except Exception:  # a subclass with another constructor
+            err = KnobError(msg)
+        raise err from None
+    return refused
+
+
+def _write_outcome(meta: str | Path, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Write a point's outcome file atomically; a failure to write is recorded in the
+    outcome (the client still gets it)."""
     try:
         target = Path(meta)
         if target.is_dir():  # a stray folder where the outcome belongs
@@ -362,7 +423,6 @@ def run_point(model_dir: str | None, knobs: dict[str, Any], prompt: str, images:
     return outcome
 
 
-# -- the client side ---------------------------------------------------------------------------
 def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = None, *,
           out: str | Path, model: str | Path | None = None, knobs: Knobs | None = None,
           scheduler: str | None = None, workers: int | None = None,
@@ -404,7 +464,21 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
             else:
                 todo.append((pid, point))
     address = check_scheduler(scheduler) if todo and scheduler is not None else None
+    refused = check_points(model, [point for _, point in todo], local=address is None,
+                           refuse_all=not done)
     _make_out(out)
+    if refused:  # recorded as failed here, like a worker records a point that fails
+        if progress:
+            e = next(iter(refused.values()))
+            print(f"workbench: {len(refused)} of {len(todo)} sweep points are refused before "
+                  f"they run (e.g. {type(e).__name__}: {_one_line(e, 200)}); they are recorded "
+                  f"as failed", file=sys.stderr)
+        for pid, point in todo:
+            if pid in refused:
+                e = refused[pid]
+                done[pid] = _write_outcome(out / "points" / f"{pid}.json", {
+                    **point, "status": "failed", "error": f"{type(e).__name__}: {e}"})
+        todo = [(pid, point) for pid, point in todo if pid not in refused]
     model_dir = str(Path(model).resolve()) if model is not None else None
     if todo:
         cluster = None

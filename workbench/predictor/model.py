@@ -97,25 +97,213 @@ def save(pred: LookaheadPredictor, out: str | Path, report: dict | None = None) 
     return out
 
 
-def load(path: str | Path) -> LookaheadPredictor:
-    """Rebuild a saved predictor (eval mode). A missing or malformed directory raises
-    :class:`InputError`."""
+#: largest predictor.json read (a real one is a few kB: the config and the calibration report)
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+#: largest size (layers, experts, hidden size, widths, window) a predictor config may name
+MAX_SIZE = 1 << 20
+#: the config fields and what each must be: (type test, what is allowed)
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIZE,
+        f"an integer between 1 and {MAX_SIZE:,}")
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "num_layers": _INT, "num_experts": _INT, "hidden_size": _INT, "width": _INT,
+    "bottleneck": _INT, "window": _INT,
+    "use_visual": (lambda v: isinstance(v, bool), "true or false"),
+    "decay": (lambda v: _real(v) and 0.0 < v <= 1.0, "a number with 0 < decay ≤ 1"),
+    "dropout": (lambda v: _real(v) and 0.0 <= v < 1.0, "a number with 0 ≤ dropout < 1"),
+    "model_id": (lambda v: isinstance(v, str) and len(v) <= 1000, "text"),
+    "config_hash": (lambda v: isinstance(v, str) and len(v) <= 1000, "text"),
+    "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+_REQUIRED = ("num_layers", "num_experts", "hidden_size")
+#: safetensors dtypes a stored tensor may have, by the module's own dtype
+_FLOAT_ST = ("F32", "F64", "F16", "BF16")
+_INT_ST = ("I64", "I32")
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 1] + "…"
+
+
+def read_config(path: str | Path) -> PredictorConfig:
+    """The :class:`PredictorConfig` of the predictor folder ``path``, every field's type and
+    range checked (nothing is built). Raises :class:`InputError` naming the folder and field."""
+    p = Path(path)
+    where = f"predictor in {str(p)!r}"
+    f = p / CONFIG
+    try:
+        size = f.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise InputError(f"{where}: {CONFIG} is {size:,} bytes, more than the "
+                             f"{MAX_CONFIG_BYTES:,} a predictor config may have")
+        doc = json.loads(f.read_bytes(), parse_constant=_no_constant)
+    except InputError:
+        raise
+    except OSError as e:
+        raise InputError(f"{where}: {CONFIG} is not readable: "
+                         f"{e.strerror or type(e).__name__}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{where}: {CONFIG} is not valid JSON "
+                         f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") \
+            from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: {CONFIG} holds a JSON {type(doc).__name__} "
+                         f"({_show(doc)}), expected an object with format and config")
+    if doc.get("format") != FORMAT:
+        raise InputError(f"{where}: {CONFIG} has format {_show(doc.get('format'))}, expected "
+                         f"{FORMAT!r}")
+    cfg = doc.get("config")
+    if not isinstance(cfg, dict):
+        raise InputError(f"{where}: {CONFIG} field 'config' is {_show(cfg)}, expected an "
+                         f"object")
+    unknown = sorted(str(k) for k in cfg if k not in _FIELDS)
+    if unknown:
+        raise InputError(f"{where}: {CONFIG} has unknown config field {_show(unknown[0])}; "
+                         f"known: {', '.join(_FIELDS)}")
+    for name in _REQUIRED:
+        if name not in cfg:
+            raise InputError(f"{where}: {CONFIG} lacks config field {name!r}")
+    for name, value in cfg.items():
+        ok, allowed = _FIELDS[name]
+        if not ok(value):
+            raise InputError(f"{where}: {CONFIG} field config.{name} is {_show(value)}; it "
+                             f"must be {allowed}")
+    return PredictorConfig(**cfg)
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not allowed")
+
+
+def check_against_model(cfg: PredictorConfig, path: str | Path, lm: Any) -> None:
+    """Refuse a predictor calibrated for another model than ``lm`` (a loaded model): MoE
+    layers, experts per layer and, when both are known, the config hash. One line naming the
+    folder, the field and both values."""
+    lay = lm.layout
+    where = f"predictor in {str(Path(path))!r}"
+    for name, mine, theirs in (("num_layers", cfg.num_layers, lay.num_layers),
+                               ("num_experts", cfg.num_experts, lay.num_experts)):
+        if mine != theirs:
+            raise InputError(
+                f"{where} was calibrated for {name}={mine}, this model ({lm.model_id}) has "
+                f"{theirs} ({cfg.num_layers} MoE layers × {cfg.num_experts} experts vs "
+                f"{lay.num_layers} × {lay.num_experts}); run workbench calibrate for it")
+    if cfg.config_hash and lm.config_hash and cfg.config_hash != lm.config_hash:
+        raise InputError(
+            f"{where} was calibrated for config_hash={cfg.config_hash!r} "
+            f"({cfg.model_id or 'another model'}), this model ({lm.model_id}) has config_hash="
+            f"{lm.config_hash!r}; run workbench calibrate for it")
+
+
+def _check_tensors(cfg: PredictorConfig, path: Path) -> None:
+    """The weights file's header (read and checked on its own, nothing loaded) must hold exactly
+    the tensors ``cfg`` describes, with their shapes and a fitting dtype."""
+    from workbench.errors import ModelLoadError
+    from workbench.models.loading import read_safetensors_header
+
+    where = f"predictor in {str(path)!r}"
+    try:
+        stored = read_safetensors_header(path / WEIGHTS)
+    except ModelLoadError as e:
+        raise InputError(f"predictor {e}") from None  # "predictor weights in '…' could not …"
+    with torch.device("meta"):  # shapes only, no memory
+        wanted = {k: v for k, v in LookaheadPredictor(cfg).state_dict().items()}
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing or extra:
+        what = (f"lacks tensor {missing[0]!r}" if missing else f"has unexpected tensor "
+                                                               f"{extra[0]!r}")
+        n = len(missing) + len(extra)
+        raise InputError(f"{where}: {WEIGHTS} {what}" + (f" (and {n - 1} more differences)"
+                                                         if n > 1 else "")
+                         + f"; it does not match {CONFIG}")
+    for name, t in wanted.items():
+        info = stored[name]
+        if tuple(info["shape"]) != tuple(t.shape):
+            field_ = _shape_field(name)
+            raise InputError(
+                f"{where}: tensor {name!r} in {WEIGHTS} has shape {list(info['shape'])}, but "
+                f"{CONFIG} (config {field_}) needs {list(t.shape)}; the files do not belong "
+                f"together")
+        allowed = _FLOAT_ST if t.is_floating_point() else _INT_ST
+        if info["dtype"] not in allowed:
+            raise InputError(f"{where}: tensor {name!r} in {WEIGHTS} is {info['dtype']}, "
+                             f"expected one of {', '.join(allowed)}")
+
+
+def _shape_field(name: str) -> str:
+    if name.startswith(("x_", "W1.weight")):
+        return "num_layers, num_experts, hidden_size, use_visual" + (
+            ", width" if name.startswith("W1") else "")
+    if name.startswith(("W1", "psi1")):
+        return "width"
+    if name.startswith("W2.weight"):
+        return "width, bottleneck"
+    if name.startswith(("W2", "psi2")):
+        return "bottleneck"
+    if name.startswith("Wo.weight"):
+        return "num_experts, bottleneck"
+    return "num_experts"
+
+
+def _check_values(pred: LookaheadPredictor, path: Path) -> None:
+    """Every floating-point tensor finite; ``x_std`` > 0 and running variances ≥ 0."""
+    where = f"predictor in {str(path)!r}"
+    for name, t in pred.state_dict().items():
+        if not t.is_floating_point():
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise InputError(f"{where}: tensor {name!r} holds NaN or inf ({bad:,} of "
+                             f"{t.numel():,} values); the predictor is corrupt, calibrate it "
+                             f"again")
+    if not bool((pred.x_std > 0).all()):
+        raise InputError(f"{where}: tensor 'x_std' holds values ≤ 0 (min "
+                         f"{float(pred.x_std.min()):g}); standard deviations must be positive")
+    for name in ("psi1.0.running_var", "psi2.0.running_var"):
+        v = pred.state_dict()[name]
+        if not bool((v >= 0).all()):
+            raise InputError(f"{where}: tensor {name!r} holds negative variances (min "
+                             f"{float(v.min()):g})")
+
+
+def load(path: str | Path, model: Any = None) -> LookaheadPredictor:
+    """Rebuild a saved predictor (eval mode). Everything is checked before the module is
+    built: ``predictor.json`` (size, JSON, every config field's type and range), the
+    safetensors header (readable, not truncated, exactly the tensors the config describes,
+    their shapes and dtypes) and, given ``model`` (a loaded model), that the predictor was
+    calibrated for it (:func:`check_against_model`); then the values (finite, positive
+    standard deviations). Any fault raises :class:`InputError` naming the folder."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     p = Path(path)
-    if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
+    if not _is_file(p / CONFIG) or not _is_file(p / WEIGHTS):
         raise InputError(f"{str(p)!r} holds no calibrated predictor ({CONFIG} + {WEIGHTS}); "
                          f"make one with `workbench calibrate --out {p}`")
+    cfg = read_config(p)
+    if model is not None:
+        check_against_model(cfg, p, model)
+    _check_tensors(cfg, p)
     try:
-        doc = json.loads((p / CONFIG).read_text())
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
-        cfg = PredictorConfig(**doc["config"])
         pred = LookaheadPredictor(cfg)
         pred.load_state_dict(load_file(str(p / WEIGHTS)))
-    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
-        raise InputError(f"predictor in {str(p)!r} is not readable: {e}") from None
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError, SafetensorError) as e:
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise InputError(f"predictor in {str(p)!r} is not readable: {msg}") from None
+    _check_values(pred, p)
     return pred.eval()
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:  # name too long, permission denied on a parent …
+        return False
 
 
 def hot_recall(scores: np.ndarray, active: np.ndarray, k: int) -> np.ndarray:

@@ -16,8 +16,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,8 +29,8 @@ import torch
 
 from workbench.compression.placement import PrunedPlacement, check_supported
 from workbench.compression.policies import COMPRESSION
-from workbench.errors import InputError, KnobError
-from workbench.knobs import Knobs
+from workbench.errors import InputError, KnobError, ModelLoadError
+from workbench.knobs import Knobs, _show
 from workbench.models.inputs import ModelInputs, Request, build_inputs, modality_of
 from workbench.models.loading import LoadedModel, load
 from workbench.options import get_options
@@ -163,8 +165,29 @@ class Runtime:
     """
 
     def __init__(self, model: LoadedModel | str | Path | None = None,
-                 knobs: Knobs | None = None, **knob_values: Any) -> None:
-        self.knobs = (knobs.copy() if knobs is not None else Knobs()).set(**knob_values)
+                 knobs: Knobs | Mapping[str, Any] | None = None, **knob_values: Any) -> None:
+        """``model``: a :class:`LoadedModel`, a checkpoint folder (str or path) or None (the
+        embedded model). ``knobs``: a :class:`Knobs`, or a mapping of knob values
+        (``{"cache_slots": 8}``); ``knob_values`` override either. Other types raise
+        :class:`ModelLoadError` / :class:`KnobError`."""
+        if model is not None and not isinstance(model, (LoadedModel, str, os.PathLike)):
+            raise ModelLoadError(f"model must be a checkpoint folder (a str or path), a loaded "
+                                 f"model (workbench.load) or None for the embedded model, not "
+                                 f"{type(model).__name__}")
+        if isinstance(knobs, Knobs):
+            base = knobs.copy()
+        elif knobs is None:
+            base = Knobs()
+        elif isinstance(knobs, Mapping):
+            bad = [k for k in knobs if not isinstance(k, str)]
+            if bad:
+                raise KnobError(f"knobs must map knob names (str) to values, not "
+                                f"{bad[0]!r} ({type(bad[0]).__name__})")
+            base = Knobs(**dict(knobs))
+        else:
+            raise KnobError(f"knobs must be a workbench.Knobs or a dict of knob values, not "
+                            f"{type(knobs).__name__}")
+        self.knobs = base.set(**knob_values)
         if isinstance(model, LoadedModel):
             self.lm = model
         else:
@@ -206,14 +229,8 @@ class Runtime:
         path = Path(knobs.predictor_path) if knobs.predictor_path else default_path(self.lm.path)
         cache = self.__dict__.setdefault("_predictors", {})
         if path not in cache:
-            pred = load_predictor(path)
-            lay = self.lm.layout
-            if (pred.cfg.num_layers, pred.cfg.num_experts) != (lay.num_layers, lay.num_experts):
-                raise InputError(
-                    f"predictor in {str(path)!r} was calibrated for {pred.cfg.num_layers} MoE "
-                    f"layers × {pred.cfg.num_experts} experts, this model has "
-                    f"{lay.num_layers} × {lay.num_experts}; run workbench calibrate for it")
-            cache[path] = pred
+            # checked against this model (layers, experts, config hash) before it is built
+            cache[path] = load_predictor(path, model=self.lm)
         return cache[path]
 
     def cost_spec(self, knobs: Knobs | None = None) -> CostSpec:
@@ -281,7 +298,20 @@ class Runtime:
         ``record=False`` skips telemetry (for overhead benchmarks). ``on_token(id, text_so_far)``
         streams tokens. ``logits_processor``: extra transformers logits processors for
         ``generate`` (e.g. teacher forcing, see :meth:`quality`). Knob values given here apply
-        to this run only."""
+        to this run only.
+
+        ``images`` is a list (any sequence) of image paths or PIL images; a single path or image
+        given on its own is refused with :class:`InputError` (wrap it in a list), so that a
+        path's characters are never taken for images."""
+        from PIL import Image
+
+        if isinstance(images, (str, bytes, bytearray, os.PathLike, Image.Image)):
+            raise InputError(f"images must be a list of paths or PIL images, not "
+                             f"{type(images).__name__} ({_show(images)}); wrap a single image "
+                             f"in a list: images=[...]")
+        if not isinstance(images, Iterable):
+            raise InputError(f"images must be a list of paths or PIL images, not "
+                             f"{type(images).__name__}")
         knobs = self.knobs.copy(**knob_values) if knob_values else self.knobs
         self._check(knobs)  # also when the knobs object was changed in place (widgets)
         saved, self.knobs = self.knobs, knobs
@@ -536,7 +566,7 @@ def _predictor_budget(knobs: Knobs) -> int:
 
 def _store_path(store: str | Path | None) -> Path:
     if store is not None:
-        return Path(store)
+        return store  # checked (type, emptiness, NUL, writability) by check_store_path
     ws = Path(get_options()["workspace"])
     ws.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
