@@ -165,3 +165,17 @@ def test_calibrate_out_is_checked_before_anything_loads(tmp_path, capsys, case):
     assert not (tmp_path / "nowhere").exists()
     if case == "foreign-folder":
         assert (out / "thesis.tex").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("text,want", [('{"a": 1}', "holds a JSON dict"),
+                                       ('[{"prompt": 5}]', "entry 0"),
+                                       ('[' * 100000, "not valid JSON"),
+                                       ('["x"]', "entry 0")])
+def test_calibrate_input_lists_are_checked(tmp_path, text, want):
+    from workbench.errors import InputError
+    from workbench.predictor.calibrate import parse_inputs
+
+    f = tmp_path / "inputs.json"
+    f.write_text(text)
+    with pytest.raises(InputError, match=want):
+        parse_inputs([str(f)], "x")

@@ -60,14 +60,25 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
         if not p.is_file():
             raise InputError(f"input {it!r} does not exist")
         if p.suffix.lower() == ".json":
+            if p.stat().st_size > 16 * 2**20:
+                raise InputError(f"input list {it!r} is {p.stat().st_size} bytes; at most "
+                                 f"16 MiB allowed")
             try:
-                rows = json.loads(p.read_text())
-                for r in rows:
-                    img = r.get("image")
-                    out.append((open_image(p.parent / img) if img else None, str(r["prompt"])))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise InputError(f"{it!r} is not a list of {{image, prompt}} objects: {e}") \
+                rows = json.loads(p.read_bytes())
+            except (ValueError, RecursionError) as e:
+                raise InputError(f"input list {it!r} is not valid JSON ({str(e)[:120]})") \
                     from None
+            if not isinstance(rows, list):
+                raise InputError(f"input list {it!r} holds a JSON {type(rows).__name__}; "
+                                 f"expected a list of {{\"image\": PATH, \"prompt\": TEXT}}")
+            for i, r in enumerate(rows):
+                if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or \
+                        not isinstance(r.get("image", ""), (str, type(None))):
+                    raise InputError(f"input list {it!r}, entry {i}: {str(r)[:80]!r} is not an "
+                                     f"object with a text \"prompt\" and an optional "
+                                     f"\"image\" path")
+                img = r.get("image")
+                out.append((open_image(p.parent / img) if img else None, r["prompt"]))
         else:
             out.append((open_image(p), prompt))
     return out
