@@ -285,8 +285,13 @@ def _run(args) -> int:
         streamed["n"] = len(text)
         print(new, end="", flush=True)
 
-    res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
-                 record=not args.no_record, on_token=on_token)
+    try:
+        res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
+                     record=not args.no_record, on_token=on_token)
+    except BaseException:
+        if "started" in streamed:  # end the answer line: the error gets a line of its own
+            print(flush=True)
+        raise
     if args.json:
         print(json.dumps(res.to_json()))
     else:
