@@ -755,3 +755,31 @@ def test_store_paths_of_the_wrong_kind_are_store_errors(bad):
         workbench.open_run(bad)
     with pytest.raises(StoreError, match="path"):
         check_store_path(bad, overwrite=False)
+
+
+# -- found by the second hostile probe ----------------------------------------------------------
+@pytest.mark.parametrize("spec", ['{"expert_bytes": -1}', "[[[", '{"source": "x", '
+                                  '"expert_bytes": NaN, "expert_flops_per_token": 1, '
+                                  '"dense_bytes_per_layer": 1, '
+                                  '"dense_flops_per_token_per_layer": 1}'])
+def test_replay_of_a_store_with_a_bad_cost_spec_exits_2(tmp_path, good_store, capsys, spec):
+    store = tmp_path / "run.zarr"
+    shutil.copytree(good_store, store)
+    _set(store, "zarr.json", _attr("cost_spec", spec))
+    rc = main(["replay", str(store), "--set", "cache_slots=4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "attribute 'cost_spec' is unusable" in err and "target_model" in err
+
+
+def test_the_workspace_must_be_a_folder_and_auto_names_are_per_process(tmp_path):
+    from workbench.telemetry.destination import new_run_name, workspace_dir
+
+    afile = tmp_path / "runs"
+    afile.write_text("x")
+    with pytest.raises(StoreError, match=r"workspace .*runs' .*cannot hold runs"):
+        workspace_dir(afile)
+    ws = workspace_dir(tmp_path / "ws")
+    name = new_run_name(ws)
+    assert name.startswith("run-") and f"-{os.getpid()}-000.zarr" in name
+    (ws / name).mkdir()
+    assert new_run_name(ws) != name

@@ -133,7 +133,8 @@ def traces(draw) -> Trace:
     token_step = np.r_[0, np.cumsum(grow)][:T] if T else np.zeros(0)
     S = int(token_step[-1]) + 1 if T else 0
     return Trace(topk_ids=ids, token_step=token_step, num_experts=E, topk_weights=w,
-                 token_modality=draw(arrays(np.int8, T)), phase=draw(arrays(np.int8, S)),
+                 token_modality=draw(arrays(np.int8, T, elements=st.integers(0, 2))),
+                 phase=draw(arrays(np.int8, S, elements=st.integers(0, 1))),
                  step_request=draw(arrays(np.int32, S)), pinned=draw(arrays(bool, L)),
                  attrs=draw(st.dictionaries(_attr_key, _json, max_size=4)))
 

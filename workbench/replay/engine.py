@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.errors import KnobError
+from workbench.errors import InputError, KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
@@ -141,18 +141,41 @@ def _cost(trace: Trace, profile: str, target_model: str, expert_bytes: float | N
     if target_model != "none":
         return CostSpec.from_target(get_target_model(target_model)), prof
     spec = trace.attrs.get("cost_spec")
-    if isinstance(spec, str):
-        import json
-
-        spec = json.loads(spec)
-    if isinstance(spec, dict):
-        return CostSpec(**spec), prof
+    if spec is not None:
+        return _recorded_cost(trace, spec), prof
     if expert_bytes is None:
         raise KnobError(
             f"target_model must name a real model to price this trace "
             f"({trace.attrs.get('source', 'imported')}): it carries no model sizes; one of "
             f"{', '.join(_targets())}, not 'none'")
     return CostSpec("given", float(expert_bytes), 0.0, 0.0, 0.0), prof
+
+
+def _recorded_cost(trace: Trace, spec) -> CostSpec:
+    """The cost spec a store (or a ``.wbtrace`` ``@attr``) recorded, checked: its fields are
+    the :class:`CostSpec` fields, sizes and times finite and ≥ 0."""
+    import dataclasses
+    import json
+    import math
+
+    where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
+    fields = {f.name: f for f in dataclasses.fields(CostSpec)}
+    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+    try:
+        if isinstance(spec, str):
+            spec = json.loads(spec)
+        if not isinstance(spec, dict) or not required <= set(spec) <= set(fields):
+            raise ValueError(f"expected an object with {', '.join(fields)}")
+        if not isinstance(spec["source"], str):
+            raise ValueError("source must be text")
+        for k, v in spec.items():
+            if k != "source" and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{k} is {v!r}, expected a finite number ≥ 0")
+        return CostSpec(**spec)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InputError(f"{where}: attribute 'cost_spec' is unusable ({str(e)[:160]}); "
+                         f"replay with --set target_model=NAME to price it instead") from None
 
 
 def _targets() -> list[str]:

@@ -567,11 +567,7 @@ def _predictor_budget(knobs: Knobs) -> int:
 def _store_path(store: str | Path | None) -> Path:
     if store is not None:
         return store  # checked (type, emptiness, NUL, writability) by check_store_path
-    ws = Path(get_options()["workspace"])
-    ws.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        p = ws / f"run-{stamp}-{i:03d}.zarr"
-        if not p.exists():
-            return p
-    raise InputError(f"workspace {str(ws)!r} has no free run name for {stamp}")
+    from workbench.telemetry.destination import new_run_name, workspace_dir
+
+    ws = workspace_dir(get_options()["workspace"])
+    return ws / new_run_name(ws)

@@ -123,6 +123,34 @@ def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
     return sorted(out)
 
 
+def new_run_name(workspace: Path) -> str:
+    """A fresh run store name in ``workspace``: ``run-<date>-<time>-<pid>-<n>.zarr`` — the
+    writer's pid keeps two processes starting in the same second apart (each then checks only
+    its own names), the time keeps names in start order."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        name = f"run-{stamp}-{os.getpid()}-{i:03d}.zarr"
+        if not os.path.lexists(workspace / name):
+            return name
+    raise StoreError(f"workspace {str(workspace)!r} has no free run name for {stamp}")
+
+
+def workspace_dir(ws: Any) -> Path:
+    """The workspace folder (created if missing), or :class:`StoreError` saying why it cannot
+    hold runs."""
+    ws = store_path_arg(ws, "workspace")
+    try:
+        ws.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"workspace {str(ws)!r} (the `workspace` option, or "
+                         f"$WORKBENCH_WORKSPACE for the dashboard) cannot hold runs: "
+                         f"{e.strerror or e}; it must be a folder, or a path where one can be "
+                         f"created") from None
+    if not ws.is_dir():
+        raise StoreError(f"workspace {str(ws)!r} is not a folder")
+    return ws
+
+
 def store_path_arg(path: Any, what: str) -> Path:
     """``path`` as a :class:`Path`, or :class:`StoreError`: not a str/PathLike, empty, or with a
     NUL byte (which no file system accepts)."""

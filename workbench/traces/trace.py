@@ -156,6 +156,11 @@ class Trace:
         self.phase = _ints(self.phase, np.int8, "phase")
         self.step_request = _ints(self.step_request, np.int32, "step_request")
         self.pinned = np.asarray(self.pinned, bool)
+        for name, arr, lo, hi in (("token_modality", self.token_modality, 0, 2),
+                                  ("phase", self.phase, 0, 1)):
+            if arr.size and (arr.min() < lo or arr.max() > hi):
+                raise InputError(f"trace {name} holds {int(arr.min())}..{int(arr.max())}; "
+                                 f"codes {lo}..{hi} are allowed")
         for name, arr, shape in (("topk_weights", self.topk_weights, ids.shape),
                                  ("token_modality", self.token_modality, (T,)),
                                  ("phase", self.phase, (S,)),

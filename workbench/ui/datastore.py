@@ -328,12 +328,9 @@ def _birth(path: Path) -> int:
 
 
 def _auto_name(workspace: Path) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        name = f"run-{stamp}-{i:03d}.zarr"
-        if not (workspace / name).exists():
-            return name
-    raise InputError(f"workspace {str(workspace)!r} has no free run name for {stamp}")
+    from workbench.telemetry.destination import new_run_name
+
+    return new_run_name(workspace)
 
 
 # -- inputs -------------------------------------------------------------------------------------
