@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 _OPTIONS: dict[str, Any] = {
-    "workspace": Path("runs"),  # where runs without an explicit store path go
+    # where runs without an explicit store path go: $WORKBENCH_WORKSPACE, else runs/ (the CLI,
+    # the Python API and the dashboard agree)
+    "workspace": Path(os.environ.get("WORKBENCH_WORKSPACE") or "runs"),
     "flush_every": 32,  # steps buffered before an append to the store
     "flush_interval_s": 0.5,  # … or seconds since the last append, whichever first
 }
