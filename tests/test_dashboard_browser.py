@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -87,6 +88,14 @@ def stop_server(proc: subprocess.Popen) -> str:
         proc.kill()
         out, _ = proc.communicate()
     return (out or b"").decode(errors="replace")
+
+
+def app_tracebacks(log: str) -> str:
+    """The server log less tornado's teardown noise: a periodic push that meets the socket the
+    closing browser just shut logs a WebSocketClosedError traceback, which is not the app's.
+    Any other traceback stays (tests assert there is none)."""
+    return re.sub(r"Task exception was never retrieved.*?tornado\.websocket\."
+                  r"WebSocketClosedError", "", log, flags=re.S)
 
 
 def plots(page) -> dict[str, dict]:
@@ -209,5 +218,5 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         assert not errors, f"console errors: {errors}"
     finally:
         log = stop_server(server)
-    assert "Traceback" not in log, log[-3000:]
+    assert "Traceback" not in app_tracebacks(log), log[-3000:]
     assert time.time() - t_start < 60
