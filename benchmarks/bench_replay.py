@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.replay.engine import flat_hits, replay
+from workbench.replay.engine import replay
+from workbench.replay.flat import flat_hits
 from workbench.traces import Trace, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

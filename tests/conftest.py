@@ -77,6 +77,7 @@ def assert_replays_live():
     def check(res, ds) -> None:
         np.testing.assert_array_equal(res.hits, ds["hits"].values)
         np.testing.assert_array_equal(res.misses, ds["misses"].values)
+        np.testing.assert_array_equal(res.pinned_accesses, ds["pinned_accesses"].values)
         np.testing.assert_array_equal(res.evictions, ds["evictions"].values)
         np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
         if "host_runs" in ds:

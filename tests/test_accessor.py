@@ -22,8 +22,10 @@ from workbench.viz.heatmap import (expert_heatmap, hit_rate_figure, latency_figu
 def synthetic(S=5, L=4, E=8, k=2, T=None, seed=0, pinned=(True, False, False, False),
               spans=0) -> xr.Dataset:
     """A Dataset shaped like ``open_run``'s: random hits/misses/routing, tokens of both modalities
-    (the first half of each prefill token block is image)."""
+    (the first half of each prefill token block is image). Schema 4 counters: hits and misses
+    on offloaded layers only, a pinned layer's accesses in ``pinned_accesses``."""
     rng = np.random.default_rng(seed)
+    pin = np.asarray(pinned, bool)
     T = T if T is not None else S * 3
     token_step = np.sort(rng.integers(0, S, T)).astype(np.int32)
     token_mod = rng.integers(0, 2, T).astype(np.int8)
@@ -43,8 +45,9 @@ def synthetic(S=5, L=4, E=8, k=2, T=None, seed=0, pinned=(True, False, False, Fa
         "stall_modeled_s": ("step", rng.uniform(0, 1e-4, S)),
         "transfer_bytes": ("step", rng.integers(0, 1000, S)),
         "transfer_bytes_modeled": ("step", rng.integers(0, 1000, S)),
-        "hits": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32)),
-        "misses": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32)),
+        "hits": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32) * ~pin),
+        "misses": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32) * ~pin),
+        "pinned_accesses": (("step", "layer"), rng.integers(1, 5, (S, L)).astype(np.int32) * pin),
         "loads": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32)),
         "evictions": (("step", "layer"), rng.integers(0, 5, (S, L)).astype(np.int32)),
         "routed_tokens": (("step", "layer", "expert", "modality"), routed),
@@ -95,19 +98,36 @@ def test_hit_rate_is_hits_over_accesses_of_offloaded_layers():
     h = ds.hits.values[:, 1:].sum()
     m = ds.misses.values[:, 1:].sum()
     assert ds.moe.hit_rate() == pytest.approx(h / (h + m))
-    ha, ma = ds.hits.values.sum(), ds.misses.values.sum()
+    # include_pinned: the pinned prefix's accesses count as hits
+    ha, ma = ds.hits.values.sum() + ds.pinned_accesses.values.sum(), ds.misses.values.sum()
     assert ds.moe.hit_rate(include_pinned=True) == pytest.approx(ha / (ha + ma))
+    assert ds.moe.hit_rate(include_pinned=True, by="layer").values[0] == 1.0
 
     per_layer = ds.moe.hit_rate(by="layer")
     assert per_layer.dims == ("layer",)
     assert np.isnan(per_layer.values[0])  # pinned layer excluded
     hl, ml = ds.hits.values.sum(0), ds.misses.values.sum(0)
-    np.testing.assert_allclose(per_layer.values[1:], (hl / (hl + ml))[1:])
+    np.testing.assert_allclose(per_layer.values[1:], hl[1:] / (hl[1:] + ml[1:]))
 
     per_step = ds.moe.hit_rate(by="step")
     hs, ms = ds.hits.values[:, 1:].sum(1), ds.misses.values[:, 1:].sum(1)
     with np.errstate(invalid="ignore"):
         np.testing.assert_allclose(per_step.values, hs / (hs + ms))
+
+
+def test_hit_rate_and_summary_same_in_the_schema_3_meaning():
+    """A Dataset in the schema ≤ 3 meaning (a pinned layer's accesses booked as its hits, no
+    pinned_accesses) gives the numbers of its schema-4 split."""
+    ds = synthetic()
+    old = ds.drop_vars("pinned_accesses")
+    old["hits"] = ds.hits + ds.pinned_accesses
+    assert int(old.hits.sum()) > int(ds.hits.sum())  # the two meanings really differ
+    for kw in ({}, {"include_pinned": True}):
+        assert old.moe.hit_rate(**kw) == ds.moe.hit_rate(**kw)
+        for by in ("layer", "step"):
+            np.testing.assert_array_equal(old.moe.hit_rate(by=by, **kw).values,
+                                          ds.moe.hit_rate(by=by, **kw).values)
+    assert old.moe.summary() == ds.moe.summary()
 
 
 def test_hit_rate_nan_without_accesses():
@@ -403,7 +423,7 @@ def test_hot_recall_refuses_runs_without_predictions_and_bad_arguments(vismmoe_r
     with pytest.raises(ValueError, match="predicted_ids.*predictor=vismmoe"):
         ds_plain.moe.hot_recall()
     ds = open_run(vismmoe_run[0])
-    B = ds.sizes["rank"]
+    B = ds.sizes["pred_order"]
     for bad in (0, B + 1, 2.5, True):
         with pytest.raises(ValueError, match=f"k must be an int in 1..{B}"):
             ds.moe.hot_recall(bad)

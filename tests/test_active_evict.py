@@ -15,7 +15,7 @@ from workbench.models.inputs import Request, build_inputs
 from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
 from workbench.policies.active_evict import (ActiveEvict, Hotness, budget_topk, release_target)
 from workbench.policies.eviction import EVICTION
-from workbench.runtime.expert_cache import ExpertCache
+from workbench.sim.cache import ExpertCache
 from workbench.runtime.offload import Offloader, StepProbe
 
 

@@ -1,24 +1,52 @@
-"""The modeled clock against hand-computed timelines, and the profiles' figures."""
+"""The core's modeled clock (workbench.sim.step) against hand-computed timelines, and the
+profiles' figures."""
 
-import numpy as np
+from types import SimpleNamespace
+
 import pytest
 
 from workbench.errors import KnobError
-from workbench.runtime.clocks import CostSpec, ModeledClock
-from workbench.runtime.profiles import (PROFILES, TARGET_MODELS, available_profiles,
-                                        get_profile, get_target_model)
-from workbench.telemetry.events import LayerEvent, StepEvent
+from workbench.policies.eviction import EVICTION
+from workbench.sim.costs import CostSpec, Prices
+from workbench.sim.placement import Placement
+from workbench.sim.profiles import (PROFILES, TARGET_MODELS, available_profiles,
+                                    get_profile, get_target_model)
+from workbench.sim.step import TRANSFER, Access, Simulator
 
 COST = CostSpec(source="test", expert_bytes=1e7, expert_flops_per_token=1e7,
                 dense_bytes_per_layer=1e8, dense_flops_per_token_per_layer=1e8)
 
 
-def _step(layers, T=1, step=0):
-    les = [LayerEvent(layer=l, pinned=False, topk_ids=np.zeros((T, 2), np.int32),
-                      topk_weights=np.zeros((T, 2), np.float32), hits=h, misses=m,
-                      expert_tokens={e: T for e in h + m}) for l, (h, m) in enumerate(layers)]
-    return StepEvent(step=step, phase=0, token_ids=np.zeros(T, np.int64),
-                     modality=np.zeros(T, np.int8), layers=les)
+def _step(layers, T=1):
+    """One step whose layer l hits the experts ``layers[l][0]`` (made resident first) and
+    misses ``layers[l][1]``, every expert over T tokens."""
+    return SimpleNamespace(layers=layers, T=T)
+
+
+class ModeledClock:
+    """Prices a :func:`_step` through the core and writes the step's modeled totals on it."""
+
+    def __init__(self, profile, cost) -> None:
+        self.prices = Prices(profile, cost)
+
+    def price(self, ev) -> None:
+        p, L = self.prices, len(ev.layers)
+        sim = Simulator(Placement.single_device(L, 8, 1, 0, 64), lambda: EVICTION.create("lru"),
+                        transfer_s=p.transfer, record_spans=True)
+        for layer, (hits, _) in enumerate(ev.layers):
+            for e in hits:
+                sim.pool(layer).admit((layer, e))
+        outs = []
+        for layer, (hits, misses) in enumerate(ev.layers):
+            experts = sorted(hits + misses)
+            outs.append(sim.step(Access(0, layer, experts, [p.expert(ev.T)] * len(experts),
+                                        p.dense(ev.T))))
+            assert outs[-1].hits == sorted(hits) and outs[-1].misses == sorted(misses)
+        ev.latency_modeled_s = sim.lanes.compute
+        ev.stall_modeled_s = sum(o.stall_s for o in outs)
+        ev.transfer_bytes_modeled = sum(o.moved for o in outs) * int(p.cost.expert_bytes)
+        ev.spans = [SimpleNamespace(lane=s[0], start=s[3], end=s[4]) for o in outs
+                    for s in o.spans]
 
 
 def test_all_hits_never_stall_and_sum_compute():
@@ -50,7 +78,7 @@ def test_transfers_queue_fifo_on_one_lane():
     ev = _step([([], [1, 2, 3])])
     ModeledClock(p, COST).price(ev)
     xfer = p.transfer_time(int(1e7))
-    transfers = sorted((s.start, s.end) for s in ev.spans if s.lane == 1)
+    transfers = sorted((s.start, s.end) for s in ev.spans if s.lane == TRANSFER)
     assert len(transfers) == 3
     for (s0, e0), (s1, e1) in zip(transfers, transfers[1:]):
         assert s1 == pytest.approx(e0) and e1 - s1 == pytest.approx(xfer)

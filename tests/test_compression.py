@@ -308,8 +308,8 @@ def test_pruned_prefill_prices_only_the_tokens_reaching_each_layer(embedded, dem
     import workbench
     from workbench import open_run
     from workbench.replay.engine import replay
-    from workbench.runtime import profiles
-    from workbench.runtime.clocks import layer_tokens
+    from workbench.sim import profiles
+    from workbench.sim.costs import layer_tokens
     from workbench.traces import from_store
 
     # a compute-starved device, so that the tiny model's dense work is compute-bound (it is

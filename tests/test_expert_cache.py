@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workbench.policies.eviction import EVICTION
-from workbench.runtime.expert_cache import ExpertCache
+from workbench.sim.cache import ExpertCache
 
 
 def _drive(cache, accesses, layer_of):

@@ -9,7 +9,7 @@ import pytest
 from workbench.cli import main
 from workbench.errors import KnobError
 from workbench.knobs import Knobs
-from workbench.runtime.plan import MemoryPlan
+from workbench.sim.plan import MemoryPlan
 
 GiB = 2 ** 30
 

@@ -169,8 +169,8 @@ def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs,
     ds = open_run(path)
     B = knobs.get("prefetch_budget") or 20
     L = lm.layout.num_layers
-    assert ds["predicted_ids"].dims == ("step", "layer", "rank")
-    assert ds.sizes["rank"] == B
+    assert ds["predicted_ids"].dims == ("step", "layer", "pred_order")
+    assert ds.sizes["pred_order"] == B
     ids = ds["predicted_ids"].values
     assert (ids[:, : L - 1] >= 0).all() and (ids[:, L - 1] == -1).all()  # none past the last
     assert int(ds["prefetches"].sum()) > 0
@@ -184,7 +184,7 @@ def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs,
     rt.run("what shape is red?", ["data/demo/scene_0.png"], store=plain, max_new_tokens=2,
            cache_slots=16)
     dp = open_run(plain)
-    assert dp.sizes["rank"] == 1 and (dp["predicted_ids"].values == -1).all()
+    assert dp.sizes["pred_order"] == 1 and (dp["predicted_ids"].values == -1).all()
     assert from_store(dp).predicted_ids is None
     with pytest.raises(KnobError, match="needs the lookahead predictor's outputs"):
         dp.moe.replay(prefetch="vismmoe")

@@ -11,7 +11,8 @@ import pytest
 from workbench.errors import KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
-from workbench.replay.engine import flat_hits, replay
+from workbench.replay.engine import replay
+from workbench.replay.flat import flat_hits
 from workbench.telemetry.store import open_run
 from workbench.traces import from_store, read_jsonl
 
@@ -135,10 +136,27 @@ def test_bad_settings_are_refused_with_the_allowed_values(mixtral):
         replay(mixtral, cache_slots=1, target_model="qwen3-vl-30b-a3b")
     with pytest.raises(KnobError, match="needs recorded router lookahead"):
         replay(mixtral, prefetch="speculative", target_model="qwen3-vl-30b-a3b")
-    with pytest.raises(KnobError, match="target_model must name a real model"):
-        replay(mixtral)
-    with pytest.raises(KnobError, match="eviction must be one of"):
+    with pytest.raises(KnobError, match="hybrid=True decides each miss by comparing modeled"):
+        replay(mixtral, hybrid=True)
+    with pytest.raises(KnobError, match="eviction does not accept 'fifo'"):
         replay(mixtral, eviction="fifo", target_model="qwen3-vl-30b-a3b")
+
+
+@needs_mixtral
+@pytest.mark.parametrize("engine", ["fast", "python"])
+def test_a_trace_without_model_sizes_gives_exact_hits_and_no_times(mixtral, engine):
+    """No cost model: the hit counts are those of a priced replay, the times unavailable."""
+    bare = replay(mixtral, cache_slots=24, engine=engine)
+    priced = replay(mixtral, cache_slots=24, engine=engine, target_model="qwen3-vl-30b-a3b")
+    assert not bare.priced and priced.priced
+    np.testing.assert_array_equal(bare.hits, priced.hits)
+    np.testing.assert_array_equal(bare.misses, priced.misses)
+    np.testing.assert_array_equal(bare.evictions, priced.evictions)
+    m = bare.metrics()
+    assert m["hit_rate"] == priced.metrics()["hit_rate"] > 0
+    for k in ("latency_s", "blocking_io_s", "total_io_s", "transfer_bytes"):
+        assert m[k] is None, k
+    assert bare.config["cost_source"] == "none"
 
 
 def test_a_policy_registered_later_replays_through_the_reference_engine(live_runs):

@@ -35,7 +35,7 @@ from workbench.telemetry.store import Recorder
 L, E, K = 3, 6, 2
 SMALL = {"step": 4, "token": 8, "span": 8}  # tiny capacities: every run grows every dim
 PER_STEP = ("phase", "step_tokens", "latency_measured_s", "generated_token")
-PER_STEP_LAYER = ("hits", "misses", "loads", "evictions")
+PER_STEP_LAYER = ("hits", "misses", "pinned_accesses", "loads", "evictions")
 
 
 def _events(n: int, seed: int) -> list[StepEvent]:
@@ -693,15 +693,19 @@ def test_replay_of_a_tampered_store_exits_2_naming_it(tmp_path, good_store, caps
     assert rc == 2 and str(store) in err and "Traceback" not in err
 
 
-def test_old_schema_stores_still_open(tmp_path, good_store):
-    """A schema-2 store (no 'arrays' list, all-zero chunks may be absent) still reads."""
+def test_old_schema_stores_still_open(tmp_path):
+    """A schema-2 store (no 'arrays' list, all-zero chunks may be absent) still reads, in the
+    current names (made from the schema-3 fixture, whose layout schema 2 shares)."""
     store = tmp_path / "old.zarr"
-    shutil.copytree(good_store, store)
+    shutil.copytree(Path(__file__).parent / "data" / "store_v3.zarr", store)
     _set(store, "zarr.json", _attr("schema_version", 2))
     _set(store, "zarr.json", _attr("arrays", _DEL))
     (store / "host_runs" / "c.0.0").unlink()  # schema 2 wrote no file for an all-zero chunk
     ds = workbench.open_run(store)
-    assert int(ds.host_runs.sum()) == 0 and ds.sizes["step"] == 5
+    assert int(ds.host_runs.sum()) == 0 and ds.sizes["step"] == 6
+    assert ds.attrs["schema_version"] == 2 and ds.predicted_ids.dims[-1] == "pred_order"
+    summary = json.loads(ds.attrs["summary"])  # the RunResult of the recording run
+    assert int(ds.hits.sum()) == summary["hits"] and int(ds.pinned_accesses.sum()) > 0
 
 
 def test_store_documents_are_standard_json(tmp_path):

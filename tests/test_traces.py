@@ -344,17 +344,17 @@ def test_from_store_groups_match_the_recorded_run(recorded):
     assert np.array_equal(g.step, np.repeat(np.arange(S), L))
     assert np.array_equal(g.layer, np.tile(np.arange(L), S))
     assert np.array_equal(g.step_tokens, ds.step_tokens.values)
-    hits, misses = ds.hits.values, ds.misses.values
+    hits, misses, pinned_acc = ds.hits.values, ds.misses.values, ds.pinned_accesses.values
     for i in range(g.num_groups):
         s, layer = g.step[i], g.layer[i]
         sl = slice(g.ptr[i], g.ptr[i + 1])
         assert g.expert[sl].tolist() == np.flatnonzero(routed[s, layer]).tolist()
         assert g.expert_tokens[sl].tolist() == routed[s, layer][routed[s, layer] > 0].tolist()
         n = int(g.ptr[i + 1] - g.ptr[i])
-        if tr.pinned[layer]:
-            assert (hits[s, layer], misses[s, layer]) == (n, 0)
+        if tr.pinned[layer]:  # the pinned prefix: accesses, not cache lookups
+            assert (pinned_acc[s, layer], hits[s, layer], misses[s, layer]) == (n, 0, 0)
         else:
-            assert hits[s, layer] + misses[s, layer] == n
+            assert hits[s, layer] + misses[s, layer] == n and pinned_acc[s, layer] == 0
     assert int(misses.sum()) > 0  # 6 slots for 7 offloaded layers: the cache really missed
 
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 import workbench
-from workbench.errors import InputError
+from workbench.errors import InputError, ModelLoadError
 from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, ab_deltas, check_image_upload,
                                     demo_inputs, list_runs, resolve_run_path, safe_run_name,
                                     selected_steps, share_difference)
@@ -383,10 +383,11 @@ def _curves(fig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 def test_replay_view_draws_policy_curves_under_the_belady_ceiling(two_runs):
     from workbench.policies.eviction import EVICTION
     from workbench.policies.prefetch import PREFETCH
-    from workbench.replay.engine import SCOPES
+    from workbench.replay import SCOPES
     from workbench.ui import replay as R
 
-    assert R.SCOPES == SCOPES  # the UI's copy (kept to avoid importing torch) is the engine's
+    assert R.SCOPES is SCOPES  # the replay package's own, not a copy
+    assert DataStore.param["replay_scope"].objects == list(SCOPES)
     assert R.cache_sizes(4, 224, 5) == [4, 59, 114, 169, 224]
     log = R.cache_sizes(4, 224, 8, spacing="log")
     assert log[0] == 4 and log[-1] == 224 and log == sorted(set(log)) and log[1] < 10
@@ -436,10 +437,12 @@ def test_replay_view_draws_policy_curves_under_the_belady_ceiling(two_runs):
     s.replay_evictions = EVICTION.available()
     trace.pred_ids = None  # as if recorded without router lookahead
     s._replay_memo.clear()
-    s.replay_prefetch = "speculative"
+    n = v.redraws
+    s.replay_knobs.prefetch = "speculative"  # a replay knob (the prefetch widget sets it)
+    assert v.redraws == n + 1 and s.replay_revision > 0
     assert v.study is None and "lookahead" in v.message and len(v.pane.object.data) == 0
     assert "lookahead" in v.table.object
-    assert "speculative" in s.param["replay_prefetch"].objects
+    assert "speculative" in s.replay_knobs.group("prefetch").param["prefetch"].objects
 
 
 def test_replay_waits_for_a_live_run(two_runs):
@@ -448,6 +451,155 @@ def test_replay_waits_for_a_live_run(two_runs):
     s.dataset = s.dataset.assign_attrs(status="running")  # as a live tail would show it
     v = ReplayView(s)
     assert "still being written" in v.message and len(v.pane.object.data) == 0
+
+
+RECORDED = dict(eviction="lfu", cache_slots=5, prefetch="speculative", prefetch_lead=2,
+                prefetch_budget=3, hybrid=True, profile="rtx-3090", hotness_decay=0.6)
+
+
+def test_dashboard_replay_of_a_run_is_replay_trace(tiny_ckpt, tmp_path):
+    """One replay entry point: the dashboard recovers every knob of a run that
+    ``workbench.replay_trace`` recovers (non-default eviction, slots, prefetch, its lead and
+    budget, hybrid, profile), so its replay at the run's own policy and size gives the same
+    metrics as ``replay_trace(store)`` — which reproduces the live run."""
+    import workbench.replay
+    from workbench.ui.replay import _KEEP
+
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), **RECORDED)
+    s.start_run(name="rec", prompt="a request recorded with other knobs")
+    s.wait()
+    assert not s.error, s.error
+    d = DataStore(workspace=s.workspace)  # a new session opens the stored run
+    d.open("rec")
+    assert {k: getattr(d.replay_knobs, k) for k in RECORDED} == RECORDED
+    assert d.replay_revision == 0  # taking the run's knobs is not a change
+    d.replay_evictions = ["lfu", "lru"]
+    st = d.replay_study()
+    assert st.at_slots == 5 and st.own[0] == 5 and "lfu + speculative prefetch" in st.own[2]
+    row = st.table[st.table.eviction == "lfu"].iloc[0]
+    ref = workbench.replay.replay_trace(d._path).metrics()
+    assert ref["hit_rate"] == pytest.approx(d.dataset.moe.hit_rate())  # = the live run
+    for key in _KEEP:
+        if key in ref:
+            assert row[key] == pytest.approx(ref[key], nan_ok=True), key
+    assert st.settings["prefetch"] == "speculative" and st.settings["knobs"]["hybrid"] is True
+    # a replay knob changed in the view is a what-if; opening the run again takes its own back
+    d.replay_knobs.prefetch = "none"
+    assert d.replay_revision == 1
+    other = d.replay_study().table
+    assert other[other.eviction == "lfu"].iloc[0]["prefetch_loads"] == 0
+    d.open("rec")
+    assert d.replay_knobs.prefetch == "speculative"
+    assert d.knobs.prefetch == "none"  # the next run's knobs never moved
+
+
+def test_replay_of_a_run_with_unreadable_knobs_says_why(two_runs, tmp_path):
+    import shutil
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    shutil.copytree(two_runs.workspace_path / "a.zarr", ws / "bad.zarr")
+    meta = ws / "bad.zarr" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["knob.prefetch_lead"] = "{oops"
+    meta.write_text(json.dumps(doc))
+    s = DataStore(workspace=ws)
+    v = ReplayView(s)
+    s.open("bad")
+    assert v.study is None and "knob.prefetch_lead" in v.message and "{oops" in v.message
+
+
+# -- the model pool (runtime) ---------------------------------------------------------------------
+def test_model_pool_loads_each_key_once_and_serialises_runs(tmp_path):
+    import threading
+
+    from workbench.runtime.pool import ModelPool
+
+    loads, started = [], threading.Event()
+
+    class Fake:
+        def __init__(self, key):
+            self.key = key
+
+    def loader(path, dtype, device):
+        loads.append((path, dtype, device))
+        started.wait(5)  # every caller arrives while the load is still going
+        return Fake((path, dtype, device))
+
+    pool = ModelPool(capacity=2, loader=loader)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(pool.get(tmp_path, "float32", "cpu")))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    started.set()
+    for t in threads:
+        t.join(10)
+    assert len(loads) == 1 and len(got) == 6 and all(g is got[0] for g in got)
+    assert pool.key(tmp_path, "float32", "cpu") in pool and len(pool) == 1
+    # capacity: the oldest model leaves; its run lock stays the same object
+    first = got[0]
+    lock = pool.run_lock(first)
+    pool.get(tmp_path / "b", "float32", "cpu")
+    pool.get(tmp_path / "c", "float32", "cpu")
+    assert pool.loaded() == [pool.key(tmp_path / n, "float32", "cpu") for n in ("b", "c")]
+    assert pool.run_lock(first) is lock is pool.run_lock(tmp_path, "float32", "cpu")
+    # one run at a time per model
+    order = []
+
+    def run(tag):
+        with pool.exclusive(first):
+            order.append(f"{tag}+")
+            time.sleep(0.05)
+            order.append(f"{tag}-")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert all(order[i][:-1] == order[i + 1][:-1] for i in range(0, 6, 2)), order
+    # a failed load keeps nothing and is tried again
+    bad = ModelPool(loader=lambda *k: (_ for _ in ()).throw(ModelLoadError("nope")))
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match="nope"):
+            bad.get(tmp_path)
+    assert len(bad) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        ModelPool(capacity=0)
+
+
+def test_dashboard_sessions_share_the_runtime_pool(tiny_ckpt, tmp_path):
+    from workbench.models.loading import load
+    from workbench.runtime.pool import ModelPool, default_pool
+
+    assert DataStore(workspace=tmp_path / "w0").pool is default_pool()
+    loads = []
+
+    def loader(path, dtype, device):
+        loads.append(path)
+        return load(path, dtype=dtype, device=device)
+
+    pool = ModelPool(loader=loader)
+    ckpt = tiny_ckpt("qwen3_moe")
+    for i in range(2):  # two sessions, one model load
+        s = DataStore(workspace=tmp_path / "ws", model=ckpt, pool=pool)
+        s.knobs.set(**KNOBS)
+        s.start_run(name=f"r{i}", prompt="shared model")
+        s.wait()
+        assert not s.error, s.error
+    assert loads == [str(ckpt)] and pool.loaded() == [pool.key(ckpt, "float32", "cpu")]
+    # notebooks: a Runtime around the pool's model
+    rt = pool.runtime(ckpt, KNOBS)
+    assert rt.lm is pool.get(ckpt, "float32", "cpu") and rt.knobs.cache_slots == 3
+    assert len(loads) == 1
+
+
+def test_the_pool_and_the_metadata_reader_import_no_torch():
+    code = ("import sys, workbench.runtime.pool, workbench.telemetry.metadata; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -- widgets and app ------------------------------------------------------------------------------
@@ -469,11 +621,23 @@ def test_knob_widgets_come_from_the_knob_classes_and_registries(tmp_path):
         slots.value = 17
         assert s.knobs.cache_slots == 17  # the widget edits the knob
         from workbench.policies.prefetch import PREFETCH
+        from workbench.ui.replay import replay_knob_names
         from workbench.ui.widgets import replay_widgets
 
         rw = replay_widgets(s)  # the replay view's menus come from the registries too
         assert "test-ui-policy" in list(rw["evictions"].options)
-        assert list(rw["prefetch"].options) == PREFETCH.available()
+        # the replay knobs' widgets are the knob classes' own, over the replay knobs
+        assert list(rw["knobs"]) == replay_knob_names()
+        assert {"prefetch", "prefetch_lead", "prefetch_budget", "target_model", "profile",
+                "hybrid", "hotness_decay"} <= set(rw["knobs"])
+        assert not {"cache_slots", "eviction", "pinned_layers"} & set(rw["knobs"])
+        pf = rw["knobs"]["prefetch"]._wb_widget
+        assert list(pf.options) == PREFETCH.available()
+        pf.value = "previous-step"
+        assert s.replay_knobs.prefetch == "previous-step" and s.knobs.prefetch == "none"
+        assert s.replay_revision == 1
+        lead = rw["knobs"]["prefetch_lead"]._wb_widget
+        assert type(lead).__name__ == type(panels["prefetch"]._widgets["prefetch_lead"]).__name__
     finally:
         EVICTION._classes.pop("test-ui-policy", None)
 

@@ -5,7 +5,16 @@ Public API (imported lazily so that ``import workbench`` stays cheap):
 - :func:`load` — a local Hugging Face checkpoint (the embedded default model when no path).
 - :class:`Knobs` — every run setting, validated.
 - :class:`Runtime` — the live offloaded runtime; :meth:`Runtime.run` returns a :class:`RunResult`.
-- :func:`open_run` — a run store as an xarray Dataset (``ds.moe`` for analysis).
+- :func:`open_run` — a run store as an xarray Dataset (``ds.moe`` for analysis);
+  :class:`RunMetadata` — its attributes, typed.
+- :func:`replay_trace` — any routing trace through the same simulation core as live runs.
+- :class:`ModelPool` — loaded models shared between runs (notebooks, the dashboard).
+
+Knob groups: :mod:`workbench.features` is the one module that imports the feature packages and
+registers their knob groups; :mod:`workbench.knobs` (a leaf: it imports no feature package)
+imports it the first time the groups are needed, so ``from workbench.knobs import Knobs`` alone
+gives every group and ``import workbench`` stays cheap (see the registration rule in
+:mod:`workbench.knobs`).
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ _LAZY = {
     "LoadedModel": "workbench.models.loading",
     "Knobs": "workbench.knobs",
     "Runtime": "workbench.runtime.runtime",
-    "RunResult": "workbench.runtime.runtime",
+    "RunResult": "workbench.runtime.result",
+    "ModelPool": "workbench.runtime.pool",
+    "RunMetadata": "workbench.telemetry.metadata",
     "Request": "workbench.models.inputs",
     "open_run": "workbench.telemetry.store",
     "replay_trace": "workbench.replay",

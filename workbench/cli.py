@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--prefill-tokens", type=int, default=0, metavar="N",
                     help="npy: the first N tokens form one prefill step")
     rp.add_argument("--engine", default="auto", help="auto, fast (numba) or python")
+    rp.add_argument("--no-belady", dest="belady", action="store_false",
+                    help="skip the Belady bound (a second replay: about half the time)")
     rp.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
                     help="set a knob (repeatable); see `workbench knobs`")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -320,7 +322,7 @@ def _replay(args) -> int:
     trace = load_trace(Path(args.trace), format=args.format, **opts)
     base = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     knobs = base.set_from_strings(args.sets)
-    res = replay_trace(trace, knobs, scope=args.scope, engine=args.engine)
+    res = replay_trace(trace, knobs, scope=args.scope, engine=args.engine, belady=args.belady)
     m = res.metrics()
     out = {"trace": str(args.trace), "trace_summary": repr(trace),
            "config": res.config, "metrics": m,
@@ -336,17 +338,23 @@ def _replay(args) -> int:
     def num(v, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
 
+    def ms(v) -> str:
+        return "n/a (no model sizes: --set target_model=NAME)" if v is None else \
+            f"{v * 1e3:.2f} ms"
+
     rows = [("accesses", f"{m['accesses']}"), ("hits / misses", f"{m['hits']} / {m['misses']}"),
             ("hit rate", num(m["hit_rate"], ".4f"))]
     if "belady_hit_rate" in m:
         rows += [("Belady hit rate (bound)", num(m["belady_hit_rate"], ".4f")),
                  ("share of Belady", num(m["share_of_belady"], ".3f"))]
+    else:
+        rows += [("Belady hit rate (bound)", "not computed (--no-belady)")]
     rows += [("transfers (demand + prefetch)", f"{m['transfers']} ({m['demand_loads']} + "
                                                f"{m['prefetch_loads']})"),
-             ("transfer bytes", f"{m['transfer_bytes']:.4g}"),
-             ("transfer bytes per token", f"{m['transfer_bytes_per_token']:.4g}"),
-             ("blocking I/O (modeled)", f"{m['blocking_io_s'] * 1e3:.2f} ms"),
-             ("total I/O (modeled)", f"{m['total_io_s'] * 1e3:.2f} ms"),
+             ("transfer bytes", num(m["transfer_bytes"], ".4g")),
+             ("transfer bytes per token", num(m["transfer_bytes_per_token"], ".4g")),
+             ("blocking I/O (modeled)", ms(m["blocking_io_s"])),
+             ("total I/O (modeled)", ms(m["total_io_s"])),
              ("redundant-transfer share", f"{m['redundant_share']:.3f}"),
              ("fetch precision / prefetch recall",
               f"{m['fetch_precision']:.3f} / {m['prefetch_recall']:.3f}"),

@@ -6,10 +6,49 @@ ranges) and docs. The same objects validate values, generate notebook/dashboard 
 attrs of every stored run. Knob names are unique across groups, so a flat ``NAME=VALUE`` is never
 ambiguous.
 
-Later capabilities add a group with :func:`register_group`; it then shows up everywhere.
-Checks that need the model (``cache_slots`` ≥ top-k, ``pinned_layers`` ≤ MoE layers) live in
-:meth:`Knobs.check_against`.
+This module is a **leaf**: it imports no feature package (policies, compression, predictor,
+runtime, sim, replay), only :mod:`workbench.errors`, ``param`` and ``numpy``. So every feature
+module may import it (to subclass :class:`KnobGroup` or read a knob's default) without a cycle.
 
+Registration rule
+-----------------
+- This module declares the core groups (``cache``, ``prefetch``, ``cost``, ``exec``,
+  ``generation``) and the machinery. A feature package declares its own group (a
+  :class:`KnobGroup` subclass) and its policies; importing it registers no group.
+- :mod:`workbench.features` is the **one** module that imports the feature packages: it calls
+  :func:`register_group` for every group, in menu order, and binds each ``Selector`` knob whose
+  choices live elsewhere to their source (a policy ``Registry``, or a function listing names,
+  e.g. the hardware profiles): ``register_group("cache", CacheKnobs, choices={"eviction":
+  EVICTION})``. A group instance offers every choice registered so far.
+- This module imports :mod:`workbench.features` lazily, the first time the groups are needed
+  (``Knobs()``, a group instance, :func:`register_group`, :func:`knob_groups`). So
+  ``from workbench.knobs import Knobs; Knobs()`` has every group, while ``import workbench.knobs``
+  alone stays light. A new capability: declare its group in its package, add one line to
+  :mod:`workbench.features`.
+
+Naming rule
+-----------
+- Knob names are lowercase ``snake_case`` and unique across groups.
+- Knobs every offloading run has (cache, prefetch, cost model, execution, generation) take plain
+  names: ``cache_slots``, ``prefetch_budget``, ``profile``.
+- A knob of one paper's mechanism starts with the mechanism's prefix, then the paper's symbol
+  spelled out or a word: ``ae_`` ActiveEvict (``ae_alpha``, ``ae_tau``, ``ae_window``), ``vis_``
+  VisMMOE, ``macs_`` MACS, ``realb_`` ReaLB, ``prism_`` MoE-Prism (e.g. ``macs_alpha``,
+  ``realb_delta``, ``prism_rho``, ``prism_tau``, ``prism_m``). The switch that turns a mechanism
+  on may be the mechanism's name (``active_evict``, ``compression``, ``predictor``). A knob read
+  by one registered policy only starts with the policy's name (``hotness_decay``).
+- Knobs older than this rule keep their names until they are renamed through an alias: VisMMOE's
+  ``alpha``, ``beta``, ``lam`` (compression) and ``window``, ``decay`` (predictor), and
+  ActiveEvict's ``lookahead_depth``, ``dynamic_topk``, ``k_max``. To rename (``alpha`` →
+  ``vis_alpha``): rename the parameter (and its :data:`CEILINGS` entry, the policies'
+  ``__init__`` parameters) and list the old name in the group's ``aliases = {"alpha":
+  "vis_alpha"}``. ``Knobs(alpha=…)``, :meth:`Knobs.set`, ``--set alpha=…``
+  (:meth:`Knobs.set_from_strings`), reading ``knobs.alpha`` and stores written with
+  ``knob.alpha`` (:meth:`Knobs.from_attrs`) keep working; :meth:`Knobs.to_dict` /
+  :meth:`Knobs.to_attrs` write the new name only.
+
+Checks
+------
 Every value goes through :func:`check_value` (``Knobs(...)``, ``set``, ``set_from_strings``,
 ``from_attrs``; :meth:`Knobs.validate` re-checks values a widget set on a group directly): on top
 of param's bounds, a number must be finite (no knob gives ``nan`` or ``inf`` a meaning; ``-0``
@@ -17,6 +56,12 @@ becomes ``0``), an integer must be a real ``int`` (not a bool or a float) no lar
 ceiling (:data:`INT_CEILING`, or :data:`CEILINGS` for knobs whose value sizes an allocation or a
 loop), a choice must be text, and text must not hold NUL characters. A bad value raises
 :class:`KnobError` naming the knob, the value and what is allowed.
+
+Rules that involve several knobs, or a knob and the model, belong to the group that owns the
+knobs: :meth:`KnobGroup.check` ``(knobs, shape, live=...)``, with ``shape`` a torch-free
+:class:`ModelShape` (MoE layers, experts per layer, top-k, bytes per expert) and ``live`` False
+for trace replay. :meth:`Knobs.check` runs every group's check (:meth:`Knobs.check_against` is
+the older spelling).
 """
 
 from __future__ import annotations
@@ -24,42 +69,87 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import param
 
 from workbench.errors import KnobError
-from workbench.policies.eviction import EVICTION
-from workbench.policies.prefetch import PREFETCH
-from workbench.policies.registry import Registry
-from workbench.runtime.profiles import available_profiles, available_target_models
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What the knob checks need to know of a model (or a trace), without torch:
+    ``num_layers`` MoE layers, ``num_experts`` routed experts per layer, ``top_k`` experts per
+    token, ``expert_bytes`` bytes per expert. None: unknown (a rule that needs it is skipped)."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int | None = None
+    expert_bytes: int | None = None
+
+    @classmethod
+    def of(cls, layout: Any, expert_bytes: int | None = None) -> "ModelShape":
+        """The shape of anything with ``num_layers``, ``top_k`` and optionally
+        ``num_experts`` / ``expert_bytes`` attributes (a model's MoE layout, a trace)."""
+        eb = expert_bytes if expert_bytes is not None else getattr(layout, "expert_bytes", None)
+        ne = getattr(layout, "num_experts", None)
+        return cls(num_layers=int(layout.num_layers), top_k=int(layout.top_k),
+                   num_experts=None if ne is None else int(ne),
+                   expert_bytes=None if eb is None else int(eb))
+
+
+#: Where a Selector knob's choices come from: a policy registry (anything with ``available()``;
+#: with ``get(name)`` the group can also hand out the selected class) or a function of no
+#: arguments returning the names.
+ChoiceSource = Union[Any, Callable[[], Iterable[str]]]
+
+
+def _choices(source: ChoiceSource) -> list[str]:
+    available = getattr(source, "available", None)
+    return list(available() if callable(available) else source())
 
 
 class KnobGroup(param.Parameterized):
     """Base of knob groups. A knob that may be None ("no limit", "auto") has no softbounds, so
-    that ``pn.Param(group)`` renders it as a number box (a slider cannot hold None). ``_registries`` maps Selector knobs to the policy registry behind them,
-    so each new instance offers every policy registered so far."""
+    that ``pn.Param(group)`` renders it as a number box (a slider cannot hold None).
 
-    _registries: dict[str, Registry] = {}
-    title: str = ""
+    ``_registries`` maps Selector knobs to the source of their choices (bound by
+    :func:`register_group`), so each new instance offers every policy registered so far.
+    ``aliases`` maps old knob names to the group's current ones (see the naming rule)."""
+
+    _registries: ClassVar[dict[str, ChoiceSource]] = {}
+    aliases: ClassVar[dict[str, str]] = {}
+    title: ClassVar[str] = ""
 
     def __init__(self, **params: Any) -> None:
+        _load_features()
         super().__init__()
-        for knob, registry in self._registries.items():
-            self.param[knob].objects = registry.available()
+        for knob, source in type(self)._registries.items():
+            self.param[knob].objects = _choices(source)
         self.param.update(**params)
 
     @classmethod
     def knob_names(cls) -> list[str]:
         return [n for n in cls.param if n != "name"]
 
+    def selected(self, knob: str) -> Any:
+        """The class behind Selector ``knob``'s current value (its registry's entry); None
+        when the knob's choices are not a registry."""
+        get = getattr(type(self)._registries.get(knob), "get", None)
+        return get(getattr(self, knob)) if callable(get) else None
+
+    def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
+        """Raise :class:`KnobError` when this group's knobs do not fit together, with the other
+        groups' (``knobs``) or with the model (``shape``); ``live`` False: for trace replay.
+        Called by :meth:`Knobs.check` after every value was validated. The base checks
+        nothing."""
+
 
 class CacheKnobs(KnobGroup):
     """Expert cache and memory layout (seed VisMMOE §3.4): pinned prefix + slab cache of slots."""
 
     title = "Expert cache"
-    _registries = {"eviction": EVICTION}
 
     cache_slots = param.Integer(
         default=64, bounds=(1, None), softbounds=(4, 256),
@@ -84,14 +174,14 @@ class CacheKnobs(KnobGroup):
             "prefix, which caps it at ⌊(M_avail − C_safe)/S_layer⌋ layers. None (auto) = the "
             "model's top-k (the cache must hold one layer's routing of a token).")
     eviction = param.Selector(
-        default="lru", objects=EVICTION.available(),
+        default="lru", objects=["lru"],  # every registered policy: bound by workbench.features
         doc="Which cached expert leaves when a slot is needed ('belady' needs the future: "
             "trace replay only).")
     hotness_decay = param.Number(
         default=0.8, bounds=(0.0, 1.0), inclusive_bounds=(False, True), softbounds=(0.5, 1.0),
         doc="γ of the 'hotness' eviction policy: a use s steps ago weighs γ^s.")
     hotness_window = param.Integer(
-        default=16, bounds=(1, 64), softbounds=(1, 64),
+        default=16, bounds=(1, 64), softbounds=(1, 64),  # 64: the compiled replay's ring
         doc="T of the 'hotness' eviction policy: uses older than T steps are forgotten.")
     hybrid = param.Boolean(
         default=False,
@@ -101,15 +191,42 @@ class CacheKnobs(KnobGroup):
             "misses usually qualify, big prefill groups do not). Host runs have their own "
             "timeline lane.")
 
+    def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
+        """Live runs take no eviction policy that needs the future; ``pinned_layers`` ≤ the
+        MoE layers; with any layer offloaded the cache holds at least top-k experts."""
+        if live:
+            registry = type(self)._registries.get("eviction")
+            ev = self.selected("eviction")
+            if "future" in getattr(ev, "needs", ()):
+                live_ev = [n for n in registry.available()
+                           if "future" not in getattr(registry.get(n), "needs", ())]
+                raise KnobError(
+                    f"eviction {self.eviction!r} needs the future, so only trace replay can run "
+                    f"it (workbench replay); live runs take one of {', '.join(live_ev)}")
+        L, top_k = shape.num_layers, shape.top_k
+        if self.pinned_layers > L:
+            what = "the model's MoE layers" if live else "the trace's layers"
+            raise KnobError(
+                f"pinned_layers must be between 0 and {L} ({what}), not {self.pinned_layers}")
+        if self.pinned_layers < L:
+            if self.cache_bytes is None:
+                if self.cache_slots < top_k:
+                    raise KnobError(
+                        f"cache_slots must be at least {top_k} (top-k), not {self.cache_slots}")
+            elif shape.expert_bytes is not None \
+                    and knobs.effective_slots(shape.expert_bytes) < top_k:
+                raise KnobError(
+                    f"cache_bytes must hold at least {top_k} experts (top-k) = "
+                    f"{top_k * shape.expert_bytes} bytes, not {self.cache_bytes}")
+
 
 class PrefetchKnobs(KnobGroup):
     """Prefetch: copy experts before a layer asks for them (SPEC §2 baselines and bounds)."""
 
     title = "Prefetch"
-    _registries = {"prefetch": PREFETCH}
 
     prefetch = param.Selector(
-        default="none", objects=PREFETCH.available(),
+        default="none", objects=["none"],  # every registered policy: bound by workbench.features
         doc="Which experts to fetch ahead: 'speculative'/'apex' use the recorded router "
             "lookahead, 'oracle' knows the future (trace replay only).")
     prefetch_lead = param.Integer(
@@ -119,6 +236,25 @@ class PrefetchKnobs(KnobGroup):
         default=None, allow_None=True, bounds=(1, None),
         doc="Most experts prefetched per layer step (None: no limit).")
 
+    def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
+        """Live runs take no prefetch policy that needs the future, and one that reads the
+        router lookahead needs ``lookahead_depth`` ≥ 1."""
+        if not live:
+            return
+        registry = type(self)._registries.get("prefetch")
+        needs = getattr(self.selected("prefetch"), "needs", frozenset())
+        if "future" in needs:
+            live_pf = [n for n in registry.available()
+                       if "future" not in getattr(registry.get(n), "needs", ())]
+            raise KnobError(
+                f"prefetch {self.prefetch!r} needs the future, so only trace replay can run it "
+                f"(workbench replay); live runs take one of {', '.join(live_pf)}")
+        depth = getattr(knobs, "lookahead_depth", 0)
+        if "pred_ids" in needs and depth < 1:
+            raise KnobError(
+                f"prefetch {self.prefetch!r} uses router lookahead: lookahead_depth must be at "
+                f"least 1, not {depth}")
+
 
 class CostKnobs(KnobGroup):
     """How the *modeled* clock prices transfers and compute."""
@@ -126,10 +262,10 @@ class CostKnobs(KnobGroup):
     title = "Cost model (modeled)"
 
     profile = param.Selector(
-        default="a100-40gb", objects=available_profiles(),
+        default="a100-40gb", objects=["a100-40gb"],  # the hardware profiles: workbench.features
         doc="Hardware profile of the modeled timeline (see docs/hardware-profiles.md).")
     target_model = param.Selector(
-        default="none", objects=["none", *available_target_models()],
+        default="none", objects=["none"],  # "none" + the target models: workbench.features
         doc="Cost the trace with this real model's expert size and FLOPs; 'none' uses the "
             "loaded model's own sizes.")
 
@@ -169,21 +305,80 @@ class GenerationKnobs(KnobGroup):
 
 
 _GROUPS: dict[str, type[KnobGroup]] = {}
+_ALIASES: dict[str, str] = {}  # old knob name → current name, over every group
+_features_state = "unloaded"  # → "loading" → "loaded"
 
 
-def register_group(key: str, cls: type[KnobGroup]) -> type[KnobGroup]:
-    """Add a knob group; its knob names must not clash with any registered knob."""
-    known = {n for g in _GROUPS.values() for n in g.knob_names()}
-    clash = known & set(cls.knob_names())
-    if clash and _GROUPS.get(key) is not cls:
+def _load_features() -> None:
+    """Import :mod:`workbench.features` (which registers every group) once, on first use."""
+    global _features_state
+    if _features_state != "unloaded":  # loaded, or being loaded (its register_group calls)
+        return
+    _features_state = "loading"
+    try:
+        import workbench.features  # noqa: F401  (its register_group calls fill _GROUPS)
+    except BaseException:
+        _features_state = "unloaded"
+        raise
+    _features_state = "loaded"
+
+
+def register_group(key: str, cls: type[KnobGroup], *,
+                   choices: Mapping[str, ChoiceSource] | None = None) -> type[KnobGroup]:
+    """Add a knob group under ``key``; its knob names (and aliases) must not clash with any
+    registered knob or alias. ``choices`` binds Selector knobs of ``cls`` to the source of
+    their choices (a policy registry, or a function returning names); the class's menus are
+    updated now and each instance's when it is made. Registering the same class again
+    (re)binds its choices."""
+    _load_features()
+    names = set(cls.knob_names())
+    if key in _GROUPS and _GROUPS[key] is not cls:
+        raise ValueError(f"knob group {key!r} is already registered ({_GROUPS[key].__name__})")
+    others = [g for k, g in _GROUPS.items() if k != key]
+    known = {n for g in others for n in g.knob_names()}
+    known_aliases = {a for g in others for a in g.aliases}
+    clash = (names | set(cls.aliases)) & (known | known_aliases)
+    if clash:
         raise ValueError(f"knob names {sorted(clash)} of {cls.__name__} are already used")
+    for old, new in cls.aliases.items():
+        if new not in names or old in names:
+            raise ValueError(f"alias {old!r} → {new!r} of {cls.__name__}: {new!r} must be one "
+                             f"of its knobs and {old!r} none of them")
+    regs = dict(cls._registries)
+    regs.update(choices or {})
+    for knob, source in regs.items():
+        p = cls.param[knob]
+        if not isinstance(p, param.Selector):
+            raise ValueError(f"{cls.__name__}.{knob} is not a Selector; it takes no choices")
+        objects = _choices(source)
+        if p.default not in objects:
+            raise ValueError(f"{cls.__name__}.{knob}: its default {p.default!r} is not one of "
+                             f"the choices {objects}")
+        p.objects = objects
+    cls._registries = regs
     _GROUPS[key] = cls
+    _ALIASES.update(cls.aliases)
     return cls
 
 
-for _key, _cls in (("cache", CacheKnobs), ("prefetch", PrefetchKnobs), ("cost", CostKnobs),
-                   ("exec", ExecKnobs), ("generation", GenerationKnobs)):
-    register_group(_key, _cls)
+def unregister_group(key: str) -> None:
+    """Remove group ``key`` (tests that register a group of their own)."""
+    cls = _GROUPS.pop(key, None)
+    if cls is not None:
+        for old in cls.aliases:
+            _ALIASES.pop(old, None)
+
+
+def knob_groups() -> dict[str, type[KnobGroup]]:
+    """Every registered group class by key, in menu order."""
+    _load_features()
+    return dict(_GROUPS)
+
+
+def aliases() -> dict[str, str]:
+    """Old knob names → current names."""
+    _load_features()
+    return dict(_ALIASES)
 
 
 #: The largest value of an integer knob whose declaration gives no upper bound: 2**53 − 1, the
@@ -338,6 +533,9 @@ def _parse(p: param.Parameter, name: str, text: str) -> Any:
     return t
 
 
+_MISSING = object()
+
+
 class Knobs:
     """All knob groups of one run, addressed by flat, unique knob names.
 
@@ -347,6 +545,7 @@ class Knobs:
     """
 
     def __init__(self, **values: Any) -> None:
+        _load_features()
         object.__setattr__(self, "_groups", {key: cls() for key, cls in _GROUPS.items()})
         # knob name → its group (names are unique across groups): O(1) flat access
         object.__setattr__(self, "_by_name", {n: g for g in self._groups.values()
@@ -364,15 +563,34 @@ class Knobs:
     def names(self) -> list[str]:
         return [n for g in self._groups.values() for n in g.knob_names()]
 
+    @staticmethod
+    def canonical(name: str) -> str:
+        """The current name of knob ``name`` (itself, unless it is an old name: an alias)."""
+        return _ALIASES.get(name, name)
+
     def _owner(self, name: str) -> KnobGroup:
         g = self._by_name.get(name)
         if g is not None:
             return g
         raise KnobError(f"unknown knob {name!r}; known knobs: {', '.join(sorted(self.names()))}")
 
+    def _canonical_values(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` with old names (aliases) replaced by current ones; a knob given under
+        both names raises :class:`KnobError`."""
+        out: dict[str, Any] = {}
+        given: dict[str, str] = {}
+        for name, value in values.items():
+            new = _ALIASES.get(name, name)
+            if new in out:
+                raise KnobError(f"{given[new]!r} and {name!r} name the same knob ({new}); "
+                                f"give it once")
+            out[new], given[new] = value, name
+        return out
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        name = _ALIASES.get(name, name)
         try:
             return getattr(self._owner(name), name)
         except KnobError as e:
@@ -386,7 +604,9 @@ class Knobs:
 
     # -- setting --------------------------------------------------------------------------
     def set(self, **values: Any) -> "Knobs":
-        """Set knobs by name; a bad name or value raises :class:`KnobError` and changes nothing."""
+        """Set knobs by name (or old name, see the naming rule); a bad name or value raises
+        :class:`KnobError` and changes nothing."""
+        values = self._canonical_values(values)
         owners = {name: self._owner(name) for name in values}
         clean = {name: check_value(owners[name].param[name], name, value)
                  for name, value in values.items()}
@@ -404,17 +624,19 @@ class Knobs:
 
     def allowed(self, name: str) -> str:
         """What knob ``name`` accepts, in words (for listings and messages)."""
+        name = _ALIASES.get(name, name)
         return allowed(self._owner(name).param[name], name)
 
     def set_from_strings(self, assignments: Iterable[str]) -> "Knobs":
-        """Apply CLI-style ``NAME=VALUE`` strings."""
+        """Apply CLI-style ``NAME=VALUE`` strings (NAME may be an old name)."""
         parsed: dict[str, Any] = {}
         for a in assignments:
             if "=" not in a:
                 raise KnobError(f"--set expects NAME=VALUE, not {a!r}")
             name, text = a.split("=", 1)
             name = name.strip()
-            parsed[name] = _parse(self._owner(name).param[name], name, text)
+            new = _ALIASES.get(name, name)
+            parsed[name] = _parse(self._owner(new).param[new], new, text)
         return self.set(**parsed)
 
     # -- serialisation --------------------------------------------------------------------
@@ -431,9 +653,10 @@ class Knobs:
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> "Knobs":
         """Rebuild from a store's attrs; knobs unknown to this version are ignored, and so is a
-        policy that is no longer registered (the knob keeps its default). A ``knob.*`` attribute
-        that is not JSON, or whose value the knob does not accept, raises :class:`KnobError`
-        naming the attribute."""
+        policy that is no longer registered (the knob keeps its default). An attribute under a
+        knob's old name (``knob.<alias>``) sets the knob unless the current name is there too.
+        A ``knob.*`` attribute that is not JSON, or whose value the knob does not accept, raises
+        :class:`KnobError` naming the attribute."""
         from collections.abc import Mapping
 
         if not isinstance(attrs, Mapping):
@@ -441,11 +664,14 @@ class Knobs:
                             f"not {type(attrs).__name__} ({_show(attrs)})")
         k = cls()
         known = set(k.names())
+        attrs = dict(attrs)
         vals: dict[str, Any] = {}
-        for key, text in dict(attrs).items():
-            if not (isinstance(key, str) and key.startswith("knob.") and key[5:] in known):
+        for key, text in attrs.items():
+            if not (isinstance(key, str) and key.startswith("knob.")):
                 continue
-            name = key[5:]
+            name = _ALIASES.get(key[5:], key[5:])
+            if name not in known or (name != key[5:] and f"knob.{name}" in attrs):
+                continue  # unknown to this version, or an old name beside the current one
             if isinstance(text, str):
                 try:
                     value = json.loads(text, parse_constant=_no_constant)
@@ -466,47 +692,35 @@ class Knobs:
         return k.set(**vals)
 
     def copy(self, **changes: Any) -> "Knobs":
-        return Knobs(**{**self.to_dict(), **changes})
+        """A new Knobs with these values, ``changes`` applied (checked as :meth:`set` does)."""
+        out = Knobs()
+        fresh = out.to_dict()
+        # only what differs from the defaults is set: setting a param costs its watchers' time
+        values = {**self.to_dict(), **self._canonical_values(changes)}
+        return out.set(**{k: v for k, v in values.items()
+                          if k in changes or fresh.get(k, _MISSING) != v})
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
         return f"Knobs({body})"
 
     # -- checks that need the model -------------------------------------------------------
-    def check_against(self, num_layers: int, top_k: int, expert_bytes: int) -> None:
-        """Raise :class:`KnobError` if a knob is out of range for this model's MoE layout or
-        cannot run live (policies that need the future are trace-replay only). Every value is
-        re-checked first (:meth:`validate`)."""
+    def check(self, shape: ModelShape, *, live: bool = True) -> "Knobs":
+        """Raise :class:`KnobError` if the knobs do not fit together or this model (``shape``),
+        or cannot run live (``live`` True; policies that need the future are trace-replay only)
+        or in trace replay (``live`` False). Every value is re-checked first
+        (:meth:`validate`), then every group runs its :meth:`KnobGroup.check`, in menu order."""
         self.validate()
-        live_ev = [n for n in EVICTION.available()
-                   if not getattr(EVICTION.get(n), "needs_future", False)]
-        if getattr(EVICTION.get(self.eviction), "needs_future", False):
-            raise KnobError(
-                f"eviction {self.eviction!r} needs the future, so only trace replay can run it "
-                f"(workbench replay); live runs take one of {', '.join(live_ev)}")
-        needs = PREFETCH.get(self.prefetch).needs
-        if "future" in needs:
-            live_pf = [n for n in PREFETCH.available() if "future" not in PREFETCH.get(n).needs]
-            raise KnobError(
-                f"prefetch {self.prefetch!r} needs the future, so only trace replay can run it "
-                f"(workbench replay); live runs take one of {', '.join(live_pf)}")
-        if "pred_ids" in needs and getattr(self, "lookahead_depth", 0) < 1:
-            raise KnobError(
-                f"prefetch {self.prefetch!r} uses router lookahead: lookahead_depth must be at "
-                f"least 1, not {getattr(self, 'lookahead_depth', 0)}")
-        if self.pinned_layers > num_layers:
-            raise KnobError(
-                f"pinned_layers must be between 0 and {num_layers} (the model's MoE layers), "
-                f"not {self.pinned_layers}")
-        if self.pinned_layers < num_layers:
-            slots = self.effective_slots(expert_bytes)
-            if slots < top_k:
-                if self.cache_bytes is not None:
-                    raise KnobError(
-                        f"cache_bytes must hold at least {top_k} experts (top-k) = "
-                        f"{top_k * expert_bytes} bytes, not {self.cache_bytes}")
-                raise KnobError(
-                    f"cache_slots must be at least {top_k} (top-k), not {self.cache_slots}")
+        for g in self._groups.values():
+            g.check(self, shape, live=live)
+        return self
+
+    def check_against(self, num_layers: int, top_k: int, expert_bytes: int | None = None,
+                      num_experts: int | None = None) -> None:
+        """:meth:`check` of a live run on a model of ``num_layers`` MoE layers, ``top_k``,
+        ``expert_bytes`` per expert (and ``num_experts`` per layer, when given)."""
+        self.check(ModelShape(num_layers=num_layers, top_k=top_k, num_experts=num_experts,
+                              expert_bytes=expert_bytes), live=True)
 
     def semantic_floor(self) -> int:
         """L_semantic: ``semantic_layers`` when set, else 1 for 'affinity' compression with
@@ -536,8 +750,3 @@ def _reword(msg: str, name: str) -> str:
     import re
 
     return re.sub(r"^\w+ parameter '\w+\.(\w+)'", r"\1", msg)
-
-
-import workbench.policies.active_evict  # noqa: E402,F401  (registers the "active_evict" knob group)
-import workbench.compression.policies  # noqa: E402,F401  (registers the "compression" knob group)
-import workbench.predictor.policy  # noqa: E402,F401  (registers the "predictor" knob group and prefetch "vismmoe")

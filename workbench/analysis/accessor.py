@@ -18,7 +18,7 @@ Conventions
 - ``modality`` is ``None``/``"all"`` (every token) or a name of the ``modality`` coordinate
   (``"text"``, ``"image"``, ``"video"``); ``phase`` is ``None`` (both), ``"prefill"`` or
   ``"decode"``.
-- Counts are tokens × ranks: a token routed to k experts adds 1 to each of its k experts.
+- Counts are (token, routed expert) pairs: a token routed to k experts adds 1 to each of them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import xarray as xr
 
 from workbench.errors import InputError
 from workbench.telemetry.events import MODALITIES, PHASES
+from workbench.telemetry.schema import LEGACY_PRED_ORDER, PRED_ORDER
 
 __all__ = ["MoEAccessor", "merged_token_cells"]
 
@@ -105,6 +106,11 @@ class MoEAccessor:
             return np.asarray(self._ds["pinned"].values, bool)
         return np.zeros(self._ds.sizes["layer"], bool)
 
+    def _pinned_accesses(self) -> xr.DataArray | int:
+        """``pinned_accesses`` [step, layer] (schema ≥ 4 and every store ``open_run`` reads),
+        or 0 for a Dataset without it, whose pinned-layer accesses are in ``hits``."""
+        return self._ds["pinned_accesses"] if "pinned_accesses" in self._ds else 0
+
     @property
     def top_k(self) -> int:
         """Experts per token: attrs ``top_k``, else the length of the ``k`` dim."""
@@ -116,7 +122,10 @@ class MoEAccessor:
         """Expert-cache hit rate = hits / (hits + misses), a fraction in [0, 1].
 
         ``hits``/``misses`` count each routed expert once per layer and step. Pinned layers
-        (always resident, so always hits) are left out unless ``include_pinned``.
+        (always resident) are left out unless ``include_pinned``, which counts their accesses
+        (``pinned_accesses``) as hits. A Dataset without ``pinned_accesses`` (built by hand in
+        the schema ≤ 3 meaning, where a pinned layer's accesses are its ``hits``) gives the
+        same numbers.
         ``by=None`` gives one float for the run; ``"layer"`` a DataArray over ``layer`` (pinned
         layers NaN when excluded); ``"step"`` a DataArray over ``step``. NaN where there was no
         access.
@@ -125,7 +134,8 @@ class MoEAccessor:
             raise _bad("by", by, "None, 'layer' or 'step'")
         keep = xr.DataArray(np.ones_like(self._pinned()) if include_pinned else ~self._pinned(),
                             dims="layer")
-        hits = self._ds["hits"].where(keep, 0)
+        hits = (self._ds["hits"] + self._pinned_accesses()) if include_pinned \
+            else self._ds["hits"].where(keep, 0)
         misses = self._ds["misses"].where(keep, 0)
         if by is None:
             h, m = int(hits.sum()), int(misses.sum())
@@ -144,7 +154,7 @@ class MoEAccessor:
     # -- routing -----------------------------------------------------------------------------
     def expert_counts(self, modality: str | None = None, steps: Any = None,
                       phase: str | None = None) -> xr.DataArray:
-        """Routed tokens per expert, DataArray [layer, expert] (int64, tokens × ranks).
+        """Routed tokens per expert, DataArray [layer, expert] (int64, (token, expert) pairs).
 
         Summed over the selected ``steps`` and ``phase``; ``modality`` keeps only tokens of
         that modality. The grand total over all modalities is ``step_tokens.sum() × top_k`` for
@@ -300,9 +310,12 @@ class MoEAccessor:
                 f"this store lacks {', '.join(map(repr, missing))}, needed to place visual "
                 f"tokens on the image (stores written before the image grid was recorded, or "
                 f"imported traces, have no image layout); re-run the request to record it")
-        grids = ds.attrs["image_grid_thw"]
-        grids = json.loads(grids) if isinstance(grids, str) else grids
-        merge = int(ds.attrs["spatial_merge_size"])
+        from workbench.telemetry.metadata import RunMetadata
+
+        meta = RunMetadata.from_attrs(ds.attrs, strict=False)
+        meta.check("image_grid_thw", "spatial_merge_size")  # StoreError naming a bad one
+        grids = [list(g) for g in meta.image_grid_thw]
+        merge = meta.spatial_merge_size
         image, row, col, shapes = merged_token_cells(grids, merge)
         if "image" not in self._modalities:
             raise InputError(f"this store has no 'image' modality (it has "
@@ -370,7 +383,8 @@ class MoEAccessor:
                 "predictor=vismmoe or prefetch=vismmoe")
         if baseline not in _RECALL_BASELINES:
             raise _bad("baseline", baseline, "None, 'random' or 'oracle'")
-        B = int(ids_var.sizes["rank"])
+        order = PRED_ORDER if PRED_ORDER in ids_var.dims else LEGACY_PRED_ORDER  # (schema ≤ 3)
+        B = int(ids_var.sizes[order])
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= B:
             raise _bad("k", k, f"an int in 1..{B} (the predictor's top-B recorded by this run, "
                                f"B = prefetch_budget)")
@@ -378,11 +392,13 @@ class MoEAccessor:
             if "knob.window" not in ds.attrs:
                 raise InputError("this store has no 'knob.window' attr; pass window=W (layers "
                                  "ahead)")
-            window = json.loads(ds.attrs["knob.window"])
+            from workbench.telemetry.metadata import RunMetadata
+
+            window = RunMetadata.from_attrs(ds.attrs, strict=False).knobs.window
         if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
             raise _bad("window", window, "None (the run's knob) or an int ≥ 1 (layers ahead)")
         ids = np.asarray(self._select(ids_var, steps, phase)
-                         .transpose("step", "layer", "rank").values).astype(np.int64)
+                         .transpose("step", "layer", order).values).astype(np.int64)
         routed = self._select(ds["routed_tokens"], steps, phase).sum("modality")
         active = np.asarray((routed > 0).transpose("step", "layer", "expert").values)
         S, L, E = active.shape
@@ -390,7 +406,7 @@ class MoEAccessor:
             if S else np.zeros((0, L, E), bool)
         A = ahead.reshape(S * L, E)
         if baseline is None:
-            # the recorded ranking as scores: rank r → B − r, experts it did not rank → −1, so
+            # the recorded order as scores: position r → B − r, experts not listed → −1, so
             # the top-k of the scores are exactly the first k recorded ids (k ≤ B)
             scores = np.full((S, L, E), -1.0)
             s_i, l_i, r_i = np.nonzero((ids >= 0) & (ids < E))

@@ -27,12 +27,20 @@ reduces to ``saliency``. Ties in TopK are broken towards the lower index (stable
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import param
-import torch
 
-from workbench.knobs import KnobGroup, register_group
-from workbench.policies.registry import Registry
+from workbench.errors import KnobError
+from workbench.knobs import GenerationKnobs, KnobGroup
+from workbench.policies.registry import NeedsFlag, Registry
+
+if TYPE_CHECKING:
+    # torch is imported inside the functions that compute: this module stays torch-free, since
+    # its knob group and registry are read by Knobs (the CLI, replay, the dashboard)
+    import torch
+
+    from workbench.knobs import Knobs, ModelShape
 
 
 @dataclass
@@ -45,21 +53,55 @@ class SelectionInput:
     prefix_topk: torch.Tensor | None = None  # [P, N, k] int64, P = pinned layers
 
 
+COMPRESSION: Registry[CompressionPolicy] = Registry("compression", "compression")
+
+
+class CompressionKnobs(KnobGroup):
+    """Visual-token compression behind the pinned prefix (seed VisMMOE Algorithm 1)."""
+
+    title = "Token compression"
+
+    compression = param.Selector(
+        default="none", objects=["none"],  # every registered policy: bound by workbench.features
+        doc="Which visual tokens survive past the pinned prefix: 'affinity' (Algorithm 1), "
+            "'saliency' (affinity with λ = 0), 'random' (seeded by seed), 'none' (all). "
+            "Text tokens are never pruned.")
+    alpha = param.Number(
+        default=0.1, bounds=(0.0, 1.0), softbounds=(0.0, 0.5),
+        doc="α: share of visual tokens kept for saliency alone (the core, K_core = ⌊αN⌋, "
+            "at most K_keep); their experts form the target set E_target.")
+    beta = param.Number(
+        default=0.5, bounds=(0.0, 1.0), inclusive_bounds=(False, True), softbounds=(0.1, 1.0),
+        doc="β: keep ratio, K_keep = ⌊βN⌋ of the N visual tokens reach the layers after the "
+            "pinned prefix (paper: 0.5 main results, 0.7). Used only when compression ≠ none.")
+    lam = param.Number(
+        default=2.0, bounds=(0.0, None), softbounds=(0.0, 5.0),
+        doc="λ: weight of the marginal expert expansion Δ against saliency, p = s̃ − λΔ "
+            "(paper: 2). λ = 0 is saliency-only.")
+
+    def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
+        """Live, with compression on: the salient core is part of the kept tokens (α ≤ β)."""
+        if live and self.compression != "none" and self.alpha > self.beta:
+            raise KnobError(f"alpha must be at most beta (the salient core is part of the "
+                            f"kept tokens), not alpha={self.alpha} > beta={self.beta}")
+
+
 class CompressionPolicy:
     """Base: ``select(inp)`` → sorted kept visual indices (``LongTensor [K_keep]``, CPU)."""
 
     name = "?"
-    #: the placement installs the vision-saliency hook only for policies that need it
-    needs_saliency = False
+    #: what the policy reads: "saliency" (the placement installs the vision-saliency hook only
+    #: for policies that need it) and "prefix_routing" (the selection waits until every pinned
+    #: layer has routed, so ``prefix_topk`` is complete; without it the placement may select as
+    #: soon as the router lookahead asks, see
+    #: :meth:`~workbench.compression.placement.PrunedPlacement.prefill_keep_mask`)
+    needs: frozenset[str] = frozenset({"prefix_routing"})
+    needs_saliency = NeedsFlag("saliency")
+    needs_prefix_routing = NeedsFlag("prefix_routing")
     #: False: keep every token, install nothing
     prunes = True
-    #: True: the selection waits until every pinned layer has routed, so ``prefix_topk`` is
-    #: complete; False (a policy that ignores the prefix routing): the placement may select as
-    #: soon as the router lookahead asks for it, see
-    #: :meth:`~workbench.compression.placement.PrunedPlacement.prefill_keep_mask`
-    needs_prefix_routing = True
 
-    def __init__(self, beta: float = 0.5, **_: object) -> None:
+    def __init__(self, beta: float = CompressionKnobs.param.beta.default) -> None:
         self.beta = float(beta)
 
     def k_keep(self, n: int) -> int:
@@ -70,7 +112,6 @@ class CompressionPolicy:
         raise NotImplementedError
 
 
-COMPRESSION: Registry[CompressionPolicy] = Registry("compression", "compression")
 
 
 @COMPRESSION.register("none")
@@ -80,6 +121,8 @@ class NoCompression(CompressionPolicy):
     prunes = False
 
     def select(self, inp: SelectionInput) -> torch.Tensor:
+        import torch
+
         return torch.arange(inp.num_visual)
 
 
@@ -87,13 +130,16 @@ class NoCompression(CompressionPolicy):
 class RandomCompression(CompressionPolicy):
     """Keep a uniformly random ⌊βN⌋-subset; the generator is seeded with the ``seed`` knob."""
 
-    needs_prefix_routing = False
+    needs = frozenset()
 
-    def __init__(self, beta: float = 0.5, seed: int = 0, **kw: object) -> None:
-        super().__init__(beta, **kw)
+    def __init__(self, beta: float = CompressionKnobs.param.beta.default,
+                 seed: int = GenerationKnobs.param.seed.default) -> None:
+        super().__init__(beta)
         self.seed = int(seed)
 
     def select(self, inp: SelectionInput) -> torch.Tensor:
+        import torch
+
         g = torch.Generator().manual_seed(self.seed)
         n = inp.num_visual
         return torch.randperm(n, generator=g)[: self.k_keep(n)].sort().values
@@ -104,11 +150,12 @@ class AffinityCompression(CompressionPolicy):
     """Algorithm 1: saliency core plus the tokens that add the fewest new (layer, expert)
     pairs to the core's working set, traded off against saliency by λ."""
 
-    needs_saliency = True
+    needs = frozenset({"saliency", "prefix_routing"})
 
-    def __init__(self, beta: float = 0.5, alpha: float = 0.1, lam: float = 2.0,
-                 **kw: object) -> None:
-        super().__init__(beta, **kw)
+    def __init__(self, beta: float = CompressionKnobs.param.beta.default,
+                 alpha: float = CompressionKnobs.param.alpha.default,
+                 lam: float = CompressionKnobs.param.lam.default) -> None:
+        super().__init__(beta)
         self.alpha = float(alpha)
         self.lam = float(lam)
 
@@ -124,9 +171,9 @@ class AffinityCompression(CompressionPolicy):
 class SaliencyCompression(AffinityCompression):
     """Saliency-only (VisionZip-like): Algorithm 1 with λ = 0, whatever the ``lam`` knob says."""
 
-    def __init__(self, beta: float = 0.5, alpha: float = 0.1, **kw: object) -> None:
-        kw.pop("lam", None)
-        super().__init__(beta, alpha, 0.0, **kw)
+    def __init__(self, beta: float = CompressionKnobs.param.beta.default,
+                 alpha: float = CompressionKnobs.param.alpha.default) -> None:
+        super().__init__(beta, alpha, 0.0)
 
 
 def minmax(s: torch.Tensor) -> torch.Tensor:
@@ -141,6 +188,8 @@ def marginal_expansion(prefix_topk: torch.Tensor, core: torch.Tensor,
 
     ``prefix_topk`` ``[P, N, k]``: E_i = {(p, prefix_topk[p, i, j])}; ids < 0 (not routed) are
     ignored. E_target = ∪ over ``core`` of E_j. A token with an empty E_i gets Δ = 0."""
+    import torch
+
     P, N, _ = prefix_topk.shape
     ids = prefix_topk.long()
     valid = ids >= 0
@@ -159,6 +208,8 @@ def affinity_keep(saliency: torch.Tensor, prefix_topk: torch.Tensor | None, num_
 
     ``saliency`` ``[N]`` raw scores; ``prefix_topk`` ``[P, N, k]`` or ``None`` (Δ = 0).
     K_core = min(⌊αN⌋, K_keep)."""
+    import torch
+
     s = saliency.detach().to("cpu")
     n = s.numel()
     k_keep = int(beta * n)
@@ -173,31 +224,3 @@ def affinity_keep(saliency: torch.Tensor, prefix_topk: torch.Tensor | None, num_
     p[core] = -float("inf")
     extra = torch.argsort(-p, stable=True)[: k_keep - k_core]
     return torch.cat([core, extra]).sort().values
-
-
-class CompressionKnobs(KnobGroup):
-    """Visual-token compression behind the pinned prefix (seed VisMMOE Algorithm 1)."""
-
-    title = "Token compression"
-    _registries = {"compression": COMPRESSION}
-
-    compression = param.Selector(
-        default="none", objects=COMPRESSION.available(),
-        doc="Which visual tokens survive past the pinned prefix: 'affinity' (Algorithm 1), "
-            "'saliency' (affinity with λ = 0), 'random' (seeded by seed), 'none' (all). "
-            "Text tokens are never pruned.")
-    alpha = param.Number(
-        default=0.1, bounds=(0.0, 1.0), softbounds=(0.0, 0.5),
-        doc="α: share of visual tokens kept for saliency alone (the core, K_core = ⌊αN⌋, "
-            "at most K_keep); their experts form the target set E_target.")
-    beta = param.Number(
-        default=0.5, bounds=(0.0, 1.0), inclusive_bounds=(False, True), softbounds=(0.1, 1.0),
-        doc="β: keep ratio, K_keep = ⌊βN⌋ of the N visual tokens reach the layers after the "
-            "pinned prefix (paper: 0.5 main results, 0.7). Used only when compression ≠ none.")
-    lam = param.Number(
-        default=2.0, bounds=(0.0, None), softbounds=(0.0, 5.0),
-        doc="λ: weight of the marginal expert expansion Δ against saliency, p = s̃ − λΔ "
-            "(paper: 2). λ = 0 is saliency-only.")
-
-
-register_group("compression", CompressionKnobs)

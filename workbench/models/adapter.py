@@ -10,6 +10,8 @@ Its parent is the *MoE block*; the block's child with a 2-D ``weight`` of shape 
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 
 import torch
@@ -65,9 +67,9 @@ class MoEBlock:
         """Run this layer's own router on ``hidden_states [T, H]``: ``(logits [T, E],
         weights [T, k], ids [T, k])``, exactly what the block hands its experts.
 
-        ``top_k`` (optional) runs the router with another top-k (its ``top_k`` attribute is
-        set for the call and restored), so selection and weight normalisation are the model's
-        own for that k. The router's ``forward`` is called directly: module hooks (e.g.
+        ``top_k`` (optional) runs the router with another top-k (on a shallow copy whose
+        ``top_k`` differs; the model's router is untouched), so selection and weight
+        normalisation are the model's own for that k. The router's ``forward`` is called directly: module hooks (e.g.
         transformers' router-logit recording) do not see these extra calls. Every supported
         transformers ≥ 5 router returns ``(router_logits, top_k_weights, top_k_index)``.
         """
@@ -78,12 +80,10 @@ class MoEBlock:
                 raise UnsupportedArchitectureError(
                     f"router of MoE layer {self.index} ({type(r).__name__}) has no integer "
                     f"top_k attribute, so it cannot route with another k")
-            r.top_k = int(top_k)
-        try:
-            out = r.forward(hidden_states)
-        finally:
-            if top_k is not None and top_k != saved:
-                r.top_k = saved
+            # a shallow copy with another k: the model's router is never changed
+            r = copy.copy(r)
+            r.__dict__["top_k"] = int(top_k)
+        out = r.forward(hidden_states)
         if not (isinstance(out, tuple) and len(out) == 3):
             raise UnsupportedArchitectureError(
                 f"router of MoE layer {self.index} ({type(r).__name__}) returned "

@@ -51,12 +51,16 @@ top-k, i.e. dynamic top-k only narrows routing, as in the paper's Fig. 8).
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from typing import TYPE_CHECKING, Hashable, Iterable
 
 import numpy as np
 import param
 
-from workbench.knobs import KnobGroup, register_group
+from workbench.errors import KnobError
+from workbench.knobs import KnobGroup
+
+if TYPE_CHECKING:
+    from workbench.knobs import Knobs, ModelShape
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -104,8 +108,22 @@ class ActiveEvictKnobs(KnobGroup):
         doc="Largest k dynamic top-k may choose; None = the model's top-k (only narrows "
             "routing). Values above the model's top-k widen routing when slots are free.")
 
+    def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
+        """``k_max`` ≤ the model's experts per layer; ``active_evict`` runs live only."""
+        if not live:
+            if self.active_evict:
+                raise KnobError(
+                    "active_evict runs live only (it acts on the router lookahead's "
+                    "probabilities, which traces do not keep): pass active_evict=False to "
+                    "replay this trace under the other policies")
+            return
+        if self.k_max is not None and shape.num_experts is not None \
+                and self.k_max > shape.num_experts:
+            raise KnobError(f"k_max must be between 1 and {shape.num_experts} (experts per "
+                            f"layer), not {self.k_max}")
 
-register_group("active_evict", ActiveEvictKnobs)
+
+_AE = ActiveEvictKnobs.param
 
 
 # -- hotness ----------------------------------------------------------------------------------
@@ -186,8 +204,11 @@ def budget_topk(ranked: np.ndarray, is_resident, avail: int) -> int:
 class ActiveEvict:
     """Per-run state of ActiveEvict: hotness windows and the latest p̂ per layer."""
 
-    def __init__(self, num_layers: int, num_experts: int, *, alpha: float = 0.5,
-                 decay: float = 0.9, window: int = 32, tau: float = 0.02, r_max: int = 2) -> None:
+    def __init__(self, num_layers: int, num_experts: int, *, alpha: float = _AE.ae_alpha.default,
+                 decay: float = _AE.ae_decay.default, window: int = _AE.ae_window.default,
+                 tau: float = _AE.ae_tau.default, r_max: int = _AE.ae_rmax.default) -> None:
+        """The defaults are the knobs' (``ae_alpha``, ``ae_decay``, ``ae_window``, ``ae_tau``,
+        ``ae_rmax``)."""
         self.alpha, self.tau, self.r_max = float(alpha), float(tau), int(r_max)
         self.hot = Hotness(num_layers, num_experts, window, decay)
         self.p_hat = np.zeros((num_layers, num_experts), np.float64)
@@ -223,18 +244,19 @@ class ActiveEvict:
         until at least Δ slots are free. Never evicts ``protected`` keys or the predicted
         ``demand`` of ``next_layer``. Returns the evicted keys."""
         self.p_hat[next_layer] = p_next
-        resident_next = sum(1 for e in demand if (next_layer, e) in cache.slot_of)
+        resident_next = sum(1 for e in demand if (next_layer, e) in cache)
         delta = release_target(p_next, len(demand), resident_next, self.tau, self.r_max)
         self.release_log.append((next_layer, delta))
-        free = cache.num_slots - len(cache.slot_of)
+        free = cache.free_slots()
         need = delta - free
         if need <= 0:
             return []
-        cands = [key for key in cache.slot_of if key not in protected
+        resident = cache.resident()
+        cands = [key for key in resident if key not in protected
                  and not (key[0] == next_layer and key[1] in demand)]
         if not cands:
             return []
-        s = self.scores(cands, cache.slot_of.keys())
+        s = self.scores(cands, resident)
         victims = sorted(cands, key=lambda key: (s[key], key))[:need]
         for key in victims:
             cache.evict(key)

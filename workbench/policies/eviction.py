@@ -13,7 +13,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Hashable, Iterable
 
-from workbench.policies.registry import Registry
+from workbench.knobs import CacheKnobs
+from workbench.policies.registry import NeedsFlag, Registry
+from workbench.predictor.knobs import PredictorKnobs
 
 Key = Hashable
 
@@ -26,8 +28,15 @@ class EvictionPolicy(ABC):
     """
 
     name: str = "abstract"
+    #: what the policy needs beyond the accesses: "future" (trace replay only) or "predictor"
+    #: (the live lookahead predictor, or a trace's recorded predictions)
+    needs: frozenset[str] = frozenset()
+    needs_future = NeedsFlag("future")
+    needs_predictor = NeedsFlag("predictor")
 
-    def __init__(self, **_: object) -> None:
+    def __init__(self) -> None:
+        """The knobs a policy takes are its ``__init__``'s keyword parameters (see
+        :mod:`workbench.policies.registry`); the base takes none."""
         self.reset()
 
     def reset(self) -> None:
@@ -108,7 +117,7 @@ class Belady(EvictionPolicy):
     the least recently used, then the smallest (layer, expert).
     """
 
-    needs_future = True
+    needs = frozenset({"future"})
 
     def reset(self) -> None:
         self.last_use: dict[Key, int] = {}
@@ -166,14 +175,14 @@ class Hotness(EvictionPolicy):
     (the runtime and replay call it before each layer's accesses).
     """
 
-    def __init__(self, hotness_decay: float = 0.8, hotness_window: int = 16,
-                 **kw: object) -> None:
+    def __init__(self, hotness_decay: float = CacheKnobs.param.hotness_decay.default,
+                 hotness_window: int = CacheKnobs.param.hotness_window.default) -> None:
         if not 0.0 < hotness_decay <= 1.0:
             raise ValueError(f"hotness_decay must be in (0, 1], not {hotness_decay}")
         if hotness_window < 1:
             raise ValueError(f"hotness_window must be at least 1 step, not {hotness_window}")
         self.decay, self.window = float(hotness_decay), int(hotness_window)
-        super().__init__(**kw)
+        super().__init__()
 
     def reset(self) -> None:
         self.last_use: dict[Key, int] = {}
@@ -227,7 +236,8 @@ class SlabStates:
 
     REQUIRED, SPECULATIVE, EXPIRED = "required", "speculative", "expired"
 
-    def __init__(self, window: int = 5, decay: float = 0.8) -> None:
+    def __init__(self, window: int = PredictorKnobs.param.window.default,
+                 decay: float = PredictorKnobs.param.decay.default) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1 layer, not {window}")
         if not 0.0 < decay <= 1.0:
@@ -315,13 +325,14 @@ class Slab(EvictionPolicy):
     ``predicted_ids``/``predicted_scores`` (a trace without them leaves every window empty,
     which makes the policy LRU). Knobs ``window`` (W) and ``decay`` (γ)."""
 
-    needs_predictor = True
+    needs = frozenset({"predictor"})
 
-    def __init__(self, window: int = 5, decay: float = 0.8, **kw: object) -> None:
+    def __init__(self, window: int = PredictorKnobs.param.window.default,
+                 decay: float = PredictorKnobs.param.decay.default) -> None:
         self.states = SlabStates(window, decay)
         self._layer_of = None
         self._predicted = None
-        super().__init__(**kw)
+        super().__init__()
 
     def reset(self) -> None:
         self.states.reset()

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import KnobError
-from workbench.policies.registry import Registry
+from workbench.policies.registry import NeedsFlag, Registry
 
 
 @dataclass
@@ -48,11 +48,14 @@ class PrefetchContext:
 
 class PrefetchPolicy(ABC):
     name: str = "abstract"
-    #: trace fields the policy needs: "pred_ids" (recorded router lookahead) or "future"
+    #: what the policy needs: "pred_ids" (recorded router lookahead), "predicted_ids" (recorded
+    #: predictor outputs; live: the predictor) or "future" (trace replay only)
     needs: frozenset[str] = frozenset()
+    needs_future = NeedsFlag("future")
 
-    def __init__(self, **_: object) -> None:
-        pass
+    def __init__(self) -> None:
+        """The knobs a policy takes are its ``__init__``'s keyword parameters (see
+        :mod:`workbench.policies.registry`); the base takes none."""
 
     @abstractmethod
     def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:

@@ -1,9 +1,12 @@
 """The ``vismmoe`` prefetch policy, the live predictor hook and the predictor knobs.
 
-Knobs (group ``predictor``): ``predictor`` (none | vismmoe), ``window`` (W = 5),
-``decay`` (γ = 0.8), ``predictor_path`` (a ``workbench calibrate --out`` directory; None:
-``<model dir>/workbench/predictor``). The existing ``prefetch_budget`` is B; for ``vismmoe``
-None means **20** (the paper's B), not "unlimited".
+Knobs (group ``predictor``, declared in :mod:`workbench.predictor.knobs`): ``predictor``
+(none | vismmoe), ``window`` (W = 5), ``decay`` (γ = 0.8), ``predictor_path`` (a
+``workbench calibrate --out`` directory; None: ``<model dir>/workbench/predictor``). The existing
+``prefetch_budget`` is B; for ``vismmoe`` None means **20** (the paper's B), not "unlimited".
+
+This module is torch-free; :class:`LivePredictor` lives in :mod:`workbench.predictor.live`
+(``workbench.predictor.policy.LivePredictor`` still finds it, imported on first access).
 
 Live: :class:`LivePredictor` is a :class:`~workbench.predictor.features.RoutingProbe` whose
 ``on_layer`` runs the predictor right after layer l's router (before the offloader asks the
@@ -25,40 +28,24 @@ only; ``select`` then drops pinned layers and caps at B.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import param
-import torch
-
-from workbench.knobs import KnobGroup, register_group
 from workbench.policies.prefetch import PREFETCH, PrefetchContext, PrefetchPolicy
-from workbench.predictor.features import RoutingProbe, build_feature, now, window_targets
+from workbench.predictor.knobs import DEFAULT_BUDGET, PredictorKnobs
 
-DEFAULT_BUDGET = 20
+if TYPE_CHECKING:
+    from workbench.predictor.live import LivePredictor
 
-
-class PredictorKnobs(KnobGroup):
-    """Compression-guided lookahead predictor (seed VisMMOE §3.3, SPEC §1b)."""
-
-    title = "Lookahead predictor"
-
-    predictor = param.Selector(
-        default="none", objects=["none", "vismmoe"],
-        doc="'vismmoe' runs the calibrated lookahead predictor at every MoE layer "
-            "(prefetch=vismmoe uses its top-B experts and turns it on).")
-    window = param.Integer(
-        default=5, bounds=(1, None), softbounds=(1, 8),
-        doc="W: layers ahead the predictor's candidates may target.")
-    decay = param.Number(
-        default=0.8, bounds=(0.0, 1.0), inclusive_bounds=(False, True), softbounds=(0.5, 1.0),
-        doc="γ: weight of a candidate d layers ahead is γ^(d−1) (and of the training targets).")
-    predictor_path = param.String(
-        default=None, allow_None=True,
-        doc="Directory of a calibrated predictor (workbench calibrate --out); None: "
-            "<model dir>/workbench/predictor.")
+__all__ = ["DEFAULT_BUDGET", "PredictorKnobs", "VisMMoEPrefetch", "LivePredictor",
+           "default_path", "ordered_candidates"]
 
 
-register_group("predictor", PredictorKnobs)
+def __getattr__(name: str) -> Any:
+    if name == "LivePredictor":  # torch: imported on first use
+        from workbench.predictor.live import LivePredictor
+
+        return LivePredictor
+    raise AttributeError(f"module 'workbench.predictor.policy' has no attribute {name!r}")
 
 
 def default_path(model_dir: str | Path) -> Path:
@@ -88,7 +75,8 @@ class VisMMoEPrefetch(PrefetchPolicy):
     #: prefetch_budget None means B = 20 live, so replay must cap the same way
     default_budget = DEFAULT_BUDGET
 
-    def __init__(self, window: int = 5, decay: float = 0.8, **_: object) -> None:
+    def __init__(self, window: int = PredictorKnobs.param.window.default,
+                 decay: float = PredictorKnobs.param.decay.default) -> None:
         self.window = int(window)
         self.decay = float(decay)
         self.live: "LivePredictor | None" = None
@@ -104,65 +92,3 @@ class VisMMoEPrefetch(PrefetchPolicy):
         else:
             ranked = []
         return ordered_candidates(ctx.layer, ctx.num_layers, ranked, self.window, self.decay)
-
-
-class LivePredictor(RoutingProbe):
-    """Runs a :class:`~workbench.predictor.model.LookaheadPredictor` once per MoE layer of a
-    live model; ``ranked(step, layer)`` gives y_layer's top-``budget`` (expert, σ) pairs;
-    ``costs`` the measured seconds of each call (features + forward)."""
-
-    def __init__(self, model, layout, predictor, budget: int, placement=None) -> None:
-        super().__init__(model, layout, placement=placement, keep_steps=False)
-        self.predictor = predictor.eval()
-        self.budget = int(budget)
-        self.costs: list[float] = []
-        self.by_step: dict[int, dict[int, list[tuple[int, float]]]] = {}
-        #: ``f(step, layer)`` called after each layer's prediction (e.g. the slab eviction policy)
-        self.listeners: list = []
-        self.on_layer = LivePredictor._on_layer
-
-    def _on_layer(self, layer: int) -> None:
-        self._predict(layer)
-        for f in self.listeners:
-            f(self.step, layer)
-
-    def _predict(self, layer: int) -> None:
-        if layer >= self.L - 1 or self.hmean is None:
-            return
-        t0 = now()
-        cfg = self.predictor.cfg
-        prev_g = (window_targets(self.prev_active, cfg.window, cfg.decay)
-                  if self.prev_active is not None else None)
-        hv = self.visual_summary() if cfg.use_visual else None
-        x = build_feature(layer, self.hist, prev_g, self.hmean[layer], hv, self.L,
-                          cfg.use_visual)
-        with torch.no_grad():
-            s = self.predictor.scores(x)[0]
-        top = np.argsort(-s, kind="stable")[: self.budget]
-        # float32 scores (σ in float32): the store keeps them exactly, so replay ties the same
-        self.by_step.setdefault(self.step, {})[layer] = [(int(e), float(np.float32(s[e])))
-                                                         for e in top]
-        self.by_step.pop(self.step - 2, None)  # keep memory bounded
-        self.costs.append(now() - t0)
-
-    def ranked(self, step: int, layer: int) -> list[tuple[int, float]]:
-        return self.by_step.get(step, {}).get(layer, [])
-
-    def step_predictions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """What the predictor said in ``step``, for the run store (and so for trace replay):
-        ``ids`` int16 ``[L, budget]`` (y_layer's top experts best first; -1 where it did not run
-        for the layer) and their σ(y_layer) ``scores`` float32 (the exact values
-        :meth:`ranked` gives, so replay orders candidates as the live policy did)."""
-        ids = np.full((self.L, self.budget), -1, np.int16)
-        scores = np.zeros((self.L, self.budget), np.float32)
-        for layer, ranked in self.by_step.get(step, {}).items():
-            for r, (e, s) in enumerate(ranked):
-                ids[layer, r], scores[layer, r] = e, s
-        return ids, scores
-
-    def cost_summary(self) -> dict[str, float]:
-        if not self.costs:
-            return {"calls": 0}
-        t = np.asarray(self.costs)
-        return {"calls": int(t.size), "p50_s": float(np.percentile(t, 50)),
-                "p99_s": float(np.percentile(t, 99)), "mean_s": float(t.mean())}

@@ -5,7 +5,9 @@
 
 Knob names and validation are those of :class:`workbench.Knobs` (``cache_slots``,
 ``pinned_layers``, ``eviction``, ``prefetch``, ``prefetch_lead``, ``prefetch_budget``,
-``hotness_*``, ``profile``, ``target_model``, ``hybrid``); ``scope`` and ``engine`` are replay's own.
+``hotness_*``, ``profile``, ``target_model``, ``hybrid``, and the policies' own knobs); ``scope``
+and ``engine`` are replay's own. Replay runs the simulation core (:mod:`workbench.sim`) that the
+live runtime runs, over the trace instead of a model; the numba kernel is its fast path.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workbench.replay.engine import SCOPES, ReplayResult, flat_hits
+from workbench.replay.engine import SCOPES, ReplayResult
 from workbench.replay.engine import replay as _replay
-
-_REPLAY_KNOBS = ("cache_slots", "pinned_layers", "eviction", "hotness_decay", "hotness_window",
-                 "prefetch", "prefetch_lead", "prefetch_budget", "profile", "target_model",
-                 "hybrid")
+from workbench.replay.flat import flat_hits
 
 
 def as_trace(source: Any, **options: Any):
@@ -45,29 +44,14 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     trace = as_trace(source)
     if knobs is None:
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
-    knobs = knobs.copy(**knob_values)
-    if getattr(knobs, "active_evict", False):
-        from workbench.errors import KnobError
-
-        raise KnobError("active_evict runs live only (it acts on the router lookahead's "
-                        "probabilities, which traces do not keep): pass active_evict=False to "
-                        "replay this trace under the other policies")
-    kw = {n: getattr(knobs, n) for n in _REPLAY_KNOBS}
-    if kw["prefetch"] == "vismmoe" or kw["eviction"] == "slab":
-        # the predictor policies' own knobs (W, γ), as live
-        kw.update(window=knobs.window, decay=knobs.decay)
-    if knobs.cache_bytes is not None:
-        from workbench.replay.engine import _cost
-
-        cost, _ = _cost(trace, knobs.profile, knobs.target_model, None)
-        kw["cache_slots"] = knobs.effective_slots(int(cost.expert_bytes))
-    res = _replay(trace, scope=scope, engine=engine, **kw)
+    if knob_values:
+        knobs = knobs.copy(**knob_values)
+    res = _replay(trace, knobs, scope=scope, engine=engine)
     if belady:
-        if kw["eviction"] == "belady" and kw["prefetch"] == "none":
+        if knobs.eviction == "belady" and knobs.prefetch == "none":
             bound = res
         else:
-            bound = _replay(trace, scope=scope, **{**kw, "eviction": "belady",
-                                                         "prefetch": "none"})
+            bound = _replay(trace, knobs, scope=scope, eviction="belady", prefetch="none")
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False

@@ -29,23 +29,24 @@ from workbench.errors import InputError, KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
-from workbench.runtime.clocks import CostSpec, host_expert_time, runs_on_host
-from workbench.runtime.expert_cache import ExpertCache
-from workbench.runtime.profiles import get_profile, get_target_model
+from workbench.sim.costs import CostSpec, Prices
+from workbench.sim.placement import SCOPES, Placement
+from workbench.sim.profiles import get_profile, get_target_model
+from workbench.sim.step import Access, Simulator
 from workbench.traces.trace import Groups, Trace
-
-SCOPES = ("global", "per-layer")
 
 
 @dataclass
 class ReplayResult:
-    """Outcome of one replay. Per-(step, layer) arrays are ``int64 [steps, layers]``; pinned
-    layers count every access as a hit (as the live runtime does) but are left out of
-    ``hit_rate`` and the other cache metrics."""
+    """Outcome of one replay. Per-(step, layer) arrays are ``int64 [steps, layers]``. ``hits``
+    and ``misses`` count expert-cache lookups (offloaded layers); the pinned prefix's accesses
+    are in ``pinned_accesses`` — the same split as a run store and the run summary. Times are
+    modeled; NaN (``metrics()``: None) when the trace carries no model sizes to price them."""
 
     config: dict[str, Any]
     hits: np.ndarray
     misses: np.ndarray
+    pinned_accesses: np.ndarray
     prefetch_loads: np.ndarray
     prefetch_hits: np.ndarray
     evictions: np.ndarray
@@ -80,8 +81,14 @@ class ReplayResult:
         return (self._off(self.misses) - int(self.host_runs.sum())
                 + int(self.prefetch_loads.sum()))
 
+    @property
+    def priced(self) -> bool:
+        """Whether the replay had model sizes to price times and bytes with."""
+        return self.expert_bytes == self.expert_bytes  # NaN: no cost model
+
     def metrics(self) -> dict[str, Any]:
-        """Every figure of SPEC §2 and the bounds, as plain numbers (times modeled)."""
+        """Every figure of SPEC §2 and the bounds, as plain numbers (times modeled; None when
+        the trace carries no model sizes)."""
         loads = self.loads
         misses = self._off(self.misses)
         pf = int(self.prefetch_loads.sum())
@@ -93,7 +100,7 @@ class ReplayResult:
             "demand_loads": misses - int(self.host_runs.sum()), "prefetch_loads": pf,
             "prefetch_hits": pf_hits, "host_runs": int(self.host_runs.sum()),
             "transfers": loads, "evictions": int(self.evictions.sum()),
-            "transfer_bytes": int(loads * self.expert_bytes),
+            "transfer_bytes": int(loads * self.expert_bytes) if self.priced else None,
             "transfer_bytes_per_token": loads * self.expert_bytes / max(self.num_tokens, 1),
             "blocking_io_s": float(self.stall_s.sum()),
             "total_io_s": loads * self.transfer_time_s,
@@ -120,23 +127,11 @@ class ReplayResult:
                 "evictions": self.evictions.sum(0), "redundant": self.redundant.sum(0),
                 "pinned": self.pinned}
 
-    def to_dataset(self):
-        """The result as an xarray Dataset (dims step, layer; attrs = config + metrics)."""
-        import xarray as xr
-
-        data = {n: (("step", "layer"), getattr(self, n)) for n in (
-            "hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant",
-            "host_runs", "stall_s")}
-        data["step_latency_s"] = (("step",), self.step_latency_s)
-        data["pinned"] = (("layer",), self.pinned)
-        attrs = {f"config.{k}": str(v) for k, v in self.config.items()}
-        attrs.update({k: v for k, v in self.metrics().items() if v is not None})
-        return xr.Dataset(data, attrs=attrs)
-
 
 def _cost(trace: Trace, profile: str, target_model: str, expert_bytes: float | None):
-    """(CostSpec, HardwareProfile). Imported traces know no model sizes: they need a target
-    model (or explicit expert bytes) to be priced; stores carry their run's cost spec."""
+    """(CostSpec or None, HardwareProfile). Imported traces know no model sizes: they are
+    priced only with a target model (or explicit expert bytes), else their times are
+    unavailable (None); stores carry their run's cost spec."""
     prof = get_profile(profile)
     if target_model != "none":
         return CostSpec.from_target(get_target_model(target_model)), prof
@@ -144,140 +139,123 @@ def _cost(trace: Trace, profile: str, target_model: str, expert_bytes: float | N
     if spec is not None:
         return _recorded_cost(trace, spec), prof
     if expert_bytes is None:
-        raise KnobError(
-            f"target_model must name a real model to price this trace "
-            f"({trace.attrs.get('source', 'imported')}): it carries no model sizes; one of "
-            f"{', '.join(_targets())}, not 'none'")
+        return None, prof  # hit counts only: nothing to price the times with
     return CostSpec("given", float(expert_bytes), 0.0, 0.0, 0.0), prof
 
 
 def _recorded_cost(trace: Trace, spec) -> CostSpec:
-    """The cost spec a store (or a ``.wbtrace`` ``@attr``) recorded, checked: its fields are
-    the :class:`CostSpec` fields, sizes and times finite and ≥ 0."""
-    import dataclasses
-    import json
-    import math
+    """The cost spec a store (or a ``.wbtrace`` ``@attr``) recorded, read by the typed run
+    metadata reader (its fields are the :class:`CostSpec` fields, sizes finite and ≥ 0)."""
+    from workbench.telemetry.metadata import RunMetadata
 
-    where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
-    fields = {f.name: f for f in dataclasses.fields(CostSpec)}
-    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
-    try:
-        if isinstance(spec, str):
-            spec = json.loads(spec)
-        if not isinstance(spec, dict) or not required <= set(spec) <= set(fields):
-            raise ValueError(f"expected an object with {', '.join(fields)}")
-        if not isinstance(spec["source"], str):
-            raise ValueError("source must be text")
-        for k, v in spec.items():
-            if k != "source" and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v < 0):
-                raise ValueError(f"{k} is {v!r}, expected a finite number ≥ 0")
-        return CostSpec(**spec)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise InputError(f"{where}: attribute 'cost_spec' is unusable ({str(e)[:160]}); "
-                         f"replay with --set target_model=NAME to price it instead") from None
+    md = RunMetadata.from_attrs({"cost_spec": spec}, strict=False)
+    problem = md.problems.get("cost_spec")
+    if problem is not None or md.cost_spec is None:
+        where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
+        raise InputError(f"{where}: attribute 'cost_spec' is unusable ({str(problem)[:160]}); "
+                         f"replay with --set target_model=NAME to price it instead")
+    return md.cost_spec
 
 
-def _targets() -> list[str]:
-    from workbench.runtime.profiles import available_target_models
-
-    return available_target_models()
-
-
-def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
-           pinned_layers: int = 0, scope: str = "global", prefetch: str = "none",
-           prefetch_lead: int = 1, prefetch_budget: int | None = None,
-           profile: str = "a100-40gb", target_model: str = "none",
-           expert_bytes: float | None = None, engine: str = "auto", hybrid: bool = False,
-           **policy_knobs: Any) -> ReplayResult:
-    """Replay ``trace``; see the module docstring. ``policy_knobs`` reach the policy classes
-    (e.g. ``hotness_decay``). Raises :class:`KnobError` for bad settings."""
-    L, E = trace.num_layers, trace.num_experts
-    if scope not in SCOPES:
-        raise KnobError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
-    if not 0 <= pinned_layers <= L:
-        raise KnobError(f"pinned_layers must be between 0 and {L} (the trace's layers), "
-                        f"not {pinned_layers}")
-    if prefetch_lead < 1:
-        raise KnobError(f"prefetch_lead must be at least 1 layer, not {prefetch_lead}")
-    pinned = np.arange(L) < pinned_layers
-    n_off = int((~pinned).sum())
-    if n_off and cache_slots < trace.top_k:
-        raise KnobError(f"cache_slots must be at least {trace.top_k} (top-k), not {cache_slots}")
-    pol_cls = EVICTION.get(eviction)
-    try:
-        pol_cls(**policy_knobs)  # the policy checks its own knobs (e.g. hotness γ and T)
-    except ValueError as e:
-        raise KnobError(str(e)) from None
-    if eviction == "hotness" and int(policy_knobs.get("hotness_window", 16)) > K.RING:
-        raise KnobError(f"hotness_window must be at most {K.RING} steps, not "
-                        f"{policy_knobs['hotness_window']}")
-    if prefetch_budget is not None and prefetch_budget < 1:
-        raise KnobError(f"prefetch_budget must be at least 1 or None, not {prefetch_budget}")
-    pf_policy = PREFETCH.create(prefetch, **policy_knobs)
-    cost, prof = _cost(trace, profile, target_model, expert_bytes)
+def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: str = "auto",
+           expert_bytes: float | None = None, **knob_values: Any) -> ReplayResult:
+    """Replay ``trace`` under ``knobs`` (a :class:`~workbench.knobs.Knobs`; None: every knob's
+    default) changed by ``knob_values`` (``cache_slots=32``, ``eviction="lfu"``, …); see the
+    module docstring. The knobs are checked as a trace replay (:meth:`Knobs.check` with
+    ``live=False``): a bad setting raises :class:`KnobError`. ``expert_bytes`` prices a trace
+    that carries no model sizes when no ``target_model`` is set; with neither, the hit counts
+    are exact and the times unavailable (:attr:`ReplayResult.priced` False)."""
+    st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
     groups = trace.groups()
-    if scope == "global":
-        pool_of_layer = np.zeros(L, np.int64)
-        pool_cap = np.array([min(cache_slots, max(n_off * E, 1))], np.int64)
-    else:
-        share = cache_slots // max(n_off, 1)
-        if n_off and share < trace.top_k:
-            raise KnobError(
-                f"cache_slots must give every offloaded layer at least top-k = {trace.top_k} "
-                f"slots with scope=per-layer ({n_off} layers → ≥ {n_off * trace.top_k}), "
-                f"not {cache_slots}")
-        pool_of_layer = np.arange(L, dtype=np.int64)
-        pool_cap = np.full(L, min(share, E), np.int64)
-    # modeled prices, exactly as ModeledClock computes them (one call per distinct size)
-    def priced(counts: np.ndarray, flops: float, nbytes: float) -> np.ndarray:
-        vals, inv = np.unique(counts, return_inverse=True)
-        return np.array([prof.compute_time(int(v) * flops, nbytes) for v in vals],
-                        np.float64)[inv.reshape(-1)]
-
+    prices = st.prices
     # dense work over the tokens that reach each group's layer (pruned tokens skip the layers
-    # behind the pinned prefix), as ModeledClock prices it
+    # behind the pinned prefix)
     layer_tokens = (groups.layer_tokens if groups.layer_tokens is not None
                     else groups.step_tokens[groups.step])
-    dense = priced(layer_tokens, cost.dense_flops_per_token_per_layer,
-                   cost.dense_bytes_per_layer)
-    comp = priced(groups.expert_tokens, cost.expert_flops_per_token, cost.expert_bytes)
-    xfer = prof.transfer_time(cost.expert_bytes)
-    pf_ptr, pf_key = plan_prefetch(pf_policy, trace, groups, pinned, prefetch_lead,
-                                   prefetch_budget)
-    kernel_code = K.POLICY_CODES.get(eviction)
+    dense = Prices.many(prices.dense, layer_tokens)
+    comp = Prices.many(prices.expert, groups.expert_tokens)
+    k = st.knobs
+    pf_ptr, pf_key = plan_prefetch(PREFETCH.create(k.prefetch, **st.values), trace, groups,
+                                   st.placement.pinned, k.prefetch_lead, k.prefetch_budget)
+    host = None
+    if k.hybrid:  # per access: (runs on the host if missed?, modeled host seconds)
+        host = (Prices.many(prices.on_host, groups.expert_tokens, bool),
+                Prices.many(prices.host, groups.expert_tokens))
+    policy_stats: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if st.engine == "fast":
+        out = _run_fast(groups, dense, comp, st.placement, K.POLICY_CODES[k.eviction],
+                        st.values, pf_ptr, pf_key, prices.transfer, trace.num_steps)
+    else:
+        policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
+        out = _run_python(groups, dense, comp, st.placement,
+                          lambda: _make_policy(k.eviction, policy_knobs, groups, trace),
+                          pf_ptr, pf_key, prices.transfer, trace.num_steps,
+                          stats=policy_stats, host=host)
+    return _result(trace, groups, st, out, time.perf_counter() - t0, policy_stats)
+
+
+@dataclass
+class _Settings:
+    knobs: Any
+    values: dict[str, Any]  # knobs.to_dict()
+    prices: Prices
+    placement: Placement
+    engine: str  # "fast" or "python"
+    config: dict[str, Any]
+
+
+def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: str,
+              expert_bytes: float | None) -> _Settings:
+    """The checked knobs of a replay and what follows from them (prices, placement, engine)."""
+    from workbench.knobs import Knobs, ModelShape
+
+    if knobs is None:
+        knobs = Knobs(**knob_values)
+    elif knob_values:  # never changes the caller's object
+        knobs = knobs.copy(**knob_values)
+    knobs.check(ModelShape.of(trace), live=False)
+    eviction, hybrid = knobs.eviction, bool(knobs.hybrid)
+    cost, prof = _cost(trace, knobs.profile, knobs.target_model, expert_bytes)
+    prices = Prices(prof, cost)
+    if hybrid and not prices.available:
+        raise KnobError("hybrid=True decides each miss by comparing modeled prices, and this "
+                        "trace carries no model sizes: set target_model")
+    cache_slots = knobs.cache_slots
+    if knobs.cache_bytes is not None:
+        if cost is None:
+            raise KnobError("cache_bytes needs the size of an expert, and this trace carries "
+                            "no model sizes: set target_model, or set cache_slots instead")
+        cache_slots = knobs.effective_slots(int(cost.expert_bytes))
+    placement = Placement.single_device(trace.num_layers, trace.num_experts, trace.top_k,
+                                        knobs.pinned_layers, cache_slots, scope)
+    values = knobs.to_dict()
+    try:
+        EVICTION.create(eviction, **values)  # the policy checks its own knobs
+    except ValueError as e:
+        raise KnobError(str(e)) from None
+    has_kernel = eviction in K.POLICY_CODES
     if engine == "auto":
-        engine = "fast" if eviction in K.POLICY_CODES and not hybrid else "python"
+        engine = "fast" if has_kernel and not hybrid else "python"
     if engine not in ("fast", "python"):
         raise KnobError(f"engine must be one of auto, fast, python, not {engine!r}")
-    if engine == "fast" and kernel_code is None:
+    if engine == "fast" and not has_kernel:
         raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
     if engine == "fast" and hybrid:
         raise KnobError("hybrid=True has no compiled replay; use engine='python' (or 'auto')")
-    host = None
-    if hybrid:  # per access: (runs on the host?, modeled host seconds), as the live rule decides
-        vals, inv = np.unique(groups.expert_tokens, return_inverse=True)
-        on = np.array([runs_on_host(prof, cost, int(v)) for v in vals], bool)
-        dur = np.array([host_expert_time(prof, cost, int(v)) for v in vals], np.float64)
-        host = (on[inv.reshape(-1)], dur[inv.reshape(-1)])
-    config = dict(eviction=eviction, cache_slots=cache_slots, pinned_layers=pinned_layers,
-                  scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
-                  prefetch_budget=prefetch_budget, profile=prof.name, cost_source=cost.source,
-                  engine=engine, hybrid=bool(hybrid), **policy_knobs)
-    policy_stats: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    if engine == "fast":
-        out = _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, kernel_code,
-                        policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps)
-    else:
-        out = _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap,
-                          pol_cls, policy_knobs, pf_ptr, pf_key, xfer, trace.num_steps,
-                          trace=trace, stats=policy_stats, host=host)
-    elapsed = time.perf_counter() - t0
-    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused = out[:9]
-    host_runs = out[9] if len(out) > 9 else np.zeros_like(hits)
-    S = trace.num_steps
+    config = dict(eviction=eviction, cache_slots=cache_slots, pinned_layers=knobs.pinned_layers,
+                  scope=scope, prefetch=knobs.prefetch, prefetch_lead=knobs.prefetch_lead,
+                  prefetch_budget=knobs.prefetch_budget, profile=prof.name,
+                  cost_source=cost.source if cost is not None else "none",
+                  engine=engine, hybrid=hybrid, **EVICTION.kwargs_for(eviction, values))
+    return _Settings(knobs, values, prices, placement, engine, config)
 
+
+def _result(trace: Trace, groups: Groups, st: _Settings, out: tuple, elapsed: float,
+            policy_stats: dict) -> ReplayResult:
+    """Per-group outputs of either engine → per-(step, layer) arrays and step latencies."""
+    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
+    S, L = trace.num_steps, trace.num_layers
     flat_sl = groups.step.astype(np.int64) * L + groups.layer  # (step, layer) of each group
 
     def per_sl(v: np.ndarray) -> np.ndarray:
@@ -293,14 +271,36 @@ def replay(trace: Trace, *, eviction: str = "lru", cache_slots: int = 64,
         step_end[groups.step[last]] = g_end[last]
         step_end = np.maximum.accumulate(step_end)
     latency = np.diff(np.r_[0.0, step_end])
+    pinned = st.placement.pinned
+    hits_sl = per_sl(hits)
+    pinned_acc = np.where(pinned, hits_sl, 0)  # both engines count them as hits per group
+    hits_sl[:, pinned] = 0
+    stall_sl = per_sl(stall)
+    priced = st.prices.available
+    if not priced:
+        stall_sl[:] = np.nan
+        latency[:] = np.nan
     return ReplayResult(
-        config=config, hits=per_sl(hits), misses=per_sl(misses),
+        config=st.config, hits=hits_sl, misses=per_sl(misses), pinned_accesses=pinned_acc,
         prefetch_loads=per_sl(pf_loads), prefetch_hits=per_sl(pf_hits),
         evictions=ev_sl.reshape(S, L), redundant=red_sl.reshape(S, L),
-        host_runs=per_sl(host_runs), stall_s=per_sl(stall),
+        host_runs=per_sl(host_runs), stall_s=stall_sl,
         step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
-        num_tokens=trace.num_tokens, expert_bytes=cost.expert_bytes, transfer_time_s=xfer,
+        num_tokens=trace.num_tokens,
+        expert_bytes=st.prices.cost.expert_bytes if priced else float("nan"),
+        transfer_time_s=st.prices.transfer if priced else float("nan"),
         elapsed_s=elapsed, extra=policy_stats)
+
+
+def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
+    """One eviction policy for one pool, given what it asks for (the trace's future for
+    Belady, its recorded predictor outputs for slab)."""
+    policy = EVICTION.create(name, **knobs)
+    if hasattr(policy, "prepare"):
+        policy.prepare(groups)
+    if trace is not None and hasattr(policy, "attach_trace"):
+        policy.attach_trace(trace)
+    return policy
 
 
 def _occurrences(groups: Groups, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -313,187 +313,58 @@ def _occurrences(groups: Groups, num_keys: int) -> tuple[np.ndarray, np.ndarray]
     return np.cumsum(ptr), g_of[order]
 
 
-def _run_fast(groups, dense, comp, pinned, pool_of_layer, pool_cap, code, knobs, pf_ptr, pf_key,
-              xfer, S):
+def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_key, xfer, S):
     L, E = groups.num_layers, groups.num_experts
     nk = L * E
     if code == K.BELADY:
         occ_ptr, occ_grp = _occurrences(groups, nk)
     else:
         occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
-    window = min(int(knobs.get("hotness_window", 16)), K.RING)  # checked in replay()
-    return K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
-                      groups.ptr.astype(np.int64), groups.keys(), dense, comp, pinned,
-                      pool_of_layer, pool_cap, code, float(knobs.get("hotness_decay", 0.8)),
-                      window, occ_ptr, occ_grp, pf_ptr, pf_key, float(xfer), nk, E, S, L)
+    window = knobs["hotness_window"]  # ≤ K.RING: the knob's bound
+    out = K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
+                     groups.ptr.astype(np.int64), groups.keys(), dense, comp, placement.pinned,
+                     placement.pool_of_layer, placement.pool_slots, code,
+                     float(knobs["hotness_decay"]), window, occ_ptr, occ_grp, pf_ptr,
+                     pf_key, float(xfer), nk, E, S, L)
+    return (*out, np.zeros_like(out[0]))
 
 
-def _run_python(groups, dense, comp, pinned, pool_of_layer, pool_cap, pol_cls, knobs, pf_ptr,
-                pf_key, xfer, S, trace=None, stats=None, host=None):
-    """The same sequence of calls as the live offloader, on the real cache and policy objects
-    (one cache per pool). A policy with ``attach_trace`` gets ``trace`` (e.g. the slab policy
-    reads its recorded predictor outputs); ``stats``, when a dict, receives the summed
-    ``policy.stats()`` of the pools. ``host`` (hybrid mode): per access, (runs on the host if
-    missed, modeled host seconds)."""
+def _run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr, pf_key,
+                xfer, S, stats=None, host=None):
+    """Every group through :meth:`workbench.sim.step.Simulator.step` — the same function the
+    live offloader calls. ``stats``, when a dict, receives the summed ``policy.stats()`` of the
+    pools. ``host`` (hybrid mode): per access, (runs on the host if missed, modeled host
+    seconds). Returns per-group arrays in the numba kernel's layout (pinned accesses counted
+    as hits there, as the kernel does)."""
     L, E = groups.num_layers, groups.num_experts
     G = groups.num_groups
-    pools = [ExpertCache(int(c), pol_cls(**knobs), L, E) for c in pool_cap]
-    for c in pools:
-        if hasattr(c.policy, "prepare"):
-            c.policy.prepare(groups)
-        if trace is not None and hasattr(c.policy, "attach_trace"):
-            c.policy.attach_trace(trace)
+    sim = Simulator(placement, policy_factory, transfer_s=xfer)
     out_h, out_m, out_pl, out_ph, out_host = (np.zeros(G, np.int64) for _ in range(5))
     stall, g_end = np.zeros(G), np.zeros(G)
     ev_sl, red_sl = np.zeros(S * L, np.int64), np.zeros(S * L, np.int64)
-    used: dict[tuple[int, int], bool] = {}
-    pref: set[tuple[int, int]] = set()
-    ready: dict[tuple[int, int], float] = {}
-    now = xfer_free = host_free = 0.0
-    clock = 0  # the pools share one access clock, like the kernel
-
-    def evicted(key, step: int) -> None:
-        ev_sl[step * L + key[0]] += 1
-        if not used.get(key, True):
-            red_sl[step * L + key[0]] += 1
-        pref.discard(key)
-
-    def prefetch(g: int, step: int, now: float, protected=frozenset()) -> None:
-        nonlocal clock, xfer_free
-        for k in pf_key[pf_ptr[g]:pf_ptr[g + 1]].tolist():
-            key = (k // E, k % E)
-            c = pools[int(pool_of_layer[key[0]])]
-            if key in c:
-                continue
-            c.t = clock
-            got = c.admit(key, protected)
-            clock = c.t
-            if got is None:
-                continue
-            if got[1] is not None:
-                evicted(got[1], step)
-            used[key] = False
-            pref.add(key)
-            xfer_free = max(xfer_free, now) + xfer
-            ready[key] = xfer_free
-            out_pl[g] += 1
-
+    expert_list = groups.expert.tolist()
+    comp_list = comp.tolist()
+    pf_list = pf_key.tolist()
     for g in range(G):
         layer, step = int(groups.layer[g]), int(groups.step[g])
         a, b = int(groups.ptr[g]), int(groups.ptr[g + 1])
-        experts = groups.expert[a:b].tolist()
-        now += dense[g]
-        for c in pools:
-            c.policy.begin_group(g, step)
-        if pinned[layer]:
-            out_h[g] = len(experts)
-            prefetch(g, step, now)
-            now += float(comp[a:b].sum())
-            g_end[g] = now
-            continue
-        cache = pools[int(pool_of_layer[layer])]
-        cache.t = clock
-        hits, misses = cache.lookup(layer, experts)
-        out_h[g], out_m[g] = len(hits), len(misses)
-        host_done = now
-        on_host: set[int] = set()
-        if host is not None:  # hybrid: these misses run on the host lane, nothing is loaded
-            pos = {e: a + i for i, e in enumerate(experts)}
-            for e in misses:
-                if host[0][pos[e]]:
-                    on_host.add(e)
-                    host_free = host_done = max(host_free, now) + host[1][pos[e]]
-            out_host[g] = len(on_host)
-            misses = [e for e in misses if e not in on_host]
-        for e in hits:
-            key = (layer, e)
-            if key in pref:
-                out_ph[g] += 1
-                pref.discard(key)
-            used[key] = True
-        for e in misses:
-            xfer_free = max(xfer_free, now) + xfer
-            ready[(layer, e)] = xfer_free
-
-        fill = cache.fill(layer, experts, misses)
-        admitted = []
-        pf_done = False
-
-        def issue() -> None:
-            nonlocal pf_done, clock
-            for e, _slot, victim in fill.issue():
-                if victim is not None:
-                    evicted(victim, step)
-                used[(layer, e)] = True
-                pref.discard((layer, e))
-                admitted.append(e)
-            if not pf_done and not fill.pending:  # as the live offloader does
-                pf_done = True
-                clock = cache.t
-                prefetch(g, step, now, fill.protected)
-                cache.t = clock
-
-        issue()
-        fill.done(hits)
-        issue()
-        i = 0
-        while i < len(admitted):
-            fill.done((admitted[i],))
-            i += 1
-            issue()
-        clock = cache.t
-        miss_set = set(misses)
-        for e, cost in zip(experts, comp[a:b]):
-            if e not in miss_set and e not in on_host:
-                r = ready.get((layer, e), 0.0)
-                if r > now:
-                    stall[g] += r - now
-                    now = r
-                now += cost
-        for e, cost in zip(experts, comp[a:b]):
-            if e in miss_set:
-                r = ready[(layer, e)]
-                if r > now:
-                    stall[g] += r - now
-                    now = r
-                now += cost
-        if host_done > now:  # the layer waits for the host's outputs
-            stall[g] += host_done - now
-            now = host_done
-        g_end[g] = now
-    unused = sum(1 for c in pools for key in c.slot_of if not used.get(key, True))
+        pa, pb = int(pf_ptr[g]), int(pf_ptr[g + 1])
+        o = sim.step(Access(
+            step=step, layer=layer, experts=expert_list[a:b], compute_s=comp_list[a:b],
+            dense_s=float(dense[g]), prefetch=[divmod(k, E) for k in pf_list[pa:pb]],
+            on_host=None if host is None else host[0][a:b],
+            host_s=None if host is None else host[1][a:b], group=g))
+        out_h[g] = (b - a) if o.pinned else len(o.hits)
+        out_m[g], out_host[g] = len(o.misses), len(o.host)
+        out_pl[g], out_ph[g] = len(o.prefetched), o.prefetch_hits
+        stall[g], g_end[g] = o.stall_s, o.end_s
+        for key in o.evicted:
+            ev_sl[step * L + key[0]] += 1
+        for key in o.redundant:
+            red_sl[step * L + key[0]] += 1
     if stats is not None:
-        for c in pools:
+        for c in sim.pools:
             for k, v in (c.policy.stats() if hasattr(c.policy, "stats") else {}).items():
                 stats[k] = stats.get(k, 0) + v
-    return out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, unused, out_host
-
-
-def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
-              engine: str = "fast") -> int:
-    """Hits of a classic one-key-at-a-time cache over ``keys`` (any ints) — the flattened
-    trace libCacheSim and textbooks use. Each access is its own group; nothing is pinned."""
-    keys = np.asarray(keys, np.int64)
-    uniq, dense_keys = np.unique(keys, return_inverse=True)
-    n = len(keys)
-    if cache_slots < 1:
-        raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
-    cache_slots = min(cache_slots, max(len(uniq), 1))  # more slots than keys change nothing
-    pol_cls = EVICTION.get(eviction)
-    groups = Groups(step=np.arange(n, dtype=np.int32), layer=np.zeros(n, np.int32),
-                    ptr=np.arange(n + 1, dtype=np.int64), expert=dense_keys.astype(np.int32),
-                    expert_tokens=np.ones(n, np.int32), step_tokens=np.ones(n, np.int64),
-                    num_layers=1, num_experts=max(len(uniq), 1))
-    z = np.zeros(n)
-    pinned = np.zeros(1, bool)
-    cap = np.array([cache_slots], np.int64)
-    pools = np.zeros(1, np.int64)
-    empty = (np.zeros(n + 1, np.int64), np.zeros(0, np.int64))
-    if engine == "fast":
-        if eviction not in K.POLICY_CODES:
-            raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
-        out = _run_fast(groups, z, z, pinned, pools, cap, K.POLICY_CODES[eviction], {}, *empty,
-                        0.0, n)
-    else:
-        out = _run_python(groups, z, z, pinned, pools, cap, pol_cls, {}, *empty, 0.0, n)
-    return int(out[0].sum())
+    return (out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, sim.unused_resident(),
+            out_host)

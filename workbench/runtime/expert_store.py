@@ -35,11 +35,3 @@ class HostExpertStore:
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Views of one expert's weights (no copy)."""
         return {n: t[expert] for n, t in self._layers[layer].items()}
-
-    @property
-    def layers(self) -> list[int]:
-        return sorted(self._layers)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in self._layers.values() for t in d.values())

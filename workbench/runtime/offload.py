@@ -4,18 +4,25 @@ For each MoE block found by the adapter:
 
 - **pinned** layers (the first ``pinned_layers``) keep their fused expert tensors resident; their
   experts module only gets a recording wrapper.
-- **offloaded** layers hand their fused expert tensors to the host store. The experts module's
-  tensors are replaced by the cache's slot pool (``[num_slots, ...]``, shared by every offloaded
-  layer) and its ``num_experts`` by ``num_slots``; each call remaps expert ids to slot ids and
-  runs the model's *own* experts forward on the slots. Ids of experts not in the group being
-  computed become the sentinel ``num_slots``, which transformers' experts code skips (it is the
-  mechanism expert parallelism uses for experts on other ranks).
+- **offloaded** layers hand their fused expert tensors to the host store; the device keeps
+  only the shared slot pool (:class:`~workbench.runtime.slots.SlotPool`). Each computation runs
+  the model's *own* experts forward over the slots it needs, gathered into a compact tensor
+  (:class:`~workbench.runtime.slots.ExpertsView`), so its cost follows the experts the layer
+  routed to, not the size of the cache.
 
-Order of work in an offloaded layer (seed VisMMOE §3.4: a miss blocks only on that expert):
-look up all routed experts → submit transfers for misses into free/evictable slots → compute the
-hits while transfers run → for each miss in submission order wait for it (a *stall*), compute it,
-and let its slot be reused. The output is the sum of the group outputs, which equals the plain
-model's output up to floating-point summation order.
+Every MoE block has **one interception point** (:meth:`Offloader._layer`) that runs the
+features in a declared order: routing (dynamic top-k) → the layer event → router lookahead →
+the step's feature inputs (ActiveEvict hotness, prefetch candidates, hybrid picks) →
+:meth:`workbench.sim.step.Simulator.step`, the torch-free core that decides hits, misses,
+admissions, prefetches, evictions and host runs and prices them on the modeled clock → the
+execution of its schedule on real tensors. Trace replay calls the same core, so live runs and
+replay cannot drift apart.
+
+Order of work in an offloaded layer (seed VisMMOE §3.4: a miss blocks only on that expert), as
+the core schedules it: look up all routed experts → submit transfers for misses into
+free/evictable slots → compute the hits while transfers run → for each miss in submission order
+wait for it (a *stall*), compute it, and let its slot be reused. The output is the sum of the
+group outputs, which equals the plain model's output up to floating-point summation order.
 
 Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evict`):
 
@@ -34,13 +41,14 @@ Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evi
   layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
   slots, and the experts receive the model's own router output for that k.
 - **GPU–CPU hybrid** (``hybrid``, seed VisMMOE §3.4): a miss the rule picks (a function of the
-  expert's token count, :func:`workbench.runtime.clocks.runs_on_host`) is not loaded: the model's
+  expert's token count, :func:`workbench.sim.costs.runs_on_host`) is not loaded: the model's
   own experts forward runs over the host store's copy of that one expert, on the host, after
   the hits were launched (on CUDA the device keeps computing meanwhile); the cache is unchanged.
 
 :class:`Offloader` is a context manager: on exit every wrapper is removed and every expert tensor
 is back in place, whatever happened inside.
 """
+
 
 from __future__ import annotations
 
@@ -53,27 +61,36 @@ import torch
 from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.policies.active_evict import ActiveEvict, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
-from workbench.runtime.expert_cache import ExpertCache
 from workbench.runtime.expert_store import HostExpertStore
+from workbench.runtime.slots import ExpertsView, SlotPool
 from workbench.runtime.transfer import Transfer, TransferEngine
-from workbench.telemetry.events import LANES, LayerEvent, Span
+from workbench.sim.costs import Prices
+from workbench.sim.placement import Placement
+from workbench.sim.profiles import get_profile
+from workbench.sim.step import Access, Outcome, Simulator
+from workbench.telemetry.events import CLOCKS, LANES, LayerEvent, Span
 
 _STALL, _HOST = LANES.index("stall"), LANES.index("host")
+_MODELED = CLOCKS.index("modeled")
 
 
 class StepProbe:
-    """Collects the layer events and measured stall spans of the step in progress."""
+    """What the step in progress produced: its layer events, measured stall/host spans and
+    the modeled clock's spans and totals."""
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0  # run start (perf_counter)
         self.step = -1
+        self.begin(-1)
+
+    def begin(self, step: int, modeled_now: float = 0.0) -> None:
+        self.step = step
         self.layers: list[LayerEvent] = []
         self.stalls: list[Span] = []
-
-    def begin(self, step: int) -> None:
-        self.step = step
-        self.layers = []
-        self.stalls = []
+        self.modeled: list[Span] = []
+        self.modeled_start = modeled_now  # the compute lane when the step began
+        self.stall_modeled_s = 0.0
+        self.moved = 0  # experts copied (modeled: every load and prefetch)
 
 
 class Offloader:
@@ -90,24 +107,30 @@ class Offloader:
         active_evict: an :class:`ActiveEvict` state to pre-evict with (None: off).
         dynamic_topk: budget-aware dynamic top-k in decode steps (``probe.step`` > 0).
         k_max: largest k of dynamic top-k (None: each layer's top-k).
-        prefetch: a prefetch policy object (None: on demand only); asked once per layer, when
-            every miss of the layer has a slot, for ``prefetch_lead`` layers ahead, at most
-            ``prefetch_budget`` experts. A prefetched expert a later layer routes to is a hit
-            whose compute waits for its copy.
+        prefetch: a prefetch policy object (None: on demand only); asked once per layer, for
+            ``prefetch_lead`` layers ahead, at most ``prefetch_budget`` experts; the core runs
+            its picks when every miss of the layer has a slot. A prefetched expert a later
+            layer routes to is a hit whose compute waits for its copy.
         pruning: the request's :class:`~workbench.compression.placement.PrunedPlacement`
             (None: no token compression); the lookahead asks it which tokens survive the
             pinned prefix.
-        hybrid: GPU–CPU hybrid rule, ``tokens -> run this miss on the host?`` (None: off).
+        prices: the modeled clock's prices (None: nothing priced, times 0).
+        hybrid: GPU–CPU hybrid mode: True runs on the host copy the misses
+            :meth:`Prices.on_host` picks; a callable ``tokens -> bool`` is another rule.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
-                 device: torch.device, probe: StepProbe, *, lookahead_depth: int = 0,
-                 active_evict: ActiveEvict | None = None, dynamic_topk: bool = False,
-                 k_max: int | None = None, prefetch=None, prefetch_lead: int = 1,
-                 prefetch_budget: int | None = None, pruning=None,
-                 hybrid: Callable[[int], bool] | None = None) -> None:
+                 device: torch.device, probe: StepProbe, prices: Prices | None = None, *,
+                 lookahead_depth: int = 0, active_evict: ActiveEvict | None = None,
+                 dynamic_topk: bool = False, k_max: int | None = None, prefetch=None,
+                 prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
+                 hybrid: bool | Callable[[int], bool] = False) -> None:
         self.layout = layout
-        self.hybrid = hybrid
+        # no prices given: hit counts only, every modeled time 0
+        self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
+        # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide)
+        self.hybrid: Callable[[int], bool] | None = (
+            self.prices.on_host if hybrid is True else (hybrid or None))
         self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
@@ -119,20 +142,27 @@ class Offloader:
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
         self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
-        self._routing = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
+        self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
         dtype = getattr(first.experts, first.expert_params[0]).dtype
         n_offloaded = sum(b.num_experts for b in self.offloaded)
         self.num_slots = min(num_slots, n_offloaded) if self.offloaded else 0
+        self.sim = Simulator(
+            Placement.single_device(layout.num_layers, layout.num_experts, layout.top_k,
+                                    pinned_layers, max(self.num_slots, 1)),
+            lambda: policy, transfer_s=self.prices.transfer, record_spans=True)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
-        self.cache = ExpertCache(
-            max(self.num_slots, 1), policy, layout.num_layers, layout.num_experts,
-            param_shapes=first.expert_shapes if self.offloaded else None, dtype=dtype,
-            device=self.device)
+        self.slots = SlotPool(self.num_slots, first.expert_shapes if self.offloaded else {},
+                              dtype, self.device)
         self.engine: TransferEngine | None = None
-        self._saved: list[tuple[MoEBlock, dict, dict]] = []
+        self._saved: list[tuple[MoEBlock, dict]] = []
+
+    @property
+    def cache(self):
+        """The expert cache's bookkeeping (one pool on one device)."""
+        return self.sim.pools[0]
 
     # -- install / remove -----------------------------------------------------------------
     def __enter__(self) -> "Offloader":
@@ -150,51 +180,190 @@ class Offloader:
         self._remove()
 
     def _install(self, b: MoEBlock) -> None:
+        """Wrap ``b``'s experts module: its ``forward`` becomes the interception point. An
+        offloaded layer's expert tensors go to the host store; on an accelerator the module's
+        parameters then hold a zero-stride placeholder of the same shape (no memory) until
+        :meth:`_remove` copies them back."""
         ex = b.experts
-        attrs = {"num_experts": getattr(ex, "num_experts", None),
-                 "_is_expert_parallel": getattr(ex, "_is_expert_parallel", None)}
-        params: dict = {}
-        self._saved.append((b, attrs, params))
+        moved: list = []
+        self._saved.append((b, moved))
+        view = ExpertsView(ex, b.expert_params)
         original = ex.forward
-        if b.index < self.pinned_layers:
-            ex.forward = self._pinned_forward(b, original)
-            return
-        for name in b.expert_params:
-            params[name] = ex._parameters[name]
-        self.store.add_layer(b.index, {n: p.data for n, p in params.items()})
-        for name in b.expert_params:
-            del ex._parameters[name]
-            setattr(ex, name, self.cache.pool[name])
-            # the resident copy is no longer needed on the device: only the host store keeps it
-            if params[name].device.type != "cpu":
-                params[name].data = torch.empty(0, dtype=params[name].dtype)
-        ex.num_experts = self.num_slots
-        ex._is_expert_parallel = True  # enables sentinel handling in grouped/batched impls
-        ex.forward = self._offloaded_forward(b, original)
+        if b.index >= self.pinned_layers:
+            params = {n: ex._parameters[n] for n in b.expert_params}
+            self.store.add_layer(b.index, {n: p.data for n, p in params.items()})
+            for name, p in params.items():
+                if p.device.type != "cpu":  # a CPU tensor is the host store's copy itself
+                    p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                    moved.append((name, p))
+
+        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            return self._layer(b, original, view, hidden_states, top_k_index, top_k_weights,
+                               args, kwargs)
+
+        ex.forward = forward
 
     def _remove(self) -> None:
         while self._saved:
-            b, attrs, params = self._saved.pop()
-            ex = b.experts
-            ex.__dict__.pop("forward", None)
-            for name, p in params.items():
-                if name in ex.__dict__:
-                    del ex.__dict__[name]
-                if p.numel() == 0:  # bring the device copy back from the host store
-                    p.data = self.store.layer(b.index)[name].to(self.device)
-                ex._parameters[name] = p
-            for k, v in attrs.items():
-                if v is None:
-                    ex.__dict__.pop(k, None)
-                else:
-                    setattr(ex, k, v)
+            b, moved = self._saved.pop()
+            b.experts.__dict__.pop("forward", None)
+            for name, p in moved:  # bring the device copy back from the host store
+                p.data = self.store.layer(b.index)[name].to(self.device)
         if self.engine is not None:
             self.engine.close()
             self.engine = None
 
-    # -- forwards --------------------------------------------------------------------------
-    def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> tuple[LayerEvent, list[int]]:
+    # -- the interception point ------------------------------------------------------------
+    def _layer(self, b: MoEBlock, original: Callable, view: ExpertsView,
+               hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """One MoE layer call; the features run in this order (each reads what the previous
+        ones produced): dynamic top-k → layer event → lookahead → step inputs (ActiveEvict
+        hotness, prefetch candidates, hybrid picks) → the core's step → its schedule."""
+        pinned = b.index < self.pinned_layers
+        if not pinned and self.dynamic_topk and self.probe.step > 0:
+            top_k_index, top_k_weights = self._budget_topk(
+                b, hidden_states, top_k_index, top_k_weights)
+        ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
+        pred, p_next = self._lookahead(b, hidden_states)
+        if self.lookahead_depth > 0:
+            ev.pred_ids = pred
+        self._note_routing(b.index, ev.topk_ids)
+        if not pinned and self.active_evict is not None:
+            self.active_evict.observe(b.index, ev.topk_ids)
+        p = self.prices
+        tokens = [ev.expert_tokens[e] for e in experts]
+        out = self.sim.step(Access(
+            step=self.probe.step, layer=b.index, experts=experts,
+            compute_s=[p.expert(n) for n in tokens],
+            dense_s=p.dense(int(top_k_index.shape[0])),
+            prefetch=self._prefetch_candidates(b, pred),
+            on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
+            host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
+            pre_evict=self._pre_evict_hook(b, pred, p_next)))
+        self._note_outcome(ev, experts, out)
+        return self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
+                             top_k_weights, args, kwargs)
+
+    def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:
+        """The core's decisions into the layer event, its modeled spans into the probe."""
+        ev.hits = list(experts) if out.pinned else out.hits
+        ev.misses, ev.host = out.misses, out.host
+        ev.evicted.extend(out.evicted)
+        ev.pre_evicted.extend(out.pre_evicted)
+        ev.prefetched.extend(out.prefetched)
+        probe = self.probe
+        probe.stall_modeled_s += out.stall_s
+        probe.moved += out.moved
+        probe.modeled.extend(Span(_MODELED, lane, probe.step, layer, expert, start, end)
+                             for lane, layer, expert, start, end in out.spans)
+
+    # -- execution of the core's schedule ----------------------------------------------------
+    def _execute(self, b: MoEBlock, original: Callable, view: ExpertsView, ev: LayerEvent,
+                 out: Outcome, routed: torch.Tensor, hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
+                 kwargs: dict) -> torch.Tensor:
+        layer = b.index
+        result = None
+        loading: dict[int, Transfer] = {}  # this layer's misses in flight
+        schedule, i = out.schedule, 0
+        while i < len(schedule):
+            action = schedule[i]
+            i += 1
+            kind = action[0]
+            if kind == "load":
+                _, e, slot, victim = action
+                self._pf_inflight.pop(victim, None)
+                loading[e] = self._submit((layer, e), slot)
+            elif kind == "prefetch":
+                _, key, slot, victim = action
+                self._pf_inflight.pop(victim, None)
+                self._pf_inflight[key] = self._submit(key, slot)
+            elif kind == "pre_evict":
+                self._pf_inflight.pop(action[1], None)
+            elif kind == "hits":
+                if out.pinned:
+                    result = original(hidden_states, top_k_index, top_k_weights, *args,
+                                      **kwargs)
+                    continue
+                for e in out.hits:  # a prefetched expert computes once its copy has landed
+                    self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
+                if out.hits:  # every routed expert a hit: no token needs masking
+                    every = routed if len(out.hits) == len(routed) else None
+                    result = self._run_slots(b, view, out.hits, action[1], hidden_states,
+                                             top_k_index, top_k_weights, every)
+            elif kind == "host":
+                t = time.perf_counter()
+                part = self._run_on_host(b, view, action[1], hidden_states, top_k_index,
+                                         top_k_weights)
+                self._span(_HOST, layer, action[1], t)
+                result = part if result is None else result + part
+            elif kind == "miss":
+                e = action[1]
+                tr = loading.pop(e)
+                self._wait(ev, layer, e, tr)
+                batch, slots = [e], [tr.slot]
+                # the next misses whose copies have already landed compute in the same call
+                # (nothing waits for them, so no miss blocks on another's transfer)
+                while i < len(schedule) and schedule[i][0] == "miss" \
+                        and loading[schedule[i][1]].done:
+                    nxt = loading.pop(schedule[i][1])
+                    self._wait(ev, layer, schedule[i][1], nxt)  # collects a copy error
+                    batch.append(schedule[i][1])
+                    slots.append(nxt.slot)
+                    i += 1
+                part = self._run_slots(b, view, batch, slots, hidden_states, top_k_index,
+                                       top_k_weights)
+                result = part if result is None else result + part
+        if result is None:  # no token routed here (empty input)
+            result = torch.zeros_like(hidden_states)
+        return result
+
+    def _submit(self, key: tuple[int, int], slot: int) -> Transfer:
+        assert self.engine is not None
+        return self.engine.submit(key, slot, self.slots.view(slot), self.store.expert(*key))
+
+    def _wait(self, ev: LayerEvent, layer: int, e: int, tr: Transfer | None) -> None:
+        if tr is None:
+            return
+        t = time.perf_counter()
+        waited = tr.wait()
+        if waited > 0:
+            ev.stall_s += waited
+            self._span(_STALL, layer, e, t)
+
+    def _run_slots(self, b: MoEBlock, view: ExpertsView, experts: list[int], slots: list[int],
+                   hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, all_routed: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """``experts``' share of the layer output, over their ``slots`` gathered compactly
+        (``all_routed``: see :meth:`ExpertsView.__call__`)."""
+        return view(self.slots.gather(slots), experts, b.num_experts, hidden_states,
+                    top_k_index, top_k_weights, all_routed=all_routed)
+
+    def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,
+                     hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s share of the layer output, computed by the model's own experts
+        forward on the host over the host store's copy (a one-expert view, no copy of the
+        weights)."""
+        cpu = torch.device("cpu")
+        host = self.store.layer(b.index)
+        out = view({n: host[n][expert:expert + 1] for n in b.expert_params}, [expert],
+                   b.num_experts, hidden_states.to(cpu), top_k_index.to(cpu),
+                   top_k_weights.to(cpu))
+        return out.to(hidden_states.device)
+
+    def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:
+        t_end = time.perf_counter()
+        self.probe.stalls.append(Span(
+            clock=0, lane=lane, step=self.probe.step, layer=layer, expert=expert,
+            start=t_start - self.probe.t0, end=t_end - self.probe.t0))
+
+    # -- features before the step -------------------------------------------------------------
+    def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> tuple[LayerEvent, list[int], torch.Tensor]:
+        """The layer's event and its distinct routed experts (ascending; list and tensor)."""
         ids = top_k_index.detach().to("cpu")
         experts, counts = torch.unique(ids, return_counts=True)
         ev = LayerEvent(layer=b.index, pinned=b.index < self.pinned_layers,
@@ -202,7 +371,7 @@ class Offloader:
                         topk_weights=top_k_weights.detach().float().to("cpu").numpy(),
                         expert_tokens=dict(zip(experts.tolist(), counts.tolist())))
         self.probe.layers.append(ev)
-        return ev, experts.tolist()
+        return ev, experts.tolist(), experts
 
     def _lookahead(self, b: MoEBlock, hidden_states: torch.Tensor
                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -252,19 +421,6 @@ class Offloader:
             pred = np.concatenate([pred, np.full((T, depth - avail, k), -1, np.int16)], 1)
         return pred, (p_next.cpu().double().numpy() if p_next is not None else None)
 
-    def _pre_evict(self, b: MoEBlock, ev: LayerEvent, pred: np.ndarray | None,
-                   p_next: np.ndarray | None, protected: set) -> None:
-        """ActiveEvict before layer l+1 (only when l+1 is an offloaded layer)."""
-        nxt = b.index + 1
-        if self.active_evict is None or pred is None or p_next is None \
-                or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
-            return
-        demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
-        gone = self.active_evict.pre_evict(self.cache, nxt, demand, p_next, protected)
-        ev.pre_evicted.extend(gone)
-        for key in gone:
-            self._pf_inflight.pop(key, None)
-
     def _note_routing(self, layer: int, topk_ids: np.ndarray) -> None:
         r = self._routing
         if r["step"] != self.probe.step:
@@ -272,12 +428,13 @@ class Offloader:
         if self.prefetch is not None:
             r["cur"][layer] = ranked_ids(topk_ids)
 
-    def _prefetch(self, b: MoEBlock, ev: LayerEvent, pred: np.ndarray | None,
-                  protected) -> None:
-        """Ask the prefetch policy after ``b``'s router ran and copy its picks ahead of need
-        (the same context, order and filters as trace replay's ``plan_prefetch``)."""
+
+    def _prefetch_candidates(self, b: MoEBlock, pred: np.ndarray | None) -> list:
+        """The prefetch policy's picks after ``b``'s router ran, as ``(layer, expert)`` (the
+        same context, order and filters as trace replay's ``plan_prefetch``); the core admits
+        them when every miss of the layer has a slot."""
         if self.prefetch is None or self.engine is None:
-            return
+            return []
         lay = self.layout
 
         def pred_at(d: int) -> list[int]:
@@ -294,22 +451,23 @@ class Offloader:
                               previous=lambda l: prev.get(l, []), future=no_future)
         pinned = [blk.index < self.pinned_layers for blk in lay.blocks]
         E = lay.num_experts
-        cache = self.cache
-        for k in select(self.prefetch.candidates(ctx), pinned, lay.num_layers, E,
-                        self.prefetch_budget):
-            key = (k // E, k % E)
-            if key in cache:
-                continue
-            got = cache.admit(key, protected)
-            if got is None:
-                continue
-            slot, evicted = got
-            if evicted is not None:
-                ev.evicted.append(evicted)
-                self._pf_inflight.pop(evicted, None)
-            self._pf_inflight[key] = self.engine.submit(key, slot, cache.slot_view(slot),
-                                                        self.store.expert(*key))
-            ev.prefetched.append(key)
+        return [divmod(k, E) for k in select(self.prefetch.candidates(ctx), pinned,
+                                             lay.num_layers, E, self.prefetch_budget)]
+
+    def _pre_evict_hook(self, b: MoEBlock, pred: np.ndarray | None, p_next: np.ndarray | None):
+        """ActiveEvict before layer l+1, for the core to call once layer l's misses have
+        slots (None when it does not apply: off, no lookahead, or l+1 not offloaded)."""
+        nxt = b.index + 1
+        ae = self.active_evict
+        if ae is None or pred is None or p_next is None \
+                or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
+            return None
+        demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
+
+        def hook(cache, protected: set) -> list:
+            return ae.pre_evict(cache, nxt, demand, p_next, protected)
+
+        return hook
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,8 +480,7 @@ class Offloader:
             # router, including DeepSeek's unsorted top-k)
             order = torch.argsort(w_max.float(), dim=-1, descending=True, stable=True)
             ranked = torch.gather(ids_max, -1, order).cpu().numpy()
-        avail = cache.num_slots - len(cache.slot_of)
-        k = budget_topk(ranked, lambda e: (layer, e) in cache.slot_of, avail)
+        k = budget_topk(ranked, lambda e: (layer, e) in cache, cache.free_slots())
         if k == top_k_index.shape[-1]:
             return top_k_index, top_k_weights
         if k == kmax:
@@ -331,146 +488,3 @@ class Offloader:
         with torch.no_grad():
             _, w, ids = b.route(hidden_states, top_k=k)
         return ids, w
-
-    def _pinned_forward(self, b: MoEBlock, original: Callable) -> Callable:
-        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            ev, experts = self._layer_event(b, top_k_index, top_k_weights)
-            ev.hits = experts
-            self.cache.hits[b.index] += len(experts)
-            pred, p_next = self._lookahead(b, hidden_states)
-            if self.lookahead_depth > 0:
-                ev.pred_ids = pred
-            self._note_routing(b.index, ev.topk_ids)
-            self._pre_evict(b, ev, pred, p_next, set())
-            self._prefetch(b, ev, pred, frozenset())
-            return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-
-        return forward
-
-    def _offloaded_forward(self, b: MoEBlock, original: Callable) -> Callable:
-        layer = b.index
-        cache = self.cache
-        sentinel = self.num_slots
-
-        def run_group(hidden_states, top_k_index, top_k_weights, slot_map: dict[int, int]):
-            """Run the model's experts forward on the experts in ``slot_map`` only."""
-            lut = torch.full((b.num_experts,), sentinel, dtype=top_k_index.dtype,
-                             device=top_k_index.device)
-            for e, s in slot_map.items():
-                lut[e] = s
-            idx = lut[top_k_index]
-            w = top_k_weights.masked_fill(idx == sentinel, 0)
-            return original(hidden_states, idx, w)
-
-        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            if self.dynamic_topk and self.probe.step > 0:
-                top_k_index, top_k_weights = self._budget_topk(
-                    b, hidden_states, top_k_index, top_k_weights)
-            ev, experts = self._layer_event(b, top_k_index, top_k_weights)
-            pred, p_next = self._lookahead(b, hidden_states)
-            if self.lookahead_depth > 0:
-                ev.pred_ids = pred
-            self._note_routing(layer, ev.topk_ids)
-            ae = self.active_evict
-            if ae is not None:
-                ae.observe(layer, ev.topk_ids)
-            cache.policy.begin_group(-1, self.probe.step)
-            hits, misses = cache.lookup(layer, experts)
-            ev.hits, ev.misses = hits, misses
-            if self.hybrid is not None:
-                ev.host = [e for e in misses if self.hybrid(ev.expert_tokens[e])]
-            host = set(ev.host)
-            fill = cache.fill(layer, experts, [e for e in misses if e not in host])
-            inflight: list[tuple[int, Transfer]] = []
-            # every routed expert of this layer is needed until the layer returns
-            needed = {(layer, e) for e in experts} if ae is not None else set()
-            pre_done = ae is None and self.prefetch is None
-
-            def issue() -> None:
-                nonlocal pre_done
-                for e, slot, evicted in fill.issue():
-                    if evicted is not None:
-                        ev.evicted.append(evicted)
-                        self._pf_inflight.pop(evicted, None)
-                    assert self.engine is not None
-                    tr = self.engine.submit((layer, e), slot, cache.slot_view(slot),
-                                            self.store.expert(layer, e))
-                    inflight.append((e, tr))
-                if not pre_done and not fill.pending:
-                    # all of this layer's misses have a slot: release slots for layer l+1
-                    # while this layer still computes
-                    pre_done = True
-                    self._pre_evict(b, ev, pred, p_next, needed)
-                    self._prefetch(b, ev, pred, fill.protected)
-
-            issue()
-            out = None
-            for e in hits:  # a prefetched expert computes once its copy has landed
-                tr = self._pf_inflight.pop((layer, e), None)
-                if tr is not None:
-                    t = time.perf_counter()
-                    waited = tr.wait()
-                    if waited > 0:
-                        ev.stall_s += waited
-                        self._span(_STALL, layer, e, t)
-            if hits:
-                out = run_group(hidden_states, top_k_index, top_k_weights,
-                                {e: cache.slot_of[(layer, e)] for e in hits})
-                fill.done(hits)
-                issue()
-            for e in ev.host:
-                t = time.perf_counter()
-                part = self._run_on_host(b, original, hidden_states, top_k_index,
-                                         top_k_weights, e)
-                self._span(_HOST, layer, e, t)
-                out = part if out is None else out + part
-            while inflight:
-                e, tr = inflight.pop(0)
-                t = time.perf_counter()
-                waited = tr.wait()
-                if waited > 0:
-                    ev.stall_s += waited
-                    self._span(_STALL, layer, e, t)
-                part = run_group(hidden_states, top_k_index, top_k_weights, {e: tr.slot})
-                out = part if out is None else out + part
-                fill.done((e,))
-                issue()
-            if fill.pending:  # cannot happen with num_slots ≥ 1: every wait frees a slot
-                raise RuntimeError(f"layer {layer}: {len(fill.pending)} experts found no slot")
-            if out is None:  # no token routed here (empty input)
-                out = torch.zeros_like(hidden_states)
-            return out
-
-        return forward
-
-    def _run_on_host(self, b: MoEBlock, original: Callable, hidden_states: torch.Tensor,
-                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                     expert: int) -> torch.Tensor:
-        """Expert ``expert``'s share of the layer output, computed by the model's own experts
-        forward on the host over the host store's copy (a one-expert view, no copy of the
-        weights); the slot pool is put back afterwards, whatever happens."""
-        ex = b.experts
-        host = self.store.layer(b.index)
-        saved = {n: ex.__dict__[n] for n in b.expert_params}
-        saved_n = ex.num_experts
-        cpu = torch.device("cpu")
-        idx = top_k_index.to(cpu)
-        lut = torch.ones(b.num_experts, dtype=idx.dtype)  # 1 = the sentinel of a 1-expert view
-        lut[expert] = 0
-        idx = lut[idx]
-        w = top_k_weights.to(cpu).masked_fill(idx == 1, 0)
-        try:
-            for n in b.expert_params:
-                ex.__dict__[n] = host[n][expert:expert + 1]
-            ex.num_experts = 1
-            out = original(hidden_states.to(cpu), idx, w)
-        finally:
-            ex.__dict__.update(saved)
-            ex.num_experts = saved_n
-        return out.to(hidden_states.device)
-
-    def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:
-        t_end = time.perf_counter()
-        self.probe.stalls.append(Span(
-            clock=0, lane=lane, step=self.probe.step, layer=layer, expert=expert,
-            start=t_start - self.probe.t0, end=t_end - self.probe.t0))

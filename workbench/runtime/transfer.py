@@ -1,11 +1,22 @@
 """Transfer engine: asynchronous host → device copies of experts into cache slots.
 
-On CUDA a dedicated copy stream does the work and an event marks each transfer's end, so compute
-on the default stream only waits for the expert it needs. On CPU a single background worker thread
-plays the copy engine (FIFO, one transfer at a time, like one DMA lane). Either way ``submit``
-returns at once with a :class:`Transfer` whose ``wait`` blocks only on that expert.
+On CUDA a dedicated copy stream does the work, so compute on the default stream only waits for
+the expert it needs. On CPU a single background worker thread plays the copy engine (FIFO, one
+transfer at a time, like one DMA lane). Either way ``submit`` returns at once with a
+:class:`Transfer` whose ``wait`` blocks only on that expert.
 
-Measured times are ``time.perf_counter()`` seconds.
+Measured times (``Transfer.start``/``end``) are ``time.perf_counter()`` seconds:
+
+- on CPU the worker reads ``perf_counter`` around the copy;
+- on CUDA the copy is bracketed by two timing events recorded on the copy stream, so the span is
+  what the GPU's copy engine did, not when the host happened to look. GPU event times are placed
+  on the host timeline through an *anchor*: an event recorded on a stream that never has work
+  (so it completes at once) and the host time at which that happened. A span is clamped so it
+  never starts before its ``submit`` and never ends before it starts.
+
+``drain`` hands over each transfer exactly once, when its copy has completed — whether or not
+anyone waited on it (a prefetch may land long after the step that issued it); transfers still
+in flight stay for a later drain.
 """
 
 from __future__ import annotations
@@ -18,10 +29,15 @@ from typing import Hashable
 
 import torch
 
+#: on CUDA, re-anchor the GPU clock on the host clock when the anchor is older than this (s) and
+#: no copy is in flight, so that the drift between the two clocks stays negligible
+_REANCHOR_S = 2.0
+
 
 @dataclass
 class Transfer:
-    """One expert copy in flight. ``start``/``end`` are measured worker times (perf_counter s)."""
+    """One expert copy. ``start``/``end`` are measured copy times (perf_counter s), set when the
+    copy has completed and :meth:`TransferEngine.drain` handed it over (0 before)."""
 
     key: Hashable
     slot: int
@@ -31,25 +47,27 @@ class Transfer:
     end: float = 0.0
     error: BaseException | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cuda_event: object = field(default=None, repr=False)
+    _start_ev: object = field(default=None, repr=False)  # CUDA timing events on the copy stream
+    _end_ev: object = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
-        if self._cuda_event is not None:
-            return self._cuda_event.query()  # type: ignore[attr-defined]
+        """The copy has landed (never blocks)."""
+        if self._end_ev is not None:
+            return bool(self._end_ev.query())  # type: ignore[attr-defined]
         return self._done.is_set()
 
     def wait(self) -> float:
         """Block until the copy has landed; returns the seconds spent waiting (the stall)."""
         t0 = time.perf_counter()
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()  # type: ignore[attr-defined]
-            self.end = self.end or time.perf_counter()
+        if self._end_ev is not None:
+            self._end_ev.synchronize()  # type: ignore[attr-defined]
         else:
             self._done.wait()
+        waited = time.perf_counter() - t0
         if self.error is not None:
             raise self.error
-        return time.perf_counter() - t0
+        return waited
 
 
 class TransferEngine:
@@ -57,44 +75,52 @@ class TransferEngine:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.bytes_moved = 0
-        self.completed: list[Transfer] = []  # drained by the runtime after each step
         self._lock = threading.Lock()
+        # CPU: transfers the worker finished, not yet drained. CUDA: transfers submitted, not
+        # yet drained (complete or not: drain looks at their end events).
+        self._completed: list[Transfer] = []
+        self._pending: list[Transfer] = []
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._stream = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
-            self._queue = None
-            self._worker = None
+            # never given work: an event recorded on it completes at once (a clock reading)
+            self._clock_stream = torch.cuda.Stream(device=self.device)
+            self._anchor_ev, self._anchor_host = self._anchor()
         else:
-            self._stream = None
-            self._queue: queue.Queue | None = queue.Queue()
-            self._worker = threading.Thread(target=self._run, name="workbench-transfer", daemon=True)
+            self._queue = queue.Queue()
+            self._worker = threading.Thread(target=self._run, name="workbench-transfer",
+                                            daemon=True)
             self._worker.start()
 
+    # -- submit ----------------------------------------------------------------------------
     def submit(self, key: Hashable, slot: int, dst: dict[str, torch.Tensor],
                src: dict[str, torch.Tensor]) -> Transfer:
         nbytes = sum(t.numel() * t.element_size() for t in src.values())
         tr = Transfer(key=key, slot=slot, nbytes=nbytes, submitted=time.perf_counter())
         if self._stream is not None:
-            # the slot may still be read by kernels queued on the compute stream: order after them
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                tr.start = time.perf_counter()
+            stream = self._stream
+            compute = torch.cuda.current_stream(self.device)  # before switching streams
+            start_ev = torch.cuda.Event(enable_timing=True)
+            end_ev = torch.cuda.Event(enable_timing=True)
+            # under the lock: the clock is never re-anchored between these events and the append
+            with self._lock, torch.cuda.stream(stream):
+                # the slot may still be read by kernels queued on the compute stream: order the
+                # copy after them (the start event fires once they are done)
+                stream.wait_stream(compute)
+                start_ev.record(stream)
                 for name, s in src.items():
                     dst[name].copy_(s, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            tr._cuda_event = ev
-            self._finish(tr)
+                end_ev.record(stream)
+                tr._start_ev, tr._end_ev = start_ev, end_ev
+                self._pending.append(tr)
         else:
             assert self._queue is not None
             self._queue.put((tr, dst, src))
         return tr
 
-    def _finish(self, tr: Transfer) -> None:
-        with self._lock:
-            self.bytes_moved += tr.nbytes
-            self.completed.append(tr)
-
+    # -- CPU worker ------------------------------------------------------------------------
     def _run(self) -> None:
         assert self._queue is not None
         while True:
@@ -110,25 +136,52 @@ class TransferEngine:
             except BaseException as e:  # surfaced to the waiting compute thread
                 tr.error = e
             tr.end = time.perf_counter()
-            self._finish(tr)
+            with self._lock:
+                self._completed.append(tr)
             tr._done.set()
 
-    def drain(self) -> list[Transfer]:
-        """Completed transfers since the last drain."""
-        with self._lock:
-            out, self.completed = self.completed, []
-        return out
+    # -- CUDA clock ------------------------------------------------------------------------
+    def _anchor(self) -> tuple[object, float]:
+        """An event on the idle clock stream and the host time (perf_counter s) it fired at:
+        the midpoint of record → completion, off by at most half that round trip."""
+        ev = torch.cuda.Event(enable_timing=True)
+        t_before = time.perf_counter()
+        ev.record(self._clock_stream)
+        ev.synchronize()
+        t_after = time.perf_counter()
+        return ev, 0.5 * (t_before + t_after)
 
-    def synchronize(self) -> None:
-        """Wait for every submitted transfer."""
-        if self._stream is not None:
-            self._stream.synchronize()
-        elif self._queue is not None:
-            ev = threading.Event()
-            self._queue.put((Transfer(key=None, slot=-1, nbytes=0, submitted=0.0, _done=ev), {}, {}))
-            ev.wait()
-            with self._lock:  # the sentinel is not a real transfer
-                self.completed = [t for t in self.completed if t.key is not None]
+    def _place(self, tr: Transfer, now: float) -> None:
+        """Put a completed CUDA transfer's event times on the host timeline: ``submitted ≤
+        start ≤ end ≤ now`` (it cannot start before it was asked for, nor end after the host
+        saw it complete; the clamps only absorb the anchor's error)."""
+        anchor = self._anchor_ev
+        start = self._anchor_host + anchor.elapsed_time(tr._start_ev) / 1e3  # type: ignore
+        end = self._anchor_host + anchor.elapsed_time(tr._end_ev) / 1e3  # type: ignore
+        tr.start = min(max(start, tr.submitted), now)
+        tr.end = min(max(end, tr.start), now)
+
+    # -- drain / close ---------------------------------------------------------------------
+    def drain(self) -> list[Transfer]:
+        """Transfers whose copy has completed since the last drain, each handed over once (in
+        submission order); the others stay for a later drain."""
+        if self._stream is None:
+            with self._lock:
+                out, self._completed = self._completed, []
+            return out
+        with self._lock:
+            out, keep = [], []
+            for t in self._pending:  # one query per transfer: none can fall between the lists
+                (out if t.done else keep).append(t)
+            self._pending = keep
+            now = time.perf_counter()  # every copy in ``out`` had completed by now
+            for tr in out:
+                self._place(tr, now)
+            # a fresh anchor only while nothing is in flight, so every event timed against it
+            # comes after it (elapsed times stay non-negative)
+            if not keep and time.perf_counter() - self._anchor_host > _REANCHOR_S:
+                self._anchor_ev, self._anchor_host = self._anchor()
+        return out
 
     def close(self) -> None:
         if self._queue is not None and self._worker is not None:

@@ -27,7 +27,11 @@ class LayerEvent:
 
     ``topk_ids``/``topk_weights`` are ``[T, k]`` for the T tokens of the step (rank order as the
     router returned them; k is the k the layer really used, see ``dynamic_topk``).
-    ``hits``/``misses`` are expert ids (each counted once per layer-step). ``expert_tokens`` maps
+    ``hits``/``misses`` are expert ids (each counted once per layer-step) of the expert-cache
+    lookups of an offloaded layer. A ``pinned`` layer makes no lookup: the recorder books its
+    distinct routed experts (from ``topk_ids``) as the store's ``pinned_accesses`` and ignores
+    its ``hits``/``misses`` (the runtime lists every routed expert in ``hits``, as the modeled
+    clock expects). ``expert_tokens`` maps
     expert → routed-token count. ``evicted`` are keys evicted on demand to admit this layer's
     misses; ``pre_evicted`` are keys ActiveEvict evicted ahead of demand while this layer ran
     (both are booked on the evicted expert's layer); ``prefetched`` are keys the prefetch

@@ -13,7 +13,11 @@ filled its disk, or been tampered with. The reader therefore
   instead of reading it as zeros;
 - wraps every lazy read so that a garbage or truncated chunk raises
   :class:`~workbench.errors.StoreError` naming the store, the array and the rows, not a codec's
-  traceback.
+  traceback;
+- presents every older schema in the current names and meaning (:func:`_upgrade`): schema ≤ 3
+  named the predictor's order dim ``rank`` (now ``pred_order``) and booked a pinned layer's
+  accesses as ``hits`` (now ``pinned_accesses``; ``hits`` are cache lookups only). The Dataset's
+  attr ``schema_version`` stays the version of the files.
 
 Every refusal is a :class:`~workbench.errors.StoreError` (a WorkbenchError: the CLI prints one
 line and exits 2) whose message names the store and what is wrong.
@@ -38,7 +42,8 @@ from xarray.core import indexing
 from workbench.errors import StoreError
 from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
-from workbench.telemetry.schema import GROWING, SCHEMA, SCHEMA_VERSION, Var
+from workbench.telemetry.schema import (GROWING, INDEX_DIMS, LEGACY_PRED_ORDER, PRED_ORDER,
+                                        SCHEMA, SCHEMA_VERSION, Var, disk_dim, disk_schema)
 
 #: variables of the first schema: every workbench store has them
 CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_modeled_s",
@@ -47,9 +52,6 @@ CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_m
         "routed_tokens", "resident", "token_id", "token_step", "token_modality", "topk_ids",
         "topk_weights", "span_clock", "span_lane", "span_step", "span_layer", "span_expert",
         "span_start_s", "span_end_s")
-#: dimensions with a coordinate array of their own: the writer always writes the same values
-#: (an index; ``depth`` counts from 1; ``modality`` the names), so they are rebuilt, not read
-INDEXES = ("layer", "expert", "k", "depth", "rank", "modality")
 #: the one array that does not grow: which layers are in the pinned prefix
 PINNED = Var(("layer",), "bool", 0, "flag", "layer belongs to the pinned prefix")
 #: one chunk may hold at most this many bytes (a tampered chunk shape cannot allocate more)
@@ -274,8 +276,8 @@ def _check_codecs(path: Path, name: str, meta: dict, version: int) -> None:
 
 def _check_array(path: Path, name: str, meta: dict, sizes: dict[str, int],
                  committed: dict[str, int], version: int) -> None:
-    """The array's metadata agrees with the schema and the store's layout."""
-    v = SCHEMA.get(name) or PINNED
+    """The array's metadata agrees with the schema of the store's version and its layout."""
+    v = disk_schema(version).get(name) or PINNED
     dims = meta.get("dimension_names")
     shape = meta.get("shape")
     if meta.get("node_type") != "array" or not isinstance(shape, list) \
@@ -359,11 +361,12 @@ def open_run(path: str | Path) -> xr.Dataset:
     version = schema_version(path, attrs)
     committed = committed_extent(path, attrs)
     status = run_status(path, attrs)
+    schema = disk_schema(version)
     listed = attrs.get("arrays")
     if version >= 3:
         if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
             raise _fail(path, f"attribute 'arrays' is {listed!r}; expected the list of arrays")
-        required = [a for a in listed if a in SCHEMA or a == "pinned"]
+        required = [a for a in listed if a in schema or a == "pinned"]
     else:
         required = [*CORE, "pinned"]
     try:
@@ -378,13 +381,13 @@ def open_run(path: str | Path) -> xr.Dataset:
     if missing:
         raise _fail(path, f"array {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    names = [n for n in (*SCHEMA, "pinned") if n in present]
+    names = [n for n in (*schema, "pinned") if n in present]
     metas = {n: _read_doc(path, f"{n}/zarr.json") for n in names}
     sizes: dict[str, int] = {}
     for n in names:
         _check_array(path, n, metas[n], sizes, committed, version)
     coords: dict[str, Any] = {}
-    for d in INDEXES:
+    for d in (disk_dim(i, version) for i in INDEX_DIMS):
         if d in present:
             meta = _read_doc(path, f"{d}/zarr.json")
             shape = meta.get("shape")
@@ -400,18 +403,71 @@ def open_run(path: str | Path) -> xr.Dataset:
     pinned_meta = metas.get("pinned")
     if pinned_meta is not None and pinned_meta.get("dimension_names") != ["layer"]:
         raise _fail(path, "array 'pinned' is not indexed by layer")
-    data_vars = {}
+    data_vars, arrays = {}, {}
     for n in names:
         meta = metas[n]
-        grow = SCHEMA[n].dims[0] if n in SCHEMA else None
+        grow = schema[n].dims[0] if n in schema else None
         rows = committed[grow] if grow else meta["shape"][0]
         if grow and version >= 3:
             _check_chunks(path, n, meta, rows)
         dims = tuple(meta["dimension_names"])
-        data = indexing.LazilyIndexedArray(_StoreArray(path, n, meta, rows, version))
+        arrays[n] = _StoreArray(path, n, meta, rows, version)
         var_attrs = meta.get("attributes") if isinstance(meta.get("attributes"), dict) else {}
-        data_vars[n] = xr.Variable(dims, data, attrs=var_attrs)
+        data_vars[n] = xr.Variable(dims, indexing.LazilyIndexedArray(arrays[n]),
+                                   attrs=var_attrs)
+    if version < 4:
+        _upgrade(data_vars, arrays, coords)
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
     ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
     return ds
+
+
+class _LayerCounts(BackendArray):
+    """A ``[step, layer]`` count array read through ``base``, with the layers where ``keep``
+    is False read as 0 (lazy like every array of a store; BASIC indexing)."""
+
+    def __init__(self, base: _StoreArray, keep: np.ndarray) -> None:
+        self.base, self.keep = base, np.asarray(keep, bool)
+        self.shape, self.dtype = base.shape, base.dtype
+
+    def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
+        return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.BASIC,
+                                                  self._read)
+
+    def _read(self, key: tuple) -> np.ndarray:
+        key = (*key, *(slice(None),) * (2 - len(key)))
+        # the layer axis is the last one left, or gone when key[1] is an int: both broadcast
+        return np.where(self.keep[key[1]], self.base._read(key), 0).astype(self.dtype)
+
+
+def _upgrade(data_vars: dict[str, xr.Variable], arrays: dict[str, _StoreArray],
+             coords: dict[str, Any]) -> None:
+    """Present a schema ≤ 3 store as schema 4 (in place), reading only its ``pinned`` array.
+
+    - The dim ``rank`` of ``predicted_ids``/``predicted_scores`` and its coordinate become
+      ``pred_order``.
+    - Schema ≤ 3 booked every routed expert of a pinned layer as a hit. Here ``hits`` keeps
+      the offloaded layers (the expert-cache lookups; pinned layers read 0) and the new
+      ``pinned_accesses`` the pinned layers (offloaded layers read 0): ``hits +
+      pinned_accesses`` is the stored ``hits``. The pinned layers are those of the store's
+      ``pinned`` array (none without one). ``misses`` stays: schema ≤ 3 booked no miss on a
+      pinned layer.
+    """
+    for n, var in data_vars.items():
+        if LEGACY_PRED_ORDER in var.dims:
+            data_vars[n] = xr.Variable(
+                tuple(PRED_ORDER if d == LEGACY_PRED_ORDER else d for d in var.dims),
+                indexing.LazilyIndexedArray(arrays[n]), attrs=var.attrs)
+    if LEGACY_PRED_ORDER in coords:
+        coords[PRED_ORDER] = coords.pop(LEGACY_PRED_ORDER)
+    if "hits" not in arrays:
+        return
+    hits = arrays["hits"]
+    pinned = np.zeros(hits.shape[1], bool)
+    if "pinned" in arrays:
+        pinned = np.asarray(arrays["pinned"][indexing.BasicIndexer((slice(None),))], bool)
+    for name, keep in (("hits", ~pinned), ("pinned_accesses", pinned)):
+        v = SCHEMA[name]
+        data_vars[name] = xr.Variable(v.dims, indexing.LazilyIndexedArray(
+            _LayerCounts(hits, keep)), attrs={"units": v.units, "description": v.doc})

@@ -1,18 +1,31 @@
 """The run store's schema: every variable, its dims, dtype, chunking, units and doc, declared once.
 
 The recorder (:mod:`workbench.telemetry.store`) writes exactly these, the reader
-(:mod:`workbench.telemetry.reader`) checks a store against them, and the docs table is generated
-from them.
+(:mod:`workbench.telemetry.reader`) checks a store against them (an older store against
+:func:`disk_schema` of its version, then presents it in the current names and meaning), and the
+docs table is generated from them.
+
+Invariants of the cache counters (per step and layer): on an offloaded layer ``hits + misses``
+is the number of distinct routed experts and ``pinned_accesses`` is 0; on a pinned layer
+``pinned_accesses`` is that number and ``hits`` = ``misses`` = 0. So ``hits.sum()`` is the run's
+cache hits (``RunResult.hits``) and ``(hits + misses + pinned_accesses).sum()`` every access.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: 2: chunk keys "c.0.0" (readers need nothing new: zarr reads both). 3: every chunk inside the
 #: committed extent has a file (a missing one is corruption, never zeros) and the root attrs
-#: list the store's ``arrays``
-SCHEMA_VERSION = 3
+#: list the store's ``arrays``. 4: the predictor's order dim is ``pred_order`` (was ``rank``);
+#: ``hits``/``misses`` count expert-cache lookups only (offloaded layers) and the accesses the
+#: pinned prefix served are ``pinned_accesses`` (schema ≤ 3 booked them as ``hits``).
+#: :func:`workbench.open_run` presents every older store in the current names and meaning.
+SCHEMA_VERSION = 4
+#: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
+PRED_ORDER = "pred_order"
+#: what schema ≤ 3 named :data:`PRED_ORDER` on disk
+LEGACY_PRED_ORDER = "rank"
 GROWING = ("step", "token", "span")
 INITIAL_CAPACITY = {"step": 1024, "token": 16384, "span": 16384}
 
@@ -49,8 +62,13 @@ SCHEMA: dict[str, Var] = {
                            "token chosen after the step (-1: none)"),
     # -- per step × layer ----------------------------------------------------------------------
     "hits": Var(("step", "layer"), "int32", 256, "experts",
-                "routed experts already resident (pinned layers: all)"),
-    "misses": Var(("step", "layer"), "int32", 256, "experts", "routed experts not resident"),
+                "expert-cache lookups that found the routed expert resident (offloaded layers "
+                "only; 0 on pinned layers, see pinned_accesses)"),
+    "misses": Var(("step", "layer"), "int32", 256, "experts",
+                  "expert-cache lookups that did not (offloaded layers only; 0 on pinned layers)"),
+    "pinned_accesses": Var(("step", "layer"), "int32", 256, "experts",
+                           "routed experts served by the pinned (always resident) prefix, no "
+                           "cache lookup (pinned layers only; 0 on offloaded layers)"),
     "loads": Var(("step", "layer"), "int32", 256, "experts", "experts copied into a cache slot"),
     "evictions": Var(("step", "layer"), "int32", 256, "experts",
                      "experts of this layer evicted during the step"),
@@ -68,11 +86,11 @@ SCHEMA: dict[str, Var] = {
     "topk_used": Var(("step", "layer"), "int16", 256, "experts",
                      "experts per token the layer computed: top-k, or the k chosen by "
                      "dynamic_topk (0: layer did not run)"),
-    "predicted_ids": Var(("step", "layer", "rank"), "int16", 256, "expert id",
+    "predicted_ids": Var(("step", "layer", PRED_ORDER), "int16", 256, "expert id",
                          "lookahead predictor (predictor/prefetch = vismmoe): the top-B experts "
                          "of y_layer, best first (-1: predictor off or did not run for the "
-                         "layer; rank has size 1 when off)"),
-    "predicted_scores": Var(("step", "layer", "rank"), "float32", 256, "score",
+                         "layer; pred_order has size 1 when off)"),
+    "predicted_scores": Var(("step", "layer", PRED_ORDER), "float32", 256, "score",
                             "σ(y_layer) of predicted_ids (0 where the id is -1); the vismmoe "
                             "prefetch orders its candidates by decay^(d−1)·score"),
     # -- per step × layer × expert -------------------------------------------------------------
@@ -107,6 +125,29 @@ SCHEMA: dict[str, Var] = {
 }
 
 
+#: variables each schema version added (absent from the files of older stores)
+ADDED_IN = {"pinned_accesses": 4}
+#: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
+#: ``modality`` the names), current names
+INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")
+
+
+def disk_dim(dim: str, version: int) -> str:
+    """The name a store of schema ``version`` gives on disk to the current dim ``dim``."""
+    return LEGACY_PRED_ORDER if dim == PRED_ORDER and version < 4 else dim
+
+
+def disk_schema(version: int) -> dict[str, Var]:
+    """The variables as a store of schema ``version`` (1 … :data:`SCHEMA_VERSION`) holds them
+    in its files: dims under their on-disk names, variables added later left out. The reader
+    checks a store against this, then presents it as :data:`SCHEMA`."""
+    if version >= SCHEMA_VERSION:
+        return SCHEMA
+    return {name: replace(v, dims=tuple(disk_dim(d, version) for d in v.dims))
+            for name, v in SCHEMA.items() if ADDED_IN.get(name, 0) <= version}
+
+
 #: every entry of a run store's root folder but the root document and the writer's own hidden
-#: files (the marker that lets ``--overwrite`` delete a folder: nothing else may be in it)
-STORE_ENTRIES = (*SCHEMA, "pinned", "layer", "expert", "k", "depth", "rank", "modality")
+#: files (the marker that lets ``--overwrite`` delete a folder: nothing else may be in it); the
+#: names of every schema version, so that a new run may replace an old store
+STORE_ENTRIES = (*SCHEMA, "pinned", *INDEX_DIMS, LEGACY_PRED_ORDER)

@@ -28,8 +28,8 @@ from workbench.telemetry import zarr_files
 from workbench.telemetry.destination import (Destination, check_destination, io_step,
                                              writable_error)
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
-from workbench.telemetry.schema import (GROWING, INITIAL_CAPACITY, SCHEMA, SCHEMA_VERSION,
-                                        STORE_ENTRIES, Var)
+from workbench.telemetry.schema import (GROWING, INITIAL_CAPACITY, PRED_ORDER, SCHEMA,
+                                        SCHEMA_VERSION, STORE_ENTRIES)
 
 #: bytes kept free inside a running store, given back just before its last metadata write, so
 #: that a store whose disk filled up can still be marked ``failed``
@@ -51,6 +51,14 @@ class Recorder:
     :class:`~workbench.telemetry.destination.Destination`) and writes files directly
     (:mod:`workbench.telemetry.zarr_files`); everything reads it with zarr/xarray.
 
+    Cache counters: a pinned :class:`~workbench.telemetry.events.LayerEvent` (``pinned``
+    True) is booked as ``pinned_accesses`` (its distinct routed experts), never as ``hits`` or
+    ``misses``, which count expert-cache lookups of offloaded layers only — so the store's
+    ``hits.sum()`` is the run's ``RunResult.hits``.
+
+    ``depth``: size of the router-lookahead dim (``lookahead_depth``, 1 when off);
+    ``pred_order``: size of the predictor's order dim (its top-B, 1 when it is off).
+
     Durability: a new store appears at ``path`` with its whole layout at once and is then
     appended to in place (readers may follow the run); with ``overwrite`` the new run is written
     aside and exchanged with the old store only when it has finished — a failed run leaves the
@@ -65,12 +73,13 @@ class Recorder:
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
                  flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1,
-                 rank: int = 1, capacity: dict[str, int] | None = None) -> None:
+                 pred_order: int = 1, capacity: dict[str, int] | None = None) -> None:
+        R = pred_order
         self.dest = Destination(path, overwrite, STORE_ENTRIES)  # checks, locks, stages
         self.path = self.dest.path
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
-        self.R = max(int(rank), 1)  # size of the predictor's rank dim (1 when it is off)
+        self.R = max(int(R), 1)  # size of the predictor's pred_order dim (1 when it is off)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
@@ -281,12 +290,12 @@ class Recorder:
 def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
                   capacity: dict[str, int] | None = None) -> dict[str, bytes]:
     """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D,
-    predictor rank R) layout: every array's metadata at its initial capacity plus the constant
+    predictor top-B R) layout: every array's metadata at its initial capacity plus the constant
     coordinates."""
 
     def build(group: zarr.Group) -> None:
         sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D,
-                 "rank": R}
+                 PRED_ORDER: R}
         specs = {name: dict(shape=(cap[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
@@ -298,7 +307,7 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
         index = {"layer": np.arange(L, dtype=np.int32), "expert": np.arange(E, dtype=np.int32),
                  "k": np.arange(k, dtype=np.int32),
                  "depth": np.arange(1, D + 1, dtype=np.int32),  # layers ahead
-                 "rank": np.arange(R, dtype=np.int32),
+                 PRED_ORDER: np.arange(R, dtype=np.int32),
                  "modality": np.array(MODALITIES)}
         for name, values in index.items():
             specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
@@ -317,7 +326,11 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
 
 def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1
              ) -> dict[str, np.ndarray]:
-    """Turn a batch of step events into one array per schema variable."""
+    """Turn a batch of step events into one array per schema variable.
+
+    A pinned layer's event adds its distinct routed experts (``topk_ids`` ≥ 0) to
+    ``pinned_accesses`` and nothing to ``hits``/``misses``/``loads``: no cache lookup happened,
+    whatever the event's ``hits`` list holds (the runtime fills it with those experts)."""
     n = len(events)
     out: dict[str, np.ndarray] = {}
     out["phase"] = np.array([e.phase for e in events], np.int8)
@@ -328,8 +341,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     out["transfer_bytes"] = np.array([e.transfer_bytes for e in events], np.int64)
     out["transfer_bytes_modeled"] = np.array([e.transfer_bytes_modeled for e in events], np.int64)
     out["generated_token"] = np.array([e.generated_token for e in events], np.int64)
-    hits, misses, loads, evictions, pre_ev, pf, host = (np.zeros((n, L), np.int32)
-                                                        for _ in range(7))
+    hits, misses, pinned_acc, loads, evictions, pre_ev, pf, host = (np.zeros((n, L), np.int32)
+                                                                    for _ in range(8))
     topk_used = np.zeros((n, L), np.int16)
     p_ids = np.full((n, L, R), -1, np.int16)
     p_scores = np.zeros((n, L, R), np.float32)
@@ -344,10 +357,14 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         pred = np.full((T, L, D, k), -1, np.int16)
         for le in e.layers:
             l = le.layer
-            hits[i, l] += len(le.hits)
-            misses[i, l] += len(le.misses)
-            loads[i, l] += len(le.misses) - len(le.host)
-            host[i, l] += len(le.host)
+            if le.pinned:  # served by the resident prefix: no lookup, no hit
+                layer_ids = np.asarray(le.topk_ids)
+                pinned_acc[i, l] += np.unique(layer_ids[layer_ids >= 0]).size
+            else:
+                hits[i, l] += len(le.hits)
+                misses[i, l] += len(le.misses)
+                loads[i, l] += len(le.misses) - len(le.host)
+                host[i, l] += len(le.host)
             stall_layer[i, l] += le.stall_s
             for key in le.evicted:
                 evictions[i, key[0]] += 1
@@ -378,7 +395,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         topk_ids.append(ids)
         topk_w.append(w)
         preds.append(pred)
-    # routed_tokens[step, layer, expert, modality]: one count per (token, rank), by bincount
+    # routed_tokens[step, layer, expert, modality]: one count per (token, expert), by bincount
     all_ids = np.concatenate(topk_ids).astype(np.int64)  # [tokens, L, k], -1 = not routed
     n_tok = all_ids.shape[0]
     step_of = np.repeat(np.arange(n), [len(e.token_ids) for e in events])
@@ -390,10 +407,10 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     if n_tok:
         routed = np.bincount(flat[valid], minlength=n * L * E * M).astype(np.int32).reshape(
             n, L, E, M)
-    out.update(hits=hits, misses=misses, loads=loads, evictions=evictions,
-               stall_layer_measured_s=stall_layer, routed_tokens=routed, resident=resident,
-               pre_evictions=pre_ev, prefetches=pf, host_runs=host, topk_used=topk_used,
-               predicted_ids=p_ids, predicted_scores=p_scores)
+    out.update(hits=hits, misses=misses, pinned_accesses=pinned_acc, loads=loads,
+               evictions=evictions, stall_layer_measured_s=stall_layer, routed_tokens=routed,
+               resident=resident, pre_evictions=pre_ev, prefetches=pf, host_runs=host,
+               topk_used=topk_used, predicted_ids=p_ids, predicted_scores=p_scores)
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)

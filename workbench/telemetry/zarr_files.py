@@ -12,7 +12,7 @@ writer's part with plain file I/O:
   keeps the last, partly filled chunk in memory, so an append never reads a chunk back.
 - Every file goes through :func:`atomic_write` (temp file + ``os.replace``), as zarr's own
   ``LocalStore`` does, so a concurrent reader sees a chunk or document either whole or not at all.
-- Every chunk inside the written extent has a file (schema 3), so a missing one is corruption.
+- Every chunk inside the written extent has a file (schema ≥ 3), so a missing one is corruption.
 - Each file-system step calls :func:`workbench.telemetry.destination.io_step`, where tests
   inject faults and capture what a crash at that instant leaves.
 

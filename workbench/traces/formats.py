@@ -223,14 +223,16 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
     (the store writes weight 0 where ``topk_ids`` is -1); ``kept`` when the store has it (token
     compression; else all True). ``pred_ids`` is taken when the dataset has it with dims
     (token, layer, depth, k) and it holds any id (all -1 = lookahead off → None); likewise
-    ``predicted_ids``/``predicted_scores`` (step, layer, rank), the lookahead predictor's
-    outputs (all -1 = predictor off → None). attrs:
+    ``predicted_ids``/``predicted_scores`` (step, layer, pred_order), the lookahead predictor's
+    outputs (all -1 = predictor off → None; a Dataset of a schema ≤ 3 store not read with
+    ``open_run`` may name that dim ``rank``). attrs:
     source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
     ``cost_spec``/``hardware_profile`` (so replay prices it as the live modeled clock did).
     The arrays the store declares must fit the memory budget (``max_bytes``, else
     ``WORKBENCH_TRACE_MAX_BYTES``, else 2 GiB) before they are read."""
     import xarray as xr
 
+    from workbench.telemetry.schema import LEGACY_PRED_ORDER, PRED_ORDER
     from workbench.telemetry.store import open_run
 
     if isinstance(path_or_dataset, xr.Dataset):
@@ -240,12 +242,14 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
         _stat(path, "run store")
         ds = open_run(path)
     where = f"run store {str(path)!r}" if path else "run dataset"
+    order = (LEGACY_PRED_ORDER if "predicted_ids" in ds.variables
+             and LEGACY_PRED_ORDER in ds["predicted_ids"].dims else PRED_ORDER)
     used = {"topk_ids": ("token", "layer", "k"), "token_step": ("token",),
             "topk_weights": ("token", "layer", "k"), "token_modality": ("token",),
             "phase": ("step",), "step_request": ("step",), "pinned": ("layer",),
             "kept": ("token",), "pred_ids": ("token", "layer", "depth", "k"),
-            "predicted_ids": ("step", "layer", "rank"),
-            "predicted_scores": ("step", "layer", "rank")}
+            "predicted_ids": ("step", "layer", order),
+            "predicted_scores": ("step", "layer", order)}
     declared = sum(int(ds[n].size) * ds[n].dtype.itemsize for n in used if n in ds.variables)
     limits.check(declared, limits.budget(max_bytes), where,
                  f"its routing arrays ({', '.join(f'{k} {v}' for k, v in ds.sizes.items())})")
@@ -278,7 +282,7 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
     p_ids = var("predicted_ids", used["predicted_ids"])
     p_scores = var("predicted_scores", used["predicted_scores"])
     if p_ids is None or p_scores is None or not (p_ids >= 0).any():
-        p_ids = p_scores = None  # predictor off: the store keeps a rank-1 array of -1
+        p_ids = p_scores = None  # predictor off: the store keeps a pred_order-1 array of -1
     attrs: dict[str, Any] = {"source": "store"}
     if path:
         attrs["path"] = str(path)

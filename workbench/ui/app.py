@@ -164,16 +164,20 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     if served:  # the first replay imports torch: after the page has rendered
         pn.state.onload(rep.redraw)
     _styled(rep.table)
+    knob_hint = pn.pane.HTML("<small class='wb-muted'>replay knobs: the shown run's own until "
+                             "changed here (they never change the next run)</small>",
+                             margin=(0, 10), sizing_mode="stretch_width")
+    _styled(knob_hint)
     replay = card(
         pn.FlexBox(_labelled("eviction policies (Belady: the ceiling, always drawn)",
                              rw["evictions"], width=380),
-                   _labelled("prefetch", rw["prefetch"], width=160),
-                   _labelled("lead", rw["lead"], width=80),
                    _labelled("scope", rw["scope"], width=190),
                    _labelled("cache-size range (slots)", rw["slots"], width=300),
                    _labelled("table at slots", rw["at"], width=120),
-                   _labelled("priced as", rw["target"], width=180),
                    flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width"),
+        knob_hint,
+        pn.FlexBox(*[pn.Column(p, width=190, margin=(0, 4)) for p in rw["knobs"].values()],
+                   flex_wrap="wrap", gap="0 8px", sizing_mode="stretch_width"),
         rep.pane, rep.table,
         title="Replay: the shown run under other cache and prefetch policies "
               "(recorded routing, modeled I/O)", margin=(4, 4), css_classes=["wb-replay"])
@@ -194,7 +198,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     else:
         app = pn.Row(pn.Column(*sidebar, width=400), pn.Column(*main))
     app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
-    app._wb_widgets = {"input": inp, "runs": runs, "error": error, "progress": progress}
+    app._wb_widgets = {"input": inp, "runs": runs, "error": error, "progress": progress,
+                       "replay": rw}
     return app
 
 

@@ -27,9 +27,18 @@ Invariants
 - **No pickle**: uploaded images are decoded by PIL (PNG/JPEG only, size-limited) and re-encoded
   as PNG into ``<workspace>/uploads``; everything else on disk is zarr/JSON.
 
-- **Replay never runs the model**: the ``replay_*`` parameters re-serve the shown run's recorded
-  routing through other cache/prefetch policies (:meth:`DataStore.replay_study`, milliseconds;
-  replays already made on a run are reused), and only once the run is complete.
+- **Replay never runs the model**: the ``replay_*`` parameters and :attr:`DataStore.replay_knobs`
+  re-serve the shown run's recorded routing through other cache/prefetch policies
+  (:meth:`DataStore.replay_study`, milliseconds; replays already made on a run are reused), and
+  only once the run is complete. Every replay is ``workbench.replay_trace`` (as the CLI and the
+  notebooks replay), and ``replay_knobs`` start as the shown run's own knobs, read by
+  :class:`~workbench.telemetry.metadata.RunMetadata` exactly as ``replay_trace`` reads them: the
+  replay of a run at its own policy and size is ``replay_trace(store)``.
+- **Only UI state lives here**: loaded models belong to the runtime's
+  :class:`~workbench.runtime.pool.ModelPool` (``default_pool()``, shared by every session of the
+  process; it also serialises runs of one model), store attributes are read through
+  :class:`~workbench.telemetry.metadata.RunMetadata`, and replays through
+  :mod:`workbench.replay`.
 
 Units: ``step_range`` is an inclusive pair of step numbers (``None`` = every step); progress
 counts generated tokens; times are seconds; ``replay_slots`` is an inclusive pair of cache sizes
@@ -59,10 +68,11 @@ from workbench.errors import InputError, StoreError, WorkbenchError
 from workbench.knobs import Knobs
 from workbench.options import get_options
 from workbench.policies.eviction import EVICTION
-from workbench.policies.prefetch import PREFETCH
+from workbench.replay import SCOPES
+from workbench.runtime.pool import ModelPool, default_pool
+from workbench.telemetry.metadata import RunMetadata
 from workbench.telemetry.schema import GROWING
-from workbench.ui.replay import AS_RECORDED, SCOPES, ReplayStudy, recorded_slots, study, \
-    target_choices
+from workbench.ui.replay import ReplayStudy, study
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,6 @@ TAIL_REREAD_S = 1.0
 TAIL_RETRIES = 10
 #: longest answer shown (characters)
 MAX_ANSWER_CHARS = 20_000
-_BAD = object()
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 MODALITY_CHOICES = ("all", "text", "image")
@@ -552,67 +561,21 @@ def load_run(path: str | Path) -> xr.Dataset:
     return ds
 
 
-def _knob(attrs: dict[str, Any], name: str, default: Any = None) -> Any:
-    """Knob ``name`` of a store's attrs (``knob.<name>``, JSON text), or ``default`` when it is
-    missing or not JSON."""
-    v = attrs.get(f"knob.{name}")
-    if v is None:
-        return default
-    try:
-        return json.loads(v) if isinstance(v, str) else v
-    except (ValueError, RecursionError):
-        return default
-
-
-def knob_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The ``knob.*`` attrs of a store that hold valid JSON (for ``Knobs.from_attrs``, which
-    skips values a knob does not accept but would raise on text that is not JSON)."""
-    return {k: v for k, v in attrs.items()
-            if isinstance(k, str) and k.startswith("knob.")
-            and _knob(attrs, k[5:], _BAD) is not _BAD}
-
-
-def _max_new_tokens(attrs: dict[str, Any]) -> int | None:
-    """The ``max_new_tokens`` knob of a store's attrs when it is a whole number ≥ 1."""
-    m = _knob(attrs, "max_new_tokens")
-    return m if isinstance(m, int) and not isinstance(m, bool) and m >= 1 else None
-
-
-def _policies_of(attrs: dict[str, Any]) -> str:
-    """The cache policies a run was recorded with, in words (from its ``knob.*`` attrs)."""
+def _policies_of(meta: RunMetadata) -> str:
+    """The cache policies a run was recorded with, in words (from its knobs; ``?`` where they
+    cannot be read)."""
     def knob(name: str) -> Any:
-        v = _knob(attrs, name)
+        v = meta.knob(name, "?")
         return v if isinstance(v, (str, bool, int, float, type(None))) else "?"
 
     words = [_printable(str(knob("eviction") or "?"), 40)]
-    if knob("prefetch") not in (None, "none"):
+    if knob("prefetch") not in (None, "none", "?"):
         words.append(f"{_printable(str(knob('prefetch')), 40)} prefetch")
-    if knob("active_evict"):
+    if knob("active_evict") is True:
         words.append("ActiveEvict")
-    if knob("dynamic_topk"):
+    if knob("dynamic_topk") is True:
         words.append("dynamic top-k")
     return " + ".join(words)
-
-
-# -- models shared by the sessions of one process -----------------------------------------------
-_MODELS: dict[tuple[str, str, str], Any] = {}
-_MODEL_LOCK = threading.Lock()  # loading
-_RUN_LOCK = threading.Lock()  # one run at a time: the offloader rearranges the model's weights
-
-
-def get_model(model: str | Path | None, dtype: str, device: str):
-    """A ``LoadedModel`` shared by every session of this process (at most two kept)."""
-    from workbench.models.loading import default_model_dir, load
-
-    path = str(Path(model) if model is not None else default_model_dir())
-    key = (path, dtype, device)
-    with _MODEL_LOCK:
-        if key not in _MODELS:
-            lm = load(path, dtype=dtype, device=device)
-            while len(_MODELS) >= 2:
-                _MODELS.pop(next(iter(_MODELS)))
-            _MODELS[key] = lm
-        return _MODELS[key]
 
 
 @dataclass
@@ -668,16 +631,13 @@ class DataStore(param.Parameterized):
     status = param.String(default="", doc="One line on what is shown / happening.")
     error = param.String(default="", doc="Last error for the user ('' = none).")
 
-    # replay of the shown run's recorded routing under other policies: changing these replays
-    # the trace (milliseconds), never re-runs the model. Menus come from the registries.
+    # replay of the shown run's recorded routing under other policies: changing these (or a
+    # knob of ``replay_knobs``) replays the trace (milliseconds), never re-runs the model.
+    # The menu comes from the registry.
     replay_evictions = param.ListSelector(
         default=EVICTION.available(), objects=EVICTION.available(),
         doc="Eviction policies drawn (Belady, the offline optimum, is always drawn: the "
             "ceiling).")
-    replay_prefetch = param.Selector(default="none", objects=PREFETCH.available(),
-                                     doc="Prefetch policy of the replay.")
-    replay_lead = param.Integer(default=1, bounds=(1, None), softbounds=(1, 8),
-                                doc="How many layers ahead a prefetch may target.")
     replay_scope = param.Selector(default="global", objects=list(SCOPES),
                                   doc="One pool of slots for every offloaded layer, or an "
                                       "equal share per layer.")
@@ -687,23 +647,34 @@ class DataStore(param.Parameterized):
     replay_at = param.Integer(default=None, allow_None=True, bounds=(1, None),
                               doc="Cache size of the metrics table; None = the run's own "
                                   "(moved into the range drawn).")
-    replay_target = param.Selector(default=AS_RECORDED, objects=target_choices(),
-                                   doc="Sizes the replay is priced with (modeled clock): the "
-                                       "run's own, or a real model's.")
+    replay_revision = param.Integer(default=0, bounds=(0, None),
+                                    doc="Counts changes of ``replay_knobs`` made after the "
+                                        "shown run's own were taken (the replay view watches "
+                                        "it).")
 
     def __init__(self, workspace: str | Path | None = None, model: str | Path | None = None,
-                 knobs: Knobs | None = None, refresh_s: float = 2.0, **params: Any) -> None:
+                 knobs: Knobs | None = None, refresh_s: float = 2.0,
+                 pool: ModelPool | None = None, **params: Any) -> None:
         ws = Path(workspace).expanduser().absolute() if workspace is not None \
             else default_workspace()
         replay = {k: params.pop(k) for k in list(params) if k.startswith("replay_")}
         super().__init__(workspace=str(ws), model=None if model is None else str(model),
                          **params)
-        # menus offer every policy registered by now (as the knob classes do)
+        # the menu offers every policy registered by now (as the knob classes do)
         self.param["replay_evictions"].objects = EVICTION.available()
-        self.param["replay_prefetch"].objects = PREFETCH.available()
-        self.param["replay_target"].objects = target_choices()
         self.param.update(**{"replay_evictions": EVICTION.available(), **replay})
         self.knobs = knobs if knobs is not None else Knobs()
+        #: models shared with every session of this process (the runtime's pool)
+        self.pool: ModelPool = pool if pool is not None else default_pool()
+        #: knobs of the replay view: the shown run's own (``RunMetadata.knobs``, the ones
+        #: ``workbench.replay_trace`` recovers), as the replay widgets change them
+        self.replay_knobs = Knobs()
+        self._replay_for: Path | None = None  # the run whose knobs replay_knobs were set from
+        self._replay_problem = ""  # why that run's knobs cannot be read ('' = they can)
+        self._syncing_replay = False
+        for group in self.replay_knobs.groups.values():
+            group.param.watch(self._replay_knob_changed, group.knob_names())
+        self.param.watch(self._sync_replay_knobs, "dataset")
         self.refresh_s = refresh_s
         self._job: _Job | None = None
         self._path: Path | None = None  # store being shown
@@ -775,13 +746,15 @@ class DataStore(param.Parameterized):
         self._path, self._meta, self._last_read = path, key, time.monotonic()
         self._sig = (tuple(sorted(committed.items())), status) if ds is not None else None
         self._tail_fails, self._tail_problem, self._failed = 0, "", None
+        self._replay_for = None  # opening a run shows its replay as recorded
         upd: dict[str, Any] = {"run_name": path.name, "step_range": None, "error": "",
                                "dataset": ds}
         if self._job is None:  # the progress bar belongs to a run in flight, if any
             if ds is not None:
                 upd.update(self._progress_of(path, ds, status), answer=self._answer_of(ds))
             else:
-                upd.update(progress=0, progress_max=_max_new_tokens(attrs) or 1, answer="",
+                meta = RunMetadata.from_attrs(attrs, strict=False)
+                upd.update(progress=0, progress_max=meta.max_new_tokens or 1, answer="",
                            status=f"{path.name}: {status}, no step committed yet")
         self.param.update(**upd)
         return ds
@@ -805,7 +778,7 @@ class DataStore(param.Parameterized):
         """Progress parameters of a stored run: ``max_new_tokens`` of its knobs, rescaled to
         its step count when it has more steps (or no usable knob)."""
         n = int(ds.sizes.get("step", 0))
-        m = max(_max_new_tokens(ds.attrs) or 1, n, 1)
+        m = max(RunMetadata.from_attrs(ds.attrs, strict=False).max_new_tokens or 1, n, 1)
         st = ds.attrs.get("status", status)
         st = st if isinstance(st, str) else status
         running = st == "running"
@@ -813,30 +786,24 @@ class DataStore(param.Parameterized):
                 "status": f"{path.name}: live tail, {n} steps committed" if running
                 else f"{path.name}: {_printable(st, 40)}, {n} steps"}
 
-    def _answer_of(self, ds: xr.Dataset) -> str:
+    @staticmethod
+    def _answer_of(ds: xr.Dataset) -> str:
         """Decoded answer of a stored run (from its summary, else blank)."""
-        s = ds.attrs.get("summary")
-        try:
-            d = json.loads(s) if isinstance(s, str) else s
-        except (ValueError, RecursionError):
-            return ""
-        text = d.get("text", "") if isinstance(d, dict) else ""
-        return text[:MAX_ANSWER_CHARS] if isinstance(text, str) else ""
+        text = RunMetadata.from_attrs(ds.attrs, strict=False).text or ""
+        return text[:MAX_ANSWER_CHARS]
 
     def adopt_knobs(self) -> None:
-        """Set the knobs to those the shown run was made with (``Knobs.from_attrs``; knobs
-        unknown to this version, policies no longer registered, or values that are not valid
-        JSON keep their values)."""
+        """Set the knobs to those the shown run was made with (:attr:`RunMetadata.knobs`:
+        knobs it does not record, or unknown to this version, and policies no longer registered
+        take their defaults). A malformed ``knob.*`` attribute raises :class:`StoreError`
+        naming it, and no knob changes."""
         if self.dataset is None:
             raise InputError("no run is shown; open one to take its knobs")
         try:
-            knobs = Knobs.from_attrs(knob_attrs(self.dataset.attrs)).to_dict()
-        except WorkbenchError:
-            raise
-        except Exception as e:
-            raise InputError(f"the knobs of {self.run_name} cannot be read: "
-                             f"{type(e).__name__}: {str(e)[:200]}") from None
-        self.knobs.set(**knobs)
+            knobs = RunMetadata.from_attrs(self.dataset.attrs, strict=False).knobs
+        except StoreError as e:
+            raise StoreError(f"the knobs of {self.run_name} cannot be read: {e}") from None
+        self.knobs.set(**knobs.to_dict())
 
     # -- inputs ------------------------------------------------------------------------------
     def use_demo(self, item: dict[str, str]) -> None:
@@ -871,7 +838,7 @@ class DataStore(param.Parameterized):
 
         def go() -> None:
             try:
-                get_model(*key)
+                self.pool.get(*key)
             except Exception as e:  # reported by start_run when it tries again
                 log.info("preload of the model failed: %s", e)
 
@@ -920,11 +887,11 @@ class DataStore(param.Parameterized):
         ``job``; never parameters (see the module docstring)."""
         try:
             job.phase = "loading"
-            lm = get_model(self.model, knobs["dtype"], knobs["device"])
+            lm = self.pool.get(self.model, knobs["dtype"], knobs["device"])
             from workbench.runtime.runtime import Runtime
 
             job.phase = "waiting"
-            with _RUN_LOCK:
+            with self.pool.exclusive(lm):  # one run at a time on a model (see the pool)
                 if job.stop.is_set():
                     job.phase = "done"
                     return
@@ -1152,21 +1119,48 @@ class DataStore(param.Parameterized):
             log.info("replay bounds of %s:\n%s", self._path, traceback.format_exc())
             return None
 
+    def _sync_replay_knobs(self, event: Any) -> None:
+        """A run newly shown: set :attr:`replay_knobs` to its own knobs (``RunMetadata``, as
+        ``workbench.replay_trace`` recovers them), without counting a change. Runs before the
+        views' watchers (it is registered first), so they replay with the new knobs."""
+        ds = event.new
+        if ds is None or self._path is None or self._path == self._replay_for:
+            return  # nothing shown, or the same run (a live tail growing)
+        self._replay_for = self._path
+        try:
+            values = RunMetadata.from_attrs(ds.attrs, strict=False).knobs.to_dict()
+            self._replay_problem = ""
+        except StoreError as e:
+            values, self._replay_problem = Knobs().to_dict(), f"this run's knobs cannot be " \
+                                                               f"read: {e}"
+        self._syncing_replay = True
+        try:
+            self.replay_knobs.set(**values)
+        finally:
+            self._syncing_replay = False
+
+    def _replay_knob_changed(self, *events: Any) -> None:
+        if not self._syncing_replay:
+            self.replay_revision += 1
+
     def replay_study(self, points: int = 12) -> ReplayStudy:
-        """Replay the shown run under the ``replay_*`` settings (see
-        :func:`workbench.ui.replay.study`): hit-rate curves of the chosen eviction policies and
-        Belady over the cache-size range, the metrics table, and the run's own point. Replays
-        already made on this run are reused. Raises :class:`WorkbenchError` with a message for
-        the user (no run, a live run, a prefetch policy the run cannot serve, …)."""
+        """Replay the shown run (see :func:`workbench.ui.replay.study`): hit-rate curves of the
+        ``replay_evictions`` policies and Belady over the ``replay_slots`` range under
+        ``replay_scope``, the metrics table at ``replay_at``, and the run's own point; every
+        other knob from :attr:`replay_knobs` (the run's own, as the replay widgets change
+        them) — each point is ``workbench.replay_trace`` of the run's store. Replays already
+        made on this run are reused. Raises :class:`WorkbenchError` with a message for the
+        user (no run, a live run, knobs that cannot be read, a prefetch policy the run cannot
+        serve, …)."""
         trace = self.replay_trace()
+        if self._replay_problem:
+            raise StoreError(self._replay_problem)
         ds = self.dataset
-        slots = recorded_slots(ds.attrs)
+        meta = RunMetadata.from_attrs(ds.attrs, strict=False)
         own = None
-        if slots is not None:
-            own = (slots, float(ds.moe.hit_rate()), f"this run, as recorded "
-                                                     f"({_policies_of(ds.attrs)})")
+        if meta.cache_slots is not None:
+            own = (meta.cache_slots, float(ds.moe.hit_rate()),
+                   f"this run, as recorded ({_policies_of(meta)})")
         return study(trace, self.replay_evictions, slot_range=self.replay_slots,
-                     at_slots=self.replay_at, points=points, own=own,
-                     prefetch=self.replay_prefetch, prefetch_lead=self.replay_lead,
-                     scope=self.replay_scope, target_model=self.replay_target,
-                     memo=self._replay_memo)
+                     at_slots=self.replay_at, points=points, own=own, knobs=self.replay_knobs,
+                     scope=self.replay_scope, memo=self._replay_memo)

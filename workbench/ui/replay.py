@@ -1,12 +1,21 @@
 """What-if replay of a routing trace: policy × cache-size curves, for the dashboard and notebooks.
 
 Pure computation and figures (no Panel): :func:`replay_curves` replays a
-:class:`~workbench.traces.Trace` with :func:`workbench.replay.engine.replay` for every eviction
-policy asked for, at every cache size, and returns one row per (policy, size) with the replay's
-metrics; :func:`curves_figure` draws hit rate against cache size with Belady (the offline
-optimum: it evicts the expert needed furthest in the future) as the ceiling line;
-:func:`prefetch_comparison` compares the prefetch policies at one cache size; :func:`study`
-bundles curves and a metrics table at one size for the dashboard's replay view.
+:class:`~workbench.traces.Trace` for every eviction policy asked for, at every cache size, and
+returns one row per (policy, size) with the replay's metrics; :func:`curves_figure` draws hit
+rate against cache size with Belady (the offline optimum: it evicts the expert needed furthest
+in the future) as the ceiling line; :func:`prefetch_comparison` compares the prefetch policies at
+one cache size; :func:`study` bundles curves and a metrics table at one size for the dashboard's
+replay view.
+
+**One replay entry point**: every replay here is :func:`workbench.replay.replay_trace`, the one
+the CLI (``workbench replay``), ``ds.moe.replay()`` and the notebooks use. Its knobs come from
+``knobs`` (a :class:`~workbench.knobs.Knobs`; default: the recorded run's own,
+``Knobs.from_attrs`` of a store's trace, else the defaults), changed by the explicit arguments;
+along a curve only ``eviction`` and ``cache_slots`` change (``cache_bytes`` is cleared so that
+the slot count holds, ``active_evict`` is off: it acts on live router probabilities no trace
+keeps), and the pinned prefix is the recorded run's. So the curves' point at the run's own
+policy and size is exactly ``replay_trace(store)``.
 
 Policy names always come from the registries (``EVICTION.available()``,
 ``PREFETCH.available()``), so a policy registered later appears here with no change. A policy
@@ -16,8 +25,7 @@ keeps its message in the ``error`` column instead.
 
 Units: ``cache_slots`` in experts (one routed expert per slot); hit rates and shares are
 fractions of the offloaded layers' accesses; every time and byte count is *modeled* (the
-hardware profile's timeline), never measured. The replay engine, which imports torch, is
-imported on first use.
+hardware profile's timeline), never measured.
 """
 
 from __future__ import annotations
@@ -34,18 +42,26 @@ import plotly.graph_objects as go
 from workbench.errors import InputError, KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
+from workbench.replay import SCOPES, replay_trace
 
-__all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "pinned_prefix", "slot_bounds",
-           "cache_sizes", "recorded_slots", "replay_curves", "belady_share", "curves_figure",
-           "prefetch_comparison", "target_choices", "ReplayStudy", "study"]
+__all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "REPLAY_GROUPS", "CURVE_KNOBS",
+           "replay_knob_names", "pinned_prefix", "slot_bounds", "cache_sizes", "recorded_knobs",
+           "replay_curves", "belady_share", "curves_figure", "prefetch_comparison",
+           "ReplayStudy", "study"]
 
 #: the eviction policy drawn as the ceiling (Belady's offline optimum)
 CEILING = "belady"
-#: ``target_model`` choice meaning "price the trace as its run was priced"
+#: ``target_model`` argument meaning "as the knobs say" (for a store: priced as its run was),
+#: the same as None
 AS_RECORDED = "as recorded"
-#: cache scopes of the replay engine (``workbench.replay.engine.SCOPES``, kept here so that this
-#: module does not import torch; a test holds them equal)
-SCOPES = ("global", "per-layer")
+#: knob groups (``Knobs.groups`` keys) whose knobs change what a trace replay does: the cache
+#: and its policies' knobs, prefetch, and the modeled clock's pricing
+REPLAY_GROUPS = ("cache", "prefetch", "cost")
+#: knobs of those groups a study sets itself: the two axes of the curves, and the pinned prefix
+#: (the recorded run's: the useful cache sizes depend on it); and the memory-plan knobs, which
+#: only size a live cache (a study sizes it in slots)
+CURVE_KNOBS = ("cache_slots", "eviction", "pinned_layers", "cache_bytes", "semantic_layers",
+               "cache_reserve_slots")
 #: (metric key, label, units) of the replay metrics table, in display order; ``belady_share``
 #: is the policy's hit rate over Belady's at the same size
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -72,11 +88,28 @@ _SYMBOLS = ("circle", "square-open", "diamond-open", "triangle-up-open", "x-thin
 CEILING_COLOR = "#111827"
 
 
-def target_choices() -> list[str]:
-    """Choices of the pricing target: :data:`AS_RECORDED`, then every registered target model."""
-    from workbench.runtime.profiles import available_target_models
+def replay_knob_names() -> list[str]:
+    """The knobs a user sets for a replay (the dashboard's replay widgets), in their groups'
+    order: those of :data:`REPLAY_GROUPS` that are not :data:`CURVE_KNOBS` (a group registered
+    later under one of these keys brings its knobs along)."""
+    from workbench.knobs import Knobs
 
-    return [AS_RECORDED, *available_target_models()]
+    groups = Knobs().groups
+    return [n for key in REPLAY_GROUPS if key in groups
+            for n in groups[key].knob_names() if n not in CURVE_KNOBS]
+
+
+def recorded_knobs(trace):
+    """The knobs ``replay_trace`` replays ``trace`` with when given none: a store's own
+    (``Knobs.from_attrs`` via :class:`~workbench.telemetry.metadata.RunMetadata`; a malformed
+    ``knob.*`` attribute raises :class:`~workbench.errors.StoreError` naming it), else the
+    defaults."""
+    from workbench.knobs import Knobs
+    from workbench.telemetry.metadata import RunMetadata
+
+    if trace.attrs.get("source") != "store":
+        return Knobs()
+    return RunMetadata.from_attrs(trace.attrs, strict=False).knobs
 
 
 def pinned_prefix(trace) -> int:
@@ -115,93 +148,72 @@ def cache_sizes(lo: int, hi: int, n: int = 12, spacing: str = "linear") -> list[
     return sorted({lo, hi} | {int(round(x)) for x in xs})
 
 
-def recorded_slots(attrs: dict[str, Any]) -> int | None:
-    """Cache slots a run had (its ``live_plan``, else its ``cache_slots`` knob), from store
-    attrs; None if unknown."""
-    for key, field in (("live_plan", "slots"), ("knob.cache_slots", None)):
-        v = _json_attr(attrs.get(key))
-        v = v.get(field) if field and isinstance(v, dict) else v
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
-            return v
-    return None
+def _effective(trace, knobs, prefetch, prefetch_lead, target_model, profile):
+    """The knobs of a study: ``knobs`` (default :func:`recorded_knobs`) changed by the explicit
+    arguments that are not None."""
+    base = recorded_knobs(trace) if knobs is None else knobs
+    target_model = None if target_model == AS_RECORDED else target_model
+    changes = {k: v for k, v in (("prefetch", prefetch), ("prefetch_lead", prefetch_lead),
+                                 ("target_model", target_model), ("profile", profile))
+               if v is not None}
+    return base.copy(**changes) if changes else base.copy()
 
 
-def _json_attr(v: Any) -> Any:
-    """A store attribute kept as JSON text, decoded; None when it is not valid JSON."""
-    if not isinstance(v, str):
-        return v
-    try:
-        return json.loads(v)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _target(target_model: str) -> str:
-    return "none" if target_model in (None, AS_RECORDED) else target_model
-
-
-def _replay_one(trace, eviction: str, slots: int, *, prefetch: str, prefetch_lead: int,
-                scope: str, pinned_layers: int, target_model: str, profile: str | None,
+def _replay_one(trace, eviction: str, slots: int, *, knobs, scope: str, pinned_layers: int,
                 memo: dict | None) -> dict[str, Any]:
-    key = (eviction, int(slots), prefetch, int(prefetch_lead), scope, int(pinned_layers),
-           target_model, profile)
+    """Metrics of ``replay_trace`` at one point of a curve (memoised in ``memo``)."""
+    key = (eviction, int(slots), scope, int(pinned_layers),
+           json.dumps(knobs.to_dict(), sort_keys=True, default=str))
     if memo is not None:
         if memo.get("trace") is not trace or len(memo) > MEMO_MAX:  # one trace, bounded
             memo.clear()
             memo["trace"] = trace
         if key in memo:
             return memo[key]
-    from workbench.replay.engine import replay
-
-    kw = {"profile": profile} if profile else {}
-    for name in ("hotness_decay", "hotness_window"):  # the run's own policy knobs, if recorded
-        v = _json_attr(trace.attrs.get(f"knob.{name}"))
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v):
-            kw[name] = v  # anything else (a tampered store): the policy's default
-    m = replay(trace, eviction=eviction, cache_slots=int(slots), pinned_layers=pinned_layers,
-               scope=scope, prefetch=prefetch, prefetch_lead=prefetch_lead,
-               target_model=_target(target_model), **kw).metrics()
+    m = replay_trace(trace, knobs, scope=scope, belady=False, eviction=eviction,
+                     cache_slots=int(slots), cache_bytes=None, pinned_layers=int(pinned_layers),
+                     active_evict=False).metrics()
     row = {k: m[k] for k in _KEEP if k in m}
     if memo is not None:
         memo[key] = row
     return row
 
 
-def _profile_of(trace, profile: str | None) -> str | None:
-    """The hardware profile the run was priced on (trace attrs), unless one is given."""
-    if profile:
-        return profile
-    p = trace.attrs.get("hardware_profile") or trace.attrs.get("knob.profile")
-    if isinstance(p, str) and p.startswith('"'):
-        p = _json_attr(p)
-    return p if isinstance(p, str) and p else None
+def _settings(knobs, scope: str, pin: int) -> dict[str, Any]:
+    return dict(prefetch=knobs.prefetch, prefetch_lead=knobs.prefetch_lead, scope=scope,
+                pinned_layers=pin, target_model=knobs.target_model, profile=knobs.profile,
+                knobs={n: getattr(knobs, n) for n in replay_knob_names()})
 
 
 def replay_curves(trace, evictions: Iterable[str] | None = None,
-                  sizes: Sequence[int] | None = None, *, prefetch: str = "none",
-                  prefetch_lead: int = 1, scope: str = "global",
-                  pinned_layers: int | None = None, target_model: str = AS_RECORDED,
-                  profile: str | None = None, memo: dict | None = None) -> pd.DataFrame:
+                  sizes: Sequence[int] | None = None, *, knobs=None,
+                  prefetch: str | None = None, prefetch_lead: int | None = None,
+                  scope: str = "global", pinned_layers: int | None = None,
+                  target_model: str | None = None, profile: str | None = None,
+                  memo: dict | None = None) -> pd.DataFrame:
     """Hit rate (and the other replay metrics) of each eviction policy at each cache size.
 
     ``evictions``: registered names (default: every one); :data:`CEILING` is always added.
     ``sizes``: cache slots (default: :func:`cache_sizes` over :func:`slot_bounds`); sizes
-    below the scope's minimum are left out. ``pinned_layers``: default the run's pinned prefix.
-    ``target_model``: a registered target model to price the trace as, or :data:`AS_RECORDED`
-    (the run's own cost spec; imported traces need a target). ``profile``: default the run's.
-    ``memo``: a dict reused across calls to skip replays already made (it serves one trace:
-    given another, it is cleared).
+    below the scope's minimum are left out. ``knobs``: the other knobs of every replay
+    (default :func:`recorded_knobs`: a store's own); ``prefetch``, ``prefetch_lead``,
+    ``target_model`` (a registered target model to price the trace as; ``"none"``: the run's
+    own cost spec, which imported traces lack; None or :data:`AS_RECORDED`: the knobs') and
+    ``profile`` change them when given.
+    ``pinned_layers``: default the run's pinned prefix. ``memo``: a dict reused across calls
+    to skip replays already made (it serves one trace: given another, it is cleared).
 
     Returns a long DataFrame: ``eviction``, ``cache_slots``, the metrics of
     :meth:`ReplayResult.metrics` (times *modeled*) and ``belady_share`` = hit rate / Belady's
-    hit rate at the same size (NaN where Belady's is 0). Raises :class:`KnobError` when the
-    trace cannot serve the prefetch policy or a setting is out of range.
+    hit rate at the same size (NaN where Belady's is 0); its ``attrs`` say which settings
+    were replayed. Raises :class:`KnobError` when the trace cannot serve the prefetch policy
+    or a setting is out of range.
     """
     avail = EVICTION.available()
     names = list(avail if evictions is None else evictions)
     for n in names:
         EVICTION.get(n)  # unknown names list the available ones
-    PREFETCH.get(prefetch)
+    k = _effective(trace, knobs, prefetch, prefetch_lead, target_model, profile)
     if CEILING in avail and CEILING not in names:
         names.append(CEILING)
     pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
@@ -211,13 +223,10 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
         raise KnobError(f"cache sizes must reach at least {lo} slots with scope={scope} "
                         f"(top-k {'per offloaded layer' if scope != 'global' else ''}); "
                         f"allowed: {lo} … {hi}")
-    prof = _profile_of(trace, profile)
     rows = []
     for ev in names:
         for s in sizes:
-            row = _replay_one(trace, ev, s, prefetch=prefetch, prefetch_lead=prefetch_lead,
-                              scope=scope, pinned_layers=pin, target_model=target_model,
-                              profile=prof, memo=memo)
+            row = _replay_one(trace, ev, s, knobs=k, scope=scope, pinned_layers=pin, memo=memo)
             rows.append({"eviction": ev, "cache_slots": int(s), **row})
     df = pd.DataFrame(rows)
     if CEILING in names:
@@ -227,9 +236,7 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
             df["belady_share"] = np.where(c > 0, df["hit_rate"].to_numpy(float) / c, np.nan)
     else:
         df["belady_share"] = np.nan
-    df.attrs.update(prefetch=prefetch, prefetch_lead=prefetch_lead, scope=scope,
-                    pinned_layers=pin, target_model=target_model, profile=prof,
-                    slot_bounds=(lo, hi))
+    df.attrs.update(**_settings(k, scope, pin), slot_bounds=(lo, hi))
     return df
 
 
@@ -280,29 +287,29 @@ def curves_figure(df: pd.DataFrame, title: str = "hit rate vs cache size",
 
 
 def prefetch_comparison(trace, cache_slots: int, *, eviction: str = "lru",
-                        prefetches: Iterable[str] | None = None, prefetch_lead: int = 1,
-                        scope: str = "global", pinned_layers: int | None = None,
-                        target_model: str = AS_RECORDED, profile: str | None = None,
-                        memo: dict | None = None) -> pd.DataFrame:
-    """Every prefetch policy (default: all registered) at one cache size and eviction policy.
+                        prefetches: Iterable[str] | None = None, knobs=None,
+                        prefetch_lead: int | None = None, scope: str = "global",
+                        pinned_layers: int | None = None, target_model: str | None = None,
+                        profile: str | None = None, memo: dict | None = None) -> pd.DataFrame:
+    """Every prefetch policy (default: all registered) at one cache size and eviction policy;
+    the other knobs as :func:`replay_curves` takes them.
 
     One row per policy: ``prefetch``, the replay metrics (times *modeled*) and ``error``: ''
     or, for a policy this trace cannot serve, the :class:`KnobError` message (its metrics NaN).
     """
     pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
-    prof = _profile_of(trace, profile)
+    k = _effective(trace, knobs, None, prefetch_lead, target_model, profile)
     rows = []
     for pf in (PREFETCH.available() if prefetches is None else prefetches):
         try:
-            row = _replay_one(trace, eviction, cache_slots, prefetch=pf,
-                              prefetch_lead=prefetch_lead, scope=scope, pinned_layers=pin,
-                              target_model=target_model, profile=prof, memo=memo)
+            row = _replay_one(trace, eviction, cache_slots, knobs=k.copy(prefetch=pf),
+                              scope=scope, pinned_layers=pin, memo=memo)
             rows.append({"prefetch": pf, **row, "error": ""})
         except KnobError as e:
             rows.append({"prefetch": pf, "error": str(e)})
     df = pd.DataFrame(rows)
-    df.attrs.update(cache_slots=int(cache_slots), eviction=eviction, scope=scope,
-                    prefetch_lead=prefetch_lead, target_model=target_model, profile=prof)
+    df.attrs.update(**{**_settings(k, scope, pin), "prefetch": None},
+                    cache_slots=int(cache_slots), eviction=eviction)
     return df
 
 
@@ -328,13 +335,13 @@ class ReplayStudy:
 
 def study(trace, evictions: Iterable[str] | None = None, *,
           slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
-          points: int = 12, own: tuple[int, float, str] | None = None,
-          prefetch: str = "none", prefetch_lead: int = 1, scope: str = "global",
-          target_model: str = AS_RECORDED, memo: dict | None = None) -> ReplayStudy:
+          points: int = 12, own: tuple[int, float, str] | None = None, knobs=None,
+          scope: str = "global", memo: dict | None = None, **changes: Any) -> ReplayStudy:
     """:class:`ReplayStudy` of ``trace``: curves over ``points`` sizes of ``slot_range``
     (clipped to :func:`slot_bounds`; None = all of it) plus ``own[0]`` and ``at_slots`` when
     inside it, and the metrics table at ``at_slots`` (default ``own[0]``, else the middle of
-    the range; clipped to the range)."""
+    the range; clipped to the range). ``knobs`` and ``changes`` (``prefetch``,
+    ``prefetch_lead``, ``target_model``, ``profile``) as :func:`replay_curves` takes them."""
     t0 = time.perf_counter()
     pin = pinned_prefix(trace)
     lo, hi = slot_bounds(trace, scope, pin)
@@ -347,9 +354,8 @@ def study(trace, evictions: Iterable[str] | None = None, *,
     if own is not None and (own[0] is None or not a <= own[0] <= b):
         own = None  # outside the range drawn
     sizes = sorted(set(sizes) | {at_slots} | ({own[0]} if own is not None else set()))
-    kw = dict(prefetch=prefetch, prefetch_lead=prefetch_lead, scope=scope, pinned_layers=pin,
-              target_model=target_model, memo=memo)
-    curves = replay_curves(trace, evictions, sizes, **kw)
+    curves = replay_curves(trace, evictions, sizes, knobs=knobs, scope=scope, pinned_layers=pin,
+                           memo=memo, **changes)
     table = curves[curves.cache_slots == at_slots]
     table = pd.concat([table[table.eviction != CEILING], table[table.eviction == CEILING]],
                       ignore_index=True)  # the ceiling last

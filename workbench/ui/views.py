@@ -24,9 +24,9 @@ import plotly.graph_objects as go
 import xarray as xr
 
 from workbench.errors import WorkbenchError
-from workbench.knobs import Knobs
-from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_deltas, knob_attrs,
-                                    selected_steps, share_difference)
+from workbench.telemetry.metadata import RunMetadata
+from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_deltas, selected_steps,
+                                    share_difference)
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 from workbench.viz.predictor import hot_recall_figure
@@ -226,7 +226,7 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     if ds is None:
         return placeholder_figure("tokens", TOKENS_TITLE, "no run yet")
     try:
-        k = Knobs.from_attrs(knob_attrs(ds.attrs))
+        k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs
     except WorkbenchError as e:  # a tampered or foreign store: say so, draw nothing
         return placeholder_figure("tokens", TOKENS_TITLE, f"this run's knobs cannot be read: "
                                                           f"{html.escape(str(e))[:200]}")
@@ -271,7 +271,7 @@ def hot_recall_view_figure(ds: xr.Dataset | None, step_range: tuple[int, int] | 
     steps = selected_steps(ds, step_range, phase)
     if len(steps) == 0:
         return placeholder_figure("hot_recall", RECALL_TITLE, "no steps in the selection")
-    k = min(int(k), int(ids.sizes["rank"]))
+    k = min(int(k), int(ids.sizes["pred_order"]))
     sel = [int(s) for s in steps]
     recall, rnd, orc = (ds.moe.hot_recall(k, steps=sel, baseline=b)
                         for b in (None, "random", "oracle"))
@@ -291,8 +291,10 @@ def replay_view_figure(st: ReplayStudy, revision: Any = None) -> go.Figure:
     pf = cfg.get("prefetch", "none")
     how = [f"{cfg.get('scope', 'global')} cache", "no prefetch" if pf == "none" else
            f"prefetch {pf} (lead {cfg.get('prefetch_lead', 1)})"]
-    if cfg.get("target_model") not in (None, "as recorded"):
+    if cfg.get("target_model") not in (None, "none"):
         how.append(f"priced as {cfg['target_model']}")
+    if cfg.get("knobs", {}).get("hybrid"):
+        how.append("hybrid")
     fig = curves_figure(st.curves, f"{REPLAY_TITLE} · whole run · {', '.join(how)}", st.own)
     fig.add_vline(x=st.at_slots, line={"color": "#9ca3af", "dash": "dot", "width": 1},
                   annotation_text=f"table: {st.at_slots} slots", annotation_position="top left",
@@ -435,11 +437,12 @@ class HotRecallView(PlotView):
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
-    Watches the shown run and the ``replay_*`` settings only; replays, never re-runs."""
+    Watches the shown run, the ``replay_*`` settings and the replay knobs (``replay_revision``)
+    only; replays, never re-runs."""
 
     view = "replay"
-    watches = ("dataset", "running", "replay_evictions", "replay_prefetch", "replay_lead",
-               "replay_scope", "replay_slots", "replay_at", "replay_target")
+    watches = ("dataset", "running", "replay_evictions", "replay_scope", "replay_slots",
+               "replay_at", "replay_revision")
 
     def __init__(self, store: DataStore, height: int = 420, defer: bool = False) -> None:
         """``defer``: start with a placeholder and replay on the first :meth:`redraw` (the app

@@ -11,6 +11,10 @@ The knobs of :data:`VISMMOE_KNOBS` (compression, β, λ, pinned layers) sit in a
 "VisMMOE" card at the top of the knob sidebar (:func:`vismmoe_panel`): each is a ``pn.Param``
 over the group that declares it, so it drives the same param object, and :func:`knob_cards`
 leaves it out of its group's card — every knob has exactly one widget.
+
+The replay view's knobs (prefetch, pricing, hybrid, …: :func:`replay_knob_panels`) are built
+the same way, over a second :class:`~workbench.knobs.Knobs` (``DataStore.replay_knobs``, the
+shown run's own knobs), so they edit what is replayed, never the next run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs,
                                     upload_limit_text)
 
 __all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
-           "runs_widgets", "replay_widgets", "card", "make", "names", "ImageDropper",
+           "runs_widgets", "replay_widgets", "replay_knob_panels", "card", "make", "names",
+           "ImageDropper",
            "VISMMOE_KNOBS"]
 
 log = logging.getLogger(__name__)
@@ -483,22 +488,41 @@ class _SlotsLink(_RangeLink):
             and self.store.live
 
 
+def replay_knob_panels(knobs: Knobs, names: Iterable[str] | None = None,
+                       css_prefix: str = "wb-replay-") -> dict[str, pn.Param]:
+    """One ``pn.Param`` per knob of ``names`` (default: the replay knobs,
+    :func:`workbench.ui.replay.replay_knob_names`), over the group of ``knobs`` that declares
+    it, with the widget :func:`knob_panels` gives it (so a replay knob looks and validates as
+    it does in the knob cards; menus from the registries). Each widget also carries the CSS
+    class ``<css_prefix><name>``. ``panel._wb_widget`` is the widget."""
+    from workbench.ui.replay import replay_knob_names
+
+    owners = {n: g for g in knobs.groups.values() for n in g.knob_names()}
+    out: dict[str, pn.Param] = {}
+    for name in (replay_knob_names() if names is None else names):
+        group = owners[name]
+        spec = dict(_knob_widget_specs(group)[name])
+        spec["css_classes"] = [*spec["css_classes"], f"{css_prefix}{name.replace('_', '-')}"]
+        panel = pn.Param(group, parameters=[name], widgets={name: spec}, show_name=False,
+                         sizing_mode="stretch_width", margin=0)
+        panel._wb_widget = panel._widgets[name]
+        out[name] = panel
+    return out
+
+
 def replay_widgets(store: DataStore) -> dict[str, Any]:
-    """Settings of the replay view, bound to the store's ``replay_*`` parameters: eviction
-    policies (toggle buttons, from the registry), prefetch policy and lead, scope, cache-size
-    range (slider over the run's useful sizes; applied when released), the size of the metrics
-    table and the model the replay is priced as."""
+    """Settings of the replay view: the eviction policies drawn (toggle buttons bound to
+    ``store.replay_evictions``, from the registry), the scope, the cache-size range (slider over
+    the run's useful sizes; applied when released) and the size of the metrics table — the
+    replay's own settings — and, under ``"knobs"``, one widget per replay knob
+    (:func:`replay_knob_panels` over ``store.replay_knobs``: prefetch and its lead and budget,
+    the hardware profile and target model the replay is priced with, hybrid mode, the hotness
+    policy's knobs), which start as the shown run's own."""
     cbg, rbg = pn.widgets.CheckButtonGroup, pn.widgets.RadioButtonGroup
     w = {
         "evictions": cbg.from_param(store.param.replay_evictions,
                                     css_classes=["wb-replay-evictions"],
                                     **names(cbg, "", "primary", "outline")),
-        "prefetch": pn.widgets.Select.from_param(store.param.replay_prefetch,
-                                                 css_classes=["wb-replay-prefetch"], width=150,
-                                                 **names(pn.widgets.Select, "")),
-        "lead": pn.widgets.IntInput.from_param(store.param.replay_lead,
-                                               css_classes=["wb-replay-lead"], width=70,
-                                               **names(pn.widgets.IntInput, "")),
         "scope": rbg.from_param(store.param.replay_scope, css_classes=["wb-replay-scope"],
                                 **names(rbg, "", "primary", "outline")),
         "slots": make(pn.widgets.IntRangeSlider, "slots",
@@ -508,14 +532,9 @@ def replay_widgets(store: DataStore) -> dict[str, Any]:
                                              css_classes=["wb-replay-at"], width=110,
                                              placeholder="run's own",
                                              **names(pn.widgets.IntInput, "")),
-        "target": pn.widgets.Select.from_param(store.param.replay_target,
-                                               css_classes=["wb-replay-target"], width=170,
-                                               **names(pn.widgets.Select, "")),
+        "knobs": replay_knob_panels(store.replay_knobs),
     }
-    for key, doc in (("prefetch", store.param.replay_prefetch.doc),
-                     ("scope", store.param.replay_scope.doc),
-                     ("target", store.param.replay_target.doc)):
-        if "description" in w[key].param:
-            w[key].description = doc
+    if "description" in w["scope"].param:
+        w["scope"].description = store.param.replay_scope.doc
     w["slots"]._wb_link = _SlotsLink(store, w["slots"])  # keep the link alive with the widget
     return w

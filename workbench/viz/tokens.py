@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,6 +28,7 @@ import xarray as xr
 from plotly.subplots import make_subplots
 
 from workbench.errors import InputError
+from workbench.telemetry.metadata import attr_json
 
 __all__ = ["token_overlay_figure", "run_images", "open_run_image", "DISPLAY_PX", "KEPT_COLOR",
            "PRUNED_COLOR"]
@@ -58,14 +58,13 @@ def open_run_image(image: Any) -> tuple[Any, str]:
 
 
 def run_images(attrs: dict[str, Any]) -> list[tuple[Any, str]]:
-    """The run's input images from its attrs ``images`` (a JSON list of paths), each as
-    :func:`open_run_image` gives it. Relative paths are taken from the working directory."""
-    raw = attrs.get("images", "[]")
-    try:
-        items = json.loads(raw) if isinstance(raw, str) else list(raw)
-    except ValueError:
-        items = []
-    return [open_run_image(i) for i in items]
+    """The run's input images from its attrs ``images`` (a JSON list of paths, read by
+    :class:`~workbench.telemetry.metadata.RunMetadata`), each as :func:`open_run_image` gives
+    it; none when the attribute is missing or malformed (the overlay draws canvases). Relative
+    paths are taken from the working directory."""
+    from workbench.telemetry.metadata import RunMetadata
+
+    return [open_run_image(i) for i in RunMetadata.from_attrs(attrs, strict=False).images]
 
 
 def _data_uri(img: Any, size: tuple[int, int]) -> str:
@@ -102,7 +101,7 @@ def token_overlay_figure(tokens: xr.Dataset, images: Sequence[tuple[Any, str]] =
     whose points are the cell centres — one point per visual token, so
     ``len(trace.x)`` counts the kept / pruned tokens of that image.
     """
-    grids = json.loads(tokens.attrs["grids"])
+    grids = attr_json(tokens.attrs, "grids") or []
     n = len(grids)
     if n == 0:
         raise InputError("the run has no image, so there are no visual tokens to draw")

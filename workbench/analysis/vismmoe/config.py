@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workbench.errors import InputError
-from workbench.runtime.plan import MemoryPlan
-from workbench.runtime.profiles import get_target_model
+from workbench.sim.plan import MemoryPlan
+from workbench.sim.profiles import get_target_model
 
 TARGET = "qwen3-vl-30b-a3b"
 PROFILE = "a100-40gb"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from workbench.analysis.vismmoe.config import PROFILE, TARGET
-from workbench.runtime.profiles import get_target_model
+from workbench.sim.profiles import get_target_model
 
 
 def modeled_costs(top_k: int, prompt_tokens: int, prefill_experts_per_layer: float
@@ -20,8 +20,8 @@ def modeled_costs(top_k: int, prompt_tokens: int, prefill_experts_per_layer: flo
     compute of a decode step (1 token, ``top_k`` experts) and of a prefill (``prompt_tokens``
     spread over ``prefill_experts_per_layer`` experts), against copying one expert and against
     copying all of them (the layer's demand on a cold cache). Modeled."""
-    from workbench.runtime.clocks import CostSpec
-    from workbench.runtime.profiles import get_profile
+    from workbench.sim.costs import CostSpec
+    from workbench.sim.profiles import get_profile
 
     p = get_profile(PROFILE)
     c = CostSpec.from_target(get_target_model(TARGET))

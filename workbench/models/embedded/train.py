@@ -201,13 +201,6 @@ def user_message(question: str, with_image: bool) -> dict:
     return {"role": "user", "content": [*content, {"type": "text", "text": question}]}
 
 
-def build_prompt(tokenizer: PreTrainedTokenizerFast, question: str) -> str:
-    """Render the chat template for one image + question, ending with the assistant header."""
-    return tokenizer.apply_chat_template(
-        [user_message(question, with_image=True)], tokenize=False, add_generation_prompt=True
-    )
-
-
 def conversation_ids(
     tokenizer: PreTrainedTokenizerFast, turns: list[tuple[str, str]], n_image_tokens: int, with_answers: bool
 ) -> tuple[list[int], list[int]]:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 from workbench.errors import KnobError, PlanError
 
 _GB = 1e9
@@ -160,10 +158,3 @@ class MemoryPlan:
             hints.append(f"cache_slots ≤ {max_slots}")
         raise PlanError(msg + "; set " + " or ".join(hints) + ", or choose a larger profile")
 
-
-def device_budget(device: torch.device) -> float:
-    """Free memory of a CUDA device plus what the model already holds there; 0 on CPU."""
-    if device.type != "cuda":
-        return 0.0
-    free, _total = torch.cuda.mem_get_info(device)
-    return float(free + torch.cuda.memory_allocated(device))

@@ -1,4 +1,6 @@
-"""The expert cache: a fixed pool of pre-allocated device slots, one routed expert each.
+"""The expert cache's bookkeeping: which (layer, expert) occupies which of a fixed number of
+slots, one routed expert each. The slots' tensors, when there are any, belong to the live
+runtime (:class:`workbench.runtime.slots.SlotPool`); this module never imports torch.
 
 Invariants (checked by tests):
 - ``slot_of[key] == s``  ⇔  ``key_in[s] == key``; at most ``num_slots`` experts are resident.
@@ -15,7 +17,6 @@ from __future__ import annotations
 from typing import Hashable, Iterable
 
 import numpy as np
-import torch
 
 from workbench.policies.eviction import EvictionPolicy
 
@@ -23,21 +24,16 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 class ExpertCache:
-    """Slot bookkeeping + the device pool tensors (``pool[name]`` is ``[num_slots, ...]``)."""
+    """Slot bookkeeping of one pool of ``num_slots`` slots under one eviction policy."""
 
-    def __init__(self, num_slots: int, policy: EvictionPolicy, num_layers: int, num_experts: int,
-                 param_shapes: dict[str, tuple[int, ...]] | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_slots: int, policy: EvictionPolicy, num_layers: int,
+                 num_experts: int) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, not {num_slots}")
         self.num_slots = num_slots
         self.policy = policy
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self.pool: dict[str, torch.Tensor] = {
-            name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
-            for name, shape in (param_shapes or {}).items()
-        }
         self.slot_of: dict[Key, int] = {}
         self.key_in: list[Key | None] = [None] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -56,8 +52,17 @@ class ExpertCache:
             r[layer, expert] = True
         return r
 
-    def slot_view(self, slot: int) -> dict[str, torch.Tensor]:
-        return {n: t[slot] for n, t in self.pool.items()}
+    def slot(self, key: Key) -> int | None:
+        """The slot ``key`` occupies, or None when it is not resident."""
+        return self.slot_of.get(key)
+
+    def free_slots(self) -> int:
+        """Slots that hold no expert."""
+        return self.num_slots - len(self.slot_of)
+
+    def resident(self) -> list[Key]:
+        """The resident keys (any order)."""
+        return list(self.slot_of)
 
     # -- accesses ----------------------------------------------------------------------------
     def lookup(self, layer: int, experts: Iterable[int]) -> tuple[list[int], list[int]]:

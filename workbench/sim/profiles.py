@@ -243,11 +243,6 @@ class TargetModel:
         """Bytes of all routed experts of one MoE layer (``S_layer`` in the pinned-prefix bound)."""
         return self.num_experts * self.expert_bytes
 
-    @property
-    def total_expert_bytes(self) -> int:
-        """Bytes of every routed expert of the model, as offloaded."""
-        return self.num_layers * self.layer_expert_bytes
-
 
 # ---------------------------------------------------------------------------------------------
 # Hardware profiles

@@ -1,0 +1,89 @@
+"""What one run produced, as plain data (the CLI prints it, the store keeps it as JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RunResult:
+    """What one request produced. Latencies: *measured* = wall time here, *modeled* = the
+    hardware profile's timeline. ``hit_rate`` counts offloaded (non-pinned) layers only."""
+
+    text: str
+    token_ids: list[int]
+    steps: int
+    hits: int
+    misses: int
+    loads: int
+    evictions: int
+    latency_measured_s: float
+    latency_modeled_s: float
+    stall_measured_s: float
+    stall_modeled_s: float
+    prefill_measured_s: float
+    prefill_modeled_s: float
+    transfer_bytes: int
+    transfer_bytes_modeled: int
+    store: str | None
+    knobs: dict[str, Any]
+    model_id: str
+    stopped: bool = False
+    pre_evictions: int = 0  # ActiveEvict evictions ahead of demand (included in evictions)
+    host_runs: int = 0  # hybrid mode: misses run on the host copy (in misses, not in loads)
+    # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
+    # reached the layers after the pinned prefix; measured seconds of the selection (prefix
+    # routing + policy) and of the vision-saliency recomputation
+    visual_tokens: int = 0
+    kept_visual_tokens: int = 0
+    compression_select_s: float = 0.0
+    compression_saliency_s: float = 0.0
+    # lookahead predictor (predictor or prefetch = vismmoe): measured seconds per call
+    predictor_cost: dict[str, Any] = field(default_factory=dict)
+    # the eviction policy's own counters (slab: victims and fallbacks), when it keeps any
+    eviction_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["hit_rate"] = None if np.isnan(self.hit_rate) else self.hit_rate
+        return d
+
+    def summary(self) -> str:
+        hr = "n/a (no offloaded layer)" if np.isnan(self.hit_rate) else f"{self.hit_rate:.1%}"
+        k = self.knobs
+        lines = [
+            f"answer: {self.text}",
+            f"model {self.model_id} · {self.steps} steps (1 prefill + {self.steps - 1} decode) · "
+            f"cache_slots={k.get('cache_slots')} pinned_layers={k.get('pinned_layers')} "
+            f"eviction={k.get('eviction')}",
+            f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "
+            f"{self.loads} loads, {self.evictions} evictions"
+            + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else "")
+            + (f" · {self.host_runs} misses run on the host copy (hybrid)"
+               if self.host_runs else ""),
+            f"measured: {self.latency_measured_s * 1e3:.1f} ms total "
+            f"(prefill {self.prefill_measured_s * 1e3:.1f} ms), stall "
+            f"{self.stall_measured_s * 1e3:.2f} ms, {self.transfer_bytes / 1e6:.2f} MB moved",
+            f"modeled ({k.get('profile')}, costs of {k.get('target_model')}): "
+            f"{self.latency_modeled_s * 1e3:.1f} ms total (prefill "
+            f"{self.prefill_modeled_s * 1e3:.1f} ms), stall {self.stall_modeled_s * 1e3:.1f} ms, "
+            f"{self.transfer_bytes_modeled / 1e6:.1f} MB moved",
+        ]
+        if k.get("compression", "none") != "none" and self.visual_tokens:
+            lines.append(
+                f"compression {k.get('compression')} (beta={k.get('beta')}, lam={k.get('lam')}): "
+                f"kept {self.kept_visual_tokens}/{self.visual_tokens} visual tokens after "
+                f"{k.get('pinned_layers')} pinned layers; selection "
+                f"{self.compression_select_s * 1e3:.2f} ms, saliency "
+                f"{self.compression_saliency_s * 1e3:.2f} ms (measured)")
+        if self.store:
+            lines.append(f"store: {self.store}")
+        return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""One run: a batch of requests served by a :class:`~workbench.runtime.runtime.Runtime`.
+
+:class:`RunSession` holds every piece of per-run state explicitly (the knobs of the run, the
+offloader and its core, the recorder, the step in progress, the events, the tokens), so a
+Runtime serves runs without changing itself: two sessions of one Runtime share the model and
+nothing else. Its life is ``install`` (policies, offloader, compression, predictor, store) →
+one ``step_started`` / ``step_ended`` pair per model forward (prefill, then one per decode
+token) → ``token`` per generated token → ``finish`` (the result; the store closed
+``complete``), or ``fail`` on any error (the store closed ``failed``).
+
+Requests are a list from the start; today a batch holds one request (transformers'
+``generate`` of one sequence, and visual-token compression, assume it), and a longer list is
+refused with a clear error — the expert-parallel batch extends this class, it does not rewrite
+it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from workbench.compression.placement import PrunedPlacement, check_supported
+from workbench.compression.policies import COMPRESSION
+from workbench.errors import InputError
+from workbench.knobs import Knobs
+from workbench.models.inputs import Request, build_inputs, modality_of
+from workbench.options import get_options
+from workbench.policies.active_evict import ActiveEvict
+from workbench.policies.eviction import EVICTION
+from workbench.policies.prefetch import PREFETCH
+from workbench.runtime.clocks import measured_spans
+from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.result import RunResult
+from workbench.sim.costs import Prices
+from workbench.sim.profiles import get_profile
+from workbench.telemetry.events import StepEvent
+from workbench.telemetry.store import Recorder
+
+if TYPE_CHECKING:
+    from workbench.runtime.runtime import Runtime
+
+
+class _Streamer:
+    """transformers streamer protocol: ``put`` gets the prompt once, then each new token."""
+
+    def __init__(self, on_token: Callable[[int], None]) -> None:
+        self._seen_prompt = False
+        self.on_token = on_token
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        for t in value.reshape(-1).tolist():
+            self.on_token(int(t))
+
+    def end(self) -> None:
+        pass
+
+
+class _StopOnEvent:
+    """A stopping criterion that ends generation when ``event`` is set (the UI's Stop)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class RunSession:
+    """The state of one run (see the module docstring)."""
+
+    def __init__(self, runtime: "Runtime", knobs: Knobs, requests: list[Request], *,
+                 store_path=None, overwrite: bool = False,
+                 on_token: Callable[[int, str], None] | None = None,
+                 stop: threading.Event | None = None,
+                 logits_processor: list | None = None) -> None:
+        if len(requests) != 1:
+            raise InputError(f"a run serves a batch of exactly 1 request today, not "
+                             f"{len(requests)}")
+        self.runtime, self.knobs, self.requests = runtime, knobs, requests
+        self.store_path, self.overwrite = store_path, overwrite
+        self.on_token, self.stop = on_token, stop
+        self.logits_processor = list(logits_processor or [])
+        lm = runtime.lm
+        self.inputs = build_inputs(lm, requests[0], knobs.max_new_tokens)
+        self.live_plan, self.modeled_plan = runtime.plans(knobs)
+        self.live_plan.check()
+        self.modeled_plan.check()
+        self.cost = runtime.cost_spec(knobs)
+        self.prices = Prices(get_profile(knobs.profile), self.cost)
+        self.t0 = time.perf_counter()
+        self.probe = StepProbe(self.t0)
+        self.pinned = [b.index < knobs.pinned_layers for b in lm.layout.blocks]
+        self.step = -1
+        self.step_t0 = 0.0
+        self.events: list[StepEvent] = []  # finished steps, in order
+        self.pending: list[StepEvent] = []  # forwards whose token has not come yet
+        self.generated: list[int] = []
+        self.recorder: Recorder | None = None
+        self.offloader: Offloader | None = None
+        self.placement: PrunedPlacement | None = None
+        self.predictor = None
+
+    # -- install ---------------------------------------------------------------------------
+    def _install(self) -> None:
+        """The run's policies, offloader, token compression and predictor (nothing enters
+        the model yet: :meth:`run` enters them)."""
+        k, rt = self.knobs, self.runtime
+        lay = rt.lm.layout
+        kd = k.to_dict()
+        self.policy = EVICTION.create(k.eviction, **kd)
+        prefetcher = PREFETCH.create(k.prefetch, **kd)
+        comp = COMPRESSION.create(k.compression, **kd)
+        if comp.prunes and bool((self.inputs.modality != 0).any()):  # text only: no pruning
+            check_supported(rt.lm.model, self.inputs.input_ids)
+            self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
+        self.offloader = Offloader(
+            lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
+            self.prices, lookahead_depth=k.lookahead_depth,
+            active_evict=(ActiveEvict.from_knobs(k, lay.num_layers, lay.num_experts)
+                          if k.active_evict else None),
+            dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
+            prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
+            pruning=self.placement, hybrid=bool(k.hybrid))
+        if rt.uses_predictor(k):
+            from workbench.predictor.policy import LivePredictor
+
+            self.predictor = LivePredictor(rt.lm.model, lay, rt.predictor(k),
+                                           rt.predictor_budget(k), placement=self.placement)
+            if hasattr(prefetcher, "attach"):
+                prefetcher.attach(self.predictor)
+            if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
+                self.policy.attach(self.predictor)
+
+    def _open_store(self) -> None:
+        if self.store_path is None:
+            return
+        k, rt = self.knobs, self.runtime
+        lay = rt.lm.layout
+        # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
+        store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
+        self.recorder = Recorder(
+            self.store_path, lay.num_layers, lay.num_experts, store_k,
+            attrs=rt.run_attrs(k, self.requests[0], self.inputs, self.live_plan,
+                               self.modeled_plan),
+            pinned=self.pinned, overwrite=self.overwrite,
+            flush_every=get_options()["flush_every"],
+            flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
+            pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1)
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Install, generate, finish; on any error the store is closed ``failed``."""
+        try:
+            self._install()
+            self._open_store()  # inside the try: a failure from here on closes it
+            model = self.runtime.lm.model
+            with self.offloader, (self.placement or contextlib.nullcontext()), \
+                    (self.predictor or contextlib.nullcontext()):
+                h1 = model.register_forward_pre_hook(self._step_started, with_kwargs=True)
+                h2 = model.register_forward_hook(self._step_ended, with_kwargs=True)
+                try:
+                    with torch.no_grad():
+                        model.generate(**self.inputs.tensors, **self._generate_kwargs())
+                finally:
+                    h1.remove()
+                    h2.remove()
+            for ev in self.pending:  # a forward whose token never came (stopped): keep it
+                self._keep(ev)
+            self.pending = []
+            return self._finish()
+        except BaseException as e:
+            if self.recorder is not None:
+                try:
+                    self.recorder.close("failed", error=f"{type(e).__name__}: {e}")
+                except Exception:  # never hide the original error
+                    pass
+            raise
+
+    def _generate_kwargs(self) -> dict[str, Any]:
+        k = self.knobs
+        kw: dict[str, Any] = dict(max_new_tokens=k.max_new_tokens, do_sample=k.sampling,
+                                  streamer=_Streamer(self._token))
+        if k.ignore_eos:
+            kw["min_new_tokens"] = k.max_new_tokens
+        if k.sampling:
+            torch.manual_seed(k.seed)
+            kw.update(temperature=k.temperature, top_p=k.top_p)
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        if self.stop is not None:
+            from transformers import StoppingCriteriaList
+
+            kw["stopping_criteria"] = StoppingCriteriaList([_StopOnEvent(self.stop)])
+        if self.logits_processor:
+            from transformers import LogitsProcessorList
+
+            kw["logits_processor"] = LogitsProcessorList(self.logits_processor)
+        return kw
+
+    # -- per step ----------------------------------------------------------------------------
+    def _step_started(self, module, args, kwargs) -> None:
+        self.step += 1
+        self.probe.begin(self.step, self.offloader.sim.lanes.compute)
+        self.step_t0 = time.perf_counter()
+
+    def _step_ended(self, module, args, kwargs, output) -> None:
+        t_end = time.perf_counter()
+        lm, probe, off = self.runtime.lm, self.probe, self.offloader
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if ids is not None else torch.zeros(0, dtype=torch.long)
+        step = self.step
+        ev = StepEvent(step=step, phase=0 if step == 0 else 1,
+                       token_ids=ids.reshape(-1).cpu().numpy(),
+                       modality=modality_of(ids, lm.image_token_id, lm.video_token_id),
+                       layers=list(probe.layers), step_start_s=self.step_t0 - self.t0,
+                       latency_measured_s=t_end - self.step_t0)
+        ev.residency = off.sim.residency()
+        if self.placement is not None and step == 0:
+            self.placement.scatter_event(ev)
+        if self.predictor is not None:  # what the predictor said, for replay
+            ev.predicted_ids, ev.predicted_scores = self.predictor.step_predictions(step)
+        transfers = off.engine.drain() if off.engine is not None else []
+        measured_spans(ev, probe.stalls, transfers, self.t0)
+        # the modeled clock: the core priced every layer of the step as it ran
+        ev.spans.extend(probe.modeled)
+        ev.latency_modeled_s = off.sim.lanes.compute - probe.modeled_start
+        ev.stall_modeled_s = probe.stall_modeled_s
+        ev.transfer_bytes_modeled = probe.moved * int(self.cost.expert_bytes)
+        self.pending.append(ev)
+
+    def _token(self, token: int) -> None:
+        self.generated.append(token)
+        if self.pending:
+            ev = self.pending.pop(0)
+            ev.generated_token = token
+            self._keep(ev)
+        if self.on_token is not None:
+            tok = self.runtime.lm.tokenizer
+            self.on_token(token, tok.decode(self.generated, skip_special_tokens=True))
+
+    def _keep(self, ev: StepEvent) -> None:
+        self.events.append(ev)
+        if self.recorder is not None:
+            self.recorder.add(ev)
+
+    # -- finish ----------------------------------------------------------------------------
+    def _finish(self) -> RunResult:
+        """The run's result from its events; the store is closed ``complete`` with it."""
+        k, lm, events = self.knobs, self.runtime.lm, self.events
+        counters = self.offloader.sim.counters()
+        placement, stop = self.placement, self.stop
+        result = RunResult(
+            text=lm.tokenizer.decode(self.generated, skip_special_tokens=True).strip(),
+            token_ids=self.generated, steps=len(events),
+            hits=int(counters["hits"].sum()), misses=int(counters["misses"].sum()),
+            loads=int(counters["loads"].sum()), evictions=int(counters["evictions"].sum()),
+            latency_measured_s=sum(e.latency_measured_s for e in events),
+            latency_modeled_s=sum(e.latency_modeled_s for e in events),
+            stall_measured_s=sum(e.stall_measured_s for e in events),
+            stall_modeled_s=sum(e.stall_modeled_s for e in events),
+            prefill_measured_s=events[0].latency_measured_s if events else 0.0,
+            prefill_modeled_s=events[0].latency_modeled_s if events else 0.0,
+            transfer_bytes=sum(e.transfer_bytes for e in events),
+            transfer_bytes_modeled=sum(e.transfer_bytes_modeled for e in events),
+            store=str(self.store_path) if self.store_path is not None else None,
+            knobs=k.to_dict(), model_id=lm.model_id,
+            stopped=bool(stop is not None and stop.is_set()),
+            pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
+            host_runs=sum(len(le.host) for e in events for le in e.layers))
+        if placement is not None:
+            result.visual_tokens = placement.num_visual
+            result.kept_visual_tokens = (int(placement.kept_visual.numel())
+                                         if placement.kept_visual is not None else 0)
+            result.compression_select_s = placement.select_s
+            result.compression_saliency_s = placement.saliency_s
+        if self.predictor is not None:
+            result.predictor_cost = self.predictor.cost_summary()
+        if hasattr(self.policy, "stats"):
+            result.eviction_stats = self.policy.stats()
+        if self.recorder is not None:
+            self.recorder.close("complete", summary=json.dumps(result.to_json()),
+                                compression_visual_tokens=result.visual_tokens,
+                                compression_kept_visual_tokens=result.kept_visual_tokens,
+                                compression_select_s=result.compression_select_s,
+                                compression_saliency_s=result.compression_saliency_s,
+                                **({"predictor_cost": json.dumps(result.predictor_cost)}
+                                   if self.predictor is not None else {}))
+        return result
+

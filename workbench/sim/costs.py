@@ -1,0 +1,132 @@
+"""What the modeled clock prices work with: sizes of one expert and one layer's dense part,
+and the per-operation prices a :class:`~workbench.sim.profiles.HardwareProfile` gives them.
+
+:class:`CostSpec` holds sizes (bytes; FLOPs per token); :class:`Prices` binds one to a profile
+and is the single place a group's modeled durations come from (live runs and replay alike;
+replay prices many counts at once with :meth:`Prices.many`, which calls the same methods).
+The hybrid rule (:func:`runs_on_host`) lives here because it is a comparison of prices.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from workbench.sim.profiles import HardwareProfile, TargetModel
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Sizes the modeled clock prices work with (bytes; FLOPs per token)."""
+
+    source: str  # "loaded model" or a target model name
+    expert_bytes: float
+    expert_flops_per_token: float
+    dense_bytes_per_layer: float
+    dense_flops_per_token_per_layer: float
+    # hidden-state bytes of one token (hidden size × dtype bytes): what hybrid mode moves over
+    # the link to run an expert on the host and back; 0 in stores written before it existed
+    activation_bytes_per_token: float = 0.0
+
+    @classmethod
+    def from_target(cls, target: TargetModel) -> "CostSpec":
+        """Costs of a real model: each MoE layer of the trace is priced as one of its layers."""
+        return cls(
+            source=target.name,
+            expert_bytes=float(target.expert_bytes),
+            expert_flops_per_token=float(target.expert_flops_per_token),
+            dense_bytes_per_layer=target.backbone_bytes / target.num_layers,
+            dense_flops_per_token_per_layer=float(target.dense_flops_per_token_per_layer),
+            activation_bytes_per_token=float(target.hidden_size * 2),  # bf16 hidden states
+        )
+
+
+def layer_tokens(num_tokens: int, kept: np.ndarray | None, topk_ids: np.ndarray) -> int:
+    """Tokens of a step of ``num_tokens`` that reach a layer whose routing is ``topk_ids``
+    ``[T, k]``: every token that was kept (``kept`` None = all: ``num_tokens``) or that the
+    layer routed (a pruned visual token still runs the pinned prefix, where it has routing;
+    behind the prefix its routing is all -1). Trace grouping counts the same way
+    (:meth:`workbench.traces.trace.Trace.groups`)."""
+    if kept is None:
+        return num_tokens
+    kept = np.asarray(kept, bool)
+    T = int(topk_ids.shape[0])
+    if kept.all() or len(kept) != T:
+        return num_tokens
+    ids = np.asarray(topk_ids).reshape(T, -1)
+    return int((kept | (ids >= 0).any(1)).sum())
+
+
+def host_expert_time(profile: HardwareProfile, cost: CostSpec, n_tokens: int) -> float:
+    """Modeled seconds to run one routed expert for ``n_tokens`` on the host copy (GPU–CPU
+    hybrid mode): the tokens' hidden states cross the link to the host and the outputs come
+    back (two transfers), and the host computes the expert over its weights in host memory."""
+    act = n_tokens * cost.activation_bytes_per_token
+    return 2 * profile.transfer_time(act) + profile.host_compute_time(
+        n_tokens * cost.expert_flops_per_token, cost.expert_bytes)
+
+
+def runs_on_host(profile: HardwareProfile, cost: CostSpec, n_tokens: int) -> bool:
+    """The hybrid rule (seed VisMMOE §3.4 "GPU–CPU hybrid"; the comparison Fiddler makes): a
+    missed expert runs on the host when doing so ends sooner than copying it and computing it
+    on the device, i.e. ``host_expert_time(n) < transfer_time(expert_bytes) +
+    compute_time(n·flops, expert_bytes)``. It depends only on the expert's token count, so the
+    live runtime and trace replay decide every miss the same way. Decode (one token) usually
+    goes to the host, large prefill groups to the device."""
+    device = profile.transfer_time(cost.expert_bytes) + profile.compute_time(
+        n_tokens * cost.expert_flops_per_token, cost.expert_bytes)
+    return host_expert_time(profile, cost, n_tokens) < device
+
+
+class Prices:
+    """Modeled seconds of the operations of one group, for one (profile, cost) pair.
+
+    Every price is a method of one argument, memoised per instance:
+    ``dense(T)``: attention, router and shared experts of one MoE layer over T tokens;
+    ``expert(n)``: one routed expert over n tokens on the device; ``transfer``: one expert over
+    the link; ``host(n)`` / ``on_host(n)``: hybrid mode's host run and its rule. ``cost`` None
+    (a trace without model sizes) prices nothing: :attr:`available` is False and every price is
+    0, so hit counts stay exact while times are reported as unavailable.
+    """
+
+    def __init__(self, profile: HardwareProfile, cost: CostSpec | None) -> None:
+        self.profile = profile
+        self.cost = cost
+        self.available = cost is not None
+        self.transfer = profile.transfer_time(cost.expert_bytes) if cost is not None else 0.0
+        # a live run prices the same few token counts at every layer: remember them
+        self.dense = functools.lru_cache(maxsize=4096)(self._dense)
+        self.expert = functools.lru_cache(maxsize=4096)(self._expert)
+        self.host = functools.lru_cache(maxsize=4096)(self._host)
+        self.on_host = functools.lru_cache(maxsize=4096)(self._on_host)
+
+    def _dense(self, tokens: int) -> float:
+        c = self.cost
+        if c is None:
+            return 0.0
+        return self.profile.compute_time(tokens * c.dense_flops_per_token_per_layer,
+                                         c.dense_bytes_per_layer)
+
+    def _expert(self, tokens: int) -> float:
+        c = self.cost
+        if c is None:
+            return 0.0
+        return self.profile.compute_time(tokens * c.expert_flops_per_token, c.expert_bytes)
+
+    def _host(self, tokens: int) -> float:
+        return host_expert_time(self.profile, self.cost, tokens) if self.cost is not None else 0.0
+
+    def _on_host(self, tokens: int) -> bool:
+        return runs_on_host(self.profile, self.cost, tokens) if self.cost is not None else False
+
+    @staticmethod
+    def many(fn: Callable[[int], float], counts: np.ndarray, dtype=np.float64) -> np.ndarray:
+        """``fn`` of every element of ``counts``, calling ``fn`` once per distinct count."""
+        counts = np.asarray(counts).reshape(-1)
+        if counts.size == 0:
+            return np.zeros(0, dtype)
+        vals, inv = np.unique(counts, return_inverse=True)
+        return np.array([fn(int(v)) for v in vals], dtype)[inv.reshape(-1)]

@@ -1,0 +1,82 @@
+"""Placement: where each expert of the model may live.
+
+Vocabulary (that of vLLM's EPLB, so the expert-parallel work extends this module rather than
+inventing a second one): a **logical** expert is the model's (layer, expert); a **physical**
+expert is one copy of it in some pool of slots; a logical expert may have several physical
+copies (**redundant** experts) — ``logcnt[layer, expert]`` counts them, ``log2phy`` lists them
+and ``phy2log`` maps a physical copy back. Today every run is on one device: each logical
+expert has exactly one physical copy, in the single pool of its layer (``scope="global"``: one
+pool of slots shared by every offloaded layer; ``"per-layer"``: one pool per offloaded layer),
+and every pool lives on rank 0.
+
+Layers of the pinned prefix are resident: they are in no pool.
+
+Invariants: ``pool_of_layer[l]`` is a valid pool index for every offloaded layer;
+``pool_slots[p] ≥ 1``; ``rank_of_pool[p] == 0`` (one device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.errors import KnobError
+
+SCOPES = ("global", "per-layer")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Pools of slots and which layers each serves (see the module docstring)."""
+
+    num_layers: int
+    num_experts: int
+    pinned: np.ndarray  # bool [L]: layer of the pinned prefix (resident, in no pool)
+    pool_of_layer: np.ndarray  # int64 [L]: the pool serving each layer (ignored when pinned)
+    pool_slots: np.ndarray  # int64 [P]: slots of each pool
+    scope: str = "global"
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pool_slots)
+
+    @property
+    def rank_of_pool(self) -> np.ndarray:
+        """int64 [P]: the expert-parallel rank holding each pool (one device: all 0)."""
+        return np.zeros(self.num_pools, np.int64)
+
+    @property
+    def logcnt(self) -> np.ndarray:
+        """int64 [L, E]: physical copies of each logical expert (one each; 0 none: pinned)."""
+        c = np.ones((self.num_layers, self.num_experts), np.int64)
+        c[self.pinned] = 0
+        return c
+
+    @classmethod
+    def single_device(cls, num_layers: int, num_experts: int, top_k: int, pinned_layers: int,
+                      cache_slots: int, scope: str = "global") -> "Placement":
+        """The pools of one device: ``cache_slots`` slots shared by the offloaded layers
+        (``global``), or split evenly among them (``per-layer``). A pool never has more slots
+        than the experts it can hold. The knobs were checked against the model
+        (:meth:`workbench.knobs.Knobs.check`: ``pinned_layers`` ≤ layers, ``cache_slots`` ≥
+        top-k); what only a placement knows raises :class:`KnobError` here: an unknown scope, or
+        a per-layer share below top-k."""
+        L, E = num_layers, num_experts
+        if scope not in SCOPES:
+            raise KnobError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+        pinned = np.arange(L) < pinned_layers
+        n_off = int((~pinned).sum())
+        if scope == "global":
+            pool_of_layer = np.zeros(L, np.int64)
+            pool_slots = np.array([max(min(cache_slots, n_off * E), 1)], np.int64)
+        else:
+            share = cache_slots // max(n_off, 1)
+            if n_off and share < top_k:
+                raise KnobError(
+                    f"cache_slots must give every offloaded layer at least top-k = {top_k} "
+                    f"slots with scope=per-layer ({n_off} layers → ≥ {n_off * top_k}), "
+                    f"not {cache_slots}")
+            pool_of_layer = np.arange(L, dtype=np.int64)
+            pool_slots = np.full(L, max(min(share, E), 1), np.int64)
+        return cls(L, E, pinned, pool_of_layer, pool_slots, scope)

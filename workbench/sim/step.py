@@ -1,0 +1,311 @@
+"""The one step function: what the expert cache does for one (step, layer) group.
+
+:meth:`Simulator.step` takes one :class:`Access` (the distinct experts a layer routed to in
+one step, with their modeled prices and the feature inputs: prefetch candidates, the hybrid
+rule's picks, a pre-eviction hook) and decides, in this order (seed VisMMOE §3.4: a miss blocks
+only on that expert):
+
+1. the layer's dense work runs on the compute lane (``dense_s``);
+2. **pinned** layer: every expert is resident (a *pinned access*, not a cache hit); the
+   pre-eviction hook and the prefetch candidates run at once; the experts compute;
+3. **offloaded** layer: look up every routed expert (hits, misses); misses the hybrid rule
+   picks run on the host lane and are not loaded; the other misses are queued on the transfer
+   lane (FIFO) and admitted into slots in order (:class:`~workbench.sim.cache.LayerFill`:
+   issue → hits computed → issue → per admitted miss: computed → issue); as soon as every
+   miss has a slot, the pre-eviction hook (ActiveEvict) and then the prefetch candidates run,
+   the prefetches queued on the transfer lane behind the misses; hits compute first (a
+   prefetched expert still in flight stalls until it lands), then the misses in order, each
+   when its transfer is done; the layer ends when the host lane has delivered too.
+
+It returns an :class:`Outcome`: the counts, the modeled times, and a **schedule** — the
+ordered actions the live runtime executes on real tensors: ``("load", expert, slot, victim)``,
+``("prefetch", key, slot, victim)``, ``("pre_evict", key)``, ``("hits", slots of the hits)``,
+``("host", expert)``, ``("miss", expert)`` (computed from the slot its ``load`` named). Slots
+are those of the instant the action runs: later actions of the same step may reuse them. The live offloader and the Python replay engine
+both call this function; the numba kernel (:mod:`workbench.replay.kernel`) is the checked fast
+path of the same semantics. A new mechanism (a rank, a precision, a sub-expert) extends this
+module once.
+
+Times are modeled seconds on the lanes of :class:`Lanes` (per rank when ranks come).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from workbench.policies.eviction import EvictionPolicy
+from workbench.sim.cache import ExpertCache, Key
+from workbench.sim.placement import Placement
+
+# lanes of a modeled span (the same codes as workbench.telemetry.events.LANES)
+COMPUTE, TRANSFER, STALL, HOST = 0, 1, 2, 3
+
+PreEvict = Callable[[ExpertCache, set], list]
+
+
+@dataclass
+class Access:
+    """One (step, layer) group. ``experts`` are the layer's distinct routed experts (in the
+    order the cache looks them up); ``compute_s`` / ``tokens`` are aligned with them."""
+
+    step: int
+    layer: int
+    experts: Sequence[int]
+    compute_s: Sequence[float]  # modeled seconds of each expert on the device
+    dense_s: float = 0.0  # modeled seconds of the layer's dense work
+    prefetch: Sequence[Key] = ()  # candidates (layer, expert), in order, already selected
+    on_host: Sequence[bool] | None = None  # hybrid: run this expert on the host if missed
+    host_s: Sequence[float] | None = None  # hybrid: modeled host seconds of each expert
+    pre_evict: PreEvict | None = None  # called once every miss has a slot (ActiveEvict)
+    group: int = -1  # index handed to the policies' begin_group (replay: group; live: -1)
+
+
+@dataclass
+class Outcome:
+    """What :meth:`Simulator.step` decided for one group (see the module docstring)."""
+
+    pinned: bool
+    hits: list[int] = field(default_factory=list)  # cache hits (offloaded layers only)
+    misses: list[int] = field(default_factory=list)  # every miss, host runs included
+    host: list[int] = field(default_factory=list)  # misses run on the host (hybrid)
+    evicted: list[Key] = field(default_factory=list)  # by admissions and prefetches, in order
+    redundant: list[Key] = field(default_factory=list)  # evicted, prefetched, never used
+    prefetched: list[Key] = field(default_factory=list)
+    prefetch_hits: int = 0  # hits on experts a prefetch brought in
+    pre_evicted: list[Key] = field(default_factory=list)
+    schedule: list[tuple] = field(default_factory=list)
+    stall_s: float = 0.0  # modeled
+    end_s: float = 0.0  # modeled: when the group's output is ready on the compute lane
+    moved: int = 0  # experts copied over the link (loads + prefetches)
+    spans: list[tuple] = field(default_factory=list)  # (lane, layer, expert, start, end)
+
+
+@dataclass
+class Lanes:
+    """Modeled timeline of one device: when each lane is next free (seconds)."""
+
+    compute: float = 0.0
+    transfer: float = 0.0
+    host: float = 0.0
+
+
+class Simulator:
+    """The caching semantics of one run over a :class:`Placement`: one cache per pool, one
+    access clock shared by the pools, the modeled lanes, and the prefetch bookkeeping that
+    spans groups (which resident experts a prefetch brought in and whether they were used).
+
+    ``policy_factory()`` makes one eviction policy per pool. ``record_spans`` keeps the modeled
+    spans of each group in its :class:`Outcome` (the live runtime stores them; replay does not
+    need them)."""
+
+    def __init__(self, placement: Placement, policy_factory: Callable[[], EvictionPolicy], *,
+                 transfer_s: float = 0.0, record_spans: bool = False) -> None:
+        self.placement = placement
+        L, E = placement.num_layers, placement.num_experts
+        self.pools = [ExpertCache(int(n), policy_factory(), L, E) for n in placement.pool_slots]
+        self.transfer_s = float(transfer_s)
+        self.record_spans = record_spans
+        self.lanes = Lanes()
+        self.clock = 0  # the pools' shared logical access clock
+        self.pinned_accesses = np.zeros(L, np.int64)
+        self._used: dict[Key, bool] = {}  # resident key → used since it was loaded
+        self._prefetched: set[Key] = set()  # resident by a prefetch, not yet hit
+        self._ready: dict[Key, float] = {}  # modeled time each loaded expert lands
+
+    # -- queries ------------------------------------------------------------------------------
+    def pool(self, layer: int) -> ExpertCache:
+        return self.pools[int(self.placement.pool_of_layer[layer])]
+
+    def is_resident(self, key: Key) -> bool:
+        return bool(self.placement.pinned[key[0]]) or key in self.pool(key[0])
+
+    def residency(self) -> np.ndarray:
+        """``bool [L, E]``: resident experts (pinned layers entirely)."""
+        r = np.zeros((self.placement.num_layers, self.placement.num_experts), bool)
+        for c in self.pools:
+            r |= c.residency()
+        r[self.placement.pinned] = True
+        return r
+
+    def unused_resident(self) -> int:
+        """Resident experts a prefetch brought in that no access has used."""
+        return sum(1 for c in self.pools for key in c.slot_of if not self._used.get(key, True))
+
+    def counters(self) -> dict[str, np.ndarray]:
+        """Cumulative per-layer counters summed over the pools, plus ``pinned_accesses``."""
+        out = {k: sum(c.counters()[k] for c in self.pools)
+               for k in ("hits", "misses", "loads", "evictions")}
+        out["pinned_accesses"] = self.pinned_accesses.copy()
+        return out
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, acc: Access) -> Outcome:
+        """Decide and price one group (see the module docstring)."""
+        layer = int(acc.layer)
+        pinned = bool(self.placement.pinned[layer])
+        out = Outcome(pinned=pinned)
+        for c in self.pools:
+            c.policy.begin_group(acc.group, acc.step)
+        now = self._dense(acc, out)
+        experts = list(acc.experts)
+        if pinned:
+            self.pinned_accesses[layer] += len(experts)
+            out.hits = []
+            self._after_fill(acc, out, now, set(), frozenset())
+            out.schedule.append(("hits", []))
+            for e, d in zip(experts, acc.compute_s):
+                now = self._compute(out, layer, e, now, d)
+            return self._end(out, now)
+        cache = self.pool(layer)
+        cache.t = self.clock
+        hits, misses = cache.lookup(layer, experts)
+        self.clock = cache.t
+        out.hits, out.misses = hits, misses
+        host_done = now
+        on_host: set[int] = set()
+        if acc.on_host is not None:
+            pos = {e: i for i, e in enumerate(experts)}
+            for e in misses:
+                if acc.on_host[pos[e]]:
+                    on_host.add(e)
+                    start = max(self.lanes.host, now)
+                    self.lanes.host = host_done = start + float(acc.host_s[pos[e]])
+                    self._span(out, HOST, layer, e, start, host_done)
+            out.host = [e for e in misses if e in on_host]
+        device_misses = [e for e in misses if e not in on_host]
+        for e in hits:
+            key = (layer, e)
+            if key in self._prefetched:
+                out.prefetch_hits += 1
+                self._prefetched.discard(key)
+            self._used[key] = True
+        for e in device_misses:
+            self._queue_transfer(out, (layer, e), now)
+        self._fill(acc, out, cache, experts, hits, device_misses, now)
+        # hits first (a prefetched one may still be in flight), then the misses in order
+        miss_set = set(device_misses)
+        for e, d in zip(experts, acc.compute_s):
+            if e not in miss_set and e not in on_host:
+                now = self._compute(out, layer, e, now, d)
+        for e, d in zip(experts, acc.compute_s):
+            if e in miss_set:
+                now = self._compute(out, layer, e, now, d)
+        if host_done > now:  # the layer's output needs the host's experts too
+            self._span(out, STALL, layer, out.host[-1], now, host_done)
+            out.stall_s += host_done - now
+            now = host_done
+        return self._end(out, now)
+
+    # -- pieces of the step ---------------------------------------------------------------------
+    def _dense(self, acc: Access, out: Outcome) -> float:
+        start = self.lanes.compute
+        now = start + acc.dense_s
+        self._span(out, COMPUTE, acc.layer, -1, start, now)
+        return now
+
+    def _fill(self, acc: Access, out: Outcome, cache: ExpertCache, experts: list[int],
+              hits: list[int], misses: list[int], now: float) -> None:
+        """Admit the layer's misses in the order the live offloader issues its copies, and
+        write the schedule it executes."""
+        layer = int(acc.layer)
+        fill = cache.fill(layer, experts, misses)
+        admitted: list[int] = []
+        needed = {(layer, e) for e in experts}  # every routed expert stays until computed
+        state = {"pre_done": False}
+
+        def issue() -> None:
+            cache.t = self.clock
+            got = fill.issue()
+            self.clock = cache.t
+            for e, slot, victim in got:
+                if victim is not None:
+                    self._evicted(out, victim)
+                key = (layer, e)
+                self._used[key] = True
+                self._prefetched.discard(key)
+                admitted.append(e)
+                out.schedule.append(("load", e, slot, victim))
+            if not state["pre_done"] and not fill.pending:
+                # all of this layer's misses have a slot: make room for the next layers
+                # while this one still computes
+                state["pre_done"] = True
+                self._after_fill(acc, out, now, needed, fill.protected)
+
+        issue()
+        out.schedule.append(("hits", [cache.slot((layer, e)) for e in hits]))
+        fill.done(hits)
+        issue()
+        out.schedule.extend(("host", e) for e in out.host)
+        i = 0
+        while i < len(admitted):
+            out.schedule.append(("miss", admitted[i]))
+            fill.done((admitted[i],))
+            i += 1
+            issue()
+        if fill.pending:  # cannot happen with ≥ 1 slot per pool: every miss frees one
+            raise RuntimeError(f"layer {layer}: {len(fill.pending)} experts found no slot")
+
+    def _after_fill(self, acc: Access, out: Outcome, now: float, needed: set,
+                    protected: frozenset | set) -> None:
+        """Pre-eviction (ActiveEvict), then the prefetch candidates, at the instant every miss
+        of the layer has a slot."""
+        if acc.pre_evict is not None:
+            nxt = min(int(acc.layer) + 1, self.placement.num_layers - 1)
+            gone = acc.pre_evict(self.pool(nxt), set(needed))
+            for key in gone:
+                self._prefetched.discard(key)
+                out.pre_evicted.append(key)
+                out.schedule.append(("pre_evict", key))
+        for key in acc.prefetch:
+            key = (int(key[0]), int(key[1]))
+            c = self.pool(key[0])
+            if key in c:
+                continue
+            c.t = self.clock
+            got = c.admit(key, protected)
+            self.clock = c.t
+            if got is None:
+                continue
+            slot, victim = got
+            if victim is not None:
+                self._evicted(out, victim)
+            self._used[key] = False
+            self._prefetched.add(key)
+            self._queue_transfer(out, key, now)
+            out.prefetched.append(key)
+            out.schedule.append(("prefetch", key, slot, victim))
+
+    def _evicted(self, out: Outcome, key: Key) -> None:
+        out.evicted.append(key)
+        if not self._used.get(key, True):
+            out.redundant.append(key)
+        self._prefetched.discard(key)
+
+    def _queue_transfer(self, out: Outcome, key: Key, now: float) -> None:
+        start = max(self.lanes.transfer, now)
+        self.lanes.transfer = end = start + self.transfer_s
+        self._ready[key] = end
+        out.moved += 1
+        self._span(out, TRANSFER, key[0], key[1], start, end)
+
+    def _compute(self, out: Outcome, layer: int, e: int, now: float, d: float) -> float:
+        r = self._ready.pop((layer, e), None)
+        if r is not None and r > now:
+            self._span(out, STALL, layer, e, now, r)
+            out.stall_s += r - now
+            now = r
+        self._span(out, COMPUTE, layer, e, now, now + float(d))
+        return now + float(d)
+
+    def _end(self, out: Outcome, now: float) -> Outcome:
+        self.lanes.compute = out.end_s = now
+        return out
+
+    def _span(self, out: Outcome, lane: int, layer: int, expert: int, start: float,
+              end: float) -> None:
+        if self.record_spans:
+            out.spans.append((lane, int(layer), int(expert), start, end))
+
