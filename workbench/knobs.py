@@ -550,6 +550,10 @@ class Knobs:
         # knob name → its group (names are unique across groups): O(1) flat access
         object.__setattr__(self, "_by_name", {n: g for g in self._groups.values()
                                               for n in g.knob_names()})
+        # knob → the value last checked (declared defaults are valid: test_knobs holds them
+        # to check_value); validate() re-checks only what changed past set(), e.g. a widget
+        object.__setattr__(self, "_checked", {n: getattr(g, n)
+                                              for n, g in self._by_name.items()})
         self.set(**values)
 
     # -- access ---------------------------------------------------------------------------
@@ -612,14 +616,20 @@ class Knobs:
                  for name, value in values.items()}
         for name, value in clean.items():
             setattr(owners[name], name, value)
+        self._checked.update(clean)
         return self
 
     def validate(self) -> "Knobs":
-        """Re-check every current value (a widget sets a group's knob directly, past
-        :meth:`set`); raises :class:`KnobError` for the first bad one."""
-        for g in self._groups.values():
-            for name in g.knob_names():
-                check_value(g.param[name], name, getattr(g, name))
+        """Re-check every value changed past :meth:`set` (a widget sets a group's knob
+        directly); raises :class:`KnobError` for the first bad one."""
+        checked = self._checked
+        for name, g in self._by_name.items():
+            value = getattr(g, name)
+            old = checked.get(name, _MISSING)
+            if type(old) is type(value) and old == value:  # NaN != NaN: re-checked
+                continue
+            check_value(g.param[name], name, value)
+            checked[name] = value
         return self
 
     def allowed(self, name: str) -> str:

@@ -303,26 +303,17 @@ def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
     return policy
 
 
-def _occurrences(groups: Groups, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """CSR of the groups each key occurs in, ascending (Belady's future)."""
-    keys = groups.keys()
-    g_of = np.repeat(np.arange(groups.num_groups, dtype=np.int64), np.diff(groups.ptr))
-    order = np.argsort(keys, kind="stable")
-    ptr = np.zeros(num_keys + 1, np.int64)
-    np.add.at(ptr, keys + 1, 1)
-    return np.cumsum(ptr), g_of[order]
-
-
 def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_key, xfer, S):
     L, E = groups.num_layers, groups.num_experts
     nk = L * E
+    keys = groups.keys()
     if code == K.BELADY:
-        occ_ptr, occ_grp = _occurrences(groups, nk)
+        occ_ptr, occ_grp = K.occurrences(groups.ptr, keys, nk)
     else:
         occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
     window = knobs["hotness_window"]  # ≤ K.RING: the knob's bound
     out = K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
-                     groups.ptr.astype(np.int64), groups.keys(), dense, comp, placement.pinned,
+                     groups.ptr.astype(np.int64), keys, dense, comp, placement.pinned,
                      placement.pool_of_layer, placement.pool_slots, code,
                      float(knobs["hotness_decay"]), window, occ_ptr, occ_grp, pf_ptr,
                      pf_key, float(xfer), nk, E, S, L)

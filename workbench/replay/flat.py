@@ -2,6 +2,12 @@
 
 Each access is its own group and nothing is pinned, so the hit counts are directly comparable
 with other cache simulators on the same key sequence.
+
+``engine="fast"`` runs LRU and Belady through dedicated kernels
+(:func:`~workbench.replay.kernel.flat_lru_hits`, :func:`~workbench.replay.kernel.flat_belady_hits`:
+O(1) and O(log slots) per access after an O(n) relabelling of the keys); the other compiled
+policies, and ``engine="python"`` (the reference: the real cache and policy objects), go
+through the grouped replay with one access per group. Tests hold all of them equal.
 """
 
 from __future__ import annotations
@@ -16,18 +22,26 @@ from workbench.replay.engine import _make_policy, _run_fast, _run_python
 from workbench.sim.placement import Placement
 from workbench.traces.trace import Groups
 
+_FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits}
+
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
               engine: str = "fast") -> int:
-    """Hits of a classic one-key-at-a-time cache over ``keys`` (any ints) — the flattened
-    trace libCacheSim and textbooks use. Each access is its own group; nothing is pinned."""
+    """Hits of a classic one-key-at-a-time cache of ``cache_slots`` slots over ``keys`` (any
+    ints, one access each, in order) — the flattened trace libCacheSim and textbooks use. Every
+    miss is admitted (Belady too, as libCacheSim's). Each access is its own group; nothing is
+    pinned."""
     keys = np.asarray(keys, np.int64)
-    uniq, dense_keys = np.unique(keys, return_inverse=True)
-    n = len(keys)
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
-    cache_slots = min(cache_slots, max(len(uniq), 1))  # more slots than keys change nothing
     pol_cls = EVICTION.get(eviction)
+    if engine == "fast" and eviction in _FLAT_KERNELS:
+        ids, n_keys = K.dense_keys(keys)
+        # more slots than keys change nothing
+        return _FLAT_KERNELS[eviction](ids, n_keys, min(cache_slots, max(n_keys, 1)))
+    uniq, dense_keys = np.unique(keys, return_inverse=True)
+    n = len(keys)
+    cache_slots = min(cache_slots, max(len(uniq), 1))  # more slots than keys change nothing
     groups = Groups(step=np.arange(n, dtype=np.int32), layer=np.zeros(n, np.int32),
                     ptr=np.arange(n + 1, dtype=np.int64), expert=dense_keys.astype(np.int32),
                     expert_tokens=np.ones(n, np.int32), step_tokens=np.ones(n, np.int64),

@@ -1,14 +1,37 @@
 """The compiled replay loop (numba): cache, prefetch and modeled timeline over access groups.
 
-It performs exactly the calls the live runtime makes on :class:`~workbench.runtime.expert_cache.
-ExpertCache` (lookup → LayerFill admissions → prefetch) and prices them the way
-:class:`~workbench.runtime.clocks.ModeledClock` does, for the built-in eviction policies, with
-array state instead of Python objects. ``engine.replay(..., engine="python")`` runs the same
-sequence through the real policy objects; tests hold the two equal.
+It performs exactly the calls the live runtime makes on the expert cache (lookup → LayerFill
+admissions → prefetch) and prices them the way the modeled clock does, for the built-in
+eviction policies, with array state instead of Python objects. ``engine.replay(...,
+engine="python")`` runs the same sequence through the real policy objects; tests hold the two
+equal (``tests/test_replay.py`` on the real Mixtral trace, ``tests/test_replay_speed.py`` on
+generated ones).
 
-State per key (``layer · E + expert``): resident / protected / used-since-load / prefetched-
-unused flags, transfer-ready time, policy state (LRU list, use counts, last use on the access
-clock ``t``, hotness ring of use steps, Belady's pointer into the key's future groups).
+State per key (``layer · E + expert``), packed key-major so that one key's fields share a cache
+line and the helpers take a handful of arrays (numba passes every array argument as a struct of
+~7 words; with ~40 of them a helper call cost more than the work it did):
+
+- ``ks`` int64 ``[key, 8]``: LRU list links, position in its pool's resident list (a binary heap
+  for Belady), last use on the access clock ``t``, LFU use count, hotness ring fill, Belady's
+  pointer into the key's future groups and its next-use group;
+- ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
+  prefetched-unused flags;
+- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring.
+
+**Belady** evicts the unprotected resident with the farthest next use, then the oldest last
+use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
+goes to the key that replaces it), each key its next-use group ``ks[k, NU]``. A resident's next
+use only changes when it is used, and every use of an offloaded key is a lookup of this loop,
+so the order is known without searching the future at every eviction; each pool keeps a
+*winner tree* over its slots (``tree``, see "Belady's winner tree" below) whose root is the
+victim: O(log slots) per change and per eviction, no branch on the data, where the scan over
+the pool cost O(slots) next-use searches per eviction.
+
+Speeds, measured: BENCHMARKS.md, "Replay speed on any trace (issue 11)".
+
+The flat one-key-per-access kernels at the end (:func:`flat_lru_hits`, :func:`flat_belady_hits`)
+serve :func:`workbench.replay.flat.flat_hits`; :func:`occurrences` builds Belady's future in
+O(accesses).
 """
 
 from __future__ import annotations
@@ -19,48 +42,68 @@ from numba import njit
 LRU, LFU, BELADY, HOTNESS = 0, 1, 2, 3
 POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS}
 RING = 64  # most hotness window steps the kernel keeps per key
+NEVER = 1 << 62  # next use of a key with no future access (farther than any group index)
+PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay below it)
+
+# ks columns
+PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
+# kf columns
+RES, PROT, MISS, USED, PREF = 0, 1, 2, 3, 4
+# pl (per pool) columns: LRU list ends, residents, slots
+HEAD, TAIL, OCC, CAP = 0, 1, 2, 3
+# go (per group, int) rows
+G_HITS, G_MISSES, G_PF_LOADS, G_PF_HITS = 0, 1, 2, 3
+
+# numba's reference counting costs atomic increments on every array passed to a helper (~85 %
+# of the loop when it was on): the callers allocate everything, nothing here allocates
+_JIT = dict(cache=True, _nrt=False, error_model="numpy", boundscheck=False)
+# Belady's per-access helpers are inlined by numba itself: LLVM left them as calls, and inlining
+# measured ~30 % faster on Belady (not on the LRU helpers, which LLVM inlines already)
+_HOT = dict(inline="always", **_JIT)
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _unlink(k, prev, nxt, head, tail, pool):
-    p, n = prev[k], nxt[k]
+@njit(**_JIT)
+def _unlink(k, ks, pl, pool):
+    p, n = ks[k, PREV], ks[k, NEXT]
     if p != -1:
-        nxt[p] = n
+        ks[p, NEXT] = n
     else:
-        head[pool] = n
+        pl[pool, HEAD] = n
     if n != -1:
-        prev[n] = p
+        ks[n, PREV] = p
     else:
-        tail[pool] = p
-    prev[k] = -1
-    nxt[k] = -1
+        pl[pool, TAIL] = p
+    ks[k, PREV] = -1
+    ks[k, NEXT] = -1
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _push_head(k, prev, nxt, head, tail, pool):
-    prev[k] = -1
-    nxt[k] = head[pool]
-    if head[pool] != -1:
-        prev[head[pool]] = k
-    head[pool] = k
-    if tail[pool] == -1:
-        tail[pool] = k
+@njit(**_JIT)
+def _push_head(k, ks, pl, pool):
+    h = pl[pool, HEAD]
+    ks[k, PREV] = -1
+    ks[k, NEXT] = h
+    if h != -1:
+        ks[h, PREV] = k
+    pl[pool, HEAD] = k
+    if pl[pool, TAIL] == -1:
+        pl[pool, TAIL] = k
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _touch(k, step, policy, count, ring, ring_n):
+@njit(**_JIT)
+def _touch(k, step, policy, ks, ring):
     """A use of ``k`` in ``step`` (policy state the kernel keeps only for the policy in use)."""
     if policy == LFU:
-        count[k] += 1
+        ks[k, COUNT] += 1
     elif policy == HOTNESS:
-        if ring_n[k] == 0 or ring[k, (ring_n[k] - 1) % RING] != step:
-            ring[k, ring_n[k] % RING] = step
-            ring_n[k] += 1
+        n = ks[k, RING_N]
+        if n == 0 or ring[k, (n - 1) % RING] != step:
+            ring[k, n % RING] = step
+            ks[k, RING_N] = n + 1
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _hot_score(k, step, ring, ring_n, hot_pow, window):
-    n = ring_n[k]
+@njit(**_JIT)
+def _hot_score(k, step, ks, ring, hot_pow, window):
+    n = ks[k, RING_N]
     lo = n
     while lo > max(0, n - RING) and step - ring[k, (lo - 1) % RING] < window:
         lo -= 1  # uses are at distinct, increasing steps: stop at the first one too old
@@ -70,67 +113,287 @@ def _hot_score(k, step, ring, ring_n, hot_pow, window):
     return s
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _next_use(k, g, occ_ptr, occ_grp, optr):
-    i = optr[k]
+@njit(**_HOT)
+def _next_use(k, g, ks, occ_ptr, occ_grp):
+    """First group after ``g`` that uses ``k`` (:data:`NEVER`: none). ``g`` never decreases
+    between calls for one key, so the pointer only moves forward: O(occurrences) in all."""
+    i = ks[k, OPTR]
     end = occ_ptr[k + 1]
     while i < end and occ_grp[i] <= g:
         i += 1
-    optr[k] = i
+    ks[k, OPTR] = i
     if i < end:
         return occ_grp[i]
-    return 1 << 62
+    return NEVER
+
+
+# -- Belady's winner tree ---------------------------------------------------------------------
+# Each pool has an 8-ary tree over its slots (row ``tree[pool]``, laid out like a heap: node i's
+# children are 8i+1 … 8i+8, the leaves from index (len - 1) / 8 on, one per slot): a leaf holds
+# the eviction priority of the key in its slot (-1: empty), an inner node the largest below it,
+# so the root holds the victim's. 8-ary: a change re-reads 8 siblings per level (independent
+# loads, one cache line) over log8(slots) levels — 2 for 64 slots, 4 for 4096 — where a binary
+# tree or heap walked twice as many dependent levels (measured ~2× slower).
+#
+# A priority packs Belady's order into one int64: (next use << 32) | (2^32 - 1 - last use) —
+# farther next use first, then older last use. Last uses are distinct access-clock values, so
+# no two keys tie (the policy's key-id tie-break is never reached). simulate() uses the tree
+# only where both fit (next use < 2^31 - 1, clock < 2^32: about a billion accesses); beyond
+# that Belady scans the pool, as LFU does.
+#
+# Pending keys: while a key of the current group g is protected (a hit until the hits are done,
+# an admitted miss until it is done) its priority stays at next use ≤ g — a hit keeps its old
+# one, whose next use is g; an admitted miss gets 0 — below every unprotected resident, whose
+# next use is > g. Its real next use is set when it is unprotected (_bel_fix). So the root is
+# the victim when its next use is > g, and otherwise every resident is protected (no victim).
+@njit(**_HOT)
+def _pack(nu, last):
+    return (min(nu, PACK_NEVER) << 32) | (0xFFFFFFFF - last)
+
+
+@njit(**_HOT)
+def _tree_set(pool, slot, v, tree):
+    """Set ``slot``'s priority to ``v`` and recompute the maxima above it. Written without
+    data-dependent branches (all levels, maxima as selects): with them, mispredictions cost
+    more than the work (measured)."""
+    i = ((tree.shape[1] - 1) >> 3) + slot
+    tree[pool, i] = v
+    while i > 0:
+        p = (i - 1) >> 3
+        c = 8 * p + 1
+        m = tree[pool, c]
+        for j in range(c + 1, c + 8):
+            x = tree[pool, j]
+            m = x if x > m else m
+        tree[pool, p] = m
+        i = p
+
+
+@njit(**_HOT)
+def _tree_raise(pool, slot, v, tree):
+    """Set ``slot``'s priority to ``v``, not below its old one: the maxima above it only rise
+    to ``v``, up to the first that is already at least ``v`` (a fix: the common update)."""
+    i = ((tree.shape[1] - 1) >> 3) + slot
+    tree[pool, i] = v
+    while i > 0:
+        i = (i - 1) >> 3
+        if tree[pool, i] >= v:
+            break
+        tree[pool, i] = v
+
+
+@njit(**_HOT)
+def _tree_victim(pool, g, res, tree):
+    """The key in the slot of the root's priority (-1: its next use is ≤ g, so every
+    resident is a protected key of group g)."""
+    v = tree[pool, 0]
+    if (v >> 32) <= g:
+        return -1
+    leaves = (tree.shape[1] - 1) >> 3
+    i = 0
+    while i < leaves:  # down to the leaf holding v: exactly one child holds it (priorities
+        c = 8 * i + 1  # > 0 are distinct), found without a branch per child
+        j = 0
+        for d in range(8):
+            j += d * (tree[pool, c + d] == v)
+        i = c + j
+    return res[pool, i - leaves]
+
+
+@njit(**_HOT)
+def _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp):
+    """Key ``k`` of group ``g`` is unprotected (or used in a pinned group): it gets its real
+    next use after ``g`` — a higher priority than its pending one (next use ≤ g)."""
+    v = _next_use(k, g, ks, occ_ptr, occ_grp)
+    ks[k, NU] = v
+    if tree.shape[1] > 1:
+        _tree_raise(pool, ks[k, POS], _pack(v, ks[k, LAST]), tree)
+
+
+# -- the cache -------------------------------------------------------------------------------
+@njit(**_JIT)
+def _res_remove(k, pool, ks, pl, res):
+    """Take resident ``k`` out of its pool's list (LFU, hotness): the last entry fills its
+    place."""
+    n = pl[pool, OCC] - 1
+    i = ks[k, POS]
+    last = res[pool, n]
+    res[pool, n] = -1
+    ks[k, POS] = -1
+    pl[pool, OCC] = n
+    if i < n:
+        res[pool, i] = last
+        ks[last, POS] = i
+
+
+@njit(**_JIT)
+def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step):
+    """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
+    ``choose_victim`` of the policy classes in workbench/policies/eviction.py, ties included."""
+    if policy == LRU:
+        x = pl[pool, TAIL]
+        while x != -1 and kf[x, PROT]:
+            x = ks[x, PREV]
+        return x
+    if policy == BELADY and tree.shape[1] > 1:
+        return _tree_victim(pool, g, res, tree)
+    best = -1
+    b1 = 0.0
+    b2 = 0
+    for j in range(pl[pool, OCC]):
+        k = res[pool, j]
+        if kf[k, PROT]:
+            continue
+        if policy == LFU:
+            s1 = float(ks[k, COUNT])
+        elif policy == HOTNESS:
+            s1 = _hot_score(k, step, ks, ring, hot_pow, window)
+        else:  # BELADY without its tree: farthest next use first (exact as a float: < 2^53)
+            s1 = -float(ks[k, NU])
+        s2 = ks[k, LAST]
+        if best == -1 or s1 < b1 or (s1 == b1 and (s2 < b2 or (s2 == b2 and k < best))):
+            best, b1, b2 = k, s1, s2
+    return best
+
+
+@njit(**_JIT)
+def _admit(k, g, step, t, policy, pool, num_experts, num_layers, ks, kf, pl, res, tree, ring,
+           hot_pow, window, occ_ptr, occ_grp, sl):
+    """``ExpertCache.admit`` for a prefetch: give ``k`` a slot in ``pool``, evicting the
+    policy's victim among its unprotected residents if it is full (booked on the victim's layer
+    in ``sl[0]``, and in ``sl[1]`` as redundant if it was never used). A prefetched key is not
+    protected: Belady gives it its real next use at once. Returns the new access clock, or -1
+    when every resident is protected (nothing changed). The demand path in :func:`_simulate`
+    is the same steps written out."""
+    slot = -1  # Belady: the victim's slot, which k takes
+    if pl[pool, OCC] >= pl[pool, CAP]:
+        x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
+        if x == -1:
+            return -1
+        kf[x, RES] = 0
+        c = step * num_layers + x // num_experts
+        sl[0, c] += 1
+        if kf[x, USED] == 0:
+            sl[1, c] += 1
+        kf[x, PREF] = 0
+        if policy == LRU:
+            _unlink(x, ks, pl, pool)
+            pl[pool, OCC] -= 1
+        elif policy == BELADY:
+            slot = ks[x, POS]
+            ks[x, POS] = -1
+        else:
+            _res_remove(x, pool, ks, pl, res)
+    t += 1
+    ks[k, LAST] = t
+    kf[k, RES] = 1
+    if policy == LRU:
+        _push_head(k, ks, pl, pool)
+        pl[pool, OCC] += 1
+    else:
+        if slot < 0:
+            slot = pl[pool, OCC]
+            pl[pool, OCC] = slot + 1
+        res[pool, slot] = k
+        ks[k, POS] = slot
+        if policy == BELADY:  # unprotected at once; the slot may have held a higher priority
+            v = _next_use(k, g, ks, occ_ptr, occ_grp)
+            ks[k, NU] = v
+            if tree.shape[1] > 1:
+                _tree_set(pool, slot, _pack(v, t), tree)
+        else:
+            _touch(k, step, policy, ks, ring)
+    return t
+
+
+@njit(**_JIT)
+def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer, num_experts,
+              num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
+              ready, go, xfer_time):
+    """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
+    unprotected slot can take), queue their transfers behind the demand misses at ``now``.
+    Returns the new (access clock, transfer-lane free time)."""
+    for j in range(pf_ptr[g], pf_ptr[g + 1]):
+        k = pf_key[j]
+        if kf[k, RES]:
+            continue
+        t2 = _admit(k, g, step, t, policy, pool_of_layer[k // num_experts], num_experts,
+                    num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
+                    sl)
+        if t2 < 0:
+            continue
+        t = t2
+        kf[k, USED] = 0
+        kf[k, PREF] = 1
+        xfer_free = max(xfer_free, now) + xfer_time
+        ready[k] = xfer_free
+        go[G_PF_LOADS, g] += 1
+    return t, xfer_free
 
 
 def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
              pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
              num_keys, num_experts, num_steps, num_layers):
-    """Allocate the state, run :func:`_simulate` (compiled without numba's reference counting,
-    whose atomic increments on every array passed to a helper cost ~85 % of the time)."""
+    """Replay the groups (CSR ``g_ptr`` over ``acc_key``, keys ``layer · E + expert`` in serving
+    order) through pools of ``pool_cap`` slots (``pool_of_layer``), pinned layers always hit;
+    ``g_dense`` / ``acc_comp`` modeled seconds of dense work per group and expert work per
+    access, ``xfer_time`` seconds per transfer; ``occ_ptr``/``occ_grp``: CSR of the groups each
+    key occurs in, ascending (read by Belady only); ``pf_ptr``/``pf_key``: each group's prefetch
+    candidates in order. Returns ``(hits, misses, pf_loads, pf_hits, stall_s, g_end_s)`` per
+    group, ``(evictions, redundant)`` per ``step · num_layers + layer`` and the count of
+    resident keys never used at the end. Allocates the state and runs :func:`_simulate`."""
     G = g_layer.shape[0]
     P = pool_cap.shape[0]
     maxcap = max(1, int(pool_cap.max())) if P else 1
-    B = lambda: np.zeros(num_keys, np.bool_)  # noqa: E731
-    state = dict(
-        resident=B(), protected=B(), is_miss=B(), used=B(), pref=B(),
-        ready=np.zeros(num_keys, np.float64),
-        prev=np.full(num_keys, -1, np.int64), nxt=np.full(num_keys, -1, np.int64),
-        head=np.full(P, -1, np.int64), tail=np.full(P, -1, np.int64), occ=np.zeros(P, np.int64),
-        res_list=np.full((P, maxcap), -1, np.int64), pos=np.full(num_keys, -1, np.int64),
-        last_use=np.full(num_keys, -1, np.int64), count=np.zeros(num_keys, np.int64),
-        ring=np.zeros((num_keys, RING), np.int64), ring_n=np.zeros(num_keys, np.int64),
-        optr=occ_ptr[:-1].copy())
-    out = dict(
-        hits=np.zeros(G, np.int64), misses=np.zeros(G, np.int64),
-        pf_loads=np.zeros(G, np.int64), pf_hits=np.zeros(G, np.int64),
-        stall=np.zeros(G, np.float64), g_end=np.zeros(G, np.float64),
-        evict_sl=np.zeros(num_steps * num_layers, np.int64),
-        redundant_sl=np.zeros(num_steps * num_layers, np.int64))
+    ks = np.zeros((num_keys, 8), np.int64)
+    ks[:, PREV] = ks[:, NEXT] = ks[:, POS] = ks[:, LAST] = -1
+    ks[:, OPTR] = occ_ptr[:-1]
+    kf = np.zeros((num_keys, 8), np.uint8)
+    pl = np.zeros((P, 4), np.int64)
+    pl[:, HEAD] = pl[:, TAIL] = -1
+    pl[:, CAP] = pool_cap
+    res = np.full((P, maxcap) if policy != LRU else (1, 1), -1, np.int64)
+    # Belady's winner tree, where its packed priorities fit: next uses < 2^31 - 1, and the
+    # access clock (one tick per lookup and per admission) < 2^32
+    clock_max = 2 * acc_key.shape[0] + pf_key.shape[0] + 1
+    if policy == BELADY and G < PACK_NEVER and clock_max < (1 << 32) - 1:
+        leaves, inner = 8, 1  # at least one level above the leaves (the root is inner)
+        while leaves < maxcap:
+            leaves, inner = leaves * 8, inner + leaves
+        tree = np.full((P, inner + leaves), -1, np.int64)  # -1: empty, below every key
+    else:
+        tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
+    ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
+    ready = np.zeros(num_keys, np.float64)
+    go = np.zeros((4, G), np.int64)
+    gf = np.zeros((2, G), np.float64)  # stall, end time
+    sl = np.zeros((2, num_steps * num_layers), np.int64)  # evictions, redundant
     # γ^age for age < window, computed by Python's float pow like the policy class does, so
     # that both sum identical terms in the same order (ties then break the same way)
     hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
     n = max(1, num_experts)
+    # a group holds distinct experts of one layer: at most num_experts misses
     bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
     unused = _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
-                       pool_of_layer, pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr,
-                       pf_key, xfer_time, num_experts, num_layers, *state.values(),
-                       *out.values(), *bufs)
-    return (out["hits"], out["misses"], out["pf_loads"], out["pf_hits"], out["stall"],
-            out["g_end"], out["evict_sl"], out["redundant_sl"], int(unused))
+                       pool_of_layer, np.int64(policy), hot_pow, np.int64(window), occ_ptr,
+                       occ_grp, pf_ptr, pf_key, np.float64(xfer_time), np.int64(num_experts),
+                       np.int64(num_layers), ks, kf, pl, res, tree, ring, ready, go, gf, sl,
+                       *bufs)
+    return (go[G_HITS], go[G_MISSES], go[G_PF_LOADS], go[G_PF_HITS], gf[0], gf[1], sl[0], sl[1],
+            int(unused))
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
+@njit(**_JIT)
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
-              pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
-              num_experts, num_layers, resident, protected, is_miss, used, pref, ready, prev,
-              nxt, head, tail, occ, res_list, pos, last_use, count, ring, ring_n, optr, hits,
-              misses, pf_loads, pf_hits, stall, g_end, evict_sl, redundant_sl, miss_buf, adm_buf,
+              policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, num_experts,
+              num_layers, ks, kf, pl, res, tree, ring, ready, go, gf, sl, miss_buf, adm_buf,
               miss_comp):
     G = g_layer.shape[0]
-    num_keys = resident.shape[0]
+    num_keys = ks.shape[0]
     t = 0  # the cache's access clock (ExpertCache.t)
     now = 0.0  # modeled compute lane
     xfer_free = 0.0  # modeled transfer lane
+    bel_tree = policy == BELADY and tree.shape[1] > 1
 
     for g in range(G):
         layer = g_layer[g]
@@ -138,42 +401,48 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         a, b = g_ptr[g], g_ptr[g + 1]
         now += g_dense[g]
         if layer_pinned[layer]:
-            hits[g] = b - a
-            if pf_ptr[g + 1] > pf_ptr[g]:  # (a call with ~40 array arguments is not free)
-                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
-                                         pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
-                                         tail, protected, res_list, pos, last_use, count, ring,
-                                         ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl,
-                                         redundant_sl, used, pref, ready, pf_loads, xfer_time,
-                                         num_experts, num_layers)
+            go[G_HITS, g] = b - a
+            if pf_ptr[g + 1] > pf_ptr[g]:
+                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy,
+                                         pool_of_layer, num_experts, num_layers, ks, kf, pl, res,
+                                         tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
+                                         ready, go, xfer_time)
             for i in range(a, b):
                 now += acc_comp[i]
-            g_end[g] = now
+                if policy == BELADY and kf[acc_key[i], RES]:
+                    # a pinned layer's key is never admitted (prefetch plans leave pinned layers
+                    # out); should one be resident, its next use still moves on here
+                    _bel_fix(acc_key[i], g, pool_of_layer[layer], ks, tree, occ_ptr, occ_grp)
+            gf[1, g] = now
             continue
+        pool = pool_of_layer[layer]  # every key of the group is on this layer
         # -- lookup (ascending expert ids) ------------------------------------------------
         nm = 0
+        nh = 0
         for i in range(a, b):
             k = acc_key[i]
             t += 1
-            if resident[k]:
-                hits[g] += 1
-                pool = pool_of_layer[k // num_experts]
+            if kf[k, RES]:
+                nh += 1
                 if policy == LRU:
-                    _unlink(k, prev, nxt, head, tail, pool)
-                    _push_head(k, prev, nxt, head, tail, pool)
-                last_use[k] = t
-                _touch(k, step, policy, count, ring, ring_n)
-                if pref[k]:
-                    pf_hits[g] += 1
-                    pref[k] = False
-                used[k] = True
+                    if pl[pool, HEAD] != k:
+                        _unlink(k, ks, pl, pool)
+                        _push_head(k, ks, pl, pool)
+                ks[k, LAST] = t
+                # (Belady: k keeps its priority, next use g, until it is unprotected)
+                _touch(k, step, policy, ks, ring)
+                if kf[k, PREF]:
+                    go[G_PF_HITS, g] += 1
+                    kf[k, PREF] = 0
+                kf[k, USED] = 1
             else:
                 miss_buf[nm] = k
                 miss_comp[nm] = acc_comp[i]
-                is_miss[k] = True
+                kf[k, MISS] = 1
                 nm += 1
-            protected[k] = True
-        misses[g] = nm
+            kf[k, PROT] = 1
+        go[G_HITS, g] = nh
+        go[G_MISSES, g] = nm
         # -- demand transfers are queued FIFO at the end of the dense work ---------------
         for j in range(nm):
             k = miss_buf[j]
@@ -187,18 +456,57 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         hits_done = False
         pf_done = False
         while True:
-            # issue()
+            # issue(): _admit(k, ...) for each miss, written out: a call passing its ~15 arrays
+            # cost 2-3× the admission itself (measured), and this is the hottest path
             while nxt_miss < nm:
                 k = miss_buf[nxt_miss]
-                t2 = _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
-                            tail, protected, resident, res_list, pos, last_use, count, ring,
-                            ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl,
-                            redundant_sl, used, pref, num_experts, num_layers)
-                if t2 < 0:
-                    break  # every slot holds an expert this layer still needs
-                t = t2
-                used[k] = True
-                pref[k] = False
+                slot = -1  # Belady: the victim's slot, which k takes
+                if pl[pool, OCC] >= pl[pool, CAP]:
+                    if policy == LRU:
+                        x = pl[pool, TAIL]
+                        while x != -1 and kf[x, PROT]:
+                            x = ks[x, PREV]
+                    elif bel_tree:
+                        x = _tree_victim(pool, g, res, tree)
+                    else:
+                        x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow,
+                                    window, step)
+                    if x == -1:
+                        break  # every slot holds an expert this layer still needs
+                    kf[x, RES] = 0
+                    c = step * num_layers + x // num_experts
+                    sl[0, c] += 1
+                    if kf[x, USED] == 0:
+                        sl[1, c] += 1
+                    kf[x, PREF] = 0
+                    if policy == LRU:
+                        _unlink(x, ks, pl, pool)
+                        pl[pool, OCC] -= 1
+                    elif policy == BELADY:
+                        slot = ks[x, POS]
+                        ks[x, POS] = -1
+                    else:
+                        _res_remove(x, pool, ks, pl, res)
+                t += 1
+                ks[k, LAST] = t
+                kf[k, RES] = 1
+                if policy == LRU:
+                    _push_head(k, ks, pl, pool)
+                    pl[pool, OCC] += 1
+                else:
+                    if slot < 0:
+                        slot = pl[pool, OCC]
+                        pl[pool, OCC] = slot + 1
+                    res[pool, slot] = k
+                    ks[k, POS] = slot
+                    if policy == BELADY:
+                        ks[k, NU] = 0  # pending (protected) until done: see _bel_fix
+                        if bel_tree:
+                            _tree_set(pool, slot, 0, tree)
+                    else:
+                        _touch(k, step, policy, ks, ring)
+                kf[k, USED] = 1
+                kf[k, PREF] = 0
                 adm_buf[na] = k
                 na += 1
                 nxt_miss += 1
@@ -206,153 +514,274 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 # every miss has a slot: prefetch for the layers ahead (as the live offloader)
                 pf_done = True
                 if pf_ptr[g + 1] > pf_ptr[g]:
-                    t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident,
-                                             pool_of_layer, pool_cap, occ, policy, prev, nxt, head,
-                                             tail, protected, res_list, pos, last_use, count, ring,
-                                             ring_n, hot_pow, window, occ_ptr, occ_grp, optr,
-                                             evict_sl, redundant_sl, used, pref, ready, pf_loads,
-                                             xfer_time, num_experts, num_layers)
+                    t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy,
+                                             pool_of_layer, num_experts, num_layers, ks, kf, pl,
+                                             res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
+                                             sl, ready, go, xfer_time)
             if not hits_done:
                 hits_done = True
-                for i in range(a, b):
-                    k = acc_key[i]
-                    if not is_miss[k]:
-                        protected[k] = False
+                if nh:
+                    for i in range(a, b):
+                        k = acc_key[i]
+                        if kf[k, MISS] == 0:
+                            kf[k, PROT] = 0
+                            if policy == BELADY:
+                                _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp)
                 continue
             if done_adm < na:
-                protected[adm_buf[done_adm]] = False
+                k = adm_buf[done_adm]
+                kf[k, PROT] = 0
+                if policy == BELADY:
+                    _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp)
                 done_adm += 1
                 continue
             break
-        for i in range(a, b):
-            protected[acc_key[i]] = False
         # -- compute: resident experts first, then the misses, each after its transfer ---
+        stall = 0.0
         for i in range(a, b):
             k = acc_key[i]
-            if not is_miss[k]:
-                if ready[k] > now:  # a prefetch still in flight
-                    stall[g] += ready[k] - now
-                    now = ready[k]
+            kf[k, PROT] = 0
+            if kf[k, MISS] == 0:
+                r = ready[k]
+                if r > now:  # a prefetch still in flight
+                    stall += r - now
+                    now = r
                 now += acc_comp[i]
         for j in range(nm):
             k = miss_buf[j]
-            if ready[k] > now:
-                stall[g] += ready[k] - now
-                now = ready[k]
+            kf[k, MISS] = 0
+            r = ready[k]
+            if r > now:
+                stall += r - now
+                now = r
             now += miss_comp[j]
-        for j in range(nm):
-            is_miss[miss_buf[j]] = False
-        g_end[g] = now
+        gf[0, g] = stall
+        gf[1, g] = now
     unused_end = 0
     for k in range(num_keys):
-        if resident[k] and not used[k]:
+        if kf[k, RES] and not kf[k, USED]:
             unused_end += 1
     return unused_end
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail, protected,
-           resident, res_list, pos, last_use, count, ring, ring_n, hot_pow, window, occ_ptr,
-           occ_grp, optr, evict_sl, redundant_sl, used, pref, num_experts, num_layers):
-    """``ExpertCache.admit``: give ``k`` a slot, evicting the policy's victim among the
-    unprotected residents of its pool if the pool is full (booked on the victim's layer, and as
-    redundant if it was never used). Returns the new access clock, or -1 when every resident
-    is protected (nothing changed)."""
-    pool = pool_of_layer[k // num_experts]
-    if occ[pool] >= pool_cap[pool]:
-        victim = _victim(pool, policy, prev, tail, protected, res_list, occ, last_use, count,
-                         ring, ring_n, hot_pow, window, step, g, occ_ptr, occ_grp, optr)
-        if victim == -1:
-            return -1
-        _evict(victim, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-        vl = victim // num_experts
-        evict_sl[step * num_layers + vl] += 1
-        if not used[victim]:
-            redundant_sl[step * num_layers + vl] += 1
-        pref[victim] = False
-    _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos)
-    t += 1
-    last_use[k] = t
-    _touch(k, step, policy, count, ring, ring_n)
-    return t
+# -- Belady's future, built in O(accesses) ----------------------------------------------------
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _occurrences(g_ptr, acc_key, num_keys, ptr, grp):
+    for i in range(acc_key.shape[0]):
+        ptr[acc_key[i] + 1] += 1
+    for k in range(num_keys):
+        ptr[k + 1] += ptr[k]
+    fill = ptr[:-1].copy()
+    for g in range(g_ptr.shape[0] - 1):  # groups in order: each key's list comes out ascending
+        for i in range(g_ptr[g], g_ptr[g + 1]):
+            k = acc_key[i]
+            grp[fill[k]] = g
+            fill[k] += 1
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, resident, pool_of_layer, pool_cap, occ,
-              policy, prev, nxt, head, tail, protected, res_list, pos, last_use, count, ring,
-              ring_n, hot_pow, window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl, used, pref,
-              ready, pf_loads, xfer_time, num_experts, num_layers):
-    """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
-    unprotected slot can take), queue their transfers behind the demand misses at ``now``.
-    Returns the new (access clock, transfer-lane free time)."""
-    for j in range(pf_ptr[g], pf_ptr[g + 1]):
-        k = pf_key[j]
-        if resident[k]:
+def occurrences(g_ptr: np.ndarray, acc_key: np.ndarray, num_keys: int):
+    """CSR ``(occ_ptr [num_keys+1], occ_grp [accesses])`` of the groups each key occurs in,
+    ascending — what :func:`simulate` reads for Belady — by one counting pass (O(accesses +
+    keys), no sort). Equal to a stable argsort of ``acc_key`` mapped to group indices."""
+    ptr = np.zeros(num_keys + 1, np.int64)
+    grp = np.zeros(acc_key.shape[0], np.int64)
+    _occurrences(np.asarray(g_ptr, np.int64), np.asarray(acc_key, np.int64), num_keys, ptr, grp)
+    return ptr, grp
+
+
+# -- flat traces: one key per access, nothing pinned (the libCacheSim / textbook view) ---------
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _dense_span(keys, lo, span):
+    """Keys → 0..n-1 in order of first appearance, through a direct table of ``span`` entries
+    (keys dense enough: ``key - lo`` indexes it)."""
+    table = np.full(span, -1, np.int64)
+    out = np.empty(keys.shape[0], np.int64)
+    n = 0
+    for i in range(keys.shape[0]):
+        j = keys[i] - lo
+        d = table[j]
+        if d < 0:
+            d = n
+            table[j] = n
+            n += 1
+        out[i] = d
+    return out, n
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _slot(key, bits):
+    """Fibonacci hashing: the top ``bits`` bits of key · 2^64/φ (wrapping uint64 product)."""
+    h = np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
+    return np.int64(h >> np.uint64(64 - bits))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _dense_hash(keys):
+    """Keys → 0..n-1 in order of first appearance, through an open-addressing hash table that
+    doubles at half load (amortised O(1) per key, for keys too sparse for a direct table)."""
+    bits = 12
+    tk = np.zeros(1 << bits, np.int64)
+    tv = np.full(1 << bits, -1, np.int64)
+    out = np.empty(keys.shape[0], np.int64)
+    n = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        mask = (1 << bits) - 1
+        j = _slot(key, bits)
+        while tv[j] >= 0 and tk[j] != key:
+            j = (j + 1) & mask
+        if tv[j] >= 0:
+            out[i] = tv[j]
             continue
-        t2 = _admit(k, g, step, t, pool_of_layer, pool_cap, occ, policy, prev, nxt, head, tail,
-                    protected, resident, res_list, pos, last_use, count, ring, ring_n, hot_pow,
-                    window, occ_ptr, occ_grp, optr, evict_sl, redundant_sl, used, pref,
-                    num_experts, num_layers)
-        if t2 < 0:
-            continue
-        t = t2
-        used[k] = False
-        pref[k] = True
-        xfer_free = max(xfer_free, now) + xfer_time
-        ready[k] = xfer_free
-        pf_loads[g] += 1
-    return t, xfer_free
+        tk[j] = key
+        tv[j] = n
+        out[i] = n
+        n += 1
+        if 2 * n > (1 << bits):  # grow, re-inserting every key
+            bits += 1
+            mask = (1 << bits) - 1
+            nk = np.zeros(1 << bits, np.int64)
+            nv = np.full(1 << bits, -1, np.int64)
+            for s in range(tk.shape[0]):
+                if tv[s] >= 0:
+                    j2 = _slot(tk[s], bits)
+                    while nv[j2] >= 0:
+                        j2 = (j2 + 1) & mask
+                    nk[j2] = tk[s]
+                    nv[j2] = tv[s]
+            tk, tv = nk, nv
+    return out, n
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _insert(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos):
-    resident[k] = True
-    if policy == LRU:  # the list is LRU's whole state; the others scan res_list
-        _push_head(k, prev, nxt, head, tail, pool)
-    else:
-        res_list[pool, occ[pool]] = k
-        pos[k] = occ[pool]
-    occ[pool] += 1
+def dense_keys(keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(ids, n)``: ``keys`` (int64, any values) relabelled 0..n-1 in order of first
+    appearance, n distinct keys; O(len(keys)) (a direct table when the key range is at most
+    ~2× the trace length, else a hash table)."""
+    keys = np.ascontiguousarray(keys, np.int64)
+    if not keys.size:
+        return np.zeros(0, np.int64), 0
+    lo, hi = int(keys.min()), int(keys.max())
+    span = hi - lo + 1  # Python ints: no overflow for any int64 range
+    if span <= 2 * keys.size + (1 << 16):
+        return _dense_span(keys, np.int64(lo), span)
+    return _dense_hash(keys)
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _evict(k, pool, policy, prev, nxt, head, tail, resident, res_list, occ, pos):
-    resident[k] = False
-    if policy == LRU:
-        _unlink(k, prev, nxt, head, tail, pool)
-    else:
-        last = res_list[pool, occ[pool] - 1]
-        res_list[pool, pos[k]] = last
-        pos[last] = pos[k]
-        res_list[pool, occ[pool] - 1] = -1
-        pos[k] = -1
-    occ[pool] -= 1
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_lru(ids, n_keys, cap):
+    prev = np.full(n_keys, -1, np.int64)
+    nxt = np.full(n_keys, -1, np.int64)
+    res = np.zeros(n_keys, np.bool_)
+    head = -1
+    tail = -1
+    occ = 0
+    hits = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if res[k]:
+            hits += 1
+            if k == head:
+                continue
+            p, n = prev[k], nxt[k]  # unlink (k is not the head: p != -1)
+            nxt[p] = n
+            if n != -1:
+                prev[n] = p
+            else:
+                tail = p
+        else:
+            if occ == cap:  # evict the least recently used
+                v = tail
+                tail = prev[v]
+                if tail != -1:
+                    nxt[tail] = -1
+                else:
+                    head = -1
+                res[v] = False
+            else:
+                occ += 1
+            res[k] = True
+        prev[k] = -1  # push k at the head
+        nxt[k] = head
+        if head != -1:
+            prev[head] = k
+        head = k
+        if tail == -1:
+            tail = k
+    return hits
 
 
-@njit(cache=True, _nrt=False, error_model="numpy")
-def _victim(pool, policy, prev, tail, protected, res_list, occ, last_use, count, ring, ring_n,
-            hot_pow, window, step, g, occ_ptr, occ_grp, optr):
-    """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
-    ``choose_victim`` of the policy classes in workbench/policies/eviction.py, ties included."""
-    if policy == LRU:
-        x = tail[pool]
-        while x != -1 and protected[x]:
-            x = prev[x]
-        return x
-    best = -1
-    b1 = 0.0
-    b2 = 0
-    for j in range(occ[pool]):
-        k = res_list[pool, j]
-        if protected[k]:
-            continue
-        if policy == LFU:
-            s1 = float(count[k])
-        elif policy == HOTNESS:
-            s1 = _hot_score(k, step, ring, ring_n, hot_pow, window)
-        else:  # BELADY: farthest next use first
-            s1 = -float(_next_use(k, g, occ_ptr, occ_grp, optr))
-        s2 = last_use[k]
-        if best == -1 or s1 < b1 or (s1 == b1 and (s2 < b2 or (s2 == b2 and k < best))):
-            best, b1, b2 = k, s1, s2
-    return best
+def flat_lru_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of LRU with ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access):
+    O(1) per access (a doubly linked list over the key ids)."""
+    return int(_flat_lru(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                         int(cache_slots)))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_belady(ids, n_keys, cap):
+    n = ids.shape[0]
+    # next access index of the same key (n + 1: never again; ties between such keys cannot
+    # change a hit count, and no two resident keys share a finite next access)
+    nxt = np.empty(n, np.int64)
+    last = np.full(n_keys, n + 1, np.int64)
+    for i in range(n - 1, -1, -1):
+        k = ids[i]
+        nxt[i] = last[k]
+        last[k] = i
+    val = np.zeros(n_keys, np.int64)  # next access of each resident key
+    pos = np.full(n_keys, -1, np.int64)  # its place in the max-heap h (-1: not resident)
+    h = np.empty(cap, np.int64)
+    size = 0
+    hits = 0
+    for i in range(n):
+        k = ids[i]
+        v = nxt[i]
+        j = pos[k]
+        if j >= 0:  # hit: its next use grows (it was i, the heap's minimum): sift up
+            hits += 1
+            while j > 0:
+                p = (j - 1) >> 1
+                q = h[p]
+                if val[q] >= v:
+                    break
+                h[j] = q
+                pos[q] = j
+                j = p
+        elif size < cap:
+            j = size
+            size += 1
+            while j > 0:
+                p = (j - 1) >> 1
+                q = h[p]
+                if val[q] >= v:
+                    break
+                h[j] = q
+                pos[q] = j
+                j = p
+        else:  # full: the root (farthest next use) leaves, k takes its place and sifts down
+            pos[h[0]] = -1
+            j = 0
+            while True:
+                c = 2 * j + 1
+                if c >= size:
+                    break
+                if c + 1 < size and val[h[c + 1]] > val[h[c]]:
+                    c += 1
+                q = h[c]
+                if val[q] <= v:
+                    break
+                h[j] = q
+                pos[q] = j
+                j = c
+        h[j] = k
+        pos[k] = j
+        val[k] = v
+    return hits
+
+
+def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of Belady's MIN (always admitting, as libCacheSim's Belady) with ``cache_slots``
+    slots over ``ids`` (keys 0..n_keys-1, one per access): next accesses by one backward pass,
+    residents in a max-heap of next access, O(log slots) per access."""
+    return int(_flat_belady(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                            int(cache_slots)))

@@ -291,11 +291,11 @@ class Offloader:
                 if out.hits:  # every routed expert a hit: no token needs masking
                     every = routed if len(out.hits) == len(routed) else None
                     result = self._run_slots(b, view, out.hits, action[1], hidden_states,
-                                             top_k_index, top_k_weights, every)
+                                             top_k_index, top_k_weights, args, kwargs, every)
             elif kind == "host":
                 t = time.perf_counter()
                 part = self._run_on_host(b, view, action[1], hidden_states, top_k_index,
-                                         top_k_weights)
+                                         top_k_weights, args, kwargs)
                 self._span(_HOST, layer, action[1], t)
                 result = part if result is None else result + part
             elif kind == "miss":
@@ -313,7 +313,7 @@ class Offloader:
                     slots.append(nxt.slot)
                     i += 1
                 part = self._run_slots(b, view, batch, slots, hidden_states, top_k_index,
-                                       top_k_weights)
+                                       top_k_weights, args, kwargs)
                 result = part if result is None else result + part
         if result is None:  # no token routed here (empty input)
             result = torch.zeros_like(hidden_states)
@@ -334,16 +334,16 @@ class Offloader:
 
     def _run_slots(self, b: MoEBlock, view: ExpertsView, experts: list[int], slots: list[int],
                    hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor, all_routed: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   top_k_weights: torch.Tensor, args: tuple, kwargs: dict,
+                   all_routed: torch.Tensor | None = None) -> torch.Tensor:
         """``experts``' share of the layer output, over their ``slots`` gathered compactly
         (``all_routed``: see :meth:`ExpertsView.__call__`)."""
         return view(self.slots.gather(slots), experts, b.num_experts, hidden_states,
-                    top_k_index, top_k_weights, all_routed=all_routed)
+                    top_k_index, top_k_weights, *args, all_routed=all_routed, **kwargs)
 
     def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,
                      hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
+                     top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """Expert ``expert``'s share of the layer output, computed by the model's own experts
         forward on the host over the host store's copy (a one-expert view, no copy of the
         weights)."""
@@ -351,7 +351,7 @@ class Offloader:
         host = self.store.layer(b.index)
         out = view({n: host[n][expert:expert + 1] for n in b.expert_params}, [expert],
                    b.num_experts, hidden_states.to(cpu), top_k_index.to(cpu),
-                   top_k_weights.to(cpu))
+                   top_k_weights.to(cpu), *args, **kwargs)
         return out.to(hidden_states.device)
 
     def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:

@@ -20,7 +20,7 @@ import contextlib
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -40,9 +40,6 @@ from workbench.sim.costs import Prices
 from workbench.sim.profiles import get_profile
 from workbench.telemetry.events import StepEvent
 from workbench.telemetry.store import Recorder
-
-if TYPE_CHECKING:
-    from workbench.runtime.runtime import Runtime
 
 
 class _Streamer:
@@ -75,9 +72,11 @@ class _StopOnEvent:
 
 
 class RunSession:
-    """The state of one run (see the module docstring)."""
+    """The state of one run (see the module docstring). ``runtime`` is the
+    :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; not
+    imported here: the Runtime imports this module)."""
 
-    def __init__(self, runtime: "Runtime", knobs: Knobs, requests: list[Request], *,
+    def __init__(self, runtime: Any, knobs: Knobs, requests: list[Request], *,
                  store_path=None, overwrite: bool = False,
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,

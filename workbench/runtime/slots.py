@@ -54,14 +54,15 @@ class ExpertsView:
 
     def __call__(self, weights: dict[str, torch.Tensor], experts: Sequence[int],
                  num_experts: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor, *, all_routed: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 top_k_weights: torch.Tensor, *args, all_routed: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:
         """The layer's output share of ``experts`` (model ids, ``weights[name][i]`` is expert
         ``experts[i]``) over ``hidden_states``; ``num_experts`` is the model layer's E.
 
         ``all_routed``: when ``experts`` are *every* expert the layer routed to, in ascending
         order, as a tensor — then ids map to positions by a sorted search and no token needs
-        masking (the common all-hit decode step)."""
+        masking (the common all-hit decode step). ``args``/``kwargs``: whatever else the
+        model passed its experts module, passed on unchanged."""
         n = len(experts)
         dev = top_k_index.device
         if all_routed is not None:
@@ -78,7 +79,7 @@ class ExpertsView:
         d["num_experts"] = n
         d["_is_expert_parallel"] = True
         try:
-            return self._forward(self._module, hidden_states, local, w)
+            return self._forward(self._module, hidden_states, local, w, *args, **kwargs)
         finally:
             for name in self.names:  # hold no reference to the call's tensors
                 d.pop(name, None)

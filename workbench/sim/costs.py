@@ -124,9 +124,19 @@ class Prices:
 
     @staticmethod
     def many(fn: Callable[[int], float], counts: np.ndarray, dtype=np.float64) -> np.ndarray:
-        """``fn`` of every element of ``counts``, calling ``fn`` once per distinct count."""
+        """``fn`` of every element of ``counts`` (whole numbers ≥ 0), calling ``fn`` once per
+        distinct count; linear in ``len(counts)`` when the counts are small (a lookup table
+        indexed by count), a sort otherwise."""
         counts = np.asarray(counts).reshape(-1)
         if counts.size == 0:
             return np.zeros(0, dtype)
+        top = int(counts.max())
+        if counts.min() >= 0 and top <= 4 * counts.size + 1024:
+            seen = np.zeros(top + 1, bool)
+            seen[counts] = True
+            vals = np.flatnonzero(seen)
+            table = np.zeros(top + 1, dtype)
+            table[vals] = [fn(int(v)) for v in vals]
+            return table[counts]
         vals, inv = np.unique(counts, return_inverse=True)
         return np.array([fn(int(v)) for v in vals], dtype)[inv.reshape(-1)]

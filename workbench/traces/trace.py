@@ -226,26 +226,26 @@ class Trace:
     def groups(self, max_bytes: Any = None) -> "Groups":
         """The accesses in serving order, grouped per (step, layer) (see module docstring).
 
-        Built chunk by chunk of tokens into arrays sized once from an upper bound (per step:
-        accesses ≤ min(routed slots, layers × experts), groups ≤ min(routed slots, layers)), so
-        peak memory is about the result plus one chunk; that bound must fit the memory budget
-        (``max_bytes``, else ``WORKBENCH_TRACE_MAX_BYTES``, else 2 GiB:
+        One compiled pass over the tokens (numba; :func:`_fill_groups`), O(tokens × layers ×
+        k), writing into arrays sized once from an upper bound (per step: accesses ≤ min(routed
+        slots, layers × experts), groups ≤ min(routed slots, layers)) and cut to size in place;
+        its only other memory is O(layers × experts) of scratch. That bound must fit the memory
+        budget (``max_bytes``, else ``WORKBENCH_TRACE_MAX_BYTES``, else 2 GiB:
         :mod:`workbench.traces.limits`), or :class:`InputError` says how much it needs."""
         T, L, K = self.topk_ids.shape
         E = self.num_experts
         S = self.num_steps
         LE = L * E
+        routed_per_step, fill_groups = _group_kernels()
         step_tokens = np.bincount(self.token_step, minlength=S).astype(np.int64, copy=False)
         routed = np.zeros(S, np.int64)      # routed (token, layer, rank) slots per step
-        for a, b in _token_chunks(T, L * K):
-            st = self.token_step[a:b]
-            s0 = int(st[0])
-            nv = (self.topk_ids[a:b] >= 0).sum(axis=(1, 2))
-            routed[s0:int(st[-1]) + 1] += np.bincount(st - s0, weights=nv).astype(np.int64)
+        if T:
+            routed_per_step(self.topk_ids, self.token_step, routed)
         A_ub = int(np.minimum(routed, LE).sum())
         G_ub = int(np.minimum(routed, L).sum())
         del routed
-        limits.check(A_ub * 8 + G_ub * 24 + (16 * S * L if not self.kept.all() else 0),
+        all_kept = bool(self.kept.all())
+        limits.check(A_ub * 8 + G_ub * 24 + (16 * S * L if not all_kept else 0),
                      limits.budget(max_bytes), "trace replay",
                      f"the access groups of {self!r} (up to {A_ub} accesses in {G_ub} groups)")
         # sized by the bound; untouched pages of np.empty cost nothing, and the arrays are cut
@@ -257,96 +257,118 @@ class Trace:
         layer_tokens = np.empty(G_ub, np.int64)
         expert = np.empty(A_ub, np.int32)
         ntok = np.empty(A_ub, np.int32)
-        all_kept = bool(self.kept.all())
-        lay = np.arange(L, dtype=np.int64)
-        nr_parts: list[tuple[np.ndarray, np.ndarray]] = []  # (step·L + layer, tokens) not reaching
-        carry: tuple[np.ndarray, np.ndarray] | None = None
         g0 = a0 = 0
-
-        def emit(u: np.ndarray, n: np.ndarray) -> None:
-            nonlocal g0, a0
-            g = u // E
-            starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-            gc = g[starts]
-            g1, a1 = g0 + gc.size, a0 + u.size
-            s_ = gc // L
-            step[g0:g1] = s_
-            layer[g0:g1] = gc - s_ * L
-            ptr[g0 + 1:g1 + 1] = a0 + np.r_[starts[1:], u.size]
-            layer_tokens[g0:g1] = step_tokens[s_]
-            expert[a0:a1] = u % E
-            ntok[a0:a1] = n
-            g0, a0 = g1, a1
-
-        for a, b in _token_chunks(T, L * K):
-            ids = self.topk_ids[a:b]
-            st = self.token_step[a:b].astype(np.int64)
-            valid = ids >= 0
-            code = ((st[:, None, None] * L + lay[None, :, None]) * E + ids)[valid]
-            u, n = _count(code)
-            del code
-            if carry is not None:  # the step the previous chunk ended in goes on here
-                cut = int(np.searchsorted(u, carry[0][-1] // LE * LE + LE)) if carry[0].size \
-                    else 0
-                u, n = _merge(carry, (u[:cut], n[:cut]), (u[cut:], n[cut:]))
-                carry = None
-            if b < T and self.token_step[b] == self.token_step[b - 1]:
-                cut = int(np.searchsorted(u, int(self.token_step[b - 1]) * LE))
-                carry, u, n = (u[cut:], n[cut:]), u[:cut], n[:cut]
-            if u.size:
-                emit(u, n)
-            if not all_kept:
-                miss = ~self.kept[a:b, None] & ~valid.any(-1)   # [token, layer] not reached
-                sl = (st[:, None] * L + lay[None, :])[miss]
-                if sl.size:
-                    nr_parts.append(_count(sl))
-        if carry is not None and carry[0].size:
-            emit(*carry)
+        if T:
+            # a kept mask of all True (the common case, often a broadcast view) is not read
+            kept = np.zeros(0, np.bool_) if all_kept else np.ascontiguousarray(self.kept)
+            g0, a0 = fill_groups(self.topk_ids, self.token_step, kept, all_kept, E, step_tokens,
+                                 step, layer, ptr, layer_tokens, expert, ntok,
+                                 np.zeros(LE, np.int64), np.zeros(L * ((E + 63) // 64), np.uint64),
+                                 np.zeros(L, np.int64), _DEBRUIJN)
         for arr, size in ((step, g0), (layer, g0), (ptr, g0 + 1), (layer_tokens, g0),
                           (expert, a0), (ntok, a0)):
             if arr.size != size:
                 arr.resize(size, refcheck=False)
-        # per group the tokens that reach its layer (dense work is priced per token reaching
-        # the layer): all of the step's, except pruned tokens (kept False) on the layers where
-        # they have no routing (behind the pinned prefix)
-        if nr_parts:
-            nr_code, nr_n = _count(np.concatenate([p[0] for p in nr_parts]),
-                                   np.concatenate([p[1] for p in nr_parts]))
-            nr_parts.clear()
-            for a, b in _token_chunks(g0, 1):
-                gc = step[a:b].astype(np.int64) * L + layer[a:b]
-                i = np.minimum(np.searchsorted(nr_code, gc), len(nr_code) - 1)
-                layer_tokens[a:b] -= np.where(nr_code[i] == gc, nr_n[i], 0)
         return Groups(step=step, layer=layer, ptr=ptr, expert=expert, expert_tokens=ntok,
                       step_tokens=step_tokens, num_layers=L, num_experts=E,
                       layer_tokens=layer_tokens)
 
 
-def _count(code: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct ``code`` values (int64) and how often each occurs (or the sum of
-    ``weights``), counting densely when the codes are dense enough, else by sorting."""
-    if not code.size:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    lo, hi = int(code.min()), int(code.max())
-    span = hi - lo + 1
-    if span <= 16 * code.size:  # dense enough: counting beats sorting
-        cnt = np.bincount(code - lo, weights=weights, minlength=span)
-        u = np.flatnonzero(cnt)
-        return u.astype(np.int64) + lo, cnt[u].astype(np.int64)
-    if weights is None:
-        u, n = np.unique(code, return_counts=True)
-        return u.astype(np.int64), n.astype(np.int64)
-    order = np.argsort(code, kind="stable")
-    c = code[order]
-    starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
-    return c[starts].astype(np.int64), np.add.reduceat(weights[order], starts).astype(np.int64)
+def _routed_per_step(ids, token_step, routed):
+    """``routed[s] +=`` the routed (id ≥ 0) slots of every token of step ``s``."""
+    T, L, K = ids.shape
+    for t in range(T):
+        n = 0
+        for l in range(L):
+            for r in range(K):
+                if ids[t, l, r] >= 0:
+                    n += 1
+        routed[token_step[t]] += n
 
 
-def _merge(carry, head, tail) -> tuple[np.ndarray, np.ndarray]:
-    """``carry`` and ``head`` (codes of the same step, each sorted and distinct) summed, then
-    ``tail`` (later steps)."""
-    u, n = _count(np.concatenate([carry[0], head[0]]), np.concatenate([carry[1], head[1]]))
-    return np.concatenate([u, tail[0]]), np.concatenate([n, tail[1]])
+# de Bruijn table: the index of the lowest set bit of a uint64 ``x`` is
+# _DEBRUIJN[((x & -x) * _DEBRUIJN_MUL) >> 58] (numba has no count-trailing-zeros)
+_DEBRUIJN_MUL = 0x03F79D71B4CB0A89
+_DEBRUIJN = np.zeros(64, np.int64)
+for _i in range(64):
+    _DEBRUIJN[((((1 << _i) * _DEBRUIJN_MUL) & ((1 << 64) - 1)) >> 58)] = _i
+del _i
+
+
+def _fill_groups(ids, token_step, kept, all_kept, E, step_tokens, out_step, out_layer, out_ptr,
+                 out_ltok, out_expert, out_ntok, cnt, seen, nr, debruijn):
+    """Group ``ids`` [token, layer, k] (tokens in step order) per (step, layer): for each step,
+    count every (layer, expert) it routes to (``cnt``) and mark it in the layer's bitmap
+    ``seen`` (⌈E/64⌉ words per layer), then emit its layers in order, each a group of its
+    distinct experts ascending (set bits, lowest first) with their counts, and the step's
+    tokens less those that do not reach the layer (``kept`` False and no routing there).
+    Scratch ``cnt``/``seen``/``nr`` are zero between steps. Returns (groups, accesses)."""
+    T, L, K = ids.shape
+    W = (E + 63) // 64
+    mul = np.uint64(_DEBRUIJN_MUL)
+    one = np.uint64(1)
+    g0 = 0
+    a0 = 0
+    t = 0
+    while t < T:
+        s = token_step[t]
+        t1 = t
+        while t1 < T and token_step[t1] == s:
+            t1 += 1
+        for tok in range(t, t1):
+            for l in range(L):
+                base = l * E
+                routed = False
+                for r in range(K):
+                    e = ids[tok, l, r]
+                    if e >= 0:
+                        routed = True
+                        cnt[base + e] += 1
+                        w = l * W + (e >> 6)
+                        seen[w] |= one << np.uint64(e & 63)
+                if not all_kept and not routed and not kept[tok]:
+                    nr[l] += 1
+        for l in range(L):
+            a_start = a0
+            base = l * E
+            for w in range(l * W, l * W + W):
+                x = seen[w]
+                if x == 0:
+                    continue
+                seen[w] = 0
+                e0 = (w - l * W) * 64
+                while x:
+                    low = x & (~x + one)
+                    e = e0 + debruijn[np.int64((low * mul) >> np.uint64(58))]
+                    out_expert[a0] = e
+                    out_ntok[a0] = cnt[base + e]
+                    cnt[base + e] = 0
+                    a0 += 1
+                    x ^= low
+            if a0 > a_start:
+                out_step[g0] = s
+                out_layer[g0] = l
+                out_ltok[g0] = step_tokens[s] - nr[l]
+                out_ptr[g0 + 1] = a0
+                g0 += 1
+            nr[l] = 0
+        t = t1
+    return g0, a0
+
+
+_KERNELS: tuple | None = None
+
+
+def _group_kernels():
+    """(:func:`_routed_per_step`, :func:`_fill_groups`) compiled by numba on first use (and
+    cached on disk), so that importing traces does not import numba."""
+    global _KERNELS
+    if _KERNELS is None:
+        from numba import njit
+
+        jit = njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+        _KERNELS = (jit(_routed_per_step), jit(_fill_groups))
+    return _KERNELS
 
 
 @dataclass
@@ -377,6 +399,9 @@ class Groups:
         return len(self.expert)
 
     def keys(self) -> np.ndarray:
-        """Flat cache key ``layer · E + expert`` of every access."""
-        layer_of = np.repeat(self.layer, np.diff(self.ptr))
-        return (layer_of.astype(np.int64) * self.num_experts + self.expert).astype(np.int64)
+        """Flat cache key ``layer · E + expert`` (int64) of every access. One array of the
+        accesses' size, added to in place (the temporaries of a chained expression cost
+        several times that in page faults: 0.05–0.7 s per 10 M accesses, measured)."""
+        out = np.repeat(self.layer.astype(np.int64) * self.num_experts, np.diff(self.ptr))
+        out += self.expert
+        return out
