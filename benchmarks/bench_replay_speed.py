@@ -200,9 +200,9 @@ def run_linear(a) -> dict:
 CATEGORIES = (  # (label, function names whose cumulative time it is), first match wins
     ("load the .npy trace", ("load_trace",)),
     ("Trace.groups()", ("groups",)),
-    ("pricing (np.unique per access)", ("many", "priced")),
+    ("pricing (Prices.many)", ("many", "priced")),
     ("prefetch plan", ("plan_prefetch",)),
-    ("Belady's future (_occurrences)", ("_occurrences", "occurrences")),
+    ("Belady's future (occurrences)", ("_occurrences", "occurrences")),
     ("Groups.keys()", ("keys",)),
     ("compiled kernel (simulate)", ("simulate",)),
     ("results, metrics", ("_result", "metrics", "to_dataset")),

@@ -11,8 +11,8 @@ State per key (``layer · E + expert``), packed key-major so that one key's fiel
 line and the helpers take a handful of arrays (numba passes every array argument as a struct of
 ~7 words; with ~40 of them a helper call cost more than the work it did):
 
-- ``ks`` int64 ``[key, 8]``: LRU list links, position in its pool's resident list (a binary heap
-  for Belady), last use on the access clock ``t``, LFU use count, hotness ring fill, Belady's
+- ``ks`` int64 ``[key, 8]``: LRU list links, slot in its pool's resident list (LFU, hotness,
+  Belady), last use on the access clock ``t``, LFU use count, hotness ring fill, Belady's
   pointer into the key's future groups and its next-use group;
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
   prefetched-unused flags;
@@ -58,7 +58,7 @@ G_HITS, G_MISSES, G_PF_LOADS, G_PF_HITS = 0, 1, 2, 3
 # of the loop when it was on): the callers allocate everything, nothing here allocates
 _JIT = dict(cache=True, _nrt=False, error_model="numpy", boundscheck=False)
 # Belady's per-access helpers are inlined by numba itself: LLVM left them as calls, and inlining
-# measured ~30 % faster on Belady (not on the LRU helpers, which LLVM inlines already)
+# measured ~30 % faster on Belady (the LRU helpers, which LLVM inlines already, were not faster)
 _HOT = dict(inline="always", **_JIT)
 
 
@@ -171,15 +171,15 @@ def _tree_set(pool, slot, v, tree):
 
 @njit(**_HOT)
 def _tree_raise(pool, slot, v, tree):
-    """Set ``slot``'s priority to ``v``, not below its old one: the maxima above it only rise
-    to ``v``, up to the first that is already at least ``v`` (a fix: the common update)."""
+    """Set ``slot``'s priority to ``v``, not below its old one (a fix: the common update): each
+    maximum above it becomes max(itself, v) — every level, as a select, no data-dependent
+    branch (stopping at the first maximum already ≥ v mispredicted more than it saved)."""
     i = ((tree.shape[1] - 1) >> 3) + slot
     tree[pool, i] = v
     while i > 0:
         i = (i - 1) >> 3
-        if tree[pool, i] >= v:
-            break
-        tree[pool, i] = v
+        x = tree[pool, i]
+        tree[pool, i] = v if v > x else x
 
 
 @njit(**_HOT)
