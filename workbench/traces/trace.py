@@ -43,7 +43,7 @@ from workbench.traces import limits
 
 _I16 = int(np.iinfo(np.int16).max)
 _I32 = int(np.iinfo(np.int32).max)
-_CHUNK_SLOTS = 1 << 18   # validation and grouping work on ~this many (token, layer, rank) slots
+_CHUNK_SLOTS = 1 << 18   # validation works on ~this many (token, layer, rank) slots at a time
 
 
 def _token_chunks(T: int, per_token: int):
