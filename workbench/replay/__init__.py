@@ -46,12 +46,14 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     if knob_values:
         knobs = knobs.copy(**knob_values)
-    res = _replay(trace, knobs, scope=scope, engine=engine)
+    groups = trace.groups()  # once for the replay and its bound
+    res = _replay(trace, knobs, scope=scope, engine=engine, groups=groups)
     if belady:
         if knobs.eviction == "belady" and knobs.prefetch == "none":
             bound = res
         else:
-            bound = _replay(trace, knobs, scope=scope, eviction="belady", prefetch="none")
+            bound = _replay(trace, knobs, scope=scope, groups=groups, hits_only=True,
+                            eviction="belady", prefetch="none")
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False

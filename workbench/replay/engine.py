@@ -158,15 +158,22 @@ def _recorded_cost(trace: Trace, spec) -> CostSpec:
 
 
 def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: str = "auto",
-           expert_bytes: float | None = None, **knob_values: Any) -> ReplayResult:
+           expert_bytes: float | None = None, groups: Groups | None = None,
+           hits_only: bool = False, **knob_values: Any) -> ReplayResult:
     """Replay ``trace`` under ``knobs`` (a :class:`~workbench.knobs.Knobs`; None: every knob's
     default) changed by ``knob_values`` (``cache_slots=32``, ``eviction="lfu"``, …); see the
     module docstring. The knobs are checked as a trace replay (:meth:`Knobs.check` with
     ``live=False``): a bad setting raises :class:`KnobError`. ``expert_bytes`` prices a trace
     that carries no model sizes when no ``target_model`` is set; with neither, the hit counts
-    are exact and the times unavailable (:attr:`ReplayResult.priced` False)."""
+    are exact and the times unavailable (:attr:`ReplayResult.priced` False). ``groups``:
+    ``trace.groups()`` when the caller already has them (replaying one trace twice).
+    ``hits_only``: skip the modeled clock (a bound needs only its hit rate); the counts are
+    those of a priced replay, the times unavailable."""
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
-    groups = trace.groups()
+    if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
+        st.prices = Prices(st.prices.profile, None)
+    if groups is None:
+        groups = trace.groups()
     prices = st.prices
     # dense work over the tokens that reach each group's layer (pruned tokens skip the layers
     # behind the pinned prefix)
