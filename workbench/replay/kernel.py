@@ -256,6 +256,29 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
     return best
 
 
+@njit(**_HOT)
+def _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
+    """Take victim ``x`` out of ``pool``: booked on its layer in ``sl[0]`` (and in ``sl[1]`` as
+    redundant if never used); returns the slot it frees for Belady (-1 for the other policies,
+    whose slot bookkeeping is the LRU list or the resident array)."""
+    kf[x, RES] = 0
+    c = step * num_layers + x // num_experts
+    sl[0, c] += 1
+    if kf[x, USED] == 0:
+        sl[1, c] += 1
+    kf[x, PREF] = 0
+    slot = -1
+    if policy == LRU:
+        _unlink(x, ks, pl, pool)
+        pl[pool, OCC] -= 1
+    elif policy == BELADY:
+        slot = ks[x, POS]
+        ks[x, POS] = -1
+    else:
+        _res_remove(x, pool, ks, pl, res)
+    return slot
+
+
 @njit(**_JIT)
 def _admit(k, g, step, t, policy, pool, num_experts, num_layers, ks, kf, pl, res, tree, ring,
            hot_pow, window, occ_ptr, occ_grp, sl):
@@ -264,26 +287,13 @@ def _admit(k, g, step, t, policy, pool, num_experts, num_layers, ks, kf, pl, res
     in ``sl[0]``, and in ``sl[1]`` as redundant if it was never used). A prefetched key is not
     protected: Belady gives it its real next use at once. Returns the new access clock, or -1
     when every resident is protected (nothing changed). The demand path in :func:`_simulate`
-    is the same steps written out."""
+    is the same steps written out around the same :func:`_evict`."""
     slot = -1  # Belady: the victim's slot, which k takes
     if pl[pool, OCC] >= pl[pool, CAP]:
         x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
         if x == -1:
             return -1
-        kf[x, RES] = 0
-        c = step * num_layers + x // num_experts
-        sl[0, c] += 1
-        if kf[x, USED] == 0:
-            sl[1, c] += 1
-        kf[x, PREF] = 0
-        if policy == LRU:
-            _unlink(x, ks, pl, pool)
-            pl[pool, OCC] -= 1
-        elif policy == BELADY:
-            slot = ks[x, POS]
-            ks[x, POS] = -1
-        else:
-            _res_remove(x, pool, ks, pl, res)
+        slot = _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
     t += 1
     ks[k, LAST] = t
     kf[k, RES] = 1
@@ -473,20 +483,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                                     window, step)
                     if x == -1:
                         break  # every slot holds an expert this layer still needs
-                    kf[x, RES] = 0
-                    c = step * num_layers + x // num_experts
-                    sl[0, c] += 1
-                    if kf[x, USED] == 0:
-                        sl[1, c] += 1
-                    kf[x, PREF] = 0
-                    if policy == LRU:
-                        _unlink(x, ks, pl, pool)
-                        pl[pool, OCC] -= 1
-                    elif policy == BELADY:
-                        slot = ks[x, POS]
-                        ks[x, POS] = -1
-                    else:
-                        _res_remove(x, pool, ks, pl, res)
+                    slot = _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl,
+                                  res, sl)
                 t += 1
                 ks[k, LAST] = t
                 kf[k, RES] = 1
