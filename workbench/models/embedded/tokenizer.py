@@ -60,28 +60,34 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_vocab() -> dict[str, int]:
-    """Return the full token -> id mapping (special tokens first, ids contiguous from 0)."""
-    tokens = [*SPECIAL_TOKENS, UNK_TOKEN, "\n", *PUNCTUATION, *ROLE_WORDS, *VOCAB_WORDS]
+def build_vocab(words: tuple[str, ...] = VOCAB_WORDS) -> dict[str, int]:
+    """Return the full token -> id mapping (special tokens first, ids contiguous from 0) for a
+    model whose tasks use ``words`` (default: the shipped model's)."""
+    tokens = [*SPECIAL_TOKENS, UNK_TOKEN, "\n", *PUNCTUATION, *ROLE_WORDS, *words]
     tokens = list(dict.fromkeys(tokens))
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_backend() -> Tokenizer:
-    """Build the raw ``tokenizers.Tokenizer`` (WordLevel model, lowercase, word/punct/newline split)."""
-    tok = Tokenizer(WordLevel(vocab=build_vocab(), unk_token=UNK_TOKEN))
+def build_backend(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = False) -> Tokenizer:
+    """Build the raw ``tokenizers.Tokenizer`` (WordLevel model, lowercase, word/punct/newline split).
+
+    ``split_digits`` makes every digit a token of its own ("56" -> "5", "6"), so that any number
+    is spelled with ten tokens (the v2 model's tasks); the shipped model keeps whole words."""
+    tok = Tokenizer(WordLevel(vocab=build_vocab(words), unk_token=UNK_TOKEN))
     tok.normalizer = normalizers.Lowercase()
     # Keep only the matches (words, single punctuation chars, newlines); drop spaces/tabs.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\n|[^\w\s]"), behavior="removed", invert=True)
+    pattern = r"\d|[^\W\d]+|\n|[^\w\s]" if split_digits else r"\w+|\n|[^\w\s]"
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Return the transformers tokenizer (with chat template) used by the embedded model."""
+def build_tokenizer(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """Return the transformers tokenizer (with chat template) of an embedded model whose tasks
+    use ``words`` (:func:`build_backend`; the defaults are the shipped model's)."""
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(),
+        tokenizer_object=build_backend(words, split_digits),
         unk_token=UNK_TOKEN,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,

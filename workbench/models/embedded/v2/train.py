@@ -1,0 +1,1002 @@
+"""Train a v2 embedded Qwen3-VL-MoE on generated tasks, deterministically, resumably.
+
+Usage::
+
+    python -m workbench.models.embedded.v2.train --preset full --out DIR [--recipe NAME]
+        [--checkpoint-dir DIR --checkpoint-every N] [--resume DIR] [--device cpu|cuda]
+
+What it does, in order:
+
+1. builds the word-level tokenizer, the PIL image processor and a ``Qwen3VLMoeConfig`` of the
+   preset's size (:mod:`.model`; ``full``: 12 decoder layers, each a 64-expert top-4 MoE);
+2. trains ``Qwen3VLMoeForConditionalGeneration`` from scratch through the recipe's
+   :class:`Stage` s: a vision-only warm-up (per-patch label and word-alignment losses,
+   :class:`VisionProbe`), a mixed chat stage (answer cross-entropy + the model's router
+   load-balancing loss + the vision losses), then the recipe's finishing stages;
+3. rounds the weights to float16 (the stored dtype) and evaluates greedy generation on a
+   held-out split (:mod:`.evaluate`): exact match and token accuracy per task kind, chance and
+   blind baselines beside each, per-layer routing statistics of image vs text tokens;
+4. writes the checkpoint, tokenizer, image processor, ``training_log.json`` and the model card
+   ``README.md`` (:mod:`.card`) to ``--out`` (swapped in whole), and the demo requests to
+   ``--demo-dir``.
+
+Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` optimizer steps counted over all
+stages) hold the model, the probe, the stage's AdamW state, the position in the LR schedule and
+every RNG state (the stage's data stream, numpy's, Python's and torch's), so ``--resume DIR``
+continues bit for bit as if never interrupted (tests/test_v2_training.py).
+
+Determinism: fixed seeds, ``torch.set_num_threads(2)`` and
+``torch.use_deterministic_algorithms(True)``; the same command on the same software stack and
+device reproduces the same weights and metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import Qwen2VLImageProcessorPil, Qwen3VLMoeForConditionalGeneration
+
+from . import V2_DEMO_DIR, V2_MODEL_DIR, checkpoint
+from .card import render_model_card
+from .evaluate import evaluate, routing_stats
+from .model import (
+    FULL_SIZE,
+    IMAGE_PIXELS,
+    MERGE_SIZE,
+    PATCH_SIZE,
+    TEMPORAL_PATCH_SIZE,
+    SMOKE_SIZE,
+    TOKENS_PER_IMAGE,
+    ModelSize,
+    build_config,
+    build_generation_config,
+    build_image_processor,
+    build_v2_tokenizer,
+    encode_batch,
+    encode_conversations,
+)
+from .tasks import (
+    COLORS,
+    DIGITS,
+    LABEL_HEADS,
+    QUESTION_KINDS,
+    SHAPES,
+    SHORT_KINDS,
+    TEXT_KINDS,
+    make_conversation,
+    make_demo,
+    make_digit_strip,
+    make_scene,
+    make_split,
+    question_kind,
+)
+
+HELDOUT_SEED = 20_251_121
+"""Seed of the held-out evaluation split (never used for training)."""
+DEMO_SEED = 7_777
+"""Seed of the demo requests."""
+
+TRAIN_FAMILY_WEIGHTS = {SHORT_KINDS: 0.5, ("describe",): 0.2, ("read",): 0.3}
+"""Mixed-stage mix of the image chats. Text-only chats come in a second batch of their own
+every other step (``text_batch_size``): padded to their own length, not to an image chat's,
+they cost a fraction of an image chat (in a shared batch 80 % of a text row was padding)."""
+TEXT_TRAIN_WEIGHTS = {TEXT_KINDS: 1.0}
+
+Families = tuple[tuple[tuple[str, ...], float], ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a recipe: ``steps`` optimizer steps with fresh AdamW state and its own
+    schedule and data stream.
+
+    ``kind`` is ``"vision"`` (the vision tower, the word embeddings and the probe alone, on
+    generated images: probe + alignment losses, warm-up then a constant LR) or ``"chat"`` (the
+    whole model on chats: answer cross-entropy + router loss, plus the vision losses when
+    ``vision_losses``; warm-up then cosine decay to ``lr * min_lr_ratio``). ``families`` pairs a
+    family of kinds with its share of a chat stage's image chats; ``text_batch_size`` text-only
+    chats come every other step (0: none). ``lr``/``warmup``/``batch_size`` ``None`` take
+    :class:`TrainArgs`' values."""
+
+    name: str
+    steps: int
+    kind: str = "chat"
+    families: Families = ()
+    text_batch_size: int = 0
+    vision_losses: bool = False
+    lr: float | None = None
+    warmup: int | None = None
+    batch_size: int | None = None
+
+
+def _families(weights: dict) -> Families:
+    return tuple((tuple(k), float(v)) for k, v in weights.items())
+
+
+# Measured on the v5 weights of the earlier attempt (mixed stage only): 'exists' stayed at the
+# blind baseline and 'color' named another object's colour, whatever their share of a mixed batch
+# (up to 70 %); a batch of nothing but 'exists' questions taught it in ~150 steps, then colour
+# and existence together, the other kinds kept in the mix so none is forgotten.
+FINISH_EXISTS = Stage("exists", 150, families=((("exists",), 1.0),), lr=1e-3, warmup=10)
+FINISH_COLOR = Stage("color", 400, families=((("color", "exists"), 0.7), (SHORT_KINDS, 0.1), (("describe",), 0.1),
+                                              (("read",), 0.1)), text_batch_size=48, lr=1e-3, warmup=10)
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """Training hyper-parameters (lengths in optimizer steps, sizes in examples) and run options.
+
+    The recipe's stages come from :func:`stages`: ``vision_steps`` of vision warm-up,
+    ``steps`` of mixed chats, then ``finish``."""
+
+    out: Path = V2_MODEL_DIR
+    demo_dir: Path = V2_DEMO_DIR
+    preset: str = "full"
+    recipe: str = "staged"
+    size: ModelSize = FULL_SIZE
+    steps: int = 1000  # mixed chat stage
+    seed: int = 0
+    batch_size: int = 32  # image chats per step (scenes, digit strips)
+    text_batch_size: int = 48  # text-only chats every other step, in a batch of their own
+    image_turns: int = 1  # questions per image chat, as evaluated (4 per chat never taught color / exists)
+    text_turns: int = 3  # max puzzles per text-only chat
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05  # cosine decays to lr * min_lr_ratio
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    router_aux_loss_coef: float = 0.01
+    vision_aux_coef: float = 0.5  # weight of the per-patch label loss on the vision tower (training only)
+    align_coef: float = 1.0  # weight of the visual-token / word-embedding alignment loss (training only)
+    vision_steps: int = 1600  # vision-only warm-up steps before the first chat
+    vision_batch_size: int = 20  # images per vision-only step (half shape scenes, half digit strips)
+    chat_trains_vision: bool = True  # False: the vision tower is frozen after its warm-up
+    finish: tuple[Stage, ...] = (FINISH_EXISTS, FINISH_COLOR)
+    order: str = "finish-last"  # or "focus-first": the finishing stages run before the mixed stage
+    log_every: int = 25
+    heldout_n: int = 2000
+    routing_n: int = 500
+    eval_batch: int = 100
+    experts_implementation: str = "grouped_mm"  # training only (same maths as eager, ~2x faster on CPU)
+    device: str = "cpu"
+    # run options: they change where and when state is written, never the result
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 100  # optimizer steps over all stages
+    resume: Path | None = None
+    stop_after: int | None = None  # stop (after a checkpoint) once this many steps ran in all
+    eval_every: int = 0  # held-out evaluation of eval_n requests every N steps (0: only at the end)
+    eval_n: int = 400
+
+
+RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n")
+"""TrainArgs fields that do not change the weights (a resumed run may differ in them)."""
+
+RECIPES: dict[str, dict] = {
+    # vision warm-up, mixed chats with the vision losses, then 'exists' and 'color' focus stages
+    "staged": {},
+    # the same with the vision tower frozen after its warm-up (12-20 % cheaper chat steps)
+    "frozen": {"chat_trains_vision": False},
+    # focus first: the shape-keyed lookup ('exists', then 'color') is taught before the mixed
+    # stage, which then keeps it while every other kind is learned
+    "focus-first": {"order": "focus-first"},
+    # about half of every stage, for a CPU budget of about an hour
+    "lean": {"vision_steps": 800, "steps": 600,
+             "finish": (replace(FINISH_EXISTS, steps=100), replace(FINISH_COLOR, steps=250))},
+    "lean-frozen": {"vision_steps": 800, "steps": 600, "chat_trains_vision": False,
+                    "finish": (replace(FINISH_EXISTS, steps=100), replace(FINISH_COLOR, steps=250))},
+    "lean-focus-first": {"vision_steps": 800, "steps": 600, "order": "focus-first",
+                         "finish": (replace(FINISH_EXISTS, steps=100), replace(FINISH_COLOR, steps=250))},
+}
+"""Named recipes: overrides of the :class:`TrainArgs` defaults (the recipe study compares them)."""
+
+PRESETS: dict[str, dict] = {
+    "full": {},
+    "smoke": {
+        "size": SMOKE_SIZE, "steps": 4, "vision_steps": 3, "batch_size": 4, "text_batch_size": 4,
+        "vision_batch_size": 4, "warmup": 2, "log_every": 1, "heldout_n": 24, "routing_n": 12, "eval_batch": 12,
+        "checkpoint_every": 2, "eval_n": 12,
+        "finish": (replace(FINISH_EXISTS, steps=2, warmup=1), replace(FINISH_COLOR, steps=2, warmup=1, text_batch_size=4)),
+    },
+}
+"""``full``: the model that ships; ``smoke``: seconds on a laptop CPU, same code paths (tests)."""
+
+
+def make_args(preset: str = "full", recipe: str = "staged", **overrides) -> TrainArgs:
+    """:class:`TrainArgs` of ``preset`` and ``recipe`` with ``overrides`` (e.g. ``steps=500``);
+    ``ValueError`` names an unknown preset, recipe or field."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is not one of {sorted(PRESETS)}")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r} is not one of {sorted(RECIPES)}")
+    names = {f.name for f in fields(TrainArgs)}
+    bad = sorted(set(overrides) - names)
+    if bad:
+        raise ValueError(f"unknown training argument(s) {bad}")
+    # the smoke preset keeps its lengths whatever the recipe; the full preset takes the recipe's
+    return TrainArgs(preset=preset, recipe=recipe, **{**RECIPES[recipe], **PRESETS[preset], **overrides})
+
+
+def stages(args: TrainArgs) -> list[Stage]:
+    """The recipe's stages in order (see :class:`TrainArgs`)."""
+    vision = Stage("vision", args.vision_steps, kind="vision")
+    mixed = Stage("mixed", args.steps, families=_families(TRAIN_FAMILY_WEIGHTS),
+                  text_batch_size=args.text_batch_size, vision_losses=True)
+    if args.order == "focus-first":
+        return [vision, *args.finish, mixed]
+    return [vision, mixed, *args.finish]
+
+
+def validate(args: TrainArgs) -> None:
+    """``ValueError`` naming the first bad argument, its value and what is allowed."""
+    def need(ok: bool, name: str, value, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} = {value!r} is not allowed: {allowed}")
+
+    for name in ("steps", "vision_steps"):
+        need(isinstance(getattr(args, name), int) and getattr(args, name) >= 0, name, getattr(args, name),
+             "an integer >= 0")
+    for name in ("batch_size", "vision_batch_size", "log_every", "checkpoint_every", "heldout_n", "routing_n",
+                 "eval_batch", "eval_n", "image_turns", "text_turns", "warmup"):
+        need(isinstance(getattr(args, name), int) and getattr(args, name) >= 1, name, getattr(args, name),
+             "an integer >= 1")
+    need(isinstance(args.text_batch_size, int) and args.text_batch_size >= 0, "text_batch_size",
+         args.text_batch_size, "an integer >= 0")
+    need(isinstance(args.eval_every, int) and args.eval_every >= 0, "eval_every", args.eval_every, "an integer >= 0")
+    need(args.stop_after is None or (isinstance(args.stop_after, int) and args.stop_after >= 1), "stop_after",
+         args.stop_after, "an integer >= 1 or None")
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "router_aux_loss_coef", "vision_aux_coef",
+                 "align_coef"):
+        value = getattr(args, name)
+        need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name, value,
+             "a finite number >= 0")
+    need(args.lr > 0, "lr", args.lr, "a finite number > 0")
+    need(args.seed not in (HELDOUT_SEED, DEMO_SEED), "seed", args.seed,
+         f"any integer but the held-out and demo seeds ({HELDOUT_SEED}, {DEMO_SEED})")
+    need(args.device == "cpu" or args.device.startswith("cuda"), "device", args.device, "'cpu' or 'cuda[:N]'")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device = {args.device!r} is not available here: no CUDA device")
+    need(args.order in ("finish-last", "focus-first"), "order", args.order, "'finish-last' or 'focus-first'")
+    for stage in args.finish:
+        need(stage.steps >= 0, f"finish stage {stage.name!r} steps", stage.steps, "an integer >= 0")
+
+
+# --------------------------------------------------------------------------- training
+
+
+def set_determinism(seed: int, device: str = "cpu") -> None:
+    """Seed every RNG and force deterministic kernels on 2 CPU threads (on CUDA, deterministic
+    kernels where torch has them: cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG``, set here)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(True, warn_only=device != "cpu")
+
+
+def lr_at(step: int, stage: Stage, args: TrainArgs) -> float:
+    """The LR of ``stage`` at its 0-based ``step``: linear warm-up, then constant (vision
+    stages) or cosine decay to ``lr * min_lr_ratio`` (chat stages)."""
+    lr = args.lr if stage.lr is None else stage.lr
+    warmup = args.warmup if stage.warmup is None else stage.warmup
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if stage.kind == "vision":
+        return lr
+    progress = (step - warmup) / max(1, stage.steps - warmup)
+    return lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def stage_stream(args: TrainArgs, stage: Stage) -> np.random.Generator:
+    """The data stream of ``stage``: the mixed stage's is seeded by ``args.seed`` alone, the
+    vision warm-up's by ``(seed, 1)``, the i-th finishing stage's by ``(seed, 2 + i)``, so adding
+    or reordering stages never changes another stage's data."""
+    if stage.kind == "vision":
+        return np.random.default_rng([args.seed, 1])
+    if stage.name == "mixed":
+        return np.random.default_rng(args.seed)
+    index = [s.name for s in args.finish].index(stage.name)
+    return np.random.default_rng((args.seed, 2 + index))
+
+
+class VisionProbe(torch.nn.Module):
+    """Training-only auxiliary head: from the last vision block's per-patch states, predict
+    what each 8 px patch shows (shape, colour, digit; class 0 = nothing), as
+    :func:`.tasks._label_cells` labels it. It gives the vision tower a dense signal from the
+    first step, where the answers alone reach it only through the decoder; it is not part of
+    the saved model, whose forward pass it never changes."""
+
+    BACKGROUND_WEIGHT = 0.1
+    """Weight of "nothing here" patches: most patches are background, and at weight 1 they
+    hide the object patches' error (probe loss 0.06 with shape at chance on objects)."""
+
+    def __init__(self, hidden: int, word_ids: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.sizes = list(LABEL_HEADS.values())
+        self.head = torch.nn.Linear(hidden, sum(self.sizes))
+        self.states: torch.Tensor | None = None
+        self.merged: torch.Tensor | None = None
+        self.word_ids = word_ids  # per head: class -> token id of its word (class 0: unused)
+
+    def capture(self, _module, _inputs, output) -> None:
+        self.states = output[0] if isinstance(output, tuple) else output
+
+    def capture_merged(self, _module, _inputs, output) -> None:
+        self.merged = output[0] if isinstance(output, tuple) else output
+
+    def align_loss(self, labels: list[np.ndarray], embeddings: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of each merged visual token's scores against the word embeddings
+        (``merged @ embeddings.T``) for the words of what it shows (shape and colour, or the
+        digit); tokens that show nothing are left out. It places a visual token near the
+        embeddings of the words that name it, so a question's words can find it by content."""
+        targets = []
+        for lab in labels:
+            h, n = lab.shape[0], lab.shape[1] // MERGE_SIZE
+            blocks = lab.reshape(h, n, MERGE_SIZE, n, MERGE_SIZE).transpose(0, 1, 3, 2, 4).reshape(h, n * n, -1)
+            per_head = []
+            for head, (size, ids) in enumerate(zip(self.sizes, self.word_ids)):
+                counts = np.eye(size, dtype=np.int64)[blocks[head]].sum(axis=1)  # (tokens, classes)
+                counts[:, 0] = 0
+                cls = counts.argmax(axis=1)
+                per_head.append(np.where(counts.max(axis=1) > 0, ids.numpy()[cls], -100))
+            targets.append(np.stack(per_head))
+        target = torch.from_numpy(np.concatenate(targets, axis=1)).to(self.merged.device)  # (heads, tokens)
+        logits = self.merged @ embeddings.T
+        losses = [torch.nn.functional.cross_entropy(logits, t, ignore_index=-100)
+                  for t in target if (t != -100).any()]
+        return sum(losses) / max(len(losses), 1)
+
+    def loss(self, labels: list[np.ndarray]) -> torch.Tensor:
+        """Mean cross-entropy over the heads; ``labels`` per image (in batch order), each
+        ``(heads, rows, cols)`` on the patch grid, reordered here to the vision tower's token
+        order (2 x 2 merge windows row-major, the patches of a window row-major inside it)."""
+        rows = []
+        for lab in labels:
+            h, n = lab.shape[0], lab.shape[1] // MERGE_SIZE
+            rows.append(lab.reshape(h, n, MERGE_SIZE, n, MERGE_SIZE).transpose(0, 1, 3, 2, 4).reshape(h, -1))
+        target = torch.from_numpy(np.concatenate(rows, axis=1)).to(self.states.device)
+        logits = self.head(self.states).split(self.sizes, dim=-1)
+        loss = 0.0
+        for lg, t in zip(logits, target):
+            weight = torch.ones(lg.shape[-1], device=lg.device)
+            weight[0] = self.BACKGROUND_WEIGHT
+            loss = loss + torch.nn.functional.cross_entropy(lg, t, weight=weight)
+        return loss / len(self.sizes)
+
+
+def make_probe(model, tokenizer) -> VisionProbe:
+    """The training-only :class:`VisionProbe` of ``model``, with the word ids its alignment
+    loss targets (shape, colour and digit words)."""
+    words = {"shape": SHAPES, "color": tuple(COLORS), "digit": DIGITS}
+    word_ids = [torch.tensor([0] + tokenizer.convert_tokens_to_ids(list(words[h]))) for h in LABEL_HEADS]
+    return VisionProbe(model.config.vision_config.hidden_size, word_ids)
+
+
+
+
+class Interrupted(Exception):
+    """Raised by :meth:`Trainer.run` when ``stop_after`` steps ran (after its checkpoint)."""
+
+
+def fingerprint(args: TrainArgs) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoint: every argument
+    but the run options (:data:`RUN_OPTIONS`), as JSON values."""
+    values = {k: v for k, v in asdict(args).items() if k not in RUN_OPTIONS}
+    return json.loads(json.dumps(values, default=str))
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}: {x!r} there, {y!r} here")
+    return out
+
+
+def _new_window(kind: str) -> dict:
+    if kind == "vision":
+        return {"vision": 0.0, "align": 0.0, "n": 0}
+    return {"loss": 0.0, "ce": 0.0, "aux": 0.0, "vision": 0.0, "align": 0.0, "n": 0, "tf": {}, "tf_n": {}}
+
+
+CHAT_TO_VISION_COST = 6.0
+"""A chat step costs about this many vision steps on 2 CPU cores (0.6 vs 3.8 s, measured for the
+earlier attempt): the total ETA's guess for chat stages before one has run."""
+
+
+class Trainer:
+    """Runs a recipe's :func:`stages` on a model; owns the step count, the curves, the periodic
+    evaluations and the checkpoints. Invariant: after ``global_step`` optimizer steps the model,
+    the probe, the optimizer and every RNG are what they would be had the run never stopped."""
+
+    def __init__(self, model, tokenizer, image_processor, args: TrainArgs):
+        self.model, self.tokenizer, self.image_processor, self.args = model, tokenizer, image_processor, args
+        self.device = torch.device(args.device)
+        self.probe = make_probe(model, tokenizer).to(self.device)
+        self.stages = stages(args)
+        self.vision_curve: list[dict] = []
+        self.chat_curve: list[dict] = []
+        self.evals: list[dict] = []
+        self.global_step = 0
+        self.elapsed = 0.0  # training seconds so far, over every resume
+        self.extra: dict = {}  # stored with every checkpoint (e.g. routing at init)
+        self.rates: dict[str, float] = {}  # seconds per step, by stage kind, last measured
+        self.eval_split = make_split(HELDOUT_SEED, args.eval_n) if args.eval_every else None
+        self.total_steps = sum(s.steps for s in self.stages)
+
+    # ---------------------------------------------------------------- state
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.model.state_dict(), **{f"probe.{k}": v for k, v in self.probe.state_dict().items()}}
+
+    def load(self, folder: Path) -> dict:
+        """Restore the run from checkpoint ``folder``; returns its state (the stage's part is
+        applied when that stage starts). :class:`checkpoint.CheckpointError` if it does not fit."""
+        tensors, optimizer, rng, state = checkpoint.read(folder)
+        theirs, ours = state.get("fingerprint", {}), fingerprint(self.args)
+        if theirs != ours:
+            diff = "; ".join(_differences(theirs, ours)[:6])
+            raise checkpoint.CheckpointError(
+                f"checkpoint {str(folder)!r} was written by a run with other arguments ({diff}); "
+                f"resume with the arguments it was started with")
+        probe = {k[len("probe."):]: v for k, v in tensors.items() if k.startswith("probe.")}
+        model = {k: v for k, v in tensors.items() if not k.startswith("probe.")}
+        try:
+            self.model.load_state_dict(model, strict=True)
+            self.probe.load_state_dict(probe, strict=True)
+        except RuntimeError as e:
+            raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} does not fit this model: {e}") from None
+        self.vision_curve, self.chat_curve, self.evals = state["vision_curve"], state["chat_curve"], state["evals"]
+        self.global_step, self.elapsed, self.extra = state["global_step"], state["elapsed_s"], state["extra"]
+        state["optimizer_state"], state["torch_rng"] = optimizer, rng
+        return state
+
+    def save(self, stage_index: int, step: int, optimizer, stream: np.random.Generator, window: dict) -> None:
+        state = {
+            "fingerprint": fingerprint(self.args), "stage": stage_index, "stage_name": self.stages[stage_index].name,
+            "step": step, "window": window, "vision_curve": self.vision_curve, "chat_curve": self.chat_curve,
+            "evals": self.evals, "elapsed_s": self.elapsed, "extra": self.extra,
+            "rng": {"stream": stream.bit_generator.state, "python": random.getstate(),
+                    "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()]},
+        }
+        checkpoint.write(self.args.checkpoint_dir, self.global_step, self.tensors(), optimizer, state)
+
+    @staticmethod
+    def _restore_rngs(state: dict, stream: np.random.Generator) -> None:
+        stream.bit_generator.state = state["rng"]["stream"]
+        py = state["rng"]["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        kind, keys, pos, has_gauss, gauss = state["rng"]["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(state["torch_rng"]["torch_cpu"])
+        cuda = [state["torch_rng"][k] for k in sorted(state["torch_rng"]) if k.startswith("torch_cuda_")]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+
+    # ---------------------------------------------------------------- running
+    def run(self, resume: dict | None = None) -> None:
+        """Run every stage from the start or from ``resume`` (:meth:`load`'s state)."""
+        start = resume["stage"] if resume else 0
+        for index, stage in enumerate(self.stages):
+            if index >= start:
+                self._run_stage(index, stage, resume if resume and index == start else None)
+        self.model.eval()
+
+    def _optimizer(self, stage: Stage) -> tuple[torch.optim.Optimizer, list]:
+        args = self.args
+        if stage.kind == "vision":
+            params = [*self.model.model.visual.parameters(),
+                      *self.model.model.language_model.embed_tokens.parameters(), *self.probe.parameters()]
+            groups = [{"params": params, "weight_decay": args.weight_decay}]
+        else:
+            named = [*self.model.named_parameters(), *(("probe." + n, p) for n, p in self.probe.named_parameters())]
+            params = [p for _, p in named]
+            groups = [{"params": [p for n, p in named if p.ndim >= 2 and "embed" not in n],
+                       "weight_decay": args.weight_decay},
+                      {"params": [p for n, p in named if p.ndim < 2 or "embed" in n], "weight_decay": 0.0}]
+        lr = args.lr if stage.lr is None else stage.lr
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8), params
+
+    def _run_stage(self, index: int, stage: Stage, resume: dict | None) -> None:
+        args, model, probe = self.args, self.model, self.probe
+        optimizer, params = self._optimizer(stage)
+        stream = stage_stream(args, stage)
+        first, window = 0, _new_window(stage.kind)
+        if resume is not None:
+            optimizer.load_state_dict(resume["optimizer_state"])
+            self._restore_rngs(resume, stream)
+            first, window = resume["step"], resume["window"]
+        if first >= stage.steps:
+            return
+        print(f"stage {stage.name!r} ({stage.kind}): steps {first + 1}..{stage.steps}", flush=True)
+        visual = model.model.visual
+        hooks = [visual.blocks[-1].register_forward_hook(probe.capture),
+                 visual.merger.register_forward_hook(probe.capture_merged)]
+        frozen = []
+        if stage.kind == "chat" and not args.chat_trains_vision:
+            frozen = [q for q in visual.parameters() if q.requires_grad]
+        for q in frozen:
+            q.requires_grad_(False)
+        vision_losses = stage.kind == "vision" or (stage.vision_losses and not frozen
+                                                   and bool(args.vision_aux_coef or args.align_coef))
+        model.train()
+        try:
+            for step in range(first, stage.steps):
+                tick = time.perf_counter()
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step, stage, args)
+                if stage.kind == "vision":
+                    self._vision_step(stream, window)
+                else:
+                    self._chat_step(stage, step, stream, window, vision_losses)
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                spent = time.perf_counter() - tick
+                self.elapsed += spent
+                self.rates[stage.kind] = spent if stage.kind not in self.rates else 0.9 * self.rates[stage.kind] + 0.1 * spent
+                if (step + 1) % args.log_every == 0 or step + 1 == stage.steps:
+                    self._log(index, stage, step, window)
+                    window = _new_window(stage.kind)
+                if args.eval_every and self.global_step % args.eval_every == 0:
+                    self._evaluate(stage)
+                stop = args.stop_after is not None and self.global_step >= args.stop_after
+                if args.checkpoint_dir is not None and (self.global_step % args.checkpoint_every == 0 or stop):
+                    self.save(index, step + 1, optimizer, stream, window)
+                if stop:
+                    raise Interrupted(f"stopped after {self.global_step} steps (--stop-after)")
+        finally:
+            for hook in hooks:  # a failed step must not leave capture hooks on a model the caller keeps
+                hook.remove()
+            for q in frozen:
+                q.requires_grad_(True)
+            model.eval()
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _vision_step(self, stream: np.random.Generator, window: dict) -> None:
+        args, probe = self.args, self.probe
+        images, labels = [], []
+        for i in range(args.vision_batch_size):
+            image, _, lab = (make_digit_strip if i % 2 else make_scene)(stream, with_labels=True)
+            images.append(image)
+            labels.append(lab)
+        inputs = self._to_device(dict(self.image_processor(images, return_tensors="pt")))
+        self.model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        vision = probe.loss(labels)
+        align = probe.align_loss(labels, self.model.model.language_model.embed_tokens.weight)
+        (args.vision_aux_coef * vision + args.align_coef * align).backward()
+        window["vision"] += float(vision.detach())
+        window["align"] += float(align.detach())
+        window["n"] += 1
+
+    def _chat_step(self, stage: Stage, step: int, stream: np.random.Generator, window: dict,
+                   vision_losses: bool) -> None:
+        args, model, probe = self.args, self.model, self.probe
+        weights = {family: share for family, share in stage.families}
+        batch_size = args.batch_size if stage.batch_size is None else stage.batch_size
+        chats = [make_conversation(stream, args.image_turns, weights, with_labels=True) for _ in range(batch_size)]
+        texts = [make_conversation(stream, args.text_turns, TEXT_TRAIN_WEIGHTS)
+                 for _ in range(stage.text_batch_size if step % 2 else 0)]
+        image_items = [(image, turns) for image, turns, _ in chats]
+        coef = model.config.text_config.router_aux_loss_coef
+        vision = align = torch.zeros(())
+        outs = []
+        for items in (image_items, texts) if texts else (image_items,):
+            batch = self._to_device(encode_conversations(items, self.tokenizer, self.image_processor,
+                                                         with_answers=True))
+            out = model(**batch, output_router_logits=True)
+            loss = out.loss
+            if items is image_items and vision_losses:
+                labels = [lab for _, _, lab in chats]
+                vision = probe.loss(labels)
+                align = probe.align_loss(labels, model.model.language_model.embed_tokens.weight)
+                loss = loss + args.vision_aux_coef * vision + args.align_coef * align
+            loss.backward()
+            outs.append((items, batch, out))
+        for items, batch, out in outs:
+            aux = float(out.aux_loss.detach())
+            window["loss"] += float(out.loss.detach())
+            window["ce"] += float(out.loss.detach()) - coef * aux
+            window["aux"] += aux / len(outs)
+            for (_, turns), oks in zip(items, _answers_correct(out.logits.detach(), batch["labels"])):
+                for (question, _), ok in zip(turns, oks):
+                    kind = question_kind(question)
+                    window["tf"][kind] = window["tf"].get(kind, 0) + int(ok)
+                    window["tf_n"][kind] = window["tf_n"].get(kind, 0) + 1
+        window["vision"] += float(vision.detach())
+        window["align"] += float(align.detach())
+        window["n"] += 1
+
+    def eta_s(self, index: int, done_in_stage: int) -> float:
+        """Seconds left for the whole run at the last measured speed of each stage kind."""
+        vision = self.rates.get("vision")
+        chat = self.rates.get("chat", (vision or 0.0) * CHAT_TO_VISION_COST)
+        left = 0.0
+        for i, stage in enumerate(self.stages[index:], start=index):
+            remaining = stage.steps - (done_in_stage if i == index else 0)
+            left += remaining * (vision if stage.kind == "vision" else chat)
+        return left
+
+    def _log(self, index: int, stage: Stage, step: int, window: dict) -> None:
+        n = max(window["n"], 1)
+        entry = {"stage": stage.name, "step": step + 1, "global_step": self.global_step}
+        if stage.kind == "vision":
+            entry.update({k: round(window[k] / n, 5) for k in ("vision", "align")})
+        else:
+            entry.update({k: round(window[k] / n, 5) for k in ("loss", "ce", "aux", "vision", "align")})
+            entry.update({f"tf_{k}": round(window["tf"][k] / window["tf_n"][k], 3)
+                          for k in QUESTION_KINDS if window["tf_n"].get(k)})
+            entry["lr"] = round(lr_at(step, stage, self.args), 7)
+        entry["elapsed_s"] = round(self.elapsed, 1)
+        (self.vision_curve if stage.kind == "vision" else self.chat_curve).append(entry)
+        losses = "  ".join(f"{k} {entry[k]:.4f}" for k in ("loss", "vision", "align") if k in entry)
+        tf = " ".join(f"{k[3:]}={v:.2f}" for k, v in entry.items() if k.startswith("tf_"))
+        print(f"{stage.name:>8s} {step + 1:5d}/{stage.steps}  [{self.global_step}/{self.total_steps}]  {losses}  "
+              f"{self.elapsed:.0f}s (eta {self.eta_s(index, step + 1) / 60:.1f} min)  {tf}", flush=True)
+
+    def _evaluate(self, stage: Stage) -> None:
+        """Held-out exact match of the current weights on ``eval_n`` requests (the recipe
+        study's curve). Greedy generation draws no random numbers, so the run is unchanged."""
+        was_training = self.model.training
+        self.model.eval()
+        result = evaluate(self.model, self.tokenizer, self.image_processor, self.eval_split, self.args.eval_batch)
+        self.model.train(was_training)
+        entry = {"global_step": self.global_step, "stage": stage.name, "elapsed_s": round(self.elapsed, 1),
+                 "exact_match": result["exact_match"], "token_accuracy": result["token_accuracy"],
+                 **{f"em_{k}": v["exact_match"] for k, v in result["per_kind"].items()}}
+        self.evals.append(entry)
+        print("EVAL " + json.dumps(entry), flush=True)
+
+
+def _answers_correct(logits: torch.Tensor, labels: torch.Tensor) -> list[list[bool]]:
+    """Per row, per answer (each run of labelled positions, its ``<|im_end|>`` included): are all
+    its tokens predicted right, teacher-forced? Logits at position t predict the token at t + 1."""
+    predicted = logits[:, :-1].argmax(-1).cpu()
+    target = labels[:, 1:].cpu()
+    result = []
+    for row in range(labels.shape[0]):
+        positions = (target[row] != -100).nonzero().flatten().tolist()
+        runs: list[list[int]] = []
+        for p in positions:
+            if runs and p == runs[-1][-1] + 1:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        result.append([bool((predicted[row, run] == target[row, run]).all()) for run in runs])
+    return result
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+DEMO_PER_KIND = 2
+"""Demo requests per task kind: 12 images (10 shape scenes, 2 digit strips) and 6 text-only."""
+
+
+@torch.no_grad()
+def write_demo(demo_dir: Path, model, tokenizer, image_processor) -> list[dict]:
+    """Write the demo requests (seed ``DEMO_SEED``, :data:`DEMO_PER_KIND` of every kind) and
+    ``prompts.json`` into ``demo_dir``; each entry has the reference answer and what this
+    model answers (``model_answer``), so a user sees at once which demos it gets wrong."""
+    demo_dir.mkdir(parents=True, exist_ok=True)
+    for old in demo_dir.glob("scene_*.png"):
+        old.unlink()
+    examples = make_demo(DEMO_SEED, DEMO_PER_KIND)
+    batch = encode_batch(examples, tokenizer, image_processor, with_answers=False)
+    out = model.generate(**batch, generation_config=model.generation_config)
+    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    prompts = []
+    scenes = 0
+    for (image, question, answer), model_answer in zip(examples, answers):
+        name = None
+        if image is not None:
+            name = f"scene_{scenes}.png"
+            image.save(demo_dir / name)
+            scenes += 1
+        prompts.append({"image": name, "prompt": question, "answer": answer, "kind": question_kind(question),
+                        "model_answer": model_answer.strip()})
+    (demo_dir / "prompts.json").write_text(json.dumps(prompts, indent=2) + "\n")
+    return prompts
+
+
+STORAGE_DTYPE = torch.float16
+"""Dtype of the shipped weights (half the bytes of float32; runs compute in float32)."""
+
+
+def round_to_storage(model) -> None:
+    """Round every parameter to ``STORAGE_DTYPE`` and back, in place, so that evaluation,
+    routing statistics and the saved file all describe the weights users load."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(STORAGE_DTYPE).to(param.dtype))
+
+
+def write_processor_config(out: Path, image_processor: Qwen2VLImageProcessorPil) -> None:
+    """Write ``processor_config.json`` for ``Qwen3VLProcessor`` (what its ``save_pretrained`` emits).
+
+    ``Qwen3VLProcessor`` cannot be instantiated without torchvision in transformers 5
+    (its video processor is torchvision-only), so the composite config is written
+    by hand: the image-processor settings plus a matching video-processor block.
+    """
+    image_dict = image_processor.to_dict()
+    video_dict = {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "image_mean": image_dict["image_mean"],
+        "image_std": image_dict["image_std"],
+        "size": {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS * 16},
+        "do_sample_frames": True,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 16,
+    }
+    config = {"processor_class": "Qwen3VLProcessor", "image_processor": image_dict, "video_processor": video_dict}
+    (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_checkpoint(model, tokenizer, image_processor, out: Path) -> None:
+    """Save weights (safetensors), configs, tokenizer and processor configs into ``out``, a new
+    folder (``main`` writes into a staging folder and swaps it in with :func:`replace_folder`)."""
+    out.mkdir(parents=True)
+    model.to(STORAGE_DTYPE).save_pretrained(out)  # exact: the weights are already rounded
+    model.to(torch.float32)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    write_processor_config(out, image_processor)
+
+
+def replace_folder(staging: Path, out: Path) -> None:
+    """Put the finished ``staging`` folder at ``out``: the old checkpoint is moved aside first
+    and deleted only after the new one is in place, so a crash leaves one of the two whole."""
+    old = out.with_name(f".{out.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def check_output_folder(path: Path, marker: str, what: str) -> str | None:
+    """Why ``path`` may not be (over)written as ``what`` (``None``: it may): it must be absent,
+    empty, or a folder this script wrote before (it holds ``marker``)."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{what} {str(path)!r} is a file, not a folder"
+    if any(path.iterdir()) and not (path / marker).is_file():
+        return (f"{what} {str(path)!r} is a non-empty folder without {marker}; it would be replaced, "
+                f"so give an empty or new folder, or one this script wrote")
+    return None
+
+
+def dir_size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def initial_model(args: TrainArgs):
+    """Seed everything (:func:`set_determinism`) and build the untrained model on ``args.device``,
+    its tokenizer and image processor; returns ``(model, tokenizer, image_processor)``, the model in
+    eval mode."""
+    set_determinism(args.seed, args.device)
+    tokenizer = build_v2_tokenizer()
+    image_processor = build_image_processor()
+    model = Qwen3VLMoeForConditionalGeneration(build_config(len(tokenizer), args.router_aux_loss_coef, args.size))
+    model.generation_config = build_generation_config()
+    model.to(args.device)
+    model.eval()
+    return model, tokenizer, image_processor
+
+
+def fit(model, tokenizer, image_processor, args: TrainArgs, resume: Path | None = None,
+        extra: dict | None = None) -> Trainer:
+    """Every stage of the recipe (from checkpoint folder ``resume`` if given), then the weights
+    rounded to their float16 storage; returns the :class:`Trainer` (curves, evaluations).
+    ``extra`` is stored with every checkpoint (a resumed run gets it back from there). Raises
+    :class:`Interrupted` at ``stop_after``. Deterministic: the same ``args`` from
+    :func:`initial_model` give bit-identical weights, interrupted and resumed or not
+    (tests/test_v2_training.py)."""
+    model.set_experts_implementation(args.experts_implementation)
+    trainer = Trainer(model, tokenizer, image_processor, args)
+    trainer.extra.update(extra or {})
+    state = trainer.load(resume) if resume is not None else None
+    try:
+        trainer.run(state)
+    finally:
+        model.set_experts_implementation("eager")  # what a plain from_pretrained gives every user
+    round_to_storage(model)
+    return trainer
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    """The command line as :class:`TrainArgs`; a bad value exits 2 naming the flag."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="full", help=f"one of {sorted(PRESETS)} (default full)")
+    parser.add_argument("--recipe", default="staged", help=f"one of {sorted(RECIPES)} (default staged)")
+    parser.add_argument("--out", type=Path, help=f"checkpoint directory (default {V2_MODEL_DIR})")
+    parser.add_argument("--demo-dir", type=Path, help=f"where demo requests go (default {V2_DEMO_DIR})")
+    for flag, kind, what in (("--steps", int, "mixed-stage optimizer steps"),
+                             ("--vision-steps", int, "vision warm-up steps"),
+                             ("--seed", int, "init + training-data seed"),
+                             ("--batch-size", int, "image chats per step"),
+                             ("--lr", float, "peak AdamW learning rate"),
+                             ("--heldout-n", int, "held-out requests evaluated at the end"),
+                             ("--checkpoint-every", int, "optimizer steps between checkpoints"),
+                             ("--stop-after", int, "stop after this many steps in all (after a checkpoint)"),
+                             ("--eval-every", int, "evaluate eval-n held-out requests every N steps"),
+                             ("--eval-n", int, "held-out requests of the periodic evaluation")):
+        parser.add_argument(flag, type=kind, help=what)
+    parser.add_argument("--device", help="cpu (default) or cuda")
+    parser.add_argument("--experts-implementation", help="transformers experts kernel for training "
+                        "(default grouped_mm)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="where training checkpoints go (outside the repo)")
+    parser.add_argument("--resume", type=Path, help="checkpoint directory to continue from (its newest checkpoint)")
+    ns = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(ns).items() if v is not None and k not in ("preset", "recipe")}
+    try:
+        args = make_args(ns.preset, ns.recipe, **overrides)
+        validate(args)
+    except ValueError as e:
+        parser.error(str(e))
+    args = replace(args, out=args.out.resolve(), demo_dir=args.demo_dir.resolve())
+    for path, marker, what in ((args.out, "config.json", "--out"), (args.demo_dir, "prompts.json", "--demo-dir")):
+        problem = check_output_folder(path, marker, what)
+        if problem:  # found now, not after an hour of training
+            parser.error(problem)
+    if args.resume is not None:
+        if not args.resume.is_dir():
+            parser.error(f"--resume {str(args.resume)!r} is not a folder; give the --checkpoint-dir of the run "
+                         f"to continue")
+        if checkpoint.latest(args.resume) is None:
+            parser.error(f"--resume {str(args.resume)!r} holds no checkpoint (step-NNNNNNN folders)")
+        if args.checkpoint_dir is None:
+            args = replace(args, checkpoint_dir=args.resume)  # a resumed run keeps checkpointing there
+    if args.stop_after is not None and args.checkpoint_dir is None:
+        parser.error("--stop-after needs --checkpoint-dir (or --resume): without a checkpoint the stopped "
+                     "run could not be continued")
+    if args.checkpoint_dir is not None:
+        root = repo_root()
+        if args.checkpoint_dir.resolve().is_relative_to(root):
+            parser.error(f"--checkpoint-dir {str(args.checkpoint_dir)!r} is inside the repository; checkpoints "
+                         f"(hundreds of MB over a run) go outside it, e.g. /tmp/v2-ckpt")
+    return args
+
+
+def repo_root() -> Path:
+    return V2_MODEL_DIR.parents[1]
+
+
+def reproduce_command(args: TrainArgs) -> str:
+    """The CLI invocation that regenerates this run's weights (paths relative to the repo root
+    when inside it; run options that never change the weights are left out)."""
+    root = repo_root()
+
+    def rel(path: Path) -> str:
+        return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+    parts = [f"python -m {TRAIN_MODULE}", f"--preset {args.preset}", f"--recipe {args.recipe}",
+             f"--out {shlex.quote(rel(args.out))}", f"--demo-dir {shlex.quote(rel(args.demo_dir))}"]
+    defaults = make_args(args.preset, args.recipe)
+    for name in ("steps", "vision_steps", "seed", "batch_size", "lr", "heldout_n", "device", "experts_implementation"):
+        value = getattr(args, name)
+        if name == "seed" or value != getattr(defaults, name):
+            parts.append(f"--{name.replace('_', '-')} {shlex.quote(str(value))}")
+    return " ".join(parts)
+
+
+TRAIN_MODULE = "workbench.models.embedded.v2.train"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train (or resume), evaluate, measure routing, save; return the training log dict."""
+    args = parse_args(argv)
+    wall_start = time.perf_counter()
+    model, tokenizer, image_processor = initial_model(args)
+    config = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters; {len(stages(args))} stages, "
+          f"{sum(s.steps for s in stages(args))} steps", flush=True)
+    heldout = make_split(HELDOUT_SEED, args.heldout_n)
+    resume = checkpoint.latest(args.resume) if args.resume is not None else None
+    if resume is None:
+        extra = {"routing_at_init": routing_stats(model, tokenizer, image_processor, heldout[: args.routing_n],
+                                                  args.eval_batch)}
+    else:
+        print(f"resuming from {resume}", flush=True)
+        extra = None
+    try:
+        trainer = fit(model, tokenizer, image_processor, args, resume, extra)
+    except Interrupted as stop:
+        print(f"{stop}; continue with --resume {args.checkpoint_dir}", flush=True)
+        return {"interrupted": True}
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    print("evaluating on held-out split ...", flush=True)
+    metrics = evaluate(model, tokenizer, image_processor, heldout, args.eval_batch)
+    routing_after = routing_stats(model, tokenizer, image_processor, heldout[: args.routing_n], args.eval_batch)
+    print(f"held-out exact match {metrics['exact_match']:.3f}, token accuracy {metrics['token_accuracy']:.3f} "
+          f"(chance {metrics['chance_uniform']:.3f}, majority {metrics['majority_baseline']:.3f}, "
+          f"blind {metrics['blind_baseline']:.3f}), mean answer {metrics['mean_answer_tokens']:.1f} tokens")
+    for kind, m in metrics["per_kind"].items():
+        print(f"  {kind:9s} exact {m['exact_match']:.3f}  tokens {m['token_accuracy']:.3f}  (n={m['n']}, "
+              f"majority {m['majority_baseline']:.3f}, blind {m['blind_baseline']})", flush=True)
+
+    model.to("cpu")
+    staging = args.out.with_name(f".{args.out.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a run that crashed before its swap
+    save_checkpoint(model, tokenizer, image_processor, staging)
+    demo = write_demo(args.demo_dir, model, tokenizer, image_processor)
+    log = {
+        "command": reproduce_command(args),
+        "args": fingerprint(args),
+        "stages": [asdict(s) for s in stages(args)],
+        "seeds": {"train_stream": args.seed, "heldout": HELDOUT_SEED, "demo": DEMO_SEED},
+        "model": {
+            "class": type(model).__name__,
+            "parameters": n_params,
+            "text_config": {k: getattr(config.text_config, k) for k in (
+                "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size",
+                "max_position_embeddings")},
+            "vision_config": {k: getattr(config.vision_config, k) for k in (
+                "depth", "hidden_size", "num_heads", "patch_size", "spatial_merge_size", "temporal_patch_size",
+                "deepstack_visual_indexes")},
+            "tokens_per_image": TOKENS_PER_IMAGE,
+        },
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": args.device,
+        "train_family_weights": {"/".join(family): w for family, w in TRAIN_FAMILY_WEIGHTS.items()},
+        "text_batch_size": args.text_batch_size,
+        "demo_per_kind": DEMO_PER_KIND,
+        "train_seconds": round(trainer.elapsed, 1),
+        "vision_curve": trainer.vision_curve,
+        "loss_curve": trainer.chat_curve,
+        "evals": trainer.evals,
+        "final_loss": trainer.chat_curve[-1] if trainer.chat_curve else None,
+        "heldout": metrics,
+        "routing_at_init": trainer.extra.get("routing_at_init"),
+        "routing_trained": routing_after,
+        "demo": demo,
+        "resumed": resume is not None,
+    }
+    log["total_seconds"] = round(time.perf_counter() - wall_start, 1)
+    (staging / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    (staging / "README.md").write_text(render_model_card(log))  # re-render: python -m ...v2.card
+    replace_folder(staging, args.out)
+    log["dir_size_mb"] = round(dir_size_mb(args.out), 2)
+    print(f"saved to {args.out} ({log['dir_size_mb']:.1f} MB) in {log['total_seconds']:.0f}s total")
+    return log
+
+
+if __name__ == "__main__":
+    main()
