@@ -161,8 +161,8 @@ def _finish_line(a: dict) -> str:
     return ("Then finishing stages, in order, each with fresh AdamW state and no vision-tower losses: "
             + "; ".join(parts) + ". Why: trained on the mixed stage alone (the previous recipe, measured), "
             "`exists` stayed at its blind baseline and `color` named another object's colour, whatever their "
-            "share of a mixed batch; a batch of nothing but `exists` questions taught it (`FINISH_STAGES` in "
-            "`train.py`).")
+            "share of a mixed batch; a batch of nothing but `exists` questions taught it (`FINISH_EXISTS`, "
+            "`FINISH_COLOR` in `train.py`).")
 
 
 def render_model_card(log: dict) -> str:
@@ -181,9 +181,7 @@ def render_model_card(log: dict) -> str:
          f"{mean(s, 'js_divergence_bits'):.3f}"]
         for name, s in (("random init", init), ("trained", trained))
     ]
-    from .train import TRAIN_FAMILY_WEIGHTS  # older logs do not record the training mix
-
-    train_weights = log.get("train_family_weights", TRAIN_FAMILY_WEIGHTS)
+    train_weights = log["train_family_weights"]
     demo_ok = sum(d["model_answer"] == d["answer"] for d in log["demo"])
     tf_final = ", ".join(f"{k[3:]} {v:.2f}" for k, v in final.items() if k.startswith("tf_"))
     return f"""---
