@@ -4,6 +4,7 @@ held-out exact match per task kind against optimizer steps (and training seconds
     python benchmarks/recipe_study.py run --out DIR --recipes staged,lean --device cuda \
         --seconds 480 [--ckpt-root /tmp/rs] [--experts-implementation batched_mm]
     python benchmarks/recipe_study.py table DIR [--cpu-rates vision=0.65,chat=3.8]
+    python benchmarks/recipe_study.py time [--recipe staged]     # seconds per step here, per stage kind
 
 ``run`` starts one ``python -m workbench.models.embedded.v2.train --preset full`` process per
 recipe (``--eval-every``/``--eval-n`` held-out evaluations; checkpoints under ``--ckpt-root``,
@@ -79,6 +80,24 @@ def table(ns) -> None:
                   + " | ".join(f"{r.get(k, float('nan')):.2f}" for k in kinds) + " |")
 
 
+def time_steps(ns) -> None:
+    """Seconds per optimizer step of each stage kind of the full model on this machine (a short
+    run of every stage; the first steps of a stage are left out as warm-up)."""
+    from dataclasses import replace
+
+    from workbench.models.embedded.v2.train import FINISH_EXISTS, fit, initial_model, make_args
+
+    args = make_args("full", ns.recipe, vision_steps=15, steps=16, warmup=2, log_every=5,
+                     finish=(replace(FINISH_EXISTS, steps=6),))
+    trainer = fit(*initial_model(args), args)
+    v, c = trainer.vision_curve, trainer.chat_curve
+    mixed = [e for e in c if e["stage"] == "mixed"]
+    exists = [e for e in c if e["stage"] == "exists"]
+    print(f"vision s/step {(v[-1]['elapsed_s'] - v[0]['elapsed_s']) / 10:.2f}")
+    print(f"mixed  s/step {(mixed[-1]['elapsed_s'] - mixed[0]['elapsed_s']) / 11:.2f}")
+    print(f"exists s/step {(exists[-1]['elapsed_s'] - mixed[-1]['elapsed_s']) / 6:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -95,9 +114,13 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("dir")
     t.add_argument("--cpu-rates", default="vision=0.65,chat=3.8")
+    tm = sub.add_parser("time")
+    tm.add_argument("--recipe", default="staged")
     ns = parser.parse_args()
     if ns.cmd == "run":
         run(ns)
+    elif ns.cmd == "time":
+        time_steps(ns)
     else:
         from workbench.models.embedded.v2.train import make_args
         ns.vision_steps = {}
