@@ -60,11 +60,10 @@ def embedded(embedded_dir):
 
 @pytest.fixture(scope="session")
 def demo_inputs():
-    import json
+    """The bundled demo requests ``[(image path | None, prompt, expected answer)]``, in file order."""
+    from workbench.models.embedded.demo import read_demo
 
-    demo = REPO / "data" / "demo"
-    prompts = json.loads((demo / "prompts.json").read_text())
-    return [(demo / p["image"], p["prompt"], p.get("answer")) for p in prompts]
+    return [(Path(p["image"]) if p["image"] else None, p["prompt"], p["answer"]) for p in read_demo()]
 
 
 @pytest.fixture(scope="session")

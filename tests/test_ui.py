@@ -137,6 +137,43 @@ def test_demo_inputs_skip_missing_and_escaping_images(tmp_path):
     assert demo_inputs(tmp_path / "nowhere") == []
 
 
+def test_a_demo_request_shows_its_expected_answer_beside_the_models(tmp_path):
+    """The menu has text-only entries (``"image": null``) and each entry's expected answer; after a
+    run of that request the answer view shows it, marked right or wrong; an edited prompt is no
+    longer the demo's, so it has no expected answer."""
+    import xarray as xr
+
+    from workbench.ui.views import answer_view
+
+    (tmp_path / "scene_0.png").write_bytes(_png())
+    (tmp_path / "prompts.json").write_text(json.dumps([
+        {"image": "scene_0.png", "prompt": "what color is the circle?", "answer": "red", "kind": "color"},
+        {"image": None, "prompt": "count from 3 to 5.", "answer": "3 4 5", "kind": "sequence"}]))
+    items = demo_inputs(tmp_path)
+    assert [(i["image"] is None, i["answer"], i["kind"]) for i in items] == [
+        (False, "red", "color"), (True, "3 4 5", "sequence")]
+    assert items[1]["label"].startswith("text only")
+    s = DataStore(workspace=tmp_path / "ws")
+    view = answer_view(s)
+
+    def shown() -> str:
+        return view.object() if callable(view.object) else str(view.object)
+
+    s.use_demo(items[1])
+    assert (s.image, s.prompt, s.expected) == (None, "count from 3 to 5.", "3 4 5")
+    s.param.update(dataset=xr.Dataset(attrs={"prompt": "count from 3 to 5."}), answer="3 4 5", running=False)
+    assert "data-testid='expected'" in shown() and "data-match='true'" in shown() and "3 4 5" in shown()
+    s.answer = "3 4"
+    assert "data-match='false'" in shown()
+    s.running = True  # no verdict on an answer still streaming
+    assert "data-testid='expected'" not in shown()
+    s.running = False
+    s.use_demo(items[0])
+    assert s.expected == "red" and s.image == str(tmp_path / "scene_0.png")
+    s.prompt = "what color is the square?"  # edited: not the demo request any more
+    assert s.expected == "" and "data-testid='expected'" not in shown()
+
+
 # -- runs: state transitions -----------------------------------------------------------------------
 def test_run_state_transitions(tiny_ckpt, tmp_path):
     s = _store(tmp_path, tiny_ckpt("qwen3_moe"))

@@ -85,11 +85,12 @@ class SweepInput:
 
 
 def demo_inputs(n: int = 2) -> list[SweepInput]:
-    """The first ``n`` bundled demo scenes with their prompts."""
-    demo = Path(__file__).resolve().parents[2] / "data" / "demo"
-    items = json.loads((demo / "prompts.json").read_text())[:n]
-    return [SweepInput(name=f"{Path(i['image']).stem}: {i['prompt']}", prompt=i["prompt"],
-                       images=(str(demo / i["image"]),)) for i in items]
+    """The first ``n`` bundled demo requests with their prompts (text-only ones have no image)."""
+    from workbench.models.embedded.demo import read_demo
+
+    return [SweepInput(name=(f"{Path(i['image']).stem}: " if i["image"] else "") + i["prompt"],
+                       prompt=i["prompt"], images=(i["image"],) if i["image"] else ())
+            for i in read_demo()[:n]]
 
 
 def parse_grid(assignments: Iterable[str]) -> dict[str, list[Any]]:

@@ -43,6 +43,9 @@ STYLE = """
 .wb-answer { padding: 2px 4px; }
 .wb-answer-text { font-size: 20px; font-weight: 600; color: #111827; min-height: 28px;
                   white-space: pre-wrap; }
+.wb-expected { font-size: 13px; color: #374151; }
+.wb-expected[data-match='true'] { color: #047857; }
+.wb-expected[data-match='false'] { color: #b91c1c; }
 table.wb-ab { border-collapse: collapse; width: 100%; font-size: 13px; }
 table.wb-ab th, table.wb-ab td { padding: 4px 10px; border-bottom: 1px solid #e5e7eb;
                                  text-align: right; white-space: nowrap; }

@@ -343,41 +343,15 @@ def _auto_name(workspace: Path) -> str:
 
 
 # -- inputs -------------------------------------------------------------------------------------
-def demo_dir() -> Path:
-    """``data/demo`` of the repository (bundled demo inputs; may not exist yet)."""
-    from workbench.models.embedded import EMBEDDED_MODEL_DIR
+def demo_inputs(folder: str | Path | None = None) -> list[dict[str, Any]]:
+    """The demo menu: :func:`~workbench.models.embedded.demo.read_demo` (the checked entries of
+    ``prompts.json``: ``image`` an absolute path or None for a text-only request, ``prompt``,
+    the expected ``answer``, ``kind``) with a printable ``label`` each; empty when the folder or
+    file is missing or unreadable."""
+    from workbench.models.embedded.demo import read_demo
 
-    return Path(EMBEDDED_MODEL_DIR).parent / "demo"
-
-
-def demo_inputs(folder: str | Path | None = None) -> list[dict[str, str]]:
-    """Bundled demo requests ``[{"label", "image", "prompt", "answer"}]`` from ``prompts.json``
-    (``image`` an absolute path); empty when the folder or file is missing or unreadable."""
-    d = Path(folder) if folder is not None else demo_dir()
-    try:
-        f = d / "prompts.json"
-        if f.stat().st_size > MAX_META_BYTES:
-            raise ValueError(f"{f} is too large")
-        items = json.loads(f.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        if not isinstance(e, FileNotFoundError):
-            log.warning("demo inputs in %s are unreadable: %s", d, e)
-        return []
-    out = []
-    for it in items if isinstance(items, list) else []:
-        try:
-            if not isinstance(it, dict) or not isinstance(it.get("prompt"), str) \
-                    or not it["prompt"].strip() or not isinstance(it.get("image", ""), str):
-                continue
-            img = d / it.get("image", "")
-            if not img.is_file() or img.parent != d:
-                continue
-            prompt = it["prompt"][:MAX_PROMPT_CHARS]
-            out.append({"label": _printable(f"{img.stem} — {prompt}", 100), "image": str(img),
-                        "prompt": prompt, "answer": str(it.get("answer", ""))[:MAX_PROMPT_CHARS]})
-        except (OSError, ValueError):  # a name the file system refuses (NUL, too long, …)
-            continue
-    return out
+    return [{"label": _printable(f"{Path(it['image']).stem if it['image'] else 'text only'} — {it['prompt']}",
+                                 100), **it} for it in read_demo(folder)]
 
 
 def upload_limit_text(max_bytes: int = MAX_UPLOAD_BYTES) -> str:
@@ -628,6 +602,8 @@ class DataStore(param.Parameterized):
     progress = param.Integer(default=0, bounds=(0, None), doc="Tokens generated so far.")
     progress_max = param.Integer(default=1, bounds=(1, None), doc="max_new_tokens of the run.")
     answer = param.String(default="", doc="Generated text so far.")
+    expected = param.String(default="", doc="Expected answer of the demo request in the inputs ('' when "
+                                            "the request is not a demo's: edited, uploaded or typed).")
     status = param.String(default="", doc="One line on what is shown / happening.")
     error = param.String(default="", doc="Last error for the user ('' = none).")
 
@@ -806,9 +782,17 @@ class DataStore(param.Parameterized):
         self.knobs.set(**knobs.to_dict())
 
     # -- inputs ------------------------------------------------------------------------------
-    def use_demo(self, item: dict[str, str]) -> None:
-        """Take a demo request (from :func:`demo_inputs`) as the input."""
-        self.param.update(image=item["image"], prompt=item["prompt"], error="")
+    def use_demo(self, item: dict[str, Any]) -> None:
+        """Take a demo request (from :func:`demo_inputs`) as the input, with its expected answer
+        (kept while the prompt and image stay the demo's: see :meth:`_forget_expected`)."""
+        self._demo = (item["prompt"], item["image"])
+        self.param.update(image=item["image"], prompt=item["prompt"], expected=item.get("answer", ""), error="")
+
+    @param.depends("prompt", "image", watch=True)
+    def _forget_expected(self) -> None:
+        """An edited prompt or another image is no longer the demo request: no expected answer."""
+        if self.expected and (self.prompt, self.image) != getattr(self, "_demo", None):
+            self.expected = ""
 
     def accept_upload(self, data: bytes | None, filename: str | None = None) -> Path:
         """Check an uploaded image (:func:`check_image_upload`), store it re-encoded as PNG in

@@ -555,22 +555,30 @@ class DeltasView:
 
 
 def answer_view(store: DataStore) -> pn.viewable.Viewable:
-    """The prompt and the answer as it streams."""
+    """The prompt and the answer as it streams; for a demo request, its expected answer beside
+    it once the run is done (marked right or wrong: exact match, as the model card counts)."""
 
-    def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None
-               ) -> str:
+    def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None,
+               expected: str) -> str:
         text = answer.strip() or ("…" if running else "—")
         esc = html.escape(text)
         prompt = ds.attrs.get("prompt", "") if ds is not None else ""
         prompt = prompt if isinstance(prompt, str) else ""
+        # the expected answer belongs to the demo request in the inputs: shown only beside a
+        # finished answer to that same prompt
+        check = ""
+        if expected and not running and answer.strip() and prompt == store.prompt:
+            ok = answer.strip() == expected.strip()
+            check = (f"<div class='wb-expected' data-testid='expected' data-match='{str(ok).lower()}'>"
+                     f"expected: {html.escape(expected)} {'✓' if ok else '✗'}</div>")
         if len(prompt) > MAX_PROMPT_CHARS:  # a store may hold any prompt
             prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
         return (f"<div class='wb-answer'><div class='wb-muted'>{prompt}</div>"
-                f"<div class='wb-answer-text' data-testid='answer'>{esc}</div></div>")
+                f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}</div>")
 
     return pn.pane.HTML(pn.bind(render, store.param.answer, store.param.running,
-                                store.param.run_name, store.param.dataset),
+                                store.param.run_name, store.param.dataset, store.param.expected),
                         sizing_mode="stretch_width")
 
 
