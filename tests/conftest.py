@@ -28,7 +28,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Factory: a loadable tiny checkpoint directory of a text MoE architecture."""
+    from transformers.utils import logging as hf_logging
+
     from workbench.models.tiny import save_tiny_checkpoint
+
+    # made on first use, inside whichever test asks first: its "Writing model shards" bar must
+    # not land in that test's captured stderr
+    hf_logging.disable_progress_bar()
 
     made: dict[str, Path] = {}
 

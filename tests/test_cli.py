@@ -39,6 +39,7 @@ def test_run_prints_answer_and_summary(tiny_ckpt, capsys):
     (["--prompt", "x", "--set", "cache_slots=1"], "cache_slots must be at least 2 (top-k), not 1"),
     (["--prompt", "x", "--set", "pinned_layers=9"], "pinned_layers must be between 0 and 3"),
     (["--prompt", "x", "--set", "colour=red"], "unknown knob 'colour'"),
+    (["--prompt", "x", "--set", "cache_slot=8"], "unknown knob 'cache_slot'; did you mean 'cache_slots'?"),
     (["--prompt", "x", "--set", "cache_slots=lots"], "cache_slots must be an integer"),
     (["--prompt", "x" * 300], "exceeds the model's context of 256 tokens"),
 ])
@@ -94,6 +95,30 @@ def test_non_store_directory_is_never_overwritten(tiny_ckpt, tmp_path, capsys):
                "--overwrite"])
     assert rc == 2 and "not a workbench run store (it holds notes.txt)" in capsys.readouterr().err
     assert (d / "notes.txt").read_text() == "keep me"
+
+
+def test_with_json_an_error_is_json_too(tiny_ckpt, tmp_path, capsys):
+    """A script reading --json output gets its errors as one JSON object on stdout (the human
+    line still goes to stderr); exit 2 as without --json."""
+    for argv in (["run", "--model", str(tiny_ckpt()), "--no-record", "--prompt", "x", "--set", "cache_slot=8",
+                  "--json"],
+                 ["replay", str(tmp_path / "absent.jsonl"), "--json"]):
+        rc = main(argv)
+        out, err = capsys.readouterr()
+        doc = json.loads(out)
+        assert rc == 2 and doc["error"]["exit_code"] == 2 and err.startswith("workbench: error:")
+        assert doc["error"]["message"] in err and doc["error"]["type"].endswith("Error")
+
+
+def test_a_sweep_with_failed_points_exits_1_naming_them(tiny_ckpt, tmp_path, capsys):
+    """Some points refused (Belady needs the future, a live run cannot have it), others run:
+    the refused ones are named with their reason and the exit code says the sweep has holes."""
+    rc = main(["sweep", "--model", str(tiny_ckpt()), "--grid", "eviction=belady,lru", "--input", "hello",
+               "--out", str(tmp_path / "s"), "--workers", "1", "--set", "max_new_tokens=2",
+               "--set", "device=cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "1 of 2 sweep points did not complete" in err
+    assert "belady" in err and "needs the future" in err
 
 
 def test_info_json_and_plan_refusal(tiny_ckpt, capsys):

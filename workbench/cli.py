@@ -149,19 +149,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         if isinstance(e, WorkbenchError):
-            print(f"workbench: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
+            return _fail(args, f"{e}", type(e).__name__, EXIT_USAGE)
         if isinstance(e, OSError):  # the file system said no: the user's to fix
             where = f" ({e.filename})" if e.filename else ""
-            print(f"workbench: error: {e.strerror or e}{where}", file=sys.stderr)
-            return EXIT_USAGE
+            return _fail(args, f"{e.strerror or e}{where}", "OSError", EXIT_USAGE)
         if isinstance(e, MemoryError):
-            print("workbench: error: out of memory; use a smaller input or a machine with more "
-                  "memory", file=sys.stderr)
-            return EXIT_USAGE
-        print(f"workbench: internal error: {type(e).__name__}: {e} (rerun with --debug for the "
-              f"traceback, and please report it)", file=sys.stderr)
-        return 1
+            return _fail(args, "out of memory; use a smaller input or a machine with more memory",
+                         "MemoryError", EXIT_USAGE)
+        return _fail(args, f"{type(e).__name__}: {e} (rerun with --debug for the traceback, and "
+                           f"please report it)", "InternalError", 1, internal=True)
+
+
+def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> int:
+    """Report an error: one ``workbench: error: …`` line on stderr, and with ``--json`` also one
+    JSON object ``{"error": {"type", "message", "exit_code"}}`` on stdout, so a script that reads
+    the JSON output gets its errors in the same form. Returns ``code``."""
+    print(f"workbench: {'internal error' if internal else 'error'}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}))
+    return code
 
 
 def _calibrate(args) -> int:
@@ -418,6 +424,14 @@ def _sweep(args) -> int:
         print(ds.hit_rate.to_dataframe().to_string())
         print(f"{ds.status.size} points, {failed} failed; summary: "
               f"{Path(args.out) / 'summary.zarr'}")
+    if failed:  # a sweep with holes is not a success: say which and why, exit non-zero
+        bad = ds.status.to_dataframe().join(ds.error.to_dataframe()) if "error" in ds else None
+        for index, row in (bad[bad.status != "complete"].iterrows() if bad is not None else []):
+            print(f"workbench: point {index} {row.status}: {row.get('error', '') or 'no error recorded'}",
+                  file=sys.stderr)
+        print(f"workbench: error: {failed} of {ds.status.size} sweep points did not complete "
+              f"(their rows are NaN); rerun the same command to retry only those", file=sys.stderr)
+        return 1
     return 0
 
 

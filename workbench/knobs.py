@@ -306,6 +306,15 @@ class GenerationKnobs(KnobGroup):
 
 _GROUPS: dict[str, type[KnobGroup]] = {}
 _ALIASES: dict[str, str] = {}  # old knob name → current name, over every group
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'cache_slots'?"`` for the closest of ``choices`` to a mistyped ``name``
+    (difflib ratio ≥ 0.75), ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.75)
+    return f"; did you mean {_ALIASES.get(close[0], close[0])!r}?" if close else ""
 _features_state = "unloaded"  # → "loading" → "loaded"
 
 
@@ -576,7 +585,8 @@ class Knobs:
         g = self._by_name.get(name)
         if g is not None:
             return g
-        raise KnobError(f"unknown knob {name!r}; known knobs: {', '.join(sorted(self.names()))}")
+        raise KnobError(f"unknown knob {name!r}{did_you_mean(name, [*self.names(), *_ALIASES])}; "
+                        f"known knobs: {', '.join(sorted(self.names()))}")
 
     def _canonical_values(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """``values`` with old names (aliases) replaced by current ones; a knob given under

@@ -103,7 +103,8 @@ def _detect(p: Path, st: os.stat_result) -> str:
     if fmt is None:
         raise InputError(f"cannot tell the format of trace {str(p)!r} from its suffix "
                          f"{p.suffix or '(none)'!r}; known suffixes: {', '.join(SUFFIXES)}, or a "
-                         f"run store folder; or pass format= one of {', '.join(FORMATS[1:])}")
+                         f"run store folder; or name the format (--format on the command line, format= in "
+                         f"Python): one of {', '.join(FORMATS[1:])}")
     return fmt
 
 
