@@ -97,6 +97,14 @@ def test_non_store_directory_is_never_overwritten(tiny_ckpt, tmp_path, capsys):
     assert (d / "notes.txt").read_text() == "keep me"
 
 
+def test_info_says_why_a_plan_has_no_cache(tiny_ckpt, capsys):
+    assert main(["info", "--model", str(tiny_ckpt()), "--set", "pinned_layers=3"]) == 0  # 3 of 3 layers
+    out = capsys.readouterr().out
+    assert "every MoE layer is pinned: nothing is offloaded" in out and "AutoProcessor" not in out
+    assert main(["info", "--model", str(tiny_ckpt()), "--set", "pinned_layers=1"]) == 0
+    assert "2 offloaded layers stay in host memory" in capsys.readouterr().out
+
+
 def test_with_json_an_error_is_json_too(tiny_ckpt, tmp_path, capsys):
     """A script reading --json output gets its errors as one JSON object on stdout (the human
     line still goes to stderr); exit 2 as without --json."""

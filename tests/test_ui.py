@@ -695,7 +695,8 @@ def test_build_app_without_a_server(two_runs):
 
 
 def test_serve_binds_the_loopback_address(tmp_path):
-    """``workbench.ui.serve()`` (what ``workbench dashboard`` calls) answers on 127.0.0.1."""
+    """``workbench.ui.serve()`` (what ``workbench dashboard`` calls) answers on 127.0.0.1, at
+    /dashboard as ``panel serve apps/dashboard.py`` does (and / redirects there)."""
     import os
     import socket
     import urllib.request
@@ -711,16 +712,17 @@ def test_serve_binds_the_loopback_address(tmp_path):
         deadline = time.time() + 60
         while True:
             try:
-                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read()
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/dashboard", timeout=30).read()
+                root = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
                 break
             except OSError:
                 assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
                 time.sleep(0.2)
-        assert b"workbench" in page
+        assert b"workbench" in page and root.url.endswith("/dashboard")
     finally:
         proc.terminate()
         out = proc.communicate(timeout=20)[0].decode()
-    assert f"http://127.0.0.1:{port}/" in out
+    assert f"http://127.0.0.1:{port}/dashboard" in out
     listening = [c for c in out.splitlines() if "0.0.0.0" in c]
     assert not listening, out
 

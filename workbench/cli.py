@@ -400,6 +400,12 @@ def _info(args) -> int:
               f"{mb(plan['reserve_bytes'])} ({plan['reserve_slots']} slots), S_layer "
               f"{mb(plan['layer_bytes'])}); pinned_layers {plan['pinned_layers']} "
               f"{'is valid' if plan['pinned_valid'] else 'is OUTSIDE it'}")
+        # why the two plans can differ in cache: each counts the layers of the model it prices
+        offloaded = round(plan["host_bytes"] / plan["layer_bytes"]) if plan["layer_bytes"] else 0
+        print("  every MoE layer is pinned: nothing is offloaded, so there is no cache and no transfer"
+              if offloaded == 0 else
+              f"  {offloaded} offloaded layers stay in host memory, served through the "
+              f"{plan['slots']} cache slots")
     for note in info["notes"]:
         print(f"note: {note}")
     return 0

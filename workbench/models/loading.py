@@ -535,7 +535,13 @@ def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
     try:
         try:
             return tf.AutoProcessor.from_pretrained(path, local_files_only=True), None, []
-        except Exception as e:  # e.g. a video processor that needs torchvision
+        except ImportError as e:  # the usual case: its video processor needs torchvision, which
+            # this torch has no build of; images work the same through the PIL processor, so
+            # this is not worth a note on every command (videos are not supported either way)
+            logging.getLogger(__name__).debug("AutoProcessor did not load (%s); using the PIL image "
+                                              "processor", e)
+            note = None
+        except Exception as e:
             note = f"AutoProcessor did not load ({type(e).__name__}); using the PIL image processor"
         try:
             ip = tf.AutoImageProcessor.from_pretrained(path, local_files_only=True, backend="pil")
@@ -543,6 +549,6 @@ def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
             raise ModelLoadError(
                 f"image processor in {str(path)!r} could not be loaded "
                 f"(preprocessor_config.json): {_one_line(e)}") from None
-        return None, ip, [note]
+        return None, ip, [note] if note else []
     finally:
         quiet.setLevel(level)

@@ -223,6 +223,7 @@ def serve(address: str = "127.0.0.1", port: int = 0, show: bool = False, **kwarg
     port = port or _free_port(address)
     origins = kwargs.pop("websocket_origin",
                          sorted({f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"}))
-    print(f"workbench dashboard: http://{address}:{port}/", flush=True)
-    return pn.serve(build_app, address=address, port=port, show=show,
+    # at /dashboard, the address `panel serve apps/dashboard.py` gives (the README's); / redirects there
+    print(f"workbench dashboard: http://{address}:{port}/dashboard", flush=True)
+    return pn.serve({"dashboard": build_app}, address=address, port=port, show=show,
                     websocket_origin=origins, title=TITLE, **kwargs)
