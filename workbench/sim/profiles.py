@@ -264,7 +264,7 @@ _SRC_PCIE5_MEASURED = (
     "(https://github.com/NVIDIA/nvbandwidth/issues/24, H100 device_to_host_memcpy_sm 52.77 GB/s)"
 )
 _SRC_VISMMOE = (
-    "VisMMOE (Xu, Hou, Liu, Li; ASPLOS '27), /work/shared/seeds/000_*.txt, "
+    "VisMMOE (Xu, Hou, Liu, Li; ASPLOS '27; docs/references.md), "
     "Sec. 4.1.1 and Table 2"
 )
 
