@@ -105,6 +105,19 @@ def test_info_says_why_a_plan_has_no_cache(tiny_ckpt, capsys):
     assert "2 offloaded layers stay in host memory" in capsys.readouterr().out
 
 
+def test_a_missing_predictor_is_calibrated_into_the_workspace_not_the_model(tiny_ckpt, tmp_path, capsys):
+    """prefetch=vismmoe without a calibrated predictor: the error names where `workbench calibrate
+    --out` should put it, the user's workspace (never the model's folder or the package)."""
+    import workbench
+
+    model = tiny_ckpt()
+    with workbench.set_options(workspace=tmp_path / "ws"):
+        rc = main(["run", "--model", str(model), "--prompt", "x", "--no-record", "--set", "prefetch=vismmoe"])
+    err = capsys.readouterr().err
+    want = tmp_path / "ws" / "predictors"
+    assert rc == 2 and f"workbench calibrate --out {want}" in err and str(model) not in err
+
+
 def test_with_json_an_error_is_json_too(tiny_ckpt, tmp_path, capsys):
     """A script reading --json output gets its errors as one JSON object on stdout (the human
     line still goes to stderr); exit 2 as without --json."""

@@ -41,6 +41,7 @@ class PredictorKnobs(KnobGroup):
     predictor_path = param.String(
         default=None, allow_None=True,
         doc="Directory of a calibrated predictor (workbench calibrate --out); None: "
+            "<workspace>/predictors/<model config hash>, else one shipped in "
             "<model dir>/workbench/predictor.")
 
     @staticmethod

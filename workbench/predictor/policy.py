@@ -2,7 +2,7 @@
 
 Knobs (group ``predictor``, declared in :mod:`workbench.predictor.knobs`): ``predictor``
 (none | vismmoe), ``window`` (W = 5), ``decay`` (γ = 0.8), ``predictor_path`` (a
-``workbench calibrate --out`` directory; None: ``<model dir>/workbench/predictor``). The existing
+``workbench calibrate --out`` directory; None: :func:`default_path`). The existing
 ``prefetch_budget`` is B; for ``vismmoe`` None means **20** (the paper's B), not "unlimited".
 
 This module is torch-free; :class:`LivePredictor` lives in :mod:`workbench.predictor.live`
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from workbench.predictor.live import LivePredictor
 
 __all__ = ["DEFAULT_BUDGET", "PredictorKnobs", "VisMMoEPrefetch", "LivePredictor",
-           "default_path", "ordered_candidates"]
+           "default_path", "ordered_candidates", "workspace_path"]
 
 
 def __getattr__(name: str) -> Any:
@@ -48,8 +48,25 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'workbench.predictor.policy' has no attribute {name!r}")
 
 
-def default_path(model_dir: str | Path) -> Path:
-    return Path(model_dir) / "workbench" / "predictor"
+def workspace_path(config_hash: str) -> Path:
+    """Where ``workbench calibrate`` puts a model's predictor by default:
+    ``<workspace>/predictors/<config hash>`` (the workspace option, $WORKBENCH_WORKSPACE), a
+    folder of the user's, never the model's folder or the installed package."""
+    from workbench.options import get_options
+
+    return Path(get_options()["workspace"]) / "predictors" / str(config_hash)
+
+
+def default_path(model_dir: str | Path, config_hash: str) -> Path:
+    """The predictor a run uses when ``predictor_path`` is None: the user's calibration in the
+    workspace (:func:`workspace_path`) if there is one, else one shipped beside the model
+    (``<model dir>/workbench/predictor``, read only) if there is one, else the workspace path
+    (whose "no calibrated predictor" error then says to calibrate into it)."""
+    mine, shipped = workspace_path(config_hash), Path(model_dir) / "workbench" / "predictor"
+    for candidate in (mine, shipped):
+        if (candidate / "predictor.json").is_file():
+            return candidate
+    return mine
 
 
 def ordered_candidates(layer: int, num_layers: int, ranked: list[tuple[int, float]],

@@ -118,7 +118,8 @@ class Runtime:
         from workbench.predictor.model import load as load_predictor
         from workbench.predictor.policy import default_path
 
-        path = Path(knobs.predictor_path) if knobs.predictor_path else default_path(self.lm.path)
+        path = Path(knobs.predictor_path) if knobs.predictor_path else \
+            default_path(self.lm.path, self.lm.config_hash)
         cache = self.__dict__.setdefault("_predictors", {})
         if path not in cache:
             # checked against this model (layers, experts, config hash) before it is built
