@@ -307,6 +307,8 @@ def test_timeline_lanes_and_clock_filter():
         np.testing.assert_allclose(np.sort(np.asarray(t.base, float)),
                                    np.sort(ds.span_start_s.values[m] * 1e3))
     assert "modeled" in fig.layout.xaxis.title.text
+    assert fig.layout.title.text == "timeline, modeled clock (steps 1-3)"  # not "slice(1, 3, None)"
+    assert timeline_figure(ds, steps=2).layout.title.text.endswith("(step 2)")
     measured = timeline_figure(ds, clock="measured")
     assert sum(len(t.x) for t in measured.data) == (ds.span_clock.values == 0).sum()
 

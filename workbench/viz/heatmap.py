@@ -139,8 +139,22 @@ def timeline_figure(ds: xr.Dataset, clock: str = "modeled", steps: Any = None) -
                            "%{customdata[1]} · expert %{customdata[2]}<br>"
                            "start %{base:.4f} ms · %{x:.4f} ms<extra></extra>")))
     fig.update_layout(
-        title=f"timeline, {clock} clock" + (f" (steps {steps})" if steps is not None else ""),
+        title=f"timeline, {clock} clock" + (f" ({_steps_label(steps)})" if steps is not None else ""),
         barmode="overlay", bargap=0.3,
         xaxis_title=f"time since run start, {clock} (ms)", yaxis_title="lane",
         yaxis={"categoryorder": "array", "categoryarray": lane_names, "autorange": "reversed"})
     return fig
+
+
+def _steps_label(steps: Any) -> str:
+    """``steps`` as a reader says it: "step 3", "steps 0-1", "steps from 4", "steps 1, 5"."""
+    if isinstance(steps, slice):
+        lo, hi = steps.start, steps.stop
+        if lo is None and hi is None:
+            return "every step"
+        if hi is None:
+            return f"steps from {lo}"
+        return f"steps {0 if lo is None else lo}-{hi}"
+    if isinstance(steps, (list, tuple, np.ndarray)):
+        return "steps " + ", ".join(str(int(s)) for s in steps)
+    return f"step {int(steps)}"
