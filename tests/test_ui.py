@@ -18,7 +18,7 @@ from workbench.errors import InputError, ModelLoadError
 from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, ab_deltas, check_image_upload,
                                     demo_inputs, list_runs, resolve_run_path, safe_run_name,
                                     selected_steps, share_difference)
-from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
+from workbench.ui.views import (DeltasView, deltas_html, DiffHeatmapView, HeatmapView, HitRateView,
                                 LatencyView, ReplayView, TimelineView)
 
 KNOBS = dict(cache_slots=3, pinned_layers=1, max_new_tokens=6, device="cpu")
@@ -359,6 +359,13 @@ def test_ab_deltas_and_difference_heatmap(two_runs):
 
     html = DeltasView(s).pane.object
     assert "hit rate" in html and "current: <b>c</b>" in html and "baseline: <b>a</b>" in html
+    # c vs a: cache_slots 3 → 12 (c ran after b) and another request, said above the table
+    assert "cache_slots 3 → 12" in html and "different requests" in html
+    from workbench.ui.datastore import ab_context
+
+    same = ab_context(b, a)  # b vs a: only the cache differs, same model, request and pricing
+    assert same == {"differing": [("cache_slots", 12, 3)], "warnings": []}
+    assert "knobs that differ (baseline → current): none" in deltas_html(rows.values(), "a", "a", ab_context(a, a))
     names = [t.name for t in HitRateView(s).pane.object.data]
     assert "baseline, per step" in names and "current, per step" in names
     assert any("baseline" in t.name for t in LatencyView(s).pane.object.data)

@@ -77,7 +77,7 @@ from workbench.ui.replay import ReplayStudy, study
 log = logging.getLogger(__name__)
 
 __all__ = ["DataStore", "RunInfo", "ab_deltas", "check_image_upload", "default_workspace",
-           "demo_inputs", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
+           "ab_context", "demo_inputs", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
            "selected_steps", "upload_limit_text", "MAX_UPLOAD_BYTES", "MAX_UPLOAD_PIXELS",
            "UNREADABLE"]
 
@@ -447,6 +447,37 @@ def ab_deltas(current: xr.Dataset, baseline: xr.Dataset) -> list[dict[str, Any]]
         rows.append({"metric": key, "label": label, "units": units, "current": cur,
                      "baseline": base, "delta": delta, "relative": rel})
     return rows
+
+
+#: knobs that never change what a run measures (where it is written, how often it flushes)
+_AB_IGNORED_KNOBS = frozenset({"store", "flush_every"})
+
+
+def ab_context(current: xr.Dataset, baseline: xr.Dataset) -> dict[str, Any]:
+    """What an A/B comparison compares: ``differing`` = ``[(knob, current, baseline)]`` for every
+    recorded knob whose value differs, and ``warnings`` = sentences for differences that make
+    the deltas compare different things (another model, another request, modeled times priced
+    as another model or on another hardware profile). Unreadable attrs count as unknown."""
+    from workbench.telemetry.metadata import RunMetadata
+
+    a, b = (RunMetadata.from_attrs(d.attrs, strict=False) for d in (current, baseline))
+    ka, kb = dict(a.knob_values or {}), dict(b.knob_values or {})
+    differing = [(k, ka.get(k), kb.get(k)) for k in sorted(set(ka) | set(kb))
+                 if k not in _AB_IGNORED_KNOBS and ka.get(k) != kb.get(k)]
+    warnings = []
+    if a.config_hash != b.config_hash:
+        warnings.append(f"different models ({a.model_id} vs {b.model_id}): every number compares "
+                        f"two models, not two settings")
+    if ka.get("target_model") != kb.get("target_model"):
+        warnings.append(f"modeled times are priced as different models (target_model "
+                        f"{ka.get('target_model')} vs {kb.get('target_model')}): compare modeled "
+                        f"latency only between runs priced alike")
+    if ka.get("profile") != kb.get("profile"):
+        warnings.append(f"different hardware profiles ({ka.get('profile')} vs {kb.get('profile')}): "
+                        f"modeled times are for different machines")
+    if (a.prompt, a.images) != (b.prompt, b.images):
+        warnings.append("different requests (prompt or image): loads and latency count different work")
+    return {"differing": differing, "warnings": warnings}
 
 
 def share_difference(current: xr.Dataset, baseline: xr.Dataset, modality: str = "all",

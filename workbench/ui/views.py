@@ -25,7 +25,7 @@ import xarray as xr
 
 from workbench.errors import WorkbenchError
 from workbench.telemetry.metadata import RunMetadata
-from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_deltas, selected_steps,
+from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
@@ -500,16 +500,25 @@ def _fmt(value: float, units: str, signed: bool = False) -> str:
     return f"{sign}{value:,.0f}"
 
 
-def deltas_html(rows: list[dict[str, Any]], current: str | None, baseline: str | None) -> str:
-    """The A/B table as HTML (deltas green when better, red when worse)."""
+def deltas_html(rows: list[dict[str, Any]], current: str | None, baseline: str | None,
+                context: dict[str, Any] | None = None) -> str:
+    """The A/B table as HTML (deltas green when better, red when worse), under what it compares:
+    the knobs that differ and, in red, why the runs may not be comparable (``ab_context``)."""
     if not rows:
         return ("<p class='wb-muted'>Pin a run as baseline (left, <b>Runs</b>), then run or "
                 "open another: its hit rate, loads, latency and routing are compared here.</p>")
     def short(name: str | None) -> str:
         return (name or "").removesuffix(".zarr")
 
+    context = context or {"differing": [], "warnings": []}
+    diff = ", ".join(f"{html.escape(str(k))} {html.escape(_short_value(b))} → {html.escape(_short_value(c))}"
+                     for k, c, b in context["differing"]) or "none (a repeat: the deltas are noise)"
+    notes = (f"<div class='wb-muted wb-ab-diff' data-testid='ab-differs'>knobs that differ (baseline → "
+             f"current): {diff}</div>"
+             + "".join(f"<div class='wb-bad wb-ab-warn' data-testid='ab-warning'>⚠ {html.escape(w)}</div>"
+                       for w in context["warnings"]))
     head = (f"<div class='wb-muted wb-ab-names'>current: <b>{short(current)}</b> · baseline: "
-            f"<b>{short(baseline)}</b></div><table class='wb-ab'><thead><tr><th>whole run</th>"
+            f"<b>{short(baseline)}</b></div>{notes}<table class='wb-ab'><thead><tr><th>whole run</th>"
             f"<th>current</th><th>baseline</th><th>Δ</th><th>Δ %</th></tr></thead><tbody>")
     body = []
     for r in rows:
@@ -538,9 +547,10 @@ class DeltasView:
     def _html(self) -> str:
         s = self.store
         try:
-            self.rows = ab_deltas(s.dataset, s.baseline) if s.dataset is not None and \
-                s.baseline is not None else []
-            return deltas_html(self.rows, s.run_name, s.baseline_name)
+            both = s.dataset is not None and s.baseline is not None
+            self.rows = ab_deltas(s.dataset, s.baseline) if both else []
+            return deltas_html(self.rows, s.run_name, s.baseline_name,
+                               ab_context(s.dataset, s.baseline) if both else None)
         except Exception as e:  # a run whose numbers cannot be computed: say so
             log.exception("A/B table of %s vs %s", s.run_name, s.baseline_name)
             self.rows = []
@@ -617,3 +627,9 @@ def progress_view(store: DataStore) -> pn.viewable.Viewable:
 VIEW_CLASSES: tuple[Callable[[DataStore], PlotView], ...] = (
     HeatmapView, HitRateView, LatencyView, TimelineView, DiffHeatmapView, TokenOverlayView,
     HotRecallView)
+
+
+def _short_value(v: Any) -> str:
+    """A knob value in a table cell: at most 40 characters."""
+    text = "unset" if v is None else str(v)
+    return text if len(text) <= 40 else text[:39] + "…"
