@@ -186,6 +186,22 @@ def test_a_policy_registered_later_replays_through_the_reference_engine(live_run
         EVICTION._classes.pop("test-replay-mru")
 
 
+def test_one_belady_ceiling_for_the_cli_and_the_dashboard(mixtral):
+    """The ceiling is Belady eviction with every other setting of the run, prefetch included:
+    the CLI's share_of_belady equals the dashboard curves' belady_share at the same size (with
+    the oracle prefetcher the two used to disagree: 1.13 against a ceiling equal to LRU)."""
+    from workbench.replay import replay_trace
+    from workbench.ui.replay import replay_curves
+
+    for prefetch in ("none", "oracle"):
+        m = replay_trace(mixtral, eviction="lru", cache_slots=64, prefetch=prefetch, pinned_layers=0).metrics()
+        curves = replay_curves(mixtral, ["lru"], [64], prefetch=prefetch, pinned_layers=0)
+        row = curves[curves.eviction == "lru"].iloc[0]
+        assert m["hit_rate"] == pytest.approx(row["hit_rate"])
+        assert m["share_of_belady"] == pytest.approx(row["belady_share"])
+        assert m["share_of_belady"] <= 1.0 + 1e-9
+
+
 def test_prefetch_menu_comes_from_the_registry():
     assert {"none", "speculative", "apex", "previous-step", "oracle"} <= set(PREFETCH.available())
 

@@ -37,8 +37,16 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
            belady: bool = True, **knob_values: Any) -> ReplayResult:
     """Replay ``source`` (Trace, run Dataset or path) under ``knobs`` (a :class:`Knobs`, the
     stored run's knobs when ``source`` is a store and none are given, else defaults) changed by
-    ``knob_values``. With ``belady=True`` the Belady bound of the same settings is added to the
-    metrics (``belady_hit_rate``, ``share_of_belady``)."""
+    ``knob_values``. With ``belady=True`` the Belady ceiling is added to the metrics
+    (``belady_hit_rate``, ``share_of_belady``).
+
+    **The ceiling** (one definition, used by the CLI, ``ds.moe.io_metrics`` and the dashboard's
+    replay curves): the same replay with ``eviction=belady``, every other setting unchanged,
+    prefetch included. It is the best eviction for the run's own configuration, so the share
+    compares eviction policies alike; a prefetcher's gain shows in both numerator and ceiling.
+    (A demand-only Belady bound would be beaten by any good prefetcher, giving shares above 1.)
+    With prefetch, Belady's optimality proof does not strictly hold, so a share can exceed 1
+    by a hair in corner cases: it is a reference, not a theorem."""
     from workbench.knobs import Knobs
 
     trace = as_trace(source)
@@ -49,11 +57,11 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     groups = trace.groups()  # once for the replay and its bound
     res = _replay(trace, knobs, scope=scope, engine=engine, groups=groups)
     if belady:
-        if knobs.eviction == "belady" and knobs.prefetch == "none":
+        if knobs.eviction == "belady":
             bound = res
         else:
             bound = _replay(trace, knobs, scope=scope, groups=groups, hits_only=True,
-                            eviction="belady", prefetch="none")
+                            eviction="belady")
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False
