@@ -831,3 +831,22 @@ def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
     rest = knob_panels(s.knobs, exclude=VISMMOE_KNOBS)
     assert not set(VISMMOE_KNOBS) & {n for p in rest.values() for n in p._widgets}
     assert "alpha" in rest["compression"]._widgets and "cache_slots" in rest["cache"]._widgets
+
+
+def test_live_knob_menus_disable_the_replay_only_choices():
+    """Belady and the oracle prefetcher need the future: the live knob cards show them disabled
+    (they cannot be picked and refused only after Run); the replay menus keep them."""
+    import panel as pn
+
+    from workbench.knobs import Knobs
+    from workbench.ui.widgets import knob_cards, knob_panels
+
+    k = Knobs()
+    live = {n: w for p in knob_panels(k, live=True).values() for n, w in p._widgets.items()}
+    assert live["eviction"].disabled_options == ["belady"] and "belady" in live["eviction"].options
+    assert live["prefetch"].disabled_options == ["oracle"]
+    assert all(not getattr(w, "disabled_options", None)
+               for p in knob_panels(k).values() for w in p._widgets.values())
+    cards = knob_cards(k)  # what the dashboard shows
+    widgets = [w for c in cards for w in c.select(pn.widgets.Select)]
+    assert any(w.disabled_options == ["belady"] for w in widgets)

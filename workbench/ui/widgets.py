@@ -105,19 +105,36 @@ def card(*objects: Any, title: str, **kw: Any) -> pn.Card:
                                                           "margin": (4, 0), **kw})
 
 
-def knob_panels(knobs: Knobs, exclude: Iterable[str] = ()) -> dict[str, pn.Param]:
+def replay_only_choices(group: param.Parameterized, name: str) -> list[str]:
+    """The choices of registry-backed knob ``name`` whose policy needs the future (Belady, the
+    oracle prefetcher): trace replay can run them, a live run cannot."""
+    registry = getattr(type(group), "_registries", {}).get(name)
+    if not hasattr(registry, "available"):  # no registry, or a plain list of names
+        return []
+    return [n for n in registry.available() if "future" in getattr(registry.get(n), "needs", ())]
+
+
+def knob_panels(knobs: Knobs, exclude: Iterable[str] = (), live: bool = False) -> dict[str, pn.Param]:
     """One ``pn.Param`` per knob group, keyed like ``knobs.groups`` (editing a widget sets the
     knob on ``knobs``; param validates it). Knobs named in ``exclude`` get no widget here; a
-    group left with none is omitted."""
+    group left with none is omitted. ``live``: the knobs of a live run, whose menus show the
+    replay-only choices (:func:`replay_only_choices`) disabled, so they cannot be picked and
+    refused only after Run."""
     skip = set(exclude)
     panels = {}
     for key, group in knobs.groups.items():
         shown = [n for n in group.knob_names() if n not in skip]
         if shown:
-            panels[key] = pn.Param(group, parameters=shown,
-                                   name=getattr(group, "title", key) or key, show_name=False,
-                                   widgets=_knob_widget_specs(group),
-                                   sizing_mode="stretch_width")
+            panel = pn.Param(group, parameters=shown,
+                             name=getattr(group, "title", key) or key, show_name=False,
+                             widgets=_knob_widget_specs(group),
+                             sizing_mode="stretch_width")
+            for name in shown if live else ():
+                off = replay_only_choices(group, name)
+                widget = panel._widgets.get(name)
+                if off and widget is not None and "disabled_options" in widget.param:
+                    widget.disabled_options = off
+            panels[key] = panel
     return panels
 
 
@@ -165,7 +182,7 @@ def knob_cards(knobs: Knobs) -> list[pn.Card]:
     other knobs in collapsible cards titled by the group's ``title``."""
     top = card(vismmoe_panel(knobs), title=VISMMOE_TITLE, collapsible=False)
     return [top, *(card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
-                   for key, panel in knob_panels(knobs, exclude=VISMMOE_KNOBS).items())]
+                   for key, panel in knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True).items())]
 
 
 class _RangeLink:
