@@ -225,3 +225,12 @@ def test_calibrate_input_lists_are_checked(tmp_path, text, want):
     f.write_text(text)
     with pytest.raises(InputError, match=want):
         parse_inputs([str(f)], "x")
+
+
+def test_live_refusals_come_before_the_model_loads(tmp_path, capsys):
+    """A knob a live run refuses is reported before anything loads: even with a model folder
+    that does not exist, the knob is what the error names."""
+    rc = main(["run", "--model", str(tmp_path / "no-model"), "--prompt", "x", "--no-record",
+               "--set", "eviction=belady"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "eviction 'belady' needs the future" in err and "no-model" not in err

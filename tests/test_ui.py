@@ -239,10 +239,16 @@ def test_knob_change_applies_to_the_next_run_only(tiny_ckpt, tmp_path):
 
 
 def test_bad_knob_for_the_model_is_reported_not_raised(tiny_ckpt, tmp_path):
+    from workbench.errors import KnobError
+
     s = _store(tmp_path, tiny_ckpt("qwen3_moe"), cache_slots=1)  # top-k is 2
-    s.start_run(prompt="p")
-    s.wait()
-    assert "cache_slots must be at least 2" in s.error
+    try:  # refused before the run starts when the model is loaded already, else by the run
+        s.start_run(prompt="p")
+        s.wait()
+        err = s.error
+    except KnobError as e:
+        err = str(e)
+    assert "cache_slots must be at least 2" in err
     assert not s.running and s.run_name is None and s.dataset is None
     assert list_runs(s.workspace_path) == []
 
@@ -850,3 +856,24 @@ def test_live_knob_menus_disable_the_replay_only_choices():
     cards = knob_cards(k)  # what the dashboard shows
     widgets = [w for c in cards for w in c.select(pn.widgets.Select)]
     assert any(w.disabled_options == ["belady"] for w in widgets)
+
+
+def test_a_refused_run_keeps_the_shown_run_and_the_baseline(two_runs):
+    """Knobs a live run refuses are refused before anything starts: the shown run, the pinned
+    baseline and the A/B card stay; the reason is raised for the error banner."""
+    from workbench.errors import KnobError
+
+    s = two_runs
+    s.open("a")
+    s.pin_baseline()
+    s.open("b")
+    before = (s.run_name, s.dataset, s.baseline_name, s.answer)
+    for bad in ({"eviction": "belady"}, {"prefetch": "oracle"}, {"eviction": "slab"}):
+        s.knobs.set(**bad)
+        try:
+            with pytest.raises(KnobError):
+                s.start_run(prompt="refused")
+        finally:
+            s.knobs.set(eviction="lru", prefetch="none")
+        assert (s.run_name, s.dataset, s.baseline_name, s.answer) == before and not s.running
+    assert not (s.workspace_path / "refused.zarr").exists()

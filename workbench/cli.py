@@ -253,6 +253,10 @@ def _knobs_from(args) -> "object":
     knobs = Knobs().set_from_strings(args.sets)
     if getattr(args, "max_new_tokens", None) is not None:
         knobs.set(max_new_tokens=args.max_new_tokens)
+    if args.command in ("run", "info", "sweep"):  # live: refused before any model loads
+        from workbench.knobs import ModelShape
+
+        knobs.check(ModelShape.unknown(), live=True)
     return knobs
 
 

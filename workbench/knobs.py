@@ -98,6 +98,13 @@ class ModelShape:
                    num_experts=None if ne is None else int(ne),
                    expert_bytes=None if eb is None else int(eb))
 
+    @classmethod
+    def unknown(cls) -> "ModelShape":
+        """A model not loaded yet: every rule that needs its sizes passes (as many layers as
+        any knob asks for, top-1), so a check against it finds what is wrong whatever the
+        model, e.g. a policy that needs the future, before anything loads."""
+        return cls(num_layers=2**31 - 1, top_k=1)
+
 
 #: Where a Selector knob's choices come from: a policy registry (anything with ``available()``;
 #: with ``get(name)`` the group can also hand out the selected class) or a function of no

@@ -112,6 +112,13 @@ class ModelPool:
                 self._loading.pop(key, None)
             return lm
 
+    def peek(self, model: str | Path | None = None, dtype: str = "float32",
+             device: str = "auto") -> Any:
+        """The loaded model of ``(model, dtype, device)``, or None when it is not loaded (never
+        loads: for checks that want the model's sizes only if they are at hand)."""
+        with self._lock:
+            return self._models.get(self.key(model, dtype, device))
+
     def runtime(self, model: str | Path | None = None, knobs: Any = None,
                 **knob_values: Any) -> Any:
         """A :class:`~workbench.runtime.runtime.Runtime` of ``knobs`` (a ``Knobs``, a mapping

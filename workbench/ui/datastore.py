@@ -884,6 +884,7 @@ class DataStore(param.Parameterized):
             raise InputError(f"run {path.name!r} already exists in the workspace; choose "
                              f"another name")
         knobs = self.knobs.to_dict()
+        self._precheck(knobs)  # a refusal leaves the shown run, the baseline and the A/B as they were
         job = _Job(path=path, max_new_tokens=int(knobs["max_new_tokens"]))
         job.thread = threading.Thread(target=self._work, name=f"workbench-run-{path.name}",
                                       args=(job, knobs, prompt, [str(i) for i in images]),
@@ -896,6 +897,24 @@ class DataStore(param.Parameterized):
                           status="starting …")
         job.thread.start()
         return path
+
+    def _precheck(self, knobs: dict[str, Any]) -> None:
+        """The live run's knob checks, before anything starts: against the model's sizes when it
+        is loaded already, else those that hold for any model (:meth:`ModelShape.unknown`);
+        with the model at hand, a vismmoe predictor must exist too. Raises the run's own
+        :class:`KnobError` / :class:`InputError`."""
+        from workbench.knobs import ModelShape
+
+        lm = self.pool.peek(self.model, knobs["dtype"], knobs["device"])
+        k = Knobs(**knobs)
+        k.check(ModelShape.of(lm.layout) if lm is not None else ModelShape.unknown(), live=True)
+        if lm is not None:
+            from workbench.predictor.knobs import PredictorKnobs
+
+            if PredictorKnobs.in_use(k):
+                from workbench.runtime.runtime import Runtime
+
+                Runtime(lm, knobs=k).predictor(k)  # loaded once per path; names what is missing
 
     def _work(self, job: _Job, knobs: dict[str, Any], prompt: str, images: list[str]) -> None:
         """The run thread: load (or reuse) the model, then run into the store. Touches only
