@@ -877,3 +877,44 @@ def test_a_refused_run_keeps_the_shown_run_and_the_baseline(two_runs):
             s.knobs.set(eviction="lru", prefetch="none")
         assert (s.run_name, s.dataset, s.baseline_name, s.answer) == before and not s.running
     assert not (s.workspace_path / "refused.zarr").exists()
+
+
+def test_a_run_exports_its_tables_and_figures(two_runs, tmp_path):
+    """``ds.moe.export``: the headline, per-step and per-layer tables and the figures, derived
+    from the store; the per-step table adds up to the summary."""
+    import pandas as pd
+
+    ds = workbench.open_run(two_runs.workspace_path / "a.zarr")
+    paths = ds.moe.export(tmp_path / "out", figures=("html", "json"))
+    names = sorted(p.name for p in paths)
+    assert names == sorted(["summary.json", "per_step.csv", "per_layer.csv",
+                            *(f"{f}.{x}" for f in ("heatmap", "hit_rate", "latency", "timeline")
+                              for x in ("html", "json"))])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    steps = pd.read_csv(tmp_path / "out" / "per_step.csv", index_col="step")
+    assert len(steps) == summary["steps"] and steps.hits.sum() == summary["hits"]
+    assert steps.misses.sum() == summary["misses"] and steps.loads.sum() == summary["loads"]
+    assert steps.latency_modeled_s.sum() == pytest.approx(summary["latency_modeled_s"])
+    assert set(steps.phase) <= {"prefill", "decode"}
+    layers = pd.read_csv(tmp_path / "out" / "per_layer.csv", index_col="layer")
+    assert len(layers) == ds.sizes["layer"] and "hit_rate" in layers
+    assert "plotly" in (tmp_path / "out" / "heatmap.html").read_text()[:5000].lower()
+    assert not list((tmp_path / "out").glob(".*.tmp"))  # written whole
+    with pytest.raises(Exception, match="figures"):
+        ds.moe.export(tmp_path / "x", figures=("png",))
+
+
+def test_the_export_button_zips_the_shown_run(two_runs, tmp_path):
+    import zipfile
+
+    from workbench.ui.widgets import export_zip, runs_widgets
+
+    s = two_runs
+    s.open("a")
+    button = runs_widgets(s)["export"]
+    with zipfile.ZipFile(button.callback()) as z:
+        names = set(z.namelist())
+    assert {"a/summary.json", "a/per_step.csv", "a/per_layer.csv", "a/heatmap.html"} <= names
+    empty = DataStore(workspace=tmp_path / "ws")
+    with zipfile.ZipFile(export_zip(empty)) as z:  # nothing shown: said, not raised
+        assert z.namelist() == ["README.txt"] and "no run is shown" in z.read("README.txt").decode()

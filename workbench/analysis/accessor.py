@@ -24,6 +24,8 @@ Conventions
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -499,6 +501,71 @@ class MoEAccessor:
             "transfer_bytes_modeled": int(tot("transfer_bytes_modeled")),
         }
 
+
+    # -- tables and export ----------------------------------------------------------------------
+    def per_step(self) -> Any:
+        """One row per generation step (index ``step``): ``phase``; ``hits``, ``misses`` and
+        ``hit_rate`` over the offloaded layers (as :meth:`summary`); ``loads``, ``evictions``
+        and ``prefetches`` over all layers; every per-step latency, stall and transfer-byte
+        variable of the store, with its unit (``_s``: seconds, ``_bytes``/``bytes``: bytes;
+        *measured* or *modeled* in the name). A tidy table of the store's numbers, derived."""
+        import pandas as pd
+
+        ds = self._ds
+        off = xr.DataArray(~self._pinned(), dims="layer")
+        codes = np.asarray(ds["phase"].values)
+        names = list(self._phases)
+        out = {"phase": [names[int(c)] if 0 <= int(c) < len(names) else str(c) for c in codes]}
+        hits = ds["hits"].where(off, 0).sum("layer").values
+        misses = ds["misses"].where(off, 0).sum("layer").values
+        out.update(hits=hits, misses=misses)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out["hit_rate"] = np.where(hits + misses > 0, hits / np.maximum(hits + misses, 1), np.nan)
+        for var in ("loads", "evictions", "prefetches"):
+            if var in ds:
+                out[var] = ds[var].sum("layer").values
+        for var in ("latency_measured_s", "latency_modeled_s", "stall_measured_s", "stall_modeled_s",
+                    "transfer_bytes", "transfer_bytes_modeled"):
+            if var in ds:
+                out[var] = np.asarray(ds[var].values)
+        return pd.DataFrame(out, index=pd.Index(np.asarray(ds["step"].values), name="step"))
+
+    def export(self, folder: str | Path, *, figures: Sequence[str] = ("html",)) -> list[Path]:
+        """Write this run's tables and figures into ``folder`` (created if absent) and return
+        the paths: ``summary.json`` (:meth:`summary`), ``per_step.csv`` (:meth:`per_step`),
+        ``per_layer.csv`` (:meth:`io_metrics` by layer; times *modeled*), and, for each of
+        ``figures`` (``"html"``: self-contained, interactive; ``"json"``: plotly's figure JSON),
+        the expert heatmap, hit rate, latency and timeline figures. The store stays the source:
+        exports are derived and can be re-made; each file is written whole (temporary name,
+        then renamed), so a crash never leaves half a file under its real name."""
+        from workbench.viz.heatmap import hit_rate_figure, latency_figure, timeline_figure
+
+        bad = [f for f in figures if f not in ("html", "json")]
+        if bad:
+            raise _bad("figures", tuple(figures), "a list of 'html' and 'json'")
+        out = Path(folder)
+        if out.exists() and not out.is_dir():
+            raise InputError(f"export folder {str(out)!r} is a file; give a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
+
+        def put(name: str, text: str) -> None:
+            path = out / name
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            written.append(path)
+
+        put("summary.json", json.dumps(self.summary(), indent=2, default=str) + "\n")
+        put("per_step.csv", self.per_step().to_csv())
+        put("per_layer.csv", self.io_metrics(by="layer").to_dataframe().to_csv())
+        figs = {"heatmap": self.heatmap(), "hit_rate": hit_rate_figure(self._ds),
+                "latency": latency_figure(self._ds), "timeline": timeline_figure(self._ds)}
+        for name, fig in figs.items():
+            for fmt in figures:
+                put(f"{name}.{fmt}", fig.to_html(include_plotlyjs=True, full_html=True) if fmt == "html"
+                    else fig.to_json())
+        return written
 
     # -- caching lab (issue 4): replay this run's routing under any cache/prefetch knobs -------
     def replay(self, knobs: Any = None, *, scope: str = "global", **knob_values: Any):

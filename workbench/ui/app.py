@@ -130,7 +130,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     runs_card = card(
         runs["select"], pn.Row(runs["open"], runs["refresh"], runs["adopt"]),
         pn.Row(runs["pin"], runs["clear"], sizing_mode="stretch_width"), runs["baseline"],
-        runs["message"], runs["problems"],
+        runs["export"], runs["message"], runs["problems"],
         title="Runs", collapsible=False)
     _styled(inp["upload_hint"], runs["baseline"])
     sidebar = [request, pn.Row(run_b, stop_b), error, *knob_cards(store.knobs), runs_card]

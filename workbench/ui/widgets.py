@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable
 import panel as pn
 import param
 
-from workbench.errors import KnobError, WorkbenchError
+from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.knobs import Knobs
-from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs,
+from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs, resolve_run_path,
                                     upload_limit_text)
 
 __all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
@@ -405,6 +405,32 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
             "preview": preview, "prompt": prompt, "run_name": run_name}
 
 
+def export_zip(store: DataStore) -> Any:
+    """A zip (``BytesIO``) of ``ds.moe.export`` of the shown run: its tables (CSV, JSON) and
+    figures (self-contained HTML), derived from its store; an empty zip holding only
+    ``README.txt`` when no run is shown (the button must never raise into Panel)."""
+    import io
+    import tempfile
+    import zipfile
+
+    from workbench.telemetry.store import open_run
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        try:
+            if not store.run_name:
+                raise InputError("no run is shown; open or run one first")
+            path = resolve_run_path(store.workspace_path, store.run_name)
+            with tempfile.TemporaryDirectory(prefix="wb-export-") as tmp:
+                for f in open_run(path).moe.export(tmp):
+                    z.write(f, arcname=f"{path.stem}/{f.name}")
+        except Exception as e:  # said in the zip and the log, never raised into the page
+            log.warning("export of %s failed: %s", store.run_name, e)
+            z.writestr("README.txt", f"nothing exported: {type(e).__name__}: {e}\n")
+    buf.seek(0)
+    return buf
+
+
 def runs_widgets(store: DataStore) -> dict[str, Any]:
     """Past runs of the workspace (newest first) with Open, and the A/B baseline buttons."""
     select = make(pn.widgets.Select, "Runs in the workspace", options={},
@@ -417,6 +443,10 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
     clear = make(btn, "Clear baseline", "light", width=120, css_classes=["wb-clear"])
     adopt = make(btn, "Use its knobs", "default", width=110, css_classes=["wb-adopt"],
                  description="Set the knobs to those of the shown run")
+    export = pn.widgets.FileDownload(callback=lambda: export_zip(store), filename="run-export.zip",
+                                     **names(pn.widgets.FileDownload, "Export the shown run (CSV + HTML)",
+                                             "light"),
+                                     sizing_mode="stretch_width", css_classes=["wb-export"])
     msg = _message()
     baseline = pn.pane.HTML("", margin=(0, 10), sizing_mode="stretch_width")
     problems = pn.pane.Alert("", alert_type="warning", visible=False,
@@ -486,7 +516,7 @@ def runs_widgets(store: DataStore) -> dict[str, Any]:
     store.param.watch(sync_baseline, ["baseline", "baseline_name"])
     sync_runs()
     sync_baseline()
-    return {"select": select, "open": open_b, "refresh": refresh, "pin": pin, "clear": clear,
+    return {"select": select, "open": open_b, "refresh": refresh, "pin": pin, "clear": clear, "export": export,
             "adopt": adopt, "message": msg, "baseline": baseline, "problems": problems}
 
 
