@@ -23,6 +23,7 @@ def test_run_json_has_the_contract_keys(tiny_ckpt, tmp_path, capsys):
     assert out["knobs"]["cache_slots"] == 3 and out["knobs"]["eviction"] == "lfu"
     assert out["hits"] + out["misses"] > 0
     assert out["hit_rate"] == pytest.approx(out["hits"] / (out["hits"] + out["misses"]))
+    assert out["loads_per_access"] == pytest.approx(out["loads"] / (out["hits"] + out["misses"]))
 
 
 def test_run_prints_answer_and_summary(tiny_ckpt, capsys):

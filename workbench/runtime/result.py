@@ -51,9 +51,18 @@ class RunResult:
         n = self.hits + self.misses
         return self.hits / n if n else float("nan")
 
+    @property
+    def loads_per_access(self) -> float:
+        """Experts copied to the device per cache access (offloaded layers): 1 − hit rate for
+        demand loading alone; above that, prefetching brought experts the run did not ask
+        for at that access (over-fetch: a high hit rate bought with extra transfers)."""
+        n = self.hits + self.misses
+        return self.loads / n if n else float("nan")
+
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()}
         d["hit_rate"] = None if np.isnan(self.hit_rate) else self.hit_rate
+        d["loads_per_access"] = None if np.isnan(self.loads_per_access) else self.loads_per_access
         return d
 
     def summary(self) -> str:
@@ -66,6 +75,11 @@ class RunResult:
             f"eviction={k.get('eviction')}",
             f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "
             f"{self.loads} loads, {self.evictions} evictions"
+            + ("" if np.isnan(self.loads_per_access) else
+               f" · {self.loads_per_access:.2f} loads per access"
+               + (f" ({self.loads - (self.misses - self.host_runs)} of the loads prefetched by "
+                  f"{k.get('prefetch')}, beyond the demand loads of the misses)"
+                  if k.get("prefetch", "none") != "none" else ""))
             + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else "")
             + (f" · {self.host_runs} misses run on the host copy (hybrid)"
                if self.host_runs else ""),
