@@ -918,3 +918,18 @@ def test_the_export_button_zips_the_shown_run(two_runs, tmp_path):
     empty = DataStore(workspace=tmp_path / "ws")
     with zipfile.ZipFile(export_zip(empty)) as z:  # nothing shown: said, not raised
         assert z.namelist() == ["README.txt"] and "no run is shown" in z.read("README.txt").decode()
+
+
+def test_compare_several_runs_in_one_table_and_figure(two_runs):
+    """workbench.compare_runs: a row per run with the knobs that differ (only cache_slots here)
+    and the headline numbers, and every run's hit rate per step overlaid."""
+    ws = two_runs.workspace_path
+    table, fig = workbench.compare_runs([ws / "a.zarr", ws / "b.zarr"])
+    assert list(table.index) == ["a", "b"] and list(table.cache_slots) == [3, 12]
+    assert "eviction" not in table and "model" not in table and "prompt" not in table
+    a = workbench.open_run(ws / "a.zarr").moe.summary()
+    assert table.loc["a", "hit_rate"] == pytest.approx(a["hit_rate"])
+    assert table.loc["a", "loads"] == a["loads"]
+    assert [t.name for t in fig.data] == ["a", "b"]
+    with pytest.raises(workbench.WorkbenchError, match="list of one or more runs"):
+        workbench.compare_runs(ws / "a.zarr")

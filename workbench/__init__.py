@@ -47,6 +47,7 @@ _LAZY = {
     "set_options": "workbench.options",
     "sweep": "workbench.analysis.sweep",
     "open_summary": "workbench.analysis.sweep",
+    "compare_runs": "workbench.analysis.compare",
     "get_options": "workbench.options",
     "WorkbenchError": "workbench.errors",
 }
