@@ -341,3 +341,27 @@ def test_a_finished_checkpoint_replaces_the_old_one_whole(tmp_path):
     replace_folder(staging, out)
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging or old copy left
+
+
+def test_a_prefix_rerun_check_compares_a_saved_training_checkpoint(tmp_path, torch_settings):
+    """``rerun --prefix step-N``: the logged command re-run for N steps gives the saved
+    checkpoint's bytes; the result is recorded in the log and on the card. A tampered
+    checkpoint is reported different (exit 1)."""
+    import shutil
+
+    from workbench.models.embedded.v2.rerun import main as rerun_main
+
+    out, ckpt = tmp_path / "m", tmp_path / "ckpt"
+    main(["--preset", "smoke", "--out", str(out), "--demo-dir", str(tmp_path / "d"),
+          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"])
+    saved = tmp_path / "step-0000006"
+    shutil.copytree(ckpt / "step-0000006", saved)
+    assert rerun_main([str(out), "--prefix", str(saved)]) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["prefix_check"]["identical"] and log["prefix_check"]["steps"] == 6
+    assert "Prefix re-run" in (out / "README.md").read_text()
+    state = json.loads((saved / "state.json").read_text())
+    state["step"] += 1  # not where the re-run is after 6 steps
+    (saved / "state.json").write_text(json.dumps(state))
+    assert rerun_main([str(out), "--prefix", str(saved)]) == 1
+    assert not json.loads((out / "training_log.json").read_text())["prefix_check"]["identical"]

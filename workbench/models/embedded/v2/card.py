@@ -141,10 +141,14 @@ def _vision_line(log: dict) -> str:
 
 
 def _rerun_line(log: dict) -> str:
+    lines = []
+    prefix = log.get("prefix_check")
+    if prefix:
+        lines.append(f"Prefix re-run, checked on {prefix['date']}: {prefix['result']}")
     check = log.get("rerun_check")
-    if not check:
-        return "Full-length re-run: not yet checked for this checkpoint."
-    return f"Full-length re-run, checked once on {check['date']}: {check['result']}"
+    lines.append(f"Full-length re-run, checked once on {check['date']}: {check['result']}" if check
+                 else "Full-length re-run: not yet checked for this checkpoint.")
+    return "\n\n".join(lines)
 
 
 def _finish_line(a: dict) -> str:
@@ -340,8 +344,8 @@ Random init (same seed, before training), per layer:
 Seeds are fixed, `torch.set_num_threads(2)` and `torch.use_deterministic_algorithms(True)` are set, so the
 same command on the same software stack (transformers {log.get('transformers', 'not recorded')}, torch {log['torch']}, CPU)
 should reproduce the weights and every number above; other CPUs / library versions may differ in the last float
-bits. That the script is deterministic is tested on a shortened run (two steps per stage, run twice, same bytes:
-`tests/test_embedded_training.py`, in CI). The full-length re-run is checked by
+bits. That the script is deterministic is tested on the smoke preset (run twice, same bytes; stopped and resumed,
+same bytes: `tests/test_v2_training.py`, in CI). The full-length re-run is checked by
 `python -m workbench.models.embedded.v2.rerun <this folder>` (about as long as the training; it records its
 result here).
 {_rerun_line(log)}

@@ -101,9 +101,50 @@ def check(checkpoint: Path, log: dict) -> dict:
     }
 
 
-def record(checkpoint: Path, log: dict, entry: dict) -> None:
-    """Store ``entry`` as the log's ``rerun_check`` and re-render the card (each file atomically)."""
-    log["rerun_check"] = entry
+def check_prefix(log: dict, saved: Path) -> dict:
+    """Re-run the logged command up to the step of ``saved`` (a ``step-NNNNNNN`` checkpoint the
+    original run wrote, e.g. kept aside from its ``--checkpoint-dir``) and compare that
+    checkpoint's bytes: weights, optimizer state and RNG states, and its state (curves and
+    position) but for wall times. Returns the ``prefix_check`` entry."""
+    import tempfile
+
+    from .checkpoint import _NAME
+    from .train import main as train_main
+
+    m = _NAME.match(saved.name)
+    if not m or not saved.is_dir():
+        raise ValueError(f"{saved} is not a step-NNNNNNN checkpoint folder")
+    steps = int(m.group(1))
+    with tempfile.TemporaryDirectory(prefix="wb-prefix-") as tmp:
+        root = Path(tmp) / "ckpt"
+        argv = rerun_argv(log["command"], Path(tmp) / "model", Path(tmp) / "demo")
+        train_main([*argv, "--checkpoint-dir", str(root), "--stop-after", str(steps)])
+        mine = root / saved.name
+        same = {name: sha256(mine / name) == sha256(saved / name)
+                for name in ("weights.safetensors", "optimizer.safetensors", "rng.safetensors")}
+
+        def timeless(path: Path):
+            def strip(x):
+                if isinstance(x, dict):
+                    return {k: strip(v) for k, v in x.items() if k not in ("elapsed_s",)}
+                if isinstance(x, list):
+                    return [strip(v) for v in x]
+                return x
+            return strip(json.loads((path / "state.json").read_text()))
+
+        same["state.json (but wall times)"] = timeless(mine) == timeless(saved)
+    ok = all(same.values())
+    return {
+        "date": _dt.date.today().isoformat(), "steps": steps, "identical": ok, "compared": same,
+        "result": (f"the first {steps} optimizer steps of `{log['command']}` re-run into a fresh folder gave "
+                   + ("a bit-identical checkpoint (weights, AdamW state, RNG states, curves)." if ok else
+                      "a DIFFERENT checkpoint: " + ", ".join(k for k, v in same.items() if not v) + " differ.")),
+    }
+
+
+def record(checkpoint: Path, log: dict, entry: dict, key: str = "rerun_check") -> None:
+    """Store ``entry`` as the log's ``key`` and re-render the card (each file atomically)."""
+    log[key] = entry
     _write_atomic(checkpoint / "training_log.json", json.dumps(log, indent=2) + "\n")
     _write_atomic(checkpoint / "README.md", render_model_card(log))
 
@@ -111,6 +152,8 @@ def record(checkpoint: Path, log: dict, entry: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="checkpoint folder holding training_log.json")
+    parser.add_argument("--prefix", type=Path, metavar="STEP_DIR",
+                        help="only re-run up to this saved training checkpoint (step-NNNNNNN) and compare it")
     ns = parser.parse_args(argv)
     if not (ns.checkpoint / "training_log.json").is_file():
         parser.error(f"checkpoint {str(ns.checkpoint)!r} has no training_log.json; expected a folder written by "
@@ -119,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         log = read_log(ns.checkpoint)
     except ValueError as e:
         parser.error(str(e))
+    if ns.prefix is not None:
+        if not ns.prefix.is_dir():
+            parser.error(f"--prefix {str(ns.prefix)!r} is not a folder; give a step-NNNNNNN training checkpoint")
+        try:
+            entry = check_prefix(log, ns.prefix)
+        except ValueError as e:
+            parser.error(str(e))
+        print(entry["result"], flush=True)
+        record(ns.checkpoint, log, entry, key="prefix_check")
+        return 0 if entry["identical"] else 1
     entry = check(ns.checkpoint, log)
     print(entry["result"], flush=True)  # before writing: a read-only folder must not lose it
     record(ns.checkpoint, log, entry)
