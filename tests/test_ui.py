@@ -933,3 +933,15 @@ def test_compare_several_runs_in_one_table_and_figure(two_runs):
     assert [t.name for t in fig.data] == ["a", "b"]
     with pytest.raises(workbench.WorkbenchError, match="list of one or more runs"):
         workbench.compare_runs(ws / "a.zarr")
+
+
+def test_the_compare_card_shows_the_picked_runs(two_runs):
+    from workbench.ui.views import CompareView
+
+    v = CompareView(two_runs)
+    assert {"a.zarr", "b.zarr"} <= set(v.choice.options)
+    v.choice.value = ["a.zarr"]
+    assert "two or more" in v.table.object and not v.pane.visible
+    v.choice.value = ["a.zarr", "b.zarr"]
+    assert "cache_slots" in v.table.object and "hit_rate" in v.table.object
+    assert v.pane.visible and [t.name for t in v.pane.object.data] == ["a", "b"]

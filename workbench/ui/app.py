@@ -19,7 +19,7 @@ import panel as pn
 
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui.views import (DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
+from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
                                 HotRecallView, LatencyView, ReplayView, TimelineView,
                                 TokenOverlayView, answer_view, progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
@@ -184,11 +184,16 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
         rep.pane, rep.table,
         title="Replay: the shown run under other cache and prefetch policies "
               "(recorded routing, modeled I/O)", margin=(4, 4), css_classes=["wb-replay"])
+    compare = CompareView(store)
+    _styled(compare.table)
+    compare_card = card(compare.choice, compare.table, compare.pane,
+                        title="Compare runs: several runs of the workspace side by side",
+                        collapsed=True, margin=(4, 4), css_classes=["wb-compare"])
     main = [status, filters, pn.Row(heat.pane, tokens.pane), pn.Row(hit.pane, recall.pane),
-            pn.Row(lat.pane, tl.pane), ab, replay]
+            pn.Row(lat.pane, tl.pane), ab, replay, compare_card]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
              "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
-             "hot_recall": recall}
+             "hot_recall": recall, "compare": compare}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None

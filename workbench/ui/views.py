@@ -633,3 +633,56 @@ def _short_value(v: Any) -> str:
     """A knob value in a table cell: at most 40 characters."""
     text = "unset" if v is None else str(v)
     return text if len(text) <= 40 else text[:39] + "…"
+
+
+class CompareView:
+    """Several runs of the workspace at once (:func:`workbench.compare_runs`): pick runs in
+    ``choice``; ``table`` shows one row per run (the knobs that differ, then the headline
+    numbers) and ``pane`` their hit rates per step overlaid. The run menu follows the
+    workspace (re-listed when a run ends or another is shown)."""
+
+    def __init__(self, store: DataStore) -> None:
+        self.store = store
+        from workbench.ui.widgets import names
+
+        self.choice = pn.widgets.MultiChoice(**names(pn.widgets.MultiChoice, "runs to compare"), options=[],
+                                             sizing_mode="stretch_width", css_classes=["wb-compare-runs"])
+        self.table = pn.pane.HTML("<p class='wb-muted'>Pick two or more runs to compare them.</p>",
+                                  sizing_mode="stretch_width")
+        self.pane = pn.pane.Plotly(go.Figure(), height=320, sizing_mode="stretch_width", visible=False)
+        self.choice.param.watch(self.redraw, "value")
+        store.param.watch(self.refresh, ["run_name", "running"])
+        self.refresh()
+
+    def refresh(self, *events: Any) -> None:
+        from workbench.ui.datastore import list_runs
+
+        try:
+            names = [r.name for r in list_runs(self.store.workspace_path) if r.readable and r.status != "running"]
+        except WorkbenchError:
+            names = []
+        self.choice.options = names
+        kept = [v for v in self.choice.value if v in names]
+        if kept != list(self.choice.value):
+            self.choice.value = kept
+
+    def redraw(self, *events: Any) -> None:
+        from workbench.analysis.compare import compare_runs
+
+        picked = list(self.choice.value)
+        if len(picked) < 2:
+            self.table.object = "<p class='wb-muted'>Pick two or more runs to compare them.</p>"
+            self.pane.visible = False
+            return
+        try:
+            table, fig = compare_runs([self.store.workspace_path / n for n in picked])
+        except Exception as e:  # a run that cannot be read: say so, keep the page
+            log.warning("compare %s: %s", picked, e)
+            self.table.object = (f"<p class='wb-bad'>the runs cannot be compared: "
+                                 f"{html.escape(type(e).__name__)}: {html.escape(str(e)[:200])}</p>")
+            self.pane.visible = False
+            return
+        self.table.object = table.to_html(classes="wb-ab", float_format=lambda x: f"{x:.4g}",
+                                          border=0, escape=True)
+        self.pane.object = fig
+        self.pane.visible = True
