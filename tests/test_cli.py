@@ -235,3 +235,16 @@ def test_live_refusals_come_before_the_model_loads(tmp_path, capsys):
                "--set", "eviction=belady"])
     err = capsys.readouterr().err
     assert rc == 2 and "eviction 'belady' needs the future" in err and "no-model" not in err
+
+
+def test_a_hybrid_run_says_why_its_numbers_look_as_they_do(tiny_ckpt, capsys):
+    """Hybrid on the model priced as itself runs no miss on the host, and says why; priced as
+    Qwen3-VL-30B every decode miss runs there, moving nothing, and the stall is explained."""
+    base = ["run", "--model", str(tiny_ckpt()), "--prompt", "hello there", "--no-record", "--set", "hybrid=true",
+            "--set", "cache_slots=2", "--max-new-tokens", "3"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "hybrid: no miss ran on the host" in out and "costs of this model" in out
+    assert main([*base, "--set", "target_model=qwen3-vl-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "misses ran on the host copy (no expert moved for them" in out

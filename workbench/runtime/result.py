@@ -86,11 +86,22 @@ class RunResult:
             f"measured: {self.latency_measured_s * 1e3:.1f} ms total "
             f"(prefill {self.prefill_measured_s * 1e3:.1f} ms), stall "
             f"{self.stall_measured_s * 1e3:.2f} ms, {self.transfer_bytes / 1e6:.2f} MB moved",
-            f"modeled ({k.get('profile')}, costs of {k.get('target_model')}): "
+            f"modeled ({k.get('profile')}, costs of {_costs_of(k)}): "
             f"{self.latency_modeled_s * 1e3:.1f} ms total (prefill "
             f"{self.prefill_modeled_s * 1e3:.1f} ms), stall {self.stall_modeled_s * 1e3:.1f} ms, "
             f"{self.transfer_bytes_modeled / 1e6:.1f} MB moved",
         ]
+        if k.get("hybrid"):
+            # why a hybrid run's numbers look as they do (issue 13): host runs move no expert
+            # but the device waits for their result, which the modeled stall counts
+            lines.append(
+                f"hybrid: {self.host_runs} of {self.misses} misses ran on the host copy (no expert "
+                f"moved for them; the modeled stall includes the device waiting for their results)"
+                if self.host_runs else
+                f"hybrid: no miss ran on the host: at these prices (profile {k.get('profile')}, costs "
+                f"of {_costs_of(k)}) loading each missed expert ended sooner than running it "
+                f"on the host; host runs pay off for large experts (e.g. target_model=qwen3-vl-30b-a3b) "
+                f"with few tokens per miss (decode)")
         if k.get("compression", "none") != "none" and self.visual_tokens:
             lines.append(
                 f"compression {k.get('compression')} (beta={k.get('beta')}, lam={k.get('lam')}): "
@@ -101,3 +112,9 @@ class RunResult:
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)
+
+
+def _costs_of(knobs: dict[str, Any]) -> str:
+    """Whose expert sizes the modeled clock prices: the target model, or the run's own."""
+    target = knobs.get("target_model")
+    return "this model" if target in (None, "none") else str(target)
