@@ -945,3 +945,21 @@ def test_the_compare_card_shows_the_picked_runs(two_runs):
     v.choice.value = ["a.zarr", "b.zarr"]
     assert "cache_slots" in v.table.object and "hit_rate" in v.table.object
     assert v.pane.visible and [t.name for t in v.pane.object.data] == ["a", "b"]
+
+
+def test_the_answer_card_shows_the_image_the_run_used(tmp_path):
+    import xarray as xr
+
+    from workbench.ui.views import answer_view
+
+    img = tmp_path / "scene.png"
+    img.write_bytes(_png((40, 30)))
+    s = DataStore(workspace=tmp_path / "ws")
+    view = answer_view(s)
+    shown = lambda: view.object() if callable(view.object) else str(view.object)  # noqa: E731
+    s.param.update(dataset=xr.Dataset(attrs={"prompt": "what color?", "images": json.dumps([str(img)])}),
+                   answer="red")
+    assert "data-testid='answer-image'" in shown() and "data:image/png;base64," in shown()
+    for images in ([str(tmp_path / "gone.png")], [str(tmp_path)], []):  # missing, a folder, none
+        s.dataset = xr.Dataset(attrs={"prompt": "p", "images": json.dumps(images)})
+        assert "answer-image" not in shown()

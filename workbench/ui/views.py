@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import logging
 import textwrap
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -584,7 +585,8 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
         if len(prompt) > MAX_PROMPT_CHARS:  # a store may hold any prompt
             prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
-        return (f"<div class='wb-answer'><div class='wb-muted'>{prompt}</div>"
+        thumb = _thumbnail(ds)
+        return (f"<div class='wb-answer'>{thumb}<div class='wb-muted'>{prompt}</div>"
                 f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}</div>")
 
     return pn.pane.HTML(pn.bind(render, store.param.answer, store.param.running,
@@ -686,3 +688,45 @@ class CompareView:
                                           border=0, escape=True)
         self.pane.object = fig
         self.pane.visible = True
+
+
+_THUMBS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> <img> tag; small, bounded
+
+
+def _thumbnail(ds: xr.Dataset | None, side: int = 72) -> str:
+    """An ``<img>`` of the first image the shown run used (a 72 px PNG inlined), or ``""`` when
+    it has none or the file is gone, unreadable or not an image the runtime would open (checked
+    from its header first: a store's attrs may name any path)."""
+    import base64
+    import io
+
+    from workbench.telemetry.metadata import RunMetadata
+
+    if ds is None:
+        return ""
+    try:
+        images = RunMetadata.from_attrs(ds.attrs, strict=False).images
+        if not images:
+            return ""
+        path = Path(images[0])
+        st = path.stat()
+        key = (str(path), st.st_size, int(st.st_mtime))
+        if key not in _THUMBS:
+            from PIL import Image
+
+            from workbench.models.inputs import probe_image
+
+            probe_image(path)  # header, size and format checks before anything is decoded
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+                im.thumbnail((side, side))
+                buf = io.BytesIO()
+                im.save(buf, format="PNG")
+            if len(_THUMBS) > 64:
+                _THUMBS.clear()
+            _THUMBS[key] = (f"<img class='wb-answer-image' data-testid='answer-image' alt='input image' "
+                            f"src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}' "
+                            f"style='float:right;max-height:{side}px;margin-left:8px'>")
+        return _THUMBS[key]
+    except Exception:  # a missing or odd file: no thumbnail, never a broken card
+        return ""
