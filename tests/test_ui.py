@@ -963,3 +963,23 @@ def test_the_answer_card_shows_the_image_the_run_used(tmp_path):
     for images in ([str(tmp_path / "gone.png")], [str(tmp_path)], []):  # missing, a folder, none
         s.dataset = xr.Dataset(attrs={"prompt": "p", "images": json.dumps(images)})
         assert "answer-image" not in shown()
+
+
+def test_the_model_menu_lists_the_workspace_models_and_takes_another_folder(two_runs, tiny_ckpt, tmp_path):
+    """The Request card's model menu: the embedded default, the folders the workspace's runs
+    used, and any checkpoint folder typed in (a folder without config.json is refused)."""
+    from workbench.ui.widgets import EMBEDDED_LABEL, model_widgets
+
+    s = DataStore(workspace=two_runs.workspace)
+    w = model_widgets(s)
+    used = str(tiny_ckpt("qwen3_moe"))
+    assert w["model"].options[EMBEDDED_LABEL] == "" and used in w["model"].options.values()
+    w["model"].value = used
+    assert s.model == used
+    w["model"].value = ""
+    assert s.model is None
+    w["other"].value = str(tmp_path)  # no config.json
+    assert w["message"].visible and "not a checkpoint folder" in w["message"].object and s.model is None
+    other = str(tiny_ckpt("mixtral"))
+    w["other"].value = other
+    assert s.model == other and other in w["model"].options.values()

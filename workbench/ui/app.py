@@ -23,7 +23,7 @@ from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, Heatma
                                 HotRecallView, LatencyView, ReplayView, TimelineView,
                                 TokenOverlayView, answer_view, progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
-                                  replay_widgets, runs_widgets)
+                                  model_widgets, replay_widgets, runs_widgets)
 
 __all__ = ["build_app", "serve", "STYLE", "TITLE"]
 
@@ -123,7 +123,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     store.param.watch(on_error, "error")
 
     runs = runs_widgets(store)
+    models = model_widgets(store)
     request = card(
+        models["model"], models["other"], models["message"],
         inp["demo"], inp["preview"], inp["upload_hint"], inp["upload"], inp["upload_message"],
         inp["prompt"], inp["run_name"],
         title="Request", collapsible=False)
@@ -206,7 +208,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     else:
         app = pn.Row(pn.Column(*sidebar, width=400), pn.Column(*main))
     app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
-    app._wb_widgets = {"input": inp, "runs": runs, "error": error, "progress": progress,
+    app._wb_widgets = {"input": inp, "runs": runs, "models": models, "error": error,
+                       "progress": progress,
                        "replay": rw}
     return app
 

@@ -77,7 +77,7 @@ from workbench.ui.replay import ReplayStudy, study
 log = logging.getLogger(__name__)
 
 __all__ = ["DataStore", "RunInfo", "ab_deltas", "check_image_upload", "default_workspace",
-           "ab_context", "demo_inputs", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
+           "ab_context", "demo_inputs", "known_models", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
            "selected_steps", "upload_limit_text", "MAX_UPLOAD_BYTES", "MAX_UPLOAD_PIXELS",
            "UNREADABLE"]
 
@@ -325,6 +325,28 @@ def list_runs(workspace: str | Path) -> list[RunInfo]:
     good = sorted((r for r in out if r.readable),
                   key=lambda r: (r.created, _birth(ws / r.name), r.name), reverse=True)
     return good + sorted((r for r in out if not r.readable), key=lambda r: r.name)
+
+
+def known_models(workspace: str | Path, runs: Sequence[RunInfo] | None = None) -> list[str]:
+    """Checkpoint folders the workspace knows: the ``model_path`` of its readable runs, newest
+    first, each once, and only folders that still hold a ``config.json`` (the embedded default
+    is not listed: it is the menu's first entry). Never raises for a bad store."""
+    ws = Path(workspace)
+    out: list[str] = []
+    for info in (list_runs(ws) if runs is None else runs):
+        if not info.readable:
+            continue
+        try:
+            path = _read_attrs(ws / info.name).get("model_path")
+        except (OSError, WorkbenchError):
+            continue
+        if isinstance(path, str) and path not in out and len(path) < 4096 and "\0" not in path:
+            try:
+                if (Path(path) / "config.json").is_file():
+                    out.append(path)
+            except (OSError, ValueError):
+                continue
+    return out
 
 
 def _birth(path: Path) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import html
 import logging
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import panel as pn
@@ -338,6 +339,59 @@ class ImageDropper(pn.widgets.FileDropper):
             value.clear()
             self.mime_type.clear()
             self._wb_seen.clear()
+
+
+EMBEDDED_LABEL = "embedded default model"
+
+
+def model_widgets(store: DataStore) -> dict[str, Any]:
+    """Which model the next run loads: a menu of the embedded default and the checkpoint
+    folders the workspace knows (:func:`~workbench.ui.datastore.known_models`, re-listed as runs
+    come and go), and a box for any other local folder (checked: it must hold a config.json;
+    the full check happens when the run loads it). Writes ``store.model`` (None: the embedded
+    default)."""
+    from workbench.ui.datastore import known_models
+
+    menu = make(pn.widgets.Select, "Model", options={EMBEDDED_LABEL: ""}, value="",
+                sizing_mode="stretch_width", css_classes=["wb-model"])
+    other = make(pn.widgets.TextInput, "Other model folder (press Enter)",
+                 placeholder="/path/to/checkpoint", sizing_mode="stretch_width")
+    msg = _message()
+
+    def options(extra: str | None = None) -> dict[str, str]:
+        paths = [p for p in [extra, store.model, *known_models(store.workspace_path, store.runs)] if p]
+        opts = {EMBEDDED_LABEL: ""}
+        for p in dict.fromkeys(paths):
+            opts[f"{Path(p).name} — {p}"[:120]] = p
+        return opts
+
+    def sync(*events: Any) -> None:
+        menu.options = options()
+        menu.value = store.model or ""
+
+    def say(text: str, kind: str) -> None:
+        msg.param.update(object=text, alert_type=kind, visible=bool(text))
+
+    def on_menu(event: Any) -> None:
+        store.model = event.new or None
+
+    def on_other(event: Any) -> None:
+        path = (event.new or "").strip()
+        if not path:
+            return
+        folder = Path(path).expanduser()
+        if not (folder / "config.json").is_file():
+            say(f"{html.escape(path)} is not a checkpoint folder (it has no config.json)", "danger")
+            return
+        menu.options = options(str(folder))
+        menu.value = str(folder)  # → on_menu sets store.model
+        say(f"the next run loads {html.escape(str(folder))}", "info")
+
+    menu.param.watch(on_menu, "value")
+    other.param.watch(on_other, "value")
+    store.param.watch(sync, ["runs"])
+    sync()
+    return {"model": menu, "other": other, "message": msg}
 
 
 def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
