@@ -309,6 +309,11 @@ def test_timeline_lanes_and_clock_filter():
     assert "modeled" in fig.layout.xaxis.title.text
     assert fig.layout.title.text == "timeline, modeled clock (steps 1-3)"  # not "slice(1, 3, None)"
     assert timeline_figure(ds, steps=2).layout.title.text.endswith("(step 2)")
+    from workbench.viz.heatmap import integer_ticks, latency_figure
+
+    assert integer_ticks([0, 1]) == {"tickmode": "linear", "tick0": 0, "dtick": 1}  # not 0, 0.5, 1
+    assert integer_ticks(range(500))["dtick"] == 42 and integer_ticks([]) == {}
+    assert latency_figure(ds).layout.xaxis.dtick >= 1
     measured = timeline_figure(ds, clock="measured")
     assert sum(len(t.x) for t in measured.data) == (ds.span_clock.values == 0).sum()
 

@@ -58,8 +58,8 @@ def hit_rate_figure(ds: xr.Dataset) -> go.Figure:
     fig.add_trace(go.Scatter(x=by_step["step"].values, y=by_step.values, mode="lines+markers",
                              name="hit rate per step",
                              hovertemplate="step %{x}: %{y:.1%}<extra></extra>"), row=1, col=2)
-    fig.update_xaxes(title_text="MoE layer", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=2)
+    fig.update_xaxes(title_text="MoE layer", row=1, col=1, **integer_ticks(by_layer["layer"].values))
+    fig.update_xaxes(title_text="step", row=1, col=2, **integer_ticks(by_step["step"].values))
     fig.update_yaxes(title_text="hit rate", tickformat=".0%", range=[0, 1.02])
     overall = ds.moe.hit_rate()
     fig.update_layout(title=f"expert-cache hit rate (offloaded layers): "
@@ -85,7 +85,7 @@ def latency_figure(ds: xr.Dataset) -> go.Figure:
             name=f"step latency, {label} (ms)", line={"dash": dash},
             hovertemplate=f"step %{{x}} (%{{customdata}}): %{{y:.3f}} ms {label}<extra></extra>"),
             secondary_y=secondary)
-    fig.update_xaxes(title_text="step (0 = prefill)")
+    fig.update_xaxes(title_text="step (0 = prefill)", **integer_ticks(step))
     fig.update_yaxes(title_text="latency, measured (ms)", secondary_y=False, rangemode="tozero")
     prof = ds.attrs.get("hardware_profile")
     fig.update_yaxes(title_text="latency, modeled (ms)" + (f" — {prof}" if prof else ""),
@@ -158,3 +158,15 @@ def _steps_label(steps: Any) -> str:
     if isinstance(steps, (list, tuple, np.ndarray)):
         return "steps " + ", ".join(str(int(s)) for s in steps)
     return f"step {int(steps)}"
+
+
+def integer_ticks(values: Any, most: int = 12) -> dict[str, Any]:
+    """Plotly axis settings that put ticks on whole numbers only (steps and layers are counts:
+    a two-step run must not read 0, 0.5, 1), at most about ``most`` of them."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return {}
+    lo, hi = float(v.min()), float(v.max())
+    return {"tickmode": "linear", "tick0": int(np.floor(lo)),
+            "dtick": max(1, int(np.ceil((hi - lo) / most)))}
