@@ -2,24 +2,23 @@
 live prefetch (speculative, apex), ActiveEvict, and ActiveEvict + budget-aware dynamic top-k with
 its quality cost (top-1 agreement and KL vs the unmodified model, teacher-forced).
 
-Every run decodes exactly --tokens tokens (ignore_eos: the routing past the answer is the
-model's real routing on its own continuation). Costs are *modeled* as Qwen3-VL-30B-A3B experts
-(17.3 MB) on the A100-40GB profile; hit rates and loads are counted live.
+Every demo request (image and text-only) decodes its real answer, up to --tokens tokens
+(--ignore-eos decodes exactly --tokens, continuing past the answer). Costs are *modeled* as
+Qwen3-VL-30B-A3B experts (17.3 MB) on the A100-40GB profile; hit rates and loads are counted live.
 
-    python benchmarks/bench_caching_live.py [--tokens 24] [--slots 16,32,48] [--json]
+    python benchmarks/bench_caching_live.py [--tokens 32] [--slots 48,96,192] [--ignore-eos] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
 import torch
 from workbench.models.inputs import Request
+from workbench.models.embedded.demo import read_demo
 
-REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "lru (on demand)": dict(eviction="lru"),
     "hotness": dict(eviction="hotness"),
@@ -32,16 +31,16 @@ VARIANTS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--slots", default="16,32,48")
+    ap.add_argument("--tokens", type=int, default=32, help="max decoded tokens per request")
+    ap.add_argument("--slots", default="48,96,192")
+    ap.add_argument("--ignore-eos", action="store_true", help="decode exactly --tokens tokens")
     ap.add_argument("--pinned", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(2)
     lm = workbench.load(None, device="cpu")
-    demos = json.loads((REPO / "data/demo/prompts.json").read_text())
-    reqs = [Request(d["prompt"], [REPO / "data/demo" / d["image"]]) for d in demos]
-    rt = workbench.Runtime(lm, device="cpu", max_new_tokens=a.tokens, ignore_eos=True,
+    reqs = [Request(d["prompt"], [d["image"]] if d["image"] else []) for d in read_demo(required=True)]
+    rt = workbench.Runtime(lm, device="cpu", max_new_tokens=a.tokens, ignore_eos=a.ignore_eos,
                            target_model="qwen3-vl-30b-a3b", profile="a100-40gb",
                            pinned_layers=a.pinned, lookahead_depth=2)
     rows = []

@@ -1,6 +1,6 @@
 """Measured cost of visual-token compression per request (seed VisMMOE §1a: P50 / P99).
 
-For every demo scene (data/demo/prompts.json) and each policy, ``Runtime.run`` serves the request
+For every demo request with an image (data/demo/prompts.json) and each policy, ``Runtime.run`` serves the request
 ``--repeats`` times with ``compression=<policy>`` and records the two costs the placement
 measures (``RunResult.compression_select_s``: prefix-routing tensor + the policy's selection;
 ``compression_saliency_s``: the vision-attention recomputation), then prints P50 / P99 / mean
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -30,15 +28,16 @@ def main() -> None:
     ap.add_argument("--policies", default="random,saliency,affinity")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    demo = REPO / "data" / "demo"
-    scenes = json.loads((demo / "prompts.json").read_text())
+    from workbench.models.embedded.demo import read_demo
+
+    scenes = [d for d in read_demo(required=True) if d["image"]]  # compression acts on visual tokens
     rt = workbench.Runtime(a.model, max_new_tokens=1, pinned_layers=a.pinned_layers)
     out = {}
     for policy in a.policies.split(","):
         sel, sal = [], []
         for _ in range(a.repeats):
             for s in scenes:
-                r = rt.run(s["prompt"], [demo / s["image"]], record=False, compression=policy,
+                r = rt.run(s["prompt"], [s["image"]], record=False, compression=policy,
                            beta=a.beta)
                 sel.append(r.compression_select_s * 1e3)
                 sal.append(r.compression_saliency_s * 1e3)

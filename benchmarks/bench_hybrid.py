@@ -1,18 +1,17 @@
 """GPU–CPU hybrid mode vs offload-only (issue 5 §3), side by side in one run.
 
-Live: the embedded model on every demo scene, priced as Qwen3-VL-30B-A3B on each profile
+Live: the embedded model on every demo request (its real answer, up to --tokens), priced as Qwen3-VL-30B-A3B on each profile
 (*modeled*), plus the wall time here (*measured*; on this CPU machine "host" and "device" are
 the same cores, so the measured column shows the cost of the mechanism, not its benefit).
 Replay: the real Mixtral-8x7B trace from ../shared/data (when present) under the same two
 modes (*modeled*).
 
-    python benchmarks/bench_hybrid.py [--tokens 16] [--cache-slots 32] [--pinned 1]
+    python benchmarks/bench_hybrid.py [--tokens 32] [--ignore-eos] [--cache-slots 32] [--pinned 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,21 +23,22 @@ MIXTRAL = (REPO.parent / "shared" / "data" / "traces" / "mixtral-8x7b-vllm"
 def live(args) -> list[str]:
     import workbench
 
-    demo = REPO / "data" / "demo"
-    prompts = json.loads((demo / "prompts.json").read_text())
-    rt = workbench.Runtime(device="cpu", max_new_tokens=args.tokens, ignore_eos=True,
+    from workbench.models.embedded.demo import read_demo
+
+    prompts = [(d["prompt"], [d["image"]] if d["image"] else []) for d in read_demo(required=True)]
+    rt = workbench.Runtime(device="cpu", max_new_tokens=args.tokens, ignore_eos=args.ignore_eos,
                            cache_slots=args.cache_slots, pinned_layers=args.pinned,
                            target_model="qwen3-vl-30b-a3b")
     rows = ["| profile | mode | latency (modeled) | prefill (modeled) | decode/token (modeled) "
             "| stall (modeled) | hit rate | loads | host runs | latency (measured) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    rt.run(prompts[0]["prompt"], [demo / prompts[0]["image"]], record=False)  # warm-up
+    rt.run(*prompts[0], record=False)  # warm-up
     for profile in args.profiles:
         for prefetch, hybrid in [(pf, h) for pf in ("none", args.prefetch) for h in (False, True)]:
             tot: dict[str, float] = {}
             answers = []
-            for p in prompts:
-                r = rt.run(p["prompt"], [demo / p["image"]], record=False, hybrid=hybrid,
+            for prompt, images in prompts:
+                r = rt.run(prompt, images, record=False, hybrid=hybrid,
                            profile=profile, prefetch=prefetch)
                 answers.append(r.token_ids)
                 for k in ("latency_modeled_s", "prefill_modeled_s", "stall_modeled_s",
@@ -84,7 +84,8 @@ def replayed(args) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16, help="decode tokens per request")
+    ap.add_argument("--tokens", type=int, default=32, help="max decoded tokens per request")
+    ap.add_argument("--ignore-eos", action="store_true", help="decode exactly --tokens tokens")
     ap.add_argument("--cache-slots", type=int, default=32)
     ap.add_argument("--pinned", type=int, default=1)
     ap.add_argument("--profiles", nargs="+", default=["a100-40gb", "rtx-3090", "h200"])
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
                     help="the prefetch policy of the second pair of rows (router lookahead)")
     args = ap.parse_args(argv)
     print(f"command: python benchmarks/bench_hybrid.py {' '.join(sys.argv[1:])}".rstrip())
-    print(f"\nLive, {args.tokens} decode tokens per demo scene, cache_slots={args.cache_slots}, "
+    print(f"\nLive, up to {args.tokens} decode tokens per demo request (ignore_eos={args.ignore_eos}), cache_slots={args.cache_slots}, "
           f"pinned_layers={args.pinned}, LRU; means per request:\n")
     print("\n".join(live(args)))
     print()

@@ -6,9 +6,9 @@
   — goal ≤ 1.10×.
 
 Variants are interleaved, in a shuffled order each round, after a warm-up, and medians of the per-variant wall times
-are compared. Model: the embedded Qwen3-VL-MoE on a demo scene (or --model DIR, text-only prompt).
+are compared. Model: the embedded Qwen3-VL-MoE on a demo request (--demo N; or --model DIR, text-only prompt).
 
-    python benchmarks/bench_runtime.py [--repeats 7] [--max-new-tokens 16] [--json]
+    python benchmarks/bench_runtime.py [--repeats 7] [--max-new-tokens 16] [--demo 0] [--ignore-eos] [--json]
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts Open
 import torch
 from workbench.models.inputs import Request, build_inputs
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -34,6 +32,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--cache-slots", type=int, default=64)
+    ap.add_argument("--demo", type=int, default=0, help="which bundled demo request (index into data/demo/prompts.json)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="decode exactly --max-new-tokens tokens (all variants alike)")
     ap.add_argument("--lookahead-depth", type=int, default=None,
@@ -43,8 +42,11 @@ def main() -> None:
     torch.set_num_threads(2)
     lm = workbench.load(a.model, device="cpu")
     if lm.is_vision:
-        demo = json.loads((REPO / "data/demo/prompts.json").read_text())[0]
-        req = Request(demo["prompt"], [REPO / "data/demo" / demo["image"]])
+        from workbench.models.embedded.demo import read_demo
+
+        demo = read_demo(required=True)[a.demo]
+        req = Request(demo["prompt"], [demo["image"]] if demo["image"] else [])
+        print(f"request: demo {a.demo}, {demo['prompt']!r} (expected answer {demo.get('answer')!r})")
     else:
         req = Request("the quick brown fox")
     L = lm.layout.num_layers

@@ -9,7 +9,7 @@ hit rates, loads, Hot Recall and accuracy are counted on the real model. The stu
 and every scaling decision are in ``workbench/analysis/vismmoe/`` and ``docs/vismmoe.md``.
 
     nice python benchmarks/bench_vismmoe.py [--scenes 48] [--sweep-scenes 24]
-        [--accuracy-questions 200] [--calib-requests 48] [--tokens 16] [--out DIR] [--json]
+        [--accuracy-questions 200] [--calib-requests 48] [--tokens 32] [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def main() -> None:
     ap.add_argument("--accuracy-questions", type=int, default=200)
     ap.add_argument("--calib-requests", type=int, default=48)
     ap.add_argument("--calib-steps", type=int, default=300)
-    ap.add_argument("--tokens", type=int, default=16,
-                    help="decoded tokens per request (ignore_eos)")
+    ap.add_argument("--tokens", type=int, default=32,
+                    help="decoded tokens per request at most (decoding stops at the answer's end)")
     ap.add_argument("--budgets", default="",
                     help="expert-slot budgets, comma separated (default: the paper's share, "
                          "86, and twice it)")
@@ -121,7 +121,7 @@ def main() -> None:
           f"{lay.top_k}; held-out scenes `make_split({V.eval_seed()}, n)`; predictor calibrated "
           f"on `make_split({V.CALIB_SEED}, {a.calib_requests})`; pinned prefix of *full* "
           f"profiled on `make_split({V.PROFILE_SEED}, {a.profile_scenes})`; {a.tokens} "
-          f"decoded tokens per request (`ignore_eos`); B = "
+          f"decoded tokens per request at most (stopping at the answer's end); B = "
           f"{V.scaled_prefetch_budget(lay.num_experts)}; total {total / 60:.1f} min.\n")
 
     for b, lad in ladders.items():

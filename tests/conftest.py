@@ -52,7 +52,7 @@ def embedded_dir() -> Path:
 
     if not (Path(EMBEDDED_MODEL_DIR) / "model.safetensors").exists():
         pytest.fail(f"the embedded model is missing at {EMBEDDED_MODEL_DIR}; run "
-                    f"`python -m workbench.models.embedded.train`")
+                    f"`python -m workbench.models.embedded.v2.train`")
     return Path(EMBEDDED_MODEL_DIR)
 
 

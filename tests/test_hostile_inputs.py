@@ -1026,9 +1026,10 @@ BROKEN_PREDICTORS = {
     "window_zero": (_pred_cfg(window=0), ["config.window is 0", "an integer between 1"]),
     "width_3M": (_pred_cfg(width=3_000_000), ["config.width is 3000000", "between 1 and"]),
     "width_1e7": (_pred_cfg(width=10**7), ["config.width is 10000000"]),
-    "width_mismatch": (_pred_cfg(width=100_000), ["'W1.weight'", "[128, 232]",
-                                                  "needs [100000, 232]"]),
-    "hidden_mismatch": (_pred_cfg(hidden_size=65), ["'x_mean'", "[232]", "needs [234]"]),
+    # {IN}: the fixture predictor's input width, read from its weights (it follows the model)
+    "width_mismatch": (_pred_cfg(width=100_000), ["'W1.weight'", "[128, {IN}]",
+                                                  "needs [100000, {IN}]"]),
+    "hidden_mismatch": (_pred_cfg(hidden_size=65), ["'x_mean'", "[{IN}]", "needs [{IN2}]"]),
     "width_bool": (_pred_cfg(width=True), ["config.width is True"]),
     "decay_big": (_pred_cfg(decay=2.0), ["config.decay is 2.0", "0 < decay ≤ 1"]),
     "dropout_text": (_pred_cfg(dropout="0.1"), ["config.dropout is '0.1'"]),
@@ -1040,8 +1041,8 @@ BROKEN_PREDICTORS = {
         ["lacks config field 'num_layers'"]),
     "config_hash": (_pred_cfg(config_hash="deadbeef"), ["config_hash='deadbeef'",
                                                          "config_hash='"]),
-    "num_experts": (_pred_cfg(num_experts=16), ["num_experts=16", "has 32"]),
-    "num_layers": (_pred_cfg(num_layers=4), ["num_layers=4", "has 8"]),
+    "num_experts": (_pred_cfg(num_experts=16), ["num_experts=16", "has {E}"]),
+    "num_layers": (_pred_cfg(num_layers=4), ["num_layers=4", "has {L}"]),
     "nan_weight": (_pred_weights(_set_nan), ["'W2.weight'", "NaN or inf"]),
     "int8_weight": (_pred_weights(lambda sd: sd.__setitem__("Wo.weight",
                                                             sd["Wo.weight"].to(torch.int8))),
@@ -1074,7 +1075,7 @@ def test_the_predictor_fixture_is_accepted(embedded, predictor_dir):
 
 
 @pytest.mark.parametrize("name", list(BROKEN_PREDICTORS))
-def test_broken_predictor_folders_are_refused_before_the_run(embedded, broken_predictors,
+def test_broken_predictor_folders_are_refused_before_the_run(embedded, broken_predictors, predictor_dir,
                                                              name, monkeypatch):
     """Refused when the runtime is built (before generation, before the module is built from
     the config), with one line naming the folder and the fault."""
@@ -1094,7 +1095,13 @@ def test_broken_predictor_folders_are_refused_before_the_run(embedded, broken_pr
                                       cache_slots=8, max_new_tokens=1, device="cpu"))
     text = one_line(e.value)
     assert str(d) in text
+    from safetensors import safe_open
+
+    with safe_open(str(predictor_dir / "predictor.safetensors"), "pt") as f:
+        width_in = f.get_slice("W1.weight").get_shape()[1]
+    lay = embedded.layout
     for fragment in BROKEN_PREDICTORS[name][1]:
+        fragment = fragment.format(IN=width_in, IN2=width_in + 2, E=lay.num_experts, L=lay.num_layers)
         assert fragment in text, text
     # built in memory only from a checked config that matches the weights (else: on meta)
     assert all(w == 128 for dev, w in built if dev != "meta"), built
@@ -1118,7 +1125,7 @@ def test_cli_run_refuses_a_broken_predictor_with_one_line(broken_predictors, cap
     ({"eviction": ["belady"]}, "eviction 'belady' needs the future"),
     ({"prefetch": ["oracle"]}, "needs the future"),
     ({"eviction": ["slab"]}, "needs the predictor"),
-    ({"pinned_layers": [99]}, "pinned_layers must be between 0 and 8"),
+    ({"pinned_layers": [99]}, "pinned_layers must be between 0 and 12"),
     ({"cache_slots": [1, 2]}, "cache_slots must be at least 4 (top-k)"),
 ])
 def test_sweep_points_get_the_run_checks_before_any_cluster(tmp_path, no_cluster, grid,

@@ -154,7 +154,7 @@ class KnobGroup(param.Parameterized):
 
 
 class CacheKnobs(KnobGroup):
-    """Expert cache and memory layout (seed VisMMOE §3.4): pinned prefix + slab cache of slots."""
+    """Expert cache and memory layout (VisMMOE §3.4): pinned prefix + slab cache of slots."""
 
     title = "Expert cache"
 
@@ -171,7 +171,7 @@ class CacheKnobs(KnobGroup):
     semantic_layers = param.Integer(
         default=None, allow_None=True, bounds=(0, None),
         doc="L_semantic, the lower end of the valid pinned prefix L_semantic ≤ pinned_layers ≤ "
-            "⌊(M_avail − C_safe)/S_layer⌋ (seed VisMMOE eq. 10): the fewest MoE layers whose "
+            "⌊(M_avail − C_safe)/S_layer⌋ (VisMMOE eq. 10): the fewest MoE layers whose "
             "routing the run needs. The paper finds it empirically; None (auto) = 1 when "
             "compression is 'affinity' with λ > 0 (its expert affinity reads the prefix "
             "routing), else 0 (no lower bound).")
@@ -192,7 +192,7 @@ class CacheKnobs(KnobGroup):
         doc="T of the 'hotness' eviction policy: uses older than T steps are forgotten.")
     hybrid = param.Boolean(
         default=False,
-        doc="GPU–CPU hybrid mode (seed VisMMOE §3.4): a miss runs on the host copy of the "
+        doc="GPU–CPU hybrid mode (VisMMOE §3.4): a miss runs on the host copy of the "
             "expert instead of being loaded when that ends sooner on the modeled hardware "
             "(host compute + activations over the link < transfer + device compute; decode "
             "misses usually qualify, big prefill groups do not). Host runs have their own "
@@ -228,7 +228,7 @@ class CacheKnobs(KnobGroup):
 
 
 class PrefetchKnobs(KnobGroup):
-    """Prefetch: copy experts before a layer asks for them (SPEC §2 baselines and bounds)."""
+    """Prefetch: copy experts before a layer asks for them (the caching baselines and bounds)."""
 
     title = "Prefetch"
 
@@ -296,7 +296,9 @@ class GenerationKnobs(KnobGroup):
     title = "Generation"
 
     max_new_tokens = param.Integer(
-        default=16, bounds=(1, 4096), softbounds=(1, 128), doc="Tokens to generate at most.")
+        default=32, bounds=(1, 4096), softbounds=(1, 128),
+        doc="Tokens to generate at most (the embedded model's longest answer is 20 tokens and "
+            "its end-of-sequence token).")
     sampling = param.Boolean(default=False, doc="Sample instead of greedy decoding.")
     temperature = param.Number(
         default=1.0, bounds=(1e-6, None), softbounds=(0.1, 2.0),

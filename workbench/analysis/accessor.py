@@ -578,7 +578,7 @@ class MoEAccessor:
 
     def io_metrics(self, by: str | None = None, *, scope: str = "global",
                    **knob_values: Any) -> Any:
-        """SPEC §2 I/O metrics and the bounds for this run (or for other knobs).
+        """ActiveEvict's I/O metrics and the bounds for this run (or for other knobs).
 
         ``by=None``: one dict — hit rate and share of the Belady hit rate, blocking and total I/O
         time (*modeled*, per the run's hardware profile), transfer bytes per token, redundant-

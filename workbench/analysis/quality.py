@@ -1,6 +1,6 @@
 """Quality cost of a routing change (budget-aware dynamic top-k): reference vs modified run.
 
-Dynamic top-k (seed ActiveEvict §3.4, knob ``dynamic_topk``) is the only knob of the live runtime
+Dynamic top-k (ActiveEvict §3.4, knob ``dynamic_topk``) is the only knob of the live runtime
 that changes routing and therefore the model's outputs. :func:`compare_runs` measures what it
 costs on one request:
 

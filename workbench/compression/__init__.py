@@ -1,4 +1,4 @@
-"""Visual-token compression behind the pinned prefix (seed VisMMOE §3.2, Algorithm 1).
+"""Visual-token compression behind the pinned prefix (VisMMOE §3.2, Algorithm 1).
 
 - :mod:`workbench.compression.policies`: the ``COMPRESSION`` registry (``none``, ``random``,
   ``saliency``, ``affinity``), Algorithm 1 as pure tensor functions, and the knob group

@@ -1,4 +1,4 @@
-"""Visual-token compression policies (seed VisMMOE Algorithm 1, SPEC §1a) and their knobs.
+"""Visual-token compression policies (VisMMOE Algorithm 1) and their knobs.
 
 A policy decides, once per request, which of the request's N visual tokens survive past the
 pinned prefix. It sees a :class:`SelectionInput`:
@@ -57,7 +57,7 @@ COMPRESSION: Registry[CompressionPolicy] = Registry("compression", "compression"
 
 
 class CompressionKnobs(KnobGroup):
-    """Visual-token compression behind the pinned prefix (seed VisMMOE Algorithm 1)."""
+    """Visual-token compression behind the pinned prefix (VisMMOE Algorithm 1)."""
 
     title = "Token compression"
 

@@ -1,4 +1,4 @@
-"""ActiveEvict (seed 003, SPEC §2): budget-aware pre-eviction and budget-aware dynamic top-k.
+"""ActiveEvict (docs/references.md): budget-aware pre-eviction and budget-aware dynamic top-k.
 
 The live runtime (:mod:`workbench.runtime.offload`) drives this module once per MoE layer:
 
@@ -20,7 +20,7 @@ The live runtime (:mod:`workbench.runtime.offload`) drives this module once per 
 How the paper's per-layer budget maps onto the workbench's cache
 -----------------------------------------------------------------
 The paper gives each layer its own budget B_l; the workbench has **one pool of slots shared by
-every offloaded layer** (seed VisMMOE §3.4 slab cache). So:
+every offloaded layer** (VisMMOE §3.4 slab cache). So:
 
 - *B − H_l* (eq. 18, "slots available for new experts") is read as the pool's **free slots** at
   the gate of layer l: B = ``num_slots``, H_l = slots occupied. Pre-eviction is what makes slots
@@ -66,7 +66,7 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 class ActiveEvictKnobs(KnobGroup):
-    """Router lookahead, ActiveEvict pre-eviction and budget-aware dynamic top-k (seed 003)."""
+    """Router lookahead, ActiveEvict pre-eviction and budget-aware dynamic top-k (ActiveEvict)."""
 
     title = "Lookahead & ActiveEvict"
 

@@ -211,7 +211,7 @@ class Hotness(EvictionPolicy):
 
 
 class SlabStates:
-    """State bookkeeping of the VisMMOE slab cache (SPEC §1c "Safety-guarded eviction").
+    """State bookkeeping of the VisMMOE slab cache (VisMMOE "Safety-guarded eviction").
 
     Fed once per (step, layer) by :meth:`begin_layer` with the lookahead predictor's ranked
     ``(expert, σ)`` pairs of y_layer; the window is then the keys ``(layer + d, e)`` for

@@ -1,4 +1,4 @@
-"""Compression-guided lookahead predictor (seed VisMMOE §3.3, SPEC §1b).
+"""Compression-guided lookahead predictor (VisMMOE §3.3).
 
 - :mod:`workbench.predictor.features`: x_l = [h^(r); h^(h); h^(v); onehot(l)], the window
   targets g, and the hooks that record them from a live model.

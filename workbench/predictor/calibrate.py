@@ -4,7 +4,7 @@ Hot Recall on held-out requests, save it (safetensors + JSON).
 Recording: each request runs through the model's own ``generate`` (greedy, ``max_new_tokens``)
 with a :class:`~workbench.predictor.features.RoutingProbe` installed (hooks only, removed
 afterwards; no offloading: routing does not depend on where experts live). Requests are
-generated scenes (``workbench.models.embedded.scenes.make_split(seed, n)``) or given inputs.
+generated scenes (``workbench.models.embedded.v2.tasks.make_split(seed, n)``) or given inputs.
 
 Split: by request (never by step), the last ``max(1, round(holdout · n))`` requests are
 held out. Training: full-batch Adam on soft BCE, seeded (``torch.manual_seed``,
@@ -44,7 +44,7 @@ class Recorded:
 
 
 def scene_requests(seed: int, n: int) -> list[tuple[Any, str]]:
-    from workbench.models.embedded.scenes import make_split
+    from workbench.models.embedded.v2.tasks import make_split
 
     return [(img, q) for img, q, _ in make_split(seed, n)]
 

@@ -1,4 +1,4 @@
-"""Features and targets of the compression-guided lookahead predictor (SPEC §1b).
+"""Features and targets of the compression-guided lookahead predictor (VisMMOE §3.3).
 
 Per step s (one forward pass) and MoE layer l the predictor sees
 

@@ -24,7 +24,7 @@ DEFAULT_BUDGET = 20
 
 
 class PredictorKnobs(KnobGroup):
-    """Compression-guided lookahead predictor (seed VisMMOE §3.3, SPEC §1b)."""
+    """Compression-guided lookahead predictor (VisMMOE §3.3)."""
 
     title = "Lookahead predictor"
 

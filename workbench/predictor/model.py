@@ -1,6 +1,6 @@
 """The lookahead predictor network, its files and its metric.
 
-Bottleneck MLP (SPEC §1b): ``z = ψ(W2 ψ(W1 x))``, ``y = Wo z ∈ R^E`` with
+Bottleneck MLP (VisMMOE §3.3): ``z = ψ(W2 ψ(W1 x))``, ``y = Wo z ∈ R^E`` with
 ψ = BatchNorm-ReLU-Dropout. Inputs are standardised with the calibration set's mean and std
 (kept as buffers, saved with the weights).
 

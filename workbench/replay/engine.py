@@ -87,7 +87,7 @@ class ReplayResult:
         return self.expert_bytes == self.expert_bytes  # NaN: no cost model
 
     def metrics(self) -> dict[str, Any]:
-        """Every figure of SPEC §2 and the bounds, as plain numbers (times modeled; None when
+        """Every I/O figure (ActiveEvict's metrics) and the bounds, as plain numbers (times modeled; None when
         the trace carries no model sizes)."""
         loads = self.loads
         misses = self._off(self.misses)

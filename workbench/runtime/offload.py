@@ -18,13 +18,13 @@ admissions, prefetches, evictions and host runs and prices them on the modeled c
 execution of its schedule on real tensors. Trace replay calls the same core, so live runs and
 replay cannot drift apart.
 
-Order of work in an offloaded layer (seed VisMMOE §3.4: a miss blocks only on that expert), as
+Order of work in an offloaded layer (VisMMOE §3.4: a miss blocks only on that expert), as
 the core schedules it: look up all routed experts → submit transfers for misses into
 free/evictable slots → compute the hits while transfers run → for each miss in submission order
 wait for it (a *stall*), compute it, and let its slot be reused. The output is the sum of the
 group outputs, which equals the plain model's output up to floating-point summation order.
 
-Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evict`):
+Optional, per MoE layer l (ActiveEvict, :mod:`workbench.policies.active_evict`):
 
 - **router lookahead** (``lookahead_depth`` D ≥ 1): the routers of layers l+1 … l+D are applied
   to layer l's MoE input (the tensor layer l's router saw) and their top-k ids go into
@@ -40,7 +40,7 @@ Optional, per MoE layer l (seed ActiveEvict, :mod:`workbench.policies.active_evi
 - **dynamic top-k** (``dynamic_topk``, decode steps, offloaded layers): before the lookup, the
   layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
   slots, and the experts receive the model's own router output for that k.
-- **GPU–CPU hybrid** (``hybrid``, seed VisMMOE §3.4): a miss the rule picks (a function of the
+- **GPU–CPU hybrid** (``hybrid``, VisMMOE §3.4): a miss the rule picks (a function of the
   expert's token count, :func:`workbench.sim.costs.runs_on_host`) is not loaded: the model's
   own experts forward runs over the host store's copy of that one expert, on the host, after
   the hits were launched (on CUDA the device keeps computing meanwhile); the cache is unchanged.
@@ -471,7 +471,7 @@ class Offloader:
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Budget-aware dynamic top-k (seed ActiveEvict eq. 18–21) for offloaded layer ``b``."""
+        """Budget-aware dynamic top-k (ActiveEvict eq. 18–21) for offloaded layer ``b``."""
         cache, layer = self.cache, b.index
         kmax = min(self.k_max or b.top_k, b.num_experts)
         with torch.no_grad():

@@ -90,7 +90,7 @@ class Runtime:
             check_supported(self.lm.model)
         if self.uses_predictor(knobs):
             self.predictor(knobs)
-        # the valid prefix interval (seed VisMMOE eq. 10), on the profile first, then here
+        # the valid prefix interval (VisMMOE eq. 10), on the profile first, then here
         live, modeled = self.plans(knobs)
         modeled.check_pinned()
         live.check_pinned()

@@ -70,7 +70,7 @@ def host_expert_time(profile: HardwareProfile, cost: CostSpec, n_tokens: int) ->
 
 
 def runs_on_host(profile: HardwareProfile, cost: CostSpec, n_tokens: int) -> bool:
-    """The hybrid rule (seed VisMMOE §3.4 "GPU–CPU hybrid"; the comparison Fiddler makes): a
+    """The hybrid rule (VisMMOE §3.4 "GPU–CPU hybrid"; the comparison Fiddler makes): a
     missed expert runs on the host when doing so ends sooner than copying it and computing it
     on the device, i.e. ``host_expert_time(n) < transfer_time(expert_bytes) +
     compute_time(n·flops, expert_bytes)``. It depends only on the expert's token count, so the

@@ -1,4 +1,4 @@
-"""Memory plan: where every byte of the model lives (seed VisMMOE §3.4).
+"""Memory plan: where every byte of the model lives (VisMMOE §3.4).
 
 Device = backbone (non-expert weights + shared experts, always resident) + pinned prefix (every
 routed expert of the first ``pinned_layers`` MoE layers) + expert cache (``slots`` × bytes per
@@ -9,7 +9,7 @@ tensors), and the *modeled* plan of the cost model (the target model if one is s
 hardware profile. A plan that does not fit its device is refused with a :class:`PlanError` that
 says what to change.
 
-Each plan also carries the *valid prefix interval* of seed VisMMOE eq. (10),
+Each plan also carries the *valid prefix interval* of VisMMOE eq. (10),
 
     L_semantic ≤ L_pinned ≤ ⌊(M_avail − C_safe) / S_layer⌋
 
@@ -73,7 +73,7 @@ class MemoryPlan:
         layer = self.num_experts * self.expert_bytes
         return max(0, min(self.num_layers, int(room // layer)))
 
-    # -- valid prefix interval (seed VisMMOE eq. 10) ---------------------------------------
+    # -- valid prefix interval (VisMMOE eq. 10) ---------------------------------------
     @property
     def layer_bytes(self) -> float:
         """S_layer: bytes of one MoE layer's routed experts."""

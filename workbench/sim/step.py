@@ -2,7 +2,7 @@
 
 :meth:`Simulator.step` takes one :class:`Access` (the distinct experts a layer routed to in
 one step, with their modeled prices and the feature inputs: prefetch candidates, the hybrid
-rule's picks, a pre-eviction hook) and decides, in this order (seed VisMMOE §3.4: a miss blocks
+rule's picks, a pre-eviction hook) and decides, in this order (VisMMOE §3.4: a miss blocks
 only on that expert):
 
 1. the layer's dense work runs on the compute lane (``dense_s``);

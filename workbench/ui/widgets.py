@@ -44,7 +44,7 @@ CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: 
 LABEL_STYLE = ".wb-label { color: #374151; font-size: 12px; font-weight: 600; }"
 #: groups whose card starts open
 OPEN_GROUPS = ("cache", "compression", "generation")
-#: knobs of the prominent "VisMMOE" card, in this order (seed VisMMOE: β, λ and the pinned prefix
+#: knobs of the prominent "VisMMOE" card, in this order (VisMMOE: β, λ and the pinned prefix
 #: are the knobs a user reaches for first), with the label each gets there
 VISMMOE_KNOBS: dict[str, str] = {
     "compression": "Token compression",

@@ -1,10 +1,10 @@
 """VisMMOE reproduced in kind (issue 5 §4): the studies behind
 ``notebooks/02_visual_expert_affinity.ipynb`` and ``benchmarks/bench_vismmoe.py``.
 
-Every study runs the real embedded Qwen3-VL-MoE (8 MoE layers × 32 experts, top-4) through
+Every study runs the real embedded Qwen3-VL-MoE (12 MoE layers × 64 experts, top-4) through
 :class:`workbench.Runtime` and returns an xarray Dataset or a pandas DataFrame whose ``attrs``
 say which numbers are **modeled** (the discrete-event clock: the run's routing priced as
-Qwen3-VL-30B-A3B experts, 17.3 MB each, on the A100-40GB profile — an 8-layer slice of that
+Qwen3-VL-30B-A3B experts, 17.3 MB each, on the A100-40GB profile — a 12-layer slice of that
 model, not the 48-layer model) and which are **measured** (counted on the real model here, or
 wall time on this machine's CPU). Each is parameterised by the number of scenes, so the
 notebook runs small and the benchmark big.
@@ -12,27 +12,27 @@ notebook runs small and the benchmark big.
 - :func:`ablation_ladder` — base → +compression → +prediction & prefetch → full (seed
   Table 4).
   The stages are :data:`LADDER`, cumulative: adding a stage is one :class:`Stage` line.
-- :func:`pinned_sweep` — latency vs ``pinned_layers`` under a fixed expert budget (seed Fig. 12).
+- :func:`pinned_sweep` — latency vs ``pinned_layers`` under a fixed expert budget (VisMMOE Fig. 12).
 - :func:`characterise_pruning` — text / raw visual / pruned visual routing statistics and
-  heatmaps from run stores (seed Figs. 1, 3, 4).
+  heatmaps from run stores (VisMMOE Figs. 1, 3, 4).
 - :func:`accuracy_vs_beta` — greedy answers vs the generated ground truth, per policy × β.
 - :func:`hot_recall_summary` — held-out Hot Recall of the calibrated predictor vs random, at the
-  paper's k and at k scaled to 32 experts (seed §4.3.2).
+  paper's k and at k scaled to 64 experts (VisMMOE §4.3.2).
 
-Scaling the paper's setting to 8 × 32 experts (decisions, also in ``docs/vismmoe.md``):
+Scaling the paper's setting to 12 × 64 experts (decisions, also in ``docs/vismmoe.md``):
 
 - **Expert budget**: Qwen3-VL-30B on A100-40GB gives anchors 21.6 GB + cache 14.3 GB = 35.9 GB
-  to routed experts, 33.8 % of its 48 × 128 × 17.3 MB; the same share of 256 experts is
-  :func:`expert_budget_slots` = 86 slots. Every configuration spends exactly that:
-  ``cache_slots = 86 − 32 · pinned_layers`` (deeper anchoring costs cache, as in the paper).
-- **Prefetch budget B and Hot Recall k** scale with the experts per layer: B = 20 · 32/128 = 5,
-  k = 10/20/30 → 3/5/8 (the random baseline k/E then matches the paper's 7.8–23.4 %).
+  to routed experts, 33.8 % of its 48 × 128 × 17.3 MB; the same share of 768 experts is
+  :func:`expert_budget_slots` = 259 slots. Every configuration spends exactly that:
+  ``cache_slots = 259 − 64 · pinned_layers`` (deeper anchoring costs cache, as in the paper).
+- **Prefetch budget B and Hot Recall k** scale with the experts per layer: B = 20 · 64/128 = 10,
+  k = 10/20/30 → 5/10/15 (the random baseline k/E then matches the paper's 7.8–23.4 %).
 - **Pinned prefix**: base, +compression and +prediction keep L_semantic = 1 layer (affinity
-  compression reads the prefix routing); *full* picks, inside the valid interval of seed eq. 10
+  compression reads the prefix routing); *full* picks, inside the valid interval of VisMMOE eq. 10
   on the scaled budget (:func:`scaled_plan`), the depth with the lowest modeled latency on
   separate profiling scenes (the paper's "offline profiling").
-- **Scenes**: evaluation on the embedded model's held-out split (``make_split(HELDOUT_SEED, n)``,
-  never trained on); predictor calibration on ``CALIB_SEED`` scenes and pinned-prefix profiling
+- **Scenes**: evaluation on the image requests of the embedded model's held-out split
+  (``make_split(HELDOUT_SEED, n, image_only=True)``, never trained on); predictor calibration on ``CALIB_SEED`` scenes and pinned-prefix profiling
   on ``PROFILE_SEED`` scenes (neither the training stream, the held-out split nor the demo
   scenes).
 

@@ -22,7 +22,7 @@ def normalise_answer(text: str) -> str:
 def accuracy_vs_beta(rt, examples: Sequence[tuple[Any, str, str]], *,
                      policies: Sequence[str] = ("random", "saliency", "affinity"),
                      betas: Sequence[float] = (1.0, 0.7, 0.5), pinned_layers: int = 1,
-                     max_new_tokens: int = 4) -> xr.Dataset:
+                     max_new_tokens: int = 32) -> xr.Dataset:
     """Greedy answers of the embedded model (stopping at end of sequence, at most
     ``max_new_tokens``) under each compression policy × β, and without compression; correct =
     exact match with the generated ground truth after :func:`normalise_answer`. Compression
@@ -31,10 +31,9 @@ def accuracy_vs_beta(rt, examples: Sequence[tuple[Any, str, str]], *,
     question), ``answer_none``/``correct_none`` over question, ``same_as_none`` over (policy,
     beta). Measured."""
     lay = rt.lm.layout
-    knobs = {**base_knobs(max_new_tokens), "ignore_eos": False,
-             "pinned_layers": int(pinned_layers),
+    knobs = {**base_knobs(max_new_tokens), "pinned_layers": int(pinned_layers),
              "cache_slots": max(lay.top_k, (lay.num_layers - pinned_layers) * lay.num_experts)}
-    from workbench.models.embedded.scenes import question_kind
+    from workbench.models.embedded.v2.tasks import question_kind
 
     P, B, Q = len(policies), len(betas), len(examples)
     ans = np.empty((P, B, Q), object)

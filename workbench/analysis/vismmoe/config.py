@@ -1,7 +1,7 @@
 """The fixed setting of the VisMMOE studies: the target model and hardware profile the modeled
 clock prices, the seeds of the calibration and profiling scenes, what the paper reports
 (:data:`PAPER`), the cumulative ablation ladder (:class:`Stage`, :data:`LADDER`, :data:`RULE`),
-the scaling of the paper's budgets to 8 × 32 experts, and the complete knobs of each stage
+the scaling of the paper's budgets to 12 × 64 experts, and the complete knobs of each stage
 (:func:`base_knobs`, :func:`ladder_configs`, :func:`stage_knobs`)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ PROFILE_SEED = 2
 """Scenes on which *full* profiles its pinned prefix (seen neither by the model nor by the
 predictor)."""
 
-#: What the paper reports (seed 000, VisMMOE; SPEC §1), for side-by-side tables.
+#: What the paper reports (VisMMOE, docs/references.md), for side-by-side tables.
 PAPER: dict[str, Any] = {
     "anchor_bytes": 21.6e9, "cache_bytes": 14.3e9, "backbone_bytes": 4.1e9,
     "prefetch_budget": 20, "num_experts": 128, "hot_recall_ks": (10, 20, 30),
@@ -50,7 +50,7 @@ class Stage:
     knobs: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: The ablation ladder (seed Table 4), cumulative; a new rung is one line. The paper's table
+#: The ablation ladder (VisMMOE Table 4), cumulative; a new rung is one line. The paper's table
 #: ends at "full"; "full + hybrid" adds the GPU–CPU hybrid mode it describes as an option.
 LADDER: tuple[Stage, ...] = (
     Stage("base", "experts offloaded and loaded on demand, LRU eviction, no compression, "
@@ -58,7 +58,7 @@ LADDER: tuple[Stage, ...] = (
     Stage("+compression", "affinity-aware visual-token compression, β = 0.5, λ = 2, α = 0.1",
           {"compression": "affinity", "beta": 0.5, "lam": 2.0, "alpha": 0.1}),
     Stage("+prediction & prefetch", "calibrated lookahead predictor, prefetch = vismmoe "
-                                    "(W = 5, γ = 0.8, B scaled to 32 experts)",
+                                    "(W = 5, γ = 0.8, B scaled to 64 experts)",
           {"predictor": "vismmoe", "prefetch": "vismmoe"}),
     Stage("full", "slab eviction (Required / Speculative / Expired) and the pinned prefix "
                   "chosen in the valid interval", {"eviction": "slab", "pinned_layers": RULE}),
@@ -70,25 +70,26 @@ LADDER: tuple[Stage, ...] = (
 # -- scaling ---------------------------------------------------------------------------------
 def eval_seed() -> int:
     """The embedded model's held-out split seed (``HELDOUT_SEED``): never used for training."""
-    from workbench.models.embedded.train import HELDOUT_SEED
+    from workbench.models.embedded.v2.train import HELDOUT_SEED
 
     return int(HELDOUT_SEED)
 
 
 def scenes(seed: int, n: int) -> list[tuple[Any, str, str]]:
-    """``n`` generated (image, question, answer) triples of ``seed``
-    (:func:`workbench.models.embedded.scenes.make_split`)."""
-    from workbench.models.embedded.scenes import make_split
+    """``n`` generated (image, question, answer) triples of ``seed``, every one with an image
+    (:func:`workbench.models.embedded.v2.tasks.make_split` with ``image_only``: the studies are
+    about visual tokens, so the text-only requests of the mixed split are left out)."""
+    from workbench.models.embedded.v2.tasks import make_split
 
     if n < 1:
         raise InputError(f"n must be at least 1 scene, not {n}")
-    return make_split(int(seed), int(n))
+    return make_split(int(seed), int(n), image_only=True)
 
 
 def expert_budget_slots(num_layers: int, num_experts: int) -> int:
     """Routed-expert slots of a model with ``num_layers × num_experts`` experts that hold the
     same share of its experts as the paper's A100-40GB setting gives Qwen3-VL-30B-A3B (anchors
-    + cache = 35.9 GB of 48 × 128 × 17.3 MB = 33.8 %), rounded down: 86 for 8 × 32."""
+    + cache = 35.9 GB of 48 × 128 × 17.3 MB = 33.8 %), rounded down: 259 for 12 × 64."""
     t = get_target_model(TARGET)
     share = (PAPER["anchor_bytes"] + PAPER["cache_bytes"]) / (
         t.num_layers * t.num_experts * t.expert_bytes)
@@ -96,13 +97,13 @@ def expert_budget_slots(num_layers: int, num_experts: int) -> int:
 
 
 def scaled_prefetch_budget(num_experts: int) -> int:
-    """The paper's B = 20 of 128 experts, as the same share of ``num_experts`` (≥ 1): 5 of 32."""
+    """The paper's B = 20 of 128 experts, as the same share of ``num_experts`` (≥ 1): 10 of 64."""
     return max(1, int(round(PAPER["prefetch_budget"] * num_experts / PAPER["num_experts"])))
 
 
 def scaled_ks(num_experts: int) -> tuple[int, ...]:
     """The paper's Hot Recall k = 10/20/30 of 128 experts as the same share of
-    ``num_experts``, rounded up: 3/5/8 of 32."""
+    ``num_experts``, rounded up: 5/10/15 of 64."""
     return tuple(max(1, math.ceil(k * num_experts / PAPER["num_experts"]))
                  for k in PAPER["hot_recall_ks"])
 
@@ -111,7 +112,7 @@ def scaled_plan(layout, budget_slots: int, pinned_layers: int, *, semantic_layer
                 reserve_slots: int | None = None) -> MemoryPlan:
     """The memory plan of the embedded model under an expert budget of ``budget_slots``
     experts (device budget = backbone + budget), so that :attr:`MemoryPlan.valid_interval`
-    applies seed eq. 10 on the scaled budget: ``L_semantic ≤ L ≤ ⌊(M_avail − C_safe) /
+    applies VisMMOE eq. 10 on the scaled budget: ``L_semantic ≤ L ≤ ⌊(M_avail − C_safe) /
     S_layer⌋`` with C_safe = ``reserve_slots`` (default: top-k) experts."""
     eb = float(layout.expert_bytes)
     pinned = int(pinned_layers)
@@ -131,19 +132,21 @@ def _cache_slots(layout, budget_slots: int, pinned: int) -> int:
 
 
 # -- stage knobs ----------------------------------------------------------------------------
-def base_knobs(max_new_tokens: int = 16) -> dict[str, Any]:
+def base_knobs(max_new_tokens: int = 32) -> dict[str, Any]:
     """Knobs every study starts from: the modeled clock prices Qwen3-VL-30B-A3B experts on the
-    A100-40GB profile; greedy decoding of exactly ``max_new_tokens`` (``ignore_eos``: every
-    configuration decodes the same number of steps); router-lookahead recording off (no stage
-    uses it, so the measured clock does not pay for it)."""
+    A100-40GB profile; greedy decoding to the end of the answer, as a served request decodes
+    (at most ``max_new_tokens``; the embedded model answers in 1-20 tokens, so a setting that
+    changes an answer can change its decode length, which per-token decode times allow for);
+    router-lookahead recording off (no stage uses it, so the measured clock does not pay for
+    it)."""
     return dict(target_model=TARGET, profile=PROFILE, max_new_tokens=int(max_new_tokens),
-                ignore_eos=True, lookahead_depth=0, eviction="lru", prefetch="none",
+                ignore_eos=False, lookahead_depth=0, eviction="lru", prefetch="none",
                 compression="none", predictor="none", pinned_layers=1)
 
 
 def ladder_configs(layout, *, stages: Sequence[Stage] = LADDER, budget_slots: int,
                    pinned_full: int, predictor_path: str | Path | None = None,
-                   max_new_tokens: int = 16) -> list[tuple[Stage, dict[str, Any]]]:
+                   max_new_tokens: int = 32) -> list[tuple[Stage, dict[str, Any]]]:
     """Each stage with its complete knobs (cumulative). ``pinned_layers`` = :data:`RULE`
     becomes ``pinned_full``; ``cache_slots`` is always the rest of the expert budget
     (``budget_slots − E · pinned_layers``); the predictor stages get ``predictor_path`` and the

@@ -1,4 +1,4 @@
-"""The pinned prefix under a fixed expert budget (seed Fig. 12 in kind): :func:`pinned_sweep`
+"""The pinned prefix under a fixed expert budget (VisMMOE Fig. 12 in kind): :func:`pinned_sweep`
 runs every depth of the valid interval with the rest of the budget as cache, and
 :func:`choose_pinned` picks the depth with the lowest modeled latency (the paper's offline
 profiling)."""
@@ -20,8 +20,8 @@ def pinned_sweep(rt, requests: Sequence[tuple[Any, str, str]], *,
                  knobs: Mapping[str, Any] | None = None,
                  budgets: Iterable[int] | None = None, pinned: Iterable[int] | None = None,
                  semantic_layers: int = 1, predictor_path: str | Path | None = None,
-                 max_new_tokens: int = 16) -> pd.DataFrame:
-    """Latency vs ``pinned_layers`` at fixed expert budgets (seed Fig. 12). For each budget
+                 max_new_tokens: int = 32) -> pd.DataFrame:
+    """Latency vs ``pinned_layers`` at fixed expert budgets (VisMMOE Fig. 12). For each budget
     (default: :func:`expert_budget_slots`) every depth in ``pinned`` (default: its valid
     interval, :func:`scaled_plan`) runs with ``cache_slots = budget − E · depth`` and
     ``knobs`` (default: the *full* stage of :data:`LADDER`). Depths outside the interval are
@@ -61,7 +61,7 @@ def pinned_sweep(rt, requests: Sequence[tuple[Any, str, str]], *,
                            latency_measured_ms_median=np.median(meas) * 1e3)
             rows.append(row)
     df = pd.DataFrame(rows)
-    df.attrs = {"study": "latency vs pinned_layers (seed VisMMOE Fig. 12)",
+    df.attrs = {"study": "latency vs pinned_layers (VisMMOE Fig. 12)",
                 "modeled": f"latency_modeled_ms, prefill_modeled_ms, "
                            f"decode_modeled_ms_per_token ({TARGET} experts on {PROFILE})",
                 "measured": "latency_measured_ms_median (CPU wall time here), hit_rate, loads",

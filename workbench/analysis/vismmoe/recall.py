@@ -1,4 +1,4 @@
-"""Hot Recall of the lookahead predictor (seed §4.3.2 in kind): :func:`hot_recall_summary`
+"""Hot Recall of the lookahead predictor (VisMMOE §4.3.2 in kind): :func:`hot_recall_summary`
 calibrates it as ``workbench calibrate`` does and reports held-out Hot Recall@k with and
 without the visual summary h^(v), against random and oracle, and :func:`hot_recall_table` sets
 it beside the paper's figures. Everything here is measured."""
@@ -78,7 +78,7 @@ def hot_recall_summary(lm, requests: Sequence[tuple[Any, str, str]], out: str | 
                             "scaled": ("k", [k in scaled_ks(E) for k in ks])})
     ds["x_random"] = ds["hot_recall"] / ds["random"]
     ds["x_random_max"] = ds["oracle"] / ds["random"]
-    ds.attrs = {"study": "held-out Hot Recall of the lookahead predictor (seed VisMMOE §4.3.2)",
+    ds.attrs = {"study": "held-out Hot Recall of the lookahead predictor (VisMMOE §4.3.2)",
                 "measured": "everything (held-out requests of the real model)",
                 "modeled": "nothing", "predictor_path": str(out), "requests": n,
                 "heldout_requests": len(te), "heldout_samples": samples,

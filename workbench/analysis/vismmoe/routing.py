@@ -1,4 +1,4 @@
-"""How text, raw visual and pruned visual tokens route (seed Figs. 1, 3, 4 in kind):
+"""How text, raw visual and pruned visual tokens route (VisMMOE Figs. 1, 3, 4 in kind):
 :func:`token_subset` cuts a run store to some tokens, :func:`characterise_pruning` measures
 concentration, entropy, inactive experts and inter-layer similarity per token group,
 :func:`pruning_table` and :func:`prefill_io_table` summarise it, and :func:`chance_jaccard` is the
@@ -118,7 +118,7 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
     out["prefill_loads"] = (("run", "request"), loads)
     out["prefill_hits"] = (("run", "request"), hits)
     out.attrs = {
-        "study": "routing of text, raw visual and pruned visual tokens (seed VisMMOE Figs. 1, "
+        "study": "routing of text, raw visual and pruned visual tokens (VisMMOE Figs. 1, "
                  "3, 4)",
         "measured": "everything: routing counted on the real model's prefill",
         "modeled": "nothing",
@@ -135,7 +135,7 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
 def chance_jaccard(k: int, num_experts: int) -> float:
     """Expected Jaccard overlap of two independent uniform ``k``-subsets of ``num_experts``
     (hypergeometric): the inter-layer similarity of routing with no relation between layers
-    (0.075 for top-4 of 32)."""
+    (0.075 for top-4 of 32, 0.037 for top-4 of 64)."""
     k, E = int(k), int(num_experts)
     return float(sum(math.comb(k, i) * math.comb(E - k, k - i) / math.comb(E, k) * i / (2 * k - i)
                      for i in range(1, k + 1)))
@@ -179,7 +179,7 @@ def pruning_table(ds: xr.Dataset, layers: str = "after-prefix") -> pd.DataFrame:
 
 def prefill_io_table(ds: xr.Dataset) -> pd.DataFrame:
     """Per run of :func:`characterise_pruning` (no compression, each policy): mean on-demand
-    expert loads and hits of the prefill on the offloaded layers (seed Fig. 3b). Every request
+    expert loads and hits of the prefill on the offloaded layers (VisMMOE Fig. 3b). Every request
     starts with an empty cache here, so prefill hits stay 0 without prefetch."""
     t = pd.DataFrame({"prefill loads": ds["prefill_loads"].mean("request").values,
                       "prefill hits": ds["prefill_hits"].mean("request").values},

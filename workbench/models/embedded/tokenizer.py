@@ -2,7 +2,7 @@
 
 The vocabulary is closed: the special tokens, ``[UNK]``, a newline token, a few
 punctuation marks, the chat role names and every word the scene generator
-(:mod:`workbench.models.embedded.scenes`) can emit. Text is lower-cased and split
+(:mod:`workbench.models.embedded.v2.tasks`) can emit. Text is lower-cased and split
 into words, single punctuation characters and ``"\\n"``; spaces are dropped.
 Decoding joins tokens with single spaces, so a generated answer such as
 ``["yes", "<|im_end|>"]`` decodes to ``"yes"`` with ``skip_special_tokens=True``.
@@ -17,7 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from .scenes import VOCAB_WORDS
+from .v2.tasks import VOCAB_WORDS
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -68,11 +68,12 @@ def build_vocab(words: tuple[str, ...] = VOCAB_WORDS) -> dict[str, int]:
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_backend(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = False) -> Tokenizer:
+def build_backend(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = True) -> Tokenizer:
     """Build the raw ``tokenizers.Tokenizer`` (WordLevel model, lowercase, word/punct/newline split).
 
     ``split_digits`` makes every digit a token of its own ("56" -> "5", "6"), so that any number
-    is spelled with ten tokens (the v2 model's tasks); the shipped model keeps whole words."""
+    is spelled with ten tokens (the shipped model's tasks); False keeps whole words (the first
+    embedded model's tokenizer, retired)."""
     tok = Tokenizer(WordLevel(vocab=build_vocab(words), unk_token=UNK_TOKEN))
     tok.normalizer = normalizers.Lowercase()
     # Keep only the matches (words, single punctuation chars, newlines); drop spaces/tabs.
@@ -83,7 +84,7 @@ def build_backend(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = Fal
     return tok
 
 
-def build_tokenizer(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(words: tuple[str, ...] = VOCAB_WORDS, split_digits: bool = True) -> PreTrainedTokenizerFast:
     """Return the transformers tokenizer (with chat template) of an embedded model whose tasks
     use ``words`` (:func:`build_backend`; the defaults are the shipped model's)."""
     tokenizer = PreTrainedTokenizerFast(
