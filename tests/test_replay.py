@@ -37,7 +37,7 @@ def live_runs(embedded, demo_inputs, tmp_path_factory):
     image, prompt, _ = demo_inputs[1]
     rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=6, ignore_eos=True)
     out = {}
-    for policy, slots, pinned in (("lru", 12, 1), ("lfu", 20, 2), ("lru", 40, 0)):
+    for policy, slots, pinned in (("lru", 48, 1), ("lfu", 80, 2), ("lru", 160, 0)):
         path = tmp_path_factory.mktemp("live") / f"{policy}-{slots}.zarr"
         rt.run(prompt, [image], store=path, eviction=policy, cache_slots=slots,
                pinned_layers=pinned)
@@ -176,11 +176,11 @@ def test_a_policy_registered_later_replays_through_the_reference_engine(live_run
             return max(candidates, key=lambda k: self.last.get(k, -1))
 
     try:
-        path = live_runs[("lru", 12, 1)]
-        res = replay(from_store(path), eviction="test-replay-mru", cache_slots=12,
+        path = live_runs[("lru", 48, 1)]
+        res = replay(from_store(path), eviction="test-replay-mru", cache_slots=48,
                      pinned_layers=1)
         assert res.config["engine"] == "python"
-        lru = replay(from_store(path), cache_slots=12, pinned_layers=1)
+        lru = replay(from_store(path), cache_slots=48, pinned_layers=1)
         assert res.accesses == lru.accesses and res.hit_rate != lru.hit_rate
     finally:
         EVICTION._classes.pop("test-replay-mru")
@@ -207,7 +207,7 @@ def test_prefetch_menu_comes_from_the_registry():
 
 
 def test_accessor_io_metrics_on_a_store(live_runs):
-    ds = open_run(live_runs[("lru", 40, 0)])
+    ds = open_run(live_runs[("lru", 160, 0)])
     m = ds.moe.io_metrics()
     assert m["hits"] + m["misses"] == m["accesses"] > 0
     assert m["hit_rate"] == pytest.approx(ds.moe.summary()["hit_rate"])  # live = replay
@@ -215,10 +215,10 @@ def test_accessor_io_metrics_on_a_store(live_runs):
     assert 0 < m["share_of_belady"] <= 1
     per = ds.moe.io_metrics(by="layer")
     assert not per["pinned"].values.any()
-    assert open_run(live_runs[("lfu", 20, 2)]).moe.io_metrics(by="layer")["pinned"].values[
+    assert open_run(live_runs[("lfu", 80, 2)]).moe.io_metrics(by="layer")["pinned"].values[
         :2].all()
     np.testing.assert_array_equal(per["misses"].values, ds["misses"].sum("step").values)
-    bigger = ds.moe.io_metrics(cache_slots=64)
+    bigger = ds.moe.io_metrics(cache_slots=320)
     assert bigger["hit_rate"] >= m["hit_rate"]
     with pytest.raises(Exception, match="by must be None or 'layer'"):
         ds.moe.io_metrics(by="expert")
@@ -235,14 +235,14 @@ def _cli(*args):
 def test_cli_replay_json_and_errors(live_runs, tmp_path):
     import json
 
-    path = live_runs[("lfu", 20, 2)]
+    path = live_runs[("lfu", 80, 2)]
     r = _cli(str(path), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     ds = open_run(path)
-    assert out["config"]["eviction"] == "lfu" and out["config"]["cache_slots"] == 20
+    assert out["config"]["eviction"] == "lfu" and out["config"]["cache_slots"] == 80
     assert out["metrics"]["misses"] == int(ds["misses"].sum())  # the store's own knobs
-    r = _cli(str(path), "--set", "eviction=belady", "--set", "cache_slots=30", "--scope",
+    r = _cli(str(path), "--set", "eviction=belady", "--set", "cache_slots=60", "--scope",
              "per-layer", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["metrics"]["hit_rate"] >= out["metrics"]["hit_rate"]
@@ -318,7 +318,7 @@ def test_vectorised_prefetch_plans_equal_the_per_group_policy_calls(mixtral, liv
         finally:
             cls.source = src
 
-    for trace in (mixtral, from_store(live_runs[("lru", 40, 0)])):
+    for trace in (mixtral, from_store(live_runs[("lru", 160, 0)])):
         groups = trace.groups()
         for name in P.PREFETCH.available():
             policy = P.PREFETCH.create(name)

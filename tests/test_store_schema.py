@@ -35,6 +35,7 @@ from workbench.telemetry.store import Recorder, open_run
 from workbench.traces.formats import from_store, load_trace
 
 V3 = Path(__file__).parent / "data" / "store_v3.zarr"
+TINY = Path(__file__).parent / "data" / "qwen3-vl-moe-tiny"  # the embedded model that recorded V3
 REPO = Path(__file__).resolve().parents[1]
 
 #: what ``ds.moe`` gave on the fixture with the schema-3 code (before the change)
@@ -155,17 +156,21 @@ def test_cli_replay_of_the_schema_3_store(capsys):
 
 
 @pytest.fixture(scope="module")
-def fresh(embedded, tmp_path_factory):
+def fresh(tmp_path_factory):
     """The fixture's request and knobs recorded now (schema 4), predictor off: it does not change
-    routing or caching, and the calibrated predictor is not part of the fixture."""
+    routing or caching, and the calibrated predictor is not part of the fixture. The request ran
+    on the embedded model of the time, ``qwen3-vl-moe-tiny``, since retired: this test is why
+    ``tests/data/qwen3-vl-moe-tiny`` (its weights and configs) and the demo scene it was asked
+    about (``tests/data/store_v3_scene_0.png``) are kept."""
     from workbench.knobs import Knobs
     from workbench.runtime.runtime import Runtime
 
     attrs = open_run(V3).attrs
+    assert json.loads(attrs["images"]) == ["data/demo/scene_0.png"]  # the old demo scene
     knobs = Knobs.from_attrs(attrs).copy(predictor="none", predictor_path=None)
     store = tmp_path_factory.mktemp("v4") / "run.zarr"
-    rt = Runtime(embedded, knobs=knobs)
-    res = rt.run(attrs["prompt"], [REPO / p for p in json.loads(attrs["images"])], store=store)
+    rt = Runtime(workbench.load(TINY, device="cpu"), knobs=knobs)
+    res = rt.run(attrs["prompt"], [V3.parent / "store_v3_scene_0.png"], store=store)
     return res, open_run(store)
 
 

@@ -94,12 +94,16 @@ def _pct(x: float) -> str:
 
 def _accuracy_table(ev: dict) -> str:
     # chance is a property of the generator (CHANCE), recomputed here rather than read from the log
+    def blind(value) -> str:
+        return "—" if value is None else f"{value:.3f}"
+
     rows = [[kind, r["n"], f"{r['exact_match']:.3f}", f"{r['token_accuracy']:.3f}", _pct(CHANCE[kind]),
-             f"{r['majority_baseline']:.3f}"] for kind, r in ev["per_kind"].items()]
+             f"{r['majority_baseline']:.3f}", blind(r.get("blind_baseline"))] for kind, r in ev["per_kind"].items()]
     chance = sum(CHANCE[kind] * r["n"] for kind, r in ev["per_kind"].items()) / ev["n"]
     rows.append(["**all**", ev["n"], f"**{ev['exact_match']:.3f}**", f"**{ev['token_accuracy']:.3f}**",
-                 _pct(chance), f"{ev['majority_baseline']:.3f}"])
-    return _table(["kind", "n", "exact match", "token accuracy", "chance", "majority (blind)"], rows)
+                 _pct(chance), f"{ev['majority_baseline']:.3f}", blind(ev.get("blind_baseline"))])
+    return _table(["kind", "n", "exact match", "token accuracy", "chance", "majority", "blind (question only)"],
+                  rows)
 
 
 def _tasks_table(lengths: dict[str, float]) -> str:
@@ -305,8 +309,10 @@ plain transformers class and its forward pass never sees the head.
 {ev['n']} held-out requests of the evaluation mix; mean reference answer length **{ev['mean_answer_tokens']:.2f} tokens**
 (eos not counted). **Exact match**: the decoded answer (special tokens skipped, whitespace stripped) equals the
 reference. **Token accuracy**: the share of positions where the predicted and reference tokens agree, over the
-longer of the two. "chance" = a uniform guess over the kind's valid answers (exact match); "majority (blind)" =
-always giving the kind's most frequent answer, without looking at the input.
+longer of the two. Baselines (exact match): "chance" = a uniform guess over the kind's valid answers; "majority" =
+always giving the kind's most frequent answer; "blind (question only)" = each distinct question answered with its
+most frequent answer, an upper bound of any model that does not look at the image (none for text-only kinds, whose
+question is the whole input; in "all" they count as right).
 
 {_accuracy_table(ev)}
 
