@@ -24,7 +24,6 @@ Conventions
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -549,12 +548,11 @@ class MoEAccessor:
         out.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
 
+        from workbench.telemetry.zarr_files import atomic_write
+
         def put(name: str, text: str) -> None:
-            path = out / name
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, path)
-            written.append(path)
+            atomic_write(out / name, text.encode())  # the store's own whole-file writer
+            written.append(out / name)
 
         put("summary.json", json.dumps(self.summary(), indent=2, default=str) + "\n")
         put("per_step.csv", self.per_step().to_csv())
