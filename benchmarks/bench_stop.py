@@ -7,6 +7,7 @@ ended. Needs /usr/bin/chromium and playwright (the browser tests' helpers are re
 
     python benchmarks/bench_stop.py
 """
+import re
 import shutil
 import sys
 import tempfile
@@ -44,12 +45,21 @@ try:
                 return 0
         wait_for(lambda: steps() >= 20, 120, "20 steps")
         s_press, t_press = steps(), time.time()
+        shown = int(float(page.locator("progress").first.get_attribute("value") or 0))
         page.locator(".wb-stop button").first.click()
-        wait_for(lambda: page.locator(".wb-stop button").first.is_disabled(), 120, "stop disabled")
+        wait_for(lambda: page.locator(".wb-run button").first.is_enabled(), 120, "Run enabled")
         t_end = time.time()
-        time.sleep(1)
-        print(f"Stop pressed at step {s_press} ({t_press - t_run:.1f} s after Run); the page showed the run "
-              f"ended {t_end - t_press:.2f} s later; the store ended at step {steps()}")
+        # the status line: "stopped (Stop arrived at token M): run-… · N tokens, …"
+        pattern = r"Stop arrived at token (\d+)\): \S+ · (\d+) tokens"
+        status = lambda: page.locator(".wb-status").first.inner_text()  # noqa: E731
+        wait_for(lambda: re.search(pattern, status()), 30, "status line")
+        m = re.search(pattern, status())
+        arrived, ended = int(m.group(1)), int(m.group(2))
+        print(f"Stop pressed {t_press - t_run:.1f} s after Run, the page showing token {shown} "
+              f"(store: {s_press} steps); Stop reached the server at token {arrived} "
+              f"({arrived - shown} after the shown one) and the run ended at token {ended} "
+              f"({ended - arrived} later); the page showed the run ended (Run enabled again) {t_end - t_press:.2f} s "
+              f"after the click")
         b.close()
 finally:
     stop_server(server)

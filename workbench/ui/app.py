@@ -119,6 +119,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
 
     run_b.on_click(on_run)
     stop_b.on_click(lambda e: store.stop())
+    # answered in the browser at once: the server's callback may wait behind a redraw
+    stop_b.js_on_click(args={"b": stop_b}, code="b.disabled = true")
     store.param.watch(on_running, "running")
     store.param.watch(on_error, "error")
 

@@ -619,6 +619,9 @@ class _Job:
     error: str = ""
     result: Any = None
     thread: threading.Thread | None = None
+    #: tokens generated when Stop reached this process (None: not stopped); the run ends
+    #: after at most one more token, which the status line shows
+    stop_token: int | None = None
 
 
 class DataStore(param.Parameterized):
@@ -972,8 +975,11 @@ class DataStore(param.Parameterized):
 
     def stop(self) -> None:
         """Ask the run in flight to stop after the current token (its store stays valid)."""
-        if self._job is not None:
-            self._job.stop.set()
+        job = self._job
+        if job is not None:
+            if job.stop_token is None:
+                job.stop_token = job.tokens
+            job.stop.set()
             self.status = "stopping …"
 
     def wait(self, timeout: float | None = 120.0) -> None:
@@ -1014,14 +1020,16 @@ class DataStore(param.Parameterized):
         n, m = job.tokens, job.max_new_tokens
         upd: dict[str, Any] = {"progress": min(n, m), "answer": job.text}
         if job.done:
-            self._tail(force=True)
             upd["running"] = False
             res = job.result
             if job.error:
                 upd["error"] = job.error
                 upd["status"] = f"failed: {job.path.name}"
             elif res is not None:
-                how = "stopped" if res.stopped else "complete"
+                how = "complete"
+                if res.stopped:
+                    how = "stopped" + ("" if job.stop_token is None else
+                                       f" (Stop arrived at token {job.stop_token})")
                 upd["status"] = (f"{how}: {job.path.name} · {len(res.token_ids)} tokens, "
                                  f"{res.steps} steps · {res.latency_measured_s:.2f} s measured, "
                                  f"{res.latency_modeled_s * 1e3:.1f} ms modeled")
@@ -1031,8 +1039,12 @@ class DataStore(param.Parameterized):
             if job.path == self._path and not (job.path / "zarr.json").is_file():
                 self._path, self._sig = None, None  # failed before its store was created
                 upd["run_name"] = None
-            self._job = None
+            # the buttons and the status first (what the user waits for after Stop), then
+            # the store's last steps (views redraw from it; the job still set, so the tail
+            # keeps this status)
             self.param.update(**upd)
+            self._tail(force=True)
+            self._job = None
             self.refresh()
             return
         upd["status"] = {

@@ -33,7 +33,7 @@ from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figur
 from workbench.viz.predictor import hot_recall_figure
 from workbench.viz.tokens import run_images, token_overlay_figure
 
-__all__ = ["PlotView", "HeatmapView", "DiffHeatmapView", "HitRateView", "LatencyView",
+__all__ = ["TickQueue", "PlotView", "HeatmapView", "DiffHeatmapView", "HitRateView", "LatencyView",
            "TimelineView", "DeltasView", "ReplayView", "TokenOverlayView", "HotRecallView",
            "heatmap_figure", "diff_heatmap_figure", "hit_rate_view_figure", "latency_view_figure",
            "timeline_view_figure", "token_overlay_view_figure", "hot_recall_view_figure",
@@ -325,8 +325,53 @@ def replay_table_html(st: ReplayStudy | None, message: str = "") -> str:
 
 
 # -- views ---------------------------------------------------------------------------------------
+class TickQueue:
+    """The redraws of one served session, one per event-loop tick.
+
+    A run's new steps change ``dataset`` several times a second and every plot redraws; done in
+    one callback, the redraws held the event loop for a second or more, and a click (Stop)
+    waited behind them (11-18 tokens late, ``benchmarks/bench_stop.py``). Here each redraw is
+    its own next-tick callback: between two, the loop reads the browser's messages. A view asked
+    again before its turn redraws once, with the newest state (the queue coalesces)."""
+
+    def __init__(self, doc: Any) -> None:
+        self.doc = doc
+        self.pending: dict[int, Callable[[], None]] = {}  # insertion order = redraw order
+        self.scheduled = False
+
+    @classmethod
+    def of_session(cls) -> "TickQueue | None":
+        """The queue of the session being built or served; None outside a server (a notebook,
+        a test): views then redraw at once."""
+        doc = pn.state.curdoc
+        if doc is None or getattr(doc, "session_context", None) is None:
+            return None
+        queue = getattr(doc, "_wb_ticks", None)
+        if queue is None:
+            queue = doc._wb_ticks = cls(doc)
+        return queue
+
+    def add(self, key: int, fn: Callable[[], None]) -> None:
+        self.pending[key] = fn
+        if not self.scheduled:
+            self.scheduled = True
+            self.doc.add_next_tick_callback(self._one)
+
+    def _one(self) -> None:
+        self.scheduled = False
+        if self.pending:
+            fn = self.pending.pop(next(iter(self.pending)))
+            try:
+                fn()
+            finally:
+                if self.pending and not self.scheduled:
+                    self.scheduled = True
+                    self.doc.add_next_tick_callback(self._one)
+
+
 class PlotView:
-    """A plotly pane redrawn from the DataStore when one of ``watches`` changes."""
+    """A plotly pane redrawn from the DataStore when one of ``watches`` changes (served: on
+    the session's :class:`TickQueue`, one view per tick)."""
 
     view = "plot"
     watches: tuple[str, ...] = ()
@@ -334,10 +379,17 @@ class PlotView:
     def __init__(self, store: DataStore, height: int = 380) -> None:
         self.store = store
         self.redraws = 0
+        self._ticks = TickQueue.of_session()
         self.pane = pn.pane.Plotly(self._safe_figure(), height=height,
                                    sizing_mode="stretch_width",
                                    config={"displaylogo": False, "responsive": True})
-        store.param.watch(self.redraw, list(self.watches))
+        store.param.watch(self._changed, list(self.watches))
+
+    def _changed(self, *events: Any) -> None:
+        if self._ticks is None:
+            self.redraw()
+        else:
+            self._ticks.add(id(self), self.redraw)
 
     def figure(self) -> go.Figure:
         raise NotImplementedError
@@ -464,6 +516,9 @@ class ReplayView(PlotView):
         if self.store.dataset is None:
             self.message = "no run yet — press Run or open a run to replay it"
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
+        if self.store.running:  # replaying every live update would hold the event loop
+            self.message = "the run is in flight: it is replayed when it ends"
+            return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
             self.study = self.store.replay_study()
             return replay_view_figure(self.study, self._revision())
@@ -543,7 +598,9 @@ class DeltasView:
         self.store = store
         self.rows: list[dict[str, Any]] = []
         self.pane = pn.pane.HTML(self._html(), sizing_mode="stretch_width")
-        store.param.watch(self.redraw, list(self.watches))
+        ticks = TickQueue.of_session()
+        store.param.watch(self.redraw if ticks is None else
+                          (lambda *e: ticks.add(id(self), self.redraw)), list(self.watches))
 
     def _html(self) -> str:
         s = self.store
