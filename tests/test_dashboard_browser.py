@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -148,11 +149,11 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
                           "the plotly views to render")
         assert before["heatmap"]["data"] == []  # empty workspace: placeholders
 
-        for knob in ("compression", "beta", "lam", "pinned_layers"):  # the VisMMOE card
-            assert page.locator(f".wb-vismmoe .wb-knob-{knob}").count() == 1, knob
+        for knob in ("compression", "beta", "lam", "alpha"):  # the VisMMOE card
+            assert page.locator(f".wb-vismmoe-card .wb-knob-{knob}").count() == 1, knob
         set_number(page, ".wb-knob-cache_slots", 9)
         set_number(page, ".wb-knob-max_new_tokens", 6)
-        # VisMMOE card: affinity token compression (β, λ, pinned layers at their defaults)
+        # VisMMOE card: affinity token compression (β, λ at their defaults)
         page.locator(".wb-knob-compression button", has_text="affinity").first.click()
         page.locator(".wb-run button").first.click()
 
@@ -220,3 +221,126 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
     assert time.time() - t_start < 60
+
+
+#: bounding boxes of the plotly views (shadow roots included), in viewport pixels
+BOXES_JS = """
+() => {
+  const out = {};
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.classList && el.classList.contains('js-plotly-plot') && el.layout) {
+        const r = el.getBoundingClientRect();
+        const v = (el.layout.meta || {}).view;
+        if (v) out[v] = {top: r.top, bottom: r.bottom, left: r.left, right: r.right};
+      }
+      if (el.shadowRoot) walk(el.shadowRoot);
+    }
+  };
+  walk(document);
+  return out;
+}
+"""
+
+
+def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
+    """Issue 13 in a real browser at a laptop's 1440 × 900: the first screen shows the newest
+    usable run with its own demo request selected (expected answer checked, input image shown),
+    hit rate, latency and timeline above the fold; an abandoned store is listed as such; a knob
+    combination a live run refuses keeps the shown run and says why; A/B names the knob that
+    differs; Export downloads the run's tables; a dropped server connection is announced."""
+    import zipfile
+
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium); the browser test needs it")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    from workbench.ui.datastore import DataStore, demo_inputs
+
+    ws = tmp_path / "ws"
+    s = DataStore(workspace=ws)
+    demo = demo_inputs()[1]
+    s.use_demo(demo)
+    s.knobs.set(max_new_tokens=8)
+    s.start_run(name="shown")
+    s.wait()
+    assert not s.error, s.error
+    # a newer store whose run failed before committing a step: listed, never opened at start
+    dead = ws / "dead.zarr"
+    shutil.copytree(ws / "shown.zarr", dead)
+    meta = json.loads((dead / "zarr.json").read_text())
+    meta["attributes"].update(status="failed", error="RuntimeError: out of memory",
+                              committed={k: 0 for k in meta["attributes"]["committed"]})
+    (dead / "zarr.json").write_text(json.dumps(meta))
+
+    port = _free_port()
+    server = start_server(ws, port)
+    log = ""
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1440, "height": 900},
+                                    accept_downloads=True)
+            page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+            first = wait_for(lambda: (lambda p: p if p.get("heatmap", {}).get("data") else None)(
+                plots(page)), 30, "the shown run's heatmap")
+            assert first["heatmap"]["run"] == "shown.zarr"
+            # the first screen: the shown run, its demo request selected, the four plots
+            assert "newest run of the workspace" in page.locator(".wb-status").first.inner_text()
+            chosen = page.evaluate("""() => { const out = [];
+                const walk = r => { for (const el of r.querySelectorAll('*')) {
+                    if (el.tagName === 'SELECT') out.push(el.options[el.selectedIndex]?.text);
+                    if (el.shadowRoot) walk(el.shadowRoot); } };
+                walk(document); return out; }""")
+            assert demo["label"] in chosen, chosen
+            assert page.locator("[data-testid=expected]").count() == 1
+            assert page.locator("[data-testid=answer-image]").count() == 1
+            boxes = page.evaluate(BOXES_JS)
+            for view in ("heatmap", "hit_rate", "latency", "timeline"):
+                assert boxes[view]["top"] >= 0 and boxes[view]["bottom"] <= 900, (view, boxes)
+                assert boxes[view]["right"] <= 1440, (view, boxes)
+            # the abandoned store, listed with its reason
+            listed = " ".join(o for o in page.evaluate("""() => { const out = [];
+                const walk = r => { for (const el of r.querySelectorAll('option')) out.push(el.text);
+                    for (const el of r.querySelectorAll('*')) if (el.shadowRoot) walk(el.shadowRoot); };
+                walk(document); return out; }"""))
+            assert "dead · abandoned (failed: RuntimeError: out of memory)" in listed, listed
+
+            # Export: the shown run's tables in one click
+            with page.expect_download() as dl:
+                page.locator(".wb-export a, .wb-export button").first.click()
+            with zipfile.ZipFile(dl.value.path()) as z:
+                assert any(n.endswith(".csv") for n in z.namelist()), z.namelist()
+
+            # a combination a live run refuses (vismmoe prefetch, no predictor calibrated in
+            # this workspace): refused before anything loads, said, the shown run stays
+            page.locator(".wb-card-title", has_text="Prefetch").first.click()
+            page.locator(".wb-knob-prefetch select").first.select_option("vismmoe")
+            page.locator(".wb-run button").first.click()
+            wait_for(lambda: page.get_by_text("holds no calibrated predictor").count(), 20,
+                     "the refusal, where the user looks")
+            assert plots(page)["heatmap"]["run"] == "shown.zarr"
+            page.locator(".wb-knob-prefetch select").first.select_option("none")
+
+            page.locator(".wb-pin button").first.click()
+            wait_for(lambda: page.locator("[data-testid=ab-differs]").count() > 0 or
+                     "Pin a run" not in page.locator(".wb-ab-names").all_inner_texts(), 10,
+                     "the baseline pinned")
+            set_number(page, ".wb-knob-cache_slots", 20)
+            page.locator(".wb-run button").first.click()
+            wait_for(lambda: page.locator(".wb-run button").first.is_enabled() and
+                     plots(page)["heatmap"]["run"] != "shown.zarr", 60, "the second run")
+            differs = wait_for(lambda: (lambda t: t if "cache_slots" in t else None)(" ".join(
+                page.locator("[data-testid=ab-differs]").all_inner_texts())), 20,
+                "the A/B card of the new run")
+            assert "cache_slots" in differs and "20" in differs, differs
+
+            # the server goes away: the page says so
+            stop_server(server)
+            server = None
+            wait_for(lambda: page.get_by_text("Connection to the workbench server lost").count(),
+                     20, "the disconnect banner")
+            browser.close()
+    finally:
+        if server is not None:
+            log = stop_server(server)
+    assert "Traceback" not in app_tracebacks(log), log[-3000:]

@@ -821,22 +821,29 @@ def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
     s = DataStore(workspace=tmp_path / "ws")
     panel = vismmoe_panel(s.knobs)
     w = panel._wb_widgets
-    assert list(w) == ["compression", "beta", "lam", "pinned_layers"] == list(VISMMOE_KNOBS)
+    assert list(w) == ["compression", "beta", "lam"] == list(VISMMOE_KNOBS)
     assert type(w["beta"]).__name__ == "EditableFloatSlider"
-    assert type(w["pinned_layers"]).__name__ == "EditableIntSlider"
     assert "affinity" in w["compression"].options  # menu from the registry
-    for name, value in (("compression", "affinity"), ("beta", 0.7), ("lam", 3.0),
-                        ("pinned_layers", 2)):
+    for name, value in (("compression", "affinity"), ("beta", 0.7), ("lam", 3.0)):
         w[name].value = value
         assert getattr(s.knobs, name) == value  # the widget edits the knob
     s.knobs.set(beta=0.3)
     assert w["beta"].value == 0.3  # one param object: the knob moves the widget
-    # the VisMMOE card comes first; no other card repeats its knobs
+    # the VisMMOE card comes first and holds its whole group; every knob is in exactly one
+    # card, and no two cards share a title (the pinned prefix is in Expert cache)
+    import panel as pn
+
     cards = knob_cards(s.knobs)
-    assert cards[0].title == "VisMMOE"
-    rest = knob_panels(s.knobs, exclude=VISMMOE_KNOBS)
-    assert not set(VISMMOE_KNOBS) & {n for p in rest.values() for n in p._widgets}
-    assert "alpha" in rest["compression"]._widgets and "cache_slots" in rest["cache"]._widgets
+    assert cards[0].title.startswith("VisMMOE")
+    titles = [c.title for c in cards]
+    assert len(titles) == len(set(titles))
+    shown = [n for c in cards for p in c.select(pn.Param) for n in p._widgets
+             if n != "_title"]
+    assert sorted(shown) == sorted(s.knobs.names())
+    first = [n for p in cards[0].select(pn.Param) for n in p._widgets]
+    assert {"compression", "beta", "lam", "alpha"} <= set(first)
+    cache = next(c for c in cards if c.title == "Expert cache")
+    assert "pinned_layers" in [n for p in cache.select(pn.Param) for n in p._widgets]
 
 
 def test_live_knob_menus_disable_the_replay_only_choices():

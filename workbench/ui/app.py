@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 TITLE = "workbench · offloaded MoE inference"
 #: poll period of the periodic callback, ms (run progress and live tail)
 POLL_MS = 200
+#: height of the four plots of the first screen, px (two rows fit 1440 × 900 with the answer)
+PLOT_H = 280
+#: sidebar width, px
+SIDEBAR_W = 380
 #: readable runs tried, newest first, for the run shown when a session starts
 OPEN_LATEST_TRIES = 3
 
@@ -41,8 +45,8 @@ STYLE = """
 .wb-status { color: #374151; font-size: 13px; }
 .wb-label { color: #374151; font-size: 12px; font-weight: 600; margin-bottom: 2px; }
 .wb-answer { padding: 2px 4px; }
-.wb-answer-text { font-size: 20px; font-weight: 600; color: #111827; min-height: 28px;
-                  white-space: pre-wrap; }
+.wb-answer-text { font-size: 17px; font-weight: 600; color: #111827; min-height: 24px;
+                  max-height: 72px; overflow-y: auto; white-space: pre-wrap; }
 .wb-expected { font-size: 13px; color: #374151; }
 .wb-expected[data-match='true'] { color: #047857; }
 .wb-expected[data-match='false'] { color: #b91c1c; }
@@ -56,7 +60,9 @@ td.wb-good { color: #047857; font-weight: 600; }
 td.wb-bad { color: #b91c1c; font-weight: 600; }
 """
 
-pn.extension("plotly", "filedropper")
+pn.extension("plotly", "filedropper", notifications=True,
+             disconnect_notification="Connection to the workbench server lost: runs in flight "
+                                     "go on and are stored; reload the page to see them.")
 
 
 def _styled(*objs: Any) -> None:
@@ -85,9 +91,10 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
             store.preload()
     if open_latest and store.dataset is None:
         # the newest readable run; an unreadable one is listed with its reason, never raised
-        for info in [r for r in store.runs if r.readable][:OPEN_LATEST_TRIES]:
+        for info in [r for r in store.runs if r.readable and not r.abandoned][:OPEN_LATEST_TRIES]:
             try:
                 store.open(info.name)
+                store.status = f"newest run of the workspace · {store.status}"
                 break
             except Exception as e:
                 log.info("could not open run %s: %s", info.name, e)
@@ -98,7 +105,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                  height=40, css_classes=["wb-run"])
     stop_b = make(pn.widgets.Button, "■ Stop", "danger", width=110, height=40, disabled=True,
                   css_classes=["wb-stop"])
-    error = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
+    error = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width",
+                          css_classes=["wb-error"],
+                          stylesheets=[".alert { overflow-wrap: anywhere; }"])
 
     def on_run(event: Any) -> None:
         try:
@@ -141,19 +150,24 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
 
     # -- right: progress and answer, filters, plots, A/B -------------------------------------
     filt = filter_widgets(store)
-    filters = pn.FlexBox(_labelled("heatmap tokens", filt["modality"], width=210),
-                         _labelled("phase", filt["phase"], width=240),
-                         _labelled("step range", filt["steps"], width=300),
-                         _labelled("timeline clock", filt["clock"], width=200),
+    # one line of filters at 1440 px (sidebar 380): 200 + 230 + 250 + 190 + 3 gaps of 16
+    filters = pn.FlexBox(_labelled("heatmap tokens", filt["modality"], width=200),
+                         _labelled("phase", filt["phase"], width=230),
+                         _labelled("step range", filt["steps"], width=250),
+                         _labelled("timeline clock", filt["clock"], width=190),
                          flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width")
-    heat, hit, lat, tl = (HeatmapView(store), HitRateView(store), LatencyView(store),
-                          TimelineView(store, height=340))
-    # VisMMOE: kept vs pruned visual tokens beside the heatmap, Hot Recall beside the hit rate
+    # the first screen (1440 × 900: 62 px header, ≈ 838 px of main column): answer (≈ 130),
+    # filters (≈ 60), then two rows of PLOT_H: heatmap | hit rate, latency | timeline
+    heat, hit, lat, tl = (HeatmapView(store, height=PLOT_H), HitRateView(store, height=PLOT_H),
+                          LatencyView(store, height=PLOT_H), TimelineView(store, height=PLOT_H))
+    # VisMMOE: kept vs pruned visual tokens, Hot Recall (the row under the first screen)
     tokens, recall = TokenOverlayView(store), HotRecallView(store)
     diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
     answer, progress = answer_view(store), progress_view(store)
     _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])
-    status = card(progress, answer, title="Answer", collapsible=False, margin=(4, 4))
+    status = pn.Column(progress, answer, sizing_mode="stretch_width", margin=(4, 4),
+                       css_classes=["wb-answer-box"],
+                       styles={"border": "1px solid #e5e7eb", "border-radius": "6px"})
     ab = card(pn.FlexBox(pn.Column(deltas.pane, width=560),
                          pn.Column(diff.pane, min_width=420, sizing_mode="stretch_width"),
                          flex_wrap="wrap", sizing_mode="stretch_width"),
@@ -193,8 +207,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     compare_card = card(compare.choice, compare.table, compare.pane,
                         title="Compare runs: several runs of the workspace side by side",
                         collapsed=True, margin=(4, 4), css_classes=["wb-compare"])
-    main = [status, filters, pn.Row(heat.pane, tokens.pane), pn.Row(hit.pane, recall.pane),
-            pn.Row(lat.pane, tl.pane), ab, replay, compare_card]
+    main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane),
+            pn.Row(tokens.pane, recall.pane), ab, replay, compare_card]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
              "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
              "hot_recall": recall, "compare": compare}
@@ -205,10 +219,10 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     if template:
         # Bootstrap, not Fast: the Fast design fetches a Google font (no third-party requests)
         app = pn.template.BootstrapTemplate(
-            title=TITLE, sidebar=sidebar, main=main, sidebar_width=400,
+            title=TITLE, sidebar=sidebar, main=main, sidebar_width=SIDEBAR_W,
             header_background="#2F4F6F")
     else:
-        app = pn.Row(pn.Column(*sidebar, width=400), pn.Column(*main))
+        app = pn.Row(pn.Column(*sidebar, width=SIDEBAR_W), pn.Column(*main))
     app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
     app._wb_widgets = {"input": inp, "runs": runs, "models": models, "error": error,
                        "progress": progress,

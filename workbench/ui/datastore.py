@@ -169,7 +169,9 @@ def _printable(text: str, limit: int = 120) -> str:
 @dataclass(frozen=True)
 class RunInfo:
     """One store of the workspace, as listed (``steps``: committed steps). A store that cannot
-    be read is listed with ``status == "unreadable"`` and the reason in ``problem``."""
+    be read is listed with ``status == "unreadable"`` and the reason in ``problem``; a failed or
+    interrupted run says why in ``reason`` (it is *abandoned* when it committed no step: there
+    is nothing to show)."""
 
     name: str
     status: str
@@ -177,6 +179,11 @@ class RunInfo:
     created: str
     prompt: str
     problem: str = ""
+    reason: str = ""
+
+    @property
+    def abandoned(self) -> bool:
+        return self.readable and self.steps == 0 and self.status in ("failed", "interrupted")
 
     @property
     def readable(self) -> bool:
@@ -188,7 +195,10 @@ class RunInfo:
         if self.problem:
             return f"{_printable(short, 40)} · {UNREADABLE}: " \
                    f"{_printable(self.problem, _LABEL_CHARS)}"
-        return f"{short} · {self.status} · {self.steps} steps"
+        why = f": {_printable(self.reason, _LABEL_CHARS)}" if self.reason else ""
+        if self.abandoned:
+            return f"{short} · abandoned ({self.status}{why})"
+        return f"{short} · {self.status}{why} · {self.steps} steps"
 
 
 def _read_attrs(path: Path) -> dict[str, Any]:
@@ -279,7 +289,7 @@ def _inspect(real_ws: Path, p: Path) -> RunInfo | None:
         prompt = attrs.get("prompt", "")
         info = RunInfo(name=name, status=status, steps=committed["step"],
                        created=_printable(str(attrs.get("created", "")), 40),
-                       prompt=str(prompt)[:MAX_PROMPT_CHARS])
+                       prompt=str(prompt)[:MAX_PROMPT_CHARS], reason=_end_reason(status, attrs))
     except StoreError as e:
         info = bad(str(e))
     except OSError as e:
@@ -289,6 +299,17 @@ def _inspect(real_ws: Path, p: Path) -> RunInfo | None:
         return bad(f"{type(e).__name__}: {str(e)[:120]}")
     _LIST_CACHE[real_ws / name] = (key, info)
     return info
+
+
+def _end_reason(status: str, attrs: dict[str, Any]) -> str:
+    """Why a run ended without completing ('' for a complete or running one): the error its
+    writer recorded, or that the writer is gone."""
+    if status == "interrupted":
+        return "its writer process ended before the run finished"
+    if status == "failed":
+        error = attrs.get("error")
+        return _printable(error, 200) if isinstance(error, str) and error else "no error recorded"
+    return ""
 
 
 def _mark_unreadable(path: Path, reason: str) -> None:
@@ -766,6 +787,10 @@ class DataStore(param.Parameterized):
             attrs = _read_attrs(path)
             status, committed = _check_attrs(path, attrs)
             ds = self._load(path, status) if committed["step"] > 0 else None
+            if ds is None and status in ("failed", "interrupted"):  # abandoned: nothing to show
+                raise InputError(f"run {path.name!r} was abandoned ({status}: "
+                                 f"{_end_reason(status, attrs)}) before it committed a step: "
+                                 f"there is nothing to show; the run shown stays")
         except (StoreError, OSError) as e:
             reason = str(e) if isinstance(e, StoreError) else f"it cannot be read: {_os_reason(e)}"
             _mark_unreadable(path, reason)

@@ -43,16 +43,18 @@ CARD_TITLE_STYLE = (".wb-card-title { font-weight: 600; font-size: 15px; color: 
                     "text-align: left; padding: 2px 0; }")
 LABEL_STYLE = ".wb-label { color: #374151; font-size: 12px; font-weight: 600; }"
 #: groups whose card starts open
-OPEN_GROUPS = ("cache", "compression", "generation")
-#: knobs of the prominent "VisMMOE" card, in this order (VisMMOE: β, λ and the pinned prefix
-#: are the knobs a user reaches for first), with the label each gets there
+OPEN_GROUPS = ("cache", "generation")
+#: knobs first in the prominent VisMMOE card, in this order (the policy, β and λ are the knobs a
+#: user reaches for first), with the label each gets there; the rest of their group (α) follows
+#: in the same card. VisMMOE's other knob, the pinned prefix, is a cache knob: Expert cache card.
 VISMMOE_KNOBS: dict[str, str] = {
-    "compression": "Token compression",
+    "compression": "Policy",
     "beta": "β — keep ratio of visual tokens",
     "lam": "λ — saliency vs expert affinity",
-    "pinned_layers": "Pinned layers — full-stream, resident prefix",
 }
-VISMMOE_TITLE = "VisMMOE"
+#: the knob group the VisMMOE card shows whole (no other card repeats it)
+VISMMOE_GROUP = "compression"
+VISMMOE_TITLE = "VisMMOE token compression"
 
 
 def names(cls: type, label: str | None = None, color: str | None = None,
@@ -179,11 +181,16 @@ def vismmoe_panel(knobs: Knobs, labels: dict[str, str] | None = None) -> pn.Colu
 
 
 def knob_cards(knobs: Knobs) -> list[pn.Card]:
-    """The VisMMOE card (:func:`vismmoe_panel`, open, first), then :func:`knob_panels` of the
-    other knobs in collapsible cards titled by the group's ``title``."""
-    top = card(vismmoe_panel(knobs), title=VISMMOE_TITLE, collapsible=False)
+    """One card per knob group, each knob in exactly one card: the VisMMOE card first (open:
+    :func:`vismmoe_panel`, then the rest of :data:`VISMMOE_GROUP`), then :func:`knob_panels` of
+    the other groups in collapsible cards titled by the group's ``title`` (open:
+    :data:`OPEN_GROUPS`)."""
+    panels = knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True)
+    rest = panels.pop(VISMMOE_GROUP, None)
+    top = card(vismmoe_panel(knobs), *([rest] if rest is not None else []),
+               title=VISMMOE_TITLE, collapsible=False, css_classes=["wb-vismmoe-card"])
     return [top, *(card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
-                   for key, panel in knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True).items())]
+                   for key, panel in panels.items())]
 
 
 class _RangeLink:
@@ -394,6 +401,25 @@ def model_widgets(store: DataStore) -> dict[str, Any]:
     return {"model": menu, "other": other, "message": msg}
 
 
+def demo_of_run(ds: Any, demos: list[dict[str, Any]]) -> int | None:
+    """Index in ``demos`` of the request the run ``ds`` served (same prompt, same image file or
+    both text-only); None when it served none of them (or ``ds`` is None)."""
+    if ds is None:
+        return None
+    from workbench.telemetry.metadata import RunMetadata
+
+    try:
+        meta = RunMetadata.from_attrs(ds.attrs, strict=False)
+        prompt, images = meta.prompt, [Path(p).resolve() for p in meta.images or []]
+    except Exception:  # an odd store: no match, nothing breaks
+        return None
+    for i, d in enumerate(demos):
+        image = [Path(d["image"]).resolve()] if d.get("image") else []
+        if d.get("prompt") == prompt and image == images:
+            return i
+    return None
+
+
 def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     """Request inputs: demo selector, image upload (checked: PNG/JPEG, ≤ 5 MB, refused in the
     browser when larger), image preview, prompt box, optional run name; all write to the
@@ -449,7 +475,12 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
 
     demo.param.watch(on_demo, "value")
     store.param.watch(on_image, "image")
-    if demos and not store.prompt:
+    # the first screen: the request of the shown run when it is a demo's (its expected answer
+    # then checks the shown answer), else the first demo
+    shown = demo_of_run(store.dataset, demos)
+    if shown is not None:
+        demo.value = shown  # on_demo takes it
+    elif demos and not store.prompt:
         store.use_demo(demos[0])
     on_image()
     return {"demo": demo, "upload": upload, "upload_message": upload_msg,
