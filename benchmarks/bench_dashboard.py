@@ -9,6 +9,9 @@ animation frame after the plotly element's data changed):
 - **replay view**: toggling an eviction policy (curves redrawn from replays already made) and
   moving the cache-range slider one slot with the keyboard (the new sizes are replayed for
   every drawn policy and Belady) until the replay plot changed — goal ≤ 300 ms;
+- **page load → the last run's plots**: a new session (1440 × 900) opened after the runs, until
+  the four first-screen plots (heatmap, hit rate, latency, timeline) hold the newest run's
+  data — goal ≤ 3 s (the server started with ``--warm``, as the README says);
 - **knob + Run → first plot**: a knob change (``cache_slots``) and a click on Run until the
   first plot shows data of the new run (``layout.uirevision`` = the new run's name) — goal
   ≤ 3 s. The model is warm (one run before timing); the first, cold run is reported apart.
@@ -97,7 +100,7 @@ def _free_port() -> int:
 
 def _serve(workspace: Path, port: int, app_args: list[str]) -> tuple[subprocess.Popen, list[str]]:
     cmd = [sys.executable, "-m", "panel", "serve", "apps/dashboard.py", "--address", "127.0.0.1",
-           "--port", str(port), "--allow-websocket-origin", f"127.0.0.1:{port}"]
+           "--port", str(port), "--allow-websocket-origin", f"127.0.0.1:{port}", "--warm"]
     if app_args:
         cmd += ["--args", *app_args]
     env = {**os.environ, "WORKBENCH_WORKSPACE": str(workspace)}
@@ -232,7 +235,24 @@ def main() -> None:
                     rng_ms.append(_timed(page, "view", "replay",
                                          lambda: handle.press("ArrowLeft"), 10))
                     page.wait_for_timeout(200)
-                out["replay_range_to_plot"] = _stats(rng_ms)
+                    out["replay_range_to_plot"] = _stats(rng_ms)
+
+            # a user opening the page again: a new session shows the newest run; until its
+            # four first-screen plots hold data (the model stays loaded in the server)
+            load_ms = []
+            for i in range(a.repeats):
+                page.close()
+                time.sleep(3)  # the previous session's replay and redraws settle
+                page = browser.new_page(viewport={"width": 1440, "height": 900})
+                t = time.perf_counter()
+                page.goto(f"http://127.0.0.1:{port}/dashboard")
+                page.evaluate(HARNESS_JS)
+                page.wait_for_function(
+                    "() => ['heatmap', 'hit_rate', 'latency', 'timeline'].every(v => "
+                    "window.__wb.plotsOf().some(e => (e.layout.meta || {}).view === v && "
+                    "(e.data || []).length))", timeout=60_000)
+                load_ms.append((time.perf_counter() - t) * 1e3)
+            out["page_load_last_run"] = _stats(load_ms)
             browser.close()
     finally:
         server.terminate()
@@ -250,14 +270,17 @@ def main() -> None:
         print(json.dumps(out, indent=2))
         return
     print("dashboard interactivity (measured in headless Chromium; medians, ms)")
-    print(f"  page load to first plots           {out['page_load_ms']:8.0f}")
+    print(f"  page load to first plots (first session of a fresh server, empty workspace) "
+          f"{out['page_load_ms']:8.0f}")
     for key, label, goal in (("modality_filter_to_plot", "filter (modality) → heatmap", 300),
                              ("step_range_filter_to_plot", "filter (step range) → hit rate",
                               300),
                              ("replay_policy_toggle_to_plot",
                               "replay: policy toggle → curves", 300),
                              ("replay_range_to_plot", "replay: cache range → curves", 300),
-                             ("knob_run_first_plot", "knob + Run → first plot (warm)", 3000)):
+                             ("knob_run_first_plot", "knob + Run → first plot (warm)", 3000),
+                             ("page_load_last_run", "page load → the last run's 4 plots",
+                              3000)):
         if key in out:
             s = out[key]
             ok = "meets" if s["median_ms"] <= goal else "MISSES"

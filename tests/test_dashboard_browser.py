@@ -314,12 +314,18 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
             # a combination a live run refuses (vismmoe prefetch, no predictor calibrated in
             # this workspace): refused before anything loads, said, the shown run stays
             page.locator(".wb-card-title", has_text="Prefetch").first.click()
-            page.locator(".wb-knob-prefetch select").first.select_option("vismmoe")
+            # the card builds its widgets when opened (the replay card below has its own)
+            page.locator("#sidebar .wb-knob-prefetch select").first.select_option("vismmoe")
             page.locator(".wb-run button").first.click()
-            wait_for(lambda: page.get_by_text("holds no calibrated predictor").count(), 20,
-                     "the refusal, where the user looks")
+            try:
+                wait_for(lambda: page.get_by_text("holds no calibrated predictor").count(), 20,
+                         "the refusal, where the user looks")
+            except AssertionError:
+                page.screenshot(path=str(tmp_path / "refusal.png"))
+                shutil.copy(tmp_path / "refusal.png", "/tmp/refusal.png")
+                raise
             assert plots(page)["heatmap"]["run"] == "shown.zarr"
-            page.locator(".wb-knob-prefetch select").first.select_option("none")
+            page.locator("#sidebar .wb-knob-prefetch select").first.select_option("none")
 
             page.locator(".wb-pin button").first.click()
             wait_for(lambda: page.locator("[data-testid=ab-differs]").count() > 0 or
@@ -333,6 +339,9 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
                 page.locator("[data-testid=ab-differs]").all_inner_texts())), 20,
                 "the A/B card of the new run")
             assert "cache_slots" in differs and "20" in differs, differs
+            # measured latency: a median over repeats; one run a side says its noise is unknown
+            assert page.locator("[data-testid=ab-noise]").first.inner_text().strip() == \
+                "(one run: noise unknown, run it again)"
 
             # the server goes away: the page says so
             stop_server(server)

@@ -834,6 +834,11 @@ def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
     import panel as pn
 
     cards = knob_cards(s.knobs)
+    closed = [c for c in cards if c.collapsed]
+    assert closed and not any(c.objects for c in closed)  # built when first opened
+    for c in closed:
+        c.collapsed = False
+    assert all(c.objects for c in cards)
     assert cards[0].title.startswith("VisMMOE")
     titles = [c.title for c in cards]
     assert len(titles) == len(set(titles))
@@ -990,3 +995,44 @@ def test_the_model_menu_lists_the_workspace_models_and_takes_another_folder(two_
     other = str(tiny_ckpt("mixtral"))
     w["other"].value = other
     assert s.model == other and other in w["model"].options.values()
+
+
+def test_ab_gives_measured_latency_over_repeats(tiny_ckpt, tmp_path):
+    """Measured latency in the A/B table is the median over the workspace's repeats of each
+    run (same model, request and knobs), with its range; a delta inside the ranges, or with a
+    single run on a side, is marked as noise and left uncoloured (issue 13, item 6)."""
+    from workbench.ui.datastore import MEASURED_METRICS, ab_deltas, repeat_key
+    from workbench.ui.views import deltas_html
+
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"))
+    for name, slots in (("a1", 3), ("a2", 3), ("a3", 3), ("b1", 12)):
+        s.knobs.set(cache_slots=slots)
+        s.start_run(name=name, prompt="the same request")
+        s.wait()
+        assert not s.error, s.error
+    s.refresh()
+    s.open("a1")
+    a = s.dataset
+    s.open("b1")
+    b = s.dataset
+    assert repeat_key(a.attrs) is not None and repeat_key(a.attrs) != repeat_key(b.attrs)
+    ra, rb = s.repeats(a, "a1.zarr"), s.repeats(b, "b1.zarr")
+    assert all(len(ra[m]) == 3 for m in MEASURED_METRICS)  # a1 and its two repeats
+    assert all(len(rb[m]) == 1 for m in MEASURED_METRICS)
+    assert ra["latency_measured_s"][0] == pytest.approx(a.moe.summary()["latency_measured_s"])
+    rows = {r["metric"]: r for r in ab_deltas(a, b, {"current": ra, "baseline": rb})}
+    lat = rows["latency_measured_s"]
+    assert lat["current"] == pytest.approx(float(np.median(ra["latency_measured_s"])))
+    assert lat["current_spread"]["n"] == 3 and lat["baseline_spread"]["n"] == 1
+    assert lat["noise"]  # one baseline run: nobody knows the noise
+    assert "current_spread" not in rows["latency_modeled_s"]  # modeled: deterministic
+    html_ = deltas_html(list(rows.values()), "a1", "b1")
+    assert "n=3" in html_ and "one run: noise unknown" in html_
+    # two sides with several repeats each: overlapping ranges are noise, disjoint ones are not
+    r = ab_deltas(a, b, {"current": {"latency_measured_s": [1.0, 1.2, 1.1]},
+                         "baseline": {"latency_measured_s": [1.15, 1.3]}})
+    assert next(x for x in r if x["metric"] == "latency_measured_s")["noise"]
+    r = ab_deltas(a, b, {"current": {"latency_measured_s": [1.0, 1.1]},
+                         "baseline": {"latency_measured_s": [2.0, 2.2]}})
+    row = next(x for x in r if x["metric"] == "latency_measured_s")
+    assert not row["noise"] and row["delta"] == pytest.approx(1.05 - 2.1)

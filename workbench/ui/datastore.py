@@ -58,7 +58,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import param
@@ -246,6 +246,8 @@ def _os_reason(e: OSError) -> str:
     return f"{e.strerror or type(e).__name__}" + (f" ({type(e).__name__})" if e.strerror else "")
 
 
+#: stores by path: (key of their zarr.json, repeat_key, measured metrics) for DataStore.repeats
+_REPEATS: dict[Path, tuple[Any, Any, dict[str, float]]] = {}
 #: listed stores by path (the workspace resolved): (key of their zarr.json, RunInfo); a store
 #: that failed to open keeps its reason here until its zarr.json changes
 _LIST_CACHE: dict[Path, tuple[Any, RunInfo]] = {}
@@ -474,26 +476,70 @@ AB_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def ab_deltas(current: xr.Dataset, baseline: xr.Dataset) -> list[dict[str, Any]]:
+def ab_deltas(current: xr.Dataset, baseline: xr.Dataset,
+              repeats: Mapping[str, Mapping[str, Sequence[float]]] | None = None
+              ) -> list[dict[str, Any]]:
     """Whole-run headline numbers of ``current`` vs ``baseline`` (``ds.moe.summary()``).
 
     One row per :data:`AB_METRICS` entry: ``metric``, ``label``, ``units``, ``current``,
     ``baseline``, ``delta`` = current − baseline and ``relative`` = delta / baseline (``nan``
     when the baseline is 0 or a value is nan).
+
+    ``repeats`` (``{"current": {metric: values}, "baseline": {...}}``, each run's repeats in
+    the workspace, itself included; :meth:`DataStore.repeats`): a measured metric
+    (:data:`MEASURED_METRICS`) then compares the medians, and its row carries
+    ``current_spread`` / ``baseline_spread`` (:func:`spread`) and ``noise``: True when the two
+    ranges overlap or either side is a single run (the delta is within what a repeat changes,
+    or nobody knows how much that is).
     """
     a, b = current.moe.summary(), baseline.moe.summary()
     rows = []
     for key, label, units in AB_METRICS:
         cur, base = float(a[key]), float(b[key])
+        row: dict[str, Any] = {"metric": key, "label": label, "units": units}
+        if repeats is not None and key in MEASURED_METRICS:
+            sc = spread(repeats.get("current", {}).get(key, [cur]))
+            sb = spread(repeats.get("baseline", {}).get(key, [base]))
+            if sc["n"] and sb["n"]:
+                cur, base = sc["median"], sb["median"]
+                row.update(current_spread=sc, baseline_spread=sb,
+                           noise=min(sc["n"], sb["n"]) < 2 or
+                           (sc["min"] <= sb["max"] and sb["min"] <= sc["max"]))
         delta = cur - base
         rel = delta / base if base and np.isfinite(base) and np.isfinite(cur) else float("nan")
-        rows.append({"metric": key, "label": label, "units": units, "current": cur,
-                     "baseline": base, "delta": delta, "relative": rel})
+        row.update(current=cur, baseline=base, delta=delta, relative=rel)
+        rows.append(row)
     return rows
 
 
 #: knobs that never change what a run measures (where it is written, how often it flushes)
 _AB_IGNORED_KNOBS = frozenset({"store", "flush_every"})
+#: A/B metrics measured on this machine (wall clock): they vary from one repeat to the next,
+#: so the A/B table gives them as the median and range over the workspace's repeats
+MEASURED_METRICS = ("latency_measured_s", "stall_measured_s")
+
+
+def repeat_key(attrs: Mapping[str, Any]) -> tuple | None:
+    """What makes two runs repeats of each other: the same model (config hash), request
+    (prompt, images) and every knob (but :data:`_AB_IGNORED_KNOBS`). None when a part is not
+    recorded (such a run is nobody's repeat)."""
+    from workbench.telemetry.metadata import RunMetadata
+
+    m = RunMetadata.from_attrs(attrs, strict=False)
+    if m.config_hash is None or m.knob_values is None or m.prompt is None:
+        return None
+    knobs = tuple(sorted((k, json.dumps(v, sort_keys=True, default=str))
+                         for k, v in m.knob_values.items() if k not in _AB_IGNORED_KNOBS))
+    return m.config_hash, m.prompt, tuple(m.images or ()), knobs
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``median``, ``min``, ``max`` and ``n`` of the finite ``values`` (nan and n = 0 if none)."""
+    v = np.asarray([x for x in values if np.isfinite(x)], float)
+    if v.size == 0:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
+            "n": int(v.size)}
 
 
 def ab_context(current: xr.Dataset, baseline: xr.Dataset) -> dict[str, Any]:
@@ -643,6 +689,8 @@ class _Job:
     #: tokens generated when Stop reached this process (None: not stopped); the run ends
     #: after at most one more token, which the status line shows
     stop_token: int | None = None
+    #: the end was shown (buttons, status); the next poll reads the store's last steps
+    reported: bool = False
 
 
 class DataStore(param.Parameterized):
@@ -1015,6 +1063,8 @@ class DataStore(param.Parameterized):
             if job.thread.is_alive():
                 raise TimeoutError(f"run {job.path.name} still going after {timeout} s")
         self.poll()
+        if job is not None and self._job is job:  # the end shown; now its last steps
+            self.poll()
 
     @property
     def live(self) -> bool:
@@ -1043,6 +1093,11 @@ class DataStore(param.Parameterized):
 
     def _apply(self, job: _Job) -> None:
         n, m = job.tokens, job.max_new_tokens
+        if job.reported:  # the poll after the end: the store's last steps (views redraw)
+            self._tail(force=True)
+            self._job = None
+            self.refresh()
+            return
         upd: dict[str, Any] = {"progress": min(n, m), "answer": job.text}
         if job.done:
             upd["running"] = False
@@ -1064,13 +1119,12 @@ class DataStore(param.Parameterized):
             if job.path == self._path and not (job.path / "zarr.json").is_file():
                 self._path, self._sig = None, None  # failed before its store was created
                 upd["run_name"] = None
-            # the buttons and the status first (what the user waits for after Stop), then
-            # the store's last steps (views redraw from it; the job still set, so the tail
-            # keeps this status)
+            # the buttons and the status now, in a callback of their own (Bokeh sends a
+            # callback's changes when it returns: what the user waits for after Stop); the
+            # store's last steps at the next poll (the job still set, so the tail keeps this
+            # status)
             self.param.update(**upd)
-            self._tail(force=True)
-            self._job = None
-            self.refresh()
+            job.reported = True
             return
         upd["status"] = {
             "queued": "starting …",
@@ -1159,6 +1213,37 @@ class DataStore(param.Parameterized):
         self.param.update(**upd)
 
     # -- A/B ---------------------------------------------------------------------------------
+    def repeats(self, ds: xr.Dataset, name: str | None = None) -> dict[str, list[float]]:
+        """The measured metrics (:data:`MEASURED_METRICS`) of run ``ds`` (store ``name`` of the
+        workspace) and of every complete run of the workspace that repeats it
+        (:func:`repeat_key`): each metric → values, ``ds``'s first. Reads each listed store's
+        ``zarr.json`` once per change (cached); an unreadable one is skipped."""
+        key = repeat_key(ds.attrs)
+        summary = ds.moe.summary()
+        out = {m: [float(summary[m])] for m in MEASURED_METRICS}
+        if key is None:
+            return out
+        for info in self.runs:
+            if info.status != "complete" or not info.readable or info.name == name:
+                continue
+            path = self.workspace_path / info.name
+            try:
+                meta = _meta_key(path)
+                hit = _REPEATS.get(path)
+                if hit is None or hit[0] != meta:
+                    attrs = _read_attrs(path)
+                    summary = attrs.get("summary")
+                    summary = json.loads(summary) if isinstance(summary, str) else summary
+                    values = {m: float(summary[m]) for m in MEASURED_METRICS} \
+                        if isinstance(summary, dict) else {}
+                    hit = _REPEATS[path] = (meta, repeat_key(attrs), values)
+            except (OSError, WorkbenchError, ValueError, TypeError, KeyError):
+                continue
+            if hit[1] == key and hit[2]:
+                for m in MEASURED_METRICS:
+                    out[m].append(hit[2][m])
+        return out
+
     def pin_baseline(self) -> None:
         """Pin the shown run as the A/B baseline (a snapshot: a live run keeps its pinned
         steps)."""

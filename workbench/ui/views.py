@@ -580,13 +580,32 @@ def deltas_html(rows: list[dict[str, Any]], current: str | None, baseline: str |
     for r in rows:
         good = _BETTER.get(r["metric"], 0) * np.sign(r["delta"]) if np.isfinite(r["delta"]) \
             else 0
+        if r.get("noise"):
+            good = 0  # within what a repeat changes: neither better nor worse
         cls = "wb-good" if good > 0 else "wb-bad" if good < 0 else ""
         rel = "n/a" if not np.isfinite(r["relative"]) else f"{r['relative']:+.1%}"
-        body.append(f"<tr><td>{r['label']}</td><td>{_fmt(r['current'], r['units'])}</td>"
-                    f"<td>{_fmt(r['baseline'], r['units'])}</td>"
+        label, cur, base = r["label"], _fmt(r["current"], r["units"]), _fmt(r["baseline"], r["units"])
+        if "current_spread" in r:
+            label += " (median of repeats)"
+            cur, base = (_spread_cell(r[k], r["units"]) for k in ("current_spread", "baseline_spread"))
+            if r["noise"]:
+                few = min(r["current_spread"]["n"], r["baseline_spread"]["n"]) < 2
+                rel += (" <span class='wb-muted' data-testid='ab-noise'>(one run: noise unknown, "
+                        "run it again)</span>" if few else
+                        " <span class='wb-muted' data-testid='ab-noise'>(within the spread of "
+                        "repeats)</span>")
+        body.append(f"<tr><td>{label}</td><td>{cur}</td><td>{base}</td>"
                     f"<td class='{cls}'>{_fmt(r['delta'], r['units'], signed=True)}</td>"
                     f"<td class='{cls}'>{rel}</td></tr>")
     return head + "".join(body) + "</tbody></table>"
+
+
+def _spread_cell(sp: dict[str, Any], units: str) -> str:
+    """A measured metric over repeats: the median, and the range when there are several."""
+    if sp["n"] < 2:
+        return f"{_fmt(sp['median'], units)} <span class='wb-muted'>(n=1)</span>"
+    return (f"{_fmt(sp['median'], units)} <span class='wb-muted'>({_fmt(sp['min'], units)}–"
+            f"{_fmt(sp['max'], units)}, n={sp['n']})</span>")
 
 
 class DeltasView:
@@ -606,7 +625,9 @@ class DeltasView:
         s = self.store
         try:
             both = s.dataset is not None and s.baseline is not None
-            self.rows = ab_deltas(s.dataset, s.baseline) if both else []
+            reps = {"current": s.repeats(s.dataset, s.run_name),
+                    "baseline": s.repeats(s.baseline, s.baseline_name)} if both else None
+            self.rows = ab_deltas(s.dataset, s.baseline, reps) if both else []
             return deltas_html(self.rows, s.run_name, s.baseline_name,
                                ab_context(s.dataset, s.baseline) if both else None)
         except Exception as e:  # a run whose numbers cannot be computed: say so

@@ -117,15 +117,19 @@ def replay_only_choices(group: param.Parameterized, name: str) -> list[str]:
     return [n for n in registry.available() if "future" in getattr(registry.get(n), "needs", ())]
 
 
-def knob_panels(knobs: Knobs, exclude: Iterable[str] = (), live: bool = False) -> dict[str, pn.Param]:
+def knob_panels(knobs: Knobs, exclude: Iterable[str] = (), live: bool = False,
+                groups: Iterable[str] | None = None) -> dict[str, pn.Param]:
     """One ``pn.Param`` per knob group, keyed like ``knobs.groups`` (editing a widget sets the
     knob on ``knobs``; param validates it). Knobs named in ``exclude`` get no widget here; a
     group left with none is omitted. ``live``: the knobs of a live run, whose menus show the
     replay-only choices (:func:`replay_only_choices`) disabled, so they cannot be picked and
-    refused only after Run."""
+    refused only after Run. ``groups``: only these group keys (default: every group)."""
     skip = set(exclude)
+    only = None if groups is None else set(groups)
     panels = {}
     for key, group in knobs.groups.items():
+        if only is not None and key not in only:
+            continue
         shown = [n for n in group.knob_names() if n not in skip]
         if shown:
             panel = pn.Param(group, parameters=shown,
@@ -185,12 +189,36 @@ def knob_cards(knobs: Knobs) -> list[pn.Card]:
     :func:`vismmoe_panel`, then the rest of :data:`VISMMOE_GROUP`), then :func:`knob_panels` of
     the other groups in collapsible cards titled by the group's ``title`` (open:
     :data:`OPEN_GROUPS`)."""
-    panels = knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True)
+    shown = {k for k, g in knobs.groups.items() if set(g.knob_names()) - set(VISMMOE_KNOBS)}
+    panels = knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True,
+                         groups={VISMMOE_GROUP, *OPEN_GROUPS})
     rest = panels.pop(VISMMOE_GROUP, None)
     top = card(vismmoe_panel(knobs), *([rest] if rest is not None else []),
                title=VISMMOE_TITLE, collapsible=False, css_classes=["wb-vismmoe-card"])
-    return [top, *(card(panel, title=panel.name, collapsed=key not in OPEN_GROUPS)
-                   for key, panel in panels.items())]
+    cards = [top]
+    for key, group in knobs.groups.items():
+        if key == VISMMOE_GROUP or key not in shown:
+            continue
+        title = getattr(group, "title", key) or key
+        if key in panels:
+            cards.append(card(panels[key], title=title))
+        else:
+            cards.append(_lazy_card(knobs, key, title))
+    return cards
+
+
+def _lazy_card(knobs: Knobs, key: str, title: str) -> pn.Card:
+    """A collapsed card whose knob widgets are built when it is first opened: every widget is
+    a set of Bokeh models the page must build and send, and the closed cards held ~40 % of
+    them (``benchmarks/bench_dashboard.py``, page load)."""
+    c = card(title=title, collapsed=True)
+
+    def fill(*events: Any) -> None:
+        if not c.collapsed and not c.objects:
+            c.objects = [knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True, groups=[key])[key]]
+
+    c.param.watch(fill, "collapsed")
+    return c
 
 
 class _RangeLink:
