@@ -174,11 +174,22 @@ def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs,
     ids = ds["predicted_ids"].values
     assert (ids[:, : L - 1] >= 0).all() and (ids[:, L - 1] == -1).all()  # none past the last
     assert int(ds["prefetches"].sum()) > 0
+    # the budget as documented: at most B prefetches issued per layer step (prefetch_budget,
+    # None = the predictor's B = 20), counted where they are issued
+    assert int(ds["prefetches"].values.max()) <= B
     tr = from_store(ds)
     assert tr.predicted_ids.shape == (ds.sizes["step"], L, B)
     res = ds.moe.replay()
     assert res.config["prefetch"] == "vismmoe"
     assert_replays_live(res, ds)
+    # the over-fetch the dashboard and the CLI report: one definition, live and in replay
+    import json as _json
+    summary = _json.loads(ds.attrs["summary"]) if isinstance(ds.attrs["summary"], str) \
+        else ds.attrs["summary"]
+    m = res.metrics()
+    assert summary["redundant_prefetches"] == m["redundant_transfers"]
+    assert summary["prefetches"] == m["prefetch_loads"]
+    assert summary["redundant_share"] == pytest.approx(m["redundant_share"])
     # a run without the predictor records no predictions (rank 1, all -1) and replay refuses
     plain = tmp_path / "plain.zarr"
     rt.run("what shape is red?", ["data/demo/scene_0.png"], store=plain, max_new_tokens=2,

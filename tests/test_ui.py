@@ -1036,3 +1036,16 @@ def test_ab_gives_measured_latency_over_repeats(tiny_ckpt, tmp_path):
                          "baseline": {"latency_measured_s": [2.0, 2.2]}})
     row = next(x for x in r if x["metric"] == "latency_measured_s")
     assert not row["noise"] and row["delta"] == pytest.approx(1.05 - 2.1)
+
+
+def test_hit_rate_title_reports_the_transfers_it_cost(two_runs):
+    """Where the hit rate is shown, so is what it cost: loads per access (issue 13, item 5)."""
+    from workbench.ui.views import hit_rate_view_figure
+
+    s = two_runs
+    s.open("a")
+    ds = s.dataset
+    title = hit_rate_view_figure(ds).layout.title.text
+    per = float(ds["loads"].sum()) / float(ds["hits"].sum() + ds["misses"].sum())
+    assert f"{per:.2f} loads per access" in title
+    assert "evicted unused" not in title  # no prefetch in this run

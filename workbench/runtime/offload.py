@@ -141,6 +141,8 @@ class Offloader:
         self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
+        #: prefetched experts evicted before any access used them (the core's ``redundant``)
+        self.redundant_prefetches = 0
         self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         self.device = torch.device(device)
@@ -252,6 +254,7 @@ class Offloader:
         ev.evicted.extend(out.evicted)
         ev.pre_evicted.extend(out.pre_evicted)
         ev.prefetched.extend(out.prefetched)
+        self.redundant_prefetches += len(out.redundant)
         probe = self.probe
         probe.stall_modeled_s += out.stall_s
         probe.moved += out.moved

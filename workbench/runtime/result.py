@@ -34,6 +34,10 @@ class RunResult:
     stopped: bool = False
     pre_evictions: int = 0  # ActiveEvict evictions ahead of demand (included in evictions)
     host_runs: int = 0  # hybrid mode: misses run on the host copy (in misses, not in loads)
+    prefetches: int = 0  # experts the prefetch policy loaded (in loads)
+    # prefetched experts evicted before any access used them: transfers that bought nothing
+    # (the replay's ``redundant_transfers``; ones still resident at the end are not counted)
+    redundant_prefetches: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -59,10 +63,16 @@ class RunResult:
         n = self.hits + self.misses
         return self.loads / n if n else float("nan")
 
+    @property
+    def redundant_share(self) -> float:
+        """Share of the loads that were prefetched and evicted unused (0 without prefetch)."""
+        return self.redundant_prefetches / self.loads if self.loads else 0.0
+
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()}
         d["hit_rate"] = None if np.isnan(self.hit_rate) else self.hit_rate
         d["loads_per_access"] = None if np.isnan(self.loads_per_access) else self.loads_per_access
+        d["redundant_share"] = self.redundant_share
         return d
 
     def summary(self) -> str:
@@ -78,7 +88,9 @@ class RunResult:
             + ("" if np.isnan(self.loads_per_access) else
                f" · {self.loads_per_access:.2f} loads per access"
                + (f" ({self.loads - (self.misses - self.host_runs)} of the loads prefetched by "
-                  f"{k.get('prefetch')}, beyond the demand loads of the misses)"
+                  f"{k.get('prefetch')}, beyond the demand loads of the misses; "
+                  f"{self.redundant_prefetches} evicted unused = {self.redundant_share:.1%} of "
+                  f"the loads)"
                   if k.get("prefetch", "none") != "none" else ""))
             + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else "")
             + (f" · {self.host_runs} misses run on the host copy (hybrid)"

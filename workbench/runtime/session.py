@@ -274,7 +274,9 @@ class RunSession:
             knobs=k.to_dict(), model_id=lm.model_id,
             stopped=bool(stop is not None and stop.is_set()),
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
-            host_runs=sum(len(le.host) for e in events for le in e.layers))
+            host_runs=sum(len(le.host) for e in events for le in e.layers),
+            prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
+            redundant_prefetches=self.offloader.redundant_prefetches)
         if placement is not None:
             result.visual_tokens = placement.num_visual
             result.kept_visual_tokens = (int(placement.kept_visual.numel())

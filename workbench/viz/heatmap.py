@@ -63,9 +63,27 @@ def hit_rate_figure(ds: xr.Dataset) -> go.Figure:
     fig.update_yaxes(title_text="hit rate", tickformat=".0%", range=[0, 1.02])
     overall = ds.moe.hit_rate()
     fig.update_layout(title=f"expert-cache hit rate (offloaded layers): "
-                            f"{'n/a' if np.isnan(overall) else f'{overall:.1%}'} overall",
+                            f"{'n/a' if np.isnan(overall) else f'{overall:.1%}'} overall"
+                            f"{_over_fetch(ds)}",
                       showlegend=False)
     return fig
+
+
+def _over_fetch(ds: xr.Dataset) -> str:
+    """What the hit rate cost in transfers: loads per access and, for a prefetching run, the
+    share of the loads prefetched and evicted unused (from a complete run's summary)."""
+    from workbench.telemetry.metadata import RunMetadata
+
+    acc = float(ds["hits"].sum() + ds["misses"].sum()) if "hits" in ds and "misses" in ds else 0
+    if not acc or "loads" not in ds:
+        return ""
+    text = f" · {float(ds['loads'].sum()) / acc:.2f} loads per access"
+    summary = RunMetadata.from_attrs(ds.attrs, strict=False).summary or {}
+    red, loads = summary.get("redundant_prefetches"), summary.get("loads")
+    if isinstance(red, int) and isinstance(loads, int) and loads > 0 and \
+            summary.get("prefetches"):
+        text += f", {red / loads:.0%} prefetched and evicted unused"
+    return text
 
 
 def latency_figure(ds: xr.Dataset) -> go.Figure:
