@@ -343,6 +343,13 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
             assert page.locator("[data-testid=ab-noise]").first.inner_text().strip() == \
                 "(one run: noise unknown, run it again)"
 
+            # the replay table fits the main column (no sideways scrolling at 1440 px)
+            wait_for(lambda: page.locator(".wb-replay-table tbody tr").count() > 0, 30,
+                     "the replay table")
+            sw, cw = page.locator(".wb-replay-table").first.evaluate(
+                "t => [t.parentElement.scrollWidth, t.parentElement.clientWidth]")
+            assert sw <= cw + 1, (sw, cw)
+
             # the server goes away: the page says so
             stop_server(server)
             server = None
