@@ -100,3 +100,15 @@ def test_ctrl_c_keeps_finished_points(tiny_ckpt, tmp_path):
     for f in finished:
         assert f["status"] == "complete"
         assert workbench.open_run(out / "points" / f"{f['id']}.zarr").attrs["status"] == "complete"
+
+
+def test_summary_is_a_tidy_table(swept):
+    """A sweep summary as a tidy table: one row per point × input, the grid knobs and the input
+    as columns beside the metrics (xarray's ``to_dataframe``), ready for pandas/seaborn."""
+    out, grid, ds = swept
+    df = open_summary(out).to_dataframe().reset_index()
+    assert len(df) == 2 * 3 * 2
+    assert {"cache_slots", "pinned_layers", "input", "hit_rate", "status"} <= set(df.columns)
+    row = df[(df.cache_slots == 6) & (df.pinned_layers == 0)].iloc[0]
+    assert row.hit_rate == pytest.approx(float(ds.hit_rate.sel(cache_slots=6, pinned_layers=0,
+                                                               input=row.input)))
