@@ -112,3 +112,18 @@ def test_summary_is_a_tidy_table(swept):
     row = df[(df.cache_slots == 6) & (df.pinned_layers == 0)].iloc[0]
     assert row.hit_rate == pytest.approx(float(ds.hit_rate.sel(cache_slots=6, pinned_layers=0,
                                                                input=row.input)))
+
+
+def test_default_inputs_decode_real_answers():
+    """A sweep without inputs takes an image and a text-only demo request with multi-word
+    answers (one-word answers leave a cache nothing to do: every point read 0)."""
+    from workbench.analysis.sweep import demo_inputs
+    from workbench.models.embedded.demo import read_demo
+
+    answers = {(d["prompt"], d["image"]): d["answer"] for d in read_demo()}
+    first, second = demo_inputs()
+    assert first.images and not second.images
+    for inp in (first, second):
+        answer = answers[(inp.prompt, inp.images[0] if inp.images else None)]
+        assert len(answer.split()) >= 3, (inp, answer)
+    assert len(demo_inputs(5)) == 5 and len({i.name for i in demo_inputs(5)}) == 5

@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a knob and its values (repeatable; the grid is their product)")
     s.add_argument("--input", dest="inputs", action="append", default=[],
                    metavar="'IMAGE|PROMPT' or 'PROMPT'",
-                   help="an input (repeatable; default: two bundled demo scenes)")
+                   help="an input (repeatable; default: the demo image request and the "
+                        "text-only one with the longest answers)")
     s.add_argument("--out", required=True, metavar="PATH", help="sweep folder")
     s.add_argument("--scheduler", metavar="ADDRESS",
                    help="existing Dask scheduler, tcp://HOST:PORT (must answer within 5 s; default: a "

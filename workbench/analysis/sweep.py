@@ -85,12 +85,25 @@ class SweepInput:
 
 
 def demo_inputs(n: int = 2) -> list[SweepInput]:
-    """The first ``n`` bundled demo requests with their prompts (text-only ones have no image)."""
+    """``n`` bundled demo requests, the default inputs of a sweep: image and text-only requests
+    in turn, each the one with the longest expected answer left (ties: demo order). A cache is
+    exercised by decoding: a one-word answer is one decode step after the prefill, and its hit
+    rate is ≈ 0 at any useful cache size, so the first demos (one-word answers) made every
+    point of a default sweep read 0 (issue 25)."""
     from workbench.models.embedded.demo import read_demo
 
+    demos = read_demo()
+    by_len = lambda d: -len(str(d.get("answer") or "").split())  # noqa: E731
+    image = sorted((d for d in demos if d["image"]), key=by_len)
+    text = sorted((d for d in demos if not d["image"]), key=by_len)
+    picked = []
+    while len(picked) < n and (image or text):
+        for pool in (image, text):
+            if pool and len(picked) < n:
+                picked.append(pool.pop(0))
     return [SweepInput(name=(f"{Path(i['image']).stem}: " if i["image"] else "") + i["prompt"],
                        prompt=i["prompt"], images=(i["image"],) if i["image"] else ())
-            for i in read_demo()[:n]]
+            for i in picked]
 
 
 def parse_grid(assignments: Iterable[str]) -> dict[str, list[Any]]:
