@@ -2,22 +2,32 @@
 live prefetch (speculative, apex), ActiveEvict, and ActiveEvict + budget-aware dynamic top-k with
 its quality cost (top-1 agreement and KL vs the unmodified model, teacher-forced).
 
-Every demo request (image and text-only) decodes its real answer, up to --tokens tokens
+Generated held-out requests, ``--per-kind`` of every task kind (text-only kinds included:
+``make_demo(HELDOUT_SEED, per_kind)``), each decoding its real answer, up to --tokens tokens
 (--ignore-eos decodes exactly --tokens, continuing past the answer). Costs are *modeled* as
 Qwen3-VL-30B-A3B experts (17.3 MB) on the A100-40GB profile; hit rates and loads are counted live.
+The bounds are replays of the on-demand LRU runs' recorded routing (the same core): Belady
+(the offline optimal eviction) and LRU with the oracle prefetcher (the next layer's true
+experts, lead 1).
 
-    python benchmarks/bench_caching_live.py [--tokens 32] [--slots 48,96,192] [--ignore-eos] [--json]
+    python benchmarks/bench_caching_live.py [--tokens 32] [--slots 64,128,256] [--per-kind 2]
+                                            [--ignore-eos] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
 import torch
+
 from workbench.models.inputs import Request
-from workbench.models.embedded.demo import read_demo
+from workbench.models.embedded.v2.tasks import QUESTION_KINDS, make_demo
+from workbench.models.embedded.v2.train import HELDOUT_SEED
 
 VARIANTS = {
     "lru (on demand)": dict(eviction="lru"),
@@ -32,14 +42,17 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32, help="max decoded tokens per request")
-    ap.add_argument("--slots", default="48,96,192")
+    ap.add_argument("--slots", default="64,128,256")
+    ap.add_argument("--per-kind", type=int, default=2, help="held-out requests of every kind")
     ap.add_argument("--ignore-eos", action="store_true", help="decode exactly --tokens tokens")
     ap.add_argument("--pinned", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(2)
     lm = workbench.load(None, device="cpu")
-    reqs = [Request(d["prompt"], [d["image"]] if d["image"] else []) for d in read_demo(required=True)]
+    reqs = [Request(q, [img] if img is not None else [])
+            for img, q, _ in make_demo(HELDOUT_SEED, a.per_kind)]
+    work = Path(tempfile.mkdtemp(prefix="bench-caching-"))
     rt = workbench.Runtime(lm, device="cpu", max_new_tokens=a.tokens, ignore_eos=a.ignore_eos,
                            target_model="qwen3-vl-30b-a3b", profile="a100-40gb",
                            pinned_layers=a.pinned, lookahead_depth=2)
@@ -56,6 +69,10 @@ def main() -> None:
                     agree += q.agreement * q.positions
                     kl += q.kl_mean * q.positions
                     pos += q.positions
+                elif name == "lru (on demand)":  # recorded: the bounds replay its routing
+                    i = reqs.index(req)
+                    r = rt.run(req, store=work / f"lru-{slots}-{i}.zarr", overwrite=True,
+                               cache_slots=slots, **kv)
                 else:
                     r = rt.run(req, record=False, cache_slots=slots, **kv)
                 tot["hits"] += r.hits
@@ -72,14 +89,52 @@ def main() -> None:
             if pos:
                 row.update(top1_agreement=agree / pos, kl_mean=kl / pos, positions=pos)
             rows.append(row)
+            if name == "lru (on demand)":
+                rows_bounds = bounds(work, slots, len(reqs))
             if not a.json:
                 extra = (f"  agreement {row['top1_agreement']:.3f}  KL {row['kl_mean']:.2e}"
                          if pos else "")
                 print(f"slots {slots:3d}  {name:<30} hit {row['hit_rate']:.3f}  loads/step "
                       f"{row['loads_per_step']:6.2f}  blocking I/O {row['blocking_io_ms_modeled']:8.2f}"
                       f" ms  latency {row['latency_ms_modeled']:8.2f} ms{extra}", flush=True)
+        for row in rows_bounds:
+            rows.append(row)
+            if not a.json:
+                print(f"slots {slots:3d}  {row['variant']:<30} hit {row['hit_rate']:.3f}  "
+                      f"loads/step {row['loads_per_step']:6.2f}  blocking I/O "
+                      f"{row['blocking_io_ms_modeled']:8.2f} ms  latency "
+                      f"{row['latency_ms_modeled']:8.2f} ms", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps({"tokens": a.tokens, "requests": len(reqs), "rows": rows}))
+    else:
+        kinds = sorted({k for k in QUESTION_KINDS})
+        print(f"{len(reqs)} held-out requests ({a.per_kind} of each kind: {', '.join(kinds)}); "
+              f"{sum(1 for r in reqs if not r.images)} text-only")
+
+
+def bounds(work: Path, slots: int, n: int) -> list[dict]:
+    """Belady and the oracle prefetcher, replayed on the recorded LRU runs of ``slots``."""
+    out = []
+    for label, kv in (("Belady (replay, bound)", dict(eviction="belady")),
+                      ("lru + oracle prefetch (replay, bound)", dict(eviction="lru",
+                                                                       prefetch="oracle"))):
+        tot = dict(hits=0, acc=0, loads=0, steps=0, stall=0.0, latency=0.0)
+        for i in range(n):
+            ds = workbench.open_run(work / f"lru-{slots}-{i}.zarr")
+            m = ds.moe.io_metrics(cache_slots=slots, **kv)
+            tot["hits"] += m["hits"]
+            tot["acc"] += m["hits"] + m["misses"]
+            tot["loads"] += m["transfers"]
+            tot["steps"] += ds.sizes["step"]
+            tot["stall"] += m["blocking_io_s"]
+            tot["latency"] += m["latency_s"]
+        out.append({"cache_slots": slots, "variant": label,
+                    "hit_rate": tot["hits"] / max(tot["acc"], 1),
+                    "loads_per_step": tot["loads"] / tot["steps"],
+                    "blocking_io_ms_modeled": tot["stall"] * 1e3 / n,
+                    "latency_ms_modeled": tot["latency"] * 1e3 / n})
+    return out
 
 
 if __name__ == "__main__":

@@ -191,15 +191,29 @@ def test_a_closed_pipe_is_not_an_error(tiny_ckpt):
     assert proc.stdout == '{"tex' and proc.stderr == "", proc.stderr
 
 
-@pytest.mark.parametrize("case", ["dangling-link", "bad-steps", "bad-decay", "foreign-folder"])
+BAD_CALIBRATE_FLAGS = {
+    "bad-steps": (["--steps", "0"], "--steps must be from 1 to 100,000, not 0"),
+    "bad-seed": (["--seed", "-1"], "--seed must be from 0 to 2**32 − 1, not -1"),
+    "huge-window": (["--window", "1000000000"], "--window must be from 1 to 1,048,576"),
+    "huge-requests": (["--requests", "1000000000", "--steps", "1"],
+                      "--requests must be from 2 to 10,000, not 1000000000"),
+    "huge-tokens": (["--max-new-tokens", "100000"], "--max-new-tokens must be from 1 to 256"),
+}
+
+
+@pytest.mark.parametrize("case", ["dangling-link", "bad-decay", "foreign-folder",
+                                  *BAD_CALIBRATE_FLAGS])
 def test_calibrate_out_is_checked_before_anything_loads(tmp_path, capsys, case):
+    """Every flag of calibrate is checked against the bounds a run takes the predictor with,
+    before anything loads (issue 26: --seed -1 was a ValueError, --window 10⁹ wrote a
+    predictor that run refused, --requests 10⁹ grew memory silently)."""
     out = tmp_path / "pred"
     extra = []
     if case == "dangling-link":
         out.symlink_to(tmp_path / "nowhere")
         want = "is a symlink to"
-    elif case == "bad-steps":
-        extra, want = ["--steps", "0"], "--steps must be ≥ 1, not 0"
+    elif case in BAD_CALIBRATE_FLAGS:
+        extra, want = BAD_CALIBRATE_FLAGS[case]
     elif case == "bad-decay":
         extra, want = ["--decay", "nan"], "--decay must be in (0, 1], not nan"
     else:

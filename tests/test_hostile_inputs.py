@@ -601,6 +601,9 @@ BROKEN = {
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
     "preprocessor_missing": ("emb", lambda d: [(d / f).unlink() for f in (
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
+    # JSON nested 100 000 deep (RecursionError before issue 26)
+    "config_nested": ("tiny", lambda d: (d / "config.json").write_text(
+        '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), ["config.json", "nested deeper than 64"]),
 }
 
 
@@ -1215,3 +1218,57 @@ def test_from_attrs_refuses_non_mappings(attrs):
     with pytest.raises(KnobError) as e:
         Knobs.from_attrs(attrs)
     assert f"not {type(attrs).__name__}" in one_line(e.value)
+
+
+def test_json_read_from_disk_has_a_depth_limit():
+    """Every JSON document read from disk goes through ``jsonio.loads``: deep nesting is a
+    ``ValueError`` naming the limit, never ``RecursionError`` (issue 26, class 2)."""
+    from workbench import jsonio
+
+    assert jsonio.loads("[" * 64 + "]" * 64) is not None  # at the limit: fine
+    for doc in ("[" * 65 + "]" * 65, '{"a":' * 100_000 + "1" + "}" * 100_000,
+                "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(json.JSONDecodeError, match="nested deeper than 64"):
+            jsonio.loads(doc)
+
+
+def _store_with_attr(tiny_ckpt, tmp_path, key, value) -> Path:
+    rt = workbench.Runtime(workbench.load(tiny_ckpt("qwen3_moe"), device="cpu"),
+                           max_new_tokens=2)
+    path = tmp_path / "s.zarr"
+    rt.run("hello", store=path)
+    meta = json.loads((path / "zarr.json").read_text())
+    meta["attributes"][key] = value
+    (path / "zarr.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("knob.cache_slots", "[" * 100_000 + "]" * 100_000, "nested deeper than 64"),
+    ("cost_spec", {"source": "x", "expert_bytes": 1.7e308, "expert_flops_per_token": 1.0,
+                   "dense_bytes_per_layer": 1.0, "dense_flops_per_token_per_layer": 1.0},
+     "'expert_bytes' = 1.7e+308; expected a number from 0 to 1e+18"),
+])
+def test_store_attributes_that_crashed_replay_are_clear_errors(tiny_ckpt, tmp_path, capsys, key,
+                                                               value, fragment):
+    """A store whose attribute is nested 100 000 deep (RecursionError) or whose cost spec
+    overflows the modeled clock (OverflowError) is refused: exit 2, one line naming it."""
+    from workbench.cli import main
+
+    path = _store_with_attr(tiny_ckpt, tmp_path, key, value)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("workbench: error: ") and fragment in err[0], err
+
+
+def test_wbtrace_cost_spec_that_overflows_is_refused(tmp_path, capsys):
+    from workbench.cli import main
+
+    spec = {"source": "x", "expert_bytes": 1.7e308, "expert_flops_per_token": 1.0,
+            "dense_bytes_per_layer": 1.0, "dense_flops_per_token_per_layer": 1.0}
+    p = tmp_path / "t.wbtrace"
+    p.write_text("wbtrace\tversion=1\tlayers=2\texperts=4\ttop_k=1\n@attr\tcost_spec\t"
+                 + json.dumps(spec) + "\n0\t0\tdecode\ttext\t1\t2\n1\t0\tdecode\ttext\t2\t3\n")
+    assert main(["replay", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'expert_bytes' = 1.7e+308" in err and "internal error" not in err

@@ -2,7 +2,7 @@
 
 Every class of bad input to the trace importers — sizes a file declares that it cannot back
 (huge token/step/layer numbers, header fields, ``.npy`` shapes), ids out of range, non-finite or
-out-of-range weights, bytes that are not UTF-8, JSON nested too deeply or with repeated keys,
+out-of-range weights, bytes that are not UTF-8, JSON nested deeper than 64 levels or with repeated keys,
 lines too long, ``.npy`` files that are garbage, truncated, pickled, structured or of the wrong
 dtype or rank, empty files, folders, link loops, pipes, bad options and budgets — raises
 :class:`~workbench.errors.InputError` whose message names the file and the problem. The cases
@@ -131,9 +131,9 @@ CASES = [
     ("jsonl-latin1-file", "t.jsonl", '{"dataset": "café"}\n'.encode("latin1"), {},
      r"line 1: byte 0xe9 at column 17 is not UTF-8", None),
     ("jsonl-deep-nesting", "t.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", {},
-     r"line 1: JSON nested too deeply to read", None),
+     r"line 1: JSON nested deeper than 64 levels", None),
     ("jsonl-deep-nesting-in-extra-key", "t.jsonl", jl()[:-2] + ', "x": ' + "[" * 50_000
-     + "]" * 50_000 + "}\n", {}, r"line 1: JSON nested too deeply", None),
+     + "]" * 50_000 + "}\n", {}, r"line 1: JSON nested deeper than 64 levels", None),
     ("jsonl-5000-digit-int", "t.jsonl", '{"layer": ' + "9" * 5000 + "}\n", {},
      r"line 1: not usable JSON \(Exceeds the limit \(4300 digits\)", None),
     ("jsonl-duplicate-key", "t.jsonl",
@@ -231,7 +231,7 @@ CASES = [
      r"line 2: byte 0xc3 at column 10 is not UTF-8 text", None),
     ("wbtrace-attr-deep-nesting", "t.wbtrace",
      HEADER + "@attr\tx\t" + "[" * 100_000 + "]" * 100_000 + "\n", {},
-     r"line 2: value of attr 'x' is JSON nested too deeply to read", None),
+     r"line 2: value of attr 'x' is JSON nested deeper than 64 levels", None),
     ("wbtrace-attr-duplicate-key", "t.wbtrace", HEADER + '@attr\tx\t{"a": 1, "a": 2}\n', {},
      r"line 2: value of attr 'x' has the key 'a' twice", None),
     ("wbtrace-attr-repeated", "t.wbtrace", HEADER + "@attr\tx\t1\n@attr\tx\t2\n", {},

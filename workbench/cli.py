@@ -197,11 +197,21 @@ def _calibrate(args) -> int:
                              f"holds {', '.join(extra[:5])}); --overwrite only replaces "
                              f"{CONFIG} + {WEIGHTS} — refusing to delete it")
     check_creatable(out, "predictor folder")
+    from workbench.predictor.calibrate import (MAX_CALIB_REQUESTS, MAX_CALIB_STEPS,
+                                               MAX_RECORDED_TOKENS)
+    from workbench.predictor.model import MAX_SIZE
+
+    # the bounds a run takes a predictor with (predictor.json: window ≤ MAX_SIZE), and what
+    # calibration can hold in memory (every request's routing is recorded, then trained on)
     for flag, value, ok, allowed in (
-            ("--steps", args.steps, args.steps >= 1, "≥ 1"),
-            ("--requests", args.requests, args.requests >= 2, "≥ 2"),
-            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "≥ 1"),
-            ("--window", args.window, args.window >= 1, "≥ 1"),
+            ("--steps", args.steps, 1 <= args.steps <= MAX_CALIB_STEPS,
+             f"from 1 to {MAX_CALIB_STEPS:,}"),
+            ("--requests", args.requests, 2 <= args.requests <= MAX_CALIB_REQUESTS,
+             f"from 2 to {MAX_CALIB_REQUESTS:,}"),
+            ("--max-new-tokens", args.max_new_tokens,
+             1 <= args.max_new_tokens <= MAX_RECORDED_TOKENS, f"from 1 to {MAX_RECORDED_TOKENS}"),
+            ("--window", args.window, 1 <= args.window <= MAX_SIZE, f"from 1 to {MAX_SIZE:,}"),
+            ("--seed", args.seed, 0 <= args.seed < 2**32, "from 0 to 2**32 − 1"),
             ("--decay", args.decay, 0.0 < args.decay <= 1.0, "in (0, 1]")):
         if not ok:
             raise InputError(f"{flag} must be {allowed}, not {value}")
@@ -216,10 +226,14 @@ def _calibrate(args) -> int:
     lm = load(Path(args.model) if args.model else None, device="cpu")
     if requests is None:
         requests = scene_requests(args.seed, args.requests)
+    def progress(done: int, total: int) -> None:
+        if not args.json and (done == total or done % max(1, total // 10) == 0):
+            print(f"calibrate: recorded {done}/{total} requests", file=sys.stderr, flush=True)
+
     pred, report = calibrate(lm, requests, steps=args.steps, seed=args.seed,
                              window=args.window, decay=args.decay,
                              use_visual=not args.no_visual_summary,
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, progress=progress)
     # saved aside, then put in place: a failure leaves the old predictor as it was
     import secrets
     import shutil

@@ -75,6 +75,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Union
 import numpy as np
 import param
 
+from workbench import jsonio
 from workbench.errors import KnobError
 
 @dataclass(frozen=True, kw_only=True)
@@ -703,7 +704,7 @@ class Knobs:
                 continue  # unknown to this version, or an old name beside the current one
             if isinstance(text, str):
                 try:
-                    value = json.loads(text, parse_constant=_no_constant)
+                    value = jsonio.loads(text, parse_constant=_no_constant)
                 except ValueError as e:  # JSONDecodeError, or NaN/Infinity
                     raise KnobError(f"store attribute {key!r} is not valid JSON ({e}): "
                                     f"{_show(text)}; expected {k.allowed(name)} as JSON "

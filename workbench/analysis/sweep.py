@@ -44,6 +44,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import xarray as xr
 
+from workbench import jsonio
 from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.knobs import Knobs
 
@@ -325,7 +326,7 @@ def read_outcome(meta: str | Path) -> dict[str, Any] | None:
     """A point's outcome file, or ``None`` when it is missing or unreadable (garbage JSON, not
     an object, no status, a complete point without a result): such a point is not done."""
     try:
-        o = json.loads(Path(meta).read_text())
+        o = jsonio.loads(Path(meta).read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     if not isinstance(o, dict) or not isinstance(o.get("status"), str):

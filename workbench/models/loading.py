@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from workbench import jsonio
 from workbench.errors import ModelLoadError
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.inputs import _one_line
@@ -168,7 +169,7 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
     try:
-        cfg = json.loads(raw, parse_constant=_no_constant)
+        cfg = jsonio.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{where} is not readable: not valid JSON ({_one_line(e)})") from None
     if not isinstance(cfg, dict):
@@ -202,7 +203,7 @@ def weight_files(path: str | Path) -> list[Path]:
         return [single]
     if _is_file(index):
         try:
-            idx = json.loads(index.read_bytes())
+            idx = jsonio.loads(index.read_bytes())
             wmap = idx["weight_map"]
             if not isinstance(wmap, dict) or not wmap or not all(
                     isinstance(v, str) for v in wmap.values()):
@@ -259,7 +260,7 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
     try:
-        header = json.loads(raw, parse_constant=_no_constant)
+        header = jsonio.loads(raw, parse_constant=_no_constant)
         if not isinstance(header, dict):
             raise ValueError(f"a JSON {_json_kind(header)}, not an object")
     except (ValueError, UnicodeDecodeError) as e:

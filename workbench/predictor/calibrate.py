@@ -17,11 +17,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from workbench import jsonio
 from workbench.errors import InputError
 from workbench.predictor.features import RoutingProbe, request_samples
 from workbench.predictor.model import (LookaheadPredictor, PredictorConfig, hot_recall,
@@ -64,7 +65,7 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
                 raise InputError(f"input list {it!r} is {p.stat().st_size} bytes; at most "
                                  f"16 MiB allowed")
             try:
-                rows = json.loads(p.read_bytes())
+                rows = jsonio.loads(p.read_bytes())
             except (ValueError, RecursionError) as e:
                 raise InputError(f"input list {it!r} is not valid JSON ({str(e)[:120]})") \
                     from None
@@ -84,7 +85,15 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
     return out
 
 
-def record(lm, requests: list[tuple[Any, str]], max_new_tokens: int = 4) -> Recorded:
+#: most requests, training steps and decode steps per request a calibration takes (the CLI's
+#: bounds): every request's routing is held in memory, then trained on in one batch
+MAX_CALIB_REQUESTS = 10_000
+MAX_CALIB_STEPS = 100_000
+MAX_RECORDED_TOKENS = 256
+
+
+def record(lm, requests: list[tuple[Any, str]], max_new_tokens: int = 4,
+           progress: Callable[[int, int], None] | None = None) -> Recorded:
     from workbench.models.inputs import Request, build_inputs
 
     t0 = time.perf_counter()
@@ -99,6 +108,8 @@ def record(lm, requests: list[tuple[Any, str]], max_new_tokens: int = 4) -> Reco
                                   max_new_tokens)
             lm.model.generate(**inputs.tensors, **gen)
             per_request.append(list(probe.steps))
+            if progress is not None:
+                progress(len(per_request), len(requests))
     return Recorded(per_request, lm.layout.num_layers, lm.layout.num_experts, int(probe.H or 0),
                     lm.model_id, lm.config_hash, time.perf_counter() - t0)
 
@@ -166,7 +177,8 @@ def call_cost(pred: LookaheadPredictor, X: np.ndarray, n: int = 200) -> dict[str
 
 def calibrate(lm, requests: list[tuple[Any, str]], *, steps: int = 300, seed: int = 0,
               window: int = 5, decay: float = 0.8, use_visual: bool = True,
-              holdout: float = 0.25, max_new_tokens: int = 4, ablation: bool = True
+              holdout: float = 0.25, max_new_tokens: int = 4, ablation: bool = True,
+              progress: Callable[[int, int], None] | None = None
               ) -> tuple[LookaheadPredictor, dict[str, Any]]:
     """Record, train, evaluate. Returns the predictor and its report (the ablation without
     h^(v) is trained on the same split and reported when ``ablation`` and ``use_visual``)."""
@@ -174,7 +186,7 @@ def calibrate(lm, requests: list[tuple[Any, str]], *, steps: int = 300, seed: in
         raise InputError(f"calibration needs at least 2 requests (one held out), got "
                          f"{len(requests)}")
     torch.manual_seed(seed)
-    rec = record(lm, requests, max_new_tokens)
+    rec = record(lm, requests, max_new_tokens, progress)
     n = len(requests)
     n_hold = max(1, int(round(holdout * n)))
     tr, te = list(range(n - n_hold)), list(range(n - n_hold, n))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from workbench import jsonio
 from workbench.errors import InputError
 
 WEIGHTS = "predictor.safetensors"
@@ -140,7 +141,7 @@ def read_config(path: str | Path) -> PredictorConfig:
         if size > MAX_CONFIG_BYTES:
             raise InputError(f"{where}: {CONFIG} is {size:,} bytes, more than the "
                              f"{MAX_CONFIG_BYTES:,} a predictor config may have")
-        doc = json.loads(f.read_bytes(), parse_constant=_no_constant)
+        doc = jsonio.loads(f.read_bytes(), parse_constant=_no_constant)
     except InputError:
         raise
     except OSError as e:

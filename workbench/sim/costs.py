@@ -18,6 +18,12 @@ import numpy as np
 from workbench.sim.profiles import HardwareProfile, TargetModel
 
 
+#: largest size (bytes) or FLOP count a cost spec may hold: far above any real model's (a
+#: 1 EB expert), and small enough that the modeled clock's sums and products of them stay
+#: finite (1.7e308 bytes overflowed to inf and crashed replay)
+MAX_COST_VALUE = 1e18
+
+
 @dataclass(frozen=True)
 class CostSpec:
     """Sizes the modeled clock prices work with (bytes; FLOPs per token)."""

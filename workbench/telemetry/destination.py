@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from workbench import jsonio
 from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
 
 #: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
@@ -91,7 +92,7 @@ def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
             continue
         if name == "zarr.json" and p.is_file() and not p.is_symlink():
             try:
-                doc = json.loads(p.read_bytes())
+                doc = jsonio.loads(p.read_bytes())
                 attrs = doc.get("attributes", {}) if isinstance(doc, dict) else None
                 ok = (isinstance(attrs, dict) and doc.get("node_type") == "group"
                       and "schema_version" in attrs and "workbench_version" in attrs)

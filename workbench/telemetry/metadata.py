@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable
 
+from workbench import jsonio
 from workbench.errors import KnobError, StoreError
 
 __all__ = ["RunMetadata", "JSON_ATTRS", "attr_json"]
@@ -68,7 +69,7 @@ def attr_json(attrs: Mapping[str, Any], name: str) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
+        return jsonio.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep
         reason = str(e) if not isinstance(e, RecursionError) else "nested too deeply"
         raise StoreError(f"store attribute {name!r} is not valid JSON ({reason[:80]}): "
@@ -141,10 +142,13 @@ def _cost_spec(name: str, v: Any) -> Any:
         raise _bad(name, v, f"an object with {', '.join(spec_fields)}")
     if not isinstance(v["source"], str):
         raise _bad(name, v, "'source' as text")
+    from workbench.sim.costs import MAX_COST_VALUE
+
     for k, x in v.items():
         if k != "source" and (isinstance(x, bool) or not isinstance(x, (int, float))
-                              or not math.isfinite(x) or x < 0):
-            raise _bad(name, v, f"{k!r} as a finite number ≥ 0, not {_show(x, 30)}")
+                              or not math.isfinite(x) or not 0 <= x <= MAX_COST_VALUE):
+            raise StoreError(f"store attribute {name!r} has {k!r} = {_show(x, 30)}; expected "
+                             f"a number from 0 to {MAX_COST_VALUE:.0e}")
     return CostSpec(**v)
 
 

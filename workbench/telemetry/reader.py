@@ -39,6 +39,7 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
+from workbench import jsonio
 from workbench.errors import StoreError
 from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
@@ -92,7 +93,7 @@ def _read_file(path: Path, f: Path, what: str, limit: int) -> bytes:
 def _read_doc(path: Path, rel: str) -> dict:
     raw = _read_file(path, path / rel, rel, MAX_DOC_BYTES)
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, RecursionError) as e:
         raise _fail(path, f"{rel} is not valid JSON ({type(e).__name__}: {str(e)[:120]})"
                     ) from None
@@ -117,7 +118,7 @@ def committed_extent(path: Path, attrs: dict) -> dict[str, int]:
     c = attrs.get("committed")
     if isinstance(c, str):  # stores written by early versions kept it as JSON text
         try:
-            c = json.loads(c)
+            c = jsonio.loads(c)
         except (ValueError, RecursionError):
             c = None
     if not isinstance(c, dict):

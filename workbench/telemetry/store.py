@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import zarr
 
+from workbench import jsonio
 from workbench._version import __version__
 from workbench.errors import WorkbenchError
 from workbench.telemetry import zarr_files
@@ -113,15 +114,15 @@ class Recorder:
         files = _layout_files(self.L, self.E, self.k, self.D, self.R, self.capacity)
         stage = self.dest.write_dir
         zarr_files.materialize(stage, files, skip={"zarr.json"})
-        zarr_files.AppendArray(stage, "pinned", json.loads(files["pinned/zarr.json"])
+        zarr_files.AppendArray(stage, "pinned", jsonio.loads(files["pinned/zarr.json"])
                                ).write(0, pinned)
         zarr_files.atomic_write(stage / ".reserve", bytes(RESERVE_BYTES), unseen=True)
-        self._group_meta = json.loads(files["zarr.json"])
+        self._group_meta = jsonio.loads(files["zarr.json"])
         self._write_attrs()  # the root document last: from now on the layout is complete
         self.dest.publish()  # a fresh store appears at its path, whole
         root = self.dest.write_dir
         self.arrays = {name: zarr_files.AppendArray(root, name,
-                                                    json.loads(files[f"{name}/zarr.json"]))
+                                                    jsonio.loads(files[f"{name}/zarr.json"]))
                        for name in SCHEMA}
 
     def _write_attrs(self) -> None:

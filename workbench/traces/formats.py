@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from workbench import jsonio
 from workbench.errors import InputError, StoreExistsError
 from workbench.traces import limits
 from workbench.traces.limits import cut, show
@@ -182,14 +183,14 @@ def _json(text: str, at: str) -> Any:
     """``json.loads`` of one JSON-lines record with every failure an :class:`InputError`:
     invalid JSON, a repeated key, nesting too deep, an integer too long."""
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
+        return jsonio.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         raise InputError(f"{at}: the key {show(e.args[0])} appears twice in one object; keys "
                          f"must be unique") from None
+    except jsonio.TooDeep:
+        raise InputError(f"{at}: JSON nested deeper than {jsonio.MAX_DEPTH} levels") from None
     except json.JSONDecodeError as e:
         raise InputError(f"{at}: not valid JSON ({e.msg}, column {e.colno})") from None
-    except RecursionError:
-        raise InputError(f"{at}: JSON nested too deeply to read") from None
     except ValueError as e:      # e.g. an integer of more than 4300 digits
         raise InputError(f"{at}: not usable JSON ({cut(str(e), 100)})") from None
 
@@ -901,16 +902,16 @@ class _PlainReader:
                                  f"{limits.fmt_bytes(limits.MAX_ATTR_TEXT)}, the most a "
                                  f".wbtrace may hold")
             try:
-                val = json.loads(text, object_pairs_hook=_no_duplicates)
+                val = jsonio.loads(text, object_pairs_hook=_no_duplicates)
+            except jsonio.TooDeep:
+                raise InputError(f"{at}: value of attr {show(key)} is JSON nested deeper than "
+                                 f"{jsonio.MAX_DEPTH} levels") from None
             except json.JSONDecodeError as e:
                 raise InputError(f"{at}: value of attr {show(key)} is not JSON ({e.msg}): "
                                  f"{show(text)}") from None
             except _DuplicateKey as e:
                 raise InputError(f"{at}: value of attr {show(key)} has the key "
                                  f"{show(e.args[0])} twice; keys must be unique") from None
-            except RecursionError:
-                raise InputError(f"{at}: value of attr {show(key)} is JSON nested too deeply "
-                                 f"to read") from None
             except ValueError as e:
                 raise InputError(f"{at}: value of attr {show(key)} is not usable JSON "
                                  f"({cut(str(e), 100)})") from None

@@ -64,6 +64,7 @@ import numpy as np
 import param
 import xarray as xr
 
+from workbench import jsonio
 from workbench.errors import InputError, StoreError, WorkbenchError
 from workbench.knobs import Knobs
 from workbench.options import get_options
@@ -211,7 +212,7 @@ def _read_attrs(path: Path) -> dict[str, Any]:
         raise StoreError(f"its zarr.json is {size / 2**20:.0f} MiB; a run's metadata is at most "
                          f"{MAX_META_BYTES // 2**20} MiB")
     try:
-        doc = json.loads(meta.read_bytes())
+        doc = jsonio.loads(meta.read_bytes())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise StoreError(f"its zarr.json is not valid JSON ({type(e).__name__}: "
                          f"{str(e)[:80]})") from None
@@ -1233,7 +1234,7 @@ class DataStore(param.Parameterized):
                 if hit is None or hit[0] != meta:
                     attrs = _read_attrs(path)
                     summary = attrs.get("summary")
-                    summary = json.loads(summary) if isinstance(summary, str) else summary
+                    summary = jsonio.loads(summary) if isinstance(summary, str) else summary
                     values = {m: float(summary[m]) for m in MEASURED_METRICS} \
                         if isinstance(summary, dict) else {}
                     hit = _REPEATS[path] = (meta, repeat_key(attrs), values)

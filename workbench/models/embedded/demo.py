@@ -8,6 +8,8 @@ malformed file gives an empty list, a malformed entry is skipped (logged). No to
 from __future__ import annotations
 
 import json
+
+from workbench import jsonio
 import logging
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,7 @@ def _read_entries(d: Path) -> list[dict[str, Any]]:
         f = d / "prompts.json"
         if f.stat().st_size > MAX_DEMO_FILE_BYTES:
             raise ValueError(f"{f} is larger than {MAX_DEMO_FILE_BYTES} bytes")
-        items = json.loads(f.read_bytes())
+        items = jsonio.loads(f.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         if not isinstance(e, FileNotFoundError):
             log.warning("demo inputs in %s are unreadable: %s", d, e)
