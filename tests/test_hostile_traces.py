@@ -609,3 +609,50 @@ def test_cli_replay_of_a_hostile_trace_is_one_line_and_exit_2(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("workbench: error: ") and fragment in err[0]
     assert str(p) in err[0]
+
+
+TINY_HUGE_KEYS = {
+    "tiny.jsonl": b'{"layer":4095,"token_idx":0,"experts":[32766]}\n',
+    "tiny.wbtrace": b"wbtrace\tversion=1\tlayers=4096\texperts=32767\ttop_k=1\n",
+}
+
+
+def _tiny_npy(path):
+    a = np.full((1, 4096, 1), -1, np.int16)
+    a[0, 0, 0] = 32766
+    np.save(path, a)
+
+
+@pytest.mark.parametrize("name", [*TINY_HUGE_KEYS, "tiny.npy"])
+def test_a_tiny_file_declaring_huge_ids_replays_in_little_memory(tmp_path, capsys, name):
+    """A 52-byte .jsonl, an 8 KB .npy or a .wbtrace header declaring layer 4095 / expert 32766
+    made replay allocate 8.4 GB (issue 26): its state now follows the ids in use."""
+    from workbench.cli import main
+    from workbench.replay import as_trace
+
+    p = tmp_path / name
+    if name == "tiny.npy":
+        _tiny_npy(p)
+    else:
+        p.write_bytes(TINY_HUGE_KEYS[name])
+    trace = as_trace(p, num_experts=32767) if name == "tiny.npy" else as_trace(p)
+    assert trace.num_layers * trace.num_experts > 2**20  # as declared
+    small = trace.compact_experts()
+    assert small.replay_bytes() < 100 * 2**20
+    assert main(["replay", str(p), "--json"] + (["--num-experts", "32767"]
+                                                  if name == "tiny.npy" else [])) == 0
+    capsys.readouterr()
+
+
+def test_replay_state_beyond_the_budget_is_refused_before_allocating(tmp_path, monkeypatch):
+    """Replay state (per step × layer) is checked against the trace memory budget first."""
+    from workbench.replay import replay_trace
+
+    a = np.zeros((20_000, 64, 1), np.int16)  # 20 000 steps × 64 layers: ≈ 120 MiB of state
+    np.save(tmp_path / "long.npy", a)
+    monkeypatch.setenv("WORKBENCH_TRACE_MAX_BYTES", "64MiB")
+    with pytest.raises(InputError) as e:
+        replay_trace(tmp_path / "long.npy", belady=False)
+    msg = str(e.value)
+    assert "replay" in msg and "20,000 steps × 64 layers" in msg and "WORKBENCH_TRACE_MAX_BYTES" \
+        in msg, msg

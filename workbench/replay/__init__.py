@@ -49,7 +49,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     by a hair in corner cases: it is a reference, not a theorem."""
     from workbench.knobs import Knobs
 
-    trace = as_trace(source)
+    trace = as_trace(source).compact_experts()
     if knobs is None:
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     if knob_values:

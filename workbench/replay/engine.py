@@ -128,6 +128,17 @@ class ReplayResult:
                 "pinned": self.pinned}
 
 
+def _check_replay_memory(trace: Trace) -> None:
+    """Refuse, before allocating, a replay whose per-(step, layer) and per-(layer, expert)
+    state exceeds the trace memory budget (the one loading and :meth:`Trace.groups` use)."""
+    from workbench.traces import limits
+
+    where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
+    limits.check(trace.replay_bytes(), limits.budget(None), f"{where}: replay",
+                 f"its state ({trace.num_steps:,} steps × {trace.num_layers:,} layers, "
+                 f"{trace.num_layers:,} × {trace.num_experts:,} (layer, expert) keys) would")
+
+
 def _cost(trace: Trace, profile: str, target_model: str, expert_bytes: float | None):
     """(CostSpec or None, HardwareProfile). Imported traces know no model sizes: they are
     priced only with a target model (or explicit expert bytes), else their times are
@@ -169,6 +180,9 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     ``trace.groups()`` when the caller already has them (replaying one trace twice).
     ``hits_only``: skip the modeled clock (a bound needs only its hit rate); the counts are
     those of a priced replay, the times unavailable."""
+    if groups is None:  # (a caller with groups built them from a compacted trace)
+        trace = trace.compact_experts()
+    _check_replay_memory(trace)
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
         st.prices = Prices(st.prices.profile, None)

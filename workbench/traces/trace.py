@@ -44,6 +44,9 @@ from workbench.traces import limits
 _I16 = int(np.iinfo(np.int16).max)
 _I32 = int(np.iinfo(np.int32).max)
 _CHUNK_SLOTS = 1 << 18   # validation works on ~this many (token, layer, rank) slots at a time
+#: (layer, expert) keys above which replay renumbers a trace's expert ids to those in use
+#: (real models have at most ~10⁴: Qwen3-VL-30B 48 × 128)
+COMPACT_KEYS = 1 << 20
 
 
 def _token_chunks(T: int, per_token: int):
@@ -221,6 +224,53 @@ class Trace:
         src = self.attrs.get("source", "?")
         return (f"Trace({src}: {self.num_steps} steps, {self.num_tokens} tokens, "
                 f"{self.num_layers} layers × {self.num_experts} experts, top-{self.top_k})")
+
+    # -- replay state ----------------------------------------------------------------------
+    def compact_experts(self, max_keys: int = COMPACT_KEYS) -> "Trace":
+        """This trace with its expert ids renumbered ``0 .. n-1`` in ascending order, ``n`` =
+        the distinct ids its routing and recorded predictions use, when ``layers × experts``
+        exceeds ``max_keys``; else itself.
+
+        Replay keeps state per (layer, expert) key; a 52-byte file declaring expert 32766 of
+        layer 4095 made it allocate 4096 × 32767 keys (8.4 GB). The renumbering keeps every
+        key's order (ids ascending within a layer, layers in order), so every policy, tie and
+        bound replays the same; results are per (step, layer), where ids do not appear.
+        ``attrs["experts_compacted"]`` says what was done."""
+        L, E = self.num_layers, self.num_experts
+        if L * E <= max_keys:
+            return self
+        seen = np.zeros(E, bool)
+        for arr in (self.topk_ids, self.pred_ids, self.predicted_ids):
+            if arr is None or not arr.size:
+                continue
+            per = arr.size // max(arr.shape[0], 1)
+            for a, b in _token_chunks(arr.shape[0], per):
+                c = arr[a:b]
+                seen[c[c >= 0]] = True
+        used = np.flatnonzero(seen)
+        if len(used) == E:
+            return self
+        # one past the end holds -1: an id of -1 (no expert) indexes it and stays -1
+        lut = np.full(E + 1, -1, np.int16)
+        lut[used] = np.arange(len(used), dtype=np.int16)
+
+        def remap(arr: np.ndarray | None) -> np.ndarray | None:
+            return None if arr is None else lut[np.asarray(arr)]
+
+        import dataclasses
+
+        return dataclasses.replace(
+            self, topk_ids=remap(self.topk_ids), pred_ids=remap(self.pred_ids),
+            predicted_ids=remap(self.predicted_ids), num_experts=max(1, len(used)),
+            attrs={**self.attrs, "experts_compacted": f"{len(used)} expert ids in use of {E} "
+                                                      f"declared, renumbered for replay"})
+
+    def replay_bytes(self) -> int:
+        """Bytes replay allocates besides the access groups (:meth:`groups` checks those): per
+        (step, layer) ~12 result and bookkeeping arrays of 8 bytes, per (layer, expert) key
+        ~6 arrays of 8 bytes. :meth:`compact_experts` first, so keys are the ids in use."""
+        S, L, E = self.num_steps, self.num_layers, self.num_experts
+        return S * L * 8 * 12 + L * E * 8 * 6
 
     # -- access order ----------------------------------------------------------------------
     def groups(self, max_bytes: Any = None) -> "Groups":
