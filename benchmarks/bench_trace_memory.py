@@ -21,7 +21,11 @@ To measure another version of the code, put its ``workbench`` package first on P
 ``PYTHONPATH=/tmp/before``): the child imports whatever ``workbench`` Python finds.
 
     python benchmarks/bench_trace_memory.py [--cases npy,wbtrace] [--scale 1] [--cap-gb 0]
-                                            [--dir DIR] [--json]
+                                            [--replay] [--dir DIR] [--json]
+
+``--replay`` also replays each trace (LRU, 64 slots, Belady bound included) in the child and
+reports its peak; the ``tiny-*`` cases are the hostile files of issue 26 (a few bytes declaring
+expert 32766 of layer 4095).
 """
 
 from __future__ import annotations
@@ -106,7 +110,25 @@ def make_jsonl(path: Path, mb: float, L: int, K: int, E: int) -> dict:
     return {"tokens": T, "shape": f"{L} layers × top-{K}, weights"}
 
 
+def make_tiny(path: Path, kind: str) -> dict:
+    """A tiny hostile file declaring expert 32766 of layer 4095 (issue 26): 52 bytes of JSON
+    lines, an 8 KB .npy, or a .wbtrace header alone."""
+    if kind == "jsonl":
+        path.write_text('{"layer":4095,"token_idx":0,"experts":[32766]}\n')
+    elif kind == "npy":
+        a = np.full((1, 4096, 1), -1, np.int16)
+        a[0, 0, 0] = 32766
+        with open(path, "wb") as f:
+            np.save(f, a)
+    else:
+        path.write_text("wbtrace\tversion=1\tlayers=4096\texperts=32767\ttop_k=1\n")
+    return {"tokens": 1 if kind != "wbtrace" else 0, "shape": "layer 4095, expert 32766"}
+
+
 CASES = {
+    "tiny-jsonl": ("jsonl", 0, lambda p, mb: make_tiny(p, "jsonl")),
+    "tiny-npy": ("npy", 0, lambda p, mb: make_tiny(p, "npy")),
+    "tiny-wbtrace": ("wbtrace", 0, lambda p, mb: make_tiny(p, "wbtrace")),
     "npy": ("npy", 200, lambda p, mb: make_npy(p, mb, 32, 2, 8)),
     "npy-wide": ("npy", 200, lambda p, mb: make_npy(p, mb, 48, 8, 128)),
     "wbtrace": ("wbtrace", 225, lambda p, mb: make_wbtrace(p, mb, 32, 2, 8, True)),
@@ -140,18 +162,26 @@ def child(path: str) -> None:
         t0 = time.perf_counter()
         out["accesses"] = tr.groups().num_accesses
         out.update(groups_s=time.perf_counter() - t0, groups_rss=_rss())
+        if os.environ.get("BENCH_REPLAY"):
+            from workbench.replay import replay_trace
+
+            t0 = time.perf_counter()
+            res = replay_trace(tr, cache_slots=64, pinned_layers=0, belady=True)
+            out.update(replay_s=time.perf_counter() - t0, replay_rss=_rss(),
+                       replay_hits=int(res.hits.sum()))
     except MemoryError as e:
         out["error"] = f"MemoryError {e}".strip()
     print(json.dumps(out))
 
 
-def measure(path: Path, cap_gb: float) -> dict:
+def measure(path: Path, cap_gb: float, replay: bool = False) -> dict:
     def limit() -> None:
         if cap_gb:
             cap = int(cap_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           **({"BENCH_REPLAY": "1"} if replay else {})}
     r = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True,
                        text=True, preexec_fn=limit, env=env)
     lines = r.stdout.strip().splitlines()
@@ -167,6 +197,9 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every file size")
     ap.add_argument("--cap-gb", type=float, default=0, help="RLIMIT_AS of each child (0 = none)")
     ap.add_argument("--dir", help="generate into (and keep, and reuse) this folder")
+    ap.add_argument("--replay", action="store_true",
+                    help="also replay each trace (LRU, 64 slots, Belady bound included) and "
+                         "report the peak after it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -196,7 +229,7 @@ def main() -> None:
             else:
                 info = make(path, mb)
                 info_path.write_text(json.dumps(info))
-            res = measure(path, a.cap_gb)
+            res = measure(path, a.cap_gb, a.replay)
             rows.append({"case": case, "file_mb": path.stat().st_size / MB, **info, **res})
     finally:
         if tmp is not None:
@@ -206,9 +239,10 @@ def main() -> None:
         return
     cap = f"; each child under RLIMIT_AS {a.cap_gb:g} GiB" if a.cap_gb else ""
     print(f"peak RSS of a fresh process (measured{cap})")
+    rep = " peak, + replay | replay |" if a.replay else ""
     print("| case | file | shape | tokens | after imports | peak, load_trace | "
-          "peak, + groups() | load | groups |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "peak, + groups() | load | groups |" + rep)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.replay else ""))
 
     def mb_(r: dict, key: str) -> str:
         return f"{r[key] / MB:.0f} MB" if key in r else "—"
@@ -218,9 +252,11 @@ def main() -> None:
 
     for r in rows:
         err = f" ({r['error']})" if "error" in r else ""
-        print(f"| {r['case']} | {r['file_mb']:.0f} MB | {r.get('shape', '?')} | "
+        size = f"{r['file_mb']:.0f} MB" if r["file_mb"] >= 1 else f"{r['file_mb'] * MB:.0f} bytes"
+        print(f"| {r['case']} | {size} | {r.get('shape', '?')} | "
               f"{r.get('tokens', '?')} | {mb_(r, 'base_rss')} | {mb_(r, 'load_rss')} | "
-              f"{mb_(r, 'groups_rss')}{err} | {s_(r, 'load_s')} | {s_(r, 'groups_s')} |")
+              f"{mb_(r, 'groups_rss')}{err} | {s_(r, 'load_s')} | {s_(r, 'groups_s')} |"
+              + (f" {mb_(r, 'replay_rss')} | {s_(r, 'replay_s')} |" if a.replay else ""))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,13 @@ _CHUNK_SLOTS = 1 << 18   # validation works on ~this many (token, layer, rank) s
 #: (layer, expert) keys above which replay renumbers a trace's expert ids to those in use
 #: (real models have at most ~10⁴: Qwen3-VL-30B 48 × 128)
 COMPACT_KEYS = 1 << 20
+#: replay memory per (step, layer), bytes: measured 213 (peak after replay with the Belady
+#: bound minus peak after groups(), over 6.25 M (step, layer) of a 50 MB .npy;
+#: ``benchmarks/bench_trace_memory.py --replay``)
+REPLAY_BYTES_PER_STEP_LAYER = 216
+#: replay memory per (layer, expert) key, bytes: the kernel's per-key state (8 int64 + 8 uint8),
+#: the hotness policy's ring of recent uses and Belady's next-use pointers
+REPLAY_BYTES_PER_KEY = 640
 
 
 def _token_chunks(T: int, per_token: int):
@@ -266,11 +273,13 @@ class Trace:
                                                       f"declared, renumbered for replay"})
 
     def replay_bytes(self) -> int:
-        """Bytes replay allocates besides the access groups (:meth:`groups` checks those): per
-        (step, layer) ~12 result and bookkeeping arrays of 8 bytes, per (layer, expert) key
-        ~6 arrays of 8 bytes. :meth:`compact_experts` first, so keys are the ids in use."""
+        """Bytes replay allocates besides the access groups (:meth:`groups` checks those), an
+        upper estimate: :data:`REPLAY_BYTES_PER_STEP_LAYER` per (step, layer) — the engine's
+        per-group outputs, the per-(step, layer) results, the Belady bound's pass — and
+        :data:`REPLAY_BYTES_PER_KEY` per (layer, expert) key (:meth:`compact_experts` first,
+        so keys are the ids in use)."""
         S, L, E = self.num_steps, self.num_layers, self.num_experts
-        return S * L * 8 * 12 + L * E * 8 * 6
+        return S * L * REPLAY_BYTES_PER_STEP_LAYER + L * E * REPLAY_BYTES_PER_KEY
 
     # -- access order ----------------------------------------------------------------------
     def groups(self, max_bytes: Any = None) -> "Groups":
