@@ -8,6 +8,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see workbench/__init__)
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -115,3 +116,14 @@ def vismmoe_run(embedded, demo_inputs, tmp_path_factory):
                                        max_new_tokens=6, ignore_eos=True, device="cpu"))
     res = rt.run(prompt, [image], store=root / "run.zarr")
     return root / "run.zarr", res
+
+
+def distinct_ids(rng, shape, num_experts: int, none_share: float = 0.15):
+    """Random routing ``[T, L, K]`` obeying the trace rule: a token's experts at one layer are
+    distinct (``-1`` = none, which may repeat), some entries -1."""
+    T, L, K = shape
+    keys = rng.random((T, L, max(num_experts, K)))
+    ids = np.argsort(keys, axis=-1)[..., :K].astype(np.int64)
+    ids[ids >= num_experts] = -1
+    ids[rng.random((T, L, K)) < none_share] = -1
+    return ids

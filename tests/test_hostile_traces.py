@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import distinct_ids
+
 from workbench.errors import InputError
 from workbench.traces import Trace, from_store, load_trace, read_plain, write_plain
 from workbench.traces import limits
@@ -459,7 +461,9 @@ def test_bom_crlf_and_blank_lines_are_read_like_plain_text(tmp_path):
 
 def test_fortran_big_endian_and_unsigned_npy_load_like_plain(tmp_path):
     rng = np.random.default_rng(0)
-    arr = rng.integers(-1, 60, (50, 3, 4)).astype(np.int32)
+    arr = distinct_ids(rng, (50, 3, 4), 60, none_share=0).astype(np.int32)
+    arr[::7, 0, 0] = -1  # some "none" entries (the unsigned copy maps them to 0: kept distinct)
+    arr[::7, 0, 1:] = np.where(arr[::7, 0, 1:] == 0, 59 - np.arange(3), arr[::7, 0, 1:])
     ref = None
     for name, a in [("c", arr), ("f", np.asfortranarray(arr)), ("be", arr.astype(">i4")),
                     ("be-f", np.asfortranarray(arr.astype(">i8"))),
@@ -541,7 +545,7 @@ def test_groups_in_chunks_equal_groups_in_one_piece(seed, monkeypatch):
     ts = np.cumsum(rng.random(T) < 1 / step_len)
     ts = ts - ts[0]
     kept = rng.random(T) < 0.7 if seed % 2 else None
-    ids = rng.integers(-1, E, (T, L, K))
+    ids = distinct_ids(rng, (T, L, K), E)
     if kept is not None:
         ids[~kept, 1:] = -1          # pruned tokens have no routing behind the first layer
     tr = Trace(topk_ids=ids, token_step=ts, num_experts=E, kept=kept)
@@ -656,3 +660,28 @@ def test_replay_state_beyond_the_budget_is_refused_before_allocating(tmp_path, m
     msg = str(e.value)
     assert "replay" in msg and "20,000 steps × 64 layers" in msg and "WORKBENCH_TRACE_MAX_BYTES" \
         in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["npy", "wbtrace", "jsonl", "python"])
+def test_a_repeated_expert_in_a_tokens_top_k_is_refused_in_every_format(tmp_path, fmt):
+    """Refused only in .jsonl before (issue 26); .npy, .wbtrace and stores counted the expert
+    twice in replay. One rule, in Trace itself: a token's experts at a layer are distinct."""
+    from workbench.replay import as_trace
+    from workbench.traces.trace import Trace
+
+    if fmt == "python":
+        with pytest.raises(InputError, match=r"token 1, layer 0: expert ids \[3, 3\] repeat"):
+            Trace(topk_ids=np.array([[[1, 2]], [[3, 3]]]), token_step=np.array([0, 1]),
+                  num_experts=4)
+        Trace(topk_ids=np.array([[[-1, -1]]]), token_step=np.array([0]), num_experts=4)
+        return
+    p = tmp_path / f"t.{fmt}"
+    if fmt == "npy":
+        np.save(p, np.array([[[1, 2]], [[3, 3]]], np.int32))
+    elif fmt == "wbtrace":
+        p.write_text("wbtrace\tversion=1\tlayers=1\texperts=4\ttop_k=2\n"
+                     "0\t0\tprefill\ttext\t1,2\n1\t0\tdecode\ttext\t3,3\n")
+    else:
+        p.write_text('{"layer":0,"token_idx":0,"experts":[3,3]}\n')
+    with pytest.raises(InputError, match="repeat"):
+        as_trace(p, num_experts=4) if fmt == "npy" else as_trace(p)

@@ -357,3 +357,23 @@ def test_compacting_expert_ids_replays_the_same(mixtral, eviction):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
                                           err_msg=f"{name} {prefetch}")
         np.testing.assert_allclose(a.stall_s, b.stall_s, rtol=1e-12, atol=1e-15)
+
+
+def test_cache_bytes_obeys_the_top_k_rule_of_cache_slots(live_runs):
+    """cache_bytes=1 replayed 0 slots with exit 0 while cache_slots=1 was refused (issue 26):
+    one rule for both knobs, live and in replay — at least top-k experts."""
+    from workbench.replay import replay_trace
+
+    path = live_runs[("lru", 48, 1)]
+    with pytest.raises(KnobError, match=r"cache_slots must be at least 4 \(top-k\), not 1"):
+        replay_trace(path, cache_slots=1)
+    with pytest.raises(KnobError, match=r"cache_bytes must hold at least 4 experts \(top-k\)"):
+        replay_trace(path, cache_bytes=1)
+    ds = open_run(path)
+    eb = int(ds.attrs["bytes_per_expert"]) if "bytes_per_expert" in ds.attrs else None
+    if eb:  # exactly top-k experts' bytes (priced as the run: its own expert size) is fine
+        spec = ds.attrs["cost_spec"]
+        import json as _json
+        spec = _json.loads(spec) if isinstance(spec, str) else spec
+        ok = replay_trace(path, cache_bytes=4 * int(spec["expert_bytes"]), belady=False)
+        assert ok.config["cache_slots"] == 4

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import distinct_ids
+
 from workbench.replay import kernel as K
 from workbench.replay.engine import replay
 from workbench.replay.flat import flat_hits
@@ -215,7 +217,7 @@ def test_groups_equal_a_direct_count(seed):
     T, L = int(rng.integers(1, 120)), int(rng.integers(1, 5))
     K_ = int(rng.integers(1, 5))
     E = int(rng.choice([1, 7, 64, 65, 200]))  # one, several and partial 64-bit words
-    ids = rng.integers(-1, E, (T, L, K_))  # duplicates within a token's top-k included
+    ids = distinct_ids(rng, (T, L, K_), E)  # a token's experts at a layer are distinct
     steps = np.cumsum(rng.random(T) < rng.choice([1.0, 0.3, 0.05]))
     steps -= steps[0]
     kept = None

@@ -127,6 +127,14 @@ def traces(draw) -> Trace:
     K = draw(st.integers(1, 3))
     E = draw(st.integers(1, 40))
     ids = draw(arrays(np.int16, (T, L, K), elements=st.integers(-1, E - 1)))
+    # the trace rule: a token's experts at one layer are distinct (-1 may repeat)
+    for t in range(T):
+        for layer in range(L):
+            seen = set()
+            for r in range(K):
+                if ids[t, layer, r] in seen:
+                    ids[t, layer, r] = -1
+                seen.add(int(ids[t, layer, r]))
     w = draw(arrays(np.float32, (T, L, K), elements=st.floats(width=32, allow_nan=True,
                                                               allow_infinity=True)))
     grow = draw(st.lists(st.integers(0, 1), min_size=max(T - 1, 0), max_size=max(T - 1, 0)))

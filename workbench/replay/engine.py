@@ -235,9 +235,12 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
         knobs = Knobs(**knob_values)
     elif knob_values:  # never changes the caller's object
         knobs = knobs.copy(**knob_values)
-    knobs.check(ModelShape.of(trace), live=False)
-    eviction, hybrid = knobs.eviction, bool(knobs.hybrid)
     cost, prof = _cost(trace, knobs.profile, knobs.target_model, expert_bytes)
+    # the expert size the replay prices with: cache_bytes then obeys the rule cache_slots
+    # does (at least top-k experts), as in a live run
+    eb = int(cost.expert_bytes) if cost is not None and cost.expert_bytes >= 1 else None
+    knobs.check(ModelShape.of(trace, expert_bytes=eb), live=False)
+    eviction, hybrid = knobs.eviction, bool(knobs.hybrid)
     prices = Prices(prof, cost)
     if hybrid and not prices.available:
         raise KnobError("hybrid=True decides each miss by comparing modeled prices, and this "

@@ -92,6 +92,22 @@ def _ints(arr: Any, dtype, name: str, lo: int | None = None, hi: int | None = No
     return a.astype(dtype, copy=False)
 
 
+def _distinct_experts(ids: np.ndarray) -> None:
+    """One rule for every format: a token's experts at one layer are distinct (a router picks
+    k different experts). Replay would count a repeated one twice. Checked chunk by chunk."""
+    T, L, K = ids.shape
+    if K < 2 or not T:
+        return
+    for a, b in _token_chunks(T, L * K):
+        c = np.sort(ids[a:b], axis=-1)
+        dup = (c[..., 1:] == c[..., :-1]) & (c[..., 1:] >= 0)
+        if dup.any():
+            t, layer, _ = (int(x) for x in np.argwhere(dup)[0])
+            row = [int(x) for x in ids[a + t, layer]]
+            raise InputError(f"trace token {a + t}, layer {layer}: expert ids {row} repeat; a "
+                             f"token's experts at one layer are distinct (-1 = none may repeat)")
+
+
 def _const(value: Any, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A read-only array of ``shape`` holding ``value`` everywhere, costing no memory."""
     return np.broadcast_to(np.asarray(value, dtype), shape)
@@ -129,6 +145,7 @@ class Trace:
         if T > _I32:
             raise InputError(f"a trace holds at most {_I32} tokens, this one {T}")
         self.topk_ids = _ints(ids, np.int16, "expert id", -1, E - 1, ("token", "layer", "rank"))
+        _distinct_experts(self.topk_ids)
         ts = np.asarray(self.token_step)
         if ts.shape != (T,):
             raise InputError(f"trace token_step must have one entry per token ({T}), "
