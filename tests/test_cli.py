@@ -262,3 +262,23 @@ def test_a_hybrid_run_says_why_its_numbers_look_as_they_do(tiny_ckpt, capsys):
     assert main([*base, "--set", "target_model=qwen3-vl-30b-a3b"]) == 0
     out = capsys.readouterr().out
     assert "misses ran on the host copy (no expert moved for them" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--bogus"], "workbench run: error: the following arguments are required: --prompt"),
+    (["run", "--prompt"], "workbench run: error: argument --prompt: expected one argument"),
+    (["nonsense"], "workbench: error: argument command: invalid choice: 'nonsense'"),
+    (["replay"], "workbench replay: error: the following arguments are required"),
+])
+def test_usage_errors_are_one_line_like_every_error(argv, fragment, capsys):
+    """argparse's errors printed 3-4 lines of usage (issue 26): now one line, exit 2, and a
+    JSON error object with --json."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(fragment) and "--help" in err[0], err
+    with pytest.raises(SystemExit):
+        main([*argv, "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["error"]["exit_code"] == 2

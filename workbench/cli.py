@@ -23,10 +23,24 @@ from typing import Sequence
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors as every other error of the CLI: one ``… error: …`` line (no usage
+    block; ``--help`` has it), and with ``--json`` one JSON error object on stdout too."""
+
+    json_errors = False  # set from the command line before parsing
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        if _Parser.json_errors:
+            print(json.dumps({"error": {"type": "UsageError", "message": message,
+                                        "exit_code": EXIT_USAGE}}))
+        raise SystemExit(EXIT_USAGE)
+
+
 def _parser() -> argparse.ArgumentParser:
     from workbench._version import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="workbench", description="See and steer expert offloading of VL-MoE models.")
     p.add_argument("--version", action="version", version=f"workbench {__version__}")
     p.add_argument("--debug", action="store_true",
@@ -130,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unexpected failure prints one line too and returns 1); ``--debug`` re-raises instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
+    _Parser.json_errors = "--json" in argv
     args = _parser().parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
     from workbench.errors import WorkbenchError
