@@ -282,3 +282,25 @@ def test_usage_errors_are_one_line_like_every_error(argv, fragment, capsys):
         main([*argv, "--json"])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["error"]["exit_code"] == 2
+
+
+def test_replay_says_which_knobs_it_cannot_change_and_knobs_are_set_once(tiny_ckpt, tmp_path,
+                                                                         capsys):
+    """replay --set compression=… / dynamic_topk / device / max_new_tokens were silently
+    ignored, and a repeated --set silently took the last (issue 26): both refused, naming it."""
+    store = tmp_path / "r.zarr"
+    assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "hi", "--store", str(store),
+                 "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    for kv in ("compression=affinity", "dynamic_topk=true", "device=cpu", "max_new_tokens=5"):
+        assert main(["replay", str(store), "--set", kv]) == 2
+        err = capsys.readouterr().err
+        assert f"a replay cannot change {kv.split('=')[0]}" in err, err
+    assert main(["replay", str(store), "--set", "eviction=lfu", "--set", "window=3"]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(store), "--set", "cache_slots=8", "--set", "cache_slots=9"]) == 2
+    assert "knob 'cache_slots' is set twice" in capsys.readouterr().err
+    assert main(["info", "--set", "alpha=0.2", "--set", "alpha=0.3"]) == 2
+    assert main(["run", "--prompt", "x", "--max-new-tokens", "3", "--set",
+                 "max_new_tokens=4"]) == 2
+    assert "max_new_tokens is given twice" in capsys.readouterr().err

@@ -278,10 +278,14 @@ def _calibrate(args) -> int:
 
 
 def _knobs_from(args) -> "object":
+    from workbench.errors import KnobError
     from workbench.knobs import Knobs
 
     knobs = Knobs().set_from_strings(args.sets)
     if getattr(args, "max_new_tokens", None) is not None:
+        if any(a.split("=", 1)[0].strip() == "max_new_tokens" for a in args.sets):
+            raise KnobError("max_new_tokens is given twice (--max-new-tokens and --set "
+                            "max_new_tokens=…); give it once")
         knobs.set(max_new_tokens=args.max_new_tokens)
     if args.command in ("run", "info", "sweep"):  # live: refused before any model loads
         from workbench.knobs import ModelShape
@@ -360,6 +364,17 @@ def _replay(args) -> int:
     if args.prefill_tokens:
         opts["prefill_tokens"] = args.prefill_tokens
     trace = load_trace(Path(args.trace), format=args.format, **opts)
+    from workbench.knobs import _ALIASES
+    from workbench.replay import replay_knob_names
+
+    given = [_ALIASES.get(n, n) for n in (a.split("=", 1)[0].strip() for a in args.sets)]
+    cannot = sorted({n for n in given if n in Knobs().names()} - replay_knob_names())
+    if cannot:
+        raise InputError(f"a replay cannot change {', '.join(cannot)}: "
+                         f"{'it is a live-run knob' if len(cannot) == 1 else 'live-run knobs'} "
+                         f"(what or where the model computes), and the trace holds the routing "
+                         f"it recorded; replay takes the cache, prefetch and cost-model knobs "
+                         f"and the policies' own (workbench knobs)")
     base = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     knobs = base.set_from_strings(args.sets)
     res = replay_trace(trace, knobs, scope=args.scope, engine=args.engine, belady=args.belady)

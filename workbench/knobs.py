@@ -666,7 +666,12 @@ class Knobs:
             name, text = a.split("=", 1)
             name = name.strip()
             new = _ALIASES.get(name, name)
-            parsed[name] = _parse(self._owner(new).param[new], new, text)
+            value = _parse(self._owner(new).param[new], new, text)
+            twice = [n for n in parsed if _ALIASES.get(n, n) == new]
+            if twice:  # which one should win is a guess: refuse, naming both
+                raise KnobError(f"knob {new!r} is set twice (--set {twice[0]}=… and --set "
+                                f"{name}={text.strip()[:40]}); give it once")
+            parsed[name] = value
         return self.set(**parsed)
 
     # -- serialisation --------------------------------------------------------------------

@@ -20,6 +20,30 @@ from workbench.replay.engine import replay as _replay
 from workbench.replay.flat import flat_hits
 
 
+#: knob groups whose every knob a replay reads (the rest change what the model computes)
+REPLAY_GROUPS = ("cache", "prefetch", "cost")
+
+
+def replay_knob_names() -> set[str]:
+    """Knobs a trace replay reads: the cache, prefetch and cost-model groups, every knob a
+    registered eviction or prefetch policy declares (e.g. the predictor's ``window`` and
+    ``decay`` for ``vismmoe``), and ``active_evict`` (False to replay a store recorded with
+    it). The others — generation, execution, token compression, ActiveEvict's own knobs,
+    dynamic top-k — change what the model computes, which a recorded trace cannot."""
+    from workbench.knobs import Knobs
+    from workbench.policies.eviction import EVICTION
+    from workbench.policies.prefetch import PREFETCH
+
+    k = Knobs()
+    names = {n for g in REPLAY_GROUPS for n in k.group(g).knob_names()} | {"active_evict"}
+    for reg in (EVICTION, PREFETCH):
+        for policy in reg.available():
+            accepted = reg.params(policy)
+            if accepted is not None:
+                names |= set(accepted) & set(k.names())
+    return names
+
+
 def as_trace(source: Any, **options: Any):
     """A :class:`~workbench.traces.trace.Trace` from a Trace, a run Dataset or a path."""
     import xarray as xr
