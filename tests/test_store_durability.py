@@ -787,3 +787,21 @@ def test_the_workspace_must_be_a_folder_and_auto_names_are_per_process(tmp_path)
     assert name.startswith("run-") and f"-{os.getpid()}-000.zarr" in name
     (ws / name).mkdir()
     assert new_run_name(ws) != name
+
+
+def test_a_store_inside_a_store_is_refused_up_front(tiny_ckpt, tmp_path, capsys):
+    """--store good.zarr/inner.zarr was accepted and then blocked --overwrite good.zarr
+    (issue 26): refused before anything loads, naming the outer store."""
+    from workbench.cli import main
+
+    good = tmp_path / "good.zarr"
+    assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "hi", "--store", str(good),
+                 "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--model", "/nonexistent", "--prompt", "hi", "--store",
+                 str(good / "inner.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert "would be inside the store" in err and str(good) in err, err
+    assert not (good / "inner.zarr").exists()
+    assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "hi", "--store", str(good),
+                 "--overwrite", "--max-new-tokens", "2"]) == 0

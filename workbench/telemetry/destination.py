@@ -185,6 +185,10 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
                              f"exist; remove the link or point it at a run store")
         p = target
     p = Path(os.path.abspath(p))
+    for up in p.parents:  # a store nested in a store would block --overwrite of the outer one
+        if (up / "zarr.json").is_file():
+            raise StoreError(f"store {str(p)!r} would be inside the store {str(up)!r}; a run "
+                             f"store cannot hold another — choose a path outside it")
     if p.exists():
         if not p.is_dir():
             raise StoreError(f"store {str(p)!r} exists and is not a folder; refusing to replace "
