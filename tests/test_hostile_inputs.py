@@ -601,6 +601,12 @@ BROKEN = {
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
     "preprocessor_missing": ("emb", lambda d: [(d / f).unlink() for f in (
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
+    # a config declaring 100 000 layers: refused before anything is built (76 s, 4 GB before)
+    "config_100k_layers": ("tiny", lambda d: _cfg(d, num_hidden_layers=100_000),
+                           ["num_hidden_layers = 100,000", "do not belong together"]),
+    "vision_100k_depth": ("emb", lambda d: _cfg(d, vision_config={
+        **json.loads((d / "config.json").read_text())["vision_config"], "depth": 100_000}),
+        ["vision_config.depth = 100,000", "blocks"]),
     # JSON nested 100 000 deep (RecursionError before issue 26)
     "config_nested": ("tiny", lambda d: (d / "config.json").write_text(
         '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), ["config.json", "nested deeper than 64"]),

@@ -319,6 +319,39 @@ def _quiet_transformers():
         log.setLevel(level)
 
 
+#: config keys that declare a depth, and the tensor-name segment that numbers those layers
+_DEPTH_KEYS = {"num_hidden_layers": "layers", "num_layers": "layers", "depth": "blocks"}
+
+
+def _check_declared_depth(cfg: dict[str, Any], tensors: dict[str, dict[str, Any]],
+                          path: Path) -> None:
+    """Refuse a config.json that declares far more layers than the weights number, before
+    anything is built: ``num_hidden_layers=100000`` took 76 s and 4 GB to build on the meta
+    device before the size check could refuse it. Layers present = the largest index after
+    ``.layers.`` (``.blocks.`` for a vision tower's ``depth``) + 1; refused only past 4 × that
+    + 16 (a gross mismatch, never a real checkpoint)."""
+    import re
+
+    have = {}
+    for seg in set(_DEPTH_KEYS.values()):
+        idx = [int(m.group(1)) for name in tensors
+               for m in [re.search(rf"(?:^|\.){seg}\.(\d+)\.", name)] if m]
+        have[seg] = max(idx) + 1 if idx else 0
+    todo = [("", cfg)]
+    while todo:
+        where, d = todo.pop()
+        for k, v in d.items():
+            if isinstance(v, dict) and where.count(".") < 3:
+                todo.append((f"{where}{k}.", v))
+            elif k in _DEPTH_KEYS and isinstance(v, int) and not isinstance(v, bool):
+                n = have[_DEPTH_KEYS[k]]
+                if v > 4 * n + 16:
+                    raise ModelLoadError(
+                        f"config.json in {str(path)!r} declares {where}{k} = {v:,}, but the "
+                        f"weights number {n:,} {_DEPTH_KEYS[k]}: the config and the weights "
+                        f"do not belong together")
+
+
 def _check_config_size(auto, config, tensors: dict[str, dict[str, Any]], path: Path) -> None:
     """Refuse a config.json that describes a model far bigger than its weights, before
     transformers allocates (and randomly initialises) it: built on the meta device."""
@@ -404,6 +437,7 @@ def load(path: str | Path | None = None, *, dtype: str = "float32",
     tensors: dict[str, dict[str, Any]] = {}
     for f in files:
         tensors.update(read_safetensors_header(f))
+    _check_declared_depth(cfg_dict, tensors, path)
     try:
         with _quiet_transformers():
             config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
