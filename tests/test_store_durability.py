@@ -674,9 +674,9 @@ def test_a_corrupt_chunk_is_an_error_on_read_naming_the_array(tmp_path, good_sto
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    ds = workbench.open_run(store)
+    # per-step counts are read at open (their invariants are checked there), the rest on load
     with pytest.raises(StoreError, match=rf"run store '{store}': .*array '\w+' chunk"):
-        ds.load()
+        workbench.open_run(store).load()
     # no allocation beyond a chunk: the bomb and the sparse file stay on disk
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024
 
@@ -805,3 +805,35 @@ def test_a_store_inside_a_store_is_refused_up_front(tiny_ckpt, tmp_path, capsys)
     assert not (good / "inner.zarr").exists()
     assert main(["run", "--model", str(tiny_ckpt()), "--prompt", "hi", "--store", str(good),
                  "--overwrite", "--max-new-tokens", "2"]) == 0
+
+
+SEMANTIC = {  # array, index, value, what the error says
+    "negative hits": ("hits", (0, 0), -3, "array 'hits' holds -3 at step 0, layer 0; expected a "
+                                          "count ≥ 0"),
+    "huge misses": ("misses", (1, 0), 2**31 - 1, "expected hits + misses at most the layer's"),
+    "negative routed": ("routed_tokens", (0, 0, 0, 0), -1, "array 'routed_tokens' holds -1"),
+    "huge step_tokens": ("step_tokens", (2,), 10**9, "array 'step_tokens' holds 1000000000"),
+    "nan latency": ("latency_measured_s", (0,), float("nan"), "a finite number of seconds"),
+    "inf stall": ("stall_modeled_s", (1,), float("inf"), "a finite number of seconds"),
+    "negative token": ("generated_token", (0,), -7, "a token id ≥ 0, or -1 (none)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SEMANTIC))
+def test_semantic_tampering_is_refused_at_open_naming_the_array(tmp_path, good_store, capsys,
+                                                              case):
+    """Negative counts, impossible lookups, NaN/inf times and negative token ids replayed with
+    exit 0 (a hit rate of 1.0015, issue 26): open_run checks these invariants and names the
+    first one broken; replay exits 2 with it."""
+    import zarr
+
+    store = tmp_path / "run.zarr"
+    shutil.copytree(good_store, store)
+    name, idx, value, fragment = SEMANTIC[case]
+    arr = zarr.open_array(store / name, mode="r+")
+    arr[idx] = value
+    with pytest.raises(StoreError, match=rf"run store '{store}'") as e:
+        workbench.open_run(store)
+    assert fragment in str(e.value), str(e.value)
+    assert main(["replay", str(store), "--set", "cache_slots=4"]) == 2
+    assert fragment in capsys.readouterr().err

@@ -421,7 +421,52 @@ def open_run(path: str | Path) -> xr.Dataset:
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
     ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
+    _check_semantics(path, ds)
     return ds
+
+
+#: per-step and per-(step, layer) arrays that count something (≥ 0)
+_COUNTS = ("step_tokens", "hits", "misses", "loads", "evictions", "pinned_accesses",
+           "pre_evictions", "prefetches", "host_runs", "topk_used", "routed_tokens")
+#: per-step and per-(step, layer) times (finite, ≥ 0)
+_TIMES = ("step_start_s", "latency_measured_s", "latency_modeled_s", "stall_measured_s",
+          "stall_modeled_s", "stall_layer_measured_s")
+
+
+def _check_semantics(path: Path, ds: xr.Dataset) -> None:
+    """The invariants a reader can check cheaply (per-step and per-(step, layer) arrays, not the
+    per-token ones), naming the first one broken — a tampered store replayed with exit 0 and
+    gave a hit rate of 1.0015 (issue 26): counts ≥ 0; one layer's lookups in one step (hits +
+    misses) at most its experts; times finite and ≥ 0; a step's tokens at most the tokens
+    recorded; generated tokens ≥ -1 (-1: none)."""
+    def first_bad(name: str, bad: np.ndarray, values: np.ndarray, expected: str) -> None:
+        if bad.any():
+            at = tuple(int(x) for x in np.argwhere(bad)[0])
+            dims = ds[name].dims
+            where = ", ".join(f"{d} {i}" for d, i in zip(dims, at))
+            raise _fail(path, f"array {name!r} holds {values[at].item()!r} at {where}; expected "
+                              f"{expected}")
+
+    for name in _COUNTS:
+        if name in ds:
+            v = np.asarray(ds[name].values)
+            first_bad(name, v < 0, v, "a count ≥ 0")
+    for name in _TIMES:
+        if name in ds:
+            v = np.asarray(ds[name].values, np.float64)
+            first_bad(name, ~np.isfinite(v) | (v < 0), v, "a finite number of seconds ≥ 0")
+    if "hits" in ds and "misses" in ds and "expert" in ds.sizes:
+        e = int(ds.sizes["expert"])
+        look = np.asarray(ds["hits"].values, np.int64) + np.asarray(ds["misses"].values, np.int64)
+        first_bad("misses", look > e, look, f"hits + misses at most the layer's {e} experts "
+                                            f"(distinct lookups of one layer in one step)")
+    if "step_tokens" in ds and "token" in ds.sizes:
+        t = int(ds.sizes["token"])
+        v = np.asarray(ds["step_tokens"].values)
+        first_bad("step_tokens", v > max(t, 1), v, f"at most the {t} tokens the store holds")
+    if "generated_token" in ds:
+        v = np.asarray(ds["generated_token"].values)
+        first_bad("generated_token", v < -1, v, "a token id ≥ 0, or -1 (none)")
 
 
 class _LayerCounts(BackendArray):
