@@ -304,3 +304,30 @@ def test_replay_says_which_knobs_it_cannot_change_and_knobs_are_set_once(tiny_ck
     assert main(["run", "--prompt", "x", "--max-new-tokens", "3", "--set",
                  "max_new_tokens=4"]) == 2
     assert "max_new_tokens is given twice" in capsys.readouterr().err
+
+
+def test_knobs_json_bounds_are_the_ones_enforced(capsys):
+    """knobs --json "bounds" disagreed with "allowed" (missing ceilings, exclusive ends shown as
+    inclusive; issue 26): each end of every range is now tried against the knobs' validation."""
+    from workbench.errors import KnobError
+    from workbench.knobs import Knobs
+
+    assert main(["knobs", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    tried = 0
+    for r in rows:
+        if not r["bounds"]:
+            continue
+        for end, inclusive in zip(r["bounds"], r["inclusive"]):
+            if end is None:
+                continue
+            tried += 1
+            try:
+                Knobs().set(**{r["name"]: end})
+                ok = True
+            except KnobError:
+                ok = False
+            assert ok == inclusive, (r["name"], end, r["allowed"])
+    assert tried > 20
+    by = {r["name"]: r for r in rows}
+    assert by["prefetch_lead"]["bounds"] == [1, 256] and by["beta"]["inclusive"] == [False, True]

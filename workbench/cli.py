@@ -498,15 +498,18 @@ def _dashboard(args) -> int:
 
 
 def _knobs(args) -> int:
-    from workbench.knobs import Knobs
+    from workbench.knobs import Knobs, effective_bounds
 
     k = Knobs()
     rows = []
     for key, group in k.groups.items():
         for name in group.knob_names():
             p = group.param[name]
+            # bounds as enforced (ceilings included; "inclusive" says which ends are allowed):
+            # the data form of "allowed"
+            eb = effective_bounds(p, name) or {"bounds": None, "inclusive": None}
             rows.append({"name": name, "group": key, "default": getattr(group, name),
-                         "type": type(p).__name__, "bounds": getattr(p, "bounds", None),
+                         "type": type(p).__name__, **eb,
                          "objects": list(getattr(p, "objects", []) or []) or None,
                          "allowed": k.allowed(name), "doc": p.doc})
     if args.json:

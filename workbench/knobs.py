@@ -432,6 +432,21 @@ def _int_range(p: param.Parameter, name: str) -> tuple[int | None, int]:
     return (None if lo is None else int(lo)), hi
 
 
+def effective_bounds(p: param.Parameter, name: str) -> dict[str, Any] | None:
+    """The range knob ``name`` accepts as data, the same one :func:`allowed` says in words:
+    ``{"bounds": [lo, hi], "inclusive": [bool, bool]}`` with an integer knob's ceiling
+    (:data:`CEILINGS`) as its upper bound (``None`` = unbounded); None for a knob without a
+    range (choices, booleans, text)."""
+    if isinstance(p, param.Integer):
+        lo, hi = _int_range(p, name)
+        return {"bounds": [lo, None if hi == INT_CEILING else hi], "inclusive": [True, True]}
+    if isinstance(p, param.Number):
+        lo, hi = p.bounds if p.bounds is not None else (None, None)
+        inc = list(getattr(p, "inclusive_bounds", (True, True)))
+        return {"bounds": [lo, hi], "inclusive": inc}
+    return None
+
+
 def allowed(p: param.Parameter, name: str) -> str:
     """What knob ``name`` (parameter ``p``) accepts, in words: "an integer in [1, 256]",
     "a finite number in (0, 1]", "one of lru, lfu", "true or false", … (+ " or none")."""
