@@ -331,3 +331,10 @@ def test_knobs_json_bounds_are_the_ones_enforced(capsys):
     assert tried > 20
     by = {r["name"]: r for r in rows}
     assert by["prefetch_lead"]["bounds"] == [1, 256] and by["beta"]["inclusive"] == [False, True]
+
+
+def test_calibrate_inputs_that_are_folders_are_named_as_such(tmp_path, capsys):
+    """`calibrate --inputs DIR` said "does not exist" (issue 26): it names the real fault."""
+    assert main(["calibrate", "--inputs", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder; --inputs takes image files" in err, err

@@ -58,8 +58,13 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
     out: list[tuple[Any, str]] = []
     for it in items:
         p = Path(it)
+        if p.is_dir():
+            raise InputError(f"input {it!r} is a folder; --inputs takes image files or JSON "
+                             f"lists of {{image, prompt}} (a shell glob such as {it}/*.png "
+                             f"names the images in it)")
         if not p.is_file():
-            raise InputError(f"input {it!r} does not exist")
+            raise InputError(f"input {it!r} does not exist" if not p.exists() else
+                             f"input {it!r} is not a regular file")
         if p.suffix.lower() == ".json":
             if p.stat().st_size > 16 * 2**20:
                 raise InputError(f"input list {it!r} is {p.stat().st_size} bytes; at most "
