@@ -478,8 +478,9 @@ def test_fortran_big_endian_and_unsigned_npy_load_like_plain(tmp_path):
     assert not ref.topk_weights.flags.writeable and np.isnan(ref.topk_weights).all()
 
 
-def test_nan_inf_and_extreme_weights_round_trip_in_wbtrace(tmp_path):
-    w = np.array([[[np.nan, np.inf]], [[-np.inf, np.finfo(np.float32).max]],
+def test_nan_and_extreme_weights_round_trip_in_wbtrace(tmp_path):
+    big = np.finfo(np.float32).max
+    w = np.array([[[np.nan, big]], [[-big, np.finfo(np.float32).max]],
                   [[-0.0, np.finfo(np.float32).smallest_subnormal]]], np.float32)
     tr = Trace(topk_ids=np.array([[[0, 1]], [[2, -1]], [[1, 0]]]), token_step=[0, 1, 1],
                num_experts=3, topk_weights=w)
@@ -685,3 +686,27 @@ def test_a_repeated_expert_in_a_tokens_top_k_is_refused_in_every_format(tmp_path
         p.write_text('{"layer":0,"token_idx":0,"experts":[3,3]}\n')
     with pytest.raises(InputError, match="repeat"):
         as_trace(p, num_experts=4) if fmt == "npy" else as_trace(p)
+
+
+@pytest.mark.parametrize("fmt", ["python", "wbtrace", "jsonl"])
+def test_infinite_weights_are_refused_in_every_format(tmp_path, fmt):
+    """One rule for weights (issue 26): finite, or NaN (none recorded); ±inf refused by every
+    format alike (the JSON-lines reader refused it, .wbtrace and Python traces passed it on)."""
+    from workbench.replay import as_trace
+    from workbench.traces.trace import Trace
+
+    if fmt == "python":
+        with pytest.raises(InputError, match=r"token 1, layer 0, rank 0: weight -inf is not"):
+            Trace(topk_ids=np.array([[[0, 1]], [[2, 1]]]), token_step=[0, 1], num_experts=3,
+                  topk_weights=np.array([[[0.5, 0.5]], [[-np.inf, 1.0]]], np.float32))
+        return
+    p = tmp_path / f"t.{fmt}"
+    if fmt == "wbtrace":
+        p.write_text("wbtrace\tversion=1\tlayers=1\texperts=4\ttop_k=2\n"
+                     "0\t0\tprefill\ttext\t1:0.5,2:inf\n")
+        with pytest.raises(InputError, match="not finite"):
+            as_trace(p)
+    else:
+        p.write_text('{"layer":0,"token_idx":0,"experts":[1,2],"gating_probs":[0.5,1e39]}\n')
+        with pytest.raises(InputError, match="not a finite"):
+            as_trace(p)

@@ -75,7 +75,6 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Union
 import numpy as np
 import param
 
-from workbench import jsonio
 from workbench.errors import KnobError
 
 @dataclass(frozen=True, kw_only=True)
@@ -712,6 +711,8 @@ class Knobs:
         if not isinstance(attrs, Mapping):
             raise KnobError(f"store attributes must be a mapping of 'knob.NAME' to JSON text, "
                             f"not {type(attrs).__name__} ({_show(attrs)})")
+        from workbench import jsonio  # depth-limited JSON (here: knobs stays a leaf at import)
+
         k = cls()
         known = set(k.names())
         attrs = dict(attrs)

@@ -108,6 +108,22 @@ def _distinct_experts(ids: np.ndarray) -> None:
                              f"token's experts at one layer are distinct (-1 = none may repeat)")
 
 
+def _finite_or_none(w: np.ndarray) -> None:
+    """One rule for every format: a combine weight is a finite float32, or NaN (none recorded);
+    ±inf is refused (the JSON-lines reader refused it, the others passed it on). Replay never
+    reads weights; analyses that sum them must not meet inf. Checked chunk by chunk."""
+    if w.ndim != 3 or not w.size or (w.strides and all(st == 0 for st in w.strides)):
+        return  # a constant view (no weights): nothing to check
+    T, L, K = w.shape
+    for a, b in _token_chunks(T, L * K):
+        bad = np.isinf(w[a:b])
+        if bad.any():
+            t, layer, r = (int(x) for x in np.argwhere(bad)[0])
+            raise InputError(f"trace token {a + t}, layer {layer}, rank {r}: weight "
+                             f"{float(w[a + t, layer, r])} is not finite; weights are finite "
+                             f"numbers, or NaN where none was recorded")
+
+
 def _const(value: Any, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A read-only array of ``shape`` holding ``value`` everywhere, costing no memory."""
     return np.broadcast_to(np.asarray(value, dtype), shape)
@@ -179,6 +195,7 @@ class Trace:
             self.kept = _const(True, (T,), bool)
         self.kept = np.asarray(self.kept, bool)
         self.topk_weights = np.asarray(self.topk_weights, np.float32)
+        _finite_or_none(self.topk_weights)
         self.token_modality = _ints(self.token_modality, np.int8, "token_modality")
         self.phase = _ints(self.phase, np.int8, "phase")
         self.step_request = _ints(self.step_request, np.int32, "step_request")
