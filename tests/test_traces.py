@@ -135,8 +135,9 @@ def traces(draw) -> Trace:
                 if ids[t, layer, r] in seen:
                     ids[t, layer, r] = -1
                 seen.add(int(ids[t, layer, r]))
+    # the trace rule for weights: finite, or NaN (none recorded)
     w = draw(arrays(np.float32, (T, L, K), elements=st.floats(width=32, allow_nan=True,
-                                                              allow_infinity=True)))
+                                                              allow_infinity=False)))
     grow = draw(st.lists(st.integers(0, 1), min_size=max(T - 1, 0), max_size=max(T - 1, 0)))
     token_step = np.r_[0, np.cumsum(grow)][:T] if T else np.zeros(0)
     S = int(token_step[-1]) + 1 if T else 0
