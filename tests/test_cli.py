@@ -338,3 +338,14 @@ def test_calibrate_inputs_that_are_folders_are_named_as_such(tmp_path, capsys):
     assert main(["calibrate", "--inputs", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "is a folder; --inputs takes image files" in err, err
+
+
+def test_an_over_long_prompt_is_one_line(embedded_dir):
+    """transformers printed "Token indices sequence length is longer…" before our error
+    (issue 26): the error is the only line."""
+    # a subprocess: transformers' log handler writes to the stderr it found at import
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "run", "--model",
+                           str(embedded_dir), "--prompt", "red " * 20000, "--no-record"],
+                          capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "exceeds the model's context" in err[0], err

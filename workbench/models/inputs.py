@@ -18,6 +18,8 @@ rather than clipped); an animated image gives its first frame. Anything else rai
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import re
@@ -73,6 +75,22 @@ def _label(img: Any, i: int | None = None) -> str:
     if isinstance(img, Image.Image):
         return "in-memory image" + (f" #{i + 1}" if i is not None else "")
     return f"image {str(img)!r}"
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' logger at ERROR (its load report and warnings become our own errors and
+    notes; a long prompt's "Token indices sequence length…" line, printed before our own
+    one-line error, too) and Python warnings ignored."""
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -285,10 +303,12 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
         text = prompt
     if images:
         try:
-            if lm.processor is not None:
-                tensors = dict(lm.processor(images=images, text=[text], return_tensors="pt"))
-            else:
-                tensors = _encode_with_image_processor(lm, text, images)
+            with quiet_transformers():  # the context check below says it in one line
+                if lm.processor is not None:
+                    tensors = dict(lm.processor(images=images, text=[text],
+                                                return_tensors="pt"))
+                else:
+                    tensors = _encode_with_image_processor(lm, text, images)
         except InputError:
             raise
         except Exception as e:
@@ -297,7 +317,8 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
                 f"the image processor of model {lm.model_id!r} ({type(ip).__name__}) refused "
                 f"{', '.join(labels)}: {_one_line(e)}") from None
     else:
-        tensors = dict(tok([text], return_tensors="pt"))
+        with quiet_transformers():
+            tensors = dict(tok([text], return_tensors="pt"))
     _check_placeholders(lm, tensors, tok)
     tensors = {k: v.to(lm.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     if "pixel_values" in tensors:

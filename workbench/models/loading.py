@@ -31,7 +31,6 @@ What :func:`load` checks, so that a broken checkpoint never runs with made-up we
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -39,7 +38,6 @@ import math
 import os
 import stat
 import struct
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +48,7 @@ from workbench import jsonio
 from workbench.errors import ModelLoadError
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.inputs import _one_line
+from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
 #: largest config.json read (a real one is a few kB)
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -304,19 +303,6 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers' logger at ERROR (its load report and warnings become our own errors and
-    notes) and Python warnings ignored."""
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        log.setLevel(level)
 
 
 #: config keys that declare a depth, and the tensor-name segment that numbers those layers
