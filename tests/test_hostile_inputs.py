@@ -1278,3 +1278,25 @@ def test_wbtrace_cost_spec_that_overflows_is_refused(tmp_path, capsys):
     assert main(["replay", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert "'expert_bytes' = 1.7e+308" in err and "internal error" not in err
+
+
+def test_a_wrong_image_token_id_names_the_config_not_the_prompt(embedded_dir, tmp_path):
+    """A config whose image_token_id is wrong was reported as "the prompt contains the model's
+    image placeholder None" (issue 26): the fault named is the config's."""
+    d = tmp_path / "m"
+    shutil.copytree(embedded_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    for bad in (7, 10**6):  # another token (the real one is 5), and no token at all
+        cfg["image_token_id"] = bad
+        (d / "config.json").write_text(json.dumps(cfg))
+        try:
+            lm = workbench.load(d, device="cpu")
+        except ModelLoadError:
+            continue  # refused at load: also a clear error
+        from workbench.models.inputs import Request, build_inputs
+
+        with pytest.raises(InputError) as e:
+            build_inputs(lm, Request("what color is the triangle?",
+                                     [str(embedded_dir.parent / "demo" / "scene_0.png")]), 4)
+        msg = one_line(e.value)
+        assert f"image_token_id {bad}" in msg and "the prompt contains" not in msg, msg

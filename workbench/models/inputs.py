@@ -377,7 +377,18 @@ def _check_placeholders(lm, tensors: dict, tok) -> None:
             merge = int(getattr(ip, "merge_size", 1) or 1)
             expected = int(tensors["image_grid_thw"].prod(-1).sum().item()) // (merge * merge)
         if found != expected:
-            name = tok.convert_ids_to_tokens(int(token_id))
+            try:
+                name = tok.convert_ids_to_tokens(int(token_id))
+            except Exception:  # an id the tokenizer cannot even look up
+                name = None
+            if name is None or (has_images and found < expected):
+                # the processor put its placeholders, but not under this id: the config's
+                # token id and the tokenizer disagree (not the prompt's fault)
+                raise InputError(
+                    f"model {lm.model_id!r}: its config's {what}_token_id {int(token_id)} "
+                    f"({'not a token of its tokenizer' if name is None else repr(name)}) is "
+                    f"not the placeholder its processor inserts ({found} found where the images "
+                    f"give {expected}); config.json and the tokenizer do not belong together")
             raise InputError(f"the prompt contains the model's {what} placeholder {name!r} "
                              f"itself ({found} {what} tokens where the images give "
                              f"{expected}); remove it: images are passed as images")
@@ -390,8 +401,21 @@ def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> di
     enc = ip(images=images, return_tensors="pt")
     grid = enc["image_grid_thw"]
     merge = int(getattr(ip, "merge_size", 1) or 1)
-    placeholder = lm.tokenizer.convert_ids_to_tokens(lm.image_token_id)
+    try:
+        placeholder = lm.tokenizer.convert_ids_to_tokens(int(lm.image_token_id))
+    except Exception:  # an id the tokenizer cannot even look up
+        placeholder = None
+    if not isinstance(placeholder, str) or not placeholder:
+        raise InputError(
+            f"model {lm.model_id!r}: its config's image_token_id {lm.image_token_id} is not a "
+            f"token of its tokenizer; config.json and the tokenizer do not belong together")
     parts = text.split(placeholder)
+    if len(parts) - 1 < len(images):  # the chat template put another placeholder
+        raise InputError(
+            f"model {lm.model_id!r}: its config's image_token_id {lm.image_token_id} "
+            f"({placeholder!r}) is not the placeholder its chat template inserts "
+            f"({len(parts) - 1} found for {len(images)} images); config.json and the tokenizer "
+            f"do not belong together")
     if len(parts) - 1 != len(images):
         raise InputError(f"the prompt contains the model's image placeholder {placeholder!r} "
                          f"itself ({len(parts) - 1} placeholders for {len(images)} images); "
