@@ -452,6 +452,15 @@ def _cfg(d: Path, **changes) -> None:
     (d / "config.json").write_text(json.dumps(c))
 
 
+def _image_std(d: Path, std: list) -> None:
+    """``image_std`` in both places a processor may read it from."""
+    pre = json.loads((d / "preprocessor_config.json").read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps({**pre, "image_std": std}))
+    proc = json.loads((d / "processor_config.json").read_text())
+    proc["image_processor"] = {**proc.get("image_processor", {}), "image_std": std}
+    (d / "processor_config.json").write_text(json.dumps(proc))
+
+
 def _raw(d: Path, data: bytes) -> None:
     (d / "model.safetensors").write_bytes(data)
 
@@ -601,6 +610,9 @@ BROKEN = {
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
     "preprocessor_missing": ("emb", lambda d: [(d / f).unlink() for f in (
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
+    # image_std of zeros: every image becomes inf/NaN (was blamed on the weights)
+    "image_std_zero": ("emb", lambda d: _image_std(d, [0.0, 0.0, 0.0]),
+                       ["image_std is [0.0, 0.0, 0.0]", "each > 0"]),
     # a config declaring 100 000 layers: refused before anything is built (76 s, 4 GB before)
     "config_100k_layers": ("tiny", lambda d: _cfg(d, num_hidden_layers=100_000),
                            ["num_hidden_layers = 100,000", "do not belong together"]),

@@ -461,6 +461,8 @@ def load(path: str | Path | None = None, *, dtype: str = "float32",
     if is_vl:
         processor, image_processor, vnotes = _vision_processors(tf, path)
         notes += vnotes
+        _check_normalisation(image_processor if image_processor is not None else
+                             getattr(processor, "image_processor", None), path)
     image_id = getattr(config, "image_token_id", None) if is_vl else None
     video_id = getattr(config, "video_token_id", None) if is_vl else None
     layout = find_moe_blocks(model)
@@ -546,6 +548,26 @@ def _check_chat_template(tokenizer: Any, path: Path, is_vl: bool) -> None:
     except Exception as e:
         raise ModelLoadError(f"chat template in {str(path)!r} (chat_template.jinja or "
                              f"tokenizer_config.json) is broken: {_one_line(e)}") from None
+
+
+def _check_normalisation(ip: Any, path: Path) -> None:
+    """The image processor divides pixels by ``image_std``: a 0 (or a value that is not a finite
+    number) turns every image into inf/NaN, which the logits guard then blamed on the weights
+    (issue 26). Refused at load, naming the file and the value."""
+    if ip is None:
+        return
+    for name in ("image_mean", "image_std"):
+        v = getattr(ip, name, None)
+        if v is None:
+            continue
+        vals = list(v) if isinstance(v, (list, tuple)) else [v]
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                 for x in vals)
+        if not ok or (name == "image_std" and any(x <= 0 for x in vals)):
+            raise ModelLoadError(
+                f"image processor in {str(path)!r} (preprocessor_config.json): {name} is "
+                f"{vals!r}; it must hold finite numbers" + (", each > 0 (pixels are divided "
+                                                           "by it)" if name == "image_std" else ""))
 
 
 def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
