@@ -368,7 +368,8 @@ def _replay(args) -> int:
     from workbench.replay import replay_knob_names
 
     given = [_ALIASES.get(n, n) for n in (a.split("=", 1)[0].strip() for a in args.sets)]
-    cannot = sorted({n for n in given if n in Knobs().names()} - replay_knob_names())
+    known = set(Knobs().names())  # an unknown name gets its own error (with a suggestion)
+    cannot = sorted({n for n in given if n in known} - replay_knob_names())
     if cannot:
         raise InputError(f"a replay cannot change {', '.join(cannot)}: "
                          f"{'it is a live-run knob' if len(cannot) == 1 else 'live-run knobs'} "

@@ -128,13 +128,17 @@ class ReplayResult:
                 "pinned": self.pinned}
 
 
+def _where(trace: Trace) -> str:
+    """The trace as an error message names it: its format and path."""
+    return f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
+
+
 def _check_replay_memory(trace: Trace) -> None:
     """Refuse, before allocating, a replay whose per-(step, layer) and per-(layer, expert)
     state exceeds the trace memory budget (the one loading and :meth:`Trace.groups` use)."""
     from workbench.traces import limits
 
-    where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
-    limits.check(trace.replay_bytes(), limits.budget(None), f"{where}: replay",
+    limits.check(trace.replay_bytes(), limits.budget(None), f"{_where(trace)}: replay",
                  f"its state ({trace.num_steps:,} steps × {trace.num_layers:,} layers, "
                  f"{trace.num_layers:,} × {trace.num_experts:,} (layer, expert) keys) would")
 
@@ -162,8 +166,8 @@ def _recorded_cost(trace: Trace, spec) -> CostSpec:
     md = RunMetadata.from_attrs({"cost_spec": spec}, strict=False)
     problem = md.problems.get("cost_spec")
     if problem is not None or md.cost_spec is None:
-        where = f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
-        raise InputError(f"{where}: attribute 'cost_spec' is unusable ({str(problem)[:160]}); "
+        raise InputError(f"{_where(trace)}: attribute 'cost_spec' is unusable "
+                         f"({str(problem)[:160]}); "
                          f"replay with --set target_model=NAME to price it instead")
     return md.cost_spec
 

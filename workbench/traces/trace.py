@@ -33,7 +33,7 @@ runtime looks them up in.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -298,9 +298,7 @@ class Trace:
         def remap(arr: np.ndarray | None) -> np.ndarray | None:
             return None if arr is None else lut[np.asarray(arr)]
 
-        import dataclasses
-
-        return dataclasses.replace(
+        return replace(
             self, topk_ids=remap(self.topk_ids), pred_ids=remap(self.pred_ids),
             predicted_ids=remap(self.predicted_ids), num_experts=max(1, len(used)),
             attrs={**self.attrs, "experts_compacted": f"{len(used)} expert ids in use of {E} "
