@@ -606,6 +606,15 @@ BROKEN = {
                                ["tokenizer in"]),
     "chat_template_broken": ("emb", lambda d: (d / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.content "), ["chat template in", "is broken"]),
+    # a template that amplifies (issue 26): bounded in memory, by class, not by operator
+    "chat_template_times": ("emb", lambda d: (d / "chat_template.jinja").write_text(
+        "{{ 'a' * 3000000000 }}"), ["chat template in", "more than 1 GiB of memory"]),
+    "chat_template_join": ("emb", lambda d: (d / "chat_template.jinja").write_text(
+        "{{ range(100000)|join('a' * 100000) }}"), ["chat template in", "of memory"]),
+    "chat_template_width": ("emb", lambda d: (d / "chat_template.jinja").write_text(
+        "{{ '{:>3000000000}'.format('a') }}"), ["chat template in", "of memory"]),
+    "chat_template_long": ("emb", lambda d: (d / "chat_template.jinja").write_text(
+        "{{ 'x' * 20000000 }}"), ["chat template in", "rendered more than 9,437,184 characters"]),
     "preprocessor_garbage": ("emb", lambda d: [(d / f).write_text("{garbage") for f in (
         "preprocessor_config.json", "processor_config.json")], ["image processor in"]),
     "preprocessor_missing": ("emb", lambda d: [(d / f).unlink() for f in (
@@ -1312,3 +1321,53 @@ def test_a_wrong_image_token_id_names_the_config_not_the_prompt(embedded_dir, tm
                                      [str(embedded_dir.parent / "demo" / "scene_0.png")]), 4)
         msg = one_line(e.value)
         assert f"image_token_id {bad}" in msg and "the prompt contains" not in msg, msg
+
+
+def test_a_template_that_loops_on_long_prompts_is_stopped_at_run(embedded_dir, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A template that loops only for prompts over 20 characters passes the load-time check
+    (its prompt is "hello") and hung ``run`` (issue 26): every prompt's rendering is bounded in
+    time, and the CLI says so in one line, exit 2. A template's own error names the model."""
+    d = tmp_path / "m"
+    shutil.copytree(embedded_dir, d)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% for c in m.content %}{% if c.text is defined and "
+        "c.text|length > 20 %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{% endfor %}{% endfor %}{% endif %}{% endfor %}{% endfor %}<|im_start|>assistant\n")
+    monkeypatch.setenv("WORKBENCH_TEMPLATE_SECONDS", "1")
+    lm = workbench.load(d, device="cpu")  # "hello" renders
+    from workbench.models.inputs import Request, build_inputs
+
+    build_inputs(lm, Request("short prompt", []), 2)
+    t0 = time.perf_counter()
+    with pytest.raises(InputError) as e:
+        build_inputs(lm, Request("a prompt of more than twenty characters", []), 2)
+    assert time.perf_counter() - t0 < 15
+    msg = one_line(e.value)
+    assert "chat template of model" in msg and "longer than 1 s" in msg, msg
+    from workbench.cli import main
+
+    rc = main(["run", "--model", str(d), "--prompt", "a prompt of more than twenty characters",
+               "--no-record", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "longer than 1 s" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_bounded_rendering_is_transformers_rendering(embedded):
+    """The bounded renderer runs transformers' own ``apply_chat_template``: same text."""
+    from workbench.models.chat_template import render_chat
+
+    for content in ([{"type": "image"}, {"type": "text", "text": "what colour? ünï"}],
+                    [{"type": "text", "text": "x" * 5000}]):
+        msgs = [{"role": "user", "content": content}]
+        assert render_chat(embedded.tokenizer, msgs) == embedded.tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_template_time_bound_setting_is_checked(monkeypatch):
+    from workbench.models.chat_template import TemplateRenderError, render_seconds
+
+    monkeypatch.setenv("WORKBENCH_TEMPLATE_SECONDS", "-3")
+    with pytest.raises(TemplateRenderError, match="WORKBENCH_TEMPLATE_SECONDS='-3'"):
+        render_seconds()

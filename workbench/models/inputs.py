@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from workbench.errors import InputError
+from workbench.models.chat_template import TemplateRenderError, render_chat
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
 #: largest image file read (bytes)
@@ -293,12 +294,11 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
     if getattr(tok, "chat_template", None):
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
         content.append({"type": "text", "text": prompt})
-        try:
-            text = tok.apply_chat_template([{"role": "user", "content": content}],
-                                           tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template that raises for this prompt
+        try:  # bounded in time, memory and size: the template is the checkpoint's code
+            text = render_chat(tok, [{"role": "user", "content": content}])
+        except TemplateRenderError as e:  # a template that raises (or runs away) on this prompt
             raise InputError(f"the chat template of model {lm.model_id!r} refused the prompt: "
-                             f"{_one_line(e)}") from None
+                             f"{e}") from None
     else:
         text = prompt
     if images:

@@ -47,6 +47,7 @@ import torch
 from workbench import jsonio
 from workbench.errors import ModelLoadError
 from workbench.models.adapter import MoELayout, find_moe_blocks
+from workbench.models.chat_template import TemplateRenderError, render_chat
 from workbench.models.inputs import _one_line
 from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
@@ -541,11 +542,8 @@ def _check_chat_template(tokenizer: Any, path: Path, is_vl: bool) -> None:
     content.append({"type": "text", "text": "hello"})
     try:
         with _quiet_transformers():
-            out = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                tokenize=False, add_generation_prompt=True)
-        if not isinstance(out, str):
-            raise TypeError(f"it rendered a {type(out).__name__}, not text")
-    except Exception as e:
+            render_chat(tokenizer, [{"role": "user", "content": content}])
+    except TemplateRenderError as e:
         raise ModelLoadError(f"chat template in {str(path)!r} (chat_template.jinja or "
                              f"tokenizer_config.json) is broken: {_one_line(e)}") from None
 
