@@ -163,6 +163,50 @@ def test_grouped_kernel_equals_the_python_engine(trace_name, trace, eviction, pr
     assert a.unused_at_end == b.unused_at_end
 
 
+_FIELDS = ("hits", "misses", "pinned_accesses", "prefetch_loads", "prefetch_hits", "evictions",
+           "redundant", "host_runs", "stall_s", "step_latency_s")
+
+
+@pytest.mark.parametrize("eviction,prefetch,scope,pinned,slots", list(_grouped_configs()))
+def test_a_replay_streamed_in_chunks_equals_one_pass(monkeypatch, eviction, prefetch, scope,
+                                                     pinned, slots):
+    """The fast engine streams a trace in chunks of steps, carrying its state (issue 26):
+    chunks of a few accesses — each step its own chunk, steps split nowhere — give every
+    per-(step, layer) output of the one-chunk replay, Belady's future and the previous step
+    of a chunk's plan included; counts kept narrow (uint8) give the same values."""
+    from workbench.replay import engine
+
+    _, trace = list(_traces())[1]  # multi-token steps, unrouted slots
+    kw = dict(eviction=eviction, cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
+              prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b", engine="fast")
+    whole = replay(trace, **kw)
+    for chunk, narrow in ((1, False), (7, True), (50, False)):
+        monkeypatch.setattr(engine, "CHUNK_ACCESSES", chunk)
+        monkeypatch.setattr(engine, "NARROW_CELLS", 0 if narrow else 1 << 22)
+        assert len(trace.step_chunks(chunk)) > 3
+        part = replay(trace, **kw)
+        for name in _FIELDS:
+            a, b = getattr(part, name), getattr(whole, name)
+            assert (a.dtype == np.uint8) == (narrow and name not in ("stall_s",
+                                                                      "step_latency_s")), name
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}, chunks of {chunk}")
+        assert part.unused_at_end == whole.unused_at_end
+        assert part.metrics()["hit_rate"] == whole.metrics()["hit_rate"]
+
+
+def test_step_chunks_cover_every_step_once():
+    _, trace = list(_traces())[1]
+    for n in (1, 5, 64, 10**9):
+        chunks = trace.step_chunks(n)
+        assert chunks[0][0] == 0 and chunks[-1][1] == trace.num_steps
+        assert all(a < b for a, b in chunks)
+        assert all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1))
+    sub = trace.step_slice(3, 9)
+    assert sub.num_steps == 6
+    np.testing.assert_array_equal(sub.topk_ids, trace.topk_ids[np.isin(trace.token_step,
+                                                                       range(3, 9))])
+
+
 @pytest.mark.parametrize("scope,pinned,slots,prefetch", [("global", 1, 10, "oracle"),
                                                         ("per-layer", 0, 18, "none")])
 def test_belady_without_its_tree_equals_the_python_engine(monkeypatch, scope, pinned, slots,

@@ -78,14 +78,12 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     if knob_values:
         knobs = knobs.copy(**knob_values)
-    groups = trace.groups()  # once for the replay and its bound
-    res = _replay(trace, knobs, scope=scope, engine=engine, groups=groups)
+    res = _replay(trace, knobs, scope=scope, engine=engine)
     if belady:
         if knobs.eviction == "belady":
             bound = res
         else:
-            bound = _replay(trace, knobs, scope=scope, groups=groups, hits_only=True,
-                            eviction="belady")
+            bound = _replay(trace, knobs, scope=scope, hits_only=True, eviction="belady")
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False

@@ -15,6 +15,12 @@ it, as the live runtime does (python engine only).
 
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
+
+Memory: the fast engine streams the trace in chunks of steps (:data:`CHUNK_ACCESSES` accesses
+each) through one kernel state, so a replay holds the per-(step, layer) outputs, Belady's
+future (4 bytes an access) and one chunk — not the trace's access groups (a 200 MB ``.npy``:
+6.4 GB before, 0.9 GB, ``benchmarks/bench_trace_memory.py --replay``). :func:`replay_bytes` is
+checked against the trace memory budget before anything is allocated.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from workbench.traces.trace import Groups, Trace
 
 @dataclass
 class ReplayResult:
-    """Outcome of one replay. Per-(step, layer) arrays are ``int64 [steps, layers]``. ``hits``
+    """Outcome of one replay. Per-(step, layer) arrays are ``[steps, layers]`` counts: int64,
+    or on a trace of more than :data:`NARROW_CELLS` (step, layer) cells the narrowest unsigned
+    type that holds them (sum them; do not add two elementwise). ``hits``
     and ``misses`` count expert-cache lookups (offloaded layers); the pinned prefix's accesses
     are in ``pinned_accesses`` — the same split as a run store and the run summary. Times are
     modeled; NaN (``metrics()``: None) when the trace carries no model sizes to price them."""
@@ -133,12 +141,40 @@ def _where(trace: Trace) -> str:
     return f"{trace.attrs.get('source', 'trace')} {trace.attrs.get('path', '')!s}".strip()
 
 
-def _check_replay_memory(trace: Trace) -> None:
-    """Refuse, before allocating, a replay whose per-(step, layer) and per-(layer, expert)
-    state exceeds the trace memory budget (the one loading and :meth:`Trace.groups` use)."""
+#: replay memory per (layer, expert) key, bytes: the kernel's per-key state (8 int64 + 8 uint8
+#: + ready), the hotness policy's ring of recent uses and Belady's per-key offsets
+REPLAY_BYTES_PER_KEY = 640
+#: the python engine's memory per (step, layer), bytes (measured 213 before streaming: its
+#: per-group outputs and per-(step, layer) results; ``bench_trace_memory.py --replay``)
+PYTHON_BYTES_PER_STEP_LAYER = 216
+
+
+def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
+                 hits_only: bool = False) -> int:
+    """Bytes a replay of ``trace`` allocates besides the trace (an upper estimate; the python
+    engine's access groups are checked by :meth:`Trace.groups` itself). The fast engine
+    streams: per (step, layer) its counts and stall (:class:`_Outputs`: 15 bytes when narrow,
+    64 when not), per step 32, per access 4 for Belady's future, per key
+    :data:`REPLAY_BYTES_PER_KEY`, and one chunk's working set (≈ 150 bytes per access of
+    :data:`CHUNK_ACCESSES`). Keys are those in use (:meth:`Trace.compact_experts` first)."""
+    S, L, E = trace.num_steps, trace.num_layers, trace.num_experts
+    keys = L * E * REPLAY_BYTES_PER_KEY
+    if engine != "fast":
+        return S * L * PYTHON_BYTES_PER_STEP_LAYER + keys
+    narrow = S * L > NARROW_CELLS
+    cell = (7 if narrow else 56) + (0 if hits_only else 8)
+    future = 4 * trace.num_tokens * L * trace.top_k if eviction == "belady" else 0
+    return S * L * cell + 32 * S + future + keys + 150 * CHUNK_ACCESSES
+
+
+def _check_replay_memory(trace: Trace, engine: str, hits_only: bool,
+                         eviction: str = "lru") -> None:
+    """Refuse, before allocating, a replay whose state exceeds the trace memory budget (the
+    one loading and :meth:`Trace.groups` use)."""
     from workbench.traces import limits
 
-    limits.check(trace.replay_bytes(), limits.budget(None), f"{_where(trace)}: replay",
+    limits.check(replay_bytes(trace, engine, eviction, hits_only), limits.budget(None),
+                 f"{_where(trace)}: replay",
                  f"its state ({trace.num_steps:,} steps × {trace.num_layers:,} layers, "
                  f"{trace.num_layers:,} × {trace.num_experts:,} (layer, expert) keys) would")
 
@@ -186,19 +222,16 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     those of a priced replay, the times unavailable."""
     if groups is None:  # (a caller with groups built them from a compacted trace)
         trace = trace.compact_experts()
-    _check_replay_memory(trace)
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
+    _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
         st.prices = Prices(st.prices.profile, None)
+    if st.engine == "fast":
+        return _replay_fast(trace, st, hits_only)
     if groups is None:
         groups = trace.groups()
     prices = st.prices
-    # dense work over the tokens that reach each group's layer (pruned tokens skip the layers
-    # behind the pinned prefix)
-    layer_tokens = (groups.layer_tokens if groups.layer_tokens is not None
-                    else groups.step_tokens[groups.step])
-    dense = Prices.many(prices.dense, layer_tokens)
-    comp = Prices.many(prices.expert, groups.expert_tokens)
+    dense, comp = _work(prices, groups)
     k = st.knobs
     pf_ptr, pf_key = plan_prefetch(PREFETCH.create(k.prefetch, **st.values), trace, groups,
                                    st.placement.pinned, k.prefetch_lead, k.prefetch_budget)
@@ -208,16 +241,178 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
                 Prices.many(prices.host, groups.expert_tokens))
     policy_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    if st.engine == "fast":
-        out = _run_fast(groups, dense, comp, st.placement, K.POLICY_CODES[k.eviction],
-                        st.values, pf_ptr, pf_key, prices.transfer, trace.num_steps)
-    else:
-        policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
-        out = _run_python(groups, dense, comp, st.placement,
-                          lambda: _make_policy(k.eviction, policy_knobs, groups, trace),
-                          pf_ptr, pf_key, prices.transfer, trace.num_steps,
-                          stats=policy_stats, host=host)
-    return _result(trace, groups, st, out, time.perf_counter() - t0, policy_stats)
+    policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
+    out = _run_python(groups, dense, comp, st.placement,
+                      lambda: _make_policy(k.eviction, policy_knobs, groups, trace),
+                      pf_ptr, pf_key, prices.transfer, trace.num_steps,
+                      stats=policy_stats, host=host)
+    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
+    acc = _Outputs(trace.num_steps, trace.num_layers, keep_stall=st.prices.available)
+    acc.add(groups.step, groups.layer, (hits, misses, pf_loads, pf_hits, host_runs), stall,
+            g_end, (ev_sl, red_sl), 0, trace.num_steps)
+    return acc.result(trace, st, int(unused), time.perf_counter() - t0, policy_stats)
+
+
+def _work(prices: Prices, groups: Groups) -> tuple[np.ndarray, np.ndarray]:
+    """Modeled seconds of dense work per group (over the tokens that reach its layer: pruned
+    tokens skip the layers behind the pinned prefix) and of expert work per access."""
+    layer_tokens = (groups.layer_tokens if groups.layer_tokens is not None
+                    else groups.step_tokens[groups.step])
+    return (Prices.many(prices.dense, layer_tokens),
+            Prices.many(prices.expert, groups.expert_tokens))
+
+
+#: accesses per chunk of a streamed (fast engine) replay: its working set is ≈ 150 bytes per
+#: access of a chunk, whatever the trace's length
+CHUNK_ACCESSES = 1 << 19
+
+
+def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult:
+    """The compiled replay, streamed over chunks of steps (:meth:`Trace.step_chunks`): each
+    chunk's groups, prefetch plan and prices are built, run through one
+    :class:`~workbench.replay.kernel.KernelState` carried from chunk to chunk, and dropped; only
+    the per-(step, layer) outputs and Belady's future (4 bytes per access) span the trace. A
+    chunk is planned with the step before it (``previous-step`` prefetch reads it), whose
+    groups the previous chunk ran."""
+    k, prices, placement = st.knobs, st.prices, st.placement
+    L, E, S = trace.num_layers, trace.num_experts, trace.num_steps
+    nk = L * E
+    code = K.POLICY_CODES[k.eviction]
+    policy = PREFETCH.create(k.prefetch, **st.values)
+    chunks = trace.step_chunks(CHUNK_ACCESSES)
+    t0 = time.perf_counter()
+    occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
+    G = A = 0
+    if code == K.BELADY:
+        occ_ptr, occ_grp, G, A = _belady_future(trace, chunks, nk)
+    pf_bound = 0 if k.prefetch == "none" else nk if k.prefetch_budget is None else min(
+        nk, int(k.prefetch_budget))
+    window = st.values["hotness_window"]  # ≤ K.RING: the knob's bound
+    state = K.KernelState(nk, placement.pool_slots, code, float(st.values["hotness_decay"]),
+                          window, E, L, G, 2 * A + G * pf_bound + 1,
+                          occ_ptr if code == K.BELADY else None)
+    out = _Outputs(S, L, keep_stall=prices.available and not hits_only)
+    g0 = 0
+    for s0, s1 in chunks:
+        lo = max(s0 - 1, 0)
+        sub = trace.step_slice(lo, s1)
+        groups = sub.groups()
+        pf_ptr, pf_key = plan_prefetch(policy, sub, groups, placement.pinned, k.prefetch_lead,
+                                       k.prefetch_budget)
+        skip = int(np.searchsorted(groups.step, s0 - lo))  # the step before: run already
+        a0, p0 = int(groups.ptr[skip]), int(pf_ptr[skip])
+        dense, comp = _work(prices, groups)
+        g_step = groups.step[skip:].astype(np.int64) + lo
+        g_layer = groups.layer[skip:].astype(np.int64)
+        go, gf, sl = state.run(
+            g_layer, g_step, groups.ptr[skip:] - a0, groups.keys()[a0:], dense[skip:],
+            comp[a0:], placement.pinned, placement.pool_of_layer, occ_ptr, occ_grp,
+            pf_ptr[skip:] - p0, pf_key[p0:], float(prices.transfer), g0, s0, s1 - s0)
+        out.add(g_step, g_layer, (go[K.G_HITS], go[K.G_MISSES], go[K.G_PF_LOADS],
+                                  go[K.G_PF_HITS], None), gf[0], gf[1], sl, s0, s1)
+        g0 += len(g_layer)
+    return out.result(trace, st, state.unused_at_end(), time.perf_counter() - t0, {})
+
+
+def _belady_future(trace: Trace, chunks, nk: int):
+    """Belady's future over the whole trace, chunk by chunk: CSR ``(occ_ptr [keys + 1],
+    occ_grp [accesses])`` of the (global) groups each key occurs in, ascending, int32 where the
+    group count allows; and the trace's group and access counts."""
+    counts = np.zeros(nk + 1, np.int64)
+    sizes = []
+    for s0, s1 in chunks:
+        groups = trace.step_slice(s0, s1).groups()
+        counts[1:] += np.bincount(groups.keys(), minlength=nk)
+        sizes.append(groups.num_groups)
+    occ_ptr = np.cumsum(counts)
+    G, A = int(sum(sizes)), int(occ_ptr[-1])
+    occ_grp = np.zeros(A, np.int32 if G < K.PACK_NEVER else np.int64)
+    fill = occ_ptr[:-1].copy()
+    g0 = 0
+    for (s0, s1), n in zip(chunks, sizes):
+        groups = trace.step_slice(s0, s1).groups()
+        K.fill_occurrences(groups.ptr, groups.keys(), g0, fill, occ_grp)
+        g0 += n
+    return occ_ptr, occ_grp, G, A
+
+
+class _Outputs:
+    """A replay's per-(step, layer) outputs, filled chunk by chunk (or at once).
+
+    Counts are kept int64 while the trace is small; beyond :data:`NARROW_CELLS` (step, layer)
+    cells they start as uint8 and widen only when a value needs it — a 200 MB trace has 25 M
+    cells, 8 bytes each per count was most of its replay's memory (issue 26). Sum them (numpy
+    sums small unsigned ints in 64 bits); do not add two such arrays elementwise."""
+
+    COUNTS = ("hits", "misses", "prefetch_loads", "prefetch_hits", "host_runs", "evictions",
+              "redundant")
+
+    def __init__(self, S: int, L: int, keep_stall: bool):
+        self.S, self.L = S, L
+        dtype = np.uint8 if S * L > NARROW_CELLS else np.int64
+        # np.zeros maps zero pages: a count never written (host runs of the fast engine,
+        # prefetch of a replay without it) costs no memory
+        self.counts = {n: np.zeros(S * L, dtype) for n in self.COUNTS}
+        self.stall = np.zeros(S * L) if keep_stall else None
+        self.step_end = np.zeros(S)
+
+    def _put(self, name: str, idx, values: np.ndarray) -> None:
+        arr = self.counts[name]
+        top = int(values.max()) if values.size else 0
+        if top > np.iinfo(arr.dtype).max:
+            for dt in (np.uint16, np.uint32, np.int64):
+                if top <= np.iinfo(dt).max:
+                    break
+            arr = self.counts[name] = arr.astype(dt)
+        arr[idx] = values
+
+    def add(self, g_step, g_layer, per_group, stall, g_end, per_sl, s0: int, s1: int) -> None:
+        """One chunk: per-group ``(hits, misses, pf_loads, pf_hits, host_runs or None)``,
+        stall and end times; ``per_sl`` (evictions, redundant) over steps ``s0 .. s1-1``."""
+        flat = g_step.astype(np.int64) * self.L + g_layer  # at most one group per cell
+        for name, v in zip(self.COUNTS[:5], per_group):
+            if v is not None:
+                self._put(name, flat, v)
+        for name, v in zip(self.COUNTS[5:], per_sl):
+            self._put(name, slice(s0 * self.L, s1 * self.L), v[:(s1 - s0) * self.L])
+        if self.stall is not None:
+            self.stall[flat] = stall
+        if len(g_step):  # each step's end: its last group's end time
+            last = np.r_[np.flatnonzero(np.diff(g_step)), len(g_step) - 1]
+            self.step_end[g_step[last]] = g_end[last]
+
+    def result(self, trace: Trace, st: "_Settings", unused: int, elapsed: float,
+               policy_stats: dict) -> ReplayResult:
+        S, L = self.S, self.L
+        c = {n: a.reshape(S, L) for n, a in self.counts.items()}
+        pinned = st.placement.pinned
+        # both engines count a pinned layer's accesses as hits per group: split them off
+        hits = c["hits"]
+        pinned_acc = np.zeros_like(hits)
+        pinned_acc[:, pinned] = hits[:, pinned]
+        hits[:, pinned] = 0
+        priced = st.prices.available
+        step_end = np.maximum.accumulate(self.step_end) if S else self.step_end
+        latency = np.diff(np.r_[0.0, step_end])
+        if self.stall is None or not priced:
+            stall = np.broadcast_to(np.float64(np.nan), (S, L))  # no memory
+            latency[:] = np.nan
+        else:
+            stall = self.stall.reshape(S, L)
+        return ReplayResult(
+            config=st.config, hits=hits, misses=c["misses"], pinned_accesses=pinned_acc,
+            prefetch_loads=c["prefetch_loads"], prefetch_hits=c["prefetch_hits"],
+            evictions=c["evictions"], redundant=c["redundant"], host_runs=c["host_runs"],
+            stall_s=stall, step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
+            num_tokens=trace.num_tokens,
+            expert_bytes=st.prices.cost.expert_bytes if priced else float("nan"),
+            transfer_time_s=st.prices.transfer if priced else float("nan"),
+            elapsed_s=elapsed, extra=policy_stats)
+
+
+#: (step, layer) cells above which a replay keeps its counts in the narrowest dtype (64 Mi
+#: cells: 7 int64 counts would be 3.5 GiB)
+NARROW_CELLS = 1 << 22
 
 
 @dataclass
@@ -279,47 +474,6 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
     return _Settings(knobs, values, prices, placement, engine, config)
 
 
-def _result(trace: Trace, groups: Groups, st: _Settings, out: tuple, elapsed: float,
-            policy_stats: dict) -> ReplayResult:
-    """Per-group outputs of either engine → per-(step, layer) arrays and step latencies."""
-    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
-    S, L = trace.num_steps, trace.num_layers
-    flat_sl = groups.step.astype(np.int64) * L + groups.layer  # (step, layer) of each group
-
-    def per_sl(v: np.ndarray) -> np.ndarray:
-        # each (step, layer) has at most one group: a scatter, no accumulation needed
-        m = np.zeros(S * L, v.dtype)
-        m[flat_sl] = v
-        return m.reshape(S, L)
-
-    # step latency: end of the step's last group minus the end of the previous step
-    step_end = np.zeros(S)
-    if groups.num_groups:
-        last = np.r_[np.flatnonzero(np.diff(groups.step)), groups.num_groups - 1]
-        step_end[groups.step[last]] = g_end[last]
-        step_end = np.maximum.accumulate(step_end)
-    latency = np.diff(np.r_[0.0, step_end])
-    pinned = st.placement.pinned
-    hits_sl = per_sl(hits)
-    pinned_acc = np.where(pinned, hits_sl, 0)  # both engines count them as hits per group
-    hits_sl[:, pinned] = 0
-    stall_sl = per_sl(stall)
-    priced = st.prices.available
-    if not priced:
-        stall_sl[:] = np.nan
-        latency[:] = np.nan
-    return ReplayResult(
-        config=st.config, hits=hits_sl, misses=per_sl(misses), pinned_accesses=pinned_acc,
-        prefetch_loads=per_sl(pf_loads), prefetch_hits=per_sl(pf_hits),
-        evictions=ev_sl.reshape(S, L), redundant=red_sl.reshape(S, L),
-        host_runs=per_sl(host_runs), stall_s=stall_sl,
-        step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
-        num_tokens=trace.num_tokens,
-        expert_bytes=st.prices.cost.expert_bytes if priced else float("nan"),
-        transfer_time_s=st.prices.transfer if priced else float("nan"),
-        elapsed_s=elapsed, extra=policy_stats)
-
-
 def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
     """One eviction policy for one pool, given what it asks for (the trace's future for
     Belady, its recorded predictor outputs for slab)."""
@@ -332,6 +486,8 @@ def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
 
 
 def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_key, xfer, S):
+    """Whole ``groups`` through the compiled loop in one chunk (:func:`flat_hits` builds its
+    own groups; a trace replay streams through :func:`_replay_fast`)."""
     L, E = groups.num_layers, groups.num_experts
     nk = L * E
     keys = groups.keys()
@@ -339,12 +495,11 @@ def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf
         occ_ptr, occ_grp = K.occurrences(groups.ptr, keys, nk)
     else:
         occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
-    window = knobs["hotness_window"]  # ≤ K.RING: the knob's bound
     out = K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
                      groups.ptr.astype(np.int64), keys, dense, comp, placement.pinned,
                      placement.pool_of_layer, placement.pool_slots, code,
-                     float(knobs["hotness_decay"]), window, occ_ptr, occ_grp, pf_ptr,
-                     pf_key, float(xfer), nk, E, S, L)
+                     float(knobs["hotness_decay"]), knobs["hotness_window"], occ_ptr, occ_grp,
+                     pf_ptr, pf_key, float(xfer), nk, E, S, L)
     return (*out, np.zeros_like(out[0]))
 
 

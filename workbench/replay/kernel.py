@@ -257,12 +257,13 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
 
 
 @njit(**_HOT)
-def _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
-    """Take victim ``x`` out of ``pool``: booked on its layer in ``sl[0]`` (and in ``sl[1]`` as
+def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
+    """Take victim ``x`` out of ``pool``: booked on its layer of ``sl`` row ``row`` (the step
+    less the chunk's first step) in ``sl[0]`` (and in ``sl[1]`` as
     redundant if never used); returns the slot it frees for Belady (-1 for the other policies,
     whose slot bookkeeping is the LRU list or the resident array)."""
     kf[x, RES] = 0
-    c = step * num_layers + x // num_experts
+    c = row * num_layers + x // num_experts
     sl[0, c] += 1
     if kf[x, USED] == 0:
         sl[1, c] += 1
@@ -280,20 +281,21 @@ def _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
 
 
 @njit(**_JIT)
-def _admit(k, g, step, t, policy, pool, num_experts, num_layers, ks, kf, pl, res, tree, ring,
-           hot_pow, window, occ_ptr, occ_grp, sl):
+def _admit(k, g, step, s0, t, policy, pool, num_experts, num_layers, ks, kf, pl, res, tree,
+           ring, hot_pow, window, occ_ptr, occ_grp, sl):
     """``ExpertCache.admit`` for a prefetch: give ``k`` a slot in ``pool``, evicting the
     policy's victim among its unprotected residents if it is full (booked on the victim's layer
     in ``sl[0]``, and in ``sl[1]`` as redundant if it was never used). A prefetched key is not
     protected: Belady gives it its real next use at once. Returns the new access clock, or -1
-    when every resident is protected (nothing changed). The demand path in :func:`_simulate`
-    is the same steps written out around the same :func:`_evict`."""
+    when every resident is protected (nothing changed). ``g``, ``step``: global group and
+    step; ``s0`` the first step of ``sl``'s rows. The demand path in :func:`_simulate` is the
+    same steps written out around the same :func:`_evict`."""
     slot = -1  # Belady: the victim's slot, which k takes
     if pl[pool, OCC] >= pl[pool, CAP]:
         x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
         if x == -1:
             return -1
-        slot = _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
+        slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
     t += 1
     ks[k, LAST] = t
     kf[k, RES] = 1
@@ -317,17 +319,17 @@ def _admit(k, g, step, t, policy, pool, num_experts, num_layers, ks, kf, pl, res
 
 
 @njit(**_JIT)
-def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer, num_experts,
-              num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
-              ready, go, xfer_time):
+def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer,
+              num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr,
+              occ_grp, sl, ready, go, xfer_time):
     """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
     unprotected slot can take), queue their transfers behind the demand misses at ``now``.
-    Returns the new (access clock, transfer-lane free time)."""
+    ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns the new (access clock, transfer-lane free time)."""
     for j in range(pf_ptr[g], pf_ptr[g + 1]):
         k = pf_key[j]
         if kf[k, RES]:
             continue
-        t2 = _admit(k, g, step, t, policy, pool_of_layer[k // num_experts], num_experts,
+        t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], num_experts,
                     num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
                     sl)
         if t2 < 0:
@@ -341,6 +343,86 @@ def _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer,
     return t, xfer_free
 
 
+class KernelState:
+    """The replay's state between chunks of groups: per key (``ks``, ``kf``, ``ready``, the
+    hotness ``ring``), per pool (``pl``, ``res``, Belady's ``tree``) and the clocks (access
+    clock ``t``; modeled compute and transfer lanes). A replay allocates it once and runs its
+    groups through :meth:`run` in one call or in consecutive chunks — the same result, since
+    every group only reads state the groups before it left (tested).
+
+    ``clock_max``: an upper bound of the access clock (lookups + admissions + prefetch
+    candidates) and ``num_groups`` of all groups, for the choice of Belady's tree; ``occ_ptr``:
+    Belady's per-key CSR offsets (see :func:`simulate`), None for the other policies."""
+
+    def __init__(self, num_keys: int, pool_cap: np.ndarray, policy: int, hot_pow: float,
+                 window: int, num_experts: int, num_layers: int, num_groups: int,
+                 clock_max: int, occ_ptr: np.ndarray | None = None):
+        P = pool_cap.shape[0]
+        maxcap = max(1, int(pool_cap.max())) if P else 1
+        self.policy, self.window = policy, int(window)
+        self.num_experts, self.num_layers = int(num_experts), int(num_layers)
+        self.ks = np.zeros((num_keys, 8), np.int64)
+        ks = self.ks
+        ks[:, PREV] = ks[:, NEXT] = ks[:, POS] = ks[:, LAST] = -1
+        if occ_ptr is not None:
+            ks[:, OPTR] = occ_ptr[:-1]
+        self.kf = np.zeros((num_keys, 8), np.uint8)
+        self.pl = np.zeros((P, 4), np.int64)
+        self.pl[:, HEAD] = self.pl[:, TAIL] = -1
+        self.pl[:, CAP] = pool_cap
+        self.res = np.full((P, maxcap) if policy != LRU else (1, 1), -1, np.int64)
+        # Belady's winner tree, where its packed priorities fit: next uses < 2^31 - 1, and the
+        # access clock (one tick per lookup and per admission) < 2^32
+        if policy == BELADY and num_groups < PACK_NEVER and clock_max < (1 << 32) - 1:
+            leaves, inner = 8, 1  # at least one level above the leaves (the root is inner)
+            while leaves < maxcap:
+                leaves, inner = leaves * 8, inner + leaves
+            self.tree = np.full((P, inner + leaves), -1, np.int64)  # -1: empty, below every key
+        else:
+            self.tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
+        self.ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
+        self.ready = np.zeros(num_keys, np.float64)
+        self.tick = np.zeros(1, np.int64)     # the access clock t
+        self.lanes = np.zeros(2, np.float64)  # modeled compute lane, transfer lane free at
+        # γ^age for age < window, computed by Python's float pow like the policy class does, so
+        # that both sum identical terms in the same order (ties then break the same way)
+        self.hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
+        n = max(1, num_experts)
+        # a group holds distinct experts of one layer: at most num_experts misses
+        self.bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
+
+    def run(self, g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
+            pool_of_layer, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, g0: int, s0: int,
+            num_steps: int):
+        """Run the groups of one chunk (arrays as in :func:`simulate`; ``g_step`` global steps,
+        ``g0`` the global index of its first group, ``s0`` its first step, ``num_steps`` the
+        steps it spans). Returns ``(go [4, G], gf [2, G], sl [2, num_steps × layers])``."""
+        G = g_layer.shape[0]
+        go = np.zeros((4, G), np.int64)
+        gf = np.zeros((2, G), np.float64)  # stall, end time
+        sl = np.zeros((2, num_steps * self.num_layers), np.int64)  # evictions, redundant
+        _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
+                  pool_of_layer, np.int64(self.policy), self.hot_pow, np.int64(self.window),
+                  occ_ptr, occ_grp, pf_ptr, pf_key, np.float64(xfer_time),
+                  np.int64(self.num_experts), np.int64(self.num_layers), self.ks, self.kf,
+                  self.pl, self.res, self.tree, self.ring, self.ready, go, gf, sl, *self.bufs,
+                  np.int64(g0), np.int64(s0), self.tick, self.lanes)
+        return go, gf, sl
+
+    def unused_at_end(self) -> int:
+        """Resident keys never used since they were loaded."""
+        return int(_unused(self.kf))
+
+
+@njit(**_JIT)
+def _unused(kf):
+    n = 0
+    for k in range(kf.shape[0]):
+        if kf[k, RES] and not kf[k, USED]:
+            n += 1
+    return n
+
+
 def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
              pool_cap, policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time,
              num_keys, num_experts, num_steps, num_layers):
@@ -351,61 +433,31 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
     key occurs in, ascending (read by Belady only); ``pf_ptr``/``pf_key``: each group's prefetch
     candidates in order. Returns ``(hits, misses, pf_loads, pf_hits, stall_s, g_end_s)`` per
     group, ``(evictions, redundant)`` per ``step · num_layers + layer`` and the count of
-    resident keys never used at the end. Allocates the state and runs :func:`_simulate`."""
+    resident keys never used at the end: one :class:`KernelState`, one chunk."""
     G = g_layer.shape[0]
-    P = pool_cap.shape[0]
-    maxcap = max(1, int(pool_cap.max())) if P else 1
-    ks = np.zeros((num_keys, 8), np.int64)
-    ks[:, PREV] = ks[:, NEXT] = ks[:, POS] = ks[:, LAST] = -1
-    ks[:, OPTR] = occ_ptr[:-1]
-    kf = np.zeros((num_keys, 8), np.uint8)
-    pl = np.zeros((P, 4), np.int64)
-    pl[:, HEAD] = pl[:, TAIL] = -1
-    pl[:, CAP] = pool_cap
-    res = np.full((P, maxcap) if policy != LRU else (1, 1), -1, np.int64)
-    # Belady's winner tree, where its packed priorities fit: next uses < 2^31 - 1, and the
-    # access clock (one tick per lookup and per admission) < 2^32
-    clock_max = 2 * acc_key.shape[0] + pf_key.shape[0] + 1
-    if policy == BELADY and G < PACK_NEVER and clock_max < (1 << 32) - 1:
-        leaves, inner = 8, 1  # at least one level above the leaves (the root is inner)
-        while leaves < maxcap:
-            leaves, inner = leaves * 8, inner + leaves
-        tree = np.full((P, inner + leaves), -1, np.int64)  # -1: empty, below every key
-    else:
-        tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
-    ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
-    ready = np.zeros(num_keys, np.float64)
-    go = np.zeros((4, G), np.int64)
-    gf = np.zeros((2, G), np.float64)  # stall, end time
-    sl = np.zeros((2, num_steps * num_layers), np.int64)  # evictions, redundant
-    # γ^age for age < window, computed by Python's float pow like the policy class does, so
-    # that both sum identical terms in the same order (ties then break the same way)
-    hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
-    n = max(1, num_experts)
-    # a group holds distinct experts of one layer: at most num_experts misses
-    bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
-    unused = _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
-                       pool_of_layer, np.int64(policy), hot_pow, np.int64(window), occ_ptr,
-                       occ_grp, pf_ptr, pf_key, np.float64(xfer_time), np.int64(num_experts),
-                       np.int64(num_layers), ks, kf, pl, res, tree, ring, ready, go, gf, sl,
-                       *bufs)
+    state = KernelState(num_keys, pool_cap, policy, hot_pow, window, num_experts, num_layers, G,
+                        2 * acc_key.shape[0] + pf_key.shape[0] + 1,
+                        occ_ptr if policy == BELADY else None)
+    go, gf, sl = state.run(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
+                           pool_of_layer, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, 0, 0,
+                           num_steps)
     return (go[G_HITS], go[G_MISSES], go[G_PF_LOADS], go[G_PF_HITS], gf[0], gf[1], sl[0], sl[1],
-            int(unused))
+            state.unused_at_end())
 
 
 @njit(**_JIT)
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
               policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, num_experts,
               num_layers, ks, kf, pl, res, tree, ring, ready, go, gf, sl, miss_buf, adm_buf,
-              miss_comp):
+              miss_comp, g0, s0, tick, lanes):
     G = g_layer.shape[0]
-    num_keys = ks.shape[0]
-    t = 0  # the cache's access clock (ExpertCache.t)
-    now = 0.0  # modeled compute lane
-    xfer_free = 0.0  # modeled transfer lane
+    t = tick[0]  # the cache's access clock (ExpertCache.t)
+    now = lanes[0]  # modeled compute lane
+    xfer_free = lanes[1]  # modeled transfer lane
     bel_tree = policy == BELADY and tree.shape[1] > 1
 
-    for g in range(G):
+    for g in range(G):  # g indexes this chunk's arrays; gg is the group's global index
+        gg = g0 + g
         layer = g_layer[g]
         step = g_step[g]
         a, b = g_ptr[g], g_ptr[g + 1]
@@ -413,16 +465,16 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         if layer_pinned[layer]:
             go[G_HITS, g] = b - a
             if pf_ptr[g + 1] > pf_ptr[g]:
-                t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy,
-                                         pool_of_layer, num_experts, num_layers, ks, kf, pl, res,
-                                         tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
-                                         ready, go, xfer_time)
+                t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key,
+                                         policy, pool_of_layer, num_experts, num_layers, ks, kf,
+                                         pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
+                                         sl, ready, go, xfer_time)
             for i in range(a, b):
                 now += acc_comp[i]
                 if policy == BELADY and kf[acc_key[i], RES]:
                     # a pinned layer's key is never admitted (prefetch plans leave pinned layers
                     # out); should one be resident, its next use still moves on here
-                    _bel_fix(acc_key[i], g, pool_of_layer[layer], ks, tree, occ_ptr, occ_grp)
+                    _bel_fix(acc_key[i], gg, pool_of_layer[layer], ks, tree, occ_ptr, occ_grp)
             gf[1, g] = now
             continue
         pool = pool_of_layer[layer]  # every key of the group is on this layer
@@ -477,14 +529,14 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                         while x != -1 and kf[x, PROT]:
                             x = ks[x, PREV]
                     elif bel_tree:
-                        x = _tree_victim(pool, g, res, tree)
+                        x = _tree_victim(pool, gg, res, tree)
                     else:
-                        x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow,
+                        x = _victim(pool, gg, policy, ks, kf, pl, res, tree, ring, hot_pow,
                                     window, step)
                     if x == -1:
                         break  # every slot holds an expert this layer still needs
-                    slot = _evict(x, step, pool, policy, num_experts, num_layers, ks, kf, pl,
-                                  res, sl)
+                    slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf,
+                                  pl, res, sl)
                 t += 1
                 ks[k, LAST] = t
                 kf[k, RES] = 1
@@ -512,10 +564,10 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 # every miss has a slot: prefetch for the layers ahead (as the live offloader)
                 pf_done = True
                 if pf_ptr[g + 1] > pf_ptr[g]:
-                    t, xfer_free = _prefetch(g, step, now, t, xfer_free, pf_ptr, pf_key, policy,
-                                             pool_of_layer, num_experts, num_layers, ks, kf, pl,
-                                             res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
-                                             sl, ready, go, xfer_time)
+                    t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr,
+                                             pf_key, policy, pool_of_layer, num_experts,
+                                             num_layers, ks, kf, pl, res, tree, ring, hot_pow,
+                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time)
             if not hits_done:
                 hits_done = True
                 if nh:
@@ -524,13 +576,13 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                         if kf[k, MISS] == 0:
                             kf[k, PROT] = 0
                             if policy == BELADY:
-                                _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp)
+                                _bel_fix(k, gg, pool, ks, tree, occ_ptr, occ_grp)
                 continue
             if done_adm < na:
                 k = adm_buf[done_adm]
                 kf[k, PROT] = 0
                 if policy == BELADY:
-                    _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp)
+                    _bel_fix(k, gg, pool, ks, tree, occ_ptr, occ_grp)
                 done_adm += 1
                 continue
             break
@@ -555,11 +607,9 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             now += miss_comp[j]
         gf[0, g] = stall
         gf[1, g] = now
-    unused_end = 0
-    for k in range(num_keys):
-        if kf[k, RES] and not kf[k, USED]:
-            unused_end += 1
-    return unused_end
+    tick[0] = t
+    lanes[0] = now
+    lanes[1] = xfer_free
 
 
 # -- Belady's future, built in O(accesses) ----------------------------------------------------
@@ -585,6 +635,24 @@ def occurrences(g_ptr: np.ndarray, acc_key: np.ndarray, num_keys: int):
     grp = np.zeros(acc_key.shape[0], np.int64)
     _occurrences(np.asarray(g_ptr, np.int64), np.asarray(acc_key, np.int64), num_keys, ptr, grp)
     return ptr, grp
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _fill_occ(g_ptr, acc_key, g0, fill, grp):
+    for g in range(g_ptr.shape[0] - 1):
+        for i in range(g_ptr[g], g_ptr[g + 1]):
+            k = acc_key[i]
+            grp[fill[k]] = g0 + g
+            fill[k] += 1
+
+
+def fill_occurrences(g_ptr: np.ndarray, acc_key: np.ndarray, g0: int, fill: np.ndarray,
+                     grp: np.ndarray) -> None:
+    """One chunk of :func:`occurrences` built chunk by chunk: the chunk's groups (global
+    indices from ``g0``) appended to each key's list at ``fill[key]`` (advanced). Chunks in
+    order give each key's list ascending."""
+    _fill_occ(np.asarray(g_ptr, np.int64), np.asarray(acc_key, np.int64), np.int64(g0), fill,
+              grp)
 
 
 # -- flat traces: one key per access, nothing pinned (the libCacheSim / textbook view) ---------

@@ -47,13 +47,6 @@ _CHUNK_SLOTS = 1 << 18   # validation works on ~this many (token, layer, rank) s
 #: (layer, expert) keys above which replay renumbers a trace's expert ids to those in use
 #: (real models have at most ~10⁴: Qwen3-VL-30B 48 × 128)
 COMPACT_KEYS = 1 << 20
-#: replay memory per (step, layer), bytes: measured 213 (peak after replay with the Belady
-#: bound minus peak after groups(), over 6.25 M (step, layer) of a 50 MB .npy;
-#: ``benchmarks/bench_trace_memory.py --replay``)
-REPLAY_BYTES_PER_STEP_LAYER = 216
-#: replay memory per (layer, expert) key, bytes: the kernel's per-key state (8 int64 + 8 uint8),
-#: the hotness policy's ring of recent uses and Belady's next-use pointers
-REPLAY_BYTES_PER_KEY = 640
 
 
 def _token_chunks(T: int, per_token: int):
@@ -304,14 +297,37 @@ class Trace:
             attrs={**self.attrs, "experts_compacted": f"{len(used)} expert ids in use of {E} "
                                                       f"declared, renumbered for replay"})
 
-    def replay_bytes(self) -> int:
-        """Bytes replay allocates besides the access groups (:meth:`groups` checks those), an
-        upper estimate: :data:`REPLAY_BYTES_PER_STEP_LAYER` per (step, layer) — the engine's
-        per-group outputs, the per-(step, layer) results, the Belady bound's pass — and
-        :data:`REPLAY_BYTES_PER_KEY` per (layer, expert) key (:meth:`compact_experts` first,
-        so keys are the ids in use)."""
-        S, L, E = self.num_steps, self.num_layers, self.num_experts
-        return S * L * REPLAY_BYTES_PER_STEP_LAYER + L * E * REPLAY_BYTES_PER_KEY
+    def step_chunks(self, accesses: int) -> list[tuple[int, int]]:
+        """Consecutive step ranges ``[(s0, s1), …]`` covering every step, each routing about
+        ``accesses`` (token, layer, expert) slots (at least one step each: a step is never
+        split). A streamed replay works through them one at a time."""
+        S = self.num_steps
+        if S == 0:
+            return []
+        routed_per_step, _ = _group_kernels()
+        routed = np.zeros(S, np.int64)
+        routed_per_step(self.topk_ids, self.token_step, routed)
+        ends = np.cumsum(routed)
+        cuts = np.searchsorted(ends, np.arange(accesses, int(ends[-1]), accesses), "right") + 1
+        bounds = np.unique(np.r_[0, np.minimum(cuts, S), S])
+        return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def step_slice(self, s0: int, s1: int) -> "Trace":
+        """Steps ``s0 .. s1-1`` as a trace of their own (steps renumbered from 0), sharing this
+        trace's arrays (views; only ``token_step`` is new). Not checked again: its arrays are
+        parts of this checked trace."""
+        ts = self.token_step
+        a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
+        out = object.__new__(Trace)
+        out.__dict__.update(self.__dict__)
+        for name in ("topk_ids", "topk_weights", "token_modality", "pred_ids", "kept"):
+            arr = getattr(self, name)
+            setattr(out, name, None if arr is None else arr[a:b])
+        out.token_step = (ts[a:b] - np.int32(s0)).astype(np.int32, copy=False)
+        for name in ("phase", "step_request", "predicted_ids", "predicted_scores"):
+            arr = getattr(self, name)
+            setattr(out, name, None if arr is None else arr[s0:s1])
+        return out
 
     # -- access order ----------------------------------------------------------------------
     def groups(self, max_bytes: Any = None) -> "Groups":
