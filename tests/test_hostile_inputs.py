@@ -1366,8 +1366,73 @@ def test_bounded_rendering_is_transformers_rendering(embedded):
 
 
 def test_template_time_bound_setting_is_checked(monkeypatch):
-    from workbench.models.chat_template import TemplateRenderError, render_seconds
+    from workbench.models.chat_template import render_seconds
 
     monkeypatch.setenv("WORKBENCH_TEMPLATE_SECONDS", "-3")
-    with pytest.raises(TemplateRenderError, match="WORKBENCH_TEMPLATE_SECONDS='-3'"):
+    with pytest.raises(InputError, match="WORKBENCH_TEMPLATE_SECONDS='-3'"):
         render_seconds()
+
+
+class _Renderer:
+    """Stands in for a tokenizer's ``apply_chat_template`` (the process mechanics under test:
+    a slow or a crashing renderer), not for its rendering."""
+
+    def __init__(self, seconds: float = 0.0, fail: bool = False):
+        self.seconds, self.fail = seconds, fail
+
+    def apply_chat_template(self, messages, **kw):
+        if self.fail:
+            raise ValueError("boom\nsecond line")
+        time.sleep(self.seconds)
+        return "rendered " + messages[0]["content"]
+
+
+def test_a_render_finishes_on_its_reply_while_another_process_holds_its_pipe(monkeypatch):
+    """A process forked by another thread between this render's pipe() and its close of the
+    write end holds that end open: the render must finish on its complete reply, not wait for
+    EOF until the time bound (review of issue 26). The other holder is simulated by keeping a
+    duplicate of the write end open."""
+    from workbench.models import chat_template as ct
+
+    held: list[int] = []
+    real_pipe = os.pipe
+
+    def leaky_pipe():
+        r, w = real_pipe()
+        held.append(os.dup(w))
+        return r, w
+
+    monkeypatch.setattr(ct.os, "pipe", leaky_pipe)
+    try:
+        t0 = time.perf_counter()
+        for i in range(3):
+            assert ct.render_chat(_Renderer(), [{"role": "user", "content": f"f{i}"}],
+                                  seconds=5) == f"rendered f{i}"
+        assert time.perf_counter() - t0 < 4
+        with pytest.raises(ct.TemplateRenderError, match="longer than 1 s"):
+            ct.render_chat(_Renderer(30.0), [{"role": "user", "content": "s"}], seconds=1)
+        with pytest.raises(ct.TemplateRenderError, match="boom second line"):
+            ct.render_chat(_Renderer(fail=True), [{"role": "user", "content": "x"}])
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_rendering_under_a_hard_address_space_limit(tmp_path):
+    """A process under a hard RLIMIT_AS (ulimit -v) still renders: the child's limit is
+    clamped to the hard one, not raised past it (review of issue 26)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource; from workbench.models.chat_template import render_chat\n"
+        "class R:\n"
+        "    def apply_chat_template(self, m, **k): return 'ok ' + m[0]['content']\n"
+        "from workbench.models.chat_template import _vm_bytes\n"
+        "cap = _vm_bytes() + (512 << 20)  # below the child's own + 1 GiB\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+        "print(render_chat(R(), [{'role': 'user', 'content': 'fine'}]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok fine"

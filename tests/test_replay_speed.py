@@ -19,6 +19,7 @@ import pytest
 
 from conftest import distinct_ids
 
+from workbench.policies.prefetch import PREFETCH
 from workbench.replay import kernel as K
 from workbench.replay.engine import replay
 from workbench.replay.flat import flat_hits
@@ -289,3 +290,55 @@ def test_zipf_generator_is_deterministic_and_routes_distinct_experts():
     s = np.sort(a, axis=-1)
     assert (np.diff(s, axis=-1) > 0).all() and a.min() >= 0 and a.max() < 20
     assert not np.array_equal(a, z.zipf_routing(300, 3, 20, 5, 1.3, seed=10))
+
+
+def test_a_streamed_replay_asks_a_stateful_policy_each_group_once_at_its_global_step(
+        monkeypatch):
+    """A registered prefetch policy sees the trace's own step numbers and every group exactly
+    once, however the replay is chunked (review of issue 26: chunk-local steps changed a
+    policy reading ``ctx.step``)."""
+    from workbench.policies.prefetch import PREFETCH, PrefetchPolicy
+    from workbench.replay import engine
+
+    asked: list[tuple[int, int]] = []
+
+    class EvenSteps(PrefetchPolicy):
+        """previous-step's candidates on even steps only; records what it was asked"""
+
+        def candidates(self, ctx):
+            asked.append((ctx.step, ctx.layer))
+            if ctx.step % 2 or ctx.layer + 1 >= ctx.num_layers:
+                return []
+            return [(ctx.layer + 1, e) for e in ctx.previous(ctx.layer + 1)]
+
+    monkeypatch.setitem(PREFETCH._classes, "even-steps-test", EvenSteps)
+    EvenSteps.name = "even-steps-test"
+    _, trace = list(_traces())[1]
+    kw = dict(eviction="lru", cache_slots=8, pinned_layers=0, prefetch="even-steps-test",
+              target_model="qwen3-vl-30b-a3b", engine="fast")
+    whole = replay(trace, **kw)
+    asked_whole = list(asked)
+    asked.clear()
+    monkeypatch.setattr(engine, "CHUNK_ACCESSES", 7)
+    part = replay(trace, **kw)
+    assert asked == asked_whole  # the same (step, layer) questions, once each, in order
+    assert int(whole.prefetch_loads.sum()) > 0
+    for name in _FIELDS:
+        np.testing.assert_array_equal(getattr(part, name), getattr(whole, name), err_msg=name)
+
+
+def test_the_clock_bound_counts_a_groups_prefetch_candidates_not_every_key():
+    """Belady keeps its winner tree while the access clock fits 32 bits; the bound of a
+    group's prefetch candidates decides it (every key, 6144 for Qwen3-VL, switched the tree off
+    past ~15 k decode steps: 4× slower)."""
+    from workbench.knobs import Knobs
+    from workbench.replay.engine import _candidates_per_group
+
+    E, nk = 128, 48 * 128
+    for pf, lead, budget, want in (("none", 1, None, 0), ("previous-step", 1, None, E),
+                                   ("previous-step", 3, None, 3 * E),
+                                   ("previous-step", 3, 5, 5), ("oracle", 2, None, 2 * E),
+                                   ("vismmoe", 1, None, 20)):
+        k = Knobs(prefetch=pf, prefetch_lead=lead, prefetch_budget=budget)
+        policy = PREFETCH.create(pf, **k.to_dict())
+        assert _candidates_per_group(policy, k, E, nk) == want, pf

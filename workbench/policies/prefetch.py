@@ -155,12 +155,17 @@ def select(candidates, pinned, num_layers: int, num_experts: int, budget: int | 
 
 
 def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lead: int,
-                  budget: int | None) -> tuple[np.ndarray, np.ndarray]:
+                  budget: int | None, step_offset: int = 0, first_group: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Ask ``policy`` at every group of ``trace`` (a :class:`~workbench.traces.trace.Trace`);
     returns CSR ``(ptr[G+1], keys)`` with keys ``layer · E + expert``, at most ``budget`` per
     group (None: unlimited), duplicates and ``pinned`` (always resident) layers removed, order
     kept. ``ctx.predicted`` serves the trace's recorded predictor outputs (when it has them).
-    A policy's ``default_budget`` (if any) stands in for ``budget`` None, as live."""
+    A policy's ``default_budget`` (if any) stands in for ``budget`` None, as live.
+    ``step_offset``: ``trace`` is a slice of a longer one starting at that step
+    (:meth:`Trace.step_slice`); ``ctx.step`` is the step in the whole trace, as live.
+    ``first_group``: groups before it get no candidates and the policy is not asked (a
+    streamed replay's overlap step, asked already: a stateful policy sees each group once)."""
     if budget is None:
         budget = getattr(policy, "default_budget", None)
     if "pred_ids" in policy.needs and trace.pred_ids is None:
@@ -197,6 +202,9 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
     ptr = [0]
     keys: list[int] = []
     for g in range(G):
+        if g < first_group:
+            ptr.append(len(keys))
+            continue
         s, l = int(groups.step[g]), int(groups.layer[g])
         a, b = steps_tokens[s], steps_tokens[s + 1]
 
@@ -205,7 +213,7 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
                 return []
             return ranked_ids(trace.pred_ids[a:b, l, d - 1])
 
-        ctx = PrefetchContext(step=s, layer=l, num_layers=L, lead=lead, pred=pred,
+        ctx = PrefetchContext(step=s + step_offset, layer=l, num_layers=L, lead=lead, pred=pred,
                               previous=lambda layer, s=s: routed(s - 1, layer),
                               future=lambda d, s=s, l=l: routed(s, l + d),
                               predicted=(None if trace.predicted_ids is None

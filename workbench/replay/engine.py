@@ -150,13 +150,15 @@ PYTHON_BYTES_PER_STEP_LAYER = 216
 
 
 def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
-                 hits_only: bool = False) -> int:
+                 hits_only: bool = False, prefetch_lead: int = 0) -> int:
     """Bytes a replay of ``trace`` allocates besides the trace (an upper estimate; the python
     engine's access groups are checked by :meth:`Trace.groups` itself). The fast engine
     streams: per (step, layer) its counts and stall (:class:`_Outputs`: 15 bytes when narrow,
     64 when not), per step 32, per access 4 for Belady's future, per key
     :data:`REPLAY_BYTES_PER_KEY`, and one chunk's working set (≈ 150 bytes per access of
-    :data:`CHUNK_ACCESSES`). Keys are those in use (:meth:`Trace.compact_experts` first)."""
+    :data:`CHUNK_ACCESSES`, and a prefetch plan of ``prefetch_lead`` layers ahead ≈ 48 bytes
+    per access and layer of lead: 0 = no prefetch). Keys are those in use
+    (:meth:`Trace.compact_experts` first)."""
     S, L, E = trace.num_steps, trace.num_layers, trace.num_experts
     keys = L * E * REPLAY_BYTES_PER_KEY
     if engine != "fast":
@@ -164,16 +166,18 @@ def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
     narrow = S * L > NARROW_CELLS
     cell = (7 if narrow else 56) + (0 if hits_only else 8)
     future = 4 * trace.num_tokens * L * trace.top_k if eviction == "belady" else 0
-    return S * L * cell + 32 * S + future + keys + 150 * CHUNK_ACCESSES
+    chunk = (150 + 48 * prefetch_lead) * CHUNK_ACCESSES
+    return S * L * cell + 32 * S + future + keys + chunk
 
 
 def _check_replay_memory(trace: Trace, engine: str, hits_only: bool,
-                         eviction: str = "lru") -> None:
+                         eviction: str = "lru", prefetch_lead: int = 0) -> None:
     """Refuse, before allocating, a replay whose state exceeds the trace memory budget (the
     one loading and :meth:`Trace.groups` use)."""
     from workbench.traces import limits
 
-    limits.check(replay_bytes(trace, engine, eviction, hits_only), limits.budget(None),
+    limits.check(replay_bytes(trace, engine, eviction, hits_only, prefetch_lead),
+                 limits.budget(None),
                  f"{_where(trace)}: replay",
                  f"its state ({trace.num_steps:,} steps × {trace.num_layers:,} layers, "
                  f"{trace.num_layers:,} × {trace.num_experts:,} (layer, expert) keys) would")
@@ -223,11 +227,12 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     if groups is None:  # (a caller with groups built them from a compacted trace)
         trace = trace.compact_experts()
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
-    _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction)
+    _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction,
+                         0 if st.knobs.prefetch == "none" else st.knobs.prefetch_lead)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
         st.prices = Prices(st.prices.profile, None)
-    if st.engine == "fast":
-        return _replay_fast(trace, st, hits_only)
+    if st.engine == "fast":  # builds its own groups, chunk by chunk (``groups`` unused)
+        return _replay_fast(trace.compact_experts(), st, hits_only)
     if groups is None:
         groups = trace.groups()
     prices = st.prices
@@ -285,8 +290,7 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
     G = A = 0
     if code == K.BELADY:
         occ_ptr, occ_grp, G, A = _belady_future(trace, chunks, nk)
-    pf_bound = 0 if k.prefetch == "none" else nk if k.prefetch_budget is None else min(
-        nk, int(k.prefetch_budget))
+    pf_bound = _candidates_per_group(policy, k, E, nk)
     window = st.values["hotness_window"]  # ≤ K.RING: the knob's bound
     state = K.KernelState(nk, placement.pool_slots, code, float(st.values["hotness_decay"]),
                           window, E, L, G, 2 * A + G * pf_bound + 1,
@@ -297,9 +301,9 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
         lo = max(s0 - 1, 0)
         sub = trace.step_slice(lo, s1)
         groups = sub.groups()
-        pf_ptr, pf_key = plan_prefetch(policy, sub, groups, placement.pinned, k.prefetch_lead,
-                                       k.prefetch_budget)
         skip = int(np.searchsorted(groups.step, s0 - lo))  # the step before: run already
+        pf_ptr, pf_key = plan_prefetch(policy, sub, groups, placement.pinned, k.prefetch_lead,
+                                       k.prefetch_budget, step_offset=lo, first_group=skip)
         a0, p0 = int(groups.ptr[skip]), int(pf_ptr[skip])
         dense, comp = _work(prices, groups)
         g_step = groups.step[skip:].astype(np.int64) + lo
@@ -312,6 +316,19 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
                                   go[K.G_PF_HITS], None), gf[0], gf[1], sl, s0, s1)
         g0 += len(g_layer)
     return out.result(trace, st, state.unused_at_end(), time.perf_counter() - t0, {})
+
+
+def _candidates_per_group(policy, k, E: int, nk: int) -> int:
+    """An upper bound of one group's prefetch candidates (for the access clock's bound that
+    decides Belady's tree): the budget (or the policy's default budget), else a built-in's
+    depths × experts, else every key."""
+    if k.prefetch == "none":
+        return 0
+    budget = k.prefetch_budget if k.prefetch_budget is not None else getattr(
+        policy, "default_budget", None)
+    depths = getattr(type(policy), "depths", None)
+    bound = len(list(depths(k.prefetch_lead))) * E if callable(depths) else nk
+    return min(bound, int(budget) if budget is not None else bound, nk)
 
 
 def _belady_future(trace: Trace, chunks, nk: int):
@@ -410,8 +427,8 @@ class _Outputs:
             elapsed_s=elapsed, extra=policy_stats)
 
 
-#: (step, layer) cells above which a replay keeps its counts in the narrowest dtype (64 Mi
-#: cells: 7 int64 counts would be 3.5 GiB)
+#: (step, layer) cells above which a replay keeps its counts in the narrowest dtype (4 Mi
+#: cells: 7 int64 counts would be 224 MiB)
 NARROW_CELLS = 1 << 22
 
 
