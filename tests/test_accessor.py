@@ -458,3 +458,27 @@ def test_visual_tokens_of_a_compressed_run(vismmoe_run):
     del old.attrs["image_grid_thw"]  # as a store written before the grid was recorded
     with pytest.raises(ValueError, match="image_grid_thw"):
         old.moe.visual_tokens()
+
+
+def test_ep_load_per_rank_and_modality_on_a_store(image_store):
+    """Image tokens route to experts 4..7, text to 0..3: with 2 contiguous ranks every image
+    assignment lands on rank 1 and every text one on rank 0 (issue 14)."""
+    ds = image_store
+    load = ds.moe.ep_load(ranks=2, placement="contiguous")
+    assert load.dims == ("step", "layer", "rank") and load.shape == (4, 2, 2)
+    assert int(load.sum()) == int((ds.topk_ids.values >= 0).sum())
+    img = ds.moe.ep_load(ranks=2, placement="contiguous", modality="image")
+    txt = ds.moe.ep_load(ranks=2, placement="contiguous", modality="text")
+    assert int(img[..., 0].sum()) == 0 and int(img.sum()) == 4 * 2 * 2
+    assert int(txt[..., 1].sum()) == 0
+    np.testing.assert_array_equal(load.values, img.values + txt.values)
+    ib = ds.moe.ep_imbalance(ranks=2, placement="contiguous", modality="image")
+    assert float(ib.sel(step=0).max()) == 2.0 and bool(ib.sel(step=1).isnull().all())
+    # round-robin spreads both modalities over both ranks
+    rr = ds.moe.ep_load(ranks=2, placement="round-robin", modality="image")
+    assert int(rr[..., 0].sum()) > 0 and int(rr[..., 1].sum()) > 0
+    s = ds.moe.ep_summary(ranks=2, placement="contiguous")
+    assert s["by_modality"]["image"]["imbalance"] == 2.0
+    assert s["rank_share"] == pytest.approx([20 / 36, 16 / 36])  # text 5×2×2, image 4×2×2
+    with pytest.raises(Exception, match="ep_ranks must be"):
+        ds.moe.ep_load(ranks=9)

@@ -216,7 +216,7 @@ def test_knobs_alone_has_every_group_and_groups_register_once():
     from workbench.knobs import knob_groups, register_group
 
     keys = list(knob_groups())
-    assert keys == ["cache", "prefetch", "cost", "exec", "generation", "active_evict",
+    assert keys == ["cache", "prefetch", "cost", "ep", "exec", "generation", "active_evict",
                     "compression", "predictor"]
     assert list(Knobs().groups) == keys
     # registering a group's class again is harmless; another class under its names is not

@@ -338,14 +338,28 @@ def _run(args) -> int:
         if "started" in streamed:  # end the answer line: the error gets a line of its own
             print(flush=True)
         raise
+    ep = _run_ep(res, knobs)
     if args.json:
-        print(json.dumps(res.to_json()))
+        print(json.dumps({**res.to_json(), **({"ep": ep} if ep is not None else {})}))
     else:
         if "started" not in streamed:
             print("answer: ", end="")
         print()
         print("\n".join(res.summary().splitlines()[1:]))
+        if ep is not None:
+            for a, b in _ep_rows(ep, lambda v, spec: "n/a" if v is None else format(v, spec),
+                                 lambda v: "n/a" if v is None else f"{v * 1e3:.2f} ms"):
+                print(f"{a}: {b}")
     return 0
+
+
+def _run_ep(res, knobs) -> dict | None:
+    """The run's expert-parallel load (``ep_ranks`` > 1, virtual ranks), from its store."""
+    if knobs.ep_ranks <= 1 or not res.store:
+        return None
+    from workbench.telemetry.store import open_run
+
+    return open_run(res.store).moe.ep_summary()
 
 
 def _replay(args) -> int:
@@ -380,9 +394,15 @@ def _replay(args) -> int:
     knobs = base.set_from_strings(args.sets)
     res = replay_trace(trace, knobs, scope=args.scope, engine=args.engine, belady=args.belady)
     m = res.metrics()
+    ep = m.pop("ep", None)  # expert-parallel load (ep_ranks > 1): a section of its own
+    dispatch = m.pop("dispatch", None)  # capacity-aware dispatch (dispatch != topk): likewise
     out = {"trace": str(args.trace), "trace_summary": repr(trace),
            "config": res.config, "metrics": m,
            "labels": {"times": "modeled", "replay_s_measured": "measured"}}
+    if ep is not None:
+        out["ep"] = ep
+    if dispatch is not None:
+        out["dispatch"] = dispatch
     if args.json:
         print(json.dumps(out, default=float))
         return 0
@@ -415,10 +435,35 @@ def _replay(args) -> int:
              ("fetch precision / prefetch recall",
               f"{m['fetch_precision']:.3f} / {m['prefetch_recall']:.3f}"),
              ("replay time (measured)", f"{m['replay_s_measured'] * 1e3:.1f} ms")]
+    if dispatch is not None:
+        rows.append((f"dispatch {dispatch['policy']} (γ0 {dispatch['capacity_factor']:g})",
+                     f"dropped {dispatch['dropped']} of {dispatch['assigned']} assignments "
+                     f"({num(dispatch['drop_rate'], '.1%')}), max expert load "
+                     f"{dispatch['max_expert_load_before']} → "
+                     f"{dispatch['max_expert_load_after']}"))
+    if ep is not None:
+        rows += _ep_rows(ep, num, ms)
     w = max(len(a) for a, _ in rows)
     for a, b in rows:
         print(f"  {a:<{w}}  {b}")
     return 0
+
+
+def _ep_rows(ep: dict, num, ms) -> list[tuple[str, str]]:
+    """The expert-parallel section of ``workbench replay``'s text output."""
+    rows = [(f"EP: {ep['ranks']} ranks, {ep['placement']}",
+             f"imbalance (max/mean) {num(ep['imbalance'], '.3f')} · balancedness (mean/max) "
+             f"{num(ep['balancedness'], '.3f')} · max rank load {ep['max_rank_load']}")]
+    for name, sub in (ep.get("by_modality") or {}).items():
+        rows.append((f"  {name} tokens", f"imbalance {num(sub['imbalance'], '.3f')} · "
+                                        f"balancedness {num(sub['balancedness'], '.3f')}"))
+    if "moe_layer_s_modeled" in ep:
+        rows.append((f"EP MoE layers (modeled, {ep['interconnect']})",
+                     f"dispatch {ms(ep['dispatch_s_modeled'])} + compute "
+                     f"{ms(ep['compute_s_modeled'])} + combine {ms(ep['combine_s_modeled'])}"))
+    elif "compute_s_modeled" in ep:
+        rows.append(("EP compute, slowest rank (modeled)", ms(ep["compute_s_modeled"])))
+    return rows
 
 
 def _info(args) -> int:

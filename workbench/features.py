@@ -15,14 +15,17 @@ its package and add one line to :data:`GROUPS`.
 from __future__ import annotations
 
 from workbench.compression.policies import COMPRESSION, CompressionKnobs
-from workbench.knobs import (CacheKnobs, CostKnobs, ExecKnobs, GenerationKnobs, PrefetchKnobs,
-                             register_group)
+from workbench.knobs import (CacheKnobs, CostKnobs, ExecKnobs, ExpertParallelKnobs,
+                             GenerationKnobs, PrefetchKnobs, register_group)
 from workbench.policies.active_evict import ActiveEvictKnobs
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.predictor import policy as _predictor_policy  # noqa: F401  (prefetch "vismmoe")
 from workbench.predictor.knobs import PredictorKnobs
-from workbench.sim.profiles import available_profiles, available_target_models
+from workbench.sim.dispatch import DISPATCH
+from workbench.sim.placement import EP_PLACEMENT
+from workbench.sim.profiles import (available_interconnects, available_profiles,
+                                    available_target_models)
 
 
 def _target_models() -> list[str]:
@@ -34,6 +37,9 @@ GROUPS = (
     ("cache", CacheKnobs, {"eviction": EVICTION}),
     ("prefetch", PrefetchKnobs, {"prefetch": PREFETCH}),
     ("cost", CostKnobs, {"profile": available_profiles, "target_model": _target_models}),
+    ("ep", ExpertParallelKnobs, {"placement": EP_PLACEMENT,
+                                 "interconnect": available_interconnects,
+                                 "dispatch": DISPATCH}),
     ("exec", ExecKnobs, {}),
     ("generation", GenerationKnobs, {}),
     ("active_evict", ActiveEvictKnobs, {}),

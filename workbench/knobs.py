@@ -277,6 +277,49 @@ class CostKnobs(KnobGroup):
             "loaded model's own sizes.")
 
 
+class ExpertParallelKnobs(KnobGroup):
+    """Expert parallelism (MACS, ReaLB): experts spread over ranks, each MoE layer waits for
+    its most loaded rank. Ranks are virtual (:mod:`workbench.sim.ep`): every routed token is
+    attributed to the rank owning its expert; what the model computes does not change."""
+
+    title = "Expert parallel"
+
+    ep_ranks = param.Integer(
+        default=1, bounds=(1, 4096), softbounds=(1, 64),
+        doc="Expert-parallel ranks the experts of a layer are spread over (1: no EP). At most "
+            "the model's experts per layer.")
+    placement = param.Selector(
+        default="contiguous", objects=["contiguous"],  # the EP placements: workbench.features
+        doc="Which rank owns each expert: 'contiguous' (e on ⌊e·R/E⌋), 'round-robin' (e mod R).")
+    interconnect = param.Selector(
+        default="nvlink-a100", objects=["nvlink-a100"],  # the interconnects: workbench.features
+        doc="GPU-to-GPU link the modeled dispatch and combine all-to-alls cross (see "
+            "docs/hardware-profiles.md, Interconnects).")
+
+    dispatch = param.Selector(
+        default="topk", objects=["topk"],  # the dispatch policies: workbench.features
+        doc="Capacity-aware dispatch: 'topk' keeps the router's choice; 'capacity-drop' (CAI-MoE "
+            "Token Drop) drops an overloaded expert's lowest-scoring tokens (trace replay only "
+            "so far).")
+    capacity_factor = param.Number(
+        default=1.0, bounds=(0.0, 1000.0), inclusive_bounds=(False, True), softbounds=(0.05, 5.0),
+        doc="γ0: each expert's capacity is ⌈γ0 · tokens · k / experts⌉ per (step, layer).")
+    min_capacity = param.Integer(
+        default=1, bounds=(0, None), softbounds=(0, 16),
+        doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")
+
+    def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
+        """Every rank owns at least one expert: ``ep_ranks`` ≤ experts per layer. A dispatch
+        other than ``topk`` changes what the model computes: trace replay only until it runs
+        inside the experts forward."""
+        if shape.num_experts is not None and self.ep_ranks > shape.num_experts:
+            raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
+                            f"per layer (each rank owns at least one), not {self.ep_ranks}")
+        if live and self.dispatch != "topk":
+            raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only so far "
+                            f"(workbench replay, ds.moe.replay); live runs take dispatch=topk")
+
+
 class ExecKnobs(KnobGroup):
     """Where and in which precision the model runs (measured clock)."""
 

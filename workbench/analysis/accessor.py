@@ -595,6 +595,72 @@ class MoEAccessor:
                           attrs={"times": "modeled", **{f"config.{k}": str(v)
                                                          for k, v in res.config.items()}})
 
+    # -- expert parallelism (issue 14) ---------------------------------------------------------
+    def _ep_knobs(self, ranks: int | None, placement: str | None) -> Any:
+        """The run's recorded EP knobs, changed by ``ranks`` / ``placement`` (checked)."""
+        from workbench.knobs import Knobs
+
+        k = Knobs.from_attrs(self._ds.attrs)
+        values = {n: v for n, v in (("ep_ranks", ranks), ("placement", placement))
+                  if v is not None}
+        return k.copy(**values) if values else k
+
+    def ep_load(self, ranks: int | None = None, placement: str | None = None,
+                modality: str | None = None) -> xr.DataArray:
+        """Routed (token, expert) assignments each expert-parallel rank receives, int64
+        ``[step, layer, rank]``, with ``ranks`` ranks under ``placement`` (default: the run's
+        ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
+        are virtual: each assignment goes to the rank owning its expert
+        (:mod:`workbench.sim.ep`)."""
+        from workbench.sim.ep import rank_load
+        from workbench.sim.placement import rank_of_expert
+        from workbench.traces import from_store
+
+        k = self._ep_knobs(ranks, placement)
+        tr = from_store(self._ds)
+        name = self._modality(modality)
+        if name is not None:  # the trace's codes: MODALITIES' order
+            from workbench.replay.ep import _modality_view
+
+            tr = _modality_view(tr, MODALITIES.index(name))
+        R, S, L = int(k.ep_ranks), tr.num_steps, tr.num_layers
+        g = tr.groups()
+        load = rank_load(g.ptr, g.expert, g.expert_tokens,
+                         rank_of_expert(k.placement, tr.num_experts, R), R)
+        out = np.zeros((S, L, R), np.int64)
+        out[g.step, g.layer] = load
+        return xr.DataArray(out, dims=("step", "layer", "rank"),
+                            coords={"step": self._ds["step"].values[:S] if "step" in self._ds
+                                    else np.arange(S), "layer": np.arange(L),
+                                    "rank": np.arange(R)},
+                            name="ep_load", attrs={"units": "token-expert assignments",
+                                                   "placement": k.placement})
+
+    def ep_imbalance(self, ranks: int | None = None, placement: str | None = None,
+                     modality: str | None = None) -> xr.DataArray:
+        """Imbalance max/mean over ranks per ``[step, layer]`` (NaN where nothing was
+        routed); balancedness as vLLM reports it is its inverse."""
+        load = self.ep_load(ranks, placement, modality)
+        mean = load.mean("rank")
+        return (load.max("rank") / mean.where(mean > 0)).rename("ep_imbalance")
+
+    def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
+        """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,
+        balancedness, imbalance ratio, max rank load, per-rank shares, per modality, the
+        modeled EP layer times): :func:`workbench.replay.ep.ep_replay`."""
+        from workbench.replay.engine import _cost
+        from workbench.replay.ep import ep_replay
+        from workbench.sim.costs import Prices
+        from workbench.traces import from_store
+
+        from workbench.knobs import ModelShape
+
+        k = self._ep_knobs(ranks, placement)
+        tr = from_store(self._ds)
+        k.check(ModelShape.of(tr), live=False)
+        cost, prof = _cost(tr, k.profile, k.target_model, None)
+        return ep_replay(tr, k, Prices(prof, cost))
+
 
 def merged_token_cells(grid_thw: Sequence[Sequence[int]], spatial_merge_size: int
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:

@@ -21,7 +21,7 @@ from workbench.replay.flat import flat_hits
 
 
 #: knob groups whose every knob a replay reads (the rest change what the model computes)
-REPLAY_GROUPS = ("cache", "prefetch", "cost")
+REPLAY_GROUPS = ("cache", "prefetch", "cost", "ep")
 
 
 def replay_knob_names() -> set[str]:
@@ -78,7 +78,21 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         knobs = Knobs.from_attrs(trace.attrs) if trace.attrs.get("source") == "store" else Knobs()
     if knob_values:
         knobs = knobs.copy(**knob_values)
+    dispatched = None
+    if knobs.dispatch != "topk":  # capacity-aware dispatch: replay what it leaves routed
+        from workbench.sim.dispatch import DISPATCH, dispatch_trace
+        from workbench.knobs import ModelShape
+
+        knobs.check(ModelShape.of(trace), live=False)
+        trace, dispatched = dispatch_trace(trace, DISPATCH.create(knobs.dispatch,
+                                                                  **knobs.to_dict()))
     res = _replay(trace, knobs, scope=scope, engine=engine)
+    if dispatched is not None:
+        from workbench.telemetry.events import MODALITIES
+
+        res.extra["dispatch"] = {"policy": knobs.dispatch,
+                                 "capacity_factor": knobs.capacity_factor,
+                                 **dispatched.result(MODALITIES)}
     if belady:
         if knobs.eviction == "belady":
             bound = res
@@ -87,6 +101,13 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False
+    if knobs.ep_ranks > 1:  # expert-parallel load (workbench.replay.ep): the same trace
+        from workbench.replay.ep import ep_replay
+        from workbench.replay.engine import _cost
+        from workbench.sim.costs import Prices
+
+        cost, prof = _cost(trace, knobs.profile, knobs.target_model, None)
+        res.extra["ep"] = ep_replay(trace, knobs, Prices(prof, cost))
     return res
 
 

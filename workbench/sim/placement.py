@@ -13,6 +13,12 @@ Layers of the pinned prefix are resident: they are in no pool.
 
 Invariants: ``pool_of_layer[l]`` is a valid pool index for every offloaded layer;
 ``pool_slots[p] ≥ 1``; ``rank_of_pool[p] == 0`` (one device).
+
+**Expert-parallel placement** (:data:`EP_PLACEMENT`, the ``placement`` knob): which of R ranks
+owns each of a layer's E experts — ``contiguous`` (expert e on rank ⌊e·R/E⌋: vLLM's and
+DeepSpeed's default blocks) or ``round-robin`` (e mod R). A registry, like the cache policies:
+EPLB-style placements (issue 15) register beside them. Ranks are virtual today
+(:mod:`workbench.sim.ep`): the expert cache above stays on one device.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.errors import KnobError
+from workbench.policies.registry import Registry
 
 SCOPES = ("global", "per-layer")
 
@@ -80,3 +87,41 @@ class Placement:
             pool_of_layer = np.arange(L, dtype=np.int64)
             pool_slots = np.full(L, max(min(share, E), 1), np.int64)
         return cls(L, E, pinned, pool_of_layer, pool_slots, scope)
+
+
+class EPPlacement:
+    """Base of expert-parallel placements: :meth:`rank_of_expert` maps a layer's experts to
+    ranks. Every rank gets at least one expert when ``ranks ≤ num_experts`` (the knob's rule)."""
+
+    name = ""
+
+    def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+EP_PLACEMENT: Registry[EPPlacement] = Registry("placement", knob="placement")
+
+
+@EP_PLACEMENT.register("contiguous")
+class Contiguous(EPPlacement):
+    """Expert e on rank ⌊e·R/E⌋: blocks of about E/R neighbouring ids (vLLM's default)."""
+
+    def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
+        return (np.arange(num_experts, dtype=np.int64) * ranks) // num_experts
+
+
+@EP_PLACEMENT.register("round-robin")
+class RoundRobin(EPPlacement):
+    """Expert e on rank e mod R: neighbouring ids on different ranks."""
+
+    def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
+        return np.arange(num_experts, dtype=np.int64) % ranks
+
+
+def rank_of_expert(placement: str, num_experts: int, ranks: int) -> np.ndarray:
+    """int64 [E]: the rank owning each expert under EP placement ``placement``;
+    :class:`KnobError` for an unknown name or ``ranks`` outside 1 … ``num_experts``."""
+    if not 1 <= ranks <= num_experts:
+        raise KnobError(f"ep_ranks must be between 1 and the model's {num_experts} experts per "
+                        f"layer (each rank owns at least one), not {ranks}")
+    return EP_PLACEMENT.create(placement).rank_of_expert(num_experts, ranks)

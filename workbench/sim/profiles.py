@@ -36,6 +36,10 @@ __all__ = [
     "get_target_model",
     "available_profiles",
     "available_target_models",
+    "Interconnect",
+    "INTERCONNECTS",
+    "get_interconnect",
+    "available_interconnects",
 ]
 
 # Unit helpers (module-private; figures below are written in the unit their source uses).
@@ -552,6 +556,82 @@ _DEEPSEEK_VL2 = TargetModel(
 )
 
 TARGET_MODELS: dict[str, TargetModel] = {m.name: m for m in (_QWEN3_VL_30B_A3B, _DEEPSEEK_VL2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Interconnects: the links an expert-parallel all-to-all crosses (dispatch and combine)
+# ---------------------------------------------------------------------------------------------
+
+# Achievable fraction of the per-direction peak for an all-to-all of MoE-sized messages.
+# ASSUMPTION (see docs/hardware-profiles.md, "Interconnects"): the same 80 % as the host link.
+_A2A_EFFICIENCY = 0.80
+# Fixed cost of one all-to-all phase (kernel launch + handshake). ASSUMPTION: an order of
+# magnitude, not a vendor figure; intra-node NVLink kernels are reported at ~10 µs scale.
+_A2A_LATENCY = 10 * _US
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A GPU-to-GPU link of an expert-parallel group. ``bandwidth``: bytes/s one GPU can
+    receive (per direction, achievable); ``latency_s``: fixed cost of one all-to-all phase."""
+
+    name: str
+    title: str
+    bandwidth: float
+    latency_s: float
+    sources: tuple[str, ...]
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(f"Interconnect {self.name}", "bandwidth", self.bandwidth)
+        _non_negative(f"Interconnect {self.name}", "latency_s", self.latency_s)
+
+    def all_to_all_s(self, received_bytes: float) -> float:
+        """Modeled seconds of one all-to-all phase whose busiest GPU receives
+        ``received_bytes`` (0 bytes: no phase, 0 s)."""
+        return self.latency_s + received_bytes / self.bandwidth if received_bytes > 0 else 0.0
+
+
+def _nvlink(name: str, title: str, total_gb_s: float, source: str) -> Interconnect:
+    # vendors quote NVLink as the sum of both directions: half of it per direction
+    return Interconnect(name, title, total_gb_s / 2 * _GB * _A2A_EFFICIENCY, _A2A_LATENCY,
+                        (source,), f"{total_gb_s:g} GB/s total (both directions) per GPU, "
+                                   f"half per direction, × {_A2A_EFFICIENCY} achievable")
+
+
+INTERCONNECTS: dict[str, Interconnect] = {i.name: i for i in (
+    _nvlink("nvlink-a100", "NVLink 3 (A100 SXM, NVSwitch)", 600,
+            "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): "
+            "NVLink 600 GB/s"),
+    _nvlink("nvlink-h100", "NVLink 4 (H100 SXM, NVSwitch)", 900,
+            "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/): "
+            "NVLink 900 GB/s (SXM)"),
+    _nvlink("nvlink-h200", "NVLink 4 (H200 SXM, NVSwitch)", 900,
+            "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): "
+            "NVLink 900 GB/s (SXM)"),
+    Interconnect("pcie4", "PCIe 4.0 x16 (peer to peer)", _PCIE4_X16 * _PCIE_EFFICIENCY,
+                 _A2A_LATENCY, ("PCI-SIG PCIe 4.0 base specification: 16 GT/s × 16 lanes, "
+                                "128b/130b → 31.5 GB/s per direction",),
+                 "× 0.8 achievable, as the host link"),
+    Interconnect("pcie5", "PCIe 5.0 x16 (peer to peer)", _PCIE5_X16 * _PCIE_EFFICIENCY,
+                 _A2A_LATENCY, ("PCI-SIG PCIe 5.0 base specification: 32 GT/s × 16 lanes, "
+                                "128b/130b → 63.0 GB/s per direction",),
+                 "× 0.8 achievable, as the host link"),
+)}
+
+
+def available_interconnects() -> list[str]:
+    """Names of the registered interconnects, in the order above (fastest NVLink last)."""
+    return list(INTERCONNECTS)
+
+
+def get_interconnect(name: str) -> Interconnect:
+    """The interconnect registered as ``name``; :class:`KnobError` lists the others."""
+    try:
+        return INTERCONNECTS[name]
+    except (KeyError, TypeError):
+        raise KnobError(f"interconnect {name!r} is unknown; available: "
+                        f"{', '.join(available_interconnects())}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""Expert parallelism, part 1 (issue 14): EP placements, per-rank load and its metrics, the
+modeled EP layer clock, and EP replay of any trace (`workbench replay --set ep_ranks=R`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import distinct_ids
+from workbench.errors import KnobError
+from workbench.knobs import Knobs
+from workbench.replay import replay_trace
+from workbench.sim.ep import EPSummary, group_metrics, layer_times, rank_load
+from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
+from workbench.sim.profiles import INTERCONNECTS, get_interconnect
+from workbench.traces import Trace
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MIXTRAL = SHARED / "data" / "traces" / "mixtral-8x7b-vllm" / "humaneval_2_routing.jsonl"
+needs_mixtral = pytest.mark.skipif(not MIXTRAL.exists(),
+                                   reason=f"the real Mixtral trace is not at {MIXTRAL} "
+                                          "(../shared absent)")
+
+
+def _trace(T=300, L=3, E=16, k=2, seed=0, modality=None) -> Trace:
+    rng = np.random.default_rng(seed)
+    ids = distinct_ids(rng, (T, L, k), E)
+    steps = np.cumsum(rng.random(T) < 0.4)
+    return Trace(topk_ids=ids, token_step=steps - steps[0], num_experts=E,
+                 token_modality=modality)
+
+
+def test_placements_own_every_expert_once_and_every_rank_gets_one():
+    assert set(EP_PLACEMENT.available()) >= {"contiguous", "round-robin"}
+    np.testing.assert_array_equal(rank_of_expert("contiguous", 8, 4), [0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(rank_of_expert("round-robin", 8, 3), [0, 1, 2, 0, 1, 2, 0, 1])
+    for name in EP_PLACEMENT.available():
+        for E, R in ((8, 1), (8, 8), (128, 7), (60, 16)):
+            owner = rank_of_expert(name, E, R)
+            assert owner.shape == (E,) and set(owner.tolist()) == set(range(R))
+    with pytest.raises(KnobError, match="ep_ranks must be between 1 and the model's 8"):
+        rank_of_expert("contiguous", 8, 9)
+    with pytest.raises(KnobError, match="placement must be one of"):
+        rank_of_expert("nope", 8, 2)
+
+
+def test_ep_ranks_above_the_experts_is_refused_naming_both(tmp_path, capsys):
+    from workbench.cli import main
+
+    p = tmp_path / "t.npy"
+    np.save(p, _trace(E=16).topk_ids)
+    assert main(["replay", str(p), "--set", "ep_ranks=17"]) == 2
+    err = capsys.readouterr().err
+    assert "ep_ranks must be at most the model's 16 experts per layer" in err and "17" in err
+    with pytest.raises(KnobError):
+        Knobs(ep_ranks=0)
+
+
+def test_rank_load_equals_a_direct_count():
+    tr = _trace()
+    g = tr.groups()
+    for name in EP_PLACEMENT.available():
+        owner = rank_of_expert(name, tr.num_experts, 4)
+        load = rank_load(g.ptr, g.expert, g.expert_tokens, owner, 4)
+        want = np.zeros((g.num_groups, 4), np.int64)
+        for i, (s, layer) in enumerate(zip(g.step, g.layer)):
+            for e in tr.topk_ids[tr.token_step == s, layer].reshape(-1):
+                if e >= 0:
+                    want[i, owner[e]] += 1
+        np.testing.assert_array_equal(load, want)
+        # every routed (token, expert) lands on exactly one rank
+        assert load.sum() == int((tr.topk_ids >= 0).sum())
+
+
+def test_group_metrics_are_the_literature_ratios():
+    m = group_metrics(np.array([[4, 0], [2, 2], [0, 0], [3, 1]]))
+    np.testing.assert_array_equal(m["used"], [True, True, False, True])
+    np.testing.assert_allclose(m["imbalance"], [2.0, 1.0, 1.5])       # max / mean
+    np.testing.assert_allclose(m["balancedness"], [0.5, 1.0, 2 / 3])  # mean / max
+    np.testing.assert_allclose(m["imbalance_ratio"], [1.0, 0.0, 0.5])  # (max - mean) / mean
+    s = EPSummary(2, "contiguous")
+    s.add(np.array([[4, 0], [2, 2]]))
+    s.add(np.array([[0, 0], [3, 1]]))
+    r = s.result()
+    assert r["groups"] == 3 and r["max_rank_load"] == 4 and r["worst_imbalance"] == 2.0
+    assert r["imbalance"] == pytest.approx(1.5) and r["rank_share"] == [0.75, 0.25]
+    assert r["aggregate_imbalance"] == pytest.approx(9 / 6)
+
+
+def test_modeled_ep_layer_is_dispatch_slowest_rank_combine():
+    link = get_interconnect("nvlink-h100")
+    load = np.array([[6, 2], [4, 4]])
+    comp = np.array([[3e-3, 1e-3], [2e-3, 2e-3]])
+    t = layer_times(load, comp, 4096.0, link)
+    remote = np.array([6, 4]) * 4096.0 * (1 / 2)  # the busiest receiver; half is local
+    assert t["dispatch_s"] == pytest.approx(2 * link.latency_s + remote.sum() / link.bandwidth)
+    assert t["combine_s"] == t["dispatch_s"]
+    assert t["compute_s"] == pytest.approx(5e-3) and t["compute_balanced_s"] == pytest.approx(4e-3)
+    assert t["moe_layer_s"] == pytest.approx(2 * t["dispatch_s"] + 5e-3)
+    assert layer_times(load, None, 4096.0, None) == {}
+    # the interconnects are ordered sensibly: NVLink is faster than PCIe
+    assert INTERCONNECTS["nvlink-h100"].bandwidth > INTERCONNECTS["pcie5"].bandwidth \
+        > INTERCONNECTS["pcie4"].bandwidth
+
+
+def test_ep_replay_streamed_equals_one_chunk_and_splits_by_modality(monkeypatch):
+    from workbench.replay import ep as ep_mod
+
+    rng = np.random.default_rng(3)
+    tr = _trace(T=400, modality=(rng.random(400) < 0.5).astype(np.int8))
+    kw = dict(ep_ranks=4, target_model="qwen3-vl-30b-a3b", belady=False)
+    whole = replay_trace(tr, **kw).extra["ep"]
+    monkeypatch.setattr(ep_mod, "CHUNK_ACCESSES", 5)
+    part = replay_trace(tr, **kw).extra["ep"]
+    for key in ("groups", "max_rank_load", "rank_share", "aggregate_imbalance"):
+        assert part[key] == whole[key], key
+    for key in ("imbalance", "balancedness", "imbalance_ratio", "dispatch_s_modeled",
+                "compute_s_modeled", "moe_layer_s_modeled"):
+        assert part[key] == pytest.approx(whole[key], rel=1e-12), key
+    assert set(whole["by_modality"]) == {"text", "image"}
+    # each modality's groups are a subset's: more skewed, never more groups
+    for sub in whole["by_modality"].values():
+        assert sub["groups"] <= whole["groups"] and sub["imbalance"] >= 1.0
+    assert replay_trace(tr, belady=False).extra.get("ep") is None  # ep_ranks=1: no EP section
+
+
+@needs_mixtral
+def test_ep_replay_of_the_real_mixtral_trace(capsys):
+    """The CLI's JSON carries an ``ep`` section for any trace; the real routing is imbalanced
+    per (step, layer) and balanced over the whole trace."""
+    from workbench.cli import main
+
+    assert main(["replay", str(MIXTRAL), "--set", "ep_ranks=4", "--set",
+                 "target_model=qwen3-vl-30b-a3b", "--json"]) == 0
+    ep = json.loads(capsys.readouterr().out)["ep"]
+    assert ep["ranks"] == 4 and ep["placement"] == "contiguous"
+    assert ep["imbalance"] > 1.0 and 0 < ep["balancedness"] < 1.0
+    assert ep["imbalance_ratio"] == pytest.approx(ep["imbalance"] - 1.0)
+    assert sum(ep["rank_share"]) == pytest.approx(1.0)
+    assert 1.0 <= ep["aggregate_imbalance"] < ep["imbalance"]
+    assert ep["moe_layer_s_modeled"] > ep["compute_s_modeled"] >= ep["compute_balanced_s_modeled"]
+    assert main(["replay", str(MIXTRAL), "--set", "ep_ranks=8"]) == 0
+    out = capsys.readouterr().out
+    assert "EP: 8 ranks, contiguous" in out and "imbalance (max/mean)" in out
+
+
+def test_a_live_run_reports_its_ep_load_from_its_store(embedded_dir, tmp_path, capsys):
+    """Ranks are virtual: ``workbench run --set ep_ranks=R`` computes what it computes with 1,
+    and reports the per-rank load of what it routed, image tokens apart (issue 14)."""
+    from workbench.cli import main
+
+    img = embedded_dir.parent / "demo" / "scene_0.png"
+    args = ["run", "--prompt", "what color is the triangle?", "--image", str(img),
+            "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--store", str(tmp_path / "a.zarr")]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "ep" not in plain
+    assert main([*args, "--store", str(tmp_path / "b.zarr"), "--set", "ep_ranks=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"]  # virtual ranks change nothing computed
+    ep = out["ep"]
+    assert ep["ranks"] == 4 and ep["imbalance"] >= 1.0 and set(ep["by_modality"]) == {
+        "text", "image"}
+    import workbench
+
+    ds = workbench.open_run(tmp_path / "b.zarr")
+    assert ds.moe.ep_summary() == {**ep, "interconnect": ep["interconnect"]}
+    load = ds.moe.ep_load()
+    assert load.sizes["rank"] == 4 and int(load.sum()) == int((ds.topk_ids.values >= 0).sum())

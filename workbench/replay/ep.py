@@ -1,0 +1,68 @@
+"""EP replay: expert-parallel load of any trace, without a model.
+
+``ep_replay(trace, knobs)`` streams the trace in chunks of steps (as the cache replay does),
+attributes every routed (token, expert) of each (step, layer) group to the rank owning the
+expert under ``placement``, and sums the figures of :class:`workbench.sim.ep.EPSummary`: over
+all tokens, and per modality when the trace has more than one. With a cost model it also
+sums the modeled EP layer times (dispatch / compute / combine, MACS Fig. 3); communication
+needs the target model's hidden size (``target_model``), compute any cost model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from workbench.sim.ep import ACTIVATION_BYTES, EPSummary, layer_times, rank_compute_s, rank_load
+from workbench.sim.placement import rank_of_expert
+from workbench.sim.profiles import get_interconnect, get_target_model
+from workbench.sim.costs import Prices
+from workbench.telemetry.events import MODALITIES
+from workbench.traces.trace import Trace
+
+#: accesses per chunk (about): bounds the working set whatever the trace's length
+CHUNK_ACCESSES = 1 << 20
+
+
+def _modality_view(trace: Trace, code: int) -> Trace:
+    """``trace`` with the routing of tokens of other modalities removed (-1): their loads are
+    that modality's alone. One int16 copy of the routing."""
+    ids = np.where((np.asarray(trace.token_modality) == code)[:, None, None],
+                   trace.topk_ids, np.int16(-1))
+    out = trace.step_slice(0, trace.num_steps)
+    out.topk_ids = ids
+    return out
+
+
+def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
+    """EP figures of ``trace`` under ``knobs`` (``ep_ranks``, ``placement``, ``interconnect``,
+    ``target_model``); ``prices``: the replay's :class:`~workbench.sim.costs.Prices` (None or
+    unavailable: loads only). Returns :meth:`EPSummary.result` with ``by_modality`` added
+    when the trace holds more than one modality."""
+    R, E = int(knobs.ep_ranks), trace.num_experts
+    owner = rank_of_expert(knobs.placement, E, R)
+    link = get_interconnect(knobs.interconnect)
+    hidden = (get_target_model(knobs.target_model).hidden_size * ACTIVATION_BYTES
+              if knobs.target_model != "none" else 0.0)
+    priced = prices is not None and prices.available
+
+    def summarize(tr: Trace) -> dict[str, Any]:
+        summary = EPSummary(R, knobs.placement)
+        for s0, s1 in tr.step_chunks(CHUNK_ACCESSES):
+            g = tr.step_slice(s0, s1).groups()
+            load = rank_load(g.ptr, g.expert, g.expert_tokens, owner, R)
+            compute = None
+            if priced:
+                comp = Prices.many(prices.expert, g.expert_tokens)
+                compute = rank_compute_s(g.ptr, g.expert, comp, owner, R)
+            summary.add(load, layer_times(load, compute, hidden, link if hidden else None))
+        return summary.result()
+
+    out = summarize(trace)
+    out["interconnect"] = knobs.interconnect
+    codes = np.unique(np.asarray(trace.token_modality)) if trace.num_tokens else []
+    if len(codes) > 1:
+        out["by_modality"] = {MODALITIES[int(c)]: summarize(
+            _modality_view(trace, int(c))) for c in codes}
+    return out

@@ -1,0 +1,208 @@
+"""Capacity-aware dispatch: which of each token's top-k expert assignments are kept, rerouted or
+dropped when experts have a capacity (issue 14, §3). A registry (:data:`DISPATCH`, the
+``dispatch`` knob), torch-free; trace replay applies it to a trace's routing before the cache
+and EP replays (:func:`dispatch_trace`).
+
+- ``topk`` — the router's choice unchanged (the unconstrained baseline; the default).
+- ``capacity-drop`` — CAI-MoE *Token Drop* (He et al., arXiv 2503.05066): per (step, layer)
+  every expert has capacity C = max(``min_capacity``, ⌈γ0 · T · k / E⌉) assignments, T the
+  step's tokens routed at that layer; an overloaded expert keeps its C highest-scoring
+  assignments and drops the rest.
+
+**Order of an expert's assignments** (who is kept): router score (the trace's combine weight)
+descending, then the slot's rank in the token's top-k (0 = the router's first choice), then
+token index; a weight not recorded (NaN) sorts after every recorded one, so a trace without
+weights is ordered by top-k rank, then token. Deterministic: same trace, same result.
+
+Invariants (property-tested): kept + rerouted + dropped = assigned; no expert holds more than
+its capacity in any (step, layer); a capacity no expert reaches changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workbench.policies.registry import Registry
+
+
+@dataclass
+class DispatchStats:
+    """Assignment counts of a dispatch, summed over (step, layer) groups; ``by_modality``
+    the same per modality code; ``max_expert_load_*`` the largest (step, layer, expert) load
+    before and after (MACS's "max expert load")."""
+
+    assigned: int = 0
+    kept: int = 0
+    rerouted: int = 0
+    dropped: int = 0
+    max_expert_load_before: int = 0
+    max_expert_load_after: int = 0
+    by_modality: dict[int, list[int]] = field(default_factory=dict)  # code → [assigned, dropped, rerouted]
+
+    def result(self, names: tuple[str, ...]) -> dict[str, Any]:
+        a = self.assigned
+        out: dict[str, Any] = {
+            "assigned": a, "kept": self.kept, "rerouted": self.rerouted, "dropped": self.dropped,
+            "drop_rate": self.dropped / a if a else None,
+            "reroute_rate": self.rerouted / a if a else None,
+            "max_expert_load_before": self.max_expert_load_before,
+            "max_expert_load_after": self.max_expert_load_after,
+        }
+        if len(self.by_modality) > 1:
+            out["by_modality"] = {
+                names[c] if c < len(names) else str(c): {
+                    "assigned": v[0], "drop_rate": v[1] / v[0] if v[0] else None,
+                    "reroute_rate": v[2] / v[0] if v[0] else None}
+                for c, v in sorted(self.by_modality.items())}
+        return out
+
+
+class Dispatch:
+    """Base of dispatch policies. :meth:`apply` gets one chunk of tokens (all layers) and
+    returns the routing it dispatches; the base keeps everything (``topk``)."""
+
+    name = ""
+    needs: frozenset[str] = frozenset()
+
+    def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
+              num_experts: int) -> np.ndarray:
+        """``ids`` int16 [T, L, K] (-1: none), ``weights`` float32 [T, L, K] (NaN: none),
+        ``token_step`` [T] non-decreasing (the chunk's steps): the dispatched ids, -1 where an
+        assignment was dropped (a new array; ``ids`` is not changed)."""
+        return ids.copy()
+
+
+DISPATCH: Registry[Dispatch] = Registry("dispatch", knob="dispatch")
+
+
+@DISPATCH.register("topk")
+class TopK(Dispatch):
+    """The router's top-k unchanged: no capacity, nothing dropped."""
+
+
+@DISPATCH.register("capacity-drop")
+class CapacityDrop(Dispatch):
+    """CAI-MoE Token Drop: C = max(min_capacity, ⌈γ0·T·k/E⌉) per expert and (step, layer);
+    the lowest-scoring assignments beyond C are dropped (module docstring)."""
+
+    def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1) -> None:
+        self.capacity_factor = float(capacity_factor)
+        self.min_capacity = int(min_capacity)
+
+    def capacity(self, tokens: np.ndarray, top_k: int, num_experts: int) -> np.ndarray:
+        """Capacity of every expert for groups of ``tokens`` routed tokens."""
+        c = np.ceil(self.capacity_factor * np.asarray(tokens, np.float64) * top_k / num_experts)
+        return np.maximum(c, self.min_capacity).astype(np.int64)
+
+    def apply(self, ids, weights, token_step, num_experts):
+        T, L, K = ids.shape
+        out = ids.copy()
+        if T == 0:
+            return out
+        t, l, r = np.nonzero(ids >= 0)
+        if not len(t):
+            return out
+        e = ids[t, l, r].astype(np.int64)
+        w = weights[t, l, r].astype(np.float64)
+        s = np.asarray(token_step, np.int64)[t]
+        s = s - s.min()
+        nan = np.isnan(w)
+        w = np.where(nan, 0.0, w)
+        # group (step, layer, expert); within it: score desc (NaN last), top-k rank, token
+        seg = (s * L + l) * num_experts + e
+        order = np.lexsort((t, r, -w, nan, seg))
+        seg_sorted = seg[order]
+        start = np.r_[0, np.flatnonzero(np.diff(seg_sorted)) + 1]
+        pos = np.arange(len(order)) - np.repeat(start, np.diff(np.r_[start, len(order)]))
+        # tokens routed at each (step, layer): a token with any assignment there
+        routed = ids >= 0
+        any_routed = routed.any(axis=2)  # [T, L]
+        steps = np.asarray(token_step, np.int64) - int(np.asarray(token_step).min())
+        n_steps = int(steps.max()) + 1
+        per_sl = np.zeros((n_steps, L), np.int64)
+        np.add.at(per_sl, steps, any_routed.astype(np.int64))
+        cap = self.capacity(per_sl, K, num_experts)  # [steps, L]
+        sl = seg_sorted // num_experts
+        drop = pos >= cap.reshape(-1)[sl]
+        d = order[drop]
+        out[t[d], l[d], r[d]] = -1
+        return out
+
+
+def _expert_loads(ids: np.ndarray, token_step: np.ndarray, num_experts: int) -> int:
+    """The largest (step, layer, expert) assignment count of a chunk."""
+    t, l, r = np.nonzero(ids >= 0)
+    if not len(t):
+        return 0
+    s = np.asarray(token_step, np.int64)[t]
+    seg = ((s - s.min()) * ids.shape[1] + l) * num_experts + ids[t, l, r].astype(np.int64)
+    return int(np.bincount(seg).max())
+
+
+def dispatch_trace(trace: Any, policy: Dispatch, chunk_accesses: int = 1 << 20):
+    """``(dispatched trace, DispatchStats)``: ``trace``'s routing through ``policy``, chunk of
+    steps by chunk (capacity is per (step, layer): chunks never split a step). The new trace
+    shares every array but ``topk_ids``; ``topk`` returns the trace itself."""
+    stats = DispatchStats()
+    if isinstance(policy, TopK) or type(policy) is Dispatch:
+        a = int((np.asarray(trace.topk_ids) >= 0).sum())
+        stats.assigned = stats.kept = a
+        return trace, stats
+    E = trace.num_experts
+    out_ids = np.empty_like(trace.topk_ids)
+    ts = np.asarray(trace.token_step)
+    mod = np.asarray(trace.token_modality)
+    for s0, s1 in trace.step_chunks(chunk_accesses):
+        a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
+        ids = trace.topk_ids[a:b]
+        new = policy.apply(ids, np.asarray(trace.topk_weights[a:b]), ts[a:b], E)
+        out_ids[a:b] = new
+        before, after = ids >= 0, new >= 0
+        n_before, n_after = int(before.sum()), int(after.sum())
+        stats.assigned += n_before
+        stats.kept += n_after
+        stats.dropped += n_before - n_after
+        stats.max_expert_load_before = max(stats.max_expert_load_before,
+                                           _expert_loads(ids, ts[a:b], E))
+        stats.max_expert_load_after = max(stats.max_expert_load_after,
+                                          _expert_loads(new, ts[a:b], E))
+        per_tok_before = before.sum(axis=(1, 2))
+        per_tok_drop = per_tok_before - after.sum(axis=(1, 2))
+        for c in np.unique(mod[a:b]):
+            m = mod[a:b] == c
+            v = stats.by_modality.setdefault(int(c), [0, 0, 0])
+            v[0] += int(per_tok_before[m].sum())
+            v[1] += int(per_tok_drop[m].sum())
+    out = trace.step_slice(0, trace.num_steps)
+    out.topk_ids = out_ids
+    out.attrs = {**trace.attrs, "dispatch": policy.name}
+    return out, stats
+
+
+def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
+                   capacity: Any) -> None:
+    """Raise AssertionError naming the first (step, layer, expert) over ``capacity`` (an array
+    [steps, layers] or a number): the invariant the property tests hold."""
+    t, l, r = np.nonzero(ids >= 0)
+    if not len(t):
+        return
+    s = np.asarray(token_step, np.int64)[t]
+    s = s - s.min()
+    L = ids.shape[1]
+    seg = (s * L + l) * num_experts + ids[t, l, r].astype(np.int64)
+    cnt = np.bincount(seg)
+    cap = np.asarray(capacity)
+    limit = cap.reshape(-1)[np.arange(len(cnt)) // num_experts] if cap.ndim else cap
+    over = np.flatnonzero(cnt > limit)
+    if len(over):
+        i = int(over[0])
+        raise AssertionError(f"step {i // num_experts // L}, layer {i // num_experts % L}, "
+                             f"expert {i % num_experts}: {int(cnt[i])} assignments over "
+                             f"capacity")
+
+
+__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "DispatchStats", "dispatch_trace",
+           "check_capacity"]
