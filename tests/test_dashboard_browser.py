@@ -213,6 +213,22 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         assert "lfu" not in names and {"lru", "belady (ceiling)"} <= names
         assert "modeled" in page.locator(".wb-replay-table").first.inner_text()
 
+        # expert parallel: the card's ep_ranks spreads the shown run over virtual ranks (the
+        # EP view redraws from the recorded routing; nothing reruns)
+        assert "ep_ranks = 1" in page.locator(".wb-ep").first.inner_text() or \
+            plots(page)["ep"]["data"] == []
+        page.locator(".wb-card-title", has_text="Expert parallel").first.click()
+        set_number(page, "#sidebar .wb-knob-ep_ranks", 4)
+
+        def ep_bars():
+            e = plots(page).get("ep")
+            bars = [d for d in (e or {}).get("data", []) if d["name"].endswith("tokens")]
+            return bars if bars and len(bars[0]["x"] or []) == 4 else None
+
+        bars = wait_for(ep_bars, 20, "the EP view over 4 ranks")
+        assert {b["name"] for b in bars} == {"text tokens", "image tokens"}
+        assert "EP over 4 ranks" in plots(page)["ep"]["title"]
+
         out = REPO / "test-artifacts"
         out.mkdir(exist_ok=True)
         page.screenshot(path=str(out / "dashboard.png"), full_page=True)

@@ -122,10 +122,102 @@ def test_replay_with_token_drop_reports_drops_and_lowers_the_straggler(tmp_path,
     assert out["dispatch"]["policy"] == "capacity-drop" and out["dispatch"]["dropped"] >= 0
 
 
-def test_live_runs_refuse_a_dispatch_until_it_runs_inside_the_model():
-    from workbench.knobs import ModelShape
+# -- live: inside the real experts forward -----------------------------------------------------
+import math  # noqa: E402
+import time  # noqa: E402
 
-    k = Knobs(dispatch="capacity-drop")
-    with pytest.raises(KnobError, match="dispatch 'capacity-drop'"):
-        k.check(ModelShape(num_layers=4, top_k=2, num_experts=8), live=True)
-    k.check(ModelShape(num_layers=4, top_k=2, num_experts=8), live=False)
+import torch  # noqa: E402
+
+from workbench.models.adapter import find_moe_blocks  # noqa: E402
+from workbench.models.tiny import (TINY_ARCHITECTURES, greedy_outputs, tiny_inputs,  # noqa: E402
+                                   tiny_model)
+from workbench.policies.eviction import EVICTION  # noqa: E402
+from workbench.runtime.offload import Offloader, StepProbe  # noqa: E402
+
+
+def _offloader(layout, slots, pinned, dispatch, probe=None):
+    return Offloader(layout, slots, pinned, EVICTION.create("lru"), "cpu",
+                     probe or StepProbe(time.perf_counter()), dispatch=dispatch)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_live_token_drop_with_room_for_everyone_equals_topk_exactly(arch):
+    """A capacity no expert reaches changes nothing on every supported architecture,
+    offloaded and pinned layers alike: the same routing at every layer call, the same tokens,
+    the same logits (to the offloader's own run-to-run tolerance: misses are added as their
+    copies land, in whichever order that is)."""
+    model = tiny_model(arch)
+    inputs = tiny_inputs(model, arch)
+    layout = find_moe_blocks(model)
+    for slots, pinned in ((3, 1), (64, 0), (2, layout.num_layers)):
+        ref_probe, probe = StepProbe(time.perf_counter()), StepProbe(time.perf_counter())
+        with _offloader(layout, slots, pinned, DISPATCH.create("topk"), ref_probe):
+            ref_logits, ref_tokens = greedy_outputs(model, inputs)
+        off = _offloader(layout, slots, pinned, CapacityDrop(capacity_factor=1000.0), probe)
+        with off:
+            logits, tokens = greedy_outputs(model, inputs)
+        assert torch.equal(tokens, ref_tokens), (arch, slots, pinned)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
+        assert len(probe.layers) == len(ref_probe.layers)
+        for a, b in zip(probe.layers, ref_probe.layers):
+            np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+            assert a.expert_tokens == b.expert_tokens
+        assert off.dispatch_assigned > 0 and off.dispatch_dropped == 0
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_live_token_drop_obeys_capacity_and_is_the_cores_rule(arch):
+    """γ0 = 0.25 drops assignments live: every layer call's recorded routing (-1 = dropped)
+    keeps each expert within ⌈γ0·T·k/E⌉; layer 0 of the forward (whose input no drop touched)
+    is exactly the core's dispatch of the router's choice; outputs change."""
+    model = tiny_model(arch)
+    inputs = tiny_inputs(model, arch)
+    layout = find_moe_blocks(model)
+    E, k = layout.num_experts, layout.top_k
+    ref_probe = StepProbe(time.perf_counter())
+    with _offloader(layout, 64, 1, None, ref_probe):
+        with torch.no_grad():
+            ref = model(**inputs).logits
+    pol = CapacityDrop(capacity_factor=0.25)
+    for pinned in (1, 0):
+        probe = StepProbe(time.perf_counter())
+        off = _offloader(layout, 64, pinned, pol, probe)
+        with off:
+            with torch.no_grad():
+                got = model(**inputs).logits
+        assert off.dispatch_dropped > 0
+        assert not torch.equal(got, ref)  # a dropped token skips an expert: another output
+        for ev in probe.layers:
+            T = ev.topk_ids.shape[0]
+            routed = int((ev.topk_ids >= 0).any(axis=1).sum())
+            cap = max(1, math.ceil(0.25 * routed * k / E))
+            counts = np.bincount(ev.topk_ids[ev.topk_ids >= 0].ravel(), minlength=E)
+            assert counts.max() <= cap, (arch, ev.layer, counts, cap, T)
+            assert set(ev.expert_tokens) == set(np.flatnonzero(counts).tolist())
+        first, want = probe.layers[0], ref_probe.layers[0]
+        core = pol.apply(want.topk_ids[:, None, :].astype(np.int16),
+                         want.topk_weights[:, None, :], np.zeros(len(want.topk_ids)), E)[:, 0]
+        np.testing.assert_array_equal(first.topk_ids, core)
+
+
+def test_a_live_run_with_token_drop_records_the_dispatched_routing(embedded, demo_inputs,
+                                                                   tmp_path):
+    """`workbench.Runtime.run(..., dispatch="capacity-drop")` on the embedded model with an
+    image: the summary counts the drops, the store holds the routing as dispatched."""
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    res = rt.run(prompt, images=[img], store=tmp_path / "d.zarr", dispatch="capacity-drop",
+                 capacity_factor=0.5)
+    assert 0 < res.dispatch_dropped < res.dispatch_assigned
+    assert "dispatch capacity-drop" in res.summary()
+    ds = workbench.open_run(res.store)
+    ids = ds.topk_ids.values
+    steps = ds.token_step.values
+    pre = ids[steps == 0]  # the prefill: every token enters every layer (no compression)
+    E = ds.sizes["expert"]
+    cap = CapacityDrop(0.5).capacity(np.full((1, pre.shape[1]), len(pre)), ids.shape[2], E)
+    check_capacity(pre, np.zeros(len(pre)), E, cap)
+    assert int((pre < 0).sum()) > 0  # recorded as dropped (-1)
+
+
+import workbench  # noqa: E402

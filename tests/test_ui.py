@@ -1049,3 +1049,35 @@ def test_hit_rate_title_reports_the_transfers_it_cost(two_runs):
     per = float(ds["loads"].sum()) / float(ds["hits"].sum() + ds["misses"].sum())
     assert f"{per:.2f} loads per access" in title
     assert "evicted unused" not in title  # no prefetch in this run
+
+
+def test_ep_view_follows_the_expert_parallel_card_without_rerunning(vismmoe_run, two_runs):
+    """The EP view draws the shown run's routing over the card's ep_ranks / placement; changing
+    them redraws (virtual ranks: nothing reruns), bars per modality for an image run."""
+    from workbench.ui.views import EPView, ep_view_figure
+
+    path, _ = vismmoe_run
+    s = DataStore(workspace=path.parent)
+    s.open(path.name)
+    view = EPView(s)
+    fig = view.pane.object
+    assert len(fig.data) == 0 and "ep_ranks = 1" in fig.layout.annotations[0].text
+    n = view.redraws
+    s.knobs.group("ep").ep_ranks = 4
+    assert view.redraws == n + 1
+    fig = view.pane.object
+    bars = {t.name: np.asarray(t.y, float) for t in fig.data if t.type == "bar"}
+    assert set(bars) == {"text tokens", "image tokens"} and all(len(v) == 4 for v in bars.values())
+    full = workbench.open_run(path)  # the dashboard's dataset leaves the routing on disk
+    load = full.moe.ep_load(4, "contiguous")
+    groups = int((load.sum("rank") > 0).sum())
+    np.testing.assert_allclose(sum(bars.values()), load.sum(("step", "layer")).values / groups)
+    heat = next(t for t in fig.data if t.type == "heatmap")
+    np.testing.assert_allclose(np.asarray(heat.z, float),
+                               full.moe.ep_imbalance(4).values.T, equal_nan=True)
+    assert "EP over 4 ranks (contiguous)" in fig.layout.title.text
+    s.knobs.group("ep").placement = "round-robin"
+    assert view.redraws == n + 2 and "round-robin" in view.pane.object.layout.title.text
+    s.step_range = (1, 2)
+    assert list(next(t for t in view.pane.object.data if t.type == "heatmap").x) == [1, 2]
+    assert len(ep_view_figure(None, 4, "contiguous").data) == 0

@@ -299,8 +299,8 @@ class ExpertParallelKnobs(KnobGroup):
     dispatch = param.Selector(
         default="topk", objects=["topk"],  # the dispatch policies: workbench.features
         doc="Capacity-aware dispatch: 'topk' keeps the router's choice; 'capacity-drop' (CAI-MoE "
-            "Token Drop) drops an overloaded expert's lowest-scoring tokens (trace replay only "
-            "so far).")
+            "Token Drop) drops an overloaded expert's lowest-scoring tokens, live (inside the "
+            "experts forward) and in trace replay.")
     capacity_factor = param.Number(
         default=1.0, bounds=(0.0, 1000.0), inclusive_bounds=(False, True), softbounds=(0.05, 5.0),
         doc="γ0: each expert's capacity is ⌈γ0 · tokens · k / experts⌉ per (step, layer).")
@@ -309,15 +309,15 @@ class ExpertParallelKnobs(KnobGroup):
         doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")
 
     def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
-        """Every rank owns at least one expert: ``ep_ranks`` ≤ experts per layer. A dispatch
-        other than ``topk`` changes what the model computes: trace replay only until it runs
-        inside the experts forward."""
+        """Every rank owns at least one expert: ``ep_ranks`` ≤ experts per layer; a dispatch
+        that needs a recorded trace (``needs`` holds "trace") does not run live."""
         if shape.num_experts is not None and self.ep_ranks > shape.num_experts:
             raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
                             f"per layer (each rank owns at least one), not {self.ep_ranks}")
-        if live and self.dispatch != "topk":
-            raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only so far "
-                            f"(workbench replay, ds.moe.replay); live runs take dispatch=topk")
+        needs = getattr(self.selected("dispatch"), "needs", frozenset())
+        if live and "trace" in needs:
+            raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "
+                            f"(workbench replay); live runs take another")
 
 
 class ExecKnobs(KnobGroup):

@@ -612,23 +612,15 @@ class MoEAccessor:
         ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
         are virtual: each assignment goes to the rank owning its expert
         (:mod:`workbench.sim.ep`)."""
-        from workbench.sim.ep import rank_load
-        from workbench.sim.placement import rank_of_expert
+        from workbench.replay.ep import rank_loads
         from workbench.traces import from_store
 
         k = self._ep_knobs(ranks, placement)
         tr = from_store(self._ds)
         name = self._modality(modality)
-        if name is not None:  # the trace's codes: MODALITIES' order
-            from workbench.replay.ep import _modality_view
-
-            tr = _modality_view(tr, MODALITIES.index(name))
         R, S, L = int(k.ep_ranks), tr.num_steps, tr.num_layers
-        g = tr.groups()
-        load = rank_load(g.ptr, g.expert, g.expert_tokens,
-                         rank_of_expert(k.placement, tr.num_experts, R), R)
-        out = np.zeros((S, L, R), np.int64)
-        out[g.step, g.layer] = load
+        # the trace's modality codes are MODALITIES' order
+        out = rank_loads(tr, R, k.placement, None if name is None else MODALITIES.index(name))
         return xr.DataArray(out, dims=("step", "layer", "rank"),
                             coords={"step": self._ds["step"].values[:S] if "step" in self._ds
                                     else np.arange(S), "layer": np.arange(L),

@@ -117,6 +117,8 @@ class Offloader:
         prices: the modeled clock's prices (None: nothing priced, times 0).
         hybrid: GPU–CPU hybrid mode: True runs on the host copy the misses
             :meth:`Prices.on_host` picks; a callable ``tokens -> bool`` is another rule.
+        dispatch: a capacity-aware dispatch policy (:mod:`workbench.sim.dispatch`; None or
+            ``topk``: the router's choice). Its dropped assignments are computed by no expert.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
@@ -124,7 +126,7 @@ class Offloader:
                  lookahead_depth: int = 0, active_evict: ActiveEvict | None = None,
                  dynamic_topk: bool = False, k_max: int | None = None, prefetch=None,
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
-                 hybrid: bool | Callable[[int], bool] = False) -> None:
+                 hybrid: bool | Callable[[int], bool] = False, dispatch=None) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -141,6 +143,10 @@ class Offloader:
         self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
+        self.dispatch = dispatch if dispatch is not None and dispatch.name != "topk" else None
+        #: (token, expert) assignments the router made, and those the dispatch dropped
+        self.dispatch_assigned = 0
+        self.dispatch_dropped = 0
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
         self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
@@ -226,6 +232,8 @@ class Offloader:
         if not pinned and self.dynamic_topk and self.probe.step > 0:
             top_k_index, top_k_weights = self._budget_topk(
                 b, hidden_states, top_k_index, top_k_weights)
+        if self.dispatch is not None:
+            top_k_index, top_k_weights = self._dispatch_routing(b, top_k_index, top_k_weights)
         ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
@@ -286,8 +294,11 @@ class Offloader:
                 self._pf_inflight.pop(action[1], None)
             elif kind == "hits":
                 if out.pinned:
-                    result = original(hidden_states, top_k_index, top_k_weights, *args,
-                                      **kwargs)
+                    idx, w = top_k_index, top_k_weights
+                    if self.dispatch is not None:  # the model's own forward: no sentinel ids
+                        gone = idx >= b.num_experts
+                        idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
+                    result = original(hidden_states, idx, w, *args, **kwargs)
                     continue
                 for e in out.hits:  # a prefetched expert computes once its copy has landed
                     self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
@@ -366,11 +377,18 @@ class Offloader:
     # -- features before the step -------------------------------------------------------------
     def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                      ) -> tuple[LayerEvent, list[int], torch.Tensor]:
-        """The layer's event and its distinct routed experts (ascending; list and tensor)."""
+        """The layer's event and its distinct routed experts (ascending; list and tensor).
+        An assignment the dispatch dropped (id E) is recorded as -1 and routes nowhere."""
         ids = top_k_index.detach().to("cpu")
-        experts, counts = torch.unique(ids, return_counts=True)
+        recorded = ids.numpy().astype(np.int32)
+        if self.dispatch is not None:
+            gone = ids >= b.num_experts
+            experts, counts = torch.unique(ids[~gone], return_counts=True)
+            recorded[gone.numpy()] = -1
+        else:
+            experts, counts = torch.unique(ids, return_counts=True)
         ev = LayerEvent(layer=b.index, pinned=b.index < self.pinned_layers,
-                        topk_ids=ids.numpy().astype(np.int32),
+                        topk_ids=recorded,
                         topk_weights=top_k_weights.detach().float().to("cpu").numpy(),
                         expert_tokens=dict(zip(experts.tolist(), counts.tolist())))
         self.probe.layers.append(ev)
@@ -471,6 +489,28 @@ class Offloader:
             return ae.pre_evict(cache, nxt, demand, p_next, protected)
 
         return hook
+
+    def _dispatch_routing(self, b: MoEBlock, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Capacity-aware dispatch of this layer call's tokens (one step, one layer) by the
+        core's rule (:meth:`workbench.sim.dispatch.Dispatch.apply`, the one replay runs): a
+        dropped assignment gets id E — the experts forward's "not here" sentinel, which
+        :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
+        theirs, not renormalised: CAI-MoE's default)."""
+        ids = top_k_index.detach().to("cpu").numpy()
+        w = top_k_weights.detach().float().to("cpu").numpy()
+        T = ids.shape[0]
+        new = self.dispatch.apply(ids[:, None, :].astype(np.int16), w[:, None, :],
+                                  np.zeros(T, np.int64), b.num_experts)[:, 0, :]
+        dropped = (new < 0) & (ids >= 0)
+        self.dispatch_assigned += int((ids >= 0).sum())
+        n = int(dropped.sum())
+        if not n:
+            return top_k_index, top_k_weights
+        self.dispatch_dropped += n
+        gone = torch.as_tensor(dropped, device=top_k_index.device)
+        return (top_k_index.masked_fill(gone, b.num_experts),
+                top_k_weights.masked_fill(gone, 0))
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

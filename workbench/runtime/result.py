@@ -38,6 +38,10 @@ class RunResult:
     # prefetched experts evicted before any access used them: transfers that bought nothing
     # (the replay's ``redundant_transfers``; ones still resident at the end are not counted)
     redundant_prefetches: int = 0
+    #: capacity-aware dispatch (``dispatch`` ≠ topk): the router's (token, expert)
+    #: assignments, and those the dispatch dropped (computed by no expert)
+    dispatch_assigned: int = 0
+    dispatch_dropped: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -121,6 +125,11 @@ class RunResult:
                 f"{k.get('pinned_layers')} pinned layers; selection "
                 f"{self.compression_select_s * 1e3:.2f} ms, saliency "
                 f"{self.compression_saliency_s * 1e3:.2f} ms (measured)")
+        if k.get("dispatch", "topk") != "topk":
+            share = self.dispatch_dropped / self.dispatch_assigned if self.dispatch_assigned else 0
+            lines.append(f"dispatch {k.get('dispatch')} (capacity_factor "
+                         f"{k.get('capacity_factor')}): dropped {self.dispatch_dropped} of "
+                         f"{self.dispatch_assigned} expert assignments ({share:.1%})")
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)

@@ -37,6 +37,7 @@ from workbench.runtime.clocks import measured_spans
 from workbench.runtime.offload import Offloader, StepProbe
 from workbench.runtime.result import RunResult
 from workbench.sim.costs import Prices
+from workbench.sim.dispatch import DISPATCH
 from workbench.sim.profiles import get_profile
 from workbench.telemetry.events import StepEvent
 from workbench.telemetry.store import Recorder
@@ -128,7 +129,8 @@ class RunSession:
                           if k.active_evict else None),
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
-            pruning=self.placement, hybrid=bool(k.hybrid))
+            pruning=self.placement, hybrid=bool(k.hybrid),
+            dispatch=DISPATCH.create(k.dispatch, **kd))
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
@@ -276,7 +278,9 @@ class RunSession:
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
             host_runs=sum(len(le.host) for e in events for le in e.layers),
             prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
-            redundant_prefetches=self.offloader.redundant_prefetches)
+            redundant_prefetches=self.offloader.redundant_prefetches,
+            dispatch_assigned=self.offloader.dispatch_assigned,
+            dispatch_dropped=self.offloader.dispatch_dropped)
         if placement is not None:
             result.visual_tokens = placement.num_visual
             result.kept_visual_tokens = (int(placement.kept_visual.numel())

@@ -69,7 +69,9 @@ class ExpertsView:
             local = torch.searchsorted(all_routed.to(dev), top_k_index)
             w = top_k_weights
         else:
-            lut = torch.full((num_experts,), n, dtype=top_k_index.dtype, device=dev)
+            # one entry past the layer's experts: id E (an assignment the dispatch dropped)
+            # maps to the sentinel n too
+            lut = torch.full((num_experts + 1,), n, dtype=top_k_index.dtype, device=dev)
             lut[torch.as_tensor(list(experts), dtype=torch.long, device=dev)] = torch.arange(
                 n, dtype=top_k_index.dtype, device=dev)
             local = lut[top_k_index]

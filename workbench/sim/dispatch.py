@@ -1,6 +1,8 @@
 """Capacity-aware dispatch: which of each token's top-k expert assignments are kept, rerouted or
 dropped when experts have a capacity (issue 14, §3). A registry (:data:`DISPATCH`, the
-``dispatch`` knob), torch-free; trace replay applies it to a trace's routing before the cache
+``dispatch`` knob), torch-free, one implementation run two ways: live, the offloader applies
+:meth:`Dispatch.apply` to each MoE layer call's routing inside the real experts forward
+(``workbench.runtime.offload``); trace replay applies it to a trace's routing before the cache
 and EP replays (:func:`dispatch_trace`).
 
 - ``topk`` — the router's choice unchanged (the unconstrained baseline; the default).
@@ -107,8 +109,9 @@ class CapacityDrop(Dispatch):
             return out
         e = ids[t, l, r].astype(np.int64)
         w = weights[t, l, r].astype(np.float64)
-        s = np.asarray(token_step, np.int64)[t]
-        s = s - s.min()
+        steps = np.asarray(token_step, np.int64)
+        steps = steps - steps.min()  # the chunk's steps from 0 (one base for every index)
+        s = steps[t]
         nan = np.isnan(w)
         w = np.where(nan, 0.0, w)
         # group (step, layer, expert); within it: score desc (NaN last), top-k rank, token
@@ -120,7 +123,6 @@ class CapacityDrop(Dispatch):
         # tokens routed at each (step, layer): a token with any assignment there
         routed = ids >= 0
         any_routed = routed.any(axis=2)  # [T, L]
-        steps = np.asarray(token_step, np.int64) - int(np.asarray(token_step).min())
         n_steps = int(steps.max()) + 1
         per_sl = np.zeros((n_steps, L), np.int64)
         np.add.at(per_sl, steps, any_routed.astype(np.int64))
@@ -137,8 +139,9 @@ def _expert_loads(ids: np.ndarray, token_step: np.ndarray, num_experts: int) -> 
     t, l, r = np.nonzero(ids >= 0)
     if not len(t):
         return 0
-    s = np.asarray(token_step, np.int64)[t]
-    seg = ((s - s.min()) * ids.shape[1] + l) * num_experts + ids[t, l, r].astype(np.int64)
+    steps = np.asarray(token_step, np.int64)
+    s = steps[t] - steps.min()
+    seg = (s * ids.shape[1] + l) * num_experts + ids[t, l, r].astype(np.int64)
     return int(np.bincount(seg).max())
 
 
@@ -189,8 +192,8 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
     t, l, r = np.nonzero(ids >= 0)
     if not len(t):
         return
-    s = np.asarray(token_step, np.int64)[t]
-    s = s - s.min()
+    steps = np.asarray(token_step, np.int64)
+    s = steps[t] - steps.min()
     L = ids.shape[1]
     seg = (s * L + l) * num_experts + ids[t, l, r].astype(np.int64)
     cnt = np.bincount(seg)

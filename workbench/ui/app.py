@@ -19,9 +19,9 @@ import panel as pn
 
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, HeatmapView, HitRateView,
-                                HotRecallView, LatencyView, ReplayView, TimelineView,
-                                TickQueue, TokenOverlayView, answer_view, progress_view)
+from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, EPView, HeatmapView,
+                                HitRateView, HotRecallView, LatencyView, ReplayView, TickQueue,
+                                TimelineView, TokenOverlayView, answer_view, progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
                                   model_widgets, replay_widgets, runs_widgets)
 
@@ -167,6 +167,10 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                           LatencyView(store, height=PLOT_H), TimelineView(store, height=PLOT_H))
     # VisMMOE: kept vs pruned visual tokens, Hot Recall (the row under the first screen)
     tokens, recall = TokenOverlayView(store), HotRecallView(store)
+    ep = EPView(store)
+    ep_card = card(ep.pane, title="Expert parallel: the shown run's routing over ranks "
+                                  "(virtual; ranks and placement from the Expert parallel card)",
+                   margin=(4, 4), css_classes=["wb-ep"])
     diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
     answer, progress = answer_view(store), progress_view(store)
     _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])
@@ -211,7 +215,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                         collapsed=True, margin=(4, 4), css_classes=["wb-compare"])
     # under the first screen: filled once the page has rendered (served), so the first screen
     # is built, sent and drawn first (the page load of ``benchmarks/bench_dashboard.py``)
-    below = [pn.Row(tokens.pane, recall.pane), ab, replay, compare_card]
+    below = [pn.Row(tokens.pane, recall.pane), ep_card, ab, replay, compare_card]
     later = pn.Column(sizing_mode="stretch_width", margin=0, css_classes=["wb-below"])
     if served:
         def show_below() -> None:
@@ -226,7 +230,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), later]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
              "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
-             "hot_recall": recall, "compare": compare}
+             "hot_recall": recall, "compare": compare, "ep": ep}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None

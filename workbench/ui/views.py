@@ -24,11 +24,12 @@ import panel as pn
 import plotly.graph_objects as go
 import xarray as xr
 
-from workbench.errors import WorkbenchError
+from workbench.errors import InputError, WorkbenchError
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
+from workbench.viz.ep import ep_load_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 from workbench.viz.predictor import hot_recall_figure
 from workbench.viz.tokens import run_images, token_overlay_figure
@@ -282,6 +283,45 @@ def hot_recall_view_figure(ds: xr.Dataset | None, step_range: tuple[int, int] | 
     return _finish(fig, "hot_recall", revision)
 
 
+EP_TITLE = "expert parallel: load per rank"
+EP_ONE_RANK = ("ep_ranks = 1: no expert parallelism.<br>Set ep_ranks in the Expert parallel "
+               "card to spread this run's experts over ranks (virtual: nothing reruns)")
+
+
+def ep_view_figure(trace: Any, ranks: int, placement: str, steps: np.ndarray | None = None,
+                   describe: str = "", revision: Any = None) -> go.Figure:
+    """A run's routing (``trace``, a :class:`~workbench.traces.Trace`; None: no run) over
+    ``ranks`` virtual EP ranks under ``placement`` (the Expert parallel card's knobs: changing
+    them redraws, nothing reruns): load per rank by modality and imbalance per layer × step,
+    over ``steps`` (None: all). ``trace`` may be anything but None when ``ranks`` is 1 (the
+    placeholder reads no routing)."""
+    from workbench.replay.ep import rank_loads
+
+    if trace is None:
+        return placeholder_figure("ep", EP_TITLE, "no run yet")
+    if ranks <= 1:
+        return placeholder_figure("ep", EP_TITLE, EP_ONE_RANK)
+    steps = np.arange(trace.num_steps) if steps is None else np.asarray(steps, np.int64)
+    steps = steps[steps < trace.num_steps]
+    if len(steps) == 0:
+        return placeholder_figure("ep", EP_TITLE, "no steps in the selection")
+    load = rank_loads(trace, ranks, placement)[steps]
+    groups = max(int((load.sum(-1) > 0).sum()), 1)
+    codes = [int(c) for c in np.unique(np.asarray(trace.token_modality))]
+    names = ("text", "image", "video")
+    per_rank = ({names[c]: rank_loads(trace, ranks, placement, c)[steps].sum((0, 1)) / groups
+                 for c in codes} if len(codes) > 1
+                else {names[codes[0]] if codes else "text": load.sum((0, 1)) / groups})
+    mean = load.mean(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ib = np.where(mean > 0, load.max(-1) / mean, np.nan)
+    mean_ib = float(np.nanmean(ib)) if np.isfinite(ib).any() else float("nan")
+    fig = ep_load_figure(per_rank, ib, steps, (
+        f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f} (max/mean, mean over "
+        f"layer steps){describe}"))
+    return _finish(fig, "ep", revision)
+
+
 REPLAY_TITLE = "replay: hit rate vs cache size"
 
 
@@ -485,6 +525,33 @@ class HotRecallView(PlotView):
         s = self.store
         return hot_recall_view_figure(s.dataset, s.step_range, s.phase,
                                       revision=self._revision())
+
+
+class EPView(PlotView):
+    """The shown run's expert-parallel load under the Expert parallel card's ``ep_ranks`` and
+    ``placement`` (virtual ranks: redrawn from the recorded routing when they change)."""
+
+    view = "ep"
+    watches = ("dataset", "step_range", "phase")
+
+    def __init__(self, store: DataStore, height: int = 380) -> None:
+        super().__init__(store, height)
+        store.knobs.group("ep").param.watch(self._changed, ["ep_ranks", "placement"])
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        ep = s.knobs.group("ep")
+        ranks = int(ep.ep_ranks)
+        if s.dataset is None or ranks <= 1:  # the placeholders need no routing
+            return ep_view_figure(None if s.dataset is None else (), ranks, ep.placement)
+        try:
+            trace = s.replay_trace()  # the shown run's routing, read once per commit
+        except InputError as e:  # still being written
+            return placeholder_figure("ep", EP_TITLE, str(e))
+        return ep_view_figure(trace, ranks, ep.placement,
+                              selected_steps(s.dataset, s.step_range, s.phase),
+                              _describe(s.step_range, s.phase),
+                              f"{self._revision()}-{ranks}-{ep.placement}")
 
 
 class ReplayView(PlotView):

@@ -1,0 +1,92 @@
+"""Accuracy cost of capacity-aware dispatch on the embedded model (issue 14, §3): CAI-MoE Token
+Drop (``dispatch=capacity-drop``) at γ0 from 0.5 to 5 against the router's top-k, live, inside
+the real experts forward.
+
+Questions: the embedded model's held-out split (``make_split(HELDOUT_SEED, n)``: generated
+scenes and text-only prompts, never trained on), greedy answers, exact match after
+``normalise_answer``. One request at a time (batched requests are the next part of issue 14):
+the capacity binds in the prefill (a decode step's one token cannot overflow), so what is
+measured is the cost of dropping prompt tokens' expert assignments. Every expert fits in the
+cache (answers never depend on it). Everything is measured.
+
+    python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import workbench  # first: sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP
+import numpy as np
+
+from workbench.analysis.vismmoe.accuracy import normalise_answer
+from workbench.analysis.vismmoe.config import base_knobs, eval_seed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=60, help="held-out questions")
+    ap.add_argument("--gammas", default="0.5,1,1.8,5")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    from workbench.models.embedded.v2.tasks import make_split, question_kind
+
+    examples = make_split(eval_seed(), a.n)
+    rt = workbench.Runtime()
+    lay = rt.lm.layout
+    knobs = {**base_knobs(32), "pinned_layers": 0,
+             "cache_slots": lay.num_layers * lay.num_experts}
+    gammas = [float(g) for g in a.gammas.split(",")]
+    truth = [normalise_answer(ans) for _, _, ans in examples]
+    rows = {"topk": {"correct": [], "dropped": 0, "assigned": 0}}
+    rows.update({g: {"correct": [], "dropped": 0, "assigned": 0, "same": []} for g in gammas})
+    t0 = time.perf_counter()
+    for i, (img, q, _) in enumerate(examples):
+        images = [img] if img is not None else []
+        ref = rt.run(q, images=images, record=False, **knobs)
+        ref_ans = normalise_answer(ref.text)
+        rows["topk"]["correct"].append(ref_ans == truth[i])
+        for g in gammas:
+            res = rt.run(q, images=images, record=False, dispatch="capacity-drop",
+                         capacity_factor=g, **knobs)
+            r = rows[g]
+            ans = normalise_answer(res.text)
+            r["correct"].append(ans == truth[i])
+            r["same"].append(ans == ref_ans)
+            r["dropped"] += res.dispatch_dropped
+            r["assigned"] += res.dispatch_assigned
+    elapsed = time.perf_counter() - t0
+    n = len(examples)
+    base = np.array(rows["topk"]["correct"], float)
+    kinds = [question_kind(q) for _, q, _ in examples]
+    images = sum(1 for img, _, _ in examples if img is not None)
+    print(f"held-out questions: {n} ({images} with an image, {n - images} text only), greedy, "
+          f"exact match; measured in {elapsed:.0f} s\n")
+    print("| dispatch | γ0 | drop rate (prefill + decode) | accuracy | retained (vs topk) | "
+          "paired Δ ± 2 SE | answers unchanged |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| topk | — | 0.0% | {base.mean():.1%} | 100% | — | 100% |")
+    out = {"n": n, "images": images, "kinds": kinds, "topk_accuracy": float(base.mean()),
+           "rows": []}
+    for g in gammas:
+        r = rows[g]
+        c = np.array(r["correct"], float)
+        d = c - base
+        se = d.std(ddof=1) / math.sqrt(n) if n > 1 else float("nan")
+        drop = r["dropped"] / r["assigned"] if r["assigned"] else 0.0
+        retained = c.mean() / base.mean() if base.mean() else float("nan")
+        print(f"| capacity-drop | {g:g} | {drop:.1%} | {c.mean():.1%} | {retained:.1%} | "
+              f"{d.mean():+.3f} ± {2 * se:.3f} | {np.mean(r['same']):.0%} |")
+        out["rows"].append({"capacity_factor": g, "drop_rate": drop, "accuracy": float(c.mean()),
+                            "retained": float(retained), "delta": float(d.mean()),
+                            "se": float(se), "unchanged": float(np.mean(r["same"]))})
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

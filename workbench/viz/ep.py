@@ -1,0 +1,45 @@
+"""Expert-parallel load figures (plotly): Dataset-derived arrays in → Figure out."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+#: bar colours per modality (text, image, video), as the heatmap's modality filter names them
+MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B"}
+
+
+def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
+                   steps: np.ndarray, title: str) -> go.Figure:
+    """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
+    balanced level (every rank at the mean) dashed. Right: imbalance max/mean per layer ×
+    step (``imbalance`` [step, layer], NaN where nothing was routed)."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.1,
+                        subplot_titles=("load per rank (mean per layer step)",
+                                        "imbalance max/mean per layer step"))
+    ranks = None
+    total = None
+    for name, v in per_rank.items():
+        v = np.asarray(v, float)
+        ranks = np.arange(len(v))
+        total = v if total is None else total + v
+        fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name=f"{name} tokens",
+                             marker_color=MODALITY_COLOURS.get(name)), row=1, col=1)
+    if total is not None and len(total):
+        mean = float(total.mean())
+        fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=[mean] * len(total),
+                                 mode="lines", name="balanced (mean)",
+                                 line={"dash": "dash", "color": "#333"}), row=1, col=1)
+    fig.add_trace(go.Heatmap(z=np.asarray(imbalance, float).T, x=np.asarray(steps),
+                             colorscale="Reds", zmin=1.0, name="imbalance",
+                             colorbar={"title": "max/mean", "x": 1.02},
+                             hovertemplate="step %{x}, layer %{y}: %{z:.2f}<extra></extra>"),
+                  row=1, col=2)
+    fig.update_layout(barmode="stack", title=title, legend={"orientation": "h", "y": -0.2})
+    fig.update_xaxes(title_text="step", row=1, col=2)
+    fig.update_yaxes(title_text="assignments", row=1, col=1)
+    fig.update_yaxes(title_text="layer", row=1, col=2)
+    return fig
