@@ -10,6 +10,7 @@ measured is the cost of dropping prompt tokens' expert assignments. Every expert
 cache (answers never depend on it). Everything is measured.
 
     python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
+    python benchmarks/bench_dispatch.py --speed 7 [--json OUT]
 """
 
 from __future__ import annotations
@@ -27,12 +28,60 @@ from workbench.analysis.vismmoe.accuracy import normalise_answer
 from workbench.analysis.vismmoe.config import base_knobs, eval_seed
 
 
+def speed(repeats: int) -> dict:
+    """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
+    top-k, Token Drop with a capacity nobody reaches (the dispatch's own cost), Token Drop at
+    γ0 = 1, and top-k with 8 virtual EP ranks plus the run's EP summary from its store (what
+    ``workbench run --set ep_ranks=8`` adds). Interleaved, medians; measured."""
+    import statistics
+    import tempfile
+
+    from workbench.models.embedded.demo import read_demo
+
+    demo = next(d for d in read_demo() if d["image"])
+    rt = workbench.Runtime()
+    lay = rt.lm.layout
+    knobs = {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
+             "cache_slots": lay.num_layers * lay.num_experts}
+    configs = {"topk": {}, "capacity-drop, nothing overflows": dict(
+        dispatch="capacity-drop", capacity_factor=1000.0),
+        "capacity-drop, γ0 = 1": dict(dispatch="capacity-drop", capacity_factor=1.0),
+        "topk + 8 virtual EP ranks (summary from the store)": dict(ep_ranks=8)}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(repeats + 1):  # the first round warms up
+            for name, extra in configs.items():
+                t0 = time.perf_counter()
+                res = rt.run(demo["prompt"], images=[demo["image"]], store=f"{d}/{r}-{len(times[name])}-{hash(name) % 1000}.zarr",
+                             **knobs, **extra)
+                if "ep_ranks" in extra:
+                    workbench.open_run(res.store).moe.ep_summary()
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["topk"])
+    out = {}
+    print(f"\none run of the demo image request (16 new tokens), median of {repeats}, "
+          f"interleaved (measured):")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        out[name] = {"median_s": m, "ratio": m / base}
+        print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=60, help="held-out questions")
     ap.add_argument("--gammas", default="0.5,1,1.8,5")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--speed", type=int, default=0, metavar="REPEATS",
+                    help="instead: the wall time of dispatch and EP bookkeeping (§6)")
     a = ap.parse_args()
+    if a.speed:
+        res = speed(a.speed)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     from workbench.models.embedded.v2.tasks import make_split, question_kind
 
     examples = make_split(eval_seed(), a.n)

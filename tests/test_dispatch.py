@@ -29,10 +29,17 @@ def _trace(T=200, L=3, E=8, K=2, seed=0, weights=True, p_step=0.3) -> Trace:
 
 
 def _capacity(tr: Trace, pol: CapacityDrop) -> np.ndarray:
+    """The rule's capacity per (step, layer), by plain loops: T = tokens routed there, k =
+    the most slots any of them fills."""
     S, L = tr.num_steps, tr.num_layers
     n = np.zeros((S, L), np.int64)
-    np.add.at(n, tr.token_step, (tr.topk_ids >= 0).any(axis=2).astype(np.int64))
-    return pol.capacity(n, tr.top_k, tr.num_experts)
+    k = np.zeros((S, L), np.int64)
+    for t in range(tr.num_tokens):
+        for layer in range(L):
+            slots = int((tr.topk_ids[t, layer] >= 0).sum())
+            n[tr.token_step[t], layer] += slots > 0
+            k[tr.token_step[t], layer] = max(k[tr.token_step[t], layer], slots)
+    return pol.capacity(n, k, tr.num_experts)
 
 
 def test_registry_and_knobs():
@@ -43,6 +50,22 @@ def test_registry_and_knobs():
                 dict(dispatch="nope")):
         with pytest.raises(KnobError):
             Knobs(**bad)
+
+
+def test_capacity_counts_the_k_the_router_used_not_the_traces_width():
+    """A trace padded to a wider k (dynamic top-k records k_max) sizes capacity by the slots
+    the router filled (review: padding to 4 slots had doubled C for a top-2 prefill)."""
+    ids = np.zeros((16, 1, 2), np.int16)
+    ids[:, 0, 1] = 1  # 16 tokens, all on experts 0 and 1, top-2
+    w = np.full(ids.shape, 0.5, np.float32)
+    padded = np.concatenate([ids, np.full((16, 1, 2), -1, np.int16)], axis=2)
+    pw = np.concatenate([w, np.full((16, 1, 2), np.nan, np.float32)], axis=2)
+    pol = CapacityDrop(0.5)
+    a = pol.apply(ids, w, np.zeros(16), 8)
+    b = pol.apply(padded, pw, np.zeros(16), 8)
+    assert int((a >= 0).sum()) == int((b >= 0).sum()) == 2 * 2  # C = ⌈0.5·16·2/8⌉ = 2
+    huge = CapacityDrop(1.0, min_capacity=10**19)  # no int64 wrap-around: nothing dropped
+    np.testing.assert_array_equal(huge.apply(ids, w, np.zeros(16), 8), ids)
 
 
 def test_token_drop_keeps_the_highest_scores_by_hand():
@@ -221,3 +244,81 @@ def test_a_live_run_with_token_drop_records_the_dispatched_routing(embedded, dem
 
 
 import workbench  # noqa: E402
+
+
+def test_a_sweep_over_dispatch_and_capacity_factor(tiny_ckpt, tmp_path, capsys):
+    """Issue 14 §5: a sweep over capacity_factor × dispatch works like any other knob grid."""
+    from workbench.analysis.sweep import open_summary
+    from workbench.cli import main
+
+    out = tmp_path / "sw"
+    assert main(["sweep", "--model", str(tiny_ckpt("qwen3_moe")), "--input", "abcdefghij",
+                 "--grid", "dispatch=topk,capacity-drop", "--grid", "capacity_factor=0.25,1",
+                 "--set", "max_new_tokens=2", "--out", str(out), "--workers", "1"]) == 0
+    capsys.readouterr()
+    df = open_summary(out).to_dataframe().reset_index()
+    assert set(df["dispatch"]) == {"topk", "capacity-drop"} and len(df) == 4
+
+
+def test_a_store_recorded_with_a_dispatch_replays_its_routing_as_it_is(tiny_ckpt, tmp_path,
+                                                                     capsys):
+    """The store holds the routing after the live dispatch: replaying it with the recorded
+    dispatch applies nothing twice (review: a second pass recounted T and dropped more);
+    another dispatch on it is refused with the reason."""
+    from workbench.cli import main
+
+    store = tmp_path / "s.zarr"
+    assert main(["run", "--model", str(tiny_ckpt("qwen3_moe")), "--prompt",
+                 "abcdefghijklmnopqrstuvwxyz0123456789", "--max-new-tokens", "2", "--store",
+                 str(store), "--set", "dispatch=capacity-drop", "--set", "capacity_factor=0.25",
+                 "--set", "pinned_layers=0", "--set", "cache_slots=4", "--json"]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert live["dispatch_dropped"] > 0
+    ds = workbench.open_run(store)
+    as_recorded = replay_trace(ds, belady=False)
+    plain = replay_trace(ds, belady=False, dispatch="topk")
+    assert as_recorded.metrics()["accesses"] == plain.metrics()["accesses"]
+    assert as_recorded.extra["dispatch"]["recorded"] is True
+    with pytest.raises(KnobError, match="recorded with dispatch=capacity-drop"):
+        replay_trace(ds, belady=False, capacity_factor=1.0)
+    # the EP figures of the replay and of ds.moe agree (both read the routing as recorded)
+    ep = replay_trace(ds, belady=False, ep_ranks=4).extra["ep"]
+    assert ep["max_rank_load"] == ds.moe.ep_summary(ranks=4)["max_rank_load"]
+
+
+def test_the_ep_summary_of_a_run_with_live_only_knobs(tiny_ckpt, tmp_path, capsys):
+    """`workbench run --set ep_ranks=2` with knobs only a live run takes (active_evict) still
+    prints its EP section (review: the summary checked every group as a replay and exited 2
+    after a complete run); without a store it says why there is none."""
+    from workbench.cli import main
+
+    args = ["run", "--model", str(tiny_ckpt("qwen3_moe")), "--prompt", "abcdefgh",
+            "--max-new-tokens", "2", "--set", "ep_ranks=2", "--set", "active_evict=true",
+            "--set", "pinned_layers=0", "--json"]
+    assert main([*args, "--store", str(tmp_path / "a.zarr")]) == 0
+    assert json.loads(capsys.readouterr().out)["ep"]["ranks"] == 2
+    assert main([*args, "--no-record"]) == 0
+    assert "--no-record" in json.loads(capsys.readouterr().out)["ep"]["note"]
+
+
+def test_hostile_ep_and_dispatch_replays_stay_small(tmp_path):
+    """A 2 MB .npy of a million one-access steps with expert id 4095 (review): EP replay on
+    4096 ranks and Token Drop used to allocate 32–256 GiB (dense groups × ranks, steps × layers
+    × experts); both now work in chunks of bounded cells."""
+    import resource
+
+    from workbench.traces import load_trace
+
+    T = 1 << 18
+    a = np.zeros((T, 1, 1), np.int16)
+    a[::7] = 4095
+    p = tmp_path / "big.npy"
+    np.save(p, a)
+    tr = load_trace(p, num_experts=4096)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ep = replay_trace(tr, belady=False, ep_ranks=4096).extra["ep"]
+    d = replay_trace(tr, belady=False, dispatch="capacity-drop").extra["dispatch"]
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert ep["groups"] == T and ep["max_rank_load"] == 1
+    assert d["dropped"] == 0 and d["max_expert_load_before"] == 1
+    assert grown_mb < 600, grown_mb

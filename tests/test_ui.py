@@ -1081,3 +1081,23 @@ def test_ep_view_follows_the_expert_parallel_card_without_rerunning(vismmoe_run,
     s.step_range = (1, 2)
     assert list(next(t for t in view.pane.object.data if t.type == "heatmap").x) == [1, 2]
     assert len(ep_view_figure(None, 4, "contiguous").data) == 0
+
+
+def test_a_refusal_only_the_loaded_model_finds_brings_the_shown_run_back(two_runs,
+                                                                          monkeypatch):
+    """A refusal the run thread finds (the model was not loaded yet when Run was pressed, so
+    the pre-check could not ask it: here, prefetch=vismmoe without a calibrated predictor)
+    used to leave an empty page; the run shown before comes back (the browser test met this
+    on a busy machine)."""
+    s = two_runs
+    s.open("b")
+    before = (s.run_name, s.dataset)
+    monkeypatch.setattr(s.pool, "peek", lambda *a, **k: None)  # "not loaded yet"
+    s.knobs.set(prefetch="vismmoe")
+    try:
+        s.start_run(prompt="refused later")
+        s.wait()
+    finally:
+        s.knobs.set(prefetch="none")
+    assert s.error and "predictor" in s.error
+    assert (s.run_name, s.dataset) == before and not s.running

@@ -346,7 +346,9 @@ def _run(args) -> int:
             print("answer: ", end="")
         print()
         print("\n".join(res.summary().splitlines()[1:]))
-        if ep is not None:
+        if ep is not None and "note" in ep:
+            print(f"EP ({ep['ranks']} ranks): {ep['note']}")
+        elif ep is not None:
             for a, b in _ep_rows(ep, lambda v, spec: "n/a" if v is None else format(v, spec),
                                  lambda v: "n/a" if v is None else f"{v * 1e3:.2f} ms"):
                 print(f"{a}: {b}")
@@ -354,9 +356,13 @@ def _run(args) -> int:
 
 
 def _run_ep(res, knobs) -> dict | None:
-    """The run's expert-parallel load (``ep_ranks`` > 1, virtual ranks), from its store."""
-    if knobs.ep_ranks <= 1 or not res.store:
+    """The run's expert-parallel load (``ep_ranks`` > 1, virtual ranks), from its store (a
+    note instead without one: ``--no-record``)."""
+    if knobs.ep_ranks <= 1:
         return None
+    if not res.store:
+        return {"ranks": knobs.ep_ranks, "note": "not computed: --no-record keeps no routing "
+                                                 "to attribute to ranks"}
     from workbench.telemetry.store import open_run
 
     return open_run(res.store).moe.ep_summary()
@@ -435,7 +441,10 @@ def _replay(args) -> int:
              ("fetch precision / prefetch recall",
               f"{m['fetch_precision']:.3f} / {m['prefetch_recall']:.3f}"),
              ("replay time (measured)", f"{m['replay_s_measured'] * 1e3:.1f} ms")]
-    if dispatch is not None:
+    if dispatch is not None and dispatch.get("recorded"):
+        rows.append((f"dispatch {dispatch['policy']} (γ0 {dispatch['capacity_factor']:g})",
+                     "applied live: the stored routing is what it left, replayed as it is"))
+    elif dispatch is not None:
         rows.append((f"dispatch {dispatch['policy']} (γ0 {dispatch['capacity_factor']:g})",
                      f"dropped {dispatch['dropped']} of {dispatch['assigned']} assignments "
                      f"({num(dispatch['drop_rate'], '.1%')}), max expert load "

@@ -610,23 +610,24 @@ class MoEAccessor:
         """Routed (token, expert) assignments each expert-parallel rank receives, int64
         ``[step, layer, rank]``, with ``ranks`` ranks under ``placement`` (default: the run's
         ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
-        are virtual: each assignment goes to the rank owning its expert
-        (:mod:`workbench.sim.ep`)."""
-        from workbench.replay.ep import rank_loads
-        from workbench.traces import from_store
+        are virtual (:mod:`workbench.sim.ep`): each expert's ``routed_tokens`` go to the rank
+        owning it — so any rank count or placement reads the store as recorded, also while it
+        is being written."""
+        from workbench.sim.placement import rank_of_expert
 
         k = self._ep_knobs(ranks, placement)
-        tr = from_store(self._ds)
+        rt = self._ds["routed_tokens"]  # [step, layer, expert, modality]
         name = self._modality(modality)
-        R, S, L = int(k.ep_ranks), tr.num_steps, tr.num_layers
-        # the trace's modality codes are MODALITIES' order
-        out = rank_loads(tr, R, k.placement, None if name is None else MODALITIES.index(name))
+        counts = rt.sel(modality=name) if name is not None else rt.sum("modality")
+        E, R = counts.sizes["expert"], int(k.ep_ranks)
+        owner = np.zeros((E, R), np.int64)
+        owner[np.arange(E), rank_of_expert(k.placement, E, R)] = 1
+        out = np.einsum("sle,er->slr", counts.values.astype(np.int64), owner)
         return xr.DataArray(out, dims=("step", "layer", "rank"),
-                            coords={"step": self._ds["step"].values[:S] if "step" in self._ds
-                                    else np.arange(S), "layer": np.arange(L),
+                            coords={"step": counts["step"].values, "layer": np.arange(out.shape[1]),
                                     "rank": np.arange(R)},
                             name="ep_load", attrs={"units": "token-expert assignments",
-                                                   "placement": k.placement})
+                                                   "placement": k.placement, "ranks": R})
 
     def ep_imbalance(self, ranks: int | None = None, placement: str | None = None,
                      modality: str | None = None) -> xr.DataArray:
@@ -649,7 +650,9 @@ class MoEAccessor:
 
         k = self._ep_knobs(ranks, placement)
         tr = from_store(self._ds)
-        k.check(ModelShape.of(tr), live=False)
+        # the EP group's rules only: the run's other knobs were checked when it ran (and some
+        # are live-only: a full replay check would refuse them)
+        k.group("ep").check(k, ModelShape.of(tr), live=False)
         cost, prof = _cost(tr, k.profile, k.target_model, None)
         return ep_replay(tr, k, Prices(prof, cost))
 

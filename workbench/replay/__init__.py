@@ -79,6 +79,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     if knob_values:
         knobs = knobs.copy(**knob_values)
     dispatched = None
+    knobs, recorded = _recorded_dispatch(trace, knobs)
     if knobs.dispatch != "topk":  # capacity-aware dispatch: replay what it leaves routed
         from workbench.sim.dispatch import DISPATCH, dispatch_trace
         from workbench.knobs import ModelShape
@@ -93,6 +94,8 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         res.extra["dispatch"] = {"policy": knobs.dispatch,
                                  "capacity_factor": knobs.capacity_factor,
                                  **dispatched.result(MODALITIES)}
+    elif recorded is not None:
+        res.extra["dispatch"] = recorded
     if belady:
         if knobs.eviction == "belady":
             bound = res
@@ -109,6 +112,40 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         cost, prof = _cost(trace, knobs.profile, knobs.target_model, None)
         res.extra["ep"] = ep_replay(trace, knobs, Prices(prof, cost))
     return res
+
+
+_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "min_capacity")
+
+
+def _recorded_dispatch(trace, knobs):
+    """A run store recorded with a dispatch holds its routing *after* it (-1 = dropped):
+    replaying it with that dispatch again would apply the capacity twice (a token that lost
+    every slot no longer counts, so it shrinks and drops more). Replayed with the recorded
+    dispatch settings, the routing is used as it is (``dispatch`` becomes ``topk``); another
+    dispatch on such a store is refused, since the routing it would need was not recorded.
+    Returns ``(knobs to replay with, the replay's "dispatch" section or None)``."""
+    from workbench.errors import KnobError
+    from workbench.knobs import Knobs
+
+    if trace.attrs.get("source") != "store":
+        return knobs, None
+    try:
+        rec = Knobs.from_attrs(trace.attrs)
+    except Exception:  # unreadable knobs: the replay's own checks say so
+        return knobs, None
+    if rec.dispatch == "topk":
+        return knobs, None
+    same = all(getattr(rec, n) == getattr(knobs, n) for n in _DISPATCH_KNOBS)
+    if not same and knobs.dispatch != "topk":
+        raise KnobError(
+            f"this run was recorded with dispatch={rec.dispatch} (capacity_factor "
+            f"{rec.capacity_factor:g}): its stored routing is what that dispatch left, so "
+            f"another dispatch cannot be replayed on it; replay it with dispatch=topk (the "
+            f"routing as recorded), or record a run with dispatch=topk and replay that")
+    return knobs.copy(dispatch="topk"), {
+        "policy": rec.dispatch, "capacity_factor": rec.capacity_factor, "recorded": True,
+        "note": "applied live when the run was recorded: the stored routing is what it left "
+                "(-1 = dropped), replayed as it is"}
 
 
 __all__ = ["replay_trace", "as_trace", "ReplayResult", "flat_hits", "SCOPES"]

@@ -35,20 +35,6 @@ def _modality_view(trace: Trace, code: int) -> Trace:
     return out
 
 
-def rank_loads(trace: Trace, ranks: int, placement: str,
-               modality: int | None = None) -> np.ndarray:
-    """int64 ``[step, layer, rank]``: the assignments each rank receives (``modality``: only
-    that modality code's tokens). Dense over (step, layer): for runs and small traces (the
-    replay's :func:`ep_replay` streams instead)."""
-    tr = trace if modality is None else _modality_view(trace, modality)
-    g = tr.groups()
-    load = rank_load(g.ptr, g.expert, g.expert_tokens,
-                     rank_of_expert(placement, tr.num_experts, ranks), ranks)
-    out = np.zeros((tr.num_steps, tr.num_layers, ranks), np.int64)
-    out[g.step, g.layer] = load
-    return out
-
-
 def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
     """EP figures of ``trace`` under ``knobs`` (``ep_ranks``, ``placement``, ``interconnect``,
     ``target_model``); ``prices``: the replay's :class:`~workbench.sim.costs.Prices` (None or
@@ -63,7 +49,9 @@ def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
 
     def summarize(tr: Trace) -> dict[str, Any]:
         summary = EPSummary(R, knobs.placement)
-        for s0, s1 in tr.step_chunks(CHUNK_ACCESSES):
+        # chunks of about CHUNK_ACCESSES (group, rank) cells: the per-chunk loads are
+        # groups × ranks (a million one-access groups on 4096 ranks would be 32 GiB)
+        for s0, s1 in tr.step_chunks(max(CHUNK_ACCESSES // R, 1)):
             g = tr.step_slice(s0, s1).groups()
             load = rank_load(g.ptr, g.expert, g.expert_tokens, owner, R)
             compute = None

@@ -94,10 +94,13 @@ class CapacityDrop(Dispatch):
         self.capacity_factor = float(capacity_factor)
         self.min_capacity = int(min_capacity)
 
-    def capacity(self, tokens: np.ndarray, top_k: int, num_experts: int) -> np.ndarray:
-        """Capacity of every expert for groups of ``tokens`` routed tokens."""
-        c = np.ceil(self.capacity_factor * np.asarray(tokens, np.float64) * top_k / num_experts)
-        return np.maximum(c, self.min_capacity).astype(np.int64)
+    def capacity(self, tokens: np.ndarray, top_k: Any, num_experts: int) -> np.ndarray:
+        """Capacity of every expert for groups of ``tokens`` routed tokens of ``top_k``
+        assignments each (a number, or one per group), clipped to 2⁶² (no int64 wrap-around
+        for any knob value)."""
+        c = np.ceil(self.capacity_factor * np.asarray(tokens, np.float64)
+                    * np.asarray(top_k, np.float64) / num_experts)
+        return np.minimum(np.maximum(c, self.min_capacity), 2.0 ** 62).astype(np.int64)
 
     def apply(self, ids, weights, token_step, num_experts):
         T, L, K = ids.shape
@@ -120,13 +123,16 @@ class CapacityDrop(Dispatch):
         seg_sorted = seg[order]
         start = np.r_[0, np.flatnonzero(np.diff(seg_sorted)) + 1]
         pos = np.arange(len(order)) - np.repeat(start, np.diff(np.r_[start, len(order)]))
-        # tokens routed at each (step, layer): a token with any assignment there
-        routed = ids >= 0
-        any_routed = routed.any(axis=2)  # [T, L]
+        # per (step, layer): the tokens routed there (any assignment) and the k the router
+        # used (the most slots any of them fills: a trace is padded to its widest k, e.g.
+        # dynamic top-k's k_max, while a prefill routes top-k)
+        n_slots = (ids >= 0).sum(axis=2)  # [T, L]
         n_steps = int(steps.max()) + 1
         per_sl = np.zeros((n_steps, L), np.int64)
-        np.add.at(per_sl, steps, any_routed.astype(np.int64))
-        cap = self.capacity(per_sl, K, num_experts)  # [steps, L]
+        np.add.at(per_sl, steps, (n_slots > 0).astype(np.int64))
+        k_used = np.zeros((n_steps, L), np.int64)
+        np.maximum.at(k_used, steps, n_slots)
+        cap = self.capacity(per_sl, k_used, num_experts)  # [steps, L]
         sl = seg_sorted // num_experts
         drop = pos >= cap.reshape(-1)[sl]
         d = order[drop]
@@ -134,15 +140,24 @@ class CapacityDrop(Dispatch):
         return out
 
 
-def _expert_loads(ids: np.ndarray, token_step: np.ndarray, num_experts: int) -> int:
-    """The largest (step, layer, expert) assignment count of a chunk."""
+def _segments(ids: np.ndarray, token_step: np.ndarray, num_experts: int):
+    """``(distinct (step, layer, expert) cells, their assignment counts)`` of a chunk, cells as
+    ``(step · L + layer) · E + expert`` with steps from the chunk's first: O(assignments)
+    memory (a dense count over steps × layers × experts could be gigabytes for a small file
+    declaring a large E)."""
     t, l, r = np.nonzero(ids >= 0)
     if not len(t):
-        return 0
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     steps = np.asarray(token_step, np.int64)
     s = steps[t] - steps.min()
     seg = (s * ids.shape[1] + l) * num_experts + ids[t, l, r].astype(np.int64)
-    return int(np.bincount(seg).max())
+    return np.unique(seg, return_counts=True)
+
+
+def _expert_loads(ids: np.ndarray, token_step: np.ndarray, num_experts: int) -> int:
+    """The largest (step, layer, expert) assignment count of a chunk."""
+    _, counts = _segments(ids, token_step, num_experts)
+    return int(counts.max()) if len(counts) else 0
 
 
 def dispatch_trace(trace: Any, policy: Dispatch, chunk_accesses: int = 1 << 20):
@@ -189,22 +204,15 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
                    capacity: Any) -> None:
     """Raise AssertionError naming the first (step, layer, expert) over ``capacity`` (an array
     [steps, layers] or a number): the invariant the property tests hold."""
-    t, l, r = np.nonzero(ids >= 0)
-    if not len(t):
-        return
-    steps = np.asarray(token_step, np.int64)
-    s = steps[t] - steps.min()
     L = ids.shape[1]
-    seg = (s * L + l) * num_experts + ids[t, l, r].astype(np.int64)
-    cnt = np.bincount(seg)
+    cells, cnt = _segments(ids, token_step, num_experts)
     cap = np.asarray(capacity)
-    limit = cap.reshape(-1)[np.arange(len(cnt)) // num_experts] if cap.ndim else cap
+    limit = cap.reshape(-1)[cells // num_experts] if cap.ndim else cap
     over = np.flatnonzero(cnt > limit)
     if len(over):
-        i = int(over[0])
+        i, c = int(cells[over[0]]), int(cnt[over[0]])
         raise AssertionError(f"step {i // num_experts // L}, layer {i // num_experts % L}, "
-                             f"expert {i % num_experts}: {int(cnt[i])} assignments over "
-                             f"capacity")
+                             f"expert {i % num_experts}: {c} assignments over capacity")
 
 
 __all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "DispatchStats", "dispatch_trace",

@@ -692,6 +692,9 @@ class _Job:
     stop_token: int | None = None
     #: the end was shown (buttons, status); the next poll reads the store's last steps
     reported: bool = False
+    #: the run shown when this one started: (path, sig, meta, run name, dataset); shown again
+    #: when this one fails before its store exists (a refusal the run found, not _precheck)
+    previous: tuple | None = None
 
 
 class DataStore(param.Parameterized):
@@ -984,7 +987,8 @@ class DataStore(param.Parameterized):
                              f"another name")
         knobs = self.knobs.to_dict()
         self._precheck(knobs)  # a refusal leaves the shown run, the baseline and the A/B as they were
-        job = _Job(path=path, max_new_tokens=int(knobs["max_new_tokens"]))
+        job = _Job(path=path, max_new_tokens=int(knobs["max_new_tokens"]),
+                   previous=(self._path, self._sig, self._meta, self.run_name, self.dataset))
         job.thread = threading.Thread(target=self._work, name=f"workbench-run-{path.name}",
                                       args=(job, knobs, prompt, [str(i) for i in images]),
                                       daemon=True)
@@ -1118,8 +1122,11 @@ class DataStore(param.Parameterized):
             else:
                 upd["status"] = f"stopped before start: {job.path.name}"
             if job.path == self._path and not (job.path / "zarr.json").is_file():
-                self._path, self._sig = None, None  # failed before its store was created
-                upd["run_name"] = None
+                # failed before its store was created (e.g. a refusal only the loaded model
+                # could find): the run shown before comes back, as after a _precheck refusal
+                path, sig, meta, name, ds = job.previous or (None, None, None, None, None)
+                self._path, self._sig, self._meta = path, sig, meta
+                upd["run_name"], upd["dataset"] = name, ds
             # the buttons and the status now, in a callback of their own (Bokeh sends a
             # callback's changes when it returns: what the user waits for after Stop); the
             # store's last steps at the next poll (the job still set, so the tail keeps this

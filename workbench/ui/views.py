@@ -24,7 +24,7 @@ import panel as pn
 import plotly.graph_objects as go
 import xarray as xr
 
-from workbench.errors import InputError, WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
@@ -288,37 +288,33 @@ EP_ONE_RANK = ("ep_ranks = 1: no expert parallelism.<br>Set ep_ranks in the Expe
                "card to spread this run's experts over ranks (virtual: nothing reruns)")
 
 
-def ep_view_figure(trace: Any, ranks: int, placement: str, steps: np.ndarray | None = None,
-                   describe: str = "", revision: Any = None) -> go.Figure:
-    """A run's routing (``trace``, a :class:`~workbench.traces.Trace`; None: no run) over
-    ``ranks`` virtual EP ranks under ``placement`` (the Expert parallel card's knobs: changing
-    them redraws, nothing reruns): load per rank by modality and imbalance per layer × step,
-    over ``steps`` (None: all). ``trace`` may be anything but None when ``ranks`` is 1 (the
-    placeholder reads no routing)."""
-    from workbench.replay.ep import rank_loads
-
-    if trace is None:
+def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
+                   step_range: tuple[int, int] | None = None, phase: str = "all",
+                   revision: Any = None) -> go.Figure:
+    """The shown run's routing over ``ranks`` virtual EP ranks under ``placement`` (the
+    Expert parallel card's knobs: changing them redraws, nothing reruns): load per rank by
+    modality and imbalance per layer × step over the selected steps (``ds.moe.ep_load``, from
+    the stored ``routed_tokens``: drawn while the run is written too)."""
+    if ds is None:
         return placeholder_figure("ep", EP_TITLE, "no run yet")
     if ranks <= 1:
         return placeholder_figure("ep", EP_TITLE, EP_ONE_RANK)
-    steps = np.arange(trace.num_steps) if steps is None else np.asarray(steps, np.int64)
-    steps = steps[steps < trace.num_steps]
+    steps = selected_steps(ds, step_range, phase)
     if len(steps) == 0:
         return placeholder_figure("ep", EP_TITLE, "no steps in the selection")
-    load = rank_loads(trace, ranks, placement)[steps]
-    groups = max(int((load.sum(-1) > 0).sum()), 1)
-    codes = [int(c) for c in np.unique(np.asarray(trace.token_modality))]
-    names = ("text", "image", "video")
-    per_rank = ({names[c]: rank_loads(trace, ranks, placement, c)[steps].sum((0, 1)) / groups
-                 for c in codes} if len(codes) > 1
-                else {names[codes[0]] if codes else "text": load.sum((0, 1)) / groups})
-    mean = load.mean(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ib = np.where(mean > 0, load.max(-1) / mean, np.nan)
-    mean_ib = float(np.nanmean(ib)) if np.isfinite(ib).any() else float("nan")
-    fig = ep_load_figure(per_rank, ib, steps, (
+    sel = {"step": [int(x) for x in steps]}
+    load = ds.moe.ep_load(ranks, placement).sel(sel)
+    groups = max(int((load.sum("rank") > 0).sum()), 1)
+    routed = ds["routed_tokens"].sel(sel).sum(("step", "layer", "expert"))
+    present = [str(m) for m, n in zip(routed["modality"].values, routed.values) if n > 0]
+    per_rank = ({m: ds.moe.ep_load(ranks, placement, m).sel(sel).sum(("step", "layer")).values
+                 / groups for m in present} if len(present) > 1
+                else {(present or ["text"])[0]: load.sum(("step", "layer")).values / groups})
+    ib = ds.moe.ep_imbalance(ranks, placement).sel(sel)
+    mean_ib = float(ib.mean()) if bool(ib.notnull().any()) else float("nan")
+    fig = ep_load_figure(per_rank, ib.values, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f} (max/mean, mean over "
-        f"layer steps){describe}"))
+        f"layer steps){_describe(step_range, phase)}"))
     return _finish(fig, "ep", revision)
 
 
@@ -529,7 +525,8 @@ class HotRecallView(PlotView):
 
 class EPView(PlotView):
     """The shown run's expert-parallel load under the Expert parallel card's ``ep_ranks`` and
-    ``placement`` (virtual ranks: redrawn from the recorded routing when they change)."""
+    ``placement`` (virtual ranks: redrawn from the recorded routing when they change, and at
+    every commit of a run being written)."""
 
     view = "ep"
     watches = ("dataset", "step_range", "phase")
@@ -541,17 +538,8 @@ class EPView(PlotView):
     def figure(self) -> go.Figure:
         s = self.store
         ep = s.knobs.group("ep")
-        ranks = int(ep.ep_ranks)
-        if s.dataset is None or ranks <= 1:  # the placeholders need no routing
-            return ep_view_figure(None if s.dataset is None else (), ranks, ep.placement)
-        try:
-            trace = s.replay_trace()  # the shown run's routing, read once per commit
-        except InputError as e:  # still being written
-            return placeholder_figure("ep", EP_TITLE, str(e))
-        return ep_view_figure(trace, ranks, ep.placement,
-                              selected_steps(s.dataset, s.step_range, s.phase),
-                              _describe(s.step_range, s.phase),
-                              f"{self._revision()}-{ranks}-{ep.placement}")
+        return ep_view_figure(s.dataset, int(ep.ep_ranks), ep.placement, s.step_range,
+                              s.phase, f"{self._revision()}-{ep.ep_ranks}-{ep.placement}")
 
 
 class ReplayView(PlotView):
