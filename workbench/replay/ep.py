@@ -4,8 +4,8 @@
 attributes every routed (token, expert) of each (step, layer) group to the rank owning the
 expert under ``placement``, and sums the figures of :class:`workbench.sim.ep.EPSummary`: over
 all tokens, and per modality when the trace has more than one. With a cost model it also
-sums the modeled EP layer times (dispatch / compute / combine, MACS Fig. 3); communication
-needs the target model's hidden size (``target_model``), compute any cost model.
+sums the modeled EP layer times (dispatch / compute / combine, MACS Fig. 3), with the cost
+model's hidden-state bytes (the target model's, or a run store's own).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from workbench.sim.ep import ACTIVATION_BYTES, EPSummary, layer_times, rank_compute_s, rank_load
+from workbench.sim.ep import EPSummary, layer_times, rank_compute_s, rank_load
 from workbench.sim.placement import rank_of_expert
-from workbench.sim.profiles import get_interconnect, get_target_model
+from workbench.sim.profiles import get_interconnect
 from workbench.sim.costs import Prices
 from workbench.telemetry.events import MODALITIES
 from workbench.traces.trace import Trace
@@ -43,9 +43,10 @@ def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
     R, E = int(knobs.ep_ranks), trace.num_experts
     owner = rank_of_expert(knobs.placement, E, R)
     link = get_interconnect(knobs.interconnect)
-    hidden = (get_target_model(knobs.target_model).hidden_size * ACTIVATION_BYTES
-              if knobs.target_model != "none" else 0.0)
     priced = prices is not None and prices.available
+    # a token's hidden state on the wire: the cost spec's (the target model's, or the
+    # recorded run's own; 0 in stores older than it: then no communication is priced)
+    hidden = float(prices.cost.activation_bytes_per_token) if priced else 0.0
 
     def summarize(tr: Trace) -> dict[str, Any]:
         summary = EPSummary(R, knobs.placement)

@@ -32,10 +32,6 @@ from typing import Any
 
 import numpy as np
 
-#: bytes of one hidden-state element on the wire (bf16 activations)
-ACTIVATION_BYTES = 2
-
-
 def rank_load(g_ptr: np.ndarray, expert: np.ndarray, expert_tokens: np.ndarray,
               rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
     """int64 ``[groups, ranks]``: assignments each rank receives in each group (CSR ``g_ptr``
