@@ -322,3 +322,19 @@ def test_hostile_ep_and_dispatch_replays_stay_small(tmp_path):
     assert ep["groups"] == T and ep["max_rank_load"] == 1
     assert d["dropped"] == 0 and d["max_expert_load_before"] == 1
     assert grown_mb < 600, grown_mb
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10**6), gamma=st.sampled_from([0.1, 0.5, 1.0, 2.0, 8.0]),
+       T=st.integers(1, 40), E=st.integers(2, 16), K=st.integers(1, 4))
+def test_the_live_shortcut_agrees_with_the_rule(seed, gamma, T, E, K):
+    """``fits`` (the live path's one-bincount shortcut) says "nothing drops" exactly when
+    ``apply`` drops nothing, for a live layer call (every token routed to k experts)."""
+    K = min(K, E)
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int16)[:, None, :]
+    w = rng.random(ids.shape).astype(np.float32)
+    pol = CapacityDrop(gamma)
+    kept = pol.apply(ids, w, np.zeros(T), E)
+    top = int(np.bincount(ids.ravel(), minlength=E).max())
+    assert pol.fits(top, T, K, E) == bool((kept >= 0).all())

@@ -497,9 +497,16 @@ class Offloader:
         dropped assignment gets id E — the experts forward's "not here" sentinel, which
         :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
         theirs, not renormalised: CAI-MoE's default)."""
+        T, K = top_k_index.shape
+        E = b.num_experts
+        # most layer calls overflow nothing (a decode step's one token never does): one
+        # bincount on the device decides it, without the copy and sort of apply()
+        top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
+        if self.dispatch.fits(top, T, K, E):
+            self.dispatch_assigned += T * K
+            return top_k_index, top_k_weights
         ids = top_k_index.detach().to("cpu").numpy()
         w = top_k_weights.detach().float().to("cpu").numpy()
-        T = ids.shape[0]
         new = self.dispatch.apply(ids[:, None, :].astype(np.int16), w[:, None, :],
                                   np.zeros(T, np.int64), b.num_experts)[:, 0, :]
         dropped = (new < 0) & (ids >= 0)

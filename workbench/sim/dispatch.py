@@ -76,6 +76,12 @@ class Dispatch:
         assignment was dropped (a new array; ``ids`` is not changed)."""
         return ids.copy()
 
+    def fits(self, max_load: int, tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether a group of ``tokens`` tokens × ``top_k`` whose busiest expert has
+        ``max_load`` assignments is kept whole (a shortcut the live path takes before
+        :meth:`apply`; False: ask :meth:`apply`)."""
+        return False
+
 
 DISPATCH: Registry[Dispatch] = Registry("dispatch", knob="dispatch")
 
@@ -83,6 +89,9 @@ DISPATCH: Registry[Dispatch] = Registry("dispatch", knob="dispatch")
 @DISPATCH.register("topk")
 class TopK(Dispatch):
     """The router's top-k unchanged: no capacity, nothing dropped."""
+
+    def fits(self, max_load, tokens, top_k, num_experts):
+        return True
 
 
 @DISPATCH.register("capacity-drop")
@@ -101,6 +110,9 @@ class CapacityDrop(Dispatch):
         c = np.ceil(self.capacity_factor * np.asarray(tokens, np.float64)
                     * np.asarray(top_k, np.float64) / num_experts)
         return np.minimum(np.maximum(c, self.min_capacity), 2.0 ** 62).astype(np.int64)
+
+    def fits(self, max_load, tokens, top_k, num_experts):
+        return max_load <= int(self.capacity(tokens, top_k, num_experts))
 
     def apply(self, ids, weights, token_step, num_experts):
         T, L, K = ids.shape
