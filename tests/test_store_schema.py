@@ -75,7 +75,8 @@ def test_the_fixture_is_a_schema_3_store_on_disk():
     assert int(hits.sum()) == 157 != json.loads(root["summary"])["hits"] == 123
     assert sum(f.stat().st_size for f in V3.rglob("*") if f.is_file()) < 300_000
     assert disk_schema(3)["predicted_ids"].dims == ("step", "layer", "rank")
-    assert "pinned_accesses" not in disk_schema(3) and disk_schema(4) is SCHEMA
+    assert "pinned_accesses" not in disk_schema(3) and disk_schema(SCHEMA_VERSION) is SCHEMA
+    assert "dispatch_dropped" not in disk_schema(4)
 
 
 def test_a_schema_3_store_reads_with_pred_order_and_split_hits(v3):
@@ -176,7 +177,7 @@ def fresh(tmp_path_factory):
 
 def test_a_fresh_store_counts_hits_as_the_run_result(fresh):
     res, ds = fresh
-    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 4
+    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 5
     assert int(ds.hits.sum()) == res.hits and int(ds.misses.sum()) == res.misses
     pinned = ds.pinned.values
     assert pinned.any() and (ds.hits.values[:, pinned] == 0).all()
@@ -286,3 +287,48 @@ def test_a_tampered_schema_3_store_is_refused_naming_it(tmp_path):
     with pytest.raises(StoreError, match=r"'predicted_ids' has dimensions .* the schema says "
                                          r"\['step', 'layer', 'rank'\]"):
         open_run(store)
+
+
+def test_a_store_older_than_dispatch_reads_nothing_dropped():
+    """Schema 5 added ``dispatch_dropped``; the schema-3 fixture (and any store ≤ 4) reads it
+    as zeros shaped like ``routed_tokens`` (no dispatch existed), costing no memory."""
+    ds = workbench.open_run(V3)
+    d = ds["dispatch_dropped"]
+    assert d.dims == ds["routed_tokens"].dims and d.shape == ds["routed_tokens"].shape
+    assert int(d.sum()) == 0
+
+
+def test_a_live_dispatch_records_what_it_dropped(embedded, demo_inputs, tmp_path):
+    """``dispatch_dropped`` holds, per (step, layer, expert, modality), the tokens the live
+    dispatch took away: routed + dropped = what the router chose; the total is the run's."""
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    res = rt.run(prompt, images=[img], store=tmp_path / "d.zarr", dispatch="capacity-drop",
+                 capacity_factor=0.5)
+    ds = workbench.open_run(res.store)
+    dropped = ds["dispatch_dropped"]
+    assert int(dropped.sum()) == res.dispatch_dropped > 0
+    routed = ds["routed_tokens"].sum("expert").isel(step=0)
+    chosen = routed + dropped.sum("expert").isel(step=0)
+    k = ds.sizes["k"]
+    tokens = ds["token_modality"].values[ds["token_step"].values == 0]
+    for m, code in (("text", 0), ("image", 1)):  # every prefill token chose k experts
+        np.testing.assert_array_equal(chosen.sel(modality=m).values,
+                                      np.full(ds.sizes["layer"], k * int((tokens == code).sum())))
+    assert int(dropped.sel(modality="image").sum()) > 0
+
+
+def test_drops_per_rank_and_modality(embedded, demo_inputs, tmp_path):
+    """``ds.moe.ep_dropped``: the dropped assignments on the rank of the expert they were
+    taken from; kept + dropped per rank = what the router sent that rank."""
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    top = workbench.open_run(rt.run(prompt, images=[img], store=tmp_path / "t.zarr").store)
+    drop = workbench.open_run(rt.run(prompt, images=[img], store=tmp_path / "d.zarr",
+                                     dispatch="capacity-drop", capacity_factor=0.5).store)
+    for m in (None, "image", "text"):
+        kept = drop.moe.ep_load(8, "contiguous", m).isel(step=0, layer=0)
+        gone = drop.moe.ep_dropped(8, "contiguous", m).isel(step=0, layer=0)
+        want = top.moe.ep_load(8, "contiguous", m).isel(step=0, layer=0)
+        np.testing.assert_array_equal(kept + gone, want)  # layer 0: same input both runs
+    assert int(top.moe.ep_dropped(8).sum()) == 0

@@ -1101,3 +1101,20 @@ def test_a_refusal_only_the_loaded_model_finds_brings_the_shown_run_back(two_run
         s.knobs.set(prefetch="none")
     assert s.error and "predictor" in s.error
     assert (s.run_name, s.dataset) == before and not s.running
+
+
+def test_ep_view_shows_what_a_dispatch_dropped(embedded, demo_inputs, tmp_path):
+    """A run with Token Drop: the EP view adds the dropped assignments per rank (hatched) and
+    says what share the dispatch dropped."""
+    from workbench.ui.views import ep_view_figure
+
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    res = workbench.Runtime(embedded, max_new_tokens=2).run(
+        prompt, images=[img], store=tmp_path / "d.zarr", dispatch="capacity-drop",
+        capacity_factor=0.5)
+    ds = workbench.open_run(res.store)
+    fig = ep_view_figure(ds, 8, "contiguous")
+    bars = {t.name: np.asarray(t.y, float) for t in fig.data if t.type == "bar"}
+    assert "dropped by dispatch" in bars and bars["dropped by dispatch"].sum() > 0
+    share = res.dispatch_dropped / res.dispatch_assigned
+    assert f"{share:.0%} of assignments dropped" in fig.layout.title.text

@@ -612,22 +612,35 @@ class MoEAccessor:
         ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
         are virtual (:mod:`workbench.sim.ep`): each expert's ``routed_tokens`` go to the rank
         owning it — so any rank count or placement reads the store as recorded, also while it
-        is being written."""
+        is being written. After a capacity-aware dispatch these are the kept assignments
+        (:meth:`ep_dropped` the others)."""
+        return self._per_rank("routed_tokens", ranks, placement, modality, "ep_load")
+
+    def ep_dropped(self, ranks: int | None = None, placement: str | None = None,
+                   modality: str | None = None) -> xr.DataArray:
+        """The assignments a capacity-aware dispatch dropped, per ``[step, layer, rank]`` of
+        the expert they were taken from (``dispatch_dropped``; 0 without a dispatch)."""
+        return self._per_rank("dispatch_dropped", ranks, placement, modality, "ep_dropped")
+
+    def _per_rank(self, var: str, ranks: int | None, placement: str | None,
+                  modality: str | None, name: str) -> xr.DataArray:
         from workbench.sim.placement import rank_of_expert
 
         k = self._ep_knobs(ranks, placement)
-        rt = self._ds["routed_tokens"]  # [step, layer, expert, modality]
-        name = self._modality(modality)
-        counts = rt.sel(modality=name) if name is not None else rt.sum("modality")
+        if var not in self._ds:
+            raise InputError(f"this store has no {var!r}; EP loads need it")
+        counts = self._ds[var]  # [step, layer, expert, modality]
+        m = self._modality(modality)
+        counts = counts.sel(modality=m) if m is not None else counts.sum("modality")
         E, R = counts.sizes["expert"], int(k.ep_ranks)
         owner = np.zeros((E, R), np.int64)
         owner[np.arange(E), rank_of_expert(k.placement, E, R)] = 1
-        out = np.einsum("sle,er->slr", counts.values.astype(np.int64), owner)
+        out = np.einsum("sle,er->slr", np.asarray(counts.values, np.int64), owner)
         return xr.DataArray(out, dims=("step", "layer", "rank"),
-                            coords={"step": counts["step"].values, "layer": np.arange(out.shape[1]),
-                                    "rank": np.arange(R)},
-                            name="ep_load", attrs={"units": "token-expert assignments",
-                                                   "placement": k.placement, "ranks": R})
+                            coords={"step": counts["step"].values,
+                                    "layer": np.arange(out.shape[1]), "rank": np.arange(R)},
+                            name=name, attrs={"units": "token-expert assignments",
+                                              "placement": k.placement, "ranks": R})
 
     def ep_imbalance(self, ranks: int | None = None, placement: str | None = None,
                      modality: str | None = None) -> xr.DataArray:

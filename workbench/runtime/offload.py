@@ -232,9 +232,12 @@ class Offloader:
         if not pinned and self.dynamic_topk and self.probe.step > 0:
             top_k_index, top_k_weights = self._budget_topk(
                 b, hidden_states, top_k_index, top_k_weights)
+        dropped = None
         if self.dispatch is not None:
-            top_k_index, top_k_weights = self._dispatch_routing(b, top_k_index, top_k_weights)
+            top_k_index, top_k_weights, dropped = self._dispatch_routing(
+                b, top_k_index, top_k_weights)
         ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
+        ev.dropped_ids = dropped
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
@@ -491,12 +494,14 @@ class Offloader:
         return hook
 
     def _dispatch_routing(self, b: MoEBlock, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          top_k_weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
         """Capacity-aware dispatch of this layer call's tokens (one step, one layer) by the
         core's rule (:meth:`workbench.sim.dispatch.Dispatch.apply`, the one replay runs): a
         dropped assignment gets id E — the experts forward's "not here" sentinel, which
         :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
-        theirs, not renormalised: CAI-MoE's default)."""
+        theirs, not renormalised: CAI-MoE's default). Returns the routing and the dropped
+        experts ``[T, k]`` (int16, -1 = kept; None: nothing dropped) for the layer event."""
         T, K = top_k_index.shape
         E = b.num_experts
         # most layer calls overflow nothing (a decode step's one token never does): one
@@ -504,7 +509,7 @@ class Offloader:
         top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
         if self.dispatch.fits(top, T, K, E):
             self.dispatch_assigned += T * K
-            return top_k_index, top_k_weights
+            return top_k_index, top_k_weights, None
         ids = top_k_index.detach().to("cpu").numpy()
         w = top_k_weights.detach().float().to("cpu").numpy()
         new = self.dispatch.apply(ids[:, None, :].astype(np.int16), w[:, None, :],
@@ -513,11 +518,12 @@ class Offloader:
         self.dispatch_assigned += int((ids >= 0).sum())
         n = int(dropped.sum())
         if not n:
-            return top_k_index, top_k_weights
+            return top_k_index, top_k_weights, None
         self.dispatch_dropped += n
         gone = torch.as_tensor(dropped, device=top_k_index.device)
         return (top_k_index.masked_fill(gone, b.num_experts),
-                top_k_weights.masked_fill(gone, 0))
+                top_k_weights.masked_fill(gone, 0),
+                np.where(dropped, ids, -1).astype(np.int16))
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

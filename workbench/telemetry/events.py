@@ -39,6 +39,8 @@ class LayerEvent:
     none): the routers of layers ``layer + 1 … layer + D`` applied to this layer's MoE input
     (router lookahead), or ``None`` when lookahead is off. ``host`` are misses that GPU–CPU
     hybrid mode ran on the host copy instead of loading (a subset of ``misses``, same order).
+    ``dropped_ids`` is ``[T, k]`` (int16, -1 = none) or ``None``: the experts a capacity-aware
+    dispatch took from each token (their slots in ``topk_ids`` read -1).
     """
 
     layer: int
@@ -53,6 +55,7 @@ class LayerEvent:
     host: list[int] = field(default_factory=list)
     pred_ids: np.ndarray | None = None
     expert_tokens: dict[int, int] = field(default_factory=dict)
+    dropped_ids: np.ndarray | None = None
     stall_s: float = 0.0
 
 

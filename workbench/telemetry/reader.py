@@ -418,6 +418,11 @@ def open_run(path: str | Path) -> xr.Dataset:
                                    attrs=var_attrs)
     if version < 4:
         _upgrade(data_vars, arrays, coords)
+    if version < 5 and "routed_tokens" in data_vars:  # no dispatch before schema 5: nothing
+        v = SCHEMA["dispatch_dropped"]                 # dropped (a zero view, no memory)
+        data_vars["dispatch_dropped"] = xr.Variable(
+            v.dims, np.broadcast_to(np.int32(0), data_vars["routed_tokens"].shape),
+            attrs={"units": v.units, "description": v.doc})
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
     ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
@@ -427,6 +432,7 @@ def open_run(path: str | Path) -> xr.Dataset:
 
 #: per-step and per-(step, layer) arrays that count something (≥ 0)
 _COUNTS = ("step_tokens", "hits", "misses", "loads", "evictions", "pinned_accesses",
+           "dispatch_dropped",
            "pre_evictions", "prefetches", "host_runs", "topk_used", "routed_tokens")
 #: per-step and per-(step, layer) times (finite, ≥ 0)
 _TIMES = ("step_start_s", "latency_measured_s", "latency_modeled_s", "stall_measured_s",

@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 #: list the store's ``arrays``. 4: the predictor's order dim is ``pred_order`` (was ``rank``);
 #: ``hits``/``misses`` count expert-cache lookups only (offloaded layers) and the accesses the
 #: pinned prefix served are ``pinned_accesses`` (schema ≤ 3 booked them as ``hits``).
+#: 5: ``dispatch_dropped`` (a store of schema ≤ 4 had no dispatch: it reads 0).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
 PRED_ORDER = "pred_order"
 #: what schema ≤ 3 named :data:`PRED_ORDER` on disk
@@ -96,6 +97,9 @@ SCHEMA: dict[str, Var] = {
     # -- per step × layer × expert -------------------------------------------------------------
     "routed_tokens": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
                          "tokens routed to the expert, split by modality"),
+    "dispatch_dropped": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
+                            "tokens a capacity-aware dispatch took from the expert (dispatch ≠ "
+                            "topk; their topk_ids read -1), split by modality"),
     "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
                     "expert in a cache slot or pinned at the end of the step"),
     # -- per routed token ----------------------------------------------------------------------
@@ -126,7 +130,7 @@ SCHEMA: dict[str, Var] = {
 
 
 #: variables each schema version added (absent from the files of older stores)
-ADDED_IN = {"pinned_accesses": 4}
+ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
 INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")

@@ -310,11 +310,17 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     per_rank = ({m: ds.moe.ep_load(ranks, placement, m).sel(sel).sum(("step", "layer")).values
                  / groups for m in present} if len(present) > 1
                 else {(present or ["text"])[0]: load.sum(("step", "layer")).values / groups})
+    drops = ""
+    if "dispatch_dropped" in ds and int(ds["dispatch_dropped"].sel(sel).sum()):
+        gone = ds.moe.ep_dropped(ranks, placement).sel(sel).sum(("step", "layer")).values
+        per_rank["dropped"] = gone / groups
+        kept = float(load.sum())
+        drops = f", {gone.sum() / (kept + gone.sum()):.0%} of assignments dropped by dispatch"
     ib = ds.moe.ep_imbalance(ranks, placement).sel(sel)
     mean_ib = float(ib.mean()) if bool(ib.notnull().any()) else float("nan")
     fig = ep_load_figure(per_rank, ib.values, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f} (max/mean, mean over "
-        f"layer steps){_describe(step_range, phase)}"))
+        f"layer steps){drops}{_describe(step_range, phase)}"))
     return _finish(fig, "ep", revision)
 
 

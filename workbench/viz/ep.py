@@ -9,13 +9,15 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 #: bar colours per modality (text, image, video), as the heatmap's modality filter names them
-MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B"}
+MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B",
+                    "dropped": "#BBBBBB"}
 
 
 def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
                    steps: np.ndarray, title: str) -> go.Figure:
     """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
-    balanced level (every rank at the mean) dashed. Right: imbalance max/mean per layer ×
+    balanced level (every rank at the mean) dashed; a ``"dropped"`` entry (assignments a
+    capacity-aware dispatch took away) is drawn hatched on top and left out of the level. Right: imbalance max/mean per layer ×
     step (``imbalance`` [step, layer], NaN where nothing was routed)."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.1,
                         subplot_titles=("load per rank (mean per layer step)",
@@ -25,6 +27,11 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
     for name, v in per_rank.items():
         v = np.asarray(v, float)
         ranks = np.arange(len(v))
+        if name == "dropped":
+            fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name="dropped by dispatch",
+                                 marker={"color": MODALITY_COLOURS["dropped"],
+                                         "pattern": {"shape": "/"}}), row=1, col=1)
+            continue
         total = v if total is None else total + v
         fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name=f"{name} tokens",
                              marker_color=MODALITY_COLOURS.get(name)), row=1, col=1)
