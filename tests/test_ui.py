@@ -1118,3 +1118,35 @@ def test_ep_view_shows_what_a_dispatch_dropped(embedded, demo_inputs, tmp_path):
     assert "dropped by dispatch" in bars and bars["dropped by dispatch"].sum() > 0
     share = res.dispatch_dropped / res.dispatch_assigned
     assert f"{share:.0%} of assignments dropped" in fig.layout.title.text
+
+
+def test_ep_view_compares_with_the_pinned_baseline(embedded, demo_inputs, tmp_path):
+    """A/B in the EP view: the pinned run's per-rank load as diamonds, its imbalance in the
+    title (issue 14 §5)."""
+    from workbench.ui.views import EPView
+
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    ws = tmp_path / "ws"
+    rt.run(prompt, images=[img], store=ws / "a.zarr")
+    rt.run(prompt, images=[img], store=ws / "b.zarr", dispatch="capacity-drop",
+           capacity_factor=1.0)
+    s = DataStore(workspace=ws)
+    s.open("a.zarr")
+    s.pin_baseline()
+    s.open("b.zarr")
+    view = EPView(s)
+    s.knobs.group("ep").ep_ranks = 4
+    fig = view.pane.object
+    diamonds = [t for t in fig.data if t.type == "scatter" and t.name.startswith("baseline")]
+    assert len(diamonds) == 1 and "a.zarr" in diamonds[0].name
+    a = workbench.open_run(ws / "a.zarr").moe.ep_load(4, "contiguous")
+    groups = int((a.sum("rank") > 0).sum())
+    np.testing.assert_allclose(np.asarray(diamonds[0].y, float),
+                               a.sum(("step", "layer")).values / groups)
+    assert "(baseline " in fig.layout.title.text
+    n = view.redraws
+    s.clear_baseline()
+    assert view.redraws == n + 1
+    assert not [t for t in view.pane.object.data if t.type == "scatter" and
+                t.name.startswith("baseline")]

@@ -290,11 +290,13 @@ EP_ONE_RANK = ("ep_ranks = 1: no expert parallelism.<br>Set ep_ranks in the Expe
 
 def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
                    step_range: tuple[int, int] | None = None, phase: str = "all",
-                   revision: Any = None) -> go.Figure:
+                   revision: Any = None, baseline: xr.Dataset | None = None,
+                   baseline_name: str = "baseline") -> go.Figure:
     """The shown run's routing over ``ranks`` virtual EP ranks under ``placement`` (the
     Expert parallel card's knobs: changing them redraws, nothing reruns): load per rank by
     modality and imbalance per layer × step over the selected steps (``ds.moe.ep_load``, from
-    the stored ``routed_tokens``: drawn while the run is written too)."""
+    the stored ``routed_tokens``: drawn while the run is written too). ``baseline``: the pinned
+    A/B run, its per-rank load over its own steps of the same phase (diamonds)."""
     if ds is None:
         return placeholder_figure("ep", EP_TITLE, "no run yet")
     if ranks <= 1:
@@ -318,9 +320,20 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
         drops = f", {gone.sum() / (kept + gone.sum()):.0%} of assignments dropped by dispatch"
     ib = ds.moe.ep_imbalance(ranks, placement).sel(sel)
     mean_ib = float(ib.mean()) if bool(ib.notnull().any()) else float("nan")
+    base, vs = None, ""
+    if baseline is not None:
+        b_steps = selected_steps(baseline, None, phase)
+        if len(b_steps):
+            b_sel = {"step": [int(x) for x in b_steps]}
+            b_load = baseline.moe.ep_load(ranks, placement).sel(b_sel)
+            b_groups = max(int((b_load.sum("rank") > 0).sum()), 1)
+            base = (f"baseline: {baseline_name}", b_load.sum(("step", "layer")).values / b_groups)
+            b_ib = baseline.moe.ep_imbalance(ranks, placement).sel(b_sel)
+            if bool(b_ib.notnull().any()):
+                vs = f" (baseline {float(b_ib.mean()):.2f})"
     fig = ep_load_figure(per_rank, ib.values, np.asarray(steps), (
-        f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f} (max/mean, mean over "
-        f"layer steps){drops}{_describe(step_range, phase)}"))
+        f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
+        f"over layer steps){drops}{_describe(step_range, phase)}"), base)
     return _finish(fig, "ep", revision)
 
 
@@ -535,7 +548,7 @@ class EPView(PlotView):
     every commit of a run being written)."""
 
     view = "ep"
-    watches = ("dataset", "step_range", "phase")
+    watches = ("dataset", "baseline", "step_range", "phase")
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
         super().__init__(store, height)
@@ -545,7 +558,8 @@ class EPView(PlotView):
         s = self.store
         ep = s.knobs.group("ep")
         return ep_view_figure(s.dataset, int(ep.ep_ranks), ep.placement, s.step_range,
-                              s.phase, f"{self._revision()}-{ep.ep_ranks}-{ep.placement}")
+                              s.phase, f"{self._revision()}-{ep.ep_ranks}-{ep.placement}",
+                              s.baseline, s.baseline_name or "baseline")
 
 
 class ReplayView(PlotView):

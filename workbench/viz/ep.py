@@ -14,10 +14,13 @@ MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B",
 
 
 def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
-                   steps: np.ndarray, title: str) -> go.Figure:
+                   steps: np.ndarray, title: str,
+                   baseline: tuple[str, np.ndarray] | None = None) -> go.Figure:
     """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
     balanced level (every rank at the mean) dashed; a ``"dropped"`` entry (assignments a
-    capacity-aware dispatch took away) is drawn hatched on top and left out of the level. Right: imbalance max/mean per layer ×
+    capacity-aware dispatch took away) is drawn hatched on top and left out of the level;
+    ``baseline`` ``(label, per-rank load)``: another run's (the pinned A/B baseline), as
+    diamonds over the bars. Right: imbalance max/mean per layer ×
     step (``imbalance`` [step, layer], NaN where nothing was routed)."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.1,
                         subplot_titles=("load per rank (mean per layer step)",
@@ -40,6 +43,12 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
         fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=[mean] * len(total),
                                  mode="lines", name="balanced (mean)",
                                  line={"dash": "dash", "color": "#333"}), row=1, col=1)
+    if baseline is not None and ranks is not None:
+        label, b = baseline
+        fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=np.asarray(b, float),
+                                 mode="markers", name=label,
+                                 marker={"symbol": "diamond", "size": 10, "color": "#111"}),
+                      row=1, col=1)
     fig.add_trace(go.Heatmap(z=np.asarray(imbalance, float).T, x=np.asarray(steps),
                              colorscale="Reds", zmin=1.0, name="imbalance",
                              colorbar={"title": "max/mean", "x": 1.02},
