@@ -26,8 +26,9 @@ CHUNK_ACCESSES = 1 << 20
 
 
 def _modality_view(trace: Trace, code: int) -> Trace:
-    """``trace`` with the routing of tokens of other modalities removed (-1): their loads are
-    that modality's alone. One int16 copy of the routing."""
+    """``trace`` (a chunk of one: :meth:`Trace.step_slice`) with the routing of tokens of
+    other modalities removed (-1): their loads are that modality's alone. One int16 copy of
+    the chunk's routing."""
     ids = np.where((np.asarray(trace.token_modality) == code)[:, None, None],
                    trace.topk_ids, np.int16(-1))
     out = trace.step_slice(0, trace.num_steps)
@@ -48,12 +49,14 @@ def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
     # recorded run's own; 0 in stores older than it: then no communication is priced)
     hidden = float(prices.cost.activation_bytes_per_token) if priced else 0.0
 
-    def summarize(tr: Trace) -> dict[str, Any]:
+    def summarize(modality: int | None = None) -> dict[str, Any]:
         summary = EPSummary(R, knobs.placement)
         # chunks of about CHUNK_ACCESSES (group, rank) cells: the per-chunk loads are
-        # groups × ranks (a million one-access groups on 4096 ranks would be 32 GiB)
-        for s0, s1 in tr.step_chunks(max(CHUNK_ACCESSES // R, 1)):
-            g = tr.step_slice(s0, s1).groups()
+        # groups × ranks (a million one-access groups on 4096 ranks would be 32 GiB); a
+        # modality's routing is masked chunk by chunk (no copy of the whole trace)
+        for s0, s1 in trace.step_chunks(max(CHUNK_ACCESSES // R, 1)):
+            sub = trace.step_slice(s0, s1)
+            g = (sub if modality is None else _modality_view(sub, modality)).groups()
             load = rank_load(g.ptr, g.expert, g.expert_tokens, owner, R)
             compute = None
             if priced:
@@ -62,10 +65,9 @@ def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
             summary.add(load, layer_times(load, compute, hidden, link if hidden else None))
         return summary.result()
 
-    out = summarize(trace)
+    out = summarize()
     out["interconnect"] = knobs.interconnect
     codes = np.unique(np.asarray(trace.token_modality)) if trace.num_tokens else []
     if len(codes) > 1:
-        out["by_modality"] = {MODALITIES[int(c)]: summarize(
-            _modality_view(trace, int(c))) for c in codes}
+        out["by_modality"] = {MODALITIES[int(c)]: summarize(int(c)) for c in codes}
     return out

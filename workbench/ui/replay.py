@@ -172,7 +172,7 @@ def _replay_one(trace, eviction: str, slots: int, *, knobs, scope: str, pinned_l
             return memo[key]
     m = replay_trace(trace, knobs, scope=scope, belady=False, eviction=eviction,
                      cache_slots=int(slots), cache_bytes=None, pinned_layers=int(pinned_layers),
-                     active_evict=False).metrics()
+                     active_evict=False, ep_ranks=1).metrics()  # (the curves need no EP load)
     row = {k: m[k] for k in _KEEP if k in m}
     if memo is not None:
         memo[key] = row
