@@ -13,8 +13,8 @@ Fork rather than spawn: the child shares the loaded tokenizer copy-on-write and 
 milliseconds (a spawned interpreter needs ≈ 0.5 s of imports per prompt). The child runs only
 the template (pure Python) and ``os._exit``\\ s; it never returns into the parent's stack.
 Compiling is bounded too: Jinja folds constants at compile time, so ``'a' * 3000000000`` is
-evaluated by the compiler (in the child, never in the parent). Where ``os.fork`` is missing (Windows) the template is
-rendered in-process, unbounded.
+evaluated by the compiler (in the child, never in the parent). Where ``os.fork`` is missing
+(Windows) the template is rendered in-process, unbounded.
 """
 
 from __future__ import annotations

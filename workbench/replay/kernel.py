@@ -324,7 +324,8 @@ def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_o
               occ_grp, sl, ready, go, xfer_time):
     """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
     unprotected slot can take), queue their transfers behind the demand misses at ``now``.
-    ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns the new (access clock, transfer-lane free time)."""
+    ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns
+    the new (access clock, transfer-lane free time)."""
     for j in range(pf_ptr[g], pf_ptr[g + 1]):
         k = pf_key[j]
         if kf[k, RES]:

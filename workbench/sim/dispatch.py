@@ -42,7 +42,8 @@ class DispatchStats:
     dropped: int = 0
     max_expert_load_before: int = 0
     max_expert_load_after: int = 0
-    by_modality: dict[int, list[int]] = field(default_factory=dict)  # code → [assigned, dropped, rerouted]
+    #: modality code → [assigned, dropped, rerouted]
+    by_modality: dict[int, list[int]] = field(default_factory=dict)
 
     def result(self, names: tuple[str, ...]) -> dict[str, Any]:
         a = self.assigned
