@@ -624,6 +624,7 @@ class MoEAccessor:
 
     def _per_rank(self, var: str, ranks: int | None, placement: str | None,
                   modality: str | None, name: str) -> xr.DataArray:
+        from workbench.sim.ep import counts_per_rank
         from workbench.sim.placement import rank_of_expert
 
         k = self._ep_knobs(ranks, placement)
@@ -633,9 +634,7 @@ class MoEAccessor:
         m = self._modality(modality)
         counts = counts.sel(modality=m) if m is not None else counts.sum("modality")
         E, R = counts.sizes["expert"], int(k.ep_ranks)
-        owner = np.zeros((E, R), np.int64)
-        owner[np.arange(E), rank_of_expert(k.placement, E, R)] = 1
-        out = np.einsum("sle,er->slr", np.asarray(counts.values, np.int64), owner)
+        out = counts_per_rank(counts.values, rank_of_expert(k.placement, E, R), R)
         return xr.DataArray(out, dims=("step", "layer", "rank"),
                             coords={"step": counts["step"].values,
                                     "layer": np.arange(out.shape[1]), "rank": np.arange(R)},
@@ -646,9 +645,12 @@ class MoEAccessor:
                      modality: str | None = None) -> xr.DataArray:
         """Imbalance max/mean over ranks per ``[step, layer]`` (NaN where nothing was
         routed); balancedness as vLLM reports it is its inverse."""
+        from workbench.sim.ep import imbalance
+
         load = self.ep_load(ranks, placement, modality)
-        mean = load.mean("rank")
-        return (load.max("rank") / mean.where(mean > 0)).rename("ep_imbalance")
+        return xr.DataArray(imbalance(load.values), dims=("step", "layer"),
+                            coords={"step": load["step"].values, "layer": load["layer"].values},
+                            name="ep_imbalance")
 
     def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,

@@ -334,7 +334,9 @@ def _candidates_per_group(policy, k, E: int, nk: int) -> int:
 def _belady_future(trace: Trace, chunks, nk: int):
     """Belady's future over the whole trace, chunk by chunk: CSR ``(occ_ptr [keys + 1],
     occ_grp [accesses])`` of the (global) groups each key occurs in, ascending, int32 where the
-    group count allows; and the trace's group and access counts."""
+    group count allows; and the trace's group and access counts. Each chunk's groups are built
+    twice here (count, then fill) and once more by the replay: rebuilding is ≈ 7 ns an access,
+    keeping them would cost the memory streaming saves."""
     counts = np.zeros(nk + 1, np.int64)
     sizes = []
     for s0, s1 in chunks:

@@ -32,30 +32,46 @@ from typing import Any
 
 import numpy as np
 
+def _per_group_rank(g_ptr: np.ndarray, expert: np.ndarray, values: np.ndarray,
+                    rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
+    """float64 ``[groups, ranks]``: ``values`` (one per access) summed per group and rank of
+    the access's expert. One ``bincount``: O(accesses)."""
+    G = len(g_ptr) - 1
+    if G <= 0:
+        return np.zeros((0, ranks))
+    cell = np.repeat(np.arange(G, dtype=np.int64) * ranks, np.diff(g_ptr))
+    cell += rank_of_expert[np.asarray(expert, np.int64)]
+    return np.bincount(cell, weights=values, minlength=G * ranks).reshape(G, ranks)
+
+
 def rank_load(g_ptr: np.ndarray, expert: np.ndarray, expert_tokens: np.ndarray,
               rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
     """int64 ``[groups, ranks]``: assignments each rank receives in each group (CSR ``g_ptr``
-    over the accesses ``expert`` / ``expert_tokens`` of :class:`~workbench.traces.trace.Groups`).
-    One ``bincount``: O(accesses)."""
-    G = len(g_ptr) - 1
-    if G <= 0:
-        return np.zeros((0, ranks), np.int64)
-    cell = np.repeat(np.arange(G, dtype=np.int64) * ranks, np.diff(g_ptr))
-    cell += rank_of_expert[np.asarray(expert, np.int64)]
-    out = np.bincount(cell, weights=expert_tokens, minlength=G * ranks)
-    return out.astype(np.int64).reshape(G, ranks)
+    over the accesses ``expert`` / ``expert_tokens`` of :class:`~workbench.traces.trace.Groups`)."""
+    return _per_group_rank(g_ptr, expert, expert_tokens, rank_of_expert, ranks).astype(np.int64)
 
 
 def rank_compute_s(g_ptr: np.ndarray, expert: np.ndarray, comp_s: np.ndarray,
                    rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
     """float64 ``[groups, ranks]``: modeled expert-compute seconds of each rank in each group
     (``comp_s`` per access: its expert's work on its tokens)."""
-    G = len(g_ptr) - 1
-    if G <= 0:
-        return np.zeros((0, ranks))
-    cell = np.repeat(np.arange(G, dtype=np.int64) * ranks, np.diff(g_ptr))
-    cell += rank_of_expert[np.asarray(expert, np.int64)]
-    return np.bincount(cell, weights=comp_s, minlength=G * ranks).reshape(G, ranks)
+    return _per_group_rank(g_ptr, expert, comp_s, rank_of_expert, ranks)
+
+
+def counts_per_rank(counts: np.ndarray, rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
+    """int64 ``[..., ranks]``: per-expert ``counts`` ``[..., experts]`` (a store's
+    ``routed_tokens`` or ``dispatch_dropped``) summed over the experts each rank owns."""
+    owner = np.zeros((len(rank_of_expert), ranks), np.int64)
+    owner[np.arange(len(rank_of_expert)), rank_of_expert] = 1
+    return np.asarray(counts, np.int64) @ owner
+
+
+def imbalance(load: np.ndarray) -> np.ndarray:
+    """max / mean over the last axis (ranks) of ``load``; NaN where nothing was routed."""
+    load = np.asarray(load, np.float64)
+    mean = load.mean(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, load.max(axis=-1) / mean, np.nan)
 
 
 def group_metrics(load: np.ndarray) -> dict[str, np.ndarray]:

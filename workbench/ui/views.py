@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 import xarray as xr
 
 from workbench.errors import WorkbenchError
+from workbench.sim.ep import imbalance
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
@@ -305,21 +306,24 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     if len(steps) == 0:
         return placeholder_figure("ep", EP_TITLE, "no steps in the selection")
     sel = {"step": [int(x) for x in steps]}
-    load = ds.moe.ep_load(ranks, placement).sel(sel)
-    groups = max(int((load.sum("rank") > 0).sum()), 1)
     routed = ds["routed_tokens"].sel(sel).sum(("step", "layer", "expert"))
     present = [str(m) for m, n in zip(routed["modality"].values, routed.values) if n > 0]
-    per_rank = ({m: ds.moe.ep_load(ranks, placement, m).sel(sel).sum(("step", "layer")).values
-                 / groups for m in present} if len(present) > 1
-                else {(present or ["text"])[0]: load.sum(("step", "layer")).values / groups})
+    # one load per modality present; their sum is the whole load (no second pass over it)
+    if len(present) > 1:
+        by_mod = {m: ds.moe.ep_load(ranks, placement, m).sel(sel) for m in present}
+    else:
+        by_mod = {(present or ["text"])[0]: ds.moe.ep_load(ranks, placement).sel(sel)}
+    load = sum(by_mod.values())
+    groups = max(int((load.sum("rank") > 0).sum()), 1)
+    per_rank = {m: v.sum(("step", "layer")).values / groups for m, v in by_mod.items()}
     drops = ""
     if "dispatch_dropped" in ds and int(ds["dispatch_dropped"].sel(sel).sum()):
         gone = ds.moe.ep_dropped(ranks, placement).sel(sel).sum(("step", "layer")).values
         per_rank["dropped"] = gone / groups
         kept = float(load.sum())
         drops = f", {gone.sum() / (kept + gone.sum()):.0%} of assignments dropped by dispatch"
-    ib = ds.moe.ep_imbalance(ranks, placement).sel(sel)
-    mean_ib = float(ib.mean()) if bool(ib.notnull().any()) else float("nan")
+    ib = imbalance(load.values)
+    mean_ib = float(np.nanmean(ib)) if np.isfinite(ib).any() else float("nan")
     base, vs = None, ""
     if baseline is not None:
         b_steps = selected_steps(baseline, None, phase)
@@ -328,10 +332,10 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
             b_load = baseline.moe.ep_load(ranks, placement).sel(b_sel)
             b_groups = max(int((b_load.sum("rank") > 0).sum()), 1)
             base = (f"baseline: {baseline_name}", b_load.sum(("step", "layer")).values / b_groups)
-            b_ib = baseline.moe.ep_imbalance(ranks, placement).sel(b_sel)
-            if bool(b_ib.notnull().any()):
-                vs = f" (baseline {float(b_ib.mean()):.2f})"
-    fig = ep_load_figure(per_rank, ib.values, np.asarray(steps), (
+            b_ib = imbalance(b_load.values)
+            if np.isfinite(b_ib).any():
+                vs = f" (baseline {float(np.nanmean(b_ib)):.2f})"
+    fig = ep_load_figure(per_rank, ib, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
         f"over layer steps){drops}{_describe(step_range, phase)}"), base)
     return _finish(fig, "ep", revision)
