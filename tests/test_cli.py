@@ -265,7 +265,7 @@ def test_a_hybrid_run_says_why_its_numbers_look_as_they_do(tiny_ckpt, capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["run", "--bogus"], "workbench run: error: the following arguments are required: --prompt"),
+    (["run", "--bogus"], "workbench: error: unrecognized arguments: --bogus"),
     (["run", "--prompt"], "workbench run: error: argument --prompt: expected one argument"),
     (["nonsense"], "workbench: error: argument command: invalid choice: 'nonsense'"),
     (["replay"], "workbench replay: error: the following arguments are required"),

@@ -64,7 +64,7 @@ def test_missing_attributes_read_as_none_and_knob_defaults():
     m = RunMetadata.from_attrs({})
     assert m.knobs.to_dict() == Knobs().to_dict() and m.recorded_knobs == ()
     for name in _FIELDS:
-        want = () if name in ("images", "image_grid_thw") else None
+        want = () if name in ("images", "image_grid_thw", "requests") else None
         assert getattr(m, name) == want, name
     assert m.text is None and m.cache_slots is None and m.max_new_tokens is None
     # an older store: only some knobs, no plans or summary

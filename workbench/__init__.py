@@ -9,6 +9,8 @@ Public API (imported lazily so that ``import workbench`` stays cheap):
   :class:`RunMetadata` — its attributes, typed.
 - :func:`replay_trace` — any routing trace through the same simulation core as live runs.
 - :class:`ModelPool` — loaded models shared between runs (notebooks, the dashboard).
+- :func:`batch`, :func:`mixed_batch` — batches of demo and generated held-out requests for
+  ``Runtime.run(requests)`` (run together: expert-parallel load needs a batch).
 
 Knob groups: :mod:`workbench.features` is the one module that imports the feature packages and
 registers their knob groups; :mod:`workbench.knobs` (a leaf: it imports no feature package)
@@ -41,6 +43,8 @@ _LAZY = {
     "ModelPool": "workbench.runtime.pool",
     "RunMetadata": "workbench.telemetry.metadata",
     "Request": "workbench.models.inputs",
+    "batch": "workbench.models.batches",
+    "mixed_batch": "workbench.models.batches",
     "open_run": "workbench.telemetry.store",
     "replay_trace": "workbench.replay",
     "load_trace": "workbench.traces",

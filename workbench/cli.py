@@ -56,11 +56,25 @@ def _parser() -> argparse.ArgumentParser:
                         help="set a knob (repeatable); `workbench knobs` lists them")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
-    r = sub.add_parser("run", help="serve one request with experts offloaded")
+    r = sub.add_parser("run", help="serve one request (or a batch) with experts offloaded")
     common(r)
     r.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
                    help="input image (repeatable)")
-    r.add_argument("--prompt", required=True, help="the question or instruction")
+    r.add_argument("--prompt", help="the question or instruction (one request)")
+    r.add_argument("--input", dest="inputs", action="append", default=[],
+                   metavar="'IMAGE|PROMPT' or 'PROMPT'",
+                   help="a request of a batch run together (repeatable; instead of --prompt)")
+    r.add_argument("--batch", type=int, metavar="N",
+                   help="run a batch of N generated requests together (instead of --prompt; "
+                        "see --batch-source, --batch-mix)")
+    r.add_argument("--batch-source", choices=("heldout", "demo"), default="heldout",
+                   help="--batch from the held-out generated scenes (default) or the demo "
+                        "requests")
+    r.add_argument("--batch-mix", choices=("mixed", "image", "text"), default="mixed",
+                   help="--batch: the split's mix of image and text-only requests (default), "
+                        "image requests only, or text-only requests only")
+    r.add_argument("--batch-seed", type=int, metavar="S",
+                   help="--batch: seed of the generated split (default: the held-out seed)")
     r.add_argument("--max-new-tokens", type=int, metavar="N",
                    help="tokens to generate at most (the max_new_tokens knob)")
     r.add_argument("--store", metavar="PATH",
@@ -307,9 +321,12 @@ def _run(args) -> int:
 
     knobs = _knobs_from(args)
     # cheap checks first, so that bad input costs no model load and touches nothing
-    check_prompt(args.prompt)
-    for p in args.images:
-        probe_image(p)  # header only; the run decodes it (and names the file if it fails)
+    requests = _run_requests(args)
+    for r in requests or [None]:
+        check_prompt(args.prompt if r is None else r.prompt)
+        for p in (args.images if r is None else r.images):
+            if isinstance(p, (str, os.PathLike)):
+                probe_image(p)  # header only; the run decodes it (and names the file if it fails)
     images = list(args.images)
     if args.no_record and (args.store is not None or args.overwrite):
         raise InputError("--no-record writes no store: drop --store/--overwrite, or drop "
@@ -332,8 +349,10 @@ def _run(args) -> int:
         print(new, end="", flush=True)
 
     try:
-        res = rt.run(args.prompt, images=images, store=store, overwrite=args.overwrite,
-                     record=not args.no_record, on_token=on_token)
+        # a batch's answers come together at the end (one stream would interleave them)
+        res = rt.run(requests if requests else args.prompt, images=images, store=store,
+                     overwrite=args.overwrite, record=not args.no_record,
+                     on_token=None if requests else on_token)
     except BaseException:
         if "started" in streamed:  # end the answer line: the error gets a line of its own
             print(flush=True)
@@ -342,9 +361,10 @@ def _run(args) -> int:
     if args.json:
         print(json.dumps({**res.to_json(), **({"ep": ep} if ep is not None else {})}))
     else:
-        if "started" not in streamed:
-            print("answer: ", end="")
-        print()
+        if not requests:
+            if "started" not in streamed:
+                print("answer: ", end="")
+            print()
         print("\n".join(res.summary().splitlines()[1:]))
         if ep is not None and "note" in ep:
             print(f"EP ({ep['ranks']} ranks): {ep['note']}")
@@ -353,6 +373,33 @@ def _run(args) -> int:
                                  lambda v: "n/a" if v is None else f"{v * 1e3:.2f} ms"):
                 print(f"{a}: {b}")
     return 0
+
+
+def _run_requests(args) -> list | None:
+    """The batch of ``workbench run`` (``--batch`` or ``--input``), or None for one
+    ``--prompt`` request; exactly one of the three is given."""
+    from workbench.errors import InputError
+
+    given = [f for f, v in (("--prompt", args.prompt is not None), ("--input", args.inputs),
+                            ("--batch", args.batch is not None)) if v]
+    if len(given) != 1:
+        raise InputError("give one of --prompt (one request), --input (repeatable: a batch) "
+                         "or --batch N (generated requests)"
+                         + (f", not {' and '.join(given)}" if given else ""))
+    if args.images and args.prompt is None:
+        raise InputError("--image goes with --prompt; a --input request names its images "
+                         "itself ('IMAGE|PROMPT')")
+    if args.prompt is not None:
+        return None
+    from workbench.models.inputs import Request
+
+    if args.inputs:
+        from workbench.analysis.sweep import SweepInput
+
+        return [Request(i.prompt, list(i.images)) for i in map(SweepInput.parse, args.inputs)]
+    from workbench.models.batches import batch
+
+    return batch(args.batch, source=args.batch_source, mix=args.batch_mix, seed=args.batch_seed)
 
 
 def _run_ep(res, knobs) -> dict | None:

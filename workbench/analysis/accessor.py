@@ -171,6 +171,31 @@ class MoEAccessor:
                      "steps": "all" if steps is None else str(steps)}
         return out
 
+    def request_load(self, modality: str | None = None) -> xr.DataArray:
+        """Routed tokens per request of the run's batch and expert, DataArray
+        ``[request, layer, expert]`` (int64, (token, expert) pairs; one request for a run of
+        one, or a store before batches). ``modality``: only that modality's tokens. Summed
+        over ``request`` it is :meth:`expert_counts` (every token belongs to one request)."""
+        ds = self._ds
+        name = self._modality(modality)
+        req = np.asarray(ds["token_request"].values, np.int64)
+        ids = np.asarray(ds["topk_ids"].values, np.int64)  # [token, layer, k], -1 = none
+        L, E = ds.sizes["layer"], ds.sizes["expert"]
+        B = int(ds.attrs.get("batch_size", 1) or 1)
+        B = max(B, int(req.max()) + 1 if req.size else 1)
+        keep = ids >= 0
+        if name is not None:
+            keep &= (np.asarray(ds["token_modality"].values)
+                     == self._modalities.index(name))[:, None, None]
+        flat = (req[:, None, None] * L + np.arange(L)[None, :, None]) * E + ids
+        out = np.bincount(flat[keep], minlength=B * L * E).reshape(B, L, E)
+        return xr.DataArray(out, dims=("request", "layer", "expert"),
+                            coords={"request": np.arange(B), "layer": np.arange(L),
+                                    "expert": np.arange(E)},
+                            name="request_load",
+                            attrs={"units": "tokens", "long_name": "routed tokens per request",
+                                   "modality": name or "all"})
+
     def working_set(self, window: int | None = None) -> xr.DataArray:
         """Distinct (layer, expert) pairs routed, DataArray over ``step`` (int64).
 

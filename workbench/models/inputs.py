@@ -66,6 +66,22 @@ class ModelInputs:
     tensors: dict[str, torch.Tensor]
     modality: np.ndarray
     prompt_text: str
+    #: per flattened position (``input_ids`` is ``[B, T]``, positions row-major): the request
+    #: it belongs to (int16) and whether it is a real token (False: left padding of a batch)
+    request: np.ndarray | None = None
+    valid: np.ndarray | None = None
+    #: each request's rendered prompt text (chat template applied)
+    prompts: list[str] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def prompt_tokens(self) -> list[int]:
+        """Real (unpadded) prompt tokens of each request."""
+        T = int(self.input_ids.shape[-1])
+        valid = self.valid if self.valid is not None else np.ones(self.batch_size * T, bool)
+        return [int(v) for v in valid.reshape(self.batch_size, T).sum(1)]
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -279,14 +295,29 @@ def check_prompt(prompt: Any) -> str:
 
 def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
     """Tokenise ``request`` for the loaded model ``lm`` (a :class:`LoadedModel`)."""
-    prompt = check_prompt(request.prompt if request.prompt is not None else "")
+    return build_batch_inputs(lm, [request], max_new_tokens)
+
+
+#: most requests one batch may hold (a run's batch; each request's images are checked too)
+MAX_BATCH = 256
+
+
+def _render(lm, request: Request, where: str) -> tuple[str, list[Image.Image], list[str]]:
+    """One request's prompt text (chat template applied) and decoded images, checked."""
+    if not isinstance(request, Request):
+        raise InputError(f"{where}must be a workbench Request (prompt + images), not "
+                         f"{type(request).__name__}")
+    try:
+        prompt = check_prompt(request.prompt if request.prompt is not None else "")
+    except InputError as e:
+        raise InputError(f"{where}{e}") from None
     if isinstance(request.images, (str, os.PathLike, Image.Image)):
         raw_images: list[Any] = [request.images]
     else:
         raw_images = list(request.images)
     if raw_images and not lm.is_vision:
-        raise InputError(f"model {lm.model_id!r} is text-only ({lm.layout.architecture}); "
-                         f"it takes no images, got {len(raw_images)}")
+        raise InputError(f"{where}model {lm.model_id!r} is text-only "
+                         f"({lm.layout.architecture}); it takes no images, got {len(raw_images)}")
     _check_image_count(lm, len(raw_images))
     images = [open_image(i) for i in raw_images]
     labels = [_label(i, n) for n, i in enumerate(raw_images)]
@@ -297,18 +328,42 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
         try:  # bounded in time, memory and size: the template is the checkpoint's code
             text = render_chat(tok, [{"role": "user", "content": content}])
         except TemplateRenderError as e:  # a template that raises (or runs away) on this prompt
-            raise InputError(f"the chat template of model {lm.model_id!r} refused the prompt: "
-                             f"{e}") from None
+            raise InputError(f"{where}the chat template of model {lm.model_id!r} refused the "
+                             f"prompt: {e}") from None
     else:
         text = prompt
+    return text, images, labels
+
+
+def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0) -> ModelInputs:
+    """Tokenise a batch of requests for ``lm``, run together: one row per request, padded on
+    the left to the longest (the processor's attention mask marks the padding), images of all
+    requests in request order. ``ModelInputs.request``/``valid`` give each flattened position
+    its request and whether it is a real token. A batch of one is exactly :func:`build_inputs`
+    (no padding)."""
+    requests = list(requests)
+    if not 1 <= len(requests) <= MAX_BATCH:
+        raise InputError(f"a batch holds from 1 to {MAX_BATCH} requests, not {len(requests)}")
+    B = len(requests)
+    rendered = [_render(lm, r, f"request {i} of the batch: " if B > 1 else "")
+                for i, r in enumerate(requests)]
+    texts = [t for t, _, _ in rendered]
+    per_request = [imgs for _, imgs, _ in rendered]
+    images = [im for imgs in per_request for im in imgs]
+    labels = [lab for _, _, labs in rendered for lab in labs]
+    tok = lm.tokenizer
+    pad = dict(padding=True, padding_side="left") if B > 1 else {}
+    if B > 1 and tok.pad_token_id is None:
+        raise InputError(f"model {lm.model_id!r}: its tokenizer has no pad token, so requests "
+                         f"cannot be batched; run them one at a time")
     if images:
         try:
             with quiet_transformers():  # the context check below says it in one line
                 if lm.processor is not None:
-                    tensors = dict(lm.processor(images=images, text=[text],
-                                                return_tensors="pt"))
+                    tensors = dict(lm.processor(images=images, text=texts,
+                                                return_tensors="pt", **pad))
                 else:
-                    tensors = _encode_with_image_processor(lm, text, images)
+                    tensors = _encode_with_image_processor(lm, texts, per_request, pad)
         except InputError:
             raise
         except Exception as e:
@@ -318,7 +373,7 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
                 f"{', '.join(labels)}: {_one_line(e)}") from None
     else:
         with quiet_transformers():
-            tensors = dict(tok([text], return_tensors="pt"))
+            tensors = dict(tok(texts, return_tensors="pt", **pad))
     _check_placeholders(lm, tensors, tok)
     tensors = {k: v.to(lm.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     if "pixel_values" in tensors:
@@ -327,11 +382,17 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
     ctx = lm.context_length
     if ctx and n + max_new_tokens > ctx:
         raise InputError(
-            f"prompt is {n} tokens (images included); with max_new_tokens={max_new_tokens} it "
-            f"exceeds the model's context of {ctx} tokens")
-    return ModelInputs(tensors=tensors, prompt_text=text,
-                       modality=modality_of(tensors["input_ids"], lm.image_token_id,
-                                            lm.video_token_id))
+            f"prompt is {n} tokens (images included{', the longest of the batch' if B > 1 else ''}"
+            f"); with max_new_tokens={max_new_tokens} it exceeds the model's context of {ctx} "
+            f"tokens")
+    ids = tensors["input_ids"]
+    mask = tensors.get("attention_mask")
+    valid = (np.ones(ids.numel(), bool) if mask is None
+             else mask.reshape(-1).cpu().numpy().astype(bool))
+    return ModelInputs(tensors=tensors, prompt_text=texts[0] if B == 1 else "\n".join(texts),
+                       modality=modality_of(ids, lm.image_token_id, lm.video_token_id),
+                       request=np.repeat(np.arange(B, dtype=np.int16), ids.shape[-1]),
+                       valid=valid, prompts=texts)
 
 
 def _check_image_count(lm, n: int) -> None:
@@ -394,10 +455,13 @@ def _check_placeholders(lm, tensors: dict, tok) -> None:
                              f"{expected}); remove it: images are passed as images")
 
 
-def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> dict:
+def _encode_with_image_processor(lm, texts: list[str], per_request: list[list[Image.Image]],
+                                 pad: dict) -> dict:
     """Image processor + tokenizer: each image placeholder becomes one token per merged patch
-    (``grid_t·grid_h·grid_w / merge_size²``), as the model's own processor would do."""
+    (``grid_t·grid_h·grid_w / merge_size²``), as the model's own processor would do; the
+    images of every request in one processor call, in request order."""
     ip = lm.image_processor
+    images = [im for imgs in per_request for im in imgs]
     enc = ip(images=images, return_tensors="pt")
     grid = enc["image_grid_thw"]
     merge = int(getattr(ip, "merge_size", 1) or 1)
@@ -409,21 +473,25 @@ def _encode_with_image_processor(lm, text: str, images: list[Image.Image]) -> di
         raise InputError(
             f"model {lm.model_id!r}: its config's image_token_id {lm.image_token_id} is not a "
             f"token of its tokenizer; config.json and the tokenizer do not belong together")
-    parts = text.split(placeholder)
-    if len(parts) - 1 < len(images):  # the chat template put another placeholder
-        raise InputError(
-            f"model {lm.model_id!r}: its config's image_token_id {lm.image_token_id} "
-            f"({placeholder!r}) is not the placeholder its chat template inserts "
-            f"({len(parts) - 1} found for {len(images)} images); config.json and the tokenizer "
-            f"do not belong together")
-    if len(parts) - 1 != len(images):
-        raise InputError(f"the prompt contains the model's image placeholder {placeholder!r} "
-                         f"itself ({len(parts) - 1} placeholders for {len(images)} images); "
-                         f"remove it: images are passed as images")
-    out = parts[0]
-    for i, rest in enumerate(parts[1:]):
-        out += placeholder * int(grid[i].prod().item() // (merge * merge)) + rest
-    tensors = dict(lm.tokenizer([out], return_tensors="pt"))
+    expanded, g = [], 0
+    for text, imgs in zip(texts, per_request):
+        parts = text.split(placeholder)
+        if len(parts) - 1 < len(imgs):  # the chat template put another placeholder
+            raise InputError(
+                f"model {lm.model_id!r}: its config's image_token_id {lm.image_token_id} "
+                f"({placeholder!r}) is not the placeholder its chat template inserts "
+                f"({len(parts) - 1} found for {len(imgs)} images); config.json and the "
+                f"tokenizer do not belong together")
+        if len(parts) - 1 != len(imgs):
+            raise InputError(f"the prompt contains the model's image placeholder {placeholder!r} "
+                             f"itself ({len(parts) - 1} placeholders for {len(imgs)} images); "
+                             f"remove it: images are passed as images")
+        out = parts[0]
+        for rest in parts[1:]:
+            out += placeholder * int(grid[g].prod().item() // (merge * merge)) + rest
+            g += 1
+        expanded.append(out)
+    tensors = dict(lm.tokenizer(expanded, return_tensors="pt", **pad))
     # per-token modality, as transformers processors return it (0 text, 1 image, 2 video):
     # the model needs it for multimodal RoPE
     tensors["mm_token_type_ids"] = torch.from_numpy(

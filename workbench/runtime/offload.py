@@ -151,6 +151,13 @@ class Offloader:
         self.redundant_prefetches = 0
         self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
+        #: the real tokens of the step in progress (bool [B·T] on the device, row-major like
+        #: the experts' flattened input; None: every token is real): a batch's left padding
+        #: and the rows of requests that have finished are routed to no expert (the sentinel
+        #: id E, weight 0), so they load nothing, count nowhere and take no capacity. Set by
+        #: :meth:`set_token_mask` before each forward.
+        self.token_mask: torch.Tensor | None = None
+        self._mask_np: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -166,6 +173,20 @@ class Offloader:
                               dtype, self.device)
         self.engine: TransferEngine | None = None
         self._saved: list[tuple[MoEBlock, dict]] = []
+
+    def set_token_mask(self, valid: np.ndarray | None) -> None:
+        """The real tokens of the next forward (bool, one per flattened position; None or all
+        True: no masking)."""
+        if valid is None or bool(np.all(valid)):
+            self.token_mask, self._mask_np = None, None
+        else:
+            self._mask_np = np.asarray(valid, bool)
+            self.token_mask = torch.as_tensor(self._mask_np, device=self.device)
+
+    @property
+    def _sentinels(self) -> bool:
+        """Whether routing may hold the "routed nowhere" id E (dispatch drops, masked rows)."""
+        return self.dispatch is not None or self.token_mask is not None
 
     @property
     def cache(self):
@@ -229,9 +250,16 @@ class Offloader:
         ones produced): dynamic top-k → layer event → lookahead → step inputs (ActiveEvict
         hotness, prefetch candidates, hybrid picks) → the core's step → its schedule."""
         pinned = b.index < self.pinned_layers
+        mask = self.token_mask
+        if mask is not None and mask.shape[0] != top_k_index.shape[0]:
+            raise RuntimeError(f"MoE layer {b.index} got {top_k_index.shape[0]} tokens, the "
+                               f"step's token mask {mask.shape[0]}")
         if not pinned and self.dynamic_topk and self.probe.step > 0:
             top_k_index, top_k_weights = self._budget_topk(
                 b, hidden_states, top_k_index, top_k_weights)
+        if mask is not None:  # padding and finished requests: routed nowhere
+            top_k_index = top_k_index.masked_fill(~mask[:, None], b.num_experts)
+            top_k_weights = top_k_weights.masked_fill(~mask[:, None], 0)
         dropped = None
         if self.dispatch is not None:
             top_k_index, top_k_weights, dropped = self._dispatch_routing(
@@ -241,15 +269,16 @@ class Offloader:
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
-        self._note_routing(b.index, ev.topk_ids)
+        real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
+        self._note_routing(b.index, real_ids)
         if not pinned and self.active_evict is not None:
-            self.active_evict.observe(b.index, ev.topk_ids)
+            self.active_evict.observe(b.index, real_ids)
         p = self.prices
         tokens = [ev.expert_tokens[e] for e in experts]
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=experts,
             compute_s=[p.expert(n) for n in tokens],
-            dense_s=p.dense(int(top_k_index.shape[0])),
+            dense_s=p.dense(int(real_ids.shape[0])),
             prefetch=self._prefetch_candidates(b, pred),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
             host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
@@ -298,7 +327,7 @@ class Offloader:
             elif kind == "hits":
                 if out.pinned:
                     idx, w = top_k_index, top_k_weights
-                    if self.dispatch is not None:  # the model's own forward: no sentinel ids
+                    if self._sentinels:  # the model's own forward: no sentinel ids
                         gone = idx >= b.num_experts
                         idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
                     result = original(hidden_states, idx, w, *args, **kwargs)
@@ -384,7 +413,7 @@ class Offloader:
         An assignment the dispatch dropped (id E) is recorded as -1 and routes nowhere."""
         ids = top_k_index.detach().to("cpu")
         recorded = ids.numpy().astype(np.int32)
-        if self.dispatch is not None:
+        if self._sentinels:
             gone = ids >= b.num_experts
             experts, counts = torch.unique(ids[~gone], return_counts=True)
             recorded[gone.numpy()] = -1
@@ -435,6 +464,8 @@ class Offloader:
                     prob = torch.softmax(logits.float(), dim=-1)
                     if keep is not None and b.index + 1 >= first_pruned:
                         prob = prob[torch.as_tensor(keep, device=prob.device)]
+                    if self.token_mask is not None:  # real tokens only
+                        prob = prob[self.token_mask]
                     p_next = prob.mean(0)
             pred = torch.stack(preds, 1).to(device="cpu", dtype=torch.int16).numpy()
         if keep is not None:
@@ -502,6 +533,21 @@ class Offloader:
         :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
         theirs, not renormalised: CAI-MoE's default). Returns the routing and the dropped
         experts ``[T, k]`` (int16, -1 = kept; None: nothing dropped) for the layer event."""
+        if self.token_mask is not None:  # on the real tokens only: padding takes no capacity
+            rows = self.token_mask.nonzero().squeeze(1)
+            idx, w, sub = self._dispatch_rows(b, top_k_index[rows], top_k_weights[rows])
+            if sub is None:
+                return top_k_index, top_k_weights, None
+            full = np.full(tuple(top_k_index.shape), -1, np.int16)
+            full[self._mask_np] = sub
+            return (top_k_index.index_copy(0, rows, idx), top_k_weights.index_copy(0, rows, w),
+                    full)
+        return self._dispatch_rows(b, top_k_index, top_k_weights)
+
+    def _dispatch_rows(self, b: MoEBlock, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """:meth:`_dispatch_routing` of rows that are all real tokens."""
         T, K = top_k_index.shape
         E = b.num_experts
         # most layer calls overflow nothing (a decode step's one token never does): one
@@ -536,6 +582,8 @@ class Offloader:
             # router, including DeepSeek's unsorted top-k)
             order = torch.argsort(w_max.float(), dim=-1, descending=True, stable=True)
             ranked = torch.gather(ids_max, -1, order).cpu().numpy()
+        if self._mask_np is not None:  # the real tokens decide
+            ranked = ranked[self._mask_np]
         k = budget_topk(ranked, lambda e: (layer, e) in cache, cache.free_slots())
         if k == top_k_index.shape[-1]:
             return top_k_index, top_k_weights

@@ -10,8 +10,11 @@ import numpy as np
 
 @dataclass
 class RunResult:
-    """What one request produced. Latencies: *measured* = wall time here, *modeled* = the
-    hardware profile's timeline. ``hit_rate`` counts offloaded (non-pinned) layers only."""
+    """What one run produced. Latencies: *measured* = wall time here, *modeled* = the
+    hardware profile's timeline. ``hit_rate`` counts offloaded (non-pinned) layers only.
+    A batch of requests: ``text``/``token_ids`` are request 0's and ``batch`` lists every
+    request's ``{prompt, images, text, token_ids, prompt_tokens}`` (empty for one request);
+    the counters and times are the whole batch's."""
 
     text: str
     token_ids: list[int]
@@ -53,6 +56,13 @@ class RunResult:
     predictor_cost: dict[str, Any] = field(default_factory=dict)
     # the eviction policy's own counters (slab: victims and fallbacks), when it keeps any
     eviction_stats: dict[str, Any] = field(default_factory=dict)
+    #: a batch's requests and answers (empty: a run of one request)
+    batch: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def texts(self) -> list[str]:
+        """Every request's answer, in batch order."""
+        return [r["text"] for r in self.batch] if self.batch else [self.text]
 
     @property
     def hit_rate(self) -> float:
@@ -84,7 +94,12 @@ class RunResult:
         k = self.knobs
         lines = [
             f"answer: {self.text}",
-            f"model {self.model_id} · {self.steps} steps (1 prefill + {self.steps - 1} decode) · "
+            *(f"answer {i}: {r['text']}   ← {r['prompt']!r}"
+              + (f" + {len(r['images'])} image(s)" if r["images"] else "")
+              for i, r in enumerate(self.batch)),
+            f"model {self.model_id} · "
+            + (f"batch of {len(self.batch)} requests · " if self.batch else "")
+            + f"{self.steps} steps (1 prefill + {self.steps - 1} decode) · "
             f"cache_slots={k.get('cache_slots')} pinned_layers={k.get('pinned_layers')} "
             f"eviction={k.get('eviction')}",
             f"expert cache: hit rate {hr} · {self.hits} hits, {self.misses} misses, "

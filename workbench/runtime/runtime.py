@@ -182,12 +182,14 @@ class Runtime:
                 "notes": self.lm.notes}
 
     # -- run -------------------------------------------------------------------------------
-    def run(self, prompt: str | Request, images: Sequence[Any] = (), *,
+    def run(self, prompt: str | Request | Sequence[Request], images: Sequence[Any] = (), *,
             store: str | Path | None = None, overwrite: bool = False, record: bool = True,
             on_token: Callable[[int, str], None] | None = None,
             stop: threading.Event | None = None, logits_processor: Sequence[Any] = (),
             **knob_values: Any) -> RunResult:
-        """Serve one request. ``store`` defaults to a fresh folder in the workspace option;
+        """Serve one request, or a batch of them run together: ``prompt`` a list of
+        :class:`Request` (``images`` then empty; see :func:`workbench.batch` for batches of the
+        demo and generated scenes). ``store`` defaults to a fresh folder in the workspace option;
         ``record=False`` skips telemetry (for overhead benchmarks). ``on_token(id, text_so_far)``
         streams tokens. ``logits_processor``: extra transformers logits processors for
         ``generate`` (e.g. teacher forcing, see :meth:`quality`). Knob values given here apply
@@ -208,9 +210,17 @@ class Runtime:
         # a copy: the run's knobs cannot change under it (widgets may change self.knobs)
         knobs = self.knobs.copy(**knob_values)
         self._check(knobs)
-        request = prompt if isinstance(prompt, Request) else Request(prompt, list(images))
+        if isinstance(prompt, (list, tuple)):
+            if images:
+                raise InputError("a batch's requests carry their own images: give "
+                                 "Request(prompt, images) items and no images=")
+            if not prompt:
+                raise InputError("the batch is empty: give at least one request")
+            requests = list(prompt)
+        else:
+            requests = [prompt if isinstance(prompt, Request) else Request(prompt, list(images))]
         store_path = check_store_path(_store_path(store), overwrite) if record else None
-        return RunSession(self, knobs, [request], store_path=store_path, overwrite=overwrite,
+        return RunSession(self, knobs, requests, store_path=store_path, overwrite=overwrite,
                           on_token=on_token, stop=stop,
                           logits_processor=list(logits_processor)).run()
 
@@ -224,10 +234,15 @@ class Runtime:
 
         return compare_runs(self, prompt, images, dynamic_topk=dynamic_topk, **knob_values)
 
-    def run_attrs(self, k: Knobs, request: Request, inputs: ModelInputs, live: MemoryPlan,
-                  modeled: MemoryPlan) -> dict[str, Any]:
-        """The store attrs of a run of ``k`` on ``request``."""
+    def run_attrs(self, k: Knobs, requests: Sequence[Request], inputs: ModelInputs,
+                  live: MemoryPlan, modeled: MemoryPlan) -> dict[str, Any]:
+        """The store attrs of a run of ``k`` on the batch ``requests`` (``prompt``, ``images``
+        and ``prompt_tokens`` are request 0's; ``requests`` lists them all)."""
+        from workbench.runtime.session import _image_labels
+
         lm = self.lm
+        request = requests[0]
+        n_real = inputs.prompt_tokens()
         prof = get_profile(k.profile)
         return {
             **k.to_attrs(),
@@ -240,15 +255,17 @@ class Runtime:
             # the modeled clock's sizes, so replay can price this trace the same way
             "cost_spec": json.dumps(dataclasses.asdict(self.cost_spec(k))),
             "prompt": request.prompt,
-            "images": json.dumps([str(i) if not hasattr(i, "size") else "<PIL image>"
-                                  for i in request.images]),
+            "images": json.dumps(_image_labels(request)),
+            "batch_size": len(requests),
+            "requests": json.dumps([{"prompt": r.prompt, "images": _image_labels(r),
+                                     "prompt_tokens": n} for r, n in zip(requests, n_real)]),
             # each image's patch grid (t, h, w) from the processor and the vision tower's merge:
             # one visual token per spatial_merge_size² patches, row-major (ds.moe.visual_tokens)
             "image_grid_thw": json.dumps(inputs.tensors["image_grid_thw"].tolist()
                                          if "image_grid_thw" in inputs.tensors else []),
             "spatial_merge_size": int(getattr(getattr(lm.model.config, "vision_config", None),
                                               "spatial_merge_size", None) or 1),
-            "prompt_tokens": int(inputs.input_ids.shape[-1]),
+            "prompt_tokens": n_real[0],
             "live_plan": json.dumps(live.as_dict()), "modeled_plan": json.dumps(modeled.as_dict()),
             "device": str(lm.device), "torch_version": torch.__version__,
         }

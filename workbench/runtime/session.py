@@ -8,10 +8,14 @@ one ``step_started`` / ``step_ended`` pair per model forward (prefill, then one 
 token) → ``token`` per generated token → ``finish`` (the result; the store closed
 ``complete``), or ``fail`` on any error (the store closed ``failed``).
 
-Requests are a list from the start; today a batch holds one request (transformers'
-``generate`` of one sequence, and visual-token compression, assume it), and a longer list is
-refused with a clear error — the expert-parallel batch extends this class, it does not rewrite
-it.
+A run serves a *batch* of requests together through the model's own ``generate`` (one row
+per request, left-padded by the processor, the attention mask from it). Each forward's tokens
+are the batch's rows flattened; the positions that are not real tokens — left padding, and
+the rows of requests that have already finished (``generate`` keeps feeding them pad tokens)
+— are routed to no expert (:meth:`Offloader.set_token_mask`) and left out of every event, so
+the store, the cache and the load hold the real tokens only, each with its request index.
+Greedy answers equal each request run alone (tested). Visual-token compression needs a batch
+of one (its placement scatters one request's pruned tokens).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
+from PIL import Image
 
 from workbench.compression.placement import PrunedPlacement, check_supported
 from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError
 from workbench.knobs import Knobs
-from workbench.models.inputs import Request, build_inputs, modality_of
+from workbench.models.inputs import Request, build_batch_inputs, modality_of
 from workbench.options import get_options
 from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
@@ -44,18 +50,18 @@ from workbench.telemetry.store import Recorder
 
 
 class _Streamer:
-    """transformers streamer protocol: ``put`` gets the prompt once, then each new token."""
+    """transformers streamer protocol: ``put`` gets the prompt once, then each step's new
+    tokens (one per request of the batch)."""
 
-    def __init__(self, on_token: Callable[[int], None]) -> None:
+    def __init__(self, on_tokens: Callable[[list[int]], None]) -> None:
         self._seen_prompt = False
-        self.on_token = on_token
+        self.on_tokens = on_tokens
 
     def put(self, value: torch.Tensor) -> None:
         if not self._seen_prompt:
             self._seen_prompt = True
             return
-        for t in value.reshape(-1).tolist():
-            self.on_token(int(t))
+        self.on_tokens([int(t) for t in value.reshape(-1).tolist()])
 
     def end(self) -> None:
         pass
@@ -82,15 +88,23 @@ class RunSession:
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,
                  logits_processor: list | None = None) -> None:
-        if len(requests) != 1:
-            raise InputError(f"a run serves a batch of exactly 1 request today, not "
-                             f"{len(requests)}")
-        self.runtime, self.knobs, self.requests = runtime, knobs, requests
+        self.runtime, self.knobs, self.requests = runtime, knobs, list(requests)
         self.store_path, self.overwrite = store_path, overwrite
         self.on_token, self.stop = on_token, stop
         self.logits_processor = list(logits_processor or [])
         lm = runtime.lm
-        self.inputs = build_inputs(lm, requests[0], knobs.max_new_tokens)
+        if len(self.requests) > 1 and COMPRESSION.create(knobs.compression).prunes:
+            raise InputError(f"compression={knobs.compression!r} prunes the visual tokens of "
+                             f"one request; a batch of {len(self.requests)} requests needs "
+                             f"compression='none' (or run the requests one at a time)")
+        self.inputs = build_batch_inputs(lm, self.requests, knobs.max_new_tokens)
+        B = self.inputs.batch_size
+        eos = lm.model.generation_config.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else list(eos or []))
+        #: per request: its generated tokens (up to and including its end-of-sequence token)
+        self.answers: list[list[int]] = [[] for _ in range(B)]
+        self.finished = np.zeros(B, bool)
+        self.valid: np.ndarray | None = None  # real tokens of the forward in progress
         self.live_plan, self.modeled_plan = runtime.plans(knobs)
         self.live_plan.check()
         self.modeled_plan.check()
@@ -103,7 +117,6 @@ class RunSession:
         self.step_t0 = 0.0
         self.events: list[StepEvent] = []  # finished steps, in order
         self.pending: list[StepEvent] = []  # forwards whose token has not come yet
-        self.generated: list[int] = []
         self.recorder: Recorder | None = None
         self.offloader: Offloader | None = None
         self.placement: PrunedPlacement | None = None
@@ -150,7 +163,7 @@ class RunSession:
         store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
         self.recorder = Recorder(
             self.store_path, lay.num_layers, lay.num_experts, store_k,
-            attrs=rt.run_attrs(k, self.requests[0], self.inputs, self.live_plan,
+            attrs=rt.run_attrs(k, self.requests, self.inputs, self.live_plan,
                                self.modeled_plan),
             pinned=self.pinned, overwrite=self.overwrite,
             flush_every=get_options()["flush_every"],
@@ -189,7 +202,7 @@ class RunSession:
     def _generate_kwargs(self) -> dict[str, Any]:
         k = self.knobs
         kw: dict[str, Any] = dict(max_new_tokens=k.max_new_tokens, do_sample=k.sampling,
-                                  streamer=_Streamer(self._token))
+                                  streamer=_Streamer(self._tokens))
         if k.ignore_eos:
             kw["min_new_tokens"] = k.max_new_tokens
         if k.sampling:
@@ -210,6 +223,8 @@ class RunSession:
     # -- per step ----------------------------------------------------------------------------
     def _step_started(self, module, args, kwargs) -> None:
         self.step += 1
+        self.valid = self._real_tokens(kwargs, args)
+        self.offloader.set_token_mask(self.valid)
         self.probe.begin(self.step, self.offloader.sim.lanes.compute)
         self.step_t0 = time.perf_counter()
 
@@ -223,7 +238,12 @@ class RunSession:
                        token_ids=ids.reshape(-1).cpu().numpy(),
                        modality=modality_of(ids, lm.image_token_id, lm.video_token_id),
                        layers=list(probe.layers), step_start_s=self.step_t0 - self.t0,
-                       latency_measured_s=t_end - self.step_t0)
+                       latency_measured_s=t_end - self.step_t0,
+                       request=np.repeat(np.arange(ids.shape[0] if ids.dim() > 1 else 1,
+                                                   dtype=np.int16),
+                                         ids.shape[-1] if ids.dim() > 1 else ids.numel()))
+        if self.valid is not None and not self.valid.all():
+            ev.keep_tokens(self.valid)  # padding and finished requests: not tokens of the run
         ev.residency = off.sim.residency()
         if self.placement is not None and step == 0:
             self.placement.scatter_event(ev)
@@ -238,15 +258,37 @@ class RunSession:
         ev.transfer_bytes_modeled = probe.moved * int(self.cost.expert_bytes)
         self.pending.append(ev)
 
-    def _token(self, token: int) -> None:
-        self.generated.append(token)
+    def _real_tokens(self, kwargs: dict, args: tuple) -> np.ndarray | None:
+        """bool [B·T] of the forward about to run: its real tokens (None: all real). The
+        prefill's left padding (attention mask 0) and every row of a finished request."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.dim() != 2 or ids.shape[0] != len(self.finished):
+            return None
+        B, T = ids.shape
+        valid = np.repeat(~self.finished[:, None], T, 1)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and mask.shape[0] == B:
+            valid &= mask[:, -T:].detach().cpu().numpy().astype(bool)
+        valid = valid.reshape(-1)
+        return None if valid.all() else valid
+
+    def _tokens(self, tokens: list[int]) -> None:
+        """One step's generated tokens, one per request (a finished request's pad is not
+        kept)."""
+        streams = not self.finished[0]  # request 0's token is news (the on_token stream)
+        for b, t in enumerate(tokens[:len(self.answers)]):
+            if not self.finished[b]:
+                self.answers[b].append(t)
+                if t in self.eos:
+                    self.finished[b] = True
         if self.pending:
             ev = self.pending.pop(0)
-            ev.generated_token = token
+            ev.generated_token = tokens[0]
+            ev.generated_tokens = list(tokens)
             self._keep(ev)
-        if self.on_token is not None:
+        if self.on_token is not None and tokens and streams:
             tok = self.runtime.lm.tokenizer
-            self.on_token(token, tok.decode(self.generated, skip_special_tokens=True))
+            self.on_token(tokens[0], tok.decode(self.answers[0], skip_special_tokens=True))
 
     def _keep(self, ev: StepEvent) -> None:
         self.events.append(ev)
@@ -259,9 +301,9 @@ class RunSession:
         k, lm, events = self.knobs, self.runtime.lm, self.events
         counters = self.offloader.sim.counters()
         placement, stop = self.placement, self.stop
+        texts = [lm.tokenizer.decode(a, skip_special_tokens=True).strip() for a in self.answers]
         result = RunResult(
-            text=lm.tokenizer.decode(self.generated, skip_special_tokens=True).strip(),
-            token_ids=self.generated, steps=len(events),
+            text=texts[0], token_ids=self.answers[0], steps=len(events),
             hits=int(counters["hits"].sum()), misses=int(counters["misses"].sum()),
             loads=int(counters["loads"].sum()), evictions=int(counters["evictions"].sum()),
             latency_measured_s=sum(e.latency_measured_s for e in events),
@@ -281,6 +323,12 @@ class RunSession:
             redundant_prefetches=self.offloader.redundant_prefetches,
             dispatch_assigned=self.offloader.dispatch_assigned,
             dispatch_dropped=self.offloader.dispatch_dropped)
+        if len(self.requests) > 1:
+            result.batch = [
+                {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,
+                 "prompt_tokens": n}
+                for r, t, a, n in zip(self.requests, texts, self.answers,
+                                      self.inputs.prompt_tokens())]
         if placement is not None:
             result.visual_tokens = placement.num_visual
             result.kept_visual_tokens = (int(placement.kept_visual.numel())
@@ -301,3 +349,11 @@ class RunSession:
                                    if self.predictor is not None else {}))
         return result
 
+
+
+def _image_labels(request: Request) -> list[str]:
+    """A request's images as text: paths, or ``<PIL image>``."""
+    images = request.images
+    images = [images] if isinstance(images, (str, bytes, Image.Image)) or hasattr(
+        images, "__fspath__") else list(images)
+    return [str(i) if not isinstance(i, Image.Image) else "<PIL image>" for i in images]

@@ -100,3 +100,27 @@ class StepEvent:
     # σ(y_l) scores (the vismmoe prefetch policy orders by γ^(d−1)·score). None: no predictor.
     predicted_ids: np.ndarray | None = None
     predicted_scores: np.ndarray | None = None
+    #: [T] int16: the request of the run's batch each token belongs to (None: all request 0)
+    request: np.ndarray | None = None
+    #: the tokens chosen after this step, one per request of the batch (``generated_token`` is
+    #: request 0's); empty: not known
+    generated_tokens: list[int] = field(default_factory=list)
+
+    def keep_tokens(self, valid: np.ndarray) -> None:
+        """Keep only the tokens where ``valid`` (bool [T]) is True, in every per-token array
+        of the step and of its layers (a batch's padding and finished requests: positions
+        the model computed that are no request's tokens)."""
+        valid = np.asarray(valid, bool)
+        self.token_ids = np.asarray(self.token_ids)[valid]
+        self.modality = np.asarray(self.modality)[valid]
+        if self.request is not None:
+            self.request = np.asarray(self.request)[valid]
+        if self.kept is not None:
+            self.kept = np.asarray(self.kept)[valid]
+        for le in self.layers:
+            le.topk_ids = np.asarray(le.topk_ids)[valid]
+            le.topk_weights = np.asarray(le.topk_weights)[valid]
+            if le.pred_ids is not None:
+                le.pred_ids = le.pred_ids[valid]
+            if le.dropped_ids is not None:
+                le.dropped_ids = le.dropped_ids[valid]

@@ -42,7 +42,8 @@ from workbench.errors import KnobError, StoreError
 __all__ = ["RunMetadata", "JSON_ATTRS", "attr_json"]
 
 #: attributes a store keeps as JSON text (besides ``knob.<name>``)
-JSON_ATTRS = ("cost_spec", "live_plan", "modeled_plan", "images", "image_grid_thw", "summary",
+JSON_ATTRS = ("cost_spec", "live_plan", "modeled_plan", "images", "image_grid_thw", "requests",
+              "summary",
               "predictor_cost")
 _SHOW = 80
 
@@ -109,6 +110,17 @@ def _names(name: str, v: Any) -> tuple[str, ...]:
 
 def _images(name: str, v: Any) -> tuple[str, ...]:
     return _names(name, v)
+
+
+def _requests(name: str, v: Any) -> tuple[Mapping[str, Any], ...]:
+    ok = isinstance(v, (list, tuple)) and all(
+        isinstance(r, dict) and isinstance(r.get("prompt"), str)
+        and isinstance(r.get("images"), list) and all(isinstance(i, str) for i in r["images"])
+        and isinstance(r.get("prompt_tokens"), int) and not isinstance(r["prompt_tokens"], bool)
+        for r in v)
+    if not ok:
+        raise _bad(name, v, "a list of {prompt, images, prompt_tokens} objects, one per request")
+    return tuple(MappingProxyType(dict(r)) for r in v)
 
 
 def _grids(name: str, v: Any) -> tuple[tuple[int, int, int], ...]:
@@ -178,6 +190,8 @@ _FIELDS: dict[str, tuple[str, bool, Callable[[str, Any], Any]]] = {
     "prompt": ("prompt", False, _text),
     "images": ("images", True, _images),
     "prompt_tokens": ("prompt_tokens", False, _whole),
+    "batch_size": ("batch_size", False, lambda n, v: _whole(n, v, 1)),
+    "requests": ("requests", True, _requests),
     "image_grid_thw": ("image_grid_thw", True, _grids),
     "spatial_merge_size": ("spatial_merge_size", False, lambda n, v: _whole(n, v, 1)),
     "live_plan": ("live_plan", True, _object),
@@ -192,7 +206,7 @@ _FIELDS: dict[str, tuple[str, bool, Callable[[str, Any], Any]]] = {
     "compression_saliency_s": ("compression_saliency_s", False, _number),
 }
 #: fields that read as an empty tuple (not None) when their attribute is missing
-_EMPTY = ("images", "image_grid_thw")
+_EMPTY = ("images", "image_grid_thw", "requests")
 
 
 @dataclass(frozen=True)
@@ -206,7 +220,10 @@ class RunMetadata:
     records. ``cost_spec``: a :class:`~workbench.sim.costs.CostSpec`. ``live_plan`` /
     ``modeled_plan`` / ``summary`` / ``predictor_cost``: the decoded objects. ``images``: the
     request's image paths (``"<PIL image>"`` for an in-memory one). ``image_grid_thw``: per
-    image its ``(t, h, w)`` patch grid. ``problems``: attribute → message of each malformed
+    image its ``(t, h, w)`` patch grid (every request's images, in request order).
+    ``batch_size``/``requests``: the run's batch (None/empty in stores before batches: one
+    request), each request's prompt, image paths and real prompt tokens; ``prompt``,
+    ``images`` and ``prompt_tokens`` are request 0's. ``problems``: attribute → message of each malformed
     attribute read with ``strict=False`` (empty otherwise)."""
 
     knob_values: Mapping[str, Any] | None
@@ -234,6 +251,8 @@ class RunMetadata:
     prompt: str | None = None
     images: tuple[str, ...] = ()
     prompt_tokens: int | None = None
+    batch_size: int | None = None
+    requests: tuple[Mapping[str, Any], ...] = ()
     image_grid_thw: tuple[tuple[int, int, int], ...] = ()
     spatial_merge_size: int | None = None
     live_plan: Mapping[str, Any] | None = None

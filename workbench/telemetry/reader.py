@@ -423,6 +423,11 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["dispatch_dropped"] = xr.Variable(
             v.dims, np.broadcast_to(np.int32(0), data_vars["routed_tokens"].shape),
             attrs={"units": v.units, "description": v.doc})
+    if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
+        v = SCHEMA["token_request"]
+        data_vars["token_request"] = xr.Variable(
+            v.dims, np.broadcast_to(np.int16(0), data_vars["token_id"].shape),
+            attrs={"units": v.units, "description": v.doc})
     ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
     ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
     ds.encoding["source"] = str(path)  # as xarray's own openers record it

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 #: ``hits``/``misses`` count expert-cache lookups only (offloaded layers) and the accesses the
 #: pinned prefix served are ``pinned_accesses`` (schema ≤ 3 booked them as ``hits``).
 #: 5: ``dispatch_dropped`` (a store of schema ≤ 4 had no dispatch: it reads 0).
+#: 6: ``token_request`` (a store of schema ≤ 5 served one request: it reads 0).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
 PRED_ORDER = "pred_order"
 #: what schema ≤ 3 named :data:`PRED_ORDER` on disk
@@ -107,6 +108,9 @@ SCHEMA: dict[str, Var] = {
     "token_step": Var(("token",), "int32", 4096, "step", "step that processed the token"),
     "token_modality": Var(("token",), "int8", 4096, "code",
                           "0 text, 1 image, 2 video (coordinate modality)"),
+    "token_request": Var(("token",), "int16", 4096, "request",
+                         "the request of the run's batch the token belongs to (0 … batch_size − "
+                         "1; a batch's padding is not stored)"),
     "kept": Var(("token",), "bool", 4096, "flag",
                 "token reached every layer; False: a visual token pruned after the pinned prefix "
                 "by token compression (its topk_ids there are -1, topk_weights 0)"),
@@ -130,7 +134,7 @@ SCHEMA: dict[str, Var] = {
 
 
 #: variables each schema version added (absent from the files of older stores)
-ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5}
+ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
 INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")

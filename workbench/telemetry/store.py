@@ -352,6 +352,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     dropped = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     resident = np.zeros((n, L, E), bool)
     tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
+    tok_req = []
     for i, e in enumerate(events):
         T = len(e.token_ids)
         ids = np.full((T, L, k), -1, np.int16)
@@ -398,6 +399,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         tok_ids.append(np.asarray(e.token_ids, np.int64))
         tok_step.append(np.full(T, e.step, np.int32))
         tok_mod.append(np.asarray(e.modality, np.int8))
+        tok_req.append(np.zeros(T, np.int16) if e.request is None
+                       else np.asarray(e.request, np.int16))
         kept.append(np.ones(T, bool) if e.kept is None else np.asarray(e.kept, bool))
         topk_ids.append(ids)
         topk_w.append(w)
@@ -422,6 +425,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     out["token_id"] = np.concatenate(tok_ids)
     out["token_step"] = np.concatenate(tok_step)
     out["token_modality"] = np.concatenate(tok_mod)
+    out["token_request"] = np.concatenate(tok_req) if tok_req else np.zeros(0, np.int16)
     out["kept"] = np.concatenate(kept) if kept else np.zeros(0, bool)
     out["topk_ids"] = all_ids.astype(np.int16)
     out["topk_weights"] = np.concatenate(topk_w)

@@ -1,0 +1,201 @@
+"""MACS — modality-aware capacity scaling under expert parallelism (seed 002 §3), torch-free.
+
+One implementation, run live (the offloader hands each MoE layer call's routing, the tokens'
+features and the full router probabilities in a :class:`DispatchContext`) and in trace replay
+(routing and modality only: the parts that need features or every expert's router
+probability refuse to replay, see :meth:`Macs.requires`).
+
+Per (step, layer) group of T tokens routed top-k over E experts:
+
+1. **Semantic weight** (SL, ``macs_semantic_load``): w(x) = σ(−δ·H̃(x)) for a visual token,
+   H(x) the Shannon entropy of softmax(z_x) over the feature dims of its MoE input z_x, z-scored
+   over the visual tokens of its image (H̃ = (H − μ)/(σ + ε)); 1 for text. Off: w = 1.
+2. **Effective visual ratio** R_v = Σ_visual w / Σ w.
+3. **Capacity** (DC, ``macs_dynamic_capacity``): C_base = max(min_capacity, ⌈γ0·T·k/E⌉) (the
+   static capacity of CAI-MoE Token Drop, token counts); C_j = max(min_capacity,
+   C_base·(1 + ρ·m_j·(R_v − 0.5))), m_j = +1 visual / −1 text / 0 shared expert from the
+   calibration (:mod:`workbench.sim.macs_calibration`). Off: C_j = C_base.
+4. **Selection**: each expert keeps its assignments in ``macs_selection`` order while their
+   cumulative effective load Σ w stays ≤ C_j (seed Table 3: ``router`` — router score;
+   ``entropy`` — retention r(x) = w(x)·max_j G(x)_j, MACS's; ``modality-prior`` — text before
+   visual, then router score; ``random`` — a seeded shuffle). The rest overflow.
+5. **Local semantic rerouting** (SR, ``macs_reroute``): an overflow assignment (token x,
+   expert j) moves to the expert k on j's rank, not already among x's experts, whose effective
+   load leaves room for w(x) (L̃_k + w(x) ≤ C_k) and whose score S = (1−η)·G(x)_k +
+   η·cos(z_x, μ_k) is highest (μ_k the calibrated centroid; η = 0 without centroids).
+   Overflow assignments are placed in descending retention order; the new slot's combine
+   weight is G(x)_k scaled as the router scaled the slot it replaces (top-k renormalisation
+   kept). No candidate: the **fail-safe drop** (the assignment goes).
+
+With SL, DC and SR off and ``macs_selection=router`` this is exactly Token Drop (tested).
+Ablation rows of seed Table 2: SC = all off; +SL; +SL+DC; +SL+DC+SR (full MACS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: token-selection strategies (seed Table 3)
+SELECTIONS = ("entropy", "router", "modality-prior", "random")
+_EPS = 1e-6
+
+
+@dataclass
+class DispatchContext:
+    """What a dispatch may know beyond the routing, for a chunk of T tokens × L layers.
+
+    ``modality`` int8 [T] (0 text); ``layers`` int [L]: the model's layer index of each
+    column; ``rank_of_expert`` int [E] (None: one rank); ``features_entropy`` float [T, L]:
+    H(x) of each token's MoE input (None: not known — trace replay); ``image_of`` int [T]:
+    which image a visual token belongs to (-1 text; None: all visual tokens one image);
+    ``gates`` float [T, L, E]: every expert's router probability (None: not known);
+    ``affinity`` float [T, L, E]: cos(z_x, μ_k) with the calibrated centroids (None: η acts
+    as 0)."""
+
+    modality: np.ndarray
+    layers: np.ndarray
+    rank_of_expert: np.ndarray | None = None
+    features_entropy: np.ndarray | None = None
+    image_of: np.ndarray | None = None
+    gates: np.ndarray | None = None
+    affinity: np.ndarray | None = None
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))
+
+
+def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.ndarray | None,
+                     delta: float) -> np.ndarray:
+    """w(x) [T, L]: σ(−δ·H̃) for visual tokens (H z-scored over each image's visual tokens,
+    per layer), 1 for text. ``entropy`` [T, L]."""
+    H = np.asarray(entropy, np.float64)
+    w = np.ones_like(H)
+    vis = np.asarray(modality) != 0
+    if not vis.any():
+        return w
+    img = np.where(vis, 0, -1) if image_of is None else np.asarray(image_of)
+    for i in np.unique(img[vis]):
+        m = img == i
+        h = H[m]
+        z = (h - h.mean(0)) / (h.std(0) + _EPS)
+        w[m] = sigmoid(-float(delta) * z)
+    return w
+
+
+def entropy_of_features(z: np.ndarray) -> np.ndarray:
+    """Shannon entropy (nats) of softmax over the last axis of ``z`` (float)."""
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(-1, keepdims=True)
+    return -(p * np.log(np.clip(p, 1e-300, None))).sum(-1)
+
+
+def image_runs(modality: np.ndarray, request: np.ndarray | None = None) -> np.ndarray:
+    """Image index of each token (-1 for text): a maximal run of consecutive visual tokens of
+    one request is one image (Qwen-VL frames every image by vision start/end tokens)."""
+    vis = np.asarray(modality) != 0
+    out = np.full(vis.shape, -1, np.int64)
+    if not vis.any():
+        return out
+    req = np.zeros(vis.shape, np.int64) if request is None else np.asarray(request, np.int64)
+    start = vis & np.r_[True, ~vis[:-1] | (req[1:] != req[:-1])]
+    out[vis] = np.cumsum(start)[vis] - 1
+    return out
+
+
+def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.ndarray,
+               classes: np.ndarray | None, capacity_base: float, *, rho: float,
+               dynamic_capacity: bool, min_capacity: int, selection: str, seed: int,
+               reroute: bool, rank_of_expert: np.ndarray | None, gates: np.ndarray | None,
+               affinity: np.ndarray | None, eta: float, num_experts: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One (step, layer) group. ``ids`` int [T, K] (-1 none), ``gate_w`` [T, K] the router's
+    combine weights of them (NaN: unknown), ``w`` [T] semantic weights, ``classes`` int8 [E]
+    (m_j; None: all shared), ``gates`` [T, E] / ``affinity`` [T, E] or None.
+
+    Returns ``(new ids [T, K] (-1: dropped), new weights [T, K], rerouted bool [T, K],
+    capacity [E])``."""
+    T, K = ids.shape
+    E = num_experts
+    new_ids = ids.copy()
+    new_w = np.array(gate_w, np.float64, copy=True)
+    rerouted = np.zeros((T, K), bool)
+    vis = np.asarray(modality) != 0
+    w = np.asarray(w, np.float64)
+    total = w.sum() if T else 0.0
+    r_v = float(w[vis].sum() / total) if total > 0 else 0.0
+    cap = np.full(E, float(capacity_base))
+    if dynamic_capacity and classes is not None:
+        cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
+    cap = np.maximum(cap, float(min_capacity))
+    t, r = np.nonzero(ids >= 0)
+    if not len(t):
+        return new_ids, new_w, rerouted, cap
+    e = ids[t, r].astype(np.int64)
+    score = np.nan_to_num(np.asarray(gate_w, np.float64)[t, r], nan=0.0)
+    g_max = (gates.max(1) if gates is not None
+             else np.nan_to_num(np.nanmax(np.where(ids >= 0, gate_w, np.nan), 1), nan=0.0)
+             if T else np.zeros(0))
+    retention = w * g_max  # r(x) = w(x) · max_j G(x)_j
+    if selection == "entropy":
+        key = -retention[t]
+    elif selection == "router":
+        key = -score
+    elif selection == "modality-prior":
+        key = vis[t].astype(np.float64) * 10.0 - score  # text first, then router score
+    elif selection == "random":
+        key = np.random.default_rng(seed).random(len(t))
+    else:
+        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
+                         f"{selection!r}")
+    # per expert: priority order (key, then top-k rank, then token), keep while Σw ≤ C_j
+    order = np.lexsort((t, r, key, e))
+    e_s = e[order]
+    cw = w[t[order]]
+    start = np.r_[0, np.flatnonzero(np.diff(e_s)) + 1]
+    seg_id = np.repeat(np.arange(len(start)), np.diff(np.r_[start, len(order)]))
+    csum = np.cumsum(cw)
+    before = np.r_[0.0, csum][start][seg_id]
+    load_in = csum - before  # cumulative effective load within the expert
+    keep = load_in <= cap[e_s] + _EPS
+    over = order[~keep]
+    load = np.zeros(E)
+    np.add.at(load, e_s[keep], cw[keep])
+    if not len(over):
+        return new_ids, new_w, rerouted, cap
+    ot, orr = t[over], r[over]
+    new_ids[ot, orr] = -1
+    new_w[ot, orr] = 0.0
+    if not reroute:
+        return new_ids, new_w, rerouted, cap
+    ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
+    # most important overflow first (fail-safe order: the lowest retention goes first)
+    for i in np.argsort(-retention[ot], kind="stable"):
+        x, slot = int(ot[i]), int(orr[i])
+        j = int(ids[x, slot])
+        cand = (ranks == ranks[j]) & (load + w[x] <= cap + _EPS)
+        cand[ids[x][ids[x] >= 0]] = False  # not an expert the token already uses
+        cand[new_ids[x][new_ids[x] >= 0]] = False
+        if not cand.any():
+            continue  # fail-safe drop
+        g = gates[x] if gates is not None else np.zeros(E)
+        s = (1.0 - eta) * g
+        if affinity is not None:
+            s = s + eta * affinity[x]
+        s = np.where(cand, s, -np.inf)
+        k = int(np.argmax(s))
+        new_ids[x, slot] = k
+        # the router's own scaling of the slot it replaces (e.g. top-k renormalisation)
+        scale = gate_w[x, slot] / g[j] if gates is not None and g[j] > 0 else 0.0
+        new_w[x, slot] = float(g[k] * np.nan_to_num(scale))
+        rerouted[x, slot] = True
+        load[k] += w[x]
+    return new_ids, new_w, rerouted, cap
+
+
+__all__ = ["SELECTIONS", "DispatchContext", "semantic_weights", "entropy_of_features",
+           "image_runs", "macs_group", "sigmoid"]
