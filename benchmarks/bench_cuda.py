@@ -2,7 +2,9 @@
 
 Three parts, each run on the device it is given (``--device cuda`` by default; ``--device cpu``
 is a dry run of the same code here) and each guarded: a part that fails writes its error into
-the JSON and the others still run.
+the JSON and the others still run. First it checks that transformers' ``grouped_mm`` experts
+path (every model here runs it) works in float32 on the device; if not, every part uses
+transformers' own loop fallback and the JSON says so.
 
 1. **exactness** — the embedded Qwen3-VL-MoE (float32) on a demo request with an image and on a
    text-only one, ``ignore_eos``: the workbench runtime with nothing pinned and a small expert
@@ -23,7 +25,8 @@ the JSON and the others still run.
    alone, compute alone, both: the overlapped share of the shorter); and the spans of a live
    offloaded run with and without prefetch (every drained transfer once, ``submitted ≤ start
    ≤ end`` inside the run, copy-busy time vs measured stall — ``hidden_share`` = 1 − stall /
-   busy — and measured vs modeled per-copy time).
+   busy — and measured vs modeled per-copy time); and what installing and removing the
+   Offloader costs per run (on CUDA every offloaded expert goes to a pinned host store and back).
 3. **live** — :mod:`bench_live_scaling` ``--quick`` on the device (called in this process):
    offloaded vs all-resident vs plain ``generate`` ratios of the random 16-layer Qwen3-MoE.
 
@@ -421,7 +424,32 @@ def part_transfers(dev: torch.device) -> dict:
         "offloaded_prefetch_speculative": dict(prefetch="speculative", lookahead_depth=1),
     }.items()}
     out["runtime_spans_all_valid"] = all(r.get("all_valid") for r in out["runtime_spans"].values())
+    out["offloader_install_remove"] = guarded(install_cost, dev, lm)
     return out
+
+
+def install_cost(dev: torch.device, lm, rounds: int = 3) -> dict:
+    """Seconds to install and remove the Offloader (nothing pinned) around nothing: what every
+    ``Runtime.run`` pays besides its steps (on CUDA: every offloaded expert copied to a pinned
+    host store, the slot pool allocated, the experts copied back at the end)."""
+    from workbench.policies.eviction import EVICTION
+    from workbench.runtime.offload import Offloader, StepProbe
+
+    lay = lm.layout
+    enter, leave = [], []
+    for _ in range(rounds):
+        sync(dev)
+        t0 = time.perf_counter()
+        off = Offloader(lay, 2 * lay.top_k, 0, EVICTION.create("lru"), dev, StepProbe(t0))
+        off.__enter__()
+        sync(dev)
+        t1 = time.perf_counter()
+        off.__exit__(None, None, None)
+        sync(dev)
+        leave.append(time.perf_counter() - t1)
+        enter.append(t1 - t0)
+    return {"routed_expert_bytes": lay.routed_bytes, "install_s": statistics.median(enter),
+            "remove_s": statistics.median(leave)}
 
 
 def guarded(fn, *args, **kwargs) -> dict:
@@ -762,6 +790,12 @@ def _md_transfers(tr: dict, res: dict) -> list[str]:
                      f"{_f(s['stall_measured_s'], '.2f', 1e3)} | {_f(s['hidden_share'])} | "
                      f"{_f(s['latency_measured_s'], '.1f', 1e3)} / "
                      f"{_f(s['latency_modeled_s'], '.1f', 1e3)} |")
+    ic = tr.get("offloader_install_remove") or {}
+    if ic:
+        lines += ["", f"offloader install / remove per run: FAILED `{_err(ic)}`" if "error" in ic
+                  else f"offloader install / remove per run (nothing pinned, "
+                  f"{ic['routed_expert_bytes'] / 1e6:.1f} MB of routed experts): "
+                  f"{ic['install_s'] * 1e3:.1f} ms / {ic['remove_s'] * 1e3:.1f} ms"]
     return lines + [""]
 
 

@@ -187,3 +187,42 @@ def test_request_load_splits_expert_counts_by_request(mixed_run):
     img = ds.moe.request_load("image")
     text_only = [b for b, r in enumerate(reqs) if not r.images]
     assert int(img.sel(request=text_only).sum()) == 0 and int(img.sum()) > 0
+
+
+def test_dashboard_runs_its_request_in_a_batch(tmp_path):
+    """The dashboard's batch: the typed request first (its answer is the one shown), then
+    generated held-out requests of the chosen mix."""
+    from workbench.ui.datastore import DataStore
+
+    st = DataStore(workspace=tmp_path)
+    st.param.update(prompt="count from 2 to 5.", image=None, batch_size=3, batch_mix="image")
+    path = st.start_run()
+    st.wait(120)
+    st.poll()
+    assert st.error == ""
+    ds = workbench.open_run(path)
+    meta = json.loads(ds.attrs["requests"])
+    assert [m["prompt"] for m in meta][0] == "count from 2 to 5." and len(meta) == 3
+    assert all(m["images"] == ["<PIL image>"] for m in meta[1:])
+    alone = Runtime(max_new_tokens=st.knobs.max_new_tokens).run("count from 2 to 5.",
+                                                                record=False)
+    assert st.answer == alone.text
+
+
+def test_sweep_point_runs_a_batch(tmp_path):
+    """A sweep input in a batch: its point id differs from the single input's, and the
+    worker runs the batch (the Dask side is the one every point takes)."""
+    from workbench.analysis.sweep import SweepInput, point_id, run_point
+    from workbench.knobs import Knobs
+
+    inp = SweepInput.parse("what is 2 plus 3?")
+    b = inp.batched(3, "text")
+    k = Knobs(max_new_tokens=4).to_dict()
+    assert point_id(k, inp) != point_id(k, b) and "batch of 3, text" in b.name
+    assert point_id(k, inp) == point_id(k, inp.batched(1))
+    out = run_point(None, k, b.prompt, b.images, str(tmp_path / "p.zarr"),
+                    str(tmp_path / "p.json"), {"id": "p", "batch": 3, "mix": "text"})
+    assert out["status"] == "complete", out.get("error")
+    assert len(out["result"]["batch"]) == 3
+    with pytest.raises(InputError, match="from 1 to 256"):
+        inp.batched(0)

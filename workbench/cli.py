@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduler", metavar="ADDRESS",
                    help="existing Dask scheduler, tcp://HOST:PORT (must answer within 5 s; default: a "
                         "LocalCluster on 127.0.0.1)")
+    s.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="run each input in a batch of N: with N − 1 generated held-out requests "
+                        "(expert-parallel load needs a batch; default 1)")
+    s.add_argument("--batch-mix", choices=("mixed", "image", "text"), default="mixed",
+                   help="--batch: the generated requests' mix (default: the held-out split's)")
     s.add_argument("--workers", type=int, default=2, metavar="N",
                    help="LocalCluster worker processes (default 2)")
 
@@ -148,6 +153,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="train the ablation without h^(v)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
 
+    m = sub.add_parser("calibrate-macs",
+                       help="MACS expert classes and centroids from calibration requests")
+    m.add_argument("--model", metavar="DIR",
+                   help="local Hugging Face checkpoint directory (default: the embedded model)")
+    m.add_argument("--out", metavar="PATH",
+                   help="folder for macs.safetensors + macs.json (default: the workspace's "
+                        "macs/<config hash>, where runs look first)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing calibration")
+    m.add_argument("--requests", type=int, default=64, metavar="N",
+                   help="generated calibration requests, half text-only, half image (default 64)")
+    m.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the calibration requests (default: one disjoint from the "
+                        "held-out and demo seeds)")
+    m.add_argument("--threshold", type=float, default=0.1, metavar="T",
+                   help="|Δ_j| from which an expert is visual/text (default 0.1, the paper's)")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -165,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
-                "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate}[args.command](args)
+                "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
+                "calibrate-macs": _calibrate_macs}[args.command](args)
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
@@ -198,6 +221,40 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     if getattr(args, "json", False):
         print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}))
     return code
+
+
+def _calibrate_macs(args) -> int:
+    from workbench.errors import InputError
+    from workbench.macs.calibration import (CALIBRATION_SEED, calibrate, calibration_requests,
+                                            save, workspace_path)
+
+    if not 2 <= args.requests <= 4096:
+        raise InputError(f"--requests must be from 2 to 4096, not {args.requests}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
+    if not 0.0 < args.threshold < 1.0:
+        raise InputError(f"--threshold must be in (0, 1), not {args.threshold}")
+    from workbench.models.loading import load
+
+    lm = load(Path(args.model) if args.model else None, device="cpu")
+    out = Path(args.out) if args.out else workspace_path(lm.config_hash)
+    if (out / "macs.json").exists() and not args.overwrite:
+        raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite to "
+                         f"replace it")
+    reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
+                                else args.seed)
+    cal = calibrate(lm, reqs, args.threshold)
+    save(cal, out, overwrite=args.overwrite)
+    summary = {"out": str(out), **cal.summary()}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"MACS calibration of {lm.model_id} written to {out}: "
+              f"{summary['visual_experts']} visual, {summary['text_experts']} text, "
+              f"{summary['shared_experts']} shared experts over {summary['layers']} layers "
+              f"(|Δ| ≥ {args.threshold}; {summary['visual_tokens']} visual and "
+              f"{summary['text_tokens']} text tokens of {summary['requests']} requests)")
+    return 0
 
 
 def _calibrate(args) -> int:
@@ -568,6 +625,10 @@ def _sweep(args) -> int:
     knobs = _knobs_from(args)
     grid = parse_grid(args.grid)
     inputs = [SweepInput.parse(t) for t in args.inputs] or None
+    if args.batch != 1 or args.batch_mix != "mixed":
+        from workbench.analysis.sweep import demo_inputs
+
+        inputs = [i.batched(args.batch, args.batch_mix) for i in inputs or demo_inputs()]
     # sweep() checks images, workers, the model folder, --out and the scheduler before any
     # cluster starts
     ds = sweep(grid, inputs, out=args.out, model=args.model, knobs=knobs,

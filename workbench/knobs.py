@@ -299,14 +299,48 @@ class ExpertParallelKnobs(KnobGroup):
     dispatch = param.Selector(
         default="topk", objects=["topk"],  # the dispatch policies: workbench.features
         doc="Capacity-aware dispatch: 'topk' keeps the router's choice; 'capacity-drop' (CAI-MoE "
-            "Token Drop) drops an overloaded expert's lowest-scoring tokens, live (inside the "
-            "experts forward) and in trace replay.")
+            "Token Drop) drops an overloaded expert's lowest-scoring tokens; 'macs' (MACS: "
+            "semantic load, modality-aware capacity, local rerouting, fail-safe drop; the "
+            "macs_* knobs) — live (inside the experts forward) and in trace replay.")
     capacity_factor = param.Number(
         default=1.0, bounds=(0.0, 1000.0), inclusive_bounds=(False, True), softbounds=(0.05, 5.0),
         doc="γ0: each expert's capacity is ⌈γ0 · tokens · k / experts⌉ per (step, layer).")
     min_capacity = param.Integer(
         default=1, bounds=(0, None), softbounds=(0, 16),
         doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")
+    # MACS (dispatch = macs; seed 002 §3, workbench.sim.macs)
+    macs_delta = param.Number(
+        default=1.5, bounds=(0.0, 100.0), softbounds=(0.0, 5.0),
+        doc="MACS δ: a visual token's semantic weight is σ(−δ·H̃), H̃ its feature entropy "
+            "z-scored within its image (paper: 1.5).")
+    macs_rho = param.Number(
+        default=0.6, bounds=(0.0, 2.0), softbounds=(0.0, 1.0),
+        doc="MACS ρ: capacity C_j = C_base·(1 + ρ·m_j·(R_v − 0.5)) for visual (m = +1) and text "
+            "(m = −1) experts (paper: 0.6; above 0.8 visual experts cannibalise text capacity).")
+    macs_eta = param.Number(
+        default=0.5, bounds=(0.0, 1.0),
+        doc="MACS η: a rerouting candidate's score is (1−η)·router probability + η·cosine "
+            "to the expert's calibrated centroid (the paper gives no value; 0.5 here).")
+    macs_semantic_load = param.Boolean(
+        default=True, doc="MACS +SL: count a visual token's load as its semantic weight w(x) "
+                          "(off: every token counts 1). Needs the model's features: live only.")
+    macs_dynamic_capacity = param.Boolean(
+        default=True, doc="MACS +DC: scale each expert's capacity with the batch's effective "
+                          "visual ratio R_v by its calibrated class (off: static capacity).")
+    macs_reroute = param.Boolean(
+        default=True, doc="MACS +SR: move an overflow token to a same-rank expert with room "
+                          "before dropping it (needs every expert's router probability: live "
+                          "only).")
+    macs_selection = param.Selector(
+        default="entropy", objects=["entropy", "router", "modality-prior", "random"],
+        doc="MACS token selection (seed Table 3): who an overloaded expert keeps — 'entropy' "
+            "(retention w·max G, MACS), 'router' (router score), 'modality-prior' (text "
+            "first), 'random'.")
+    macs_calibration = param.String(
+        default=None, allow_None=True,
+        doc="Folder of a MACS calibration (expert classes, centroids; workbench calibrate-macs). "
+            "None: the model's default (workspace, then beside the model); replay without one "
+            "takes the classes from the trace itself (in-sample).")
 
     def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
         """Every rank owns at least one expert: ``ep_ranks`` ≤ experts per layer; a dispatch
@@ -318,6 +352,12 @@ class ExpertParallelKnobs(KnobGroup):
         if live and "trace" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "
                             f"(workbench replay); live runs take another")
+        if not live and self.dispatch == "macs" and (self.macs_semantic_load or
+                                                     self.macs_reroute):
+            on = [n for n in ("macs_semantic_load", "macs_reroute") if getattr(self, n)]
+            raise KnobError(f"dispatch 'macs' with {' and '.join(f'{n}=true' for n in on)} needs "
+                            f"the model's features and router (live runs only); a trace "
+                            f"replays MACS with {' '.join(f'--set {n}=false' for n in on)}")
 
 
 class ExecKnobs(KnobGroup):

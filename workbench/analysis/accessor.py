@@ -692,6 +692,8 @@ class MoEAccessor:
         tr = from_store(self._ds)
         # the EP group's rules only: the run's other knobs were checked when it ran (and some
         # are live-only: a full replay check would refuse them)
+        # (the routing as recorded: a live dispatch is already applied to it, not replayed)
+        k = k.copy(dispatch="topk")
         k.group("ep").check(k, ModelShape.of(tr), live=False)
         cost, prof = _cost(tr, k.profile, k.target_model, None)
         return ep_replay(tr, k, Prices(prof, cost))

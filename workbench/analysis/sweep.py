@@ -65,11 +65,24 @@ SUMMARY_FIELDS = ("hit_rate", "hits", "misses", "loads", "evictions", "host_runs
 
 @dataclass(frozen=True)
 class SweepInput:
-    """One input of a sweep: a name (summary coordinate), a prompt and image paths."""
+    """One input of a sweep: a name (summary coordinate), a prompt and image paths; ``batch``
+    > 1 runs it together with ``batch`` − 1 generated held-out requests of ``mix``
+    (:func:`workbench.batch`), the way the dashboard's batch does."""
 
     name: str
     prompt: str
     images: tuple[str, ...] = ()
+    batch: int = 1
+    mix: str = "mixed"
+
+    def batched(self, batch: int, mix: str = "mixed") -> "SweepInput":
+        """This input in a batch of ``batch`` (its name says so when > 1)."""
+        from workbench.models.batches import _check
+
+        _check(batch, "heldout", mix)
+        name = self.name if batch == 1 else f"{self.name} (batch of {batch}, {mix})"
+        return SweepInput(name=name, prompt=self.prompt, images=self.images, batch=int(batch),
+                          mix=mix)
 
     @classmethod
     def parse(cls, text: str) -> "SweepInput":
@@ -337,7 +350,10 @@ def read_outcome(meta: str | Path) -> dict[str, Any] | None:
 
 
 def point_id(knobs: dict[str, Any], inp: SweepInput) -> str:
-    key = json.dumps({"knobs": knobs, "input": [inp.prompt, list(inp.images)]}, sort_keys=True)
+    what: list[Any] = [inp.prompt, list(inp.images)]
+    if inp.batch > 1:  # (a batch of one keeps the ids of sweeps before batches)
+        what += [inp.batch, inp.mix]
+    key = json.dumps({"knobs": knobs, "input": what}, sort_keys=True)
     return "p-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -360,7 +376,15 @@ def run_point(model_dir: str | None, knobs: dict[str, Any], prompt: str, images:
         if key not in _MODELS:
             _MODELS[key] = load(model_dir, dtype=knobs["dtype"], device=knobs["device"])
         rt = Runtime(_MODELS[key], knobs=Knobs(**knobs))
-        res = rt.run(prompt, images=list(images), store=store, overwrite=True)
+        if int(point.get("batch", 1)) > 1:
+            from workbench.models.batches import batch
+            from workbench.models.inputs import Request
+
+            requests = [Request(prompt, list(images)),
+                        *batch(int(point["batch"]) - 1, mix=point.get("mix", "mixed"))]
+            res = rt.run(requests, store=store, overwrite=True)
+        else:
+            res = rt.run(prompt, images=list(images), store=store, overwrite=True)
         outcome.update(status="complete", result=res.to_json())
     except Exception as e:  # a failed point is data, not a crash of the sweep
         outcome.update(status="failed", error=f"{type(e).__name__}: {e}")
@@ -472,7 +496,8 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
         for inp in inputs:
             pid = point_id(k, inp)
             point = {"id": pid, "grid": dict(zip(names, values)), "knobs": k,
-                     "input": inp.name, "prompt": inp.prompt, "images": list(inp.images)}
+                     "input": inp.name, "prompt": inp.prompt, "images": list(inp.images),
+                     **({"batch": inp.batch, "mix": inp.mix} if inp.batch > 1 else {})}
             prev = read_outcome(out / "points" / f"{pid}.json")
             if prev and prev.get("status") == "complete":
                 done[pid] = prev

@@ -85,15 +85,26 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         from workbench.knobs import ModelShape
 
         knobs.check(ModelShape.of(trace), live=False)
-        trace, dispatched = dispatch_trace(trace, DISPATCH.create(knobs.dispatch,
-                                                                  **knobs.to_dict()))
+        policy = DISPATCH.create(knobs.dispatch, **knobs.to_dict())
+        classes_from = None
+        if knobs.dispatch == "macs" and knobs.macs_dynamic_capacity:
+            if knobs.macs_calibration:
+                from workbench.macs.calibration import load
+
+                policy.classes = load(knobs.macs_calibration, trace.num_layers,
+                                      trace.num_experts).classes
+                classes_from = f"calibration {knobs.macs_calibration}"
+            else:
+                classes_from = "this trace (in-sample)"
+        trace, dispatched = dispatch_trace(trace, policy)
     res = _replay(trace, knobs, scope=scope, engine=engine)
     if dispatched is not None:
         from workbench.telemetry.events import MODALITIES
 
         res.extra["dispatch"] = {"policy": knobs.dispatch,
                                  "capacity_factor": knobs.capacity_factor,
-                                 **dispatched.result(MODALITIES)}
+                                 **dispatched.result(MODALITIES),
+                                 **({"classes": classes_from} if classes_from else {})}
     elif recorded is not None:
         res.extra["dispatch"] = recorded
     if belady:
@@ -114,7 +125,9 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     return res
 
 
-_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "min_capacity")
+_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "min_capacity", "macs_delta", "macs_rho",
+                   "macs_eta", "macs_semantic_load", "macs_dynamic_capacity", "macs_reroute",
+                   "macs_selection", "macs_calibration")
 
 
 def _recorded_dispatch(trace, knobs):

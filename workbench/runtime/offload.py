@@ -158,6 +158,14 @@ class Offloader:
         #: :meth:`set_token_mask` before each forward.
         self.token_mask: torch.Tensor | None = None
         self._mask_np: np.ndarray | None = None
+        #: per flattened position of the step in progress: modality code and request (for
+        #: a dispatch that reads them, MACS; None: unknown — all text, one request)
+        self._step_modality: np.ndarray | None = None
+        self._step_request: np.ndarray | None = None
+        #: MACS: the calibrated centroids μ [L, E, D] (a torch tensor on the device; None:
+        #: none, η acts as 0) and the assignments it rerouted
+        self.macs_centroids: torch.Tensor | None = None
+        self.dispatch_rerouted = 0
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -174,9 +182,11 @@ class Offloader:
         self.engine: TransferEngine | None = None
         self._saved: list[tuple[MoEBlock, dict]] = []
 
-    def set_token_mask(self, valid: np.ndarray | None) -> None:
+    def set_token_mask(self, valid: np.ndarray | None, modality: np.ndarray | None = None,
+                       request: np.ndarray | None = None) -> None:
         """The real tokens of the next forward (bool, one per flattened position; None or all
-        True: no masking)."""
+        True: no masking), and each position's modality and request when known."""
+        self._step_modality, self._step_request = modality, request
         if valid is None or bool(np.all(valid)):
             self.token_mask, self._mask_np = None, None
         else:
@@ -260,12 +270,12 @@ class Offloader:
         if mask is not None:  # padding and finished requests: routed nowhere
             top_k_index = top_k_index.masked_fill(~mask[:, None], b.num_experts)
             top_k_weights = top_k_weights.masked_fill(~mask[:, None], 0)
-        dropped = None
+        dropped = rerouted = None
         if self.dispatch is not None:
-            top_k_index, top_k_weights, dropped = self._dispatch_routing(
-                b, top_k_index, top_k_weights)
+            top_k_index, top_k_weights, dropped, rerouted = self._dispatch_routing(
+                b, hidden_states, top_k_index, top_k_weights)
         ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
-        ev.dropped_ids = dropped
+        ev.dropped_ids, ev.rerouted_ids = dropped, rerouted
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
@@ -524,30 +534,42 @@ class Offloader:
 
         return hook
 
-    def _dispatch_routing(self, b: MoEBlock, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+    def _dispatch_routing(self, b: MoEBlock, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
+                                     np.ndarray | None]:
         """Capacity-aware dispatch of this layer call's tokens (one step, one layer) by the
         core's rule (:meth:`workbench.sim.dispatch.Dispatch.apply`, the one replay runs): a
         dropped assignment gets id E — the experts forward's "not here" sentinel, which
         :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
-        theirs, not renormalised: CAI-MoE's default). Returns the routing and the dropped
-        experts ``[T, k]`` (int16, -1 = kept; None: nothing dropped) for the layer event."""
+        theirs, not renormalised: CAI-MoE's default); MACS may move an assignment to another
+        expert instead (new id and weight). Returns the routing, the dropped experts ``[T, k]``
+        (int16, -1 = kept; None: nothing dropped) and the experts rerouted away from (same
+        form) for the layer event."""
         if self.token_mask is not None:  # on the real tokens only: padding takes no capacity
             rows = self.token_mask.nonzero().squeeze(1)
-            idx, w, sub = self._dispatch_rows(b, top_k_index[rows], top_k_weights[rows])
-            if sub is None:
-                return top_k_index, top_k_weights, None
-            full = np.full(tuple(top_k_index.shape), -1, np.int16)
-            full[self._mask_np] = sub
+            idx, w, sub, rer = self._dispatch_rows(b, hidden_states[rows], top_k_index[rows],
+                                                   top_k_weights[rows], self._mask_np)
+            if sub is None and rer is None:
+                return top_k_index, top_k_weights, None, None
+            full = []
+            for part in (sub, rer):
+                f = None
+                if part is not None:
+                    f = np.full(tuple(top_k_index.shape), -1, np.int16)
+                    f[self._mask_np] = part
+                full.append(f)
             return (top_k_index.index_copy(0, rows, idx), top_k_weights.index_copy(0, rows, w),
-                    full)
-        return self._dispatch_rows(b, top_k_index, top_k_weights)
+                    *full)
+        return self._dispatch_rows(b, hidden_states, top_k_index, top_k_weights, None)
 
-    def _dispatch_rows(self, b: MoEBlock, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
-        """:meth:`_dispatch_routing` of rows that are all real tokens."""
+    def _dispatch_rows(self, b: MoEBlock, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       real: np.ndarray | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
+                                  np.ndarray | None]:
+        """:meth:`_dispatch_routing` of rows that are all real tokens (``real``: which of the
+        step's positions they are; None: all)."""
         T, K = top_k_index.shape
         E = b.num_experts
         # most layer calls overflow nothing (a decode step's one token never does): one
@@ -555,21 +577,62 @@ class Offloader:
         top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
         if self.dispatch.fits(top, T, K, E):
             self.dispatch_assigned += T * K
-            return top_k_index, top_k_weights, None
+            return top_k_index, top_k_weights, None, None
         ids = top_k_index.detach().to("cpu").numpy()
         w = top_k_weights.detach().float().to("cpu").numpy()
-        new = self.dispatch.apply(ids[:, None, :].astype(np.int16), w[:, None, :],
-                                  np.zeros(T, np.int64), b.num_experts)[:, 0, :]
+        ctx = self._macs_context(b, hidden_states, real) if self.dispatch.name == "macs" else None
+        new, new_w, rer = self.dispatch.apply_weighted(
+            ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64),
+            b.num_experts, ctx)
+        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :]
         dropped = (new < 0) & (ids >= 0)
         self.dispatch_assigned += int((ids >= 0).sum())
-        n = int(dropped.sum())
-        if not n:
-            return top_k_index, top_k_weights, None
+        n, n_rer = int(dropped.sum()), int(rer.sum())
+        if not n and not n_rer:
+            return top_k_index, top_k_weights, None, None
         self.dispatch_dropped += n
-        gone = torch.as_tensor(dropped, device=top_k_index.device)
-        return (top_k_index.masked_fill(gone, b.num_experts),
-                top_k_weights.masked_fill(gone, 0),
-                np.where(dropped, ids, -1).astype(np.int16))
+        self.dispatch_rerouted += n_rer
+        dev = top_k_index.device
+        out_ids = torch.as_tensor(np.where(new < 0, b.num_experts, new), dtype=top_k_index.dtype,
+                                  device=dev)
+        out_w = torch.as_tensor(new_w, device=dev).to(top_k_weights.dtype)
+        return (out_ids, out_w,
+                np.where(dropped, ids, -1).astype(np.int16) if n else None,
+                np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
+
+    def _macs_context(self, b: MoEBlock, hidden_states: torch.Tensor,
+                      real: np.ndarray | None):
+        """What MACS reads of this layer call's tokens (:class:`DispatchContext`, one layer):
+        modality and image of each token, the entropy of softmax over its MoE input's
+        features (semantic load), every expert's router probability and the cosine to the
+        calibrated centroids (rerouting) — each only when the policy's switch asks for it."""
+        from workbench.sim.macs import DispatchContext, image_runs
+
+        pol = self.dispatch
+        T = hidden_states.shape[0]
+        mod = self._step_modality
+        req = self._step_request
+        if mod is None or len(mod) != (len(real) if real is not None else T):
+            mod, req = np.zeros(T, np.int8), None
+        elif real is not None:
+            mod, req = mod[real], None if req is None else req[real]
+        ent = gates = aff = None
+        with torch.no_grad():
+            z = hidden_states.float()
+            if pol.semantic_load:
+                logp = torch.log_softmax(z, dim=-1)
+                ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
+            if pol.reroute:
+                logits, _, _ = b.route(hidden_states)
+                gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
+                if self.macs_centroids is not None and pol.eta > 0:
+                    mu = self.macs_centroids[b.index].float()
+                    cos = torch.nn.functional.normalize(z, dim=-1) @ \
+                        torch.nn.functional.normalize(mu, dim=-1).T
+                    aff = cos.cpu().numpy()[:, None, :]
+        return DispatchContext(modality=np.asarray(mod, np.int8), layers=np.array([b.index]),
+                               features_entropy=ent, image_of=image_runs(mod, req),
+                               gates=gates, affinity=aff)
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,8 @@ class RunResult:
     #: assignments, and those the dispatch dropped (computed by no expert)
     dispatch_assigned: int = 0
     dispatch_dropped: int = 0
+    #: MACS: assignments moved to a same-rank expert with room (not dropped)
+    dispatch_rerouted: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -144,7 +146,10 @@ class RunResult:
             share = self.dispatch_dropped / self.dispatch_assigned if self.dispatch_assigned else 0
             lines.append(f"dispatch {k.get('dispatch')} (capacity_factor "
                          f"{k.get('capacity_factor')}): dropped {self.dispatch_dropped} of "
-                         f"{self.dispatch_assigned} expert assignments ({share:.1%})")
+                         f"{self.dispatch_assigned} expert assignments ({share:.1%})"
+                         + (f", rerouted {self.dispatch_rerouted} "
+                            f"({self.dispatch_rerouted / max(self.dispatch_assigned, 1):.1%})"
+                            if k.get("dispatch") == "macs" else ""))
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)

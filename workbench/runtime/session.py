@@ -143,7 +143,11 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=DISPATCH.create(k.dispatch, **kd))
+            dispatch=self._dispatch())
+        cal = self.macs_calibration
+        if cal is not None and k.macs_reroute and k.macs_eta > 0:
+            self.offloader.macs_centroids = torch.as_tensor(
+                np.asarray(cal.centroids, np.float32), device=rt.lm.device)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
@@ -153,6 +157,23 @@ class RunSession:
                 prefetcher.attach(self.predictor)
             if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
                 self.policy.attach(self.predictor)
+
+    def _dispatch(self):
+        """The run's dispatch policy; MACS gets the model's calibration (expert classes for
+        its dynamic capacity, centroids for its rerouting) when a switch needs it."""
+        k, rt = self.knobs, self.runtime
+        pol = DISPATCH.create(k.dispatch, **k.to_dict())
+        self.macs_calibration = None
+        if k.dispatch == "macs" and (k.macs_dynamic_capacity
+                                     or (k.macs_reroute and k.macs_eta > 0)):
+            from workbench.macs.calibration import default_path, load
+
+            lm = rt.lm
+            path = k.macs_calibration or default_path(lm.path, lm.config_hash)
+            cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash)
+            pol.classes = cal.classes
+            self.macs_calibration = cal
+        return pol
 
     def _open_store(self) -> None:
         if self.store_path is None:
@@ -224,7 +245,14 @@ class RunSession:
     def _step_started(self, module, args, kwargs) -> None:
         self.step += 1
         self.valid = self._real_tokens(kwargs, args)
-        self.offloader.set_token_mask(self.valid)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        lm = self.runtime.lm
+        if ids is not None and self.offloader.dispatch is not None:  # MACS reads them
+            self.offloader.set_token_mask(
+                self.valid, modality_of(ids, lm.image_token_id, lm.video_token_id),
+                np.repeat(np.arange(ids.shape[0]), ids.shape[-1]) if ids.dim() > 1 else None)
+        else:
+            self.offloader.set_token_mask(self.valid)
         self.probe.begin(self.step, self.offloader.sim.lanes.compute)
         self.step_t0 = time.perf_counter()
 
@@ -322,7 +350,8 @@ class RunSession:
             prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
             redundant_prefetches=self.offloader.redundant_prefetches,
             dispatch_assigned=self.offloader.dispatch_assigned,
-            dispatch_dropped=self.offloader.dispatch_dropped)
+            dispatch_dropped=self.offloader.dispatch_dropped,
+            dispatch_rerouted=self.offloader.dispatch_rerouted)
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,

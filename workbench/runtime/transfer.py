@@ -184,6 +184,10 @@ class TransferEngine:
         return out
 
     def close(self) -> None:
+        if self._stream is not None:
+            # copies still in flight (unwaited prefetches) write into slot tensors the caller
+            # frees next; the caching allocator may reuse those blocks on the compute stream
+            self._stream.synchronize()
         if self._queue is not None and self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=5)

@@ -22,7 +22,7 @@ its capacity in any (step, layer); a capacity no expert reaches changes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,11 +71,23 @@ class Dispatch:
     needs: frozenset[str] = frozenset()
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
-              num_experts: int) -> np.ndarray:
+              num_experts: int, context: Any = None) -> np.ndarray:
         """``ids`` int16 [T, L, K] (-1: none), ``weights`` float32 [T, L, K] (NaN: none),
         ``token_step`` [T] non-decreasing (the chunk's steps): the dispatched ids, -1 where an
-        assignment was dropped (a new array; ``ids`` is not changed)."""
+        assignment was dropped (a new array; ``ids`` is not changed). ``context``: a
+        :class:`workbench.sim.macs.DispatchContext` (what else is known of the tokens), for
+        the policies that use one."""
         return ids.copy()
+
+    def apply_weighted(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
+                       num_experts: int, context: Any = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`apply` with the combine weights: ``(ids, weights, rerouted)`` — a dropped
+        assignment's weight is 0, ``rerouted`` bool [T, L, K] marks assignments moved to
+        another expert (whose new id and weight the arrays hold)."""
+        new = self.apply(ids, weights, token_step, num_experts, context)
+        w = np.where(new >= 0, weights, 0).astype(np.float32)
+        return new, w, np.zeros(ids.shape, bool)
 
     def fits(self, max_load: int, tokens: int, top_k: int, num_experts: int) -> bool:
         """Whether a group of ``tokens`` tokens × ``top_k`` whose busiest expert has
@@ -115,7 +127,7 @@ class CapacityDrop(Dispatch):
     def fits(self, max_load, tokens, top_k, num_experts):
         return max_load <= int(self.capacity(tokens, top_k, num_experts))
 
-    def apply(self, ids, weights, token_step, num_experts):
+    def apply(self, ids, weights, token_step, num_experts, context=None):
         T, L, K = ids.shape
         out = ids.copy()
         if T == 0:
@@ -153,6 +165,95 @@ class CapacityDrop(Dispatch):
         return out
 
 
+@DISPATCH.register("macs")
+class Macs(CapacityDrop):
+    """MACS (seed 002 §3, :mod:`workbench.sim.macs`): semantic (entropy-weighted) load,
+    modality-aware capacity from the calibrated expert classes, local semantic rerouting,
+    fail-safe drop; each a switch, so SC, +SL, +DC, +SR (seed Table 2) are settings, and the
+    token selection one of seed Table 3's strategies. Groups are (step, layer) as for Token
+    Drop. ``classes`` int8 [layers, E] (m_j; None: the context's, else every expert shared).
+    ``rerouted``/``dropped`` count what :meth:`apply_weighted` did, over its calls."""
+
+    def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1,
+                 macs_delta: float = 1.5, macs_rho: float = 0.6, macs_eta: float = 0.5,
+                 macs_semantic_load: bool = True, macs_dynamic_capacity: bool = True,
+                 macs_reroute: bool = True, macs_selection: str = "entropy", seed: int = 0,
+                 ep_ranks: int = 1, placement: str = "contiguous",
+                 classes: np.ndarray | None = None) -> None:
+        super().__init__(capacity_factor, min_capacity)
+        self.delta, self.rho, self.eta = float(macs_delta), float(macs_rho), float(macs_eta)
+        self.semantic_load = bool(macs_semantic_load)
+        self.dynamic_capacity = bool(macs_dynamic_capacity)
+        self.reroute = bool(macs_reroute)
+        self.selection = str(macs_selection)
+        self.seed = int(seed)
+        self.ep_ranks, self.placement = int(ep_ranks), str(placement)
+        self.classes = None if classes is None else np.asarray(classes, np.int8)
+        self.rerouted = 0
+        self.dropped = 0
+
+    def fits(self, max_load, tokens, top_k, num_experts):
+        # semantic weights are ≤ 1 (effective load ≤ count); the smallest capacity a dynamic
+        # one can give is C_base·(1 − ρ/2)
+        c = float(self.capacity(tokens, top_k, num_experts))
+        if self.dynamic_capacity:
+            c = max(float(self.min_capacity), c * (1.0 - 0.5 * abs(self.rho)))
+        return max_load <= c
+
+    def apply(self, ids, weights, token_step, num_experts, context=None):
+        return self.apply_weighted(ids, weights, token_step, num_experts, context)[0]
+
+    def apply_weighted(self, ids, weights, token_step, num_experts, context=None):
+        from workbench.sim.macs import macs_group, semantic_weights
+        from workbench.sim.placement import rank_of_expert
+
+        T, L, K = ids.shape
+        out = ids.copy()
+        out_w = np.where(ids >= 0, np.nan_to_num(np.asarray(weights, np.float64)), 0.0)
+        rer = np.zeros(ids.shape, bool)
+        if T == 0:
+            return out, out_w.astype(np.float32), rer
+        mod = (np.zeros(T, np.int8) if context is None else np.asarray(context.modality))
+        layers = (np.arange(L) if context is None else np.asarray(context.layers))
+        classes = self.classes if self.classes is not None else (
+            None if context is None else context.expert_class)
+        ranks = rank_of_expert(self.placement, num_experts, self.ep_ranks)
+        if self.semantic_load and context is not None and context.features_entropy is not None:
+            w_all = semantic_weights(context.features_entropy, mod, context.image_of,
+                                     self.delta)
+        else:
+            w_all = np.ones((T, L))
+        steps = np.asarray(token_step, np.int64)
+        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for li in range(L):
+                g_ids = ids[a:b, li]
+                routed = (g_ids >= 0).any(1)
+                n_tok = int(routed.sum())
+                if not n_tok:
+                    continue
+                k_used = int((g_ids >= 0).sum(1).max())
+                c_base = float(self.capacity(n_tok, k_used, num_experts))
+                cls = None if classes is None else classes[int(layers[li])]
+                new, nw, rr, _ = macs_group(
+                    g_ids, np.asarray(weights[a:b, li], np.float64), w_all[a:b, li],
+                    mod[a:b], cls, c_base, rho=self.rho,
+                    dynamic_capacity=self.dynamic_capacity, min_capacity=self.min_capacity,
+                    selection=self.selection, seed=self.seed + int(steps[a]) * 7919 + li,
+                    reroute=self.reroute, rank_of_expert=ranks,
+                    gates=None if context is None or context.gates is None
+                    else context.gates[a:b, li],
+                    affinity=None if context is None or context.affinity is None
+                    else context.affinity[a:b, li],
+                    eta=self.eta, num_experts=num_experts)
+                out[a:b, li] = new
+                out_w[a:b, li] = nw
+                rer[a:b, li] = rr
+        self.rerouted += int(rer.sum())
+        self.dropped += int(((ids >= 0) & (out < 0)).sum())
+        return out, out_w.astype(np.float32), rer
+
+
 def _segments(ids: np.ndarray, token_step: np.ndarray, num_experts: int):
     """``(distinct (step, layer, expert) cells, their assignment counts)`` of a chunk, cells as
     ``(step · L + layer) · E + expert`` with steps from the chunk's first: O(assignments)
@@ -186,15 +287,19 @@ def dispatch_trace(trace: Any, policy: Dispatch, chunk_accesses: int = 1 << 20):
     out_ids = np.empty_like(trace.topk_ids)
     ts = np.asarray(trace.token_step)
     mod = np.asarray(trace.token_modality)
+    context = _replay_context(trace, policy)
     for s0, s1 in trace.step_chunks(chunk_accesses):
         a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
         ids = trace.topk_ids[a:b]
-        new = policy.apply(ids, np.asarray(trace.topk_weights[a:b]), ts[a:b], E)
+        ctx = None if context is None else replace(context, modality=mod[a:b])
+        new, _, rer = policy.apply_weighted(ids, np.asarray(trace.topk_weights[a:b]), ts[a:b],
+                                            E, ctx)
         out_ids[a:b] = new
         before, after = ids >= 0, new >= 0
         n_before, n_after = int(before.sum()), int(after.sum())
         stats.assigned += n_before
-        stats.kept += n_after
+        stats.kept += n_after - int(rer.sum())
+        stats.rerouted += int(rer.sum())
         stats.dropped += n_before - n_after
         stats.max_expert_load_before = max(stats.max_expert_load_before,
                                            _expert_loads(ids, ts[a:b], E))
@@ -202,15 +307,53 @@ def dispatch_trace(trace: Any, policy: Dispatch, chunk_accesses: int = 1 << 20):
                                           _expert_loads(new, ts[a:b], E))
         per_tok_before = before.sum(axis=(1, 2))
         per_tok_drop = per_tok_before - after.sum(axis=(1, 2))
+        per_tok_rer = rer.sum(axis=(1, 2))
         for c in np.unique(mod[a:b]):
             m = mod[a:b] == c
             v = stats.by_modality.setdefault(int(c), [0, 0, 0])
             v[0] += int(per_tok_before[m].sum())
             v[1] += int(per_tok_drop[m].sum())
+            v[2] += int(per_tok_rer[m].sum())
     out = trace.step_slice(0, trace.num_steps)
     out.topk_ids = out_ids
     out.attrs = {**trace.attrs, "dispatch": policy.name}
     return out, stats
+
+
+def _replay_context(trace: Any, policy: Dispatch):
+    """What replay knows of a trace's tokens for ``policy``: modality and layers; a MACS
+    without a calibration of its own takes its expert classes from the trace itself
+    (in-sample, said in the replay's output)."""
+    if not isinstance(policy, Macs):
+        return None
+    from workbench.sim.macs import DispatchContext
+
+    classes = None
+    if policy.classes is None and policy.dynamic_capacity:
+        classes = trace_expert_classes(trace)[0]
+    return DispatchContext(modality=np.zeros(0, np.int8), layers=np.arange(trace.num_layers),
+                           expert_class=classes)
+
+
+def trace_expert_classes(trace: Any, threshold: float = 0.1,
+                         chunk_accesses: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """MACS expert classes ``(m, Δ)`` [L, E] from a trace's own routing (every token, by
+    modality; :func:`workbench.sim.macs.expert_classes`), chunk by chunk."""
+    from workbench.sim.macs import expert_classes
+
+    L, E = trace.num_layers, trace.num_experts
+    M = 3
+    routed = np.zeros((L, E, M), np.int64)
+    tokens = np.zeros(M, np.int64)
+    ts = np.asarray(trace.token_step)
+    mod = np.clip(np.asarray(trace.token_modality, np.int64), 0, M - 1)
+    for s0, s1 in trace.step_chunks(chunk_accesses):
+        a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
+        ids = np.asarray(trace.topk_ids[a:b], np.int64)
+        t, l, r = np.nonzero(ids >= 0)
+        np.add.at(routed, (l, ids[t, l, r], mod[a:b][t]), 1)
+        tokens += np.bincount(mod[a:b], minlength=M)
+    return expert_classes(routed, tokens, threshold)
 
 
 def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
@@ -228,5 +371,5 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
                              f"expert {i % num_experts}: {c} assignments over capacity")
 
 
-__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "DispatchStats", "dispatch_trace",
+__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "Macs", "trace_expert_classes", "DispatchStats", "dispatch_trace",
            "check_capacity"]

@@ -61,6 +61,8 @@ class DispatchContext:
     image_of: np.ndarray | None = None
     gates: np.ndarray | None = None
     affinity: np.ndarray | None = None
+    #: m_j per model layer and expert, int8 [layers, E] (None: the policy's calibration)
+    expert_class: np.ndarray | None = None
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -107,6 +109,25 @@ def image_runs(modality: np.ndarray, request: np.ndarray | None = None) -> np.nd
     return out
 
 
+def expert_classes(routed: np.ndarray, tokens: np.ndarray, threshold: float = 0.1
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """MACS's expert classes (seed 002 App. A.2) from routing counts: ``routed`` [L, E, M]
+    tokens of each modality routed to each expert (M = text, image, …), ``tokens`` [M] the
+    tokens of each modality. f_j^m = routed / tokens (the share of modality-m tokens that
+    have expert j in their top-k, eq. 12), Δ_j = f_j^visual − f_j^text (visual = every code
+    but text), m_j = +1 if Δ_j ≥ threshold, −1 if Δ_j ≤ −threshold, else 0. Returns
+    ``(m int8 [L, E], Δ float32 [L, E])``; with no visual or no text token every Δ is 0."""
+    routed = np.asarray(routed, np.float64)
+    tokens = np.asarray(tokens, np.float64)
+    n_text, n_vis = tokens[0], tokens[1:].sum()
+    if n_text <= 0 or n_vis <= 0:
+        delta = np.zeros(routed.shape[:2])
+    else:
+        delta = routed[..., 1:].sum(-1) / n_vis - routed[..., 0] / n_text
+    m = np.where(delta >= threshold, 1, np.where(delta <= -threshold, -1, 0)).astype(np.int8)
+    return m, delta.astype(np.float32)
+
+
 def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.ndarray,
                classes: np.ndarray | None, capacity_base: float, *, rho: float,
                dynamic_capacity: bool, min_capacity: int, selection: str, seed: int,
@@ -137,9 +158,11 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
         return new_ids, new_w, rerouted, cap
     e = ids[t, r].astype(np.int64)
     score = np.nan_to_num(np.asarray(gate_w, np.float64)[t, r], nan=0.0)
-    g_max = (gates.max(1) if gates is not None
-             else np.nan_to_num(np.nanmax(np.where(ids >= 0, gate_w, np.nan), 1), nan=0.0)
-             if T else np.zeros(0))
+    if gates is not None:
+        g_max = gates.max(1)
+    else:  # the largest recorded combine weight of each token (0 when none is recorded)
+        g_max = np.where(ids >= 0, np.nan_to_num(np.asarray(gate_w, np.float64), nan=0.0),
+                         0.0).max(1)
     retention = w * g_max  # r(x) = w(x) · max_j G(x)_j
     if selection == "entropy":
         key = -retention[t]
@@ -197,5 +220,5 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     return new_ids, new_w, rerouted, cap
 
 
-__all__ = ["SELECTIONS", "DispatchContext", "semantic_weights", "entropy_of_features",
+__all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights", "entropy_of_features",
            "image_runs", "macs_group", "sigmoid"]

@@ -56,6 +56,9 @@ class LayerEvent:
     pred_ids: np.ndarray | None = None
     expert_tokens: dict[int, int] = field(default_factory=dict)
     dropped_ids: np.ndarray | None = None
+    #: [T, k] (int16, -1 = none) or None: the expert a rerouting dispatch (MACS) moved each
+    #: slot away from (the slot's ``topk_ids`` holds the expert it moved to)
+    rerouted_ids: np.ndarray | None = None
     stall_s: float = 0.0
 
 
@@ -124,3 +127,5 @@ class StepEvent:
                 le.pred_ids = le.pred_ids[valid]
             if le.dropped_ids is not None:
                 le.dropped_ids = le.dropped_ids[valid]
+            if le.rerouted_ids is not None:
+                le.rerouted_ids = le.rerouted_ids[valid]

@@ -423,6 +423,11 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["dispatch_dropped"] = xr.Variable(
             v.dims, np.broadcast_to(np.int32(0), data_vars["routed_tokens"].shape),
             attrs={"units": v.units, "description": v.doc})
+    if version < 6 and "routed_tokens" in data_vars:  # no rerouting before schema 6
+        v = SCHEMA["dispatch_rerouted"]
+        data_vars["dispatch_rerouted"] = xr.Variable(
+            v.dims, np.broadcast_to(np.int32(0), data_vars["routed_tokens"].shape),
+            attrs={"units": v.units, "description": v.doc})
     if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
         v = SCHEMA["token_request"]
         data_vars["token_request"] = xr.Variable(
@@ -437,7 +442,7 @@ def open_run(path: str | Path) -> xr.Dataset:
 
 #: per-step and per-(step, layer) arrays that count something (≥ 0)
 _COUNTS = ("step_tokens", "hits", "misses", "loads", "evictions", "pinned_accesses",
-           "dispatch_dropped",
+           "dispatch_dropped", "dispatch_rerouted",
            "pre_evictions", "prefetches", "host_runs", "topk_used", "routed_tokens")
 #: per-step and per-(step, layer) times (finite, ≥ 0)
 _TIMES = ("step_start_s", "latency_measured_s", "latency_modeled_s", "stall_measured_s",

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 #: ``hits``/``misses`` count expert-cache lookups only (offloaded layers) and the accesses the
 #: pinned prefix served are ``pinned_accesses`` (schema ≤ 3 booked them as ``hits``).
 #: 5: ``dispatch_dropped`` (a store of schema ≤ 4 had no dispatch: it reads 0).
-#: 6: ``token_request`` (a store of schema ≤ 5 served one request: it reads 0).
+#: 6: ``token_request`` (a store of schema ≤ 5 served one request: it reads 0) and
+#: ``dispatch_rerouted`` (no rerouting dispatch before: it reads 0).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
 SCHEMA_VERSION = 6
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
@@ -101,6 +102,10 @@ SCHEMA: dict[str, Var] = {
     "dispatch_dropped": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
                             "tokens a capacity-aware dispatch took from the expert (dispatch ≠ "
                             "topk; their topk_ids read -1), split by modality"),
+    "dispatch_rerouted": Var(("step", "layer", "expert", "modality"), "int32", 32, "tokens",
+                             "tokens a rerouting dispatch (MACS) moved away from the expert to a "
+                             "same-rank expert with room (their topk_ids hold the new expert), "
+                             "split by modality"),
     "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
                     "expert in a cache slot or pinned at the end of the step"),
     # -- per routed token ----------------------------------------------------------------------
@@ -134,7 +139,8 @@ SCHEMA: dict[str, Var] = {
 
 
 #: variables each schema version added (absent from the files of older stores)
-ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6}
+ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6,
+            "dispatch_rerouted": 6}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
 INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")

@@ -350,6 +350,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     stall_layer = np.zeros((n, L), np.float64)
     routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     dropped = np.zeros((n, L, E, len(MODALITIES)), np.int32)
+    rerouted = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     resident = np.zeros((n, L, E), bool)
     tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
     tok_req = []
@@ -379,11 +380,12 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
                 loads[i, key[0]] += 1
             kk = le.topk_ids.shape[1]
             topk_used[i, l] = kk
-            if le.dropped_ids is not None:  # one count per (token, dropped expert)
-                d_ids = np.asarray(le.dropped_ids, np.int64)
-                tok, _ = np.nonzero(d_ids >= 0)
-                np.add.at(dropped, (i, l, d_ids[d_ids >= 0],
-                                    np.asarray(e.modality, np.int64)[tok]), 1)
+            for src, into in ((le.dropped_ids, dropped), (le.rerouted_ids, rerouted)):
+                if src is not None:  # one count per (token, expert it was taken from)
+                    d_ids = np.asarray(src, np.int64)
+                    tok, _ = np.nonzero(d_ids >= 0)
+                    np.add.at(into, (i, l, d_ids[d_ids >= 0],
+                                     np.asarray(e.modality, np.int64)[tok]), 1)
             ids[:, l, :kk] = le.topk_ids
             w[:, l, :kk] = le.topk_weights
             if le.pred_ids is not None:
@@ -419,7 +421,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             n, L, E, M)
     out.update(hits=hits, misses=misses, pinned_accesses=pinned_acc, loads=loads,
                evictions=evictions, stall_layer_measured_s=stall_layer, routed_tokens=routed,
-               dispatch_dropped=dropped,
+               dispatch_dropped=dropped, dispatch_rerouted=rerouted,
                resident=resident, pre_evictions=pre_ev, prefetches=pf, host_runs=host,
                topk_used=topk_used, predicted_ids=p_ids, predicted_scores=p_scores)
     out["token_id"] = np.concatenate(tok_ids)

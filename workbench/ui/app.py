@@ -143,7 +143,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     request = card(
         models["model"], models["other"], models["message"],
         inp["demo"], inp["preview"], inp["upload_hint"], inp["upload"], inp["upload_message"],
-        inp["prompt"], inp["run_name"],
+        inp["prompt"], pn.Row(inp["batch_size"], inp["batch_mix"], sizing_mode="stretch_width"),
+        inp["run_name"],
         title="Request", collapsible=False)
     runs_card = card(
         runs["select"], pn.Row(runs["open"], runs["refresh"], runs["adopt"]),

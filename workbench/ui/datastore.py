@@ -725,6 +725,14 @@ class DataStore(param.Parameterized):
     # request
     prompt = param.String(default="", doc="Question or instruction.")
     image = param.String(default=None, allow_None=True, doc="Input image file (None: text only).")
+    batch_size = param.Integer(
+        default=1, bounds=(1, 64),
+        doc="Requests run together: this request and batch_size − 1 generated held-out "
+            "requests (expert-parallel load needs a batch; the answer shown is this request's).")
+    batch_mix = param.Selector(
+        default="mixed", objects=["mixed", "image", "text"],
+        doc="The generated requests of a batch: the held-out split's mix of image and "
+            "text-only requests, image requests only, or text-only only.")
 
     # progress of the run in flight (or the tail of a store written elsewhere)
     running = param.Boolean(default=False, doc="A run of this session is in flight.")
@@ -989,8 +997,13 @@ class DataStore(param.Parameterized):
         self._precheck(knobs)  # a refusal leaves the shown run, the baseline and the A/B as they were
         job = _Job(path=path, max_new_tokens=int(knobs["max_new_tokens"]),
                    previous=(self._path, self._sig, self._meta, self.run_name, self.dataset))
+        extra = []
+        if self.batch_size > 1:
+            from workbench.models.batches import batch
+
+            extra = batch(self.batch_size - 1, mix=self.batch_mix)
         job.thread = threading.Thread(target=self._work, name=f"workbench-run-{path.name}",
-                                      args=(job, knobs, prompt, [str(i) for i in images]),
+                                      args=(job, knobs, prompt, [str(i) for i in images], extra),
                                       daemon=True)
         self._job = job
         self._path, self._sig, self._meta = path, None, None
@@ -1019,9 +1032,11 @@ class DataStore(param.Parameterized):
 
                 Runtime(lm, knobs=k).predictor(k)  # loaded once per path; names what is missing
 
-    def _work(self, job: _Job, knobs: dict[str, Any], prompt: str, images: list[str]) -> None:
-        """The run thread: load (or reuse) the model, then run into the store. Touches only
-        ``job``; never parameters (see the module docstring)."""
+    def _work(self, job: _Job, knobs: dict[str, Any], prompt: str, images: list[str],
+              extra: Sequence[Any] = ()) -> None:
+        """The run thread: load (or reuse) the model, then run into the store (``extra``: the
+        other requests of a batch, after this one). Touches only ``job``; never parameters
+        (see the module docstring)."""
         try:
             job.phase = "loading"
             lm = self.pool.get(self.model, knobs["dtype"], knobs["device"])
@@ -1039,8 +1054,14 @@ class DataStore(param.Parameterized):
                     job.tokens += 1
                     job.text = text
 
-                job.result = rt.run(prompt, images=images, store=job.path, on_token=on_token,
-                                    stop=job.stop)
+                if extra:
+                    from workbench.models.inputs import Request
+
+                    job.result = rt.run([Request(prompt, images), *extra], store=job.path,
+                                        on_token=on_token, stop=job.stop)
+                else:
+                    job.result = rt.run(prompt, images=images, store=job.path,
+                                        on_token=on_token, stop=job.stop)
             job.text = job.result.text
         except WorkbenchError as e:
             job.error = str(e)

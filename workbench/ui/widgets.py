@@ -490,6 +490,12 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         sizing_mode="stretch_width")
     run_name = make(pn.widgets.TextInput, "Run name (optional)", placeholder="run-<time>",
                     sizing_mode="stretch_width")
+    batch_size = pn.widgets.IntInput.from_param(
+        store.param.batch_size, **names(pn.widgets.IntInput, "Batch (requests together)"),
+        width=150, description=store.param.batch_size.doc)
+    batch_mix = pn.widgets.Select.from_param(
+        store.param.batch_mix, **names(pn.widgets.Select, "Batch mix"), width=110,
+        description=store.param.batch_mix.doc)
 
     def on_demo(event: Any) -> None:
         i = event.new
@@ -515,7 +521,8 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
             "upload_hint": pn.pane.HTML(
                 f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
                 f"{upload_limit_text()})</small>", margin=(0, 10)),
-            "preview": preview, "prompt": prompt, "run_name": run_name}
+            "preview": preview, "prompt": prompt, "run_name": run_name,
+            "batch_size": batch_size, "batch_mix": batch_mix}
 
 
 def export_zip(store: DataStore) -> Any:

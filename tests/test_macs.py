@@ -1,0 +1,277 @@
+"""MACS (issue 14 §3, seed 002 §3): semantic load, modality-aware capacity, local semantic
+rerouting and fail-safe drop — the core on hand-built groups and random routing, the live
+path on the embedded model, replay on traces, and the calibration files."""
+
+import json
+
+import numpy as np
+import pytest
+
+import workbench
+from workbench.errors import InputError, KnobError
+from workbench.macs.calibration import calibrate, calibration_requests, load, save
+from workbench.sim.dispatch import CapacityDrop, Macs
+from workbench.sim.macs import (expert_classes, image_runs, macs_group, semantic_weights,
+                                entropy_of_features)
+
+
+def _random_routing(rng, T, L, K, E):
+    ids = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)])
+                    for _ in range(T)]).astype(np.int16)
+    ids[rng.random(ids.shape) < 0.1] = -1
+    w = rng.random(ids.shape).astype(np.float32)
+    w[rng.random(ids.shape) < 0.2] = 0.5  # ties
+    return ids, w
+
+
+def test_every_switch_off_is_token_drop():
+    """SC (static capacity, token counts, router order) is exactly CAI-MoE Token Drop."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        T, L, K, E = (int(rng.integers(1, 40)), int(rng.integers(1, 3)),
+                      int(rng.integers(1, 5)), int(rng.integers(4, 16)))
+        ids, w = _random_routing(rng, T, L, K, E)
+        steps = np.sort(rng.integers(0, 3, T))
+        g = float(rng.choice([0.25, 0.5, 1.0, 2.0]))
+        sc = Macs(g, 1, macs_semantic_load=False, macs_dynamic_capacity=False,
+                  macs_reroute=False, macs_selection="router")
+        np.testing.assert_array_equal(sc.apply(ids, w, steps, E),
+                                      CapacityDrop(g, 1).apply(ids, w, steps, E))
+
+
+def _group(T=12, K=2, E=8, seed=1):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    ids[:, 0] = 0  # everyone wants expert 0: it overflows
+    gates = rng.random((T, E))
+    gates /= gates.sum(1, keepdims=True)
+    gw = np.take_along_axis(gates, ids, 1)
+    return ids, gw, gates
+
+
+def test_effective_load_never_exceeds_capacity_and_reroutes_stay_on_rank():
+    rng = np.random.default_rng(3)
+    for trial in range(50):
+        ids, gw, gates = _group(T=int(rng.integers(4, 30)), K=2, E=8, seed=trial)
+        T = len(ids)
+        w = rng.uniform(0.1, 1.0, T)
+        mod = (rng.random(T) < 0.5).astype(np.int8)
+        classes = rng.integers(-1, 2, 8).astype(np.int8)
+        ranks = np.arange(8) // 4
+        aff = rng.uniform(-1, 1, (T, 8))
+        new, nw, rer, cap = macs_group(
+            ids, gw, w, mod, classes, 2.0, rho=0.6, dynamic_capacity=True, min_capacity=1,
+            selection="entropy", seed=0, reroute=True, rank_of_expert=ranks, gates=gates,
+            affinity=aff, eta=0.5, num_experts=8)
+        load = np.zeros(8)
+        t, r = np.nonzero(new >= 0)
+        np.add.at(load, new[t, r], w[t])
+        assert (load <= cap + 1e-9).all()
+        for x, s in zip(*np.nonzero(rer)):
+            assert ranks[new[x, s]] == ranks[ids[x, s]]  # local: the same rank
+            assert new[x, s] not in np.delete(new[x], s) and new[x, s] not in ids[x]
+            # G(x)_k scaled like the slot it replaced (here the router did not rescale)
+            assert nw[x, s] == pytest.approx(gates[x, new[x, s]])
+        # kept + rerouted + dropped = assigned
+        assert (new >= 0).sum() + ((new < 0) & (ids >= 0)).sum() == (ids >= 0).sum()
+
+
+def test_dynamic_capacity_follows_the_visual_ratio():
+    ids, gw, gates = _group(T=10)
+    classes = np.array([1, -1, 0, 0, 0, 0, 0, 0], np.int8)
+    kw = dict(rho=0.6, dynamic_capacity=True, min_capacity=1, selection="router", seed=0,
+              reroute=False, rank_of_expert=None, gates=None, affinity=None, eta=0.0,
+              num_experts=8)
+    vis = np.ones(10, np.int8)
+    *_, cap = macs_group(ids, gw, np.ones(10), vis, classes, 4.0, **kw)
+    assert cap[0] == pytest.approx(4 * (1 + 0.6 * 0.5)) and cap[1] == pytest.approx(4 * 0.7)
+    assert cap[2] == 4.0
+    *_, cap = macs_group(ids, gw, np.ones(10), np.zeros(10, np.int8), classes, 4.0, **kw)
+    assert cap[0] == pytest.approx(4 * 0.7) and cap[1] == pytest.approx(4 * 1.3)
+    # semantic weights lower R_v: visual tokens of weight 0.25 against text of weight 1
+    mod = np.r_[np.ones(5, np.int8), np.zeros(5, np.int8)]
+    w = np.r_[np.full(5, 0.25), np.ones(5)]
+    *_, cap = macs_group(ids, gw, w, mod, classes, 4.0, **kw)
+    assert cap[0] == pytest.approx(4 * (1 + 0.6 * (0.2 - 0.5)))
+
+
+def test_fail_safe_drops_the_lowest_retention_first():
+    """No rank has room: overflow is dropped, and the tokens kept are the highest
+    w(x)·max G(x) (entropy-weighted selection)."""
+    T, E = 6, 4
+    ids = np.zeros((T, 1), np.int64)  # all on expert 0, capacity 2
+    gates = np.full((T, E), 0.1)
+    gates[:, 0] = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+    w = np.array([0.1, 1.0, 1.0, 0.2, 1.0, 1.0])
+    new, _, rer, _ = macs_group(
+        ids, gates[:, :1], w, np.zeros(T, np.int8), None, 2.0, rho=0.6,
+        dynamic_capacity=False, min_capacity=1, selection="entropy", seed=0, reroute=True,
+        rank_of_expert=np.arange(E), gates=gates, affinity=None, eta=0.0, num_experts=E)
+    # retention w·max G = .09 .8 .7 .12 .5 .4 → the two kept fill Σw ≤ 2: tokens 1 and 2
+    assert new[:, 0].tolist() == [-1, 0, 0, -1, -1, -1] and not rer.any()
+
+
+def test_selection_strategies_differ_and_random_is_seeded():
+    ids, gw, gates = _group(T=16, seed=5)
+    mod = np.r_[np.ones(8, np.int8), np.zeros(8, np.int8)]
+    w = np.linspace(0.2, 1.0, 16)
+    kw = dict(rho=0.6, dynamic_capacity=False, min_capacity=1, seed=7, reroute=False,
+              rank_of_expert=None, gates=gates, affinity=None, eta=0.0, num_experts=8)
+    kept = {s: tuple(macs_group(ids, gw, w, mod, None, 3.0, selection=s, **kw)[0][:, 0])
+            for s in ("entropy", "router", "modality-prior", "random")}
+    assert len(set(kept.values())) > 1
+    prior = np.array(kept["modality-prior"])
+    assert (prior[8:] >= 0).sum() >= (prior[:8] >= 0).sum()  # text first
+    again = macs_group(ids, gw, w, mod, None, 3.0, selection="random", **kw)[0][:, 0]
+    assert tuple(again) == kept["random"]
+    with pytest.raises(ValueError, match="macs_selection must be one of"):
+        macs_group(ids, gw, w, mod, None, 3.0, selection="best", **kw)
+
+
+def test_semantic_weights_and_image_runs():
+    z = np.random.default_rng(0).normal(size=(7, 16))
+    z[1] *= 20  # a peaked feature: low entropy → high weight
+    H = entropy_of_features(z)
+    assert H[1] < H[0] and np.all(H <= np.log(16) + 1e-9)
+    mod = np.array([0, 1, 1, 1, 0, 1, 1], np.int8)
+    req = np.array([0, 0, 0, 0, 0, 0, 1])
+    runs = image_runs(mod, req)
+    assert runs.tolist() == [-1, 0, 0, 0, -1, 1, 2]  # a new request starts a new image
+    w = semantic_weights(H[:, None], mod, runs, 1.5)[:, 0]
+    assert w[0] == w[4] == 1.0 and ((w[mod == 1] > 0) & (w[mod == 1] < 1)).all()
+    assert w[1] == max(w[1:4])
+    assert w[6] == pytest.approx(0.5)  # an image of one token: z-score 0 → σ(0)
+
+
+def test_expert_classes_from_counts():
+    routed = np.zeros((1, 3, 3))
+    routed[0, 0] = [10, 80, 0]  # visual-leaning
+    routed[0, 1] = [60, 20, 0]  # text-leaning
+    routed[0, 2] = [50, 50, 0]  # shared
+    m, d = expert_classes(routed, np.array([100, 100, 0]))
+    assert m.tolist() == [[1, -1, 0]] and d[0, 0] == pytest.approx(0.7)
+    m, _ = expert_classes(routed, np.array([100, 0, 0]))
+    assert (m == 0).all()
+
+
+def test_replay_runs_sc_and_dc_and_refuses_what_needs_the_model():
+    from workbench.replay import replay_trace
+    from workbench.traces import Trace
+
+    rng = np.random.default_rng(2)
+    ids, w = _random_routing(rng, 60, 2, 2, 8)
+    tr = Trace(topk_ids=ids, topk_weights=w, token_step=np.repeat(np.arange(6), 10),
+               token_modality=(rng.random(60) < 0.5).astype(np.int8), num_experts=8)
+    off = dict(macs_semantic_load=False, macs_reroute=False)
+    res = replay_trace(tr, dispatch="macs", capacity_factor=0.5, cache_slots=4, **off)
+    d = res.extra["dispatch"]
+    assert d["policy"] == "macs" and d["dropped"] > 0 and d["rerouted"] == 0
+    assert d["classes"] == "this trace (in-sample)"
+    sc = replay_trace(tr, dispatch="macs", capacity_factor=0.5, cache_slots=4,
+                      macs_dynamic_capacity=False, macs_selection="router", **off)
+    drop = replay_trace(tr, dispatch="capacity-drop", capacity_factor=0.5, cache_slots=4)
+    assert sc.extra["dispatch"]["dropped"] == drop.extra["dispatch"]["dropped"]
+    assert sc.hits.sum() == drop.hits.sum()
+    with pytest.raises(KnobError, match="macs_semantic_load=true needs the model's features"):
+        replay_trace(tr, dispatch="macs", macs_reroute=False)
+
+
+@pytest.fixture(scope="module")
+def macs_run(embedded, tmp_path_factory):
+    rt = workbench.Runtime(embedded, max_new_tokens=6)
+    reqs = workbench.mixed_batch(6, text_share=0.5, seed=4)
+    store = tmp_path_factory.mktemp("macs") / "m.zarr"
+    res = rt.run(reqs, store=store, dispatch="macs", capacity_factor=1.0, ep_ranks=4)
+    return rt, reqs, res, workbench.open_run(store)
+
+
+def test_live_macs_reroutes_and_drops_and_the_store_says_so(macs_run):
+    rt, reqs, res, ds = macs_run
+    assert res.dispatch_rerouted > 0 and res.dispatch_dropped > 0
+    assert int(ds["dispatch_rerouted"].sum()) == res.dispatch_rerouted
+    assert int(ds["dispatch_dropped"].sum()) == res.dispatch_dropped
+    # a rerouted slot holds its new expert: every stored id is a real expert or -1
+    ids = ds["topk_ids"].values
+    assert ((ids >= -1) & (ids < ds.sizes["expert"])).all()
+    assert "rerouted" in res.summary()
+    # reroutes stay on the rank of the expert they left (4 ranks, contiguous)
+    full = rt.run(reqs, record=False, dispatch="macs", capacity_factor=1.0, ep_ranks=4,
+                  macs_reroute=False)
+    assert full.dispatch_rerouted == 0
+
+
+def test_live_macs_needs_a_calibration_only_when_a_switch_uses_it(embedded, tmp_path):
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    with pytest.raises(InputError, match="no MACS calibration in"):
+        rt.run("count from 1 to 3.", record=False, dispatch="macs",
+               macs_calibration=str(tmp_path / "none"))
+    res = rt.run("count from 1 to 3.", record=False, dispatch="macs",
+                 macs_calibration=str(tmp_path / "none"), macs_dynamic_capacity=False,
+                 macs_eta=0.0)
+    assert res.dispatch_assigned > 0
+
+
+def test_calibration_round_trip_and_hostile_files(embedded, tmp_path):
+    cal = calibrate(embedded, calibration_requests(8, seed=1))
+    lay = embedded.layout
+    assert cal.classes.shape == (lay.num_layers, lay.num_experts)
+    assert cal.meta["visual_tokens"] > 0 and cal.meta["text_tokens"] > 0
+    assert (cal.counts.sum(1) > 0).all()
+    out = save(cal, tmp_path / "c")
+    with pytest.raises(InputError, match="already holds a MACS calibration"):
+        save(cal, out)
+    back = load(out, lay.num_layers, lay.num_experts, embedded.config_hash)
+    np.testing.assert_array_equal(back.classes, cal.classes)
+    with pytest.raises(InputError, match="is for 12 layers × 64 experts; this model has 3 × 64"):
+        load(out, 3, 64)
+    with pytest.raises(InputError, match="was made for config_hash"):
+        load(out, config_hash="other")
+    meta = json.loads((out / "macs.json").read_text())
+    (out / "macs.json").write_text("{")
+    with pytest.raises(InputError, match="is not valid JSON"):
+        load(out)
+    (out / "macs.json").write_text(json.dumps({**meta, "format": "x"}))
+    with pytest.raises(InputError, match="is not a workbench-macs-calibration/1 file"):
+        load(out)
+    (out / "macs.json").write_text(json.dumps(meta))
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(out / "macs.safetensors"))
+    bad = dict(t, classes=np.full_like(t["classes"], 3))
+    save_file(bad, str(out / "macs.safetensors"))
+    with pytest.raises(InputError, match="classes must be −1, 0 or \\+1"):
+        load(out)
+    bad = dict(t, delta=np.full_like(t["delta"], np.nan))
+    save_file(bad, str(out / "macs.safetensors"))
+    with pytest.raises(InputError, match="'delta' holds NaN"):
+        load(out)
+    bad = {k: v for k, v in t.items() if k != "centroids"}
+    save_file(bad, str(out / "macs.safetensors"))
+    with pytest.raises(InputError, match="expected"):
+        load(out)
+    (out / "macs.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(InputError, match="not a safetensors file"):
+        load(out)
+
+
+def test_shipped_calibration_matches_the_embedded_model(embedded):
+    from workbench.macs.calibration import default_path
+
+    path = default_path(embedded.path, embedded.config_hash)
+    cal = load(path, embedded.layout.num_layers, embedded.layout.num_experts,
+               embedded.config_hash)
+    s = cal.summary()
+    assert s["visual_experts"] > 0 and s["text_experts"] > 0
+
+
+def test_cli_calibrate_macs(tmp_path, capsys):
+    from workbench.cli import main
+
+    out = tmp_path / "cal"
+    assert main(["calibrate-macs", "--out", str(out), "--requests", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["out"] == str(out) and got["layers"] == 12
+    assert main(["calibrate-macs", "--out", str(out), "--requests", "4"]) == 2
+    assert "already holds a MACS calibration" in capsys.readouterr().err
+    assert main(["calibrate-macs", "--requests", "1"]) == 2
+    assert "--requests must be from 2 to 4096" in capsys.readouterr().err
