@@ -10,7 +10,7 @@ measured is the cost of dropping prompt tokens' expert assignments. Every expert
 cache (answers never depend on it). Everything is measured.
 
     python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
-    python benchmarks/bench_dispatch.py --speed 7 [--json OUT]
+    python benchmarks/bench_dispatch.py --speed 7 [--batch 8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from workbench.analysis.vismmoe.accuracy import normalise_answer
 from workbench.analysis.vismmoe.config import base_knobs, eval_seed
 
 
-def speed(repeats: int) -> dict:
+def speed(repeats: int, batch: int = 1) -> dict:
     """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
     top-k, Token Drop with a capacity nobody reaches (the dispatch's own cost), Token Drop at
     γ0 = 1, and top-k with 8 virtual EP ranks plus the run's EP summary from its store (what
@@ -39,6 +39,7 @@ def speed(repeats: int) -> dict:
     from workbench.models.embedded.demo import read_demo
 
     demo = next(d for d in read_demo() if d["image"])
+    reqs = workbench.mixed_batch(batch, text_share=0.5, seed=1) if batch > 1 else None
     rt = workbench.Runtime()
     lay = rt.lm.layout
     knobs = {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
@@ -46,22 +47,30 @@ def speed(repeats: int) -> dict:
     configs = {"topk": {}, "capacity-drop, nothing overflows": dict(
         dispatch="capacity-drop", capacity_factor=1000.0),
         "capacity-drop, γ0 = 1": dict(dispatch="capacity-drop", capacity_factor=1.0),
-        "topk + 8 virtual EP ranks (summary from the store)": dict(ep_ranks=8)}
+        "topk + 8 virtual EP ranks (summary from the store)": dict(ep_ranks=8),
+        "macs, γ0 = 1, 8 ranks (every switch on)": dict(dispatch="macs", capacity_factor=1.0,
+                                                        ep_ranks=8),
+        "capacity-expanded, γ0 = 1, 8 ranks": dict(dispatch="capacity-expanded",
+                                                   capacity_factor=1.0, ep_ranks=8)}
     times: dict[str, list[float]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as d:
         for r in range(repeats + 1):  # the first round warms up
             for name, extra in configs.items():
                 t0 = time.perf_counter()
-                res = rt.run(demo["prompt"], images=[demo["image"]], store=f"{d}/{r}-{len(times[name])}-{hash(name) % 1000}.zarr",
-                             **knobs, **extra)
-                if "ep_ranks" in extra:
+                store = f"{d}/{r}-{len(times[name])}-{hash(name) % 1000}.zarr"
+                if reqs is not None:
+                    res = rt.run(reqs, store=store, **knobs, **extra)
+                else:
+                    res = rt.run(demo["prompt"], images=[demo["image"]], store=store,
+                                 **knobs, **extra)
+                if extra.get("ep_ranks"):
                     workbench.open_run(res.store).moe.ep_summary()
                 if r:
                     times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["topk"])
     out = {}
-    print(f"\none run of the demo image request (16 new tokens), median of {repeats}, "
-          f"interleaved (measured):")
+    what = f"a mixed batch of {batch}" if reqs is not None else "the demo image request"
+    print(f"\none run of {what} (16 new tokens), median of {repeats}, interleaved (measured):")
     for name, ts in times.items():
         m = statistics.median(ts)
         out[name] = {"median_s": m, "ratio": m / base}
@@ -76,9 +85,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--speed", type=int, default=0, metavar="REPEATS",
                     help="instead: the wall time of dispatch and EP bookkeeping (§6)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="--speed: run a mixed batch of this many requests (default: one)")
     a = ap.parse_args()
     if a.speed:
-        res = speed(a.speed)
+        res = speed(a.speed, a.batch)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
         return

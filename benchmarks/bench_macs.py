@@ -12,14 +12,14 @@ beside the model (its own seed, not the held-out split).
 
 Stages (each a table in the output and a key of the JSON):
 
-- ``methods`` (seed Tables 1/4): vanilla top-k, CAI-MoE Token Drop, MACS without rerouting
-  and full MACS at γ0 = 1.0 and 0.5 — accuracy retained vs vanilla (paired per question,
+- ``methods`` (seed Tables 1/4): vanilla top-k, CAI-MoE Token Drop and Expanded Drop, MACS
+  without rerouting and full MACS at γ0 = 1.0 and 0.5 — accuracy retained vs vanilla (paired per question,
   ± 2 SE), drop and reroute rates, max expert load (seed Fig. 4), modeled MoE-layer time and
   its dispatch / compute / combine breakdown (seed Figs. 2–3).
 - ``ablation`` (Table 2): SC (static capacity, token counts, router order = Token Drop), +SL
   (entropy-weighted load and selection), +DC (modality-aware capacity), +SR (rerouting).
-- ``selection`` (Table 3): random, router, modality-prior, entropy (SL on, DC and SR off) at
-  γ0 = 1.5, 1.0, 0.5.
+- ``selection`` (Table 3): random, router, modality-prior, entropy (w·G_j) and retention
+  (eq. 11's w·max G, our second reading) (SL on, DC and SR off) at γ0 = 1.5, 1.0, 0.5.
 - ``gamma`` (Fig. 8): full MACS drop and reroute rates and modeled speedup, γ0 0.05 … 5.
 - ``sensitivity`` (Figs. 5–6): δ and ρ at γ0 = 0.5.
 
@@ -159,6 +159,7 @@ def main() -> None:
         for g in (1.0, 0.5):
             methods[g] = {
                 "Token Drop": R.run(dispatch="capacity-drop", capacity_factor=g),
+                "Expanded Drop": R.run(dispatch="capacity-expanded", capacity_factor=g),
                 "MACS w/o rerouting": R.run(dispatch="macs", capacity_factor=g,
                                             macs_reroute=False),
                 "MACS": R.run(dispatch="macs", capacity_factor=g)}
@@ -179,7 +180,8 @@ def main() -> None:
                 sel[str(g)] = [row(s, R.run(dispatch="macs", capacity_factor=g,
                                             macs_dynamic_capacity=False, macs_reroute=False,
                                             macs_selection=s))
-                               for s in ("random", "router", "modality-prior", "entropy")]
+                               for s in ("random", "router", "modality-prior", "retention",
+                                         "entropy")]
             out["selection"] = sel
             out["gamma"] = [row(f"γ0={g:g}", R.run(dispatch="macs", capacity_factor=g))
                             for g in (0.05, 0.25, 0.5, 1.0, 1.8, 3.0, 5.0)]
@@ -211,6 +213,10 @@ def verdicts(out: dict) -> list[dict]:
     for g, rows in out["methods"].items():
         claim(f"MACS keeps more answers than Token Drop at γ0 = {g} (Tables 1/4)",
               _find(rows, "MACS"), _find(rows, "Token Drop"))
+        claim(f"MACS keeps more answers than Expanded Drop at γ0 = {g} (Tables 1/4)",
+              _find(rows, "MACS"), _find(rows, "Expanded Drop"))
+        claim(f"Expanded Drop keeps more answers than Token Drop at γ0 = {g} (Tables 1/4)",
+              _find(rows, "Expanded Drop"), _find(rows, "Token Drop"))
         claim(f"rerouting adds accuracy at γ0 = {g} (MACS vs w/o rerouting)",
               _find(rows, "MACS"), _find(rows, "MACS w/o rerouting"))
         m, van = _find(rows, "MACS"), out["vanilla"]
@@ -228,7 +234,7 @@ def verdicts(out: dict) -> list[dict]:
             claim(f"{cur} beats {prev} at γ0 = {g} (Table 2)", _find(rows, cur),
                   _find(rows, prev))
     for g, rows in out.get("selection", {}).items():
-        for other in ("random", "router", "modality-prior"):
+        for other in ("random", "router", "modality-prior", "retention"):
             claim(f"entropy-weighted selection beats {other} at γ0 = {g} (Table 3)",
                   _find(rows, "entropy"), _find(rows, other))
     if "gamma" in out:

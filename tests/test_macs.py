@@ -275,3 +275,26 @@ def test_cli_calibrate_macs(tmp_path, capsys):
     assert "already holds a MACS calibration" in capsys.readouterr().err
     assert main(["calibrate-macs", "--requests", "1"]) == 2
     assert "--requests must be from 2 to 4096" in capsys.readouterr().err
+
+
+def test_ds_moe_reports_drop_and_reroute_rates(macs_run):
+    _, _, res, ds = macs_run
+    rates = ds.moe.dispatch_rates()
+    a = rates["all"]
+    assert a["dropped"] == res.dispatch_dropped and a["rerouted"] == res.dispatch_rerouted
+    assert a["assigned"] == res.dispatch_assigned
+    assert {"text", "image"} <= set(rates)
+    assert sum(rates[m]["rerouted"] for m in ("text", "image", "video") if m in rates) == \
+        a["rerouted"]
+    per_rank = ds.moe.ep_rerouted(ranks=4)
+    assert int(per_rank.sum()) == res.dispatch_rerouted and per_rank.sizes["rank"] == 4
+
+
+def test_ep_view_shows_what_macs_rerouted(macs_run):
+    from workbench.ui.views import ep_view_figure
+
+    _, _, res, ds = macs_run
+    fig = ep_view_figure(ds, 4, "contiguous")
+    bars = {t.name: np.asarray(t.y, float) for t in fig.data if t.type == "bar"}
+    key = "rerouted (overflow moved on the rank)"
+    assert key in bars and bars[key].sum() > 0 and "rerouted" in fig.layout.title.text

@@ -332,10 +332,10 @@ class ExpertParallelKnobs(KnobGroup):
                           "before dropping it (needs every expert's router probability: live "
                           "only).")
     macs_selection = param.Selector(
-        default="entropy", objects=["entropy", "router", "modality-prior", "random"],
+        default="entropy", objects=["entropy", "retention", "router", "modality-prior", "random"],
         doc="MACS token selection (seed Table 3): who an overloaded expert keeps — 'entropy' "
-            "(retention w·max G, MACS), 'router' (router score), 'modality-prior' (text "
-            "first), 'random'.")
+            "(entropy-weighted score w·G_j, MACS), 'retention' (eq. 11's w·max G, token "
+            "level), 'router' (router score), 'modality-prior' (text first), 'random'.")
     macs_calibration = param.String(
         default=None, allow_None=True,
         doc="Folder of a MACS calibration (expert classes, centroids; workbench calibrate-macs). "
@@ -352,6 +352,9 @@ class ExpertParallelKnobs(KnobGroup):
         if live and "trace" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "
                             f"(workbench replay); live runs take another")
+        if not live and "router" in needs:
+            raise KnobError(f"dispatch {self.dispatch!r} needs every expert's router "
+                            f"probability, which a trace does not record: live runs only")
         if not live and self.dispatch == "macs" and (self.macs_semantic_load or
                                                      self.macs_reroute):
             on = [n for n in ("macs_semantic_load", "macs_reroute") if getattr(self, n)]

@@ -647,6 +647,34 @@ class MoEAccessor:
         the expert they were taken from (``dispatch_dropped``; 0 without a dispatch)."""
         return self._per_rank("dispatch_dropped", ranks, placement, modality, "ep_dropped")
 
+    def ep_rerouted(self, ranks: int | None = None, placement: str | None = None,
+                    modality: str | None = None) -> xr.DataArray:
+        """The assignments MACS rerouted, per ``[step, layer, rank]`` of the expert they left
+        (``dispatch_rerouted``; 0 without a rerouting dispatch)."""
+        return self._per_rank("dispatch_rerouted", ranks, placement, modality, "ep_rerouted")
+
+    def dispatch_rates(self) -> dict[str, Any]:
+        """Drop and reroute rates of the run's dispatch, over all tokens and per modality:
+        ``{"all": {"assigned", "dropped", "rerouted", "drop_rate", "reroute_rate"}, <modality>:
+        …}``. Assigned = what the router chose = kept (``routed_tokens`` of the router's own
+        experts) + dropped; a rerouted assignment is kept on another expert. Expanded Drop's
+        added pairs count in ``routed_tokens``: its assigned figure is then an upper bound."""
+        ds = self._ds
+        routed = ds["routed_tokens"].sum(("step", "layer", "expert"))
+        dropped = ds["dispatch_dropped"].sum(("step", "layer", "expert"))
+        rer = ds["dispatch_rerouted"].sum(("step", "layer", "expert"))
+        out: dict[str, Any] = {}
+        for name in ["all", *[str(m) for m in ds["modality"].values]]:
+            sel = (lambda v: int(v.sum())) if name == "all" else \
+                (lambda v, n=name: int(v.sel(modality=n)))
+            a = sel(routed) + sel(dropped)
+            if name != "all" and a == 0:
+                continue
+            out[name] = {"assigned": a, "dropped": sel(dropped), "rerouted": sel(rer),
+                         "drop_rate": sel(dropped) / a if a else None,
+                         "reroute_rate": sel(rer) / a if a else None}
+        return out
+
     def _per_rank(self, var: str, ranks: int | None, placement: str | None,
                   modality: str | None, name: str) -> xr.DataArray:
         from workbench.sim.ep import counts_per_rank

@@ -166,6 +166,8 @@ class Offloader:
         #: none, η acts as 0) and the assignments it rerouted
         self.macs_centroids: torch.Tensor | None = None
         self.dispatch_rerouted = 0
+        #: Expanded Drop: (token, expert) pairs it added beyond the router's top-k
+        self.dispatch_added = 0
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -550,13 +552,20 @@ class Offloader:
             rows = self.token_mask.nonzero().squeeze(1)
             idx, w, sub, rer = self._dispatch_rows(b, hidden_states[rows], top_k_index[rows],
                                                    top_k_weights[rows], self._mask_np)
-            if sub is None and rer is None:
+            if sub is None and rer is None and idx.shape[1] == top_k_index.shape[1]:
                 return top_k_index, top_k_weights, None, None
+            if idx.shape[1] > top_k_index.shape[1]:  # Expanded Drop widened the routing
+                extra = idx.shape[1] - top_k_index.shape[1]
+                n_all = top_k_index.shape[0]
+                top_k_index = torch.cat([top_k_index, top_k_index.new_full(
+                    (n_all, extra), b.num_experts)], 1)
+                top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(
+                    (n_all, extra))], 1)
             full = []
             for part in (sub, rer):
                 f = None
                 if part is not None:
-                    f = np.full(tuple(top_k_index.shape), -1, np.int16)
+                    f = np.full((top_k_index.shape[0], part.shape[1]), -1, np.int16)
                     f[self._mask_np] = part
                 full.append(f)
             return (top_k_index.index_copy(0, rows, idx), top_k_weights.index_copy(0, rows, w),
@@ -580,18 +589,22 @@ class Offloader:
             return top_k_index, top_k_weights, None, None
         ids = top_k_index.detach().to("cpu").numpy()
         w = top_k_weights.detach().float().to("cpu").numpy()
-        ctx = self._macs_context(b, hidden_states, real) if self.dispatch.name == "macs" else None
+        ctx = (self._dispatch_context(b, hidden_states, real)
+               if self.dispatch.name in ("macs", "capacity-expanded") else None)
         new, new_w, rer = self.dispatch.apply_weighted(
             ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64),
             b.num_experts, ctx)
-        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :]
-        dropped = (new < 0) & (ids >= 0)
+        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :K]
+        dropped = (new[:, :K] < 0) & (ids >= 0)
         self.dispatch_assigned += int((ids >= 0).sum())
         n, n_rer = int(dropped.sum()), int(rer.sum())
-        if not n and not n_rer:
+        n_add = int((new[:, K:] >= 0).sum())
+        if not n and not n_rer and new.shape[1] == K and np.array_equal(new, ids) \
+                and np.array_equal(new_w, w):
             return top_k_index, top_k_weights, None, None
         self.dispatch_dropped += n
         self.dispatch_rerouted += n_rer
+        self.dispatch_added += n_add
         dev = top_k_index.device
         out_ids = torch.as_tensor(np.where(new < 0, b.num_experts, new), dtype=top_k_index.dtype,
                                   device=dev)
@@ -600,12 +613,13 @@ class Offloader:
                 np.where(dropped, ids, -1).astype(np.int16) if n else None,
                 np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
 
-    def _macs_context(self, b: MoEBlock, hidden_states: torch.Tensor,
-                      real: np.ndarray | None):
-        """What MACS reads of this layer call's tokens (:class:`DispatchContext`, one layer):
-        modality and image of each token, the entropy of softmax over its MoE input's
-        features (semantic load), every expert's router probability and the cosine to the
-        calibrated centroids (rerouting) — each only when the policy's switch asks for it."""
+    def _dispatch_context(self, b: MoEBlock, hidden_states: torch.Tensor,
+                          real: np.ndarray | None):
+        """What MACS or Expanded Drop reads of this layer call's tokens
+        (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
+        of softmax over its MoE input's features (MACS semantic load), every expert's router
+        probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
+        centroids (MACS rerouting) — each only when the policy asks for it."""
         from workbench.sim.macs import DispatchContext, image_runs
 
         pol = self.dispatch
@@ -619,13 +633,13 @@ class Offloader:
         ent = gates = aff = None
         with torch.no_grad():
             z = hidden_states.float()
-            if pol.semantic_load:
+            if getattr(pol, "semantic_load", False):
                 logp = torch.log_softmax(z, dim=-1)
                 ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
-            if pol.reroute:
+            if getattr(pol, "reroute", False) or "router" in pol.needs:
                 logits, _, _ = b.route(hidden_states)
                 gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
-                if self.macs_centroids is not None and pol.eta > 0:
+                if self.macs_centroids is not None and getattr(pol, "eta", 0) > 0:
                     mu = self.macs_centroids[b.index].float()
                     cos = torch.nn.functional.normalize(z, dim=-1) @ \
                         torch.nn.functional.normalize(mu, dim=-1).T

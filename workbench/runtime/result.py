@@ -47,6 +47,8 @@ class RunResult:
     dispatch_dropped: int = 0
     #: MACS: assignments moved to a same-rank expert with room (not dropped)
     dispatch_rerouted: int = 0
+    #: Expanded Drop: (token, expert) pairs added beyond the router's top-k
+    dispatch_added: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -149,7 +151,9 @@ class RunResult:
                          f"{self.dispatch_assigned} expert assignments ({share:.1%})"
                          + (f", rerouted {self.dispatch_rerouted} "
                             f"({self.dispatch_rerouted / max(self.dispatch_assigned, 1):.1%})"
-                            if k.get("dispatch") == "macs" else ""))
+                            if k.get("dispatch") == "macs" else "")
+                         + (f", added {self.dispatch_added} beyond the top-k (expanded "
+                            f"candidates)" if k.get("dispatch") == "capacity-expanded" else ""))
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)

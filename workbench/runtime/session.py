@@ -182,6 +182,8 @@ class RunSession:
         lay = rt.lm.layout
         # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
         store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
+        if k.dispatch == "capacity-expanded":  # a token may gain every expert of its rank
+            store_k += -(-lay.num_experts // k.ep_ranks)
         self.recorder = Recorder(
             self.store_path, lay.num_layers, lay.num_experts, store_k,
             attrs=rt.run_attrs(k, self.requests, self.inputs, self.live_plan,
@@ -351,7 +353,8 @@ class RunSession:
             redundant_prefetches=self.offloader.redundant_prefetches,
             dispatch_assigned=self.offloader.dispatch_assigned,
             dispatch_dropped=self.offloader.dispatch_dropped,
-            dispatch_rerouted=self.offloader.dispatch_rerouted)
+            dispatch_rerouted=self.offloader.dispatch_rerouted,
+            dispatch_added=self.offloader.dispatch_added)
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,

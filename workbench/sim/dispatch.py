@@ -165,6 +165,124 @@ class CapacityDrop(Dispatch):
         return out
 
 
+@DISPATCH.register("capacity-expanded")
+class CapacityExpanded(CapacityDrop):
+    """CAI-MoE *Expanded Drop* (He et al., arXiv 2503.05066; code CASE-Lab-UMD/
+    Capacity-Aware-MoE, ``expanded_token_drop``): every token's candidates are its top-k plus
+    **every expert of its local device**; then **every** expert keeps its C = max(min_capacity,
+    ⌈γ0·T·k/E⌉) highest-probability candidates (not only overloaded ones: an under-loaded
+    local expert is filled up to C with extra tokens). A token keeps the experts that kept it:
+    from none to k + the experts per rank. Combine weights are the router probabilities of the
+    kept pairs, renormalised over them when the router renormalises its top-k (the code:
+    ``norm_topk_prob``). The local device of a token: the group's tokens spread evenly over
+    the ``ep_ranks`` ranks in order (one rank: every expert is local — the public code's
+    single-process runs, i.e. expert-choice routing). Needs every expert's router probability:
+    live only."""
+
+    needs = frozenset({"router"})
+
+    def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1, ep_ranks: int = 1,
+                 placement: str = "contiguous") -> None:
+        super().__init__(capacity_factor, min_capacity)
+        self.ep_ranks, self.placement = int(ep_ranks), str(placement)
+        self.added = 0
+
+    def fits(self, max_load, tokens, top_k, num_experts):
+        return False  # under-loaded experts take extra tokens: every group changes
+
+    def apply(self, ids, weights, token_step, num_experts, context=None):
+        return self.apply_weighted(ids, weights, token_step, num_experts, context)[0]
+
+    def apply_weighted(self, ids, weights, token_step, num_experts, context=None):
+        """As :meth:`Dispatch.apply_weighted`, but the last axis widens to K + M: the first K
+        columns are the token's own slots (-1 where lost), then the experts it gained."""
+        from workbench.sim.placement import rank_of_expert
+
+        if context is None or context.gates is None:
+            raise ValueError("capacity-expanded needs every expert's router probability "
+                             "(live runs only)")
+        T, L, K = ids.shape
+        ranks = rank_of_expert(self.placement, num_experts, self.ep_ranks)
+        steps = np.asarray(token_step, np.int64)
+        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T] if T else np.r_[0, 0]
+        parts: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []
+        width = K
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for li in range(L):
+                g = np.asarray(ids[a:b, li], np.int64)
+                real = (g >= 0).any(1)
+                n_tok = int(real.sum())
+                if not n_tok:
+                    continue
+                k_used = int((g >= 0).sum(1).max())
+                cap = float(self.capacity(n_tok, k_used, num_experts))
+                w = np.asarray(weights[a:b, li], np.float64)
+                rows = (g >= 0).any(1)
+                renorm = bool(np.allclose(np.where(g >= 0, np.nan_to_num(w), 0).sum(1)[rows],
+                                          1.0, atol=1e-3))
+                new, nw = expanded_group(g, context.gates[a:b, li], cap, ranks, renorm)
+                parts.append((a, b, li, new, nw))
+                width = max(width, new.shape[1])
+        out = np.full((T, L, width), -1, np.int16)
+        out_w = np.zeros((T, L, width), np.float32)
+        out[:, :, :K] = ids
+        out_w[:, :, :K] = np.where(ids >= 0, np.nan_to_num(weights), 0)
+        for a, b, li, new, nw in parts:
+            out[a:b, li, :] = -1
+            out_w[a:b, li, :] = 0
+            out[a:b, li, :new.shape[1]] = new
+            out_w[a:b, li, :new.shape[1]] = nw
+        self.added += int((out[:, :, K:] >= 0).sum())
+        return out, out_w, np.zeros(out.shape, bool)
+
+
+def expanded_group(ids: np.ndarray, gates: np.ndarray, capacity: float,
+                   rank_of_expert: np.ndarray, renormalise: bool
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """CAI-MoE *Expanded Drop* on one (step, layer) group (see :class:`CapacityExpanded`).
+    ``ids`` int [T, K] (-1: none; a row of -1 is no token), ``gates`` float [T, E] every
+    expert's router probability. Returns ``(ids [T, K + M], weights [T, K + M])``: the first
+    K columns the token's own slots (the expert, or -1 where it lost it), then the experts it
+    gained (-1 padding); weights are router probabilities, renormalised over the kept experts
+    when the router renormalises its top-k (``renormalise``)."""
+    T, K = ids.shape
+    E = gates.shape[1]
+    real = (ids >= 0).any(1)
+    cand = np.zeros((T, E), bool)
+    t, r = np.nonzero(ids >= 0)
+    cand[t, ids[t, r]] = True
+    R = int(rank_of_expert.max()) + 1 if len(rank_of_expert) else 1
+    pos = np.cumsum(real) - 1  # each real token's position among the group's tokens
+    n = int(real.sum())
+    src = (pos * R) // max(n, 1)  # tokens spread evenly over the ranks, in order
+    cand |= real[:, None] & (rank_of_expert[None, :] == src[:, None])
+    # each expert keeps its C highest-probability candidates (ties: token order)
+    score = np.where(cand, np.asarray(gates, np.float64), -np.inf)
+    order = np.argsort(-score, axis=0, kind="stable")
+    rank_in = np.empty_like(order)
+    np.put_along_axis(rank_in, order, np.arange(T)[:, None].repeat(E, 1), axis=0)
+    keep = cand & (rank_in < capacity)
+    own = np.where(ids >= 0, ids, 0)
+    kept_own = (ids >= 0) & keep[np.arange(T)[:, None], own]
+    new_own = np.where(kept_own, ids, -1)
+    gained = keep.copy()
+    gained[t, ids[t, r]] = False
+    M = int(gained.sum(1).max()) if T else 0
+    extra = np.full((T, M), -1, np.int64)
+    if M:
+        g_score = np.where(gained, gates, -np.inf)
+        top = np.argsort(-g_score, axis=1, kind="stable")[:, :M]
+        ok = np.take_along_axis(gained, top, 1)
+        extra = np.where(ok, top, -1)
+    new = np.concatenate([new_own, extra], 1)
+    w = np.where(new >= 0, np.take_along_axis(np.asarray(gates, np.float64),
+                                              np.maximum(new, 0), 1), 0.0)
+    if renormalise:
+        s = w.sum(1, keepdims=True)
+        w = np.where(s > 0, w / np.where(s > 0, s, 1), 0.0)
+    return new, w
+
+
 @DISPATCH.register("macs")
 class Macs(CapacityDrop):
     """MACS (seed 002 §3, :mod:`workbench.sim.macs`): semantic (entropy-weighted) load,
@@ -371,5 +489,6 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
                              f"expert {i % num_experts}: {c} assignments over capacity")
 
 
-__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "Macs", "trace_expert_classes", "DispatchStats", "dispatch_trace",
+__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "CapacityExpanded", "Macs",
+           "expanded_group", "trace_expert_classes", "DispatchStats", "dispatch_trace",
            "check_capacity"]

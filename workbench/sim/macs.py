@@ -16,9 +16,13 @@ Per (step, layer) group of T tokens routed top-k over E experts:
    C_base·(1 + ρ·m_j·(R_v − 0.5))), m_j = +1 visual / −1 text / 0 shared expert from the
    calibration (:mod:`workbench.sim.macs_calibration`). Off: C_j = C_base.
 4. **Selection**: each expert keeps its assignments in ``macs_selection`` order while their
-   cumulative effective load Σ w stays ≤ C_j (seed Table 3: ``router`` — router score;
-   ``entropy`` — retention r(x) = w(x)·max_j G(x)_j, MACS's; ``modality-prior`` — text before
-   visual, then router score; ``random`` — a seeded shuffle). The rest overflow.
+   cumulative effective load Σ w stays ≤ C_j (seed Table 3: ``router`` — router score G(x)_j;
+   ``entropy`` — the entropy-weighted score w(x)·G(x)_j (a low-information visual token
+   yields its place first; text tokens keep router order); ``retention`` — the token-level
+   retention r(x) = w(x)·max_j G(x)_j of eq. 11, the fail-safe drop's order, for every
+   expert alike; ``modality-prior`` — text before visual, then router score; ``random`` — a
+   seeded shuffle). The rest overflow. The paper names the strategies, not their order
+   keys; these are our reading (docs/expert-parallel.md).
 5. **Local semantic rerouting** (SR, ``macs_reroute``): an overflow assignment (token x,
    expert j) moves to the expert k on j's rank, not already among x's experts, whose effective
    load leaves room for w(x) (L̃_k + w(x) ≤ C_k) and whose score S = (1−η)·G(x)_k +
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 #: token-selection strategies (seed Table 3)
-SELECTIONS = ("entropy", "router", "modality-prior", "random")
+SELECTIONS = ("entropy", "retention", "router", "modality-prior", "random")
 _EPS = 1e-6
 
 
@@ -165,6 +169,8 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
                          0.0).max(1)
     retention = w * g_max  # r(x) = w(x) · max_j G(x)_j
     if selection == "entropy":
+        key = -w[t] * score
+    elif selection == "retention":
         key = -retention[t]
     elif selection == "router":
         key = -score

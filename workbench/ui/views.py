@@ -322,6 +322,10 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
         per_rank["dropped"] = gone / groups
         kept = float(load.sum())
         drops = f", {gone.sum() / (kept + gone.sum()):.0%} of assignments dropped by dispatch"
+    if "dispatch_rerouted" in ds and int(ds["dispatch_rerouted"].sel(sel).sum()):
+        moved = ds.moe.ep_rerouted(ranks, placement).sel(sel).sum(("step", "layer")).values
+        per_rank["rerouted"] = moved / groups
+        drops += f", {moved.sum() / max(float(load.sum()), 1.0):.0%} rerouted"
     ib = imbalance(load.values)
     mean_ib = float(np.nanmean(ib)) if np.isfinite(ib).any() else float("nan")
     base, vs = None, ""

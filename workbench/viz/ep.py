@@ -10,7 +10,7 @@ from plotly.subplots import make_subplots
 
 #: bar colours per modality (text, image, video), as the heatmap's modality filter names them
 MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B",
-                    "dropped": "#BBBBBB"}
+                    "dropped": "#BBBBBB", "rerouted": "#9D755D"}
 
 
 def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
@@ -18,7 +18,9 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
                    baseline: tuple[str, np.ndarray] | None = None) -> go.Figure:
     """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
     balanced level (every rank at the mean) dashed; a ``"dropped"`` entry (assignments a
-    capacity-aware dispatch took away) is drawn hatched on top and left out of the level;
+    capacity-aware dispatch took away) is drawn hatched on top and left out of the level, a
+    ``"rerouted"`` entry (assignments MACS moved away from the rank's experts, to a
+    same-rank expert: they are in the load too) cross-hatched;
     ``baseline`` ``(label, per-rank load)``: another run's (the pinned A/B baseline), as
     diamonds over the bars. Right: imbalance max/mean per layer ×
     step (``imbalance`` [step, layer], NaN where nothing was routed)."""
@@ -30,10 +32,13 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
     for name, v in per_rank.items():
         v = np.asarray(v, float)
         ranks = np.arange(len(v))
-        if name == "dropped":
-            fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name="dropped by dispatch",
-                                 marker={"color": MODALITY_COLOURS["dropped"],
-                                         "pattern": {"shape": "/"}}), row=1, col=1)
+        if name in ("dropped", "rerouted"):
+            label = ("dropped by dispatch" if name == "dropped"
+                     else "rerouted (overflow moved on the rank)")
+            fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name=label,
+                                 marker={"color": MODALITY_COLOURS[name],
+                                         "pattern": {"shape": "/" if name == "dropped"
+                                                     else "x"}}), row=1, col=1)
             continue
         total = v if total is None else total + v
         fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=v, name=f"{name} tokens",
