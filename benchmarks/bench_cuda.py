@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("exactness", "transfers", "live")
+PARTS = ("exactness", "transfers", "live", "batch")
 KiB, MiB = 1024, 1024 * 1024
 #: one routed expert of Qwen3-VL-30B-A3B in bf16: gate_up [2·768, 2048] + down [2048, 768]
 QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2
@@ -655,13 +655,59 @@ def runtime_spans(dev: torch.device, lm, prof, **knobs) -> dict:
         "run_wall_s": t_after - t_before}
 
 
+# -- 4. batches and capacity-aware dispatch -------------------------------------------------------
+def part_batch(dev: torch.device, tokens: int = 16) -> dict:
+    """A mixed batch of 8 held-out requests on the device: each greedy answer equals the
+    request run alone (offloaded, 24 slots); the dispatches (Token Drop, Expanded Drop, MACS)
+    run inside the real experts forward on the device; wall times side by side (3 rounds,
+    interleaved, medians)."""
+    import statistics
+
+    rt = workbench.Runtime(device=dev.type, max_new_tokens=tokens, cache_slots=24,
+                           pinned_layers=0)
+    reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
+    out: dict = {"requests": len(reqs), "tokens": tokens}
+    b = rt.run(reqs, record=False)
+    alone = [rt.run(r, record=False).token_ids for r in reqs]
+    out["answers_equal_alone"] = [x["token_ids"] == y for x, y in zip(b.batch, alone)]
+    out["all_equal"] = all(out["answers_equal_alone"])
+    configs = {"topk": {}, "capacity-drop γ0=1": dict(dispatch="capacity-drop"),
+               "capacity-expanded γ0=1": dict(dispatch="capacity-expanded", ep_ranks=8),
+               "macs γ0=1": dict(dispatch="macs", ep_ranks=8),
+               "topk, 8 ranks": dict(ep_ranks=8)}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    counts: dict[str, dict] = {}
+    for r in range(4):  # round 0 warms up
+        for name, kw in configs.items():
+            t0 = time.perf_counter()
+            res = rt.run(reqs, record=False, **kw)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+            counts[name] = {"assigned": res.dispatch_assigned, "dropped": res.dispatch_dropped,
+                            "rerouted": res.dispatch_rerouted, "added": res.dispatch_added,
+                            "answers_equal_topk": sum(
+                                x["token_ids"] == y["token_ids"]
+                                for x, y in zip(res.batch, b.batch))}
+    base = statistics.median(times["topk"])
+    out["runs"] = {k: {"median_s": statistics.median(v),
+                       "ratio": statistics.median(v) / base, **counts[k]}
+                   for k, v in times.items()}
+    return out
+
+
 # -- 3. live cost --------------------------------------------------------------------------------
-def part_live(dev: torch.device, out_dir: Path) -> dict:
+def _live_scaling():
+    """The sibling benchmark ``bench_live_scaling`` as a module (run in this process)."""
     spec = importlib.util.spec_from_file_location(
         "bench_live_scaling", REPO / "benchmarks" / "bench_live_scaling.py")
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
+    return mod
+
+
+def part_live(dev: torch.device, out_dir: Path) -> dict:
+    mod = _live_scaling()
     path = out_dir / "live_scaling.json"
     threads = torch.get_num_threads()
     try:
@@ -692,7 +738,7 @@ def summary(res: dict) -> str:
         if p in res.get("errors", {}):
             lines.append(f"**{p} failed**: `{res['errors'][p].strip().splitlines()[-1]}`\n")
     for name, fn in (("exactness", _md_exactness), ("transfers", _md_transfers),
-                     ("live", _md_live)):
+                     ("live", _md_live), ("batch", _md_batch)):
         if res.get(name):
             try:
                 lines += fn(res[name], res)
@@ -865,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
             run_part("transfers", lambda: part_transfers(dev))
         if "live" in parts:
             run_part("live", lambda: part_live(dev, out_dir))
+        if "batch" in parts:
+            run_part("batch", lambda: part_batch(dev))
     save()
     try:
         md = summary(res)
@@ -877,14 +925,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if res["errors"] else 0
 
 
-def _git_head() -> str | None:
-    import subprocess
+def _md_batch(bt: dict, res: dict) -> list[str]:
+    lines = [f"## A batch of {bt['requests']} mixed requests ({bt['tokens']} tokens)", "",
+             f"each answer equals the request run alone: **{bt['all_equal']}** "
+             f"({sum(bt['answers_equal_alone'])}/{bt['requests']})", "",
+             "| run | median s | × topk | assigned | dropped | rerouted | added | answers = "
+             "topk |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for k, v in bt["runs"].items():
+        lines.append(f"| {k} | {v['median_s']:.3f} | {v['ratio']:.2f} | {v['assigned']} | "
+                     f"{v['dropped']} | {v['rerouted']} | {v['added']} | "
+                     f"{v['answers_equal_topk']}/{bt['requests']} |")
+    return lines + [""]
 
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+
+def _git_head() -> str | None:
+    return _live_scaling()._git_head()
 
 
 if __name__ == "__main__":

@@ -228,6 +228,12 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         bars = wait_for(ep_bars, 20, "the EP view over 4 ranks")
         assert {b["name"] for b in bars} == {"text tokens", "image tokens"}
         assert "EP over 4 ranks" in plots(page)["ep"]["title"]
+        # and the modeled EP clock of the step as lanes: dispatch, the 4 ranks, combine
+        tl = wait_for(lambda: (plots(page).get("ep_timeline") or {}).get("data") or None, 20,
+                      "the EP timeline over 4 ranks")
+        lanes = {y for d in tl if d["name"] == "expert compute" for y in d["y"]}
+        assert lanes == {f"rank {r}" for r in range(4)}
+        assert "modeled EP clock of step" in plots(page)["ep_timeline"]["title"]
 
         out = REPO / "test-artifacts"
         out.mkdir(exist_ok=True)

@@ -298,3 +298,79 @@ def test_ep_view_shows_what_macs_rerouted(macs_run):
     bars = {t.name: np.asarray(t.y, float) for t in fig.data if t.type == "bar"}
     key = "rerouted (overflow moved on the rank)"
     assert key in bars and bars[key].sum() > 0 and "rerouted" in fig.layout.title.text
+    line = next(t for t in fig.data if t.name and t.name.startswith("capacity per rank"))
+    # 16 experts a rank × the mean base capacity ⌈γ0 · T · k / E⌉ of the steps
+    tokens = ds["step_tokens"].values
+    want = np.mean(np.maximum(np.ceil(1.0 * tokens * 4 / 64), 1)) * 16
+    assert float(line.y[0]) == pytest.approx(want)
+
+
+def test_store_keeps_the_effective_load(macs_run, embedded, tmp_path):
+    """MACS's effective load per (step, layer, expert, modality): the visual tokens weigh
+    w(x) < 1, text tokens 1; a run without MACS stores its counts."""
+    _, _, res, ds = macs_run
+    eff = ds["effective_load"]
+    routed = ds["routed_tokens"]
+    assert float(eff.sel(modality="text").sum()) == pytest.approx(
+        float(routed.sel(modality="text").sum()))
+    img_eff, img_n = float(eff.sel(modality="image").sum()), int(routed.sel(modality="image").sum())
+    assert 0 < img_eff < img_n
+    per_rank = ds.moe.ep_load(ranks=4, effective=True)
+    assert per_rank.dtype.kind == "f"
+    assert float(per_rank.sum()) == pytest.approx(float(eff.sum()), rel=1e-5)
+    plain = workbench.Runtime(embedded, max_new_tokens=2).run(
+        "count from 1 to 3.", store=tmp_path / "p.zarr")
+    pds = workbench.open_run(plain.store)
+    np.testing.assert_array_equal(pds["effective_load"].values, pds["routed_tokens"].values)
+    old = workbench.open_run(__import__("pathlib").Path(__file__).parent / "data" /
+                             "store_v3.zarr")
+    np.testing.assert_array_equal(old["effective_load"].values, old["routed_tokens"].values)
+
+
+def test_ep_times_per_step_and_layer_sum_to_the_summary(macs_run):
+    """ds.moe.ep_times keeps per (step, layer) what ep_summary sums (one clock)."""
+    _, _, _, ds = macs_run
+    t = ds.moe.ep_times(ranks=4)
+    s = ds.moe.ep_summary(ranks=4)
+    assert t["compute_s"].dims == ("step", "layer", "rank") and t.sizes["rank"] == 4
+    assert float(t["dispatch_s"].sum()) == pytest.approx(s["dispatch_s_modeled"], rel=1e-9)
+    assert float(t["compute_s"].max("rank").sum()) == pytest.approx(s["compute_s_modeled"],
+                                                                    rel=1e-9)
+    assert float(t["moe_layer_s"].sum()) == pytest.approx(s["moe_layer_s_modeled"], rel=1e-9)
+    np.testing.assert_array_equal(t["load"].values, ds.moe.ep_load(ranks=4).values)
+
+
+def test_ep_timeline_view_draws_the_modeled_ep_clock(macs_run):
+    from workbench.ui.views import ep_timeline_view_figure
+
+    _, _, _, ds = macs_run
+    fig = ep_timeline_view_figure(ds, 4, "contiguous")
+    names = {t.name for t in fig.data}
+    assert {"dispatch (all-to-all)", "expert compute", "combine (all-to-all)"} <= names
+    lanes = set(next(t for t in fig.data if t.name == "expert compute").y)
+    assert lanes == {f"rank {r}" for r in range(4)}
+    t = ds.moe.ep_times(4).sel(step=0)
+    total = float(t["moe_layer_s"].sum()) * 1e3
+    assert f"{total:.2f} ms of MoE layers" in fig.layout.title.text
+    assert "ep_ranks = 1" in ep_timeline_view_figure(ds, 1, "contiguous").layout.annotations[0].text
+
+
+def test_replay_view_shows_the_traces_ep_load(macs_run, tmp_path):
+    """The dashboard's replay study carries the replayed trace's EP load over the Expert
+    parallel card's ranks (issue 14 §5), the figures `workbench replay --set ep_ranks` gives."""
+    from workbench.replay import replay_trace
+    from workbench.traces import load_trace
+    from workbench.ui.replay import study
+    from workbench.ui.views import replay_table_html
+
+    _, _, res, ds = macs_run
+    tr = load_trace(res.store)
+    st = study(tr, ["lru"], points=3, ep=(4, "round-robin"))
+    assert st.ep["ranks"] == 4 and st.ep["placement"] == "round-robin"
+    want = replay_trace(tr, belady=False, ep_ranks=4, placement="round-robin",
+                        cache_slots=st.at_slots).extra["ep"]
+    assert st.ep["imbalance"] == pytest.approx(want["imbalance"])
+    assert f"imbalance <b>{want['imbalance']:.2f}</b>" in replay_table_html(st)
+    assert study(tr, ["lru"], points=3, ep=(1, "contiguous")).ep is None
+    bad = study(tr, ["lru"], points=3, ep=(65, "contiguous"))
+    assert isinstance(bad, type(st)) and "ep_ranks" in bad.ep

@@ -631,14 +631,20 @@ class MoEAccessor:
         return k.copy(**values) if values else k
 
     def ep_load(self, ranks: int | None = None, placement: str | None = None,
-                modality: str | None = None) -> xr.DataArray:
+                modality: str | None = None, effective: bool = False) -> xr.DataArray:
         """Routed (token, expert) assignments each expert-parallel rank receives, int64
         ``[step, layer, rank]``, with ``ranks`` ranks under ``placement`` (default: the run's
         ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
         are virtual (:mod:`workbench.sim.ep`): each expert's ``routed_tokens`` go to the rank
         owning it — so any rank count or placement reads the store as recorded, also while it
         is being written. After a capacity-aware dispatch these are the kept assignments
-        (:meth:`ep_dropped` the others)."""
+        (:meth:`ep_dropped` the others). ``effective``: MACS's effective load instead — the
+        semantic weights w(x) of the assignments (``effective_load``; float; equal to the
+        counts in a run without MACS)."""
+        if effective:
+            out = self._per_rank("effective_load", ranks, placement, modality, "ep_load")
+            out.attrs["units"] = "weighted token-expert assignments (MACS effective load)"
+            return out
         return self._per_rank("routed_tokens", ranks, placement, modality, "ep_load")
 
     def ep_dropped(self, ranks: int | None = None, placement: str | None = None,
@@ -704,6 +710,55 @@ class MoEAccessor:
         return xr.DataArray(imbalance(load.values), dims=("step", "layer"),
                             coords={"step": load["step"].values, "layer": load["layer"].values},
                             name="ep_imbalance")
+
+    def ep_times(self, ranks: int | None = None, placement: str | None = None) -> xr.Dataset:
+        """The modeled EP clock of every (step, layer) (MACS Fig. 3): ``dispatch_s`` and
+        ``combine_s`` [step, layer] (the all-to-alls, the busiest receiver's bytes on the
+        ``interconnect``), ``compute_s`` [step, layer, rank] (each rank's experts, priced
+        like the cache clock), ``load`` [step, layer, rank] and ``moe_layer_s`` [step, layer]
+        = dispatch + the slowest rank + combine. All *modeled*; 0 where nothing was routed
+        (or no hidden-state size is known: stores older than the cost spec's). From the
+        per-expert ``routed_tokens`` (the dashboard's in-memory run has no per-token routing):
+        the same figures :meth:`ep_summary` sums."""
+        from types import SimpleNamespace
+
+        from workbench.replay.engine import _cost
+        from workbench.sim.costs import Prices
+        from workbench.sim.ep import counts_per_rank, phase_s
+        from workbench.sim.placement import rank_of_expert
+        from workbench.sim.profiles import get_interconnect
+
+        k = self._ep_knobs(ranks, placement)
+        counts = np.asarray(self._ds["routed_tokens"].sum("modality").values, np.int64)
+        S, L, E = counts.shape
+        R = int(k.ep_ranks)
+        owner = rank_of_expert(k.placement, E, R)  # KnobError for a bad R or placement
+        # the run's own cost spec (or the target model's): the per-expert counts priced as
+        # the cache clock prices them (an expert no token reached costs nothing)
+        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), k.profile,
+                           k.target_model, None)
+        prices = Prices(prof, cost)
+        load = counts_per_rank(counts, owner, R).astype(np.float64)
+        if prices.available:
+            per_expert = np.where(counts > 0, Prices.many(prices.expert, counts).reshape(
+                counts.shape), 0.0)
+            comp = counts_per_rank(per_expert, owner, R)
+        else:
+            comp = np.zeros(load.shape)
+        hidden = float(prices.cost.activation_bytes_per_token) if prices.available else 0.0
+        disp = (phase_s(load.reshape(-1, R), hidden, get_interconnect(k.interconnect))
+                .reshape(S, L) if hidden > 0 else np.zeros((S, L)))
+        coords = {"step": self._ds["step"].values, "layer": np.arange(L), "rank": np.arange(R)}
+        return xr.Dataset(
+            {"load": (("step", "layer", "rank"), load),
+             "compute_s": (("step", "layer", "rank"), comp,
+                           {"units": "s (modeled)", "long_name": "rank's expert compute"}),
+             "dispatch_s": (("step", "layer"), disp, {"units": "s (modeled)"}),
+             "combine_s": (("step", "layer"), disp.copy(), {"units": "s (modeled)"}),
+             "moe_layer_s": (("step", "layer"), disp * 2 + comp.max(-1),
+                             {"units": "s (modeled)"})},
+            coords=coords, attrs={"ranks": R, "placement": k.placement,
+                                  "interconnect": k.interconnect, "clock": "modeled"})
 
     def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,

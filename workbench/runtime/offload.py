@@ -168,6 +168,8 @@ class Offloader:
         self.dispatch_rerouted = 0
         #: Expanded Drop: (token, expert) pairs it added beyond the router's top-k
         self.dispatch_added = 0
+        #: MACS: this layer call's semantic weights w(x) [tokens] (None: every token 1)
+        self._token_weights: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -278,6 +280,7 @@ class Offloader:
                 b, hidden_states, top_k_index, top_k_weights)
         ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
         ev.dropped_ids, ev.rerouted_ids = dropped, rerouted
+        ev.token_weights, self._token_weights = self._token_weights, None
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
@@ -595,6 +598,11 @@ class Offloader:
             ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64),
             b.num_experts, ctx)
         new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :K]
+        sw = getattr(self.dispatch, "last_weights", None)
+        if sw is not None:  # MACS: the effective load's weights, per position of the step
+            full = np.ones(len(real) if real is not None else T, np.float32)
+            full[real if real is not None else slice(None)] = sw[:, 0]
+            self._token_weights = full
         dropped = (new[:, :K] < 0) & (ids >= 0)
         self.dispatch_assigned += int((ids >= 0).sum())
         n, n_rer = int(dropped.sum()), int(rer.sum())

@@ -127,6 +127,22 @@ class CapacityDrop(Dispatch):
     def fits(self, max_load, tokens, top_k, num_experts):
         return max_load <= int(self.capacity(tokens, top_k, num_experts))
 
+    def groups(self, ids: np.ndarray, token_step: np.ndarray, num_experts: int):
+        """The chunk's (step, layer) groups that route a token, with their capacity:
+        ``(a, b, layer column, group ids [b − a, K], C)`` (token rows a…b of one step)."""
+        T, L, _ = ids.shape
+        steps = np.asarray(token_step, np.int64)
+        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T] if T else np.r_[0, 0]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for li in range(L):
+                g = ids[a:b, li]
+                routed = (g >= 0).any(1)
+                n_tok = int(routed.sum())
+                if not n_tok:
+                    continue
+                k_used = int((g >= 0).sum(1).max())
+                yield int(a), int(b), li, g, float(self.capacity(n_tok, k_used, num_experts))
+
     def apply(self, ids, weights, token_step, num_experts, context=None):
         T, L, K = ids.shape
         out = ids.copy()
@@ -203,26 +219,18 @@ class CapacityExpanded(CapacityDrop):
                              "(live runs only)")
         T, L, K = ids.shape
         ranks = rank_of_expert(self.placement, num_experts, self.ep_ranks)
-        steps = np.asarray(token_step, np.int64)
-        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T] if T else np.r_[0, 0]
         parts: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []
         width = K
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            for li in range(L):
-                g = np.asarray(ids[a:b, li], np.int64)
-                real = (g >= 0).any(1)
-                n_tok = int(real.sum())
-                if not n_tok:
-                    continue
-                k_used = int((g >= 0).sum(1).max())
-                cap = float(self.capacity(n_tok, k_used, num_experts))
-                w = np.asarray(weights[a:b, li], np.float64)
-                rows = (g >= 0).any(1)
-                renorm = bool(np.allclose(np.where(g >= 0, np.nan_to_num(w), 0).sum(1)[rows],
-                                          1.0, atol=1e-3))
-                new, nw = expanded_group(g, context.gates[a:b, li], cap, ranks, renorm)
-                parts.append((a, b, li, new, nw))
-                width = max(width, new.shape[1])
+        for a, b, li, g, cap in self.groups(ids, token_step, num_experts):
+            g = np.asarray(g, np.int64)
+            w = np.asarray(weights[a:b, li], np.float64)
+            rows = (g >= 0).any(1)
+            # the router renormalises its top-k when the kept weights of a token sum to 1
+            renorm = bool(np.allclose(np.where(g >= 0, np.nan_to_num(w), 0).sum(1)[rows],
+                                      1.0, atol=1e-3))
+            new, nw = expanded_group(g, context.gates[a:b, li], cap, ranks, renorm)
+            parts.append((a, b, li, new, nw))
+            width = max(width, new.shape[1])
         out = np.full((T, L, width), -1, np.int16)
         out_w = np.zeros((T, L, width), np.float32)
         out[:, :, :K] = ids
@@ -309,6 +317,7 @@ class Macs(CapacityDrop):
         self.classes = None if classes is None else np.asarray(classes, np.int8)
         self.rerouted = 0
         self.dropped = 0
+        self.last_weights: np.ndarray | None = None
 
     def fits(self, max_load, tokens, top_k, num_experts):
         # semantic weights are ≤ 1 (effective load ≤ count); the smallest capacity a dynamic
@@ -341,32 +350,25 @@ class Macs(CapacityDrop):
                                      self.delta)
         else:
             w_all = np.ones((T, L))
+        #: the semantic weights w(x) [T, L] of the last call (the effective load's units)
+        self.last_weights = w_all
         steps = np.asarray(token_step, np.int64)
-        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            for li in range(L):
-                g_ids = ids[a:b, li]
-                routed = (g_ids >= 0).any(1)
-                n_tok = int(routed.sum())
-                if not n_tok:
-                    continue
-                k_used = int((g_ids >= 0).sum(1).max())
-                c_base = float(self.capacity(n_tok, k_used, num_experts))
-                cls = None if classes is None else classes[int(layers[li])]
-                new, nw, rr, _ = macs_group(
-                    g_ids, np.asarray(weights[a:b, li], np.float64), w_all[a:b, li],
-                    mod[a:b], cls, c_base, rho=self.rho,
-                    dynamic_capacity=self.dynamic_capacity, min_capacity=self.min_capacity,
-                    selection=self.selection, seed=self.seed + int(steps[a]) * 7919 + li,
-                    reroute=self.reroute, rank_of_expert=ranks,
-                    gates=None if context is None or context.gates is None
-                    else context.gates[a:b, li],
-                    affinity=None if context is None or context.affinity is None
-                    else context.affinity[a:b, li],
-                    eta=self.eta, num_experts=num_experts)
-                out[a:b, li] = new
-                out_w[a:b, li] = nw
-                rer[a:b, li] = rr
+        for a, b, li, g_ids, c_base in self.groups(ids, token_step, num_experts):
+            cls = None if classes is None else classes[int(layers[li])]
+            new, nw, rr, _ = macs_group(
+                g_ids, np.asarray(weights[a:b, li], np.float64), w_all[a:b, li],
+                mod[a:b], cls, c_base, rho=self.rho,
+                dynamic_capacity=self.dynamic_capacity, min_capacity=self.min_capacity,
+                selection=self.selection, seed=self.seed + int(steps[a]) * 7919 + li,
+                reroute=self.reroute, rank_of_expert=ranks,
+                gates=None if context is None or context.gates is None
+                else context.gates[a:b, li],
+                affinity=None if context is None or context.affinity is None
+                else context.affinity[a:b, li],
+                eta=self.eta, num_experts=num_experts)
+            out[a:b, li] = new
+            out_w[a:b, li] = nw
+            rer[a:b, li] = rr
         self.rerouted += int(rer.sum())
         self.dropped += int(((ids >= 0) & (out < 0)).sum())
         return out, out_w.astype(np.float32), rer

@@ -59,11 +59,14 @@ def rank_compute_s(g_ptr: np.ndarray, expert: np.ndarray, comp_s: np.ndarray,
 
 
 def counts_per_rank(counts: np.ndarray, rank_of_expert: np.ndarray, ranks: int) -> np.ndarray:
-    """int64 ``[..., ranks]``: per-expert ``counts`` ``[..., experts]`` (a store's
-    ``routed_tokens`` or ``dispatch_dropped``) summed over the experts each rank owns."""
-    owner = np.zeros((len(rank_of_expert), ranks), np.int64)
+    """``[..., ranks]``: per-expert ``counts`` ``[..., experts]`` (a store's
+    ``routed_tokens`` or ``dispatch_dropped``: int64; ``effective_load``: float64) summed
+    over the experts each rank owns."""
+    counts = np.asarray(counts)
+    dt = np.float64 if counts.dtype.kind == "f" else np.int64
+    owner = np.zeros((len(rank_of_expert), ranks), dt)
     owner[np.arange(len(rank_of_expert)), rank_of_expert] = 1
-    return np.asarray(counts, np.int64) @ owner
+    return counts.astype(dt) @ owner
 
 
 def imbalance(load: np.ndarray) -> np.ndarray:
@@ -145,6 +148,16 @@ class EPSummary:
         return out
 
 
+def phase_s(load: np.ndarray, hidden_bytes: float, link: Any) -> np.ndarray:
+    """Modeled seconds of one all-to-all phase (dispatch, or combine: the same bytes back) of
+    each group of ``load`` ``[groups, ranks]``: the busiest receiver's remote share ((R − 1)/R
+    of its assignments, tokens spread evenly over ranks) of ``hidden_bytes`` each, over
+    ``link`` (latency once per group that moves anything)."""
+    R = load.shape[1] if load.ndim == 2 else 1
+    remote = np.asarray(load, np.float64).max(axis=1) * (hidden_bytes * (R - 1) / R)
+    return np.where(remote > 0, link.latency_s, 0.0) + remote / link.bandwidth
+
+
 def layer_times(load: np.ndarray, compute: np.ndarray | None, hidden_bytes: float,
                 link: Any | None) -> dict[str, float]:
     """Modeled seconds, summed over the groups of ``load`` ``[groups, ranks]`` (one MoE layer
@@ -156,10 +169,7 @@ def layer_times(load: np.ndarray, compute: np.ndarray | None, hidden_bytes: floa
     R = load.shape[1] if load.ndim == 2 else 1
     out: dict[str, float] = {}
     if link is not None and hidden_bytes > 0 and len(load):
-        # the busiest receiver sets each phase: Interconnect.all_to_all_s, summed over groups
-        remote = load.max(axis=1) * (hidden_bytes * (R - 1) / R)
-        phase = float((remote > 0).sum() * link.latency_s + remote.sum() / link.bandwidth)
-        out["dispatch_s"] = out["combine_s"] = phase
+        out["dispatch_s"] = out["combine_s"] = float(phase_s(load, hidden_bytes, link).sum())
     if compute is not None and len(compute):
         out["compute_s"] = float(compute.max(axis=1).sum())
         out["compute_balanced_s"] = float(compute.sum() / R)

@@ -202,29 +202,36 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     if not reroute:
         return new_ids, new_w, rerouted, cap
     ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
+    same_rank = ranks[:, None] == ranks[None, :]  # [E, E]
+    room = cap + _EPS - load  # effective load each expert can still take
+    # the score of every (overflow token, expert) at once; candidates are masked per token
+    g_all = gates if gates is not None else np.zeros((T, E))
+    score_all = (1.0 - eta) * g_all
+    if affinity is not None:
+        score_all = score_all + eta * affinity
+    gw = np.asarray(gate_w, np.float64)
     # most important overflow first (fail-safe order: the lowest retention goes first)
     for i in np.argsort(-retention[ot], kind="stable"):
         x, slot = int(ot[i]), int(orr[i])
+        wx = float(w[x])
+        if room.max() < wx:  # no expert anywhere has room for it: the fail-safe drop
+            continue
         j = int(ids[x, slot])
-        cand = (ranks == ranks[j]) & (load + w[x] <= cap + _EPS)
+        cand = same_rank[j] & (room >= wx)
         cand[ids[x][ids[x] >= 0]] = False  # not an expert the token already uses
         cand[new_ids[x][new_ids[x] >= 0]] = False
         if not cand.any():
             continue  # fail-safe drop
-        g = gates[x] if gates is not None else np.zeros(E)
-        s = (1.0 - eta) * g
-        if affinity is not None:
-            s = s + eta * affinity[x]
-        s = np.where(cand, s, -np.inf)
-        k = int(np.argmax(s))
+        k = int(np.argmax(np.where(cand, score_all[x], -np.inf)))
         new_ids[x, slot] = k
         # the router's own scaling of the slot it replaces (e.g. top-k renormalisation)
-        scale = gate_w[x, slot] / g[j] if gates is not None and g[j] > 0 else 0.0
-        new_w[x, slot] = float(g[k] * np.nan_to_num(scale))
+        gj = float(g_all[x, j])
+        scale = float(gw[x, slot]) / gj if gates is not None and gj > 0 else 0.0
+        new_w[x, slot] = float(g_all[x, k]) * (scale if scale == scale else 0.0)  # NaN → 0
         rerouted[x, slot] = True
-        load[k] += w[x]
+        room[k] -= wx
     return new_ids, new_w, rerouted, cap
 
 
-__all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights", "entropy_of_features",
-           "image_runs", "macs_group", "sigmoid"]
+__all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights",
+           "entropy_of_features", "image_runs", "macs_group", "sigmoid"]

@@ -59,6 +59,9 @@ class LayerEvent:
     #: [T, k] (int16, -1 = none) or None: the expert a rerouting dispatch (MACS) moved each
     #: slot away from (the slot's ``topk_ids`` holds the expert it moved to)
     rerouted_ids: np.ndarray | None = None
+    #: [T] float32 or None: MACS's semantic weight w(x) of each token at this layer (the
+    #: effective load's units; None: every token weighs 1)
+    token_weights: np.ndarray | None = None
     stall_s: float = 0.0
 
 
@@ -129,3 +132,5 @@ class StepEvent:
                 le.dropped_ids = le.dropped_ids[valid]
             if le.rerouted_ids is not None:
                 le.rerouted_ids = le.rerouted_ids[valid]
+            if le.token_weights is not None:
+                le.token_weights = le.token_weights[valid]

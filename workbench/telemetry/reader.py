@@ -428,6 +428,11 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["dispatch_rerouted"] = xr.Variable(
             v.dims, np.broadcast_to(np.int32(0), data_vars["routed_tokens"].shape),
             attrs={"units": v.units, "description": v.doc})
+    if version < 6 and "routed_tokens" in data_vars:  # every token weighed 1 before
+        v = SCHEMA["effective_load"]
+        data_vars["effective_load"] = xr.Variable(
+            v.dims, data_vars["routed_tokens"]._data,
+            attrs={"units": v.units, "description": v.doc})
     if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
         v = SCHEMA["token_request"]
         data_vars["token_request"] = xr.Variable(

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 #: pinned prefix served are ``pinned_accesses`` (schema ≤ 3 booked them as ``hits``).
 #: 5: ``dispatch_dropped`` (a store of schema ≤ 4 had no dispatch: it reads 0).
 #: 6: ``token_request`` (a store of schema ≤ 5 served one request: it reads 0) and
-#: ``dispatch_rerouted`` (no rerouting dispatch before: it reads 0).
+#: ``dispatch_rerouted`` (no rerouting dispatch before: it reads 0) and ``effective_load``
+#: (MACS's semantic-weighted load; before: every token weighed 1, it reads ``routed_tokens``).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
 SCHEMA_VERSION = 6
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
@@ -106,6 +107,11 @@ SCHEMA: dict[str, Var] = {
                              "tokens a rerouting dispatch (MACS) moved away from the expert to a "
                              "same-rank expert with room (their topk_ids hold the new expert), "
                              "split by modality"),
+    "effective_load": Var(("step", "layer", "expert", "modality"), "float32", 32,
+                          "weighted tokens",
+                          "MACS's effective load: the semantic weights w(x) of the tokens "
+                          "routed to the expert (= routed_tokens when no dispatch weighs "
+                          "tokens), split by modality"),
     "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
                     "expert in a cache slot or pinned at the end of the step"),
     # -- per routed token ----------------------------------------------------------------------
@@ -140,7 +146,7 @@ SCHEMA: dict[str, Var] = {
 
 #: variables each schema version added (absent from the files of older stores)
 ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6,
-            "dispatch_rerouted": 6}
+            "dispatch_rerouted": 6, "effective_load": 6}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
 INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")

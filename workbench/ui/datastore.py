@@ -1368,6 +1368,8 @@ class DataStore(param.Parameterized):
         if meta.cache_slots is not None:
             own = (meta.cache_slots, float(ds.moe.hit_rate()),
                    f"this run, as recorded ({_policies_of(meta)})")
+        ep = self.knobs.group("ep")  # the Expert parallel card's ranks, as the EP view's
         return study(trace, self.replay_evictions, slot_range=self.replay_slots,
                      at_slots=self.replay_at, points=points, own=own, knobs=self.replay_knobs,
-                     scope=self.replay_scope, memo=self._replay_memo)
+                     scope=self.replay_scope, memo=self._replay_memo,
+                     ep=(int(ep.ep_ranks), ep.placement))

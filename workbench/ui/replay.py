@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from workbench.errors import InputError, KnobError
+from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.replay import SCOPES, replay_trace
@@ -331,17 +331,23 @@ class ReplayStudy:
     own: tuple[int, float, str] | None
     settings: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: the trace's expert-parallel load under the replay's knobs (``workbench replay --set
+    #: ep_ranks=R``'s ``ep`` figures), or a message why not; None: ``ep_ranks`` = 1
+    ep: dict[str, Any] | str | None = None
 
 
 def study(trace, evictions: Iterable[str] | None = None, *,
           slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
           points: int = 12, own: tuple[int, float, str] | None = None, knobs=None,
-          scope: str = "global", memo: dict | None = None, **changes: Any) -> ReplayStudy:
+          scope: str = "global", memo: dict | None = None,
+          ep: tuple[int, str] | None = None, **changes: Any) -> ReplayStudy:
     """:class:`ReplayStudy` of ``trace``: curves over ``points`` sizes of ``slot_range``
     (clipped to :func:`slot_bounds`; None = all of it) plus ``own[0]`` and ``at_slots`` when
     inside it, and the metrics table at ``at_slots`` (default ``own[0]``, else the middle of
     the range; clipped to the range). ``knobs`` and ``changes`` (``prefetch``,
-    ``prefetch_lead``, ``target_model``, ``profile``) as :func:`replay_curves` takes them."""
+    ``prefetch_lead``, ``target_model``, ``profile``) as :func:`replay_curves` takes them.
+    ``ep`` ``(ranks, placement)``: also the trace's EP load over that many virtual ranks
+    (after the replay knobs' dispatch, priced by their target model), when ranks > 1."""
     t0 = time.perf_counter()
     pin = pinned_prefix(trace)
     lo, hi = slot_bounds(trace, scope, pin)
@@ -359,6 +365,16 @@ def study(trace, evictions: Iterable[str] | None = None, *,
     table = curves[curves.cache_slots == at_slots]
     table = pd.concat([table[table.eviction != CEILING], table[table.eviction == CEILING]],
                       ignore_index=True)  # the ceiling last
+    ep_figures = None
+    if ep is not None and int(ep[0]) > 1:
+        k = _effective(trace, knobs, changes.get("prefetch"), changes.get("prefetch_lead"),
+                       changes.get("target_model"), changes.get("profile"))
+        try:
+            ep_figures = replay_trace(trace, k, scope=scope, belady=False,
+                                      cache_slots=at_slots, cache_bytes=None,
+                                      ep_ranks=int(ep[0]), placement=ep[1]).extra.get("ep")
+        except WorkbenchError as e:  # e.g. more ranks than the trace has experts
+            ep_figures = str(e)
     return ReplayStudy(curves=curves, table=table, sizes=sizes, at_slots=at_slots,
                        bounds=(lo, hi), own=own, settings=dict(curves.attrs),
-                       elapsed_s=time.perf_counter() - t0)
+                       elapsed_s=time.perf_counter() - t0, ep=ep_figures)

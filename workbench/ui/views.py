@@ -341,7 +341,8 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
                 vs = f" (baseline {float(np.nanmean(b_ib)):.2f})"
     fig = ep_load_figure(per_rank, ib, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
-        f"over layer steps){drops}{_describe(step_range, phase)}"), base)
+        f"over layer steps){drops}{_describe(step_range, phase)}"), base,
+        _rank_capacity(ds, ranks, steps))
     return _finish(fig, "ep", revision)
 
 
@@ -384,7 +385,22 @@ def replay_table_html(st: ReplayStudy | None, message: str = "") -> str:
             f"</div>")
     return (f"{note}<div style='overflow-x: auto'><table class='wb-ab wb-replay-table'><thead>"
             f"<tr><th>policy</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-            f"</div>")
+            f"</div>{_replay_ep_html(st.ep)}")
+
+
+def _replay_ep_html(ep: Any) -> str:
+    """The replayed trace's EP load (the Expert parallel card's ranks), one line; '' for
+    ep_ranks = 1."""
+    if ep is None:
+        return ""
+    if isinstance(ep, str):
+        return f"<div class='wb-muted wb-replay-ep'>EP load: {html.escape(ep)}</div>"
+    t = ep.get("moe_layer_s_modeled")
+    clock = f" · MoE layers {t * 1e3:.2f} ms (<i>modeled</i>)" if t else ""
+    return (f"<div class='wb-muted wb-replay-ep'>EP load of the replayed routing over "
+            f"<b>{ep['ranks']}</b> ranks ({html.escape(str(ep['placement']))}): imbalance "
+            f"<b>{ep['imbalance']:.2f}</b> (max/mean) · balancedness {ep['balancedness']:.2f} "
+            f"· max rank load {ep['max_rank_load']}{clock}</div>")
 
 
 # -- views ---------------------------------------------------------------------------------------
@@ -568,6 +584,84 @@ class EPView(PlotView):
         return ep_view_figure(s.dataset, int(ep.ep_ranks), ep.placement, s.step_range,
                               s.phase, f"{self._revision()}-{ep.ep_ranks}-{ep.placement}",
                               s.baseline, s.baseline_name or "baseline")
+
+
+def _rank_capacity(ds: xr.Dataset, ranks: int, steps: np.ndarray) -> tuple[str, float] | None:
+    """A rank's capacity under the run's recorded dispatch, mean per (step, layer) group of
+    ``steps``: its experts' (base) capacities C = max(min_capacity, ⌈γ0·T·k/E⌉), T the step's
+    tokens; None for top-k (no capacity)."""
+    from workbench.telemetry.metadata import RunMetadata
+
+    try:
+        k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs
+    except Exception:  # unreadable knobs: no line
+        return None
+    if k is None or k.dispatch == "topk":
+        return None
+    from workbench.sim.dispatch import CapacityDrop
+
+    E = int(ds.sizes["expert"])
+    top_k = int(ds.attrs.get("top_k", 1) or 1)
+    tokens = ds["step_tokens"].sel(step=[int(x) for x in steps]).values
+    cap = CapacityDrop(k.capacity_factor, k.min_capacity).capacity(tokens, top_k, E)
+    label = ("capacity per rank (base, before MACS's scaling)" if k.dispatch == "macs"
+             else "capacity per rank")
+    return label, float(np.mean(cap)) * E / ranks
+
+
+EP_TIMELINE_TITLE = "expert parallel: the modeled EP clock of one step"
+
+
+def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
+                            step_range: tuple[int, int] | None = None, phase: str = "all",
+                            revision: Any = None) -> go.Figure:
+    """The modeled EP clock (``ds.moe.ep_times``) of the first selected step — the prefill
+    unless the filters say otherwise — as lanes: dispatch, each rank's experts, combine, per
+    MoE layer (MACS Fig. 3). Follows the Expert parallel card's ranks and placement."""
+    if ds is None:
+        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, "no run yet")
+    if ranks <= 1:
+        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, EP_ONE_RANK)
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, "no steps in the selection")
+    step = int(steps[0])
+    t = ds.moe.ep_times(ranks, placement).sel(step=step)
+    routed = t["load"].sum("rank").values > 0
+    if not routed.any():
+        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE,
+                                  f"step {step} routed no token")
+    total = float(t["moe_layer_s"].sum()) * 1e3
+    balanced = float((t["dispatch_s"] * 2 + t["compute_s"].mean("rank")).sum()) * 1e3
+    from workbench.viz.ep import ep_timeline_figure
+
+    fig = ep_timeline_figure(
+        t["dispatch_s"].values[routed], t["compute_s"].values[routed],
+        t["combine_s"].values[routed], t["layer"].values[routed],
+        f"modeled EP clock of step {step} over {ranks} ranks ({placement}, "
+        f"{t.attrs['interconnect']}): {total:.2f} ms of MoE layers, {balanced:.2f} ms if every "
+        f"rank were at the mean (modeled)")
+    return _finish(fig, "ep_timeline", revision)
+
+
+class EPTimelineView(PlotView):
+    """The modeled EP clock of one step of the shown run (:func:`ep_timeline_view_figure`),
+    redrawn when the Expert parallel card's ranks or placement, the filters or the run
+    change."""
+
+    view = "ep_timeline"
+    watches = ("dataset", "step_range", "phase")
+
+    def __init__(self, store: DataStore, height: int = 380) -> None:
+        super().__init__(store, height)
+        store.knobs.group("ep").param.watch(self._changed, ["ep_ranks", "placement"])
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        ep = s.knobs.group("ep")
+        return ep_timeline_view_figure(s.dataset, int(ep.ep_ranks), ep.placement,
+                                       s.step_range, s.phase,
+                                       f"{self._revision()}-{ep.ep_ranks}-{ep.placement}")
 
 
 class ReplayView(PlotView):

@@ -15,14 +15,16 @@ MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B",
 
 def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
                    steps: np.ndarray, title: str,
-                   baseline: tuple[str, np.ndarray] | None = None) -> go.Figure:
+                   baseline: tuple[str, np.ndarray] | None = None,
+                   capacity: tuple[str, float] | None = None) -> go.Figure:
     """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
     balanced level (every rank at the mean) dashed; a ``"dropped"`` entry (assignments a
     capacity-aware dispatch took away) is drawn hatched on top and left out of the level, a
     ``"rerouted"`` entry (assignments MACS moved away from the rank's experts, to a
     same-rank expert: they are in the load too) cross-hatched;
     ``baseline`` ``(label, per-rank load)``: another run's (the pinned A/B baseline), as
-    diamonds over the bars. Right: imbalance max/mean per layer ×
+    diamonds over the bars; ``capacity`` ``(label, assignments)``: a rank's capacity under the
+    run's dispatch (its experts' capacities, mean per layer step), dotted. Right: imbalance max/mean per layer ×
     step (``imbalance`` [step, layer], NaN where nothing was routed)."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.1,
                         subplot_titles=("load per rank (mean per layer step)",
@@ -48,6 +50,11 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
         fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=[mean] * len(total),
                                  mode="lines", name="balanced (mean)",
                                  line={"dash": "dash", "color": "#333"}), row=1, col=1)
+    if capacity is not None and ranks is not None:
+        label, c = capacity
+        fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=[float(c)] * len(ranks),
+                                 mode="lines", name=label,
+                                 line={"dash": "dot", "color": "#C0392B"}), row=1, col=1)
     if baseline is not None and ranks is not None:
         label, b = baseline
         fig.add_trace(go.Scatter(x=[f"rank {r}" for r in ranks], y=np.asarray(b, float),
@@ -63,4 +70,49 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_yaxes(title_text="assignments", row=1, col=1)
     fig.update_yaxes(title_text="layer", row=1, col=2)
+    return fig
+
+
+def ep_timeline_figure(dispatch_s: np.ndarray, compute_s: np.ndarray, combine_s: np.ndarray,
+                       layers: np.ndarray, title: str) -> go.Figure:
+    """The modeled EP clock of one step as lanes (MACS Fig. 3): per MoE layer in order, the
+    dispatch all-to-all, then every rank's expert compute side by side (the slowest sets the
+    layer; the others wait, drawn light), then the combine. ``dispatch_s`` / ``combine_s``
+    [layers], ``compute_s`` [layers, ranks], seconds (drawn in ms)."""
+    comp = np.asarray(compute_s, float)
+    L, R = comp.shape if comp.ndim == 2 else (0, 0)
+    lanes = ["dispatch", *[f"rank {r}" for r in range(R)], "combine"]
+    fig = go.Figure()
+    t = 0.0
+    parts: dict[str, list] = {"dispatch": [], "compute": [], "wait": [], "combine": []}
+    for i in range(L):
+        d, c = float(dispatch_s[i]) * 1e3, comp[i] * 1e3
+        parts["dispatch"].append(("dispatch", t, d, int(layers[i])))
+        t += d
+        slow = float(c.max()) if R else 0.0
+        for r in range(R):
+            parts["compute"].append((f"rank {r}", t, float(c[r]), int(layers[i])))
+            if slow - c[r] > 0:
+                parts["wait"].append((f"rank {r}", t + float(c[r]), slow - float(c[r]),
+                                      int(layers[i])))
+        t += slow
+        m = float(combine_s[i]) * 1e3
+        parts["combine"].append(("combine", t, m, int(layers[i])))
+        t += m
+    style = {"dispatch": ("#9D755D", "dispatch (all-to-all)"),
+             "compute": ("#4C78A8", "expert compute"),
+             "wait": ("#DDE6F0", "waiting for the slowest rank"),
+             "combine": ("#B279A2", "combine (all-to-all)")}
+    for name, rows in parts.items():
+        if not rows:
+            continue
+        colour, label = style[name]
+        fig.add_trace(go.Bar(
+            y=[r[0] for r in rows], base=[r[1] for r in rows], x=[r[2] for r in rows],
+            orientation="h", name=label, marker_color=colour,
+            customdata=[r[3] for r in rows],
+            hovertemplate="layer %{customdata}: %{x:.3f} ms<extra>" + label + "</extra>"))
+    fig.update_layout(barmode="overlay", title=title, legend={"orientation": "h", "y": -0.25})
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
+    fig.update_xaxes(title_text="modeled time in the step (ms)")
     return fig
