@@ -9,6 +9,8 @@ Public API (imported lazily so that ``import workbench`` stays cheap):
   :class:`RunMetadata` — its attributes, typed.
 - :func:`replay_trace` — any routing trace through the same simulation core as live runs.
 - :class:`ModelPool` — loaded models shared between runs (notebooks, the dashboard).
+- :func:`fake_quant` — quantise → dequantise a tensor to FP8 or NVFP4 (low-precision
+  emulation, ReaLB).
 - :func:`batch`, :func:`mixed_batch` — batches of demo and generated held-out requests for
   ``Runtime.run(requests)`` (run together: expert-parallel load needs a batch).
 
@@ -45,6 +47,7 @@ _LAZY = {
     "Request": "workbench.models.inputs",
     "batch": "workbench.models.batches",
     "mixed_batch": "workbench.models.batches",
+    "fake_quant": "workbench.precision",
     "open_run": "workbench.telemetry.store",
     "replay_trace": "workbench.replay",
     "load_trace": "workbench.traces",

@@ -1,0 +1,96 @@
+"""Low-precision emulation (issue 15 §1): fake_quant against hand-computed vectors."""
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.errors import InputError
+from workbench.precision import E2M1_VALUES, fake_quant
+
+
+def test_native_is_the_identity_and_keeps_dtype():
+    x = torch.randn(3, 20, dtype=torch.bfloat16)
+    y = fake_quant(x, "native")
+    assert y.dtype == torch.bfloat16 and torch.equal(x, y) and y is not x
+
+
+def test_e2m1_rounding_hand_computed():
+    """A group whose amax is 6·448·global ⇒ scale 448 (E4M3 max), global = amax/(448·6): the
+    values divided by scale·global are the inputs themselves in units of amax/6."""
+    amax = 6.0
+    # in units where scale·global = 1 (amax = 6): E2M1 grid points, ties and saturation
+    x = torch.tensor([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, -0.3, -2.9, 4.4,
+                       0.0, 1.0, -6.0, 0.74]])
+    want = torch.tensor([[6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -3.0, 4.0,
+                          0.0, 1.0, -6.0, 0.5]])
+    assert x.abs().max() == amax
+    torch.testing.assert_close(fake_quant(x, "nvfp4"), want, rtol=0, atol=1e-6)
+
+
+def test_nvfp4_group_scales_are_e4m3():
+    """Two groups: the first's amax sets the global scale (its scale is 448); the second's
+    scale is its amax / 6 / global rounded to E4M3 — hand-computed: amax 1.0 vs 6.0 ⇒
+    1/6 · 448·6/6 = 74.67 → E4M3 72 (step 8 in [64, 128)), so its unit is 72·6/(448·6)."""
+    g1 = torch.full((16,), 6.0)
+    g2 = torch.linspace(-1.0, 1.0, 16)
+    y = fake_quant(torch.cat([g1, g2])[None], "nvfp4")[0]
+    assert torch.equal(y[:16], g1)
+    unit = 72.0 * 6.0 / (448.0 * 6.0)  # scale · global of group 2
+    q = torch.round(g2 / unit * 1e6) / 1e6  # what each value is in units of the group
+    grid = torch.tensor(E2M1_VALUES)
+    nearest = grid[(q.abs()[:, None] - grid).abs().argmin(1)]  # no ties in these values
+    torch.testing.assert_close(y[16:], torch.sign(g2) * nearest * unit, rtol=0, atol=1e-6)
+
+
+def test_nvfp4_error_bound_shape_and_short_last_group():
+    torch.manual_seed(0)
+    x = torch.randn(5, 37) * torch.logspace(-3, 2, 37)
+    y = fake_quant(x, "nvfp4")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    glob = x.abs().max() / (448 * 6)
+    for row in range(5):
+        for a in range(0, 37, 16):
+            g = x[row, a:a + 16]
+            scale = (g.abs().max() / 6 / glob).clamp(max=448).to(torch.float8_e4m3fn).float()
+            unit = float(scale * glob)
+            # half the widest E2M1 step (2) of the group's unit, beyond which values saturate
+            err = (y[row, a:a + 16] - g).abs()
+            assert bool((err <= unit + 1e-6 + (g.abs() - 6 * unit).clamp(min=0)).all())
+    # representable values survive unchanged
+    exact = torch.tensor([[0.5, -1.5, 3.0, 6.0] * 4])
+    assert torch.equal(fake_quant(exact, "nvfp4"), exact)
+    assert torch.equal(fake_quant(torch.zeros(2, 16), "nvfp4"), torch.zeros(2, 16))
+
+
+def test_fp8_per_tensor_and_per_channel():
+    x = torch.tensor([[448.0, 1.0, -0.3], [2.0, 0.02, 1e-4]])
+    y = fake_quant(x, "fp8")  # scale 1: plain E4M3 rounding
+    want = torch.tensor([[448.0, 1.0, -0.3], [2.0, 0.02, 1e-4]]).to(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    assert y[0, 2] == -0.3125 and y[1, 1] == pytest.approx(0.01953125)  # E4M3 neighbours
+    rows = fake_quant(x, "fp8", axis=-1)  # row 1's amax 2 → scale 2/448
+    s = 2.0 / 448.0
+    assert rows[1, 0] == pytest.approx(2.0) and rows[1, 1] == pytest.approx(
+        float(torch.tensor(0.02 / s).to(torch.float8_e4m3fn).float()) * s)
+    big = torch.tensor([1e6, -3e6])
+    torch.testing.assert_close(fake_quant(big, "fp8"), big, rtol=0.07, atol=0)
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(InputError, match="precision must be one of native, fp8, nvfp4"):
+        fake_quant(torch.ones(2), "fp4")
+    with pytest.raises(InputError, match="floating-point"):
+        fake_quant(torch.ones(2, dtype=torch.int64), "fp8")
+    with pytest.raises(InputError, match="finite"):
+        fake_quant(torch.tensor([1.0, float("nan")]), "nvfp4")
+    with pytest.raises(InputError, match="axis is not a setting"):
+        fake_quant(torch.ones(16), "nvfp4", axis=0)
+
+
+def test_against_torchao_when_installed():
+    torchao = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor",
+                                  reason="torchao (optional test dependency) is not installed")
+    x = torch.randn(4, 64)
+    ref = torchao.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=x.abs().max() / (448 * 6))
+    np.testing.assert_allclose(fake_quant(x, "nvfp4").numpy(),
+                               ref.to_dtype(torch.float32).numpy(), rtol=0, atol=1e-6)

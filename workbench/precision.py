@@ -1,0 +1,110 @@
+"""Low-precision emulation of expert execution (issue 15 §1): quantise → dequantise any tensor.
+
+:func:`fake_quant` returns a tensor of the input's dtype and shape holding exactly the values a
+low-precision kernel would compute with, so the real experts can run "in" FP8 or NVFP4 on a
+CPU (no FP4 matmul runs here: the *modeled* clock prices the speedup, never this machine).
+
+- ``native`` — unchanged (the model's dtype; ReaLB's BF16 baseline).
+- ``fp8`` — FP8 E4M3 (the ``e4m3fn`` variant: max 448, no infinities), symmetric, one FP32
+  scale = amax / 448 per tensor (``axis=None``) or per slice along ``axis`` (e.g. ``axis=-1``:
+  one scale per row = per output channel of a weight ``[out, in]``, per token of activations
+  ``[tokens, hidden]``); values are scaled, saturated to ±448 and rounded to the nearest E4M3
+  value (ties to even: PyTorch's cast).
+- ``nvfp4`` — NVFP4 (NVIDIA's Blackwell format; seed 004 App. "Quantization Details"): values
+  in E2M1 (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in contiguous groups of 16 along the last axis, each
+  group with an FP8 E4M3 scale, and one FP32 global scale per tensor. With amax the tensor's
+  largest magnitude: global = amax / (448 · 6); each group's scale = its amax / 6 / global,
+  saturated to [0, 448] and rounded to E4M3; a value becomes round_E2M1(x / (scale · global))
+  (nearest, ties to the even mantissa; ±6 at most) and dequantises to q · scale · global. A
+  last group shorter than 16 is its own group. All-zero groups stay zero.
+
+Invariants (tested): ``native`` is the identity; an exactly representable input comes back
+unchanged; the error of ``nvfp4`` is at most half a quantisation step of each group; results
+are deterministic. Hand-computed vectors are in ``tests/test_precision.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workbench.errors import InputError
+
+#: the registry's names (the ``precision`` knobs of ReaLB choose from these)
+PRECISIONS = ("native", "fp8", "nvfp4")
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+NVFP4_GROUP = 16
+#: the non-negative E2M1 values, ascending
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: bits per value of each precision (weights; NVFP4 adds an 8-bit scale per 16 values)
+BITS = {"native": None, "fp8": 8, "nvfp4": 4 + 8 / NVFP4_GROUP}
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest E4M3 value, saturated to ±448 (float32 out)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest E2M1 value, ties to the even mantissa, saturated
+    to ±6."""
+    a = x.abs().clamp(max=FP4_MAX)
+    # between consecutive E2M1 values the step is 0.5 below 2, 1 in [2, 4), 2 in [4, 6]
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    # torch.round sends halves to the even integer; on every step's grid an even multiple is
+    # a value with mantissa 0 (0, 1 | 2 | 4) and an odd one mantissa 1 (0.5, 1.5 | 3 | 6), so
+    # ties go to the even mantissa, as the format's round-to-nearest-even does (a tie at a
+    # binade's edge, 1.75 or 3.5, lies below it and rounds up to the edge's mantissa-0 value)
+    q = torch.round(a / step) * step
+    return torch.sign(x) * q
+
+
+def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> torch.Tensor:
+    """Quantise ``x`` to ``precision`` and back (module docstring); same dtype and shape.
+
+    ``axis`` (``fp8`` only): None — one scale for the tensor; an int — one scale per slice
+    along that axis (``-1``: per row). ``nvfp4`` groups the last axis by 16."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                         f"{precision!r}")
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if not x.is_floating_point():
+        raise InputError(f"fake_quant needs a floating-point tensor, not {x.dtype}")
+    if precision == "native" or x.numel() == 0:
+        return x.clone()
+    dtype = x.dtype
+    xf = x.detach().to(torch.float32)
+    if not torch.isfinite(xf).all():
+        raise InputError("fake_quant needs finite values (the tensor holds NaN or ±inf)")
+    if precision == "fp8":
+        if axis is None:
+            amax = xf.abs().amax()
+        else:
+            amax = xf.abs().amax(dim=axis, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (_to_e4m3(xf / scale) * scale).to(dtype)
+    if axis is not None:
+        raise InputError("nvfp4 groups the last axis by 16: axis is not a setting of it")
+    amax = xf.abs().amax()
+    if amax == 0:
+        return torch.zeros_like(x)
+    glob = amax / (FP8_MAX * FP4_MAX)
+    n = xf.shape[-1]
+    pad = (-n) % NVFP4_GROUP
+    flat = xf.reshape(-1, n)
+    if pad:  # the last, shorter group: padded with zeros (they change no group's amax)
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    g = flat.reshape(flat.shape[0], -1, NVFP4_GROUP)
+    g_amax = g.abs().amax(-1, keepdim=True)
+    scale = _to_e4m3((g_amax / FP4_MAX / glob).clamp(0.0, FP8_MAX))
+    denom = scale * glob
+    q = torch.where(denom > 0, _round_e2m1(g / torch.where(denom > 0, denom, 1.0)), 0.0)
+    out = (q * denom).reshape(flat.shape[0], -1)[:, :n]
+    return out.reshape(xf.shape).to(dtype)
+
+
+__all__ = ["PRECISIONS", "fake_quant", "E2M1_VALUES", "FP8_MAX", "FP4_MAX", "NVFP4_GROUP",
+           "BITS"]
