@@ -14,32 +14,34 @@ def test_native_is_the_identity_and_keeps_dtype():
     assert y.dtype == torch.bfloat16 and torch.equal(x, y) and y is not x
 
 
+# A tensor whose amax is 5.25 has the global scale 5.25 / (448 · 6) = 2⁻⁹ exactly; a group
+# whose amax is 3 then has the scale 3 / 6 / 2⁻⁹ = 256 (a power of two, exact in E4M3), so
+# its values are exactly 2x in units (scale · global = 0.5): ties are exact ties.
+ANCHOR = torch.full((16,), 5.25)  # its own group: scale 448, unit 448 · 2⁻⁹ = 0.875
+
+
 def test_e2m1_rounding_hand_computed():
-    """A group whose amax is 6·448·global ⇒ scale 448 (E4M3 max), global = amax/(448·6): the
-    values divided by scale·global are the inputs themselves in units of amax/6."""
-    amax = 6.0
-    # in units where scale·global = 1 (amax = 6): E2M1 grid points, ties and saturation
-    x = torch.tensor([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, -0.3, -2.9, 4.4,
-                       0.0, 1.0, -6.0, 0.74]])
-    want = torch.tensor([[6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -3.0, 4.0,
-                          0.0, 1.0, -6.0, 0.5]])
-    assert x.abs().max() == amax
-    torch.testing.assert_close(fake_quant(x, "nvfp4"), want, rtol=0, atol=1e-6)
+    x = torch.tensor([3.0, 0.125, 0.375, 0.625, 0.875, 1.25, 1.75, 2.5, 2.75, -0.15, -1.45,
+                      2.2, 0.0, 0.5, -3.0, 0.37])
+    # in units of 0.5: 6 | .25→0 | .75→1 | 1.25→1 | 1.75→2 | 2.5→2 | 3.5→4 | 5→4 | 5.5→6 |
+    # −.3→−.5 | −2.9→−3 | 4.4→4 | 0 | 1 | −6 | .74→.5 (ties to the even mantissa)
+    units = torch.tensor([6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -3.0, 4.0, 0.0,
+                          1.0, -6.0, 0.5])
+    y = fake_quant(torch.cat([ANCHOR, x])[None], "nvfp4")[0]
+    assert torch.equal(y[:16], ANCHOR)
+    assert torch.equal(y[16:], units * 0.5)
 
 
 def test_nvfp4_group_scales_are_e4m3():
-    """Two groups: the first's amax sets the global scale (its scale is 448); the second's
-    scale is its amax / 6 / global rounded to E4M3 — hand-computed: amax 1.0 vs 6.0 ⇒
-    1/6 · 448·6/6 = 74.67 → E4M3 72 (step 8 in [64, 128)), so its unit is 72·6/(448·6)."""
-    g1 = torch.full((16,), 6.0)
-    g2 = torch.linspace(-1.0, 1.0, 16)
-    y = fake_quant(torch.cat([g1, g2])[None], "nvfp4")[0]
-    assert torch.equal(y[:16], g1)
-    unit = 72.0 * 6.0 / (448.0 * 6.0)  # scale · global of group 2
-    q = torch.round(g2 / unit * 1e6) / 1e6  # what each value is in units of the group
+    """A group of amax 0.875: its scale 0.875 / 6 / 2⁻⁹ = 74.67 rounds to the E4M3 value 72
+    (step 8 in [64, 128)), so its unit is 72 · 2⁻⁹; its values are the nearest E2M1 points."""
+    g2 = torch.linspace(-0.875, 0.875, 16)
+    y = fake_quant(torch.cat([ANCHOR, g2])[None], "nvfp4")[0]
+    unit = 72.0 * 2.0 ** -9
     grid = torch.tensor(E2M1_VALUES)
-    nearest = grid[(q.abs()[:, None] - grid).abs().argmin(1)]  # no ties in these values
-    torch.testing.assert_close(y[16:], torch.sign(g2) * nearest * unit, rtol=0, atol=1e-6)
+    q = (g2 / unit).abs()
+    nearest = grid[(q[:, None] - grid).abs().argmin(1)]  # no ties among these values
+    torch.testing.assert_close(y[16:], torch.sign(g2) * nearest * unit, rtol=0, atol=1e-7)
 
 
 def test_nvfp4_error_bound_shape_and_short_last_group():
@@ -51,13 +53,14 @@ def test_nvfp4_error_bound_shape_and_short_last_group():
     for row in range(5):
         for a in range(0, 37, 16):
             g = x[row, a:a + 16]
-            scale = (g.abs().max() / 6 / glob).clamp(max=448).to(torch.float8_e4m3fn).float()
+            scale = (g.abs().max() / 6 / glob).clamp(2 ** -6, 448).to(
+                torch.float8_e4m3fn).float()
             unit = float(scale * glob)
-            # half the widest E2M1 step (2) of the group's unit, beyond which values saturate
+            # at most half the widest E2M1 step (2 units), plus what saturation at 6 cuts off
             err = (y[row, a:a + 16] - g).abs()
-            assert bool((err <= unit + 1e-6 + (g.abs() - 6 * unit).clamp(min=0)).all())
-    # representable values survive unchanged
-    exact = torch.tensor([[0.5, -1.5, 3.0, 6.0] * 4])
+            assert bool((err <= unit * (1 + 1e-5) + (g.abs() - 6 * unit).clamp(min=0)).all())
+    # values on the grid survive unchanged; all-zero stays zero
+    exact = torch.cat([ANCHOR, 0.5 * torch.tensor([0.5, -1.5, 3.0, 6.0] * 4)])[None]
     assert torch.equal(fake_quant(exact, "nvfp4"), exact)
     assert torch.equal(fake_quant(torch.zeros(2, 16), "nvfp4"), torch.zeros(2, 16))
 
@@ -90,7 +93,9 @@ def test_bad_input_is_refused_clearly():
 def test_against_torchao_when_installed():
     torchao = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor",
                                   reason="torchao (optional test dependency) is not installed")
-    x = torch.randn(4, 64)
-    ref = torchao.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=x.abs().max() / (448 * 6))
-    np.testing.assert_allclose(fake_quant(x, "nvfp4").numpy(),
-                               ref.to_dtype(torch.float32).numpy(), rtol=0, atol=1e-6)
+    torch.manual_seed(0)
+    for x in (torch.randn(4, 64), torch.randn(8, 128) * torch.logspace(-3, 2, 128),
+              torch.randn(3, 32) * 1e-4):
+        ref = torchao.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=x.abs().max() / (448 * 6))
+        np.testing.assert_array_equal(fake_quant(x, "nvfp4").numpy(),
+                                      ref.dequantize(torch.float32).numpy())

@@ -14,9 +14,11 @@ CPU (no FP4 matmul runs here: the *modeled* clock prices the speedup, never this
   in E2M1 (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in contiguous groups of 16 along the last axis, each
   group with an FP8 E4M3 scale, and one FP32 global scale per tensor. With amax the tensor's
   largest magnitude: global = amax / (448 · 6); each group's scale = its amax / 6 / global,
-  saturated to [0, 448] and rounded to E4M3; a value becomes round_E2M1(x / (scale · global))
-  (nearest, ties to the even mantissa; ±6 at most) and dequantises to q · scale · global. A
-  last group shorter than 16 is its own group. All-zero groups stay zero.
+  saturated to [2⁻⁶, 448] and rounded to E4M3; a value becomes round_E2M1(x · ((1 / global)
+  / scale)) (nearest, ties to the even mantissa; ±6 at most) and dequantises to q · (global ·
+  scale) — torchao's ``nvfp4_quantize`` numerics, equal to it value for value (tested when
+  torchao is installed). A last group shorter than 16 is its own group. All-zero groups stay
+  zero.
 
 Invariants (tested): ``native`` is the identity; an exactly representable input comes back
 unchanged; the error of ``nvfp4`` is at most half a quantisation step of each group; results
@@ -34,6 +36,8 @@ from workbench.errors import InputError
 #: the registry's names (the ``precision`` knobs of ReaLB choose from these)
 PRECISIONS = ("native", "fp8", "nvfp4")
 FP8_MAX = 448.0
+#: E4M3's smallest normal (2⁻⁶): the least an NVFP4 group scale may be
+E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)
 FP4_MAX = 6.0
 NVFP4_GROUP = 16
 #: the non-negative E2M1 values, ascending
@@ -99,10 +103,12 @@ def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> 
         flat = torch.nn.functional.pad(flat, (0, pad))
     g = flat.reshape(flat.shape[0], -1, NVFP4_GROUP)
     g_amax = g.abs().amax(-1, keepdim=True)
-    scale = _to_e4m3((g_amax / FP4_MAX / glob).clamp(0.0, FP8_MAX))
-    denom = scale * glob
-    q = torch.where(denom > 0, _round_e2m1(g / torch.where(denom > 0, denom, 1.0)), 0.0)
-    out = (q * denom).reshape(flat.shape[0], -1)[:, :n]
+    # the group scale, saturated to E4M3's normal range [2⁻⁶, 448] and rounded to it; the
+    # values scaled by the reciprocal of global × scale (NVIDIA's kernels and torchao compute
+    # it so: the last bit of a value can depend on it)
+    scale = _to_e4m3((g_amax / FP4_MAX / glob).clamp(E4M3_TINY, FP8_MAX))
+    q = _round_e2m1(g * ((1.0 / glob) / scale))
+    out = (q * (glob * scale)).reshape(flat.shape[0], -1)[:, :n]
     return out.reshape(xf.shape).to(dtype)
 
 
