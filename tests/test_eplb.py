@@ -76,3 +76,61 @@ def test_bad_sizes_are_refused(args, fragment):
     with pytest.raises(KnobError, match=None) as e:
         rebalance_experts(*args)
     assert fragment in str(e.value)
+
+
+def test_eplb_over_time_fits_on_the_past_and_balances_stationary_traffic():
+    from workbench.sim.eplb_replay import eplb_over_time
+
+    rng = np.random.default_rng(0)
+    S, L, E = 40, 2, 8
+    p = np.array([0.4, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])
+    counts = np.stack([[rng.multinomial(64, p) for _ in range(L)] for _ in range(S)])
+    r = eplb_over_time(counts, ranks=4, redundant=4, window=10, interval=10)
+    s = r.summary()
+    assert s["rebalances"] == 3 and [b["step"] for b in r.rebalances] == [10, 20, 30]
+    assert s["eplb_imbalance_after_first_fit"] < s["static_imbalance_after_first_fit"]
+    np.testing.assert_allclose(r.load.sum(-1), counts.sum(-1))  # every token served
+    # the plan serving steps 20…29 is the one fitted on steps 10…19, nothing later
+    phy2log, _, cnt = rebalance_experts(counts[10:20].sum(0).astype(float), 12, 1, 1, 4)
+    want = np.einsum("sle,leg->slg", counts[20:30].astype(float), replica_share(phy2log, cnt, 4))
+    np.testing.assert_allclose(r.load[20:30], want)
+    # the first plan moves every slot in; later plans only what changed
+    assert r.rebalances[0]["slots_moved"] == L * 12
+    assert all(b["slots_moved"] <= L * 12 for b in r.rebalances[1:])
+
+
+def test_eplb_over_time_cannot_foresee_a_shift():
+    """Traffic that moves from expert 0 to expert 7 at step 20: the plan fitted on steps
+    10…19 replicates expert 0 and serves the new traffic no better than it served the old."""
+    from workbench.sim.eplb_replay import eplb_over_time
+
+    S, L, E = 30, 1, 8
+    counts = np.ones((S, L, E)) * 2
+    counts[:20, 0, 0] = 40
+    counts[20:, 0, 7] = 40
+    r = eplb_over_time(counts, ranks=4, redundant=4, window=10, interval=10)
+    before = np.nanmean(r.eplb_imbalance[10:20])
+    after = np.nanmean(r.eplb_imbalance[20:30])
+    assert before < np.nanmean(r.static_imbalance[10:20]) and after > before
+    class Link:  # a 1 GB/s link with 1 ms latency
+        latency_s, bandwidth = 1e-3, 1e9
+    r = eplb_over_time(counts, 4, 4, 10, 10, expert_bytes=1e6, link=Link())
+    b = r.rebalances[0]
+    assert b["bytes"] == b["slots_moved"] * 1e6 and b["seconds"] == pytest.approx(1e-3 + 3e6 / 1e9)
+
+
+def test_ds_moe_eplb_on_a_run(embedded, tmp_path):
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=12, ignore_eos=True)
+    res = rt.run(workbench.batch(4, seed=2), store=tmp_path / "b.zarr", ep_ranks=4)
+    ds = workbench.open_run(res.store)
+    r = ds.moe.eplb(redundant=4, window=4, interval=4)
+    s = r.summary()
+    assert s["rebalances"] == 2 and s["bytes_moved"] > 0 and s["rebalance_s_modeled"] > 0
+    np.testing.assert_allclose(r.load.sum(-1), ds["routed_tokens"].sum(("expert", "modality")))
+    np.testing.assert_allclose(r.static_imbalance, ds.moe.ep_imbalance(4).values)
+    with pytest.raises(workbench.WorkbenchError, match="window must be a whole number"):
+        ds.moe.eplb(redundant=4, window=0)
+    with pytest.raises(KnobError, match="multiple of the 4 GPUs"):
+        ds.moe.eplb(redundant=3)

@@ -760,6 +760,33 @@ class MoEAccessor:
             coords=coords, attrs={"ranks": R, "placement": k.placement,
                                   "interconnect": k.interconnect, "clock": "modeled"})
 
+    def eplb(self, ranks: int | None = None, redundant: int = 0, window: int = 16,
+             interval: int = 8, num_groups: int = 1, num_nodes: int = 1):
+        """EPLB over this run (:func:`workbench.sim.eplb_replay.eplb_over_time`): a plan of
+        ``redundant`` extra expert slots per layer over ``ranks`` ranks (default the run's
+        ``ep_ranks``), refitted every ``interval`` steps on the last ``window`` steps' loads
+        and scored on the steps it serves; rebalances priced with the run's expert bytes on
+        its ``interconnect`` (*modeled*). Returns the :class:`EPLBResult` (its ``summary()``:
+        static vs EPLB imbalance, bytes moved, modeled rebalance time)."""
+        from types import SimpleNamespace
+
+        from workbench.replay.engine import _cost
+        from workbench.sim.eplb_replay import eplb_over_time
+        from workbench.sim.profiles import get_interconnect
+
+        k = self._ep_knobs(ranks, None)
+        for name, v, lo in (("redundant", redundant, 0), ("window", window, 1),
+                            ("interval", interval, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise InputError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
+        counts = self._ds["routed_tokens"].sum("modality").values
+        cost, _ = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), k.profile,
+                        k.target_model, None)
+        return eplb_over_time(counts, int(k.ep_ranks), int(redundant), int(window),
+                              int(interval), num_groups=num_groups, num_nodes=num_nodes,
+                              expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
+                              link=get_interconnect(k.interconnect))
+
     def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,
         balancedness, imbalance ratio, max rank load, per-rank shares, per modality, the
