@@ -99,3 +99,24 @@ def test_against_torchao_when_installed():
         ref = torchao.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=x.abs().max() / (448 * 6))
         np.testing.assert_array_equal(fake_quant(x, "nvfp4").numpy(),
                                       ref.dequantize(torch.float32).numpy())
+
+
+def test_profiles_price_low_precision_only_where_the_gpu_has_it():
+    from workbench.sim.profiles import get_profile
+
+    b200, h200, a100 = get_profile("b200"), get_profile("h200"), get_profile("a100-40gb")
+    flops, nbytes = 4e12, 2e9  # compute-bound on every profile
+    assert b200.supports("nvfp4") and b200.supports("fp8") and b200.supports("native")
+    assert h200.supports("fp8") and not h200.supports("nvfp4")
+    assert not a100.supports("fp8") and not a100.supports("nvfp4")
+    nat = b200.precision_compute_time(flops, nbytes, "native")
+    assert nat == b200.compute_time(flops, nbytes)
+    fp4 = b200.precision_compute_time(flops, nbytes, "nvfp4")
+    assert fp4 == pytest.approx(b200.kernel_overhead_s + flops / 9000e12)
+    # memory-bound: the weights' bytes shrink to 4.5 / 16
+    t = b200.precision_compute_time(1.0, 16e9, "nvfp4")
+    assert t == pytest.approx(b200.kernel_overhead_s + 4.5e9 / 7.7e12)
+    # no FP4 on Hopper, no FP8 on Ampere: priced as native, no invented speedup
+    assert h200.precision_compute_time(flops, nbytes, "nvfp4") == h200.compute_time(flops, nbytes)
+    assert a100.precision_compute_time(flops, nbytes, "fp8") == a100.compute_time(flops, nbytes)
+    assert h200.precision_compute_time(flops, nbytes, "fp8") < h200.compute_time(flops, nbytes)

@@ -127,6 +127,10 @@ class HardwareProfile:
     host_mem_bandwidth: float  # host memory bytes/s
     sources: tuple[str, ...]  # citations: datasheet names/URLs + where each figure comes from
     notes: str = ""  # assumptions and derivations, e.g. "link bandwidth = 80 % of theoretical"
+    #: dense FP8 / FP4 tensor FLOP/s; None: the GPU has no such tensor cores (then a
+    #: low-precision expert is priced as a native one: no speedup is invented)
+    fp8_flops: float | None = None
+    fp4_flops: float | None = None
 
     def __post_init__(self) -> None:
         owner = f"HardwareProfile({self.name!r})"
@@ -145,6 +149,9 @@ class HardwareProfile:
         _non_negative(owner, "link_latency_s", self.link_latency_s)
         _non_negative(owner, "kernel_overhead_s", self.kernel_overhead_s)
         _sources(owner, self.sources)
+        for name in ("fp8_flops", "fp4_flops"):
+            if getattr(self, name) is not None:
+                _positive(owner, name, getattr(self, name))
         if not isinstance(self.notes, str):
             raise ValueError(f"{owner}.notes must be a string, not {self.notes!r}")
 
@@ -169,6 +176,24 @@ class HardwareProfile:
         return self.kernel_overhead_s + max(
             work / self.device_flops, traffic / self.device_mem_bandwidth
         )
+
+    def supports(self, precision: str) -> bool:
+        """Whether the GPU has tensor cores of ``precision`` (``native`` always)."""
+        return precision == "native" or {"fp8": self.fp8_flops,
+                                         "nvfp4": self.fp4_flops}.get(precision) is not None
+
+    def precision_compute_time(self, flops: float, nbytes: float, precision: str) -> float:
+        """:meth:`compute_time` of an op run in ``precision`` (``native``, ``fp8``,
+        ``nvfp4``): the precision's tensor rate, and ``nbytes`` (weights) scaled from 16 to
+        its bits (8; NVFP4 4.5 with its group scales). A precision the GPU lacks is priced as
+        native (:meth:`supports`): the profile says so rather than invent a speedup."""
+        if precision == "native" or not self.supports(precision):
+            return self.compute_time(flops, nbytes)
+        rate = self.fp8_flops if precision == "fp8" else self.fp4_flops
+        bits = 8.0 if precision == "fp8" else 4.0 + 8.0 / 16
+        work = _amount(f"{self.name}.compute_time", "flops", flops)
+        traffic = _amount(f"{self.name}.compute_time", "nbytes", nbytes) * bits / 16.0
+        return self.kernel_overhead_s + max(work / rate, traffic / self.device_mem_bandwidth)
 
     def host_compute_time(self, flops: float, nbytes: float) -> float:
         """Modeled seconds of one op run on the host CPU (GPU-CPU hybrid mode), roofline.
@@ -353,10 +378,12 @@ _H200 = HardwareProfile(
     kernel_overhead_s=_CUDA_KERNEL_OVERHEAD,
     host_flops=56 * 2.0e9 * 1024,
     host_mem_bandwidth=8 * 4800e6 * 8,
+    fp8_flops=1979 * _TFLOPS,
     sources=(
         "NVIDIA H200 Tensor Core GPU product page / datasheet "
         "(https://www.nvidia.com/en-us/data-center/h200/): H200 SXM BF16 Tensor Core 1,979 TFLOPS "
-        "with sparsity (989 dense), 141 GB HBM3e, 4.8 TB/s",
+        "with sparsity (989 dense), FP8 Tensor Core 3,958 TFLOPS with sparsity (1,979 dense), "
+        "141 GB HBM3e, 4.8 TB/s; Hopper has no FP4 tensor cores",
         "MLPerf Inference v4.1, NVIDIA H200-SXM-141GBx8 system description "
         "(https://raw.githubusercontent.com/mlcommons/inference_results_v4.1/main/closed/NVIDIA/"
         "systems/H200-SXM-141GBx8_TRT_MaxQ.json): accelerator_host_interconnect 'PCIe Gen5 x16', "
@@ -440,8 +467,43 @@ _JETSON_ORIN_32GB = HardwareProfile(
     "(DERIVED with the per-SM rate of the 64GB module) and the CPU has 8 cores.",
 )
 
+_B200 = HardwareProfile(
+    name="b200",
+    label="NVIDIA B200 (HGX/DGX B200, 180 GB; PCIe 5.0 x16 host link)",
+    device_memory_bytes=180 * _GiB,
+    device_flops=2250 * _TFLOPS,
+    device_mem_bandwidth=7.7e12,
+    link="PCIe 5.0 x16",
+    link_bandwidth=_PCIE_EFFICIENCY * _PCIE5_X16,
+    link_latency_s=_PCIE_TRANSFER_LATENCY,
+    kernel_overhead_s=_CUDA_KERNEL_OVERHEAD,
+    host_flops=56 * 2.1e9 * 1024,
+    host_mem_bandwidth=8 * 5600e6 * 8,
+    fp8_flops=4500 * _TFLOPS,
+    fp4_flops=9000 * _TFLOPS,
+    sources=(
+        "NVIDIA Blackwell datasheet, 'Individual Blackwell GPU Specifications', HGX B200 "
+        "column (https://nvdam.widen.net/s/wwnsxrhm2w/blackwell-datasheet-3384703): FP4 Tensor "
+        "Core 18 PFLOPS, FP8/FP6 9 PFLOPS, FP16/BF16 4.5 PFLOPS - all with sparsity ('dense is "
+        "one-half'); 180 GB HBM3e, 7.7 TB/s; NVLink 5 1.8 TB/s; PCIe Gen5 128 GB/s",
+        "NVIDIA DGX B200 product page (https://www.nvidia.com/en-us/data-center/dgx-b200/): 8 "
+        "GPUs, 1,440 GB GPU memory, 2 Intel Xeon Platinum 8570 processors (112 cores)",
+        "NVIDIA PTX ISA (https://docs.nvidia.com/cuda/parallel-thread-execution/): FP4 (E2M1 "
+        "with block scales, NVFP4) tensor MMA, tcgen05.mma .kind::mxf4nvf4, on sm_100a "
+        "(Blackwell) only",
+        _SRC_PCIE,
+    ),
+    notes=_NOTE_COMMON
+    + " The datasheet figures were read from its verbatim quotes in public repositories (the "
+    "pages themselves were not reachable from the machine that wrote this profile). Dense "
+    "rates are half the printed sparse ones. The DGX page says 'up to 8 TB/s' of HBM per GPU; "
+    "the datasheet's 7.7 TB/s is used. Host CPU: one Xeon Platinum 8570 socket of the DGX "
+    "B200 (56 cores); host_flops = 56 x 2.1 GHz (base, ASSUMED) x 1024 BF16 FLOP/cycle (AMX), "
+    "a theoretical peak; host_mem_bandwidth = 8 channels x DDR5-5600 x 8 B (ASSUMED).",
+)
+
 PROFILES: dict[str, HardwareProfile] = {
-    p.name: p for p in (_A100_40GB, _RTX_3090, _H200, _JETSON_ORIN, _JETSON_ORIN_32GB)
+    p.name: p for p in (_A100_40GB, _RTX_3090, _H200, _B200, _JETSON_ORIN, _JETSON_ORIN_32GB)
 }
 
 # ---------------------------------------------------------------------------------------------
