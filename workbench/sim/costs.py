@@ -122,6 +122,25 @@ class Prices:
             return 0.0
         return self.profile.compute_time(tokens * c.expert_flops_per_token, c.expert_bytes)
 
+    def expert_in(self, precision: str):
+        """``expert`` priced in ``precision`` (``native``, ``fp8``, ``nvfp4``): a function of
+        the token count, memoised (:meth:`HardwareProfile.precision_compute_time`: a
+        precision the profile lacks costs what native does)."""
+        if precision == "native":
+            return self.expert
+        memo = self.__dict__.setdefault("_expert_in", {})
+        if precision not in memo:
+            c = self.cost
+
+            def price(tokens: int) -> float:
+                if c is None:
+                    return 0.0
+                return self.profile.precision_compute_time(
+                    tokens * c.expert_flops_per_token, c.expert_bytes, precision)
+
+            memo[precision] = functools.lru_cache(maxsize=4096)(price)
+        return memo[precision]
+
     def _host(self, tokens: int) -> float:
         return host_expert_time(self.profile, self.cost, tokens) if self.cost is not None else 0.0
 

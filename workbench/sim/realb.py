@@ -1,0 +1,130 @@
+"""ReaLB's controller (issue 15 §2; seed 004): which expert-parallel ranks run their experts in
+low precision, per MoE layer, from the layer's per-rank load — torch-free, the same live and on
+traces.
+
+Per MoE layer with per-rank loads ``Load_d`` (routed assignments) and vision ratios ``R_vd``
+(the share of a rank's assignments that are visual tokens):
+
+- IB_d = Load_d / mean_d Load_d, IB_global = max_d IB_d;
+- the **LB gate**: nothing switches unless the layer's aggregate load Σ_d Load_d exceeds Γ
+  (``gate``; the paper: 2048 = 256 per rank × 8 ranks);
+- a **hotspot** rank (IB_d > C, C = 1) whose R_vd > M_d runs its experts in the low precision;
+  every other rank stays native;
+- **AIMD** on M_d, per (layer, rank), starting at 0.9, after each gated decision: if
+  IB_global > τ (1.5) then M_d ← 0.5·M_d, else M_d ← min(1, M_d + 0.1).
+
+Variants (``mode``): ``realb`` (the above); ``fixed`` (M_d held at ``fixed_m``: ReaLB-m1 is
+0, ReaLB-m2 0.7); ``all`` (every rank low, every layer: FP4-All); ``none`` (every rank native).
+M_d is kept per (layer, rank) — the decisions are per MoE layer, and a layer's ranks see their
+own traffic (the paper's Fig. 9 plots one layer's ranks); say so where it matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MODES = ("none", "all", "realb", "fixed")
+
+
+@dataclass
+class ReaLBDecision:
+    """One layer's decision: ``low`` bool [R] (ranks in low precision), ``ib`` [R] (IB_d),
+    ``ib_global``, ``vision`` [R] (R_vd), ``m`` [R] (M_d used), ``gated`` (the gate let it
+    act)."""
+
+    low: np.ndarray
+    ib: np.ndarray
+    ib_global: float
+    vision: np.ndarray
+    m: np.ndarray
+    gated: bool
+
+
+class ReaLB:
+    """The controller's state over a run: M_d per (layer, rank) (module docstring)."""
+
+    def __init__(self, layers: int, ranks: int, mode: str = "realb", *, c: float = 1.0,
+                 tau: float = 1.5, m0: float = 0.9, decrease: float = 0.5,
+                 increase: float = 0.1, gate: float = 0.0, fixed_m: float = 0.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"ReaLB mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode, self.c, self.tau = mode, float(c), float(tau)
+        self.decrease, self.increase, self.gate = float(decrease), float(increase), float(gate)
+        start = float(fixed_m) if mode == "fixed" else float(m0)
+        self.m = np.full((layers, ranks), start)
+
+    def decide(self, layer: int, load: np.ndarray, visual: np.ndarray) -> ReaLBDecision:
+        """The decision for one MoE layer call: ``load`` [R] assignments per rank, ``visual``
+        [R] the visual ones among them. Updates M_d (``realb`` mode, when gated)."""
+        load = np.asarray(load, np.float64)
+        R = len(load)
+        total = float(load.sum())
+        mean = total / R if R else 0.0
+        ib = load / mean if mean > 0 else np.zeros(R)
+        ib_global = float(ib.max()) if R else 0.0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            vision = np.where(load > 0, np.asarray(visual, np.float64) / load, 0.0)
+        m = self.m[layer].copy()
+        gated = total > self.gate
+        if self.mode == "none" or not gated:
+            low = np.zeros(R, bool)
+        elif self.mode == "all":
+            low = load > 0
+        else:
+            low = (ib > self.c) & (vision > m)
+        if self.mode == "realb" and gated:
+            if ib_global > self.tau:
+                self.m[layer] *= self.decrease
+            else:
+                self.m[layer] = np.minimum(1.0, self.m[layer] + self.increase)
+        return ReaLBDecision(low=low, ib=ib, ib_global=ib_global, vision=vision, m=m,
+                             gated=gated)
+
+
+def realb_over_time(counts: np.ndarray, visual: np.ndarray, rank_of_expert: np.ndarray,
+                    ranks: int, controller: ReaLB, price_native, price_low,
+                    hidden_phase_s: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Run ``controller`` over per-(step, layer, expert) routed ``counts`` and their ``visual``
+    part ([S, L, E]): per (step, layer) the ranks' loads, the decision, and the modeled compute
+    of every rank — each expert priced by ``price_native(n)`` or ``price_low(n)`` (its
+    rank's precision) — and the slowest rank's, native vs with the decisions. Returns arrays
+    ``low`` [S, L, R], ``m`` [S, L, R], ``ib_global`` [S, L], ``gated`` [S, L],
+    ``compute_native_s`` / ``compute_s`` [S, L] (slowest rank), all *modeled* times."""
+    counts = np.asarray(counts, np.int64)
+    visual = np.asarray(visual, np.int64)
+    S, L, E = counts.shape
+    owner = np.zeros((E, ranks))
+    owner[np.arange(E), rank_of_expert] = 1.0
+    load = counts @ owner  # [S, L, R]
+    vis = visual @ owner
+    native_e = _priced(price_native, counts)
+    low_e = _priced(price_low, counts)
+    native_r = native_e @ owner
+    low_r = low_e @ owner
+    out = {k: np.zeros((S, L, ranks)) for k in ("low", "m")}
+    out.update({k: np.zeros((S, L)) for k in ("ib_global", "gated", "compute_native_s",
+                                              "compute_s")})
+    for s in range(S):
+        for l in range(L):
+            d = controller.decide(l, load[s, l], vis[s, l])
+            out["low"][s, l], out["m"][s, l] = d.low, d.m
+            out["ib_global"][s, l], out["gated"][s, l] = d.ib_global, d.gated
+            per_rank = np.where(d.low, low_r[s, l], native_r[s, l])
+            out["compute_native_s"][s, l] = native_r[s, l].max() if ranks else 0.0
+            out["compute_s"][s, l] = per_rank.max() if ranks else 0.0
+    out["low"] = out["low"].astype(bool)
+    out["gated"] = out["gated"].astype(bool)
+    return out
+
+
+def _priced(price, counts: np.ndarray) -> np.ndarray:
+    """``price(n)`` of every count, 0 where nothing was routed (one call per distinct n)."""
+    flat = counts.reshape(-1)
+    uniq, inv = np.unique(flat, return_inverse=True)
+    vals = np.array([price(int(n)) if n > 0 else 0.0 for n in uniq])
+    return vals[inv].reshape(counts.shape)
+
+
+__all__ = ["MODES", "ReaLB", "ReaLBDecision", "realb_over_time"]
