@@ -161,7 +161,8 @@ def test_cli_batch(capsys, tmp_path):
     ([], "give one of --prompt"),
     (["--batch", "2", "--image", "a.png"], "--image goes with --prompt"),
     (["--batch", "0"], "from 1 to 256 requests, not 0"),
-    (["--input", "|"], "has an empty prompt"),
+    (["--input", "  "], "has an empty prompt"),
+    (["--input", "x.png|  "], "has an empty prompt"),
 ])
 def test_cli_bad_batches_exit_2(capsys, args, fragment):
     from workbench.cli import main
@@ -226,3 +227,25 @@ def test_sweep_point_runs_a_batch(tmp_path):
     assert len(out["result"]["batch"]) == 3
     with pytest.raises(InputError, match="from 1 to 256"):
         inp.batched(0)
+
+
+def test_review_mends_for_batches(rt, tmp_path):
+    """Padding never decides a prefetch (a batch store replays to its live counters with a
+    speculative prefetcher); a text prompt may hold '|'; the lookahead predictor, which reads
+    one request's image summary, is refused with a batch."""
+    from workbench.analysis.sweep import SweepInput
+    from workbench.replay import replay_trace
+
+    store = tmp_path / "spec.zarr"
+    rt.run(mixed_batch(4, seed=9), store=store, prefetch="speculative")
+    ds = workbench.open_run(store)
+    res = replay_trace(ds)
+    np.testing.assert_array_equal(res.hits, ds["hits"].values)
+    np.testing.assert_array_equal(res.prefetch_loads, ds["prefetches"].values)
+    assert SweepInput.parse("what is 1|2?").prompt == "what is 1|2?"
+    assert SweepInput.parse("a.png,b.jpg|what?").images == ("a.png", "b.jpg")
+    from workbench.runtime.session import RunSession
+
+    # (a run checks its predictor first: the session refuses a batch whatever the folder holds)
+    with pytest.raises(InputError, match="lookahead predictor"):
+        RunSession(rt, rt.knobs.copy(prefetch="vismmoe"), [Request("a"), Request("b")])

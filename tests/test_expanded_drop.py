@@ -77,3 +77,17 @@ def test_live_expanded_drop_and_replay_refusal(embedded, tmp_path):
     plain = Trace(topk_ids=tr.topk_ids, token_step=tr.token_step, num_experts=tr.num_experts)
     with pytest.raises(KnobError, match="needs every expert's router probability"):
         replay_trace(plain, dispatch="capacity-expanded", capacity_factor=2.0)
+
+
+def test_an_expanded_drop_store_replays_with_its_own_knobs(embedded, tmp_path):
+    """The store's k widens past E with one rank (k + E): replay needs at most E slots at a
+    time, so the run's own cache size replays (review finding)."""
+    from workbench.replay import replay_trace
+
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    res = rt.run("describe the scene.", images=["data/demo/scene_1.png"],
+                 store=tmp_path / "ce.zarr", dispatch="capacity-expanded", cache_slots=64)
+    ds = workbench.open_run(res.store)
+    assert ds.sizes["k"] > 64
+    r = replay_trace(ds)
+    np.testing.assert_array_equal(r.hits, ds["hits"].values)

@@ -374,3 +374,17 @@ def test_replay_view_shows_the_traces_ep_load(macs_run, tmp_path):
     assert study(tr, ["lru"], points=3, ep=(1, "contiguous")).ep is None
     bad = study(tr, ["lru"], points=3, ep=(65, "contiguous"))
     assert isinstance(bad, type(st)) and "ep_ranks" in bad.ep
+
+
+def test_calibration_centroids_must_fit_the_model(embedded, tmp_path):
+    cal = calibrate(embedded, calibration_requests(4, seed=2))
+    bad = type(cal)(**{**cal.__dict__, "centroids": cal.centroids[..., :7]})
+    out = save(bad, tmp_path / "narrow")
+    with pytest.raises(InputError, match="centroids have 7 features, this model's MoE input "
+                                         "has 64"):
+        load(out, 12, 64, embedded.config_hash, hidden_size=64)
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    with pytest.raises(InputError, match="centroids have 7 features"):
+        rt.run("count from 1 to 3.", record=False, dispatch="macs", macs_calibration=str(out))
+    with pytest.raises(InputError, match="cannot write the MACS calibration"):
+        save(cal, "/proc/self/macs", overwrite=True)

@@ -94,7 +94,10 @@ class ModelShape:
         ``num_experts`` / ``expert_bytes`` attributes (a model's MoE layout, a trace)."""
         eb = expert_bytes if expert_bytes is not None else getattr(layout, "expert_bytes", None)
         ne = getattr(layout, "num_experts", None)
-        return cls(num_layers=int(layout.num_layers), top_k=int(layout.top_k),
+        # a layer routes at most E distinct experts: a trace wider than E per token (Expanded
+        # Drop adds a rank's experts to the top-k) needs no more than E slots at a time
+        k = int(layout.top_k) if ne is None else min(int(layout.top_k), int(ne))
+        return cls(num_layers=int(layout.num_layers), top_k=k,
                    num_experts=None if ne is None else int(ne),
                    expert_bytes=None if eb is None else int(eb))
 

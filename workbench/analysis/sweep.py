@@ -86,16 +86,29 @@ class SweepInput:
 
     @classmethod
     def parse(cls, text: str) -> "SweepInput":
-        """``"PROMPT"`` or ``"IMAGE[,IMAGE…]|PROMPT"`` (the CLI's ``--input``)."""
+        """``"PROMPT"`` or ``"IMAGE[,IMAGE…]|PROMPT"`` (the CLI's ``--input``). The part
+        before the first ``|`` is taken for images only when each of its comma-separated
+        names is an existing file or ends in an image suffix; otherwise the whole text is the
+        prompt (a text prompt may contain ``|``)."""
+        images, prompt = (), text
         if "|" in text:
-            imgs, prompt = text.split("|", 1)
-            images = tuple(i.strip() for i in imgs.split(",") if i.strip())
-        else:
-            images, prompt = (), text
+            imgs, rest = text.split("|", 1)
+            names = tuple(i.strip() for i in imgs.split(",") if i.strip())
+            if names and all(_looks_like_image(n) for n in names):
+                images, prompt = names, rest
         if not prompt.strip():
             raise InputError(f"--input {text!r} has an empty prompt; use 'IMAGE|PROMPT' or 'PROMPT'")
         name = (Path(images[0]).stem + ": " if images else "") + prompt.strip()
         return cls(name=name, prompt=prompt.strip(), images=images)
+
+
+#: suffixes that make the part before ``|`` of an input an image list
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".ppm",
+                  ".mpo")
+
+
+def _looks_like_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_SUFFIXES) or Path(name).is_file()
 
 
 def demo_inputs(n: int = 2) -> list[SweepInput]:

@@ -35,6 +35,9 @@ WEIGHTS = "macs.safetensors"
 CONFIG = "macs.json"
 #: largest macs.json read (a real one is under a kilobyte)
 MAX_CONFIG_BYTES = 1 << 20
+#: most centroid features read (a 10⁵-wide hidden state is far beyond any model here; a
+#: header claiming more is refused before its data is read)
+MAX_CENTROID_FEATURES = 1 << 16
 #: seed of the calibration requests by default (disjoint from the held-out and demo seeds)
 CALIBRATION_SEED = 20_251_126
 _TENSORS = {"classes": ("I8", 2), "delta": ("F32", 2), "freq_visual": ("F32", 2),
@@ -171,12 +174,22 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
 def save(cal: MacsCalibration, out: str | Path, overwrite: bool = False) -> Path:
     """Write ``cal`` into folder ``out`` (created); an existing calibration there is replaced
     only with ``overwrite`` (each file written to a temporary name, then renamed)."""
-    from safetensors.numpy import save_file
-
     out = Path(out)
     if (out / CONFIG).exists() and not overwrite:
         raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite "
                          f"(overwrite=True) to replace it")
+    from safetensors import SafetensorError
+
+    try:
+        return _save(cal, out)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise InputError(f"cannot write the MACS calibration to {str(out)!r}: "
+                         f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _save(cal: MacsCalibration, out: Path) -> Path:
+    from safetensors.numpy import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"classes": cal.classes.astype(np.int8), "delta": cal.delta.astype(np.float32),
                "freq_visual": cal.freq_visual.astype(np.float32),
@@ -194,10 +207,11 @@ def save(cal: MacsCalibration, out: str | Path, overwrite: bool = False) -> Path
 
 
 def load(path: str | Path, num_layers: int | None = None, num_experts: int | None = None,
-         config_hash: str | None = None) -> MacsCalibration:
+         config_hash: str | None = None, hidden_size: int | None = None) -> MacsCalibration:
     """The calibration in folder ``path``, checked (module docstring) and against a model of
-    ``num_layers`` × ``num_experts`` (and ``config_hash``) when given; :class:`InputError`
-    naming the file and what is wrong otherwise."""
+    ``num_layers`` × ``num_experts`` (and ``config_hash``, and centroids of ``hidden_size``)
+    when given — all from the header, before any tensor is read; :class:`InputError` naming
+    the file and what is wrong otherwise."""
     from safetensors.numpy import load_file
 
     from workbench.errors import ModelLoadError
@@ -235,6 +249,13 @@ def load(path: str | Path, num_layers: int | None = None, num_experts: int | Non
     L, E = shapes["classes"]
     if any(shapes[n][:2] != (L, E) for n in _TENSORS):
         raise InputError(f"{where}: its tensors disagree on [layers, experts] = [{L}, {E}]")
+    D = shapes["centroids"][2]
+    if hidden_size is not None and D != hidden_size:
+        raise InputError(f"{where}: its centroids have {D} features, this model's MoE input "
+                         f"has {hidden_size}; calibrate it for this model")
+    if D > MAX_CENTROID_FEATURES:
+        raise InputError(f"{where}: its centroids have {D:,} features; at most "
+                         f"{MAX_CENTROID_FEATURES:,} are read")
     if (num_layers is not None and L != num_layers) or \
             (num_experts is not None and E != num_experts):
         raise InputError(f"{where} is for {L} layers × {E} experts; this model has "

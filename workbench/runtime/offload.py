@@ -285,6 +285,8 @@ class Offloader:
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
         real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
+        # what the next routers say of the real tokens only (padding must not prefetch)
+        pred_real = pred if mask is None or pred is None else pred[self._mask_np]
         self._note_routing(b.index, real_ids)
         if not pinned and self.active_evict is not None:
             self.active_evict.observe(b.index, real_ids)
@@ -294,10 +296,10 @@ class Offloader:
             step=self.probe.step, layer=b.index, experts=experts,
             compute_s=[p.expert(n) for n in tokens],
             dense_s=p.dense(int(real_ids.shape[0])),
-            prefetch=self._prefetch_candidates(b, pred),
+            prefetch=self._prefetch_candidates(b, pred_real),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
             host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
-            pre_evict=self._pre_evict_hook(b, pred, p_next)))
+            pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, experts, out)
         return self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
                              top_k_weights, args, kwargs)

@@ -93,6 +93,10 @@ class RunSession:
         self.on_token, self.stop = on_token, stop
         self.logits_processor = list(logits_processor or [])
         lm = runtime.lm
+        if len(self.requests) > 1 and runtime.uses_predictor(knobs):
+            raise InputError(f"the lookahead predictor (predictor / prefetch=vismmoe) reads one "
+                             f"request's image summary; a batch of {len(self.requests)} "
+                             f"requests needs it off (or run the requests one at a time)")
         if len(self.requests) > 1 and COMPRESSION.create(knobs.compression).prunes:
             raise InputError(f"compression={knobs.compression!r} prunes the visual tokens of "
                              f"one request; a batch of {len(self.requests)} requests needs "
@@ -170,7 +174,10 @@ class RunSession:
 
             lm = rt.lm
             path = k.macs_calibration or default_path(lm.path, lm.config_hash)
-            cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash)
+            cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
+            hidden = getattr(cfg, "hidden_size", None)
+            cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
+                       hidden_size=int(hidden) if hidden else None)
             pol.classes = cal.classes
             self.macs_calibration = cal
         return pol
