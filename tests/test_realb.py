@@ -52,3 +52,22 @@ def test_over_time_prices_the_slowest_rank_in_its_precision():
     np.testing.assert_allclose(out["compute_native_s"], native)
     others = np.stack([counts[..., 2 * r:2 * r + 2].sum(-1) for r in range(1, 4)], -1).max(-1)
     np.testing.assert_allclose(out["compute_s"], np.maximum(native / 4, others * 1e-6))
+
+
+def test_ds_moe_realb_on_a_batch(embedded, tmp_path):
+    """ReaLB over a recorded batch: FP4-All on B200 is faster than native (modeled), the
+    controller switches only hot visual ranks, a profile without FP4 prices no speedup."""
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=4)
+    res = rt.run(workbench.mixed_batch(4, text_share=0.5, seed=1), store=tmp_path / "b.zarr",
+                 ep_ranks=4, target_model="qwen3-vl-30b-a3b")
+    ds = workbench.open_run(res.store)
+    allfp4 = ds.moe.realb("all")
+    assert allfp4["supported"] and allfp4["speedup_modeled"] > 1.0 and allfp4["low_share"] > 0.9
+    r = ds.moe.realb("realb")
+    assert 0.0 <= r["low_share"] < allfp4["low_share"]
+    assert 1.0 <= r["speedup_modeled"] <= allfp4["speedup_modeled"] + 1e-12
+    assert ds.moe.realb("none")["speedup_modeled"] == pytest.approx(1.0)
+    h = ds.moe.realb("all", profile="h200")
+    assert not h["supported"] and h["speedup_modeled"] == pytest.approx(1.0)

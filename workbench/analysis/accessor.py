@@ -787,6 +787,46 @@ class MoEAccessor:
                               expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
                               link=get_interconnect(k.interconnect))
 
+    def realb(self, mode: str = "realb", ranks: int | None = None,
+              placement: str | None = None, precision: str = "nvfp4", profile: str = "b200",
+              gate: float = 0.0, **controller: Any) -> dict[str, Any]:
+        """ReaLB over this run's recorded routing (:func:`workbench.sim.realb.realb_over_time`;
+        *modeled*, nothing reruns): per (step, layer) the controller's decision from the
+        per-rank loads and vision ratios (``routed_tokens`` by modality), each rank's experts
+        priced in its precision on ``profile`` (default ``b200``, which has FP4), the slowest
+        rank native vs decided. ``mode``: ``realb``, ``fixed`` (``fixed_m=0`` ReaLB-m1, 0.7
+        m2), ``all`` (FP4-All), ``none``; ``controller``: ``c``, ``tau``, ``m0``, ``fixed_m``…
+        Returns the arrays and ``speedup_modeled`` (Σ native slowest / Σ decided slowest over
+        the MoE layers), ``low_share`` (of (step, layer, rank) cells in low precision) and
+        ``supported`` (whether the profile has the precision: else no speedup is priced)."""
+        from types import SimpleNamespace
+
+        from workbench.replay.engine import _cost
+        from workbench.sim.costs import Prices
+        from workbench.sim.placement import rank_of_expert
+        from workbench.sim.profiles import get_profile
+        from workbench.sim.realb import ReaLB, realb_over_time
+
+        k = self._ep_knobs(ranks, placement)
+        R = int(k.ep_ranks)
+        rt = self._ds["routed_tokens"]
+        counts = rt.sum("modality").values
+        visual = (rt.sum("modality") - rt.sel(modality="text", drop=True)).values \
+            if "text" in [str(m) for m in rt["modality"].values] else np.zeros_like(counts)
+        S, L, E = counts.shape
+        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), profile,
+                           k.target_model, None)
+        prices = Prices(get_profile(profile), cost)
+        out = realb_over_time(counts, visual, rank_of_expert(k.placement, E, R), R,
+                              ReaLB(L, R, mode, gate=gate, **controller), prices.expert,
+                              prices.expert_in(precision))
+        native, decided = float(out["compute_native_s"].sum()), float(out["compute_s"].sum())
+        out.update(speedup_modeled=native / decided if decided > 0 else None,
+                   low_share=float(out["low"].mean()) if out["low"].size else 0.0,
+                   supported=get_profile(profile).supports(precision), mode=mode,
+                   profile=profile, precision=precision, ranks=R)
+        return out
+
     def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,
         balancedness, imbalance ratio, max rank load, per-rank shares, per modality, the
