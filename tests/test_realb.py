@@ -71,3 +71,56 @@ def test_ds_moe_realb_on_a_batch(embedded, tmp_path):
     assert ds.moe.realb("none")["speedup_modeled"] == pytest.approx(1.0)
     h = ds.moe.realb("all", profile="h200")
     assert not h["supported"] and h["speedup_modeled"] == pytest.approx(1.0)
+
+
+def test_live_low_precision_splits_the_experts_exactly(embedded, tmp_path, monkeypatch):
+    """balance=fp4-all runs every expert apart, in low precision. With the quantiser made
+    the identity, that split path (offloaded slots and the pinned layer's own weights) gives
+    the native run exactly; with NVFP4 it changes what the layers compute, and every routed
+    (layer call, expert) ran in low precision."""
+    import workbench
+    import workbench.precision as precision
+
+    rt = workbench.Runtime(embedded, max_new_tokens=5, pinned_layers=1, cache_slots=64)
+    reqs = workbench.mixed_batch(3, text_share=0.34, seed=2)
+    nat = rt.run(reqs, store=tmp_path / "n.zarr", ep_ranks=4)
+    monkeypatch.setattr(precision, "fake_quant", lambda x, p="nvfp4", axis=None: x.clone())
+    ident = rt.run(reqs, store=tmp_path / "i.zarr", ep_ranks=4, balance="fp4-all")
+    monkeypatch.undo()
+    a, b = workbench.open_run(nat.store), workbench.open_run(ident.store)
+    assert ident.low_precision_runs > 0 and nat.low_precision_runs == 0
+    assert [r["token_ids"] for r in ident.batch] == [r["token_ids"] for r in nat.batch]
+    np.testing.assert_array_equal(a["topk_ids"].values, b["topk_ids"].values)
+    np.testing.assert_allclose(a["topk_weights"].values, b["topk_weights"].values, atol=1e-6)
+    q = rt.run(reqs, store=tmp_path / "q.zarr", ep_ranks=4, balance="fp4-all")
+    c = workbench.open_run(q.store)
+    accesses = int((c["hits"] + c["misses"] + c["pinned_accesses"]).sum())
+    assert q.low_precision_runs == accesses
+    n = min(c.sizes["token"], a.sizes["token"])
+    assert np.abs(c["topk_weights"].values[:n] - a["topk_weights"].values[:n]).max() > 1e-3
+
+
+def test_live_realb_decides_from_the_batch_and_prices_low_precision(embedded, monkeypatch):
+    import workbench
+    import workbench.precision as precision
+    from workbench.errors import KnobError
+    from workbench.replay import replay_trace
+    from workbench.traces import Trace
+
+    rt = workbench.Runtime(embedded, max_new_tokens=4, target_model="qwen3-vl-30b-a3b",
+                           profile="b200")
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=1)
+    m1 = rt.run(reqs, record=False, ep_ranks=4, balance="realb-m1")
+    allq = rt.run(reqs, record=False, ep_ranks=4, balance="fp4-all")
+    assert 0 < m1.low_precision_runs < allq.low_precision_runs
+    # the clock alone (the quantiser made the identity: the same routing either way)
+    monkeypatch.setattr(precision, "fake_quant", lambda x, p="nvfp4", axis=None: x.clone())
+    nat = rt.run(reqs, record=False, ep_ranks=4)
+    same = rt.run(reqs, record=False, ep_ranks=4, balance="fp4-all")
+    assert same.latency_modeled_s < nat.latency_modeled_s  # B200 has FP4 tensor cores
+    h = rt.run(reqs, record=False, ep_ranks=4, balance="fp4-all", profile="h200")
+    hn = rt.run(reqs, record=False, ep_ranks=4, profile="h200")
+    assert h.latency_modeled_s == pytest.approx(hn.latency_modeled_s)  # no FP4 on Hopper
+    tr = Trace(topk_ids=np.zeros((2, 1, 1), np.int16), token_step=np.arange(2), num_experts=4)
+    with pytest.raises(KnobError, match="runs experts in low precision live"):
+        replay_trace(tr, balance="realb", cache_slots=2)

@@ -311,6 +311,27 @@ class ExpertParallelKnobs(KnobGroup):
     min_capacity = param.Integer(
         default=1, bounds=(0, None), softbounds=(0, 16),
         doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")
+    # ReaLB (issue 15; workbench.sim.realb): low precision on overloaded, visual ranks
+    balance = param.Selector(
+        default="none", objects=["none", "fp4-all", "realb", "realb-m1", "realb-m2"],
+        doc="Rank balancing by precision (live): 'none'; 'fp4-all' runs every expert in "
+            "low_precision; 'realb' runs the experts of hot (IB_d > realb_c), visual (R_vd > "
+            "M_d) ranks in it, M_d by AIMD; 'realb-m1'/'realb-m2' hold M_d at 0 / 0.7.")
+    low_precision = param.Selector(
+        default="nvfp4", objects=["nvfp4", "fp8"],
+        doc="The low precision of balance (workbench.fake_quant: weights and activations "
+            "quantised → dequantised; priced with the profile's FP4/FP8 rate where it has one).")
+    realb_tau = param.Number(
+        default=1.5, bounds=(1.0, 100.0),
+        doc="ReaLB τ: M_d halves when the layer's IB_global exceeds it, else grows by 0.1.")
+    realb_c = param.Number(
+        default=1.0, bounds=(0.0, 100.0),
+        doc="ReaLB C: a rank is hot when its load exceeds C × the mean.")
+    realb_gate = param.Number(
+        default=0.0, bounds=(0.0, None), softbounds=(0.0, 4096.0),
+        doc="ReaLB Γ: act only when a layer call's routed assignments exceed it (paper: 2048 "
+            "= 256 × 8 ranks; the embedded model's batches of 8 make ≈ 2 400 in the prefill "
+            "and 32 per decode step).")
     # MACS (dispatch = macs; seed 002 §3, workbench.sim.macs)
     macs_delta = param.Number(
         default=1.5, bounds=(0.0, 100.0), softbounds=(0.0, 5.0),
@@ -355,6 +376,9 @@ class ExpertParallelKnobs(KnobGroup):
         if live and "trace" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "
                             f"(workbench replay); live runs take another")
+        if not live and self.balance != "none":
+            raise KnobError(f"balance={self.balance!r} runs experts in low precision live; in "
+                            f"replay use ds.moe.realb(...) (modeled) and balance='none'")
         if not live and "router" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} needs every expert's router "
                             f"probability, which a trace does not record: live runs only")

@@ -126,7 +126,9 @@ class Offloader:
                  lookahead_depth: int = 0, active_evict: ActiveEvict | None = None,
                  dynamic_topk: bool = False, k_max: int | None = None, prefetch=None,
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
-                 hybrid: bool | Callable[[int], bool] = False, dispatch=None) -> None:
+                 hybrid: bool | Callable[[int], bool] = False, dispatch=None,
+                 balance=None, rank_of_expert: np.ndarray | None = None,
+                 low_precision: str = "nvfp4") -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -144,6 +146,15 @@ class Offloader:
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
         self.dispatch = dispatch if dispatch is not None and dispatch.name != "topk" else None
+        #: ReaLB (``workbench.sim.realb.ReaLB``; None: every expert native): per layer call it
+        #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
+        #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
+        self.balance = balance
+        self.rank_of_expert = rank_of_expert
+        self.low_precision = low_precision
+        self._low: set[int] = set()  # this layer call's low-precision experts
+        #: (layer call, expert) computations run in low precision
+        self.low_precision_runs = 0
         #: (token, expert) assignments the router made, and those the dispatch dropped
         self.dispatch_assigned = 0
         self.dispatch_dropped = 0
@@ -292,9 +303,13 @@ class Offloader:
             self.active_evict.observe(b.index, real_ids)
         p = self.prices
         tokens = [ev.expert_tokens[e] for e in experts]
+        self._low = self._balance(b, real_ids, experts) if self.balance is not None else set()
+        ev.low_precision = sorted(self._low)
+        low_price = p.expert_in(self.low_precision) if self._low else p.expert
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=experts,
-            compute_s=[p.expert(n) for n in tokens],
+            compute_s=[(low_price if e in self._low else p.expert)(n)
+                       for e, n in zip(experts, tokens)],
             dense_s=p.dense(int(real_ids.shape[0])),
             prefetch=self._prefetch_candidates(b, pred_real),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
@@ -344,10 +359,19 @@ class Offloader:
             elif kind == "hits":
                 if out.pinned:
                     idx, w = top_k_index, top_k_weights
-                    if self._sentinels:  # the model's own forward: no sentinel ids
+                    low = sorted(self._low)
+                    if low:  # those experts run below, in low precision
+                        mine = torch.isin(idx, torch.as_tensor(low, device=idx.device))
+                        idx = idx.masked_fill(mine, b.num_experts)
+                    if self._sentinels or low:  # the model's own forward: no sentinel ids
                         gone = idx >= b.num_experts
                         idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
                     result = original(hidden_states, idx, w, *args, **kwargs)
+                    if low:
+                        own = {n: getattr(b.experts, n)[low] for n in b.expert_params}
+                        result = result + self._run_low(b, view, low, own, hidden_states,
+                                                        top_k_index, top_k_weights, args,
+                                                        kwargs)
                     continue
                 for e in out.hits:  # a prefetched expert computes once its copy has landed
                     self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
@@ -400,9 +424,55 @@ class Offloader:
                    top_k_weights: torch.Tensor, args: tuple, kwargs: dict,
                    all_routed: torch.Tensor | None = None) -> torch.Tensor:
         """``experts``' share of the layer output, over their ``slots`` gathered compactly
-        (``all_routed``: see :meth:`ExpertsView.__call__`)."""
-        return view(self.slots.gather(slots), experts, b.num_experts, hidden_states,
-                    top_k_index, top_k_weights, *args, all_routed=all_routed, **kwargs)
+        (``all_routed``: see :meth:`ExpertsView.__call__`); the ones ReaLB put in low
+        precision this call run apart (:meth:`_run_low`)."""
+        weights = self.slots.gather(slots)
+        low = [i for i, e in enumerate(experts) if e in self._low]
+        if not low:
+            return view(weights, experts, b.num_experts, hidden_states, top_k_index,
+                        top_k_weights, *args, all_routed=all_routed, **kwargs)
+        nat = [i for i in range(len(experts)) if i not in set(low)]
+        out = self._run_low(b, view, [experts[i] for i in low],
+                            {n: t[low] for n, t in weights.items()}, hidden_states,
+                            top_k_index, top_k_weights, args, kwargs)
+        if nat:
+            out = out + view({n: t[nat] for n, t in weights.items()},
+                             [experts[i] for i in nat], b.num_experts, hidden_states,
+                             top_k_index, top_k_weights, *args, **kwargs)
+        return out
+
+    def _run_low(self, b: MoEBlock, view: ExpertsView, experts: list[int],
+                 weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
+                 kwargs: dict) -> torch.Tensor:
+        """``experts``' share in ``low_precision``: each expert's weight tensors and the
+        layer's input quantised → dequantised (W4A4 for NVFP4, W8A8 for FP8), then the model's
+        own experts forward."""
+        from workbench.precision import fake_quant
+
+        p = self.low_precision
+        q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
+             for n, t in weights.items()}
+        self.low_precision_runs += len(experts)
+        return view(q, experts, b.num_experts, fake_quant(hidden_states, p), top_k_index,
+                    top_k_weights, *args, **kwargs)
+
+    def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int]) -> set[int]:
+        """ReaLB's decision for this layer call: per-rank loads and visual assignments of the
+        real tokens → the experts of the ranks it puts in low precision."""
+        R = int(self.rank_of_expert.max()) + 1
+        ids = np.asarray(real_ids, np.int64)
+        mod = self._step_modality
+        if mod is not None and self._mask_np is not None:
+            mod = mod[self._mask_np]
+        vis_tok = (np.zeros(len(ids), bool) if mod is None or len(mod) != len(ids)
+                   else np.asarray(mod) != 0)
+        t, r = np.nonzero((ids >= 0) & (ids < len(self.rank_of_expert)))
+        owner = self.rank_of_expert[ids[t, r]]
+        load = np.bincount(owner, minlength=R).astype(np.float64)
+        visual = np.bincount(owner[vis_tok[t]], minlength=R).astype(np.float64)
+        d = self.balance.decide(b.index, load, visual)
+        return {e for e in experts if d.low[self.rank_of_expert[e]]}
 
     def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,
                      hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -49,6 +49,8 @@ class RunResult:
     dispatch_rerouted: int = 0
     #: Expanded Drop: (token, expert) pairs added beyond the router's top-k
     dispatch_added: int = 0
+    #: ReaLB (``balance`` ≠ none): (layer call, expert) computations run in low precision
+    low_precision_runs: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation
@@ -154,6 +156,11 @@ class RunResult:
                             if k.get("dispatch") == "macs" else "")
                          + (f", added {self.dispatch_added} beyond the top-k (expanded "
                             f"candidates)" if k.get("dispatch") == "capacity-expanded" else ""))
+        if k.get("balance", "none") != "none":
+            lines.append(f"balance {k.get('balance')} ({k.get('low_precision')}, emulated by "
+                         f"fake_quant): {self.low_precision_runs} expert computations in low "
+                         f"precision; priced at the {k.get('profile')} profile's rate where it "
+                         f"has one (modeled)")
         if self.store:
             lines.append(f"store: {self.store}")
         return "\n".join(lines)

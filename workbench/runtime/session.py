@@ -147,7 +147,7 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=self._dispatch())
+            dispatch=self._dispatch(), **self._balance())
         cal = self.macs_calibration
         if cal is not None and k.macs_reroute and k.macs_eta > 0:
             self.offloader.macs_centroids = torch.as_tensor(
@@ -161,6 +161,21 @@ class RunSession:
                 prefetcher.attach(self.predictor)
             if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
                 self.policy.attach(self.predictor)
+
+    def _balance(self) -> dict[str, Any]:
+        """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
+        k, lay = self.knobs, self.runtime.lm.layout
+        if k.balance == "none":
+            return {}
+        from workbench.sim.placement import rank_of_expert
+        from workbench.sim.realb import ReaLB
+
+        mode, fixed = {"fp4-all": ("all", 0.0), "realb": ("realb", 0.0),
+                       "realb-m1": ("fixed", 0.0), "realb-m2": ("fixed", 0.7)}[k.balance]
+        return {"balance": ReaLB(lay.num_layers, int(k.ep_ranks), mode, c=k.realb_c,
+                                 tau=k.realb_tau, gate=k.realb_gate, fixed_m=fixed),
+                "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
+                "low_precision": k.low_precision}
 
     def _dispatch(self):
         """The run's dispatch policy; MACS gets the model's calibration (expert classes for
@@ -256,7 +271,8 @@ class RunSession:
         self.valid = self._real_tokens(kwargs, args)
         ids = kwargs.get("input_ids", args[0] if args else None)
         lm = self.runtime.lm
-        if ids is not None and self.offloader.dispatch is not None:  # MACS reads them
+        if ids is not None and (self.offloader.dispatch is not None
+                                or self.offloader.balance is not None):  # MACS, ReaLB read them
             self.offloader.set_token_mask(
                 self.valid, modality_of(ids, lm.image_token_id, lm.video_token_id),
                 np.repeat(np.arange(ids.shape[0]), ids.shape[-1]) if ids.dim() > 1 else None)
@@ -361,7 +377,8 @@ class RunSession:
             dispatch_assigned=self.offloader.dispatch_assigned,
             dispatch_dropped=self.offloader.dispatch_dropped,
             dispatch_rerouted=self.offloader.dispatch_rerouted,
-            dispatch_added=self.offloader.dispatch_added)
+            dispatch_added=self.offloader.dispatch_added,
+            low_precision_runs=self.offloader.low_precision_runs)
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,

@@ -62,6 +62,8 @@ class LayerEvent:
     #: [T] float32 or None: MACS's semantic weight w(x) of each token at this layer (the
     #: effective load's units; None: every token weighs 1)
     token_weights: np.ndarray | None = None
+    #: experts ReaLB ran in low precision at this layer call (empty: none)
+    low_precision: list[int] = field(default_factory=list)
     stall_s: float = 0.0
 
 
