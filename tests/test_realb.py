@@ -124,3 +124,23 @@ def test_live_realb_decides_from_the_batch_and_prices_low_precision(embedded, mo
     tr = Trace(topk_ids=np.zeros((2, 1, 1), np.int16), token_step=np.arange(2), num_experts=4)
     with pytest.raises(KnobError, match="runs experts in low precision live"):
         replay_trace(tr, balance="realb", cache_slots=2)
+
+
+def test_the_store_records_which_experts_ran_in_low_precision(embedded, tmp_path):
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    reqs = workbench.mixed_batch(3, text_share=0.34, seed=2)
+    r = rt.run(reqs, store=tmp_path / "m1.zarr", ep_ranks=4, balance="realb-m1")
+    ds = workbench.open_run(r.store)
+    low = ds["low_precision"]
+    assert low.dims == ("step", "layer", "expert") and int(low.sum()) == r.low_precision_runs > 0
+    # a low expert was routed there
+    routed = ds["routed_tokens"].sum("modality").values > 0
+    assert not (low.values & ~routed).any()
+    plain = workbench.open_run(rt.run(reqs, store=tmp_path / "n.zarr").store)
+    assert not plain["low_precision"].values.any()
+    from pathlib import Path
+
+    old = workbench.open_run(Path(__file__).parent / "data" / "store_v3.zarr")
+    assert old["low_precision"].shape == old["resident"].shape and not old["low_precision"].any()

@@ -433,6 +433,11 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["effective_load"] = xr.Variable(
             v.dims, data_vars["routed_tokens"]._data,
             attrs={"units": v.units, "description": v.doc})
+    if version < 6 and "resident" in data_vars:  # every expert native before schema 6
+        v = SCHEMA["low_precision"]
+        data_vars["low_precision"] = xr.Variable(
+            v.dims, np.broadcast_to(np.False_, data_vars["resident"].shape),
+            attrs={"units": v.units, "description": v.doc})
     if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
         v = SCHEMA["token_request"]
         data_vars["token_request"] = xr.Variable(

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 #: 5: ``dispatch_dropped`` (a store of schema ≤ 4 had no dispatch: it reads 0).
 #: 6: ``token_request`` (a store of schema ≤ 5 served one request: it reads 0) and
 #: ``dispatch_rerouted`` (no rerouting dispatch before: it reads 0) and ``effective_load``
-#: (MACS's semantic-weighted load; before: every token weighed 1, it reads ``routed_tokens``).
+#: (MACS's semantic-weighted load; before: every token weighed 1, it reads ``routed_tokens``)
+#: and ``low_precision`` (ReaLB; before: every expert native, it reads False).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
 SCHEMA_VERSION = 6
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
@@ -112,6 +113,9 @@ SCHEMA: dict[str, Var] = {
                           "MACS's effective load: the semantic weights w(x) of the tokens "
                           "routed to the expert (= routed_tokens when no dispatch weighs "
                           "tokens), split by modality"),
+    "low_precision": Var(("step", "layer", "expert"), "bool", 32, "flag",
+                         "the expert ran in low precision at the step's layer call (ReaLB: "
+                         "balance ≠ none; the precision is the knob low_precision)"),
     "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
                     "expert in a cache slot or pinned at the end of the step"),
     # -- per routed token ----------------------------------------------------------------------
@@ -146,7 +150,7 @@ SCHEMA: dict[str, Var] = {
 
 #: variables each schema version added (absent from the files of older stores)
 ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6,
-            "dispatch_rerouted": 6, "effective_load": 6}
+            "dispatch_rerouted": 6, "effective_load": 6, "low_precision": 6}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
 INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")

@@ -353,6 +353,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     rerouted = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     weighted: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
     resident = np.zeros((n, L, E), bool)
+    low = np.zeros((n, L, E), bool)
     tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
     tok_req = []
     for i, e in enumerate(events):
@@ -388,6 +389,8 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
                     np.add.at(into, (i, l, d_ids[d_ids >= 0],
                                      np.asarray(e.modality, np.int64)[tok]), 1)
             ids[:, l, :kk] = le.topk_ids
+            if le.low_precision:
+                low[i, l, le.low_precision] = True
             if le.token_weights is not None:  # MACS: weights of this layer's tokens
                 weighted.append((i, l, np.asarray(le.topk_ids), np.asarray(le.token_weights),
                                  np.asarray(e.modality, np.int64)))
@@ -428,7 +431,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         effective[i, l] = 0
         tok, slot = np.nonzero(lids >= 0)
         np.add.at(effective, (i, l, lids[tok, slot].astype(np.int64), mod[tok]), tw[tok])
-    out.update(effective_load=effective)
+    out.update(effective_load=effective, low_precision=low)
     out.update(hits=hits, misses=misses, pinned_accesses=pinned_acc, loads=loads,
                evictions=evictions, stall_layer_measured_s=stall_layer, routed_tokens=routed,
                dispatch_dropped=dropped, dispatch_rerouted=rerouted,
