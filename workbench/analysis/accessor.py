@@ -720,9 +720,6 @@ class MoEAccessor:
         (or no hidden-state size is known: stores older than the cost spec's). From the
         per-expert ``routed_tokens`` (the dashboard's in-memory run has no per-token routing):
         the same figures :meth:`ep_summary` sums."""
-        from types import SimpleNamespace
-
-        from workbench.replay.engine import _cost
         from workbench.sim.costs import Prices
         from workbench.sim.ep import counts_per_rank, phase_s
         from workbench.sim.placement import rank_of_expert
@@ -735,9 +732,7 @@ class MoEAccessor:
         owner = rank_of_expert(k.placement, E, R)  # KnobError for a bad R or placement
         # the run's own cost spec (or the target model's): the per-expert counts priced as
         # the cache clock prices them (an expert no token reached costs nothing)
-        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), k.profile,
-                           k.target_model, None)
-        prices = Prices(prof, cost)
+        prices = self._prices(k.profile, k.target_model)
         load = counts_per_rank(counts, owner, R).astype(np.float64)
         if prices.available:
             per_expert = np.where(counts > 0, Prices.many(prices.expert, counts).reshape(
@@ -768,9 +763,6 @@ class MoEAccessor:
         and scored on the steps it serves; rebalances priced with the run's expert bytes on
         its ``interconnect`` (*modeled*). Returns the :class:`EPLBResult` (its ``summary()``:
         static vs EPLB imbalance, bytes moved, modeled rebalance time)."""
-        from types import SimpleNamespace
-
-        from workbench.replay.engine import _cost
         from workbench.sim.eplb_replay import eplb_over_time
         from workbench.sim.profiles import get_interconnect
 
@@ -780,8 +772,7 @@ class MoEAccessor:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise InputError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
         counts = self._ds["routed_tokens"].sum("modality").values
-        cost, _ = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), k.profile,
-                        k.target_model, None)
+        cost = self._prices(k.profile, k.target_model).cost
         return eplb_over_time(counts, int(k.ep_ranks), int(redundant), int(window),
                               int(interval), num_groups=num_groups, num_nodes=num_nodes,
                               expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
@@ -799,10 +790,6 @@ class MoEAccessor:
         Returns the arrays and ``speedup_modeled`` (Σ native slowest / Σ decided slowest over
         the MoE layers), ``low_share`` (of (step, layer, rank) cells in low precision) and
         ``supported`` (whether the profile has the precision: else no speedup is priced)."""
-        from types import SimpleNamespace
-
-        from workbench.replay.engine import _cost
-        from workbench.sim.costs import Prices
         from workbench.sim.placement import rank_of_expert
         from workbench.sim.profiles import get_profile
         from workbench.sim.realb import ReaLB, realb_over_time
@@ -814,9 +801,7 @@ class MoEAccessor:
         visual = (rt.sum("modality") - rt.sel(modality="text", drop=True)).values \
             if "text" in [str(m) for m in rt["modality"].values] else np.zeros_like(counts)
         S, L, E = counts.shape
-        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), profile,
-                           k.target_model, None)
-        prices = Prices(get_profile(profile), cost)
+        prices = self._prices(profile, k.target_model)
         out = realb_over_time(counts, visual, rank_of_expert(k.placement, E, R), R,
                               ReaLB(L, R, mode, gate=gate, **controller), prices.expert,
                               prices.expert_in(precision))
@@ -826,6 +811,18 @@ class MoEAccessor:
                    supported=get_profile(profile).supports(precision), mode=mode,
                    profile=profile, precision=precision, ranks=R)
         return out
+
+    def _prices(self, profile: str, target_model: str):
+        """The modeled clock's prices of this run on ``profile``: the target model's sizes,
+        else the cost spec the run recorded (``Prices.available`` False without either)."""
+        from types import SimpleNamespace
+
+        from workbench.replay.engine import _cost
+        from workbench.sim.costs import Prices
+
+        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), profile, target_model,
+                           None)
+        return Prices(prof, cost)
 
     def ep_summary(self, ranks: int | None = None, placement: str | None = None) -> dict:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,

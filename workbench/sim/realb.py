@@ -120,11 +120,10 @@ def realb_over_time(counts: np.ndarray, visual: np.ndarray, rank_of_expert: np.n
 
 
 def _priced(price, counts: np.ndarray) -> np.ndarray:
-    """``price(n)`` of every count, 0 where nothing was routed (one call per distinct n)."""
-    flat = counts.reshape(-1)
-    uniq, inv = np.unique(flat, return_inverse=True)
-    vals = np.array([price(int(n)) if n > 0 else 0.0 for n in uniq])
-    return vals[inv].reshape(counts.shape)
+    """``price(n)`` of every count (:meth:`Prices.many`), 0 where nothing was routed."""
+    from workbench.sim.costs import Prices
+
+    return np.where(counts > 0, Prices.many(price, counts).reshape(counts.shape), 0.0)
 
 
 __all__ = ["MODES", "ReaLB", "ReaLBDecision", "realb_over_time"]

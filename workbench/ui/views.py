@@ -298,13 +298,9 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     modality and imbalance per layer × step over the selected steps (``ds.moe.ep_load``, from
     the stored ``routed_tokens``: drawn while the run is written too). ``baseline``: the pinned
     A/B run, its per-rank load over its own steps of the same phase (diamonds)."""
-    if ds is None:
-        return placeholder_figure("ep", EP_TITLE, "no run yet")
-    if ranks <= 1:
-        return placeholder_figure("ep", EP_TITLE, EP_ONE_RANK)
-    steps = selected_steps(ds, step_range, phase)
-    if len(steps) == 0:
-        return placeholder_figure("ep", EP_TITLE, "no steps in the selection")
+    steps, empty = _ep_steps("ep", EP_TITLE, ds, ranks, step_range, phase)
+    if empty is not None:
+        return empty
     sel = {"step": [int(x) for x in steps]}
     routed = ds["routed_tokens"].sel(sel).sum(("step", "layer", "expert"))
     present = [str(m) for m, n in zip(routed["modality"].values, routed.values) if n > 0]
@@ -612,19 +608,29 @@ def _rank_capacity(ds: xr.Dataset, ranks: int, steps: np.ndarray) -> tuple[str, 
 EP_TIMELINE_TITLE = "expert parallel: the modeled EP clock of one step"
 
 
+def _ep_steps(view: str, title: str, ds: xr.Dataset | None, ranks: int,
+              step_range: tuple[int, int] | None, phase: str):
+    """``(selected steps, None)``, or ``(None, placeholder)`` saying why an EP view has
+    nothing to draw (no run, one rank, no step in the filters' selection)."""
+    if ds is None:
+        return None, placeholder_figure(view, title, "no run yet")
+    if ranks <= 1:
+        return None, placeholder_figure(view, title, EP_ONE_RANK)
+    steps = selected_steps(ds, step_range, phase)
+    if len(steps) == 0:
+        return None, placeholder_figure(view, title, "no steps in the selection")
+    return steps, None
+
+
 def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
                             step_range: tuple[int, int] | None = None, phase: str = "all",
                             revision: Any = None) -> go.Figure:
     """The modeled EP clock (``ds.moe.ep_times``) of the first selected step — the prefill
     unless the filters say otherwise — as lanes: dispatch, each rank's experts, combine, per
     MoE layer (MACS Fig. 3). Follows the Expert parallel card's ranks and placement."""
-    if ds is None:
-        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, "no run yet")
-    if ranks <= 1:
-        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, EP_ONE_RANK)
-    steps = selected_steps(ds, step_range, phase)
-    if len(steps) == 0:
-        return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE, "no steps in the selection")
+    steps, empty = _ep_steps("ep_timeline", EP_TIMELINE_TITLE, ds, ranks, step_range, phase)
+    if empty is not None:
+        return empty
     step = int(steps[0])
     t = ds.moe.ep_times(ranks, placement).sel(step=step)
     routed = t["load"].sum("rank").values > 0
@@ -644,17 +650,13 @@ def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     return _finish(fig, "ep_timeline", revision)
 
 
-class EPTimelineView(PlotView):
+class EPTimelineView(EPView):
     """The modeled EP clock of one step of the shown run (:func:`ep_timeline_view_figure`),
     redrawn when the Expert parallel card's ranks or placement, the filters or the run
-    change."""
+    change (as :class:`EPView`)."""
 
     view = "ep_timeline"
     watches = ("dataset", "step_range", "phase")
-
-    def __init__(self, store: DataStore, height: int = 380) -> None:
-        super().__init__(store, height)
-        store.knobs.group("ep").param.watch(self._changed, ["ep_ranks", "placement"])
 
     def figure(self) -> go.Figure:
         s = self.store
