@@ -103,14 +103,15 @@ def plots(page) -> dict[str, dict]:
     return {p["view"]: p for p in page.evaluate(PLOTS_JS) if p["view"]}
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1, detail=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    seen = f"; last seen: {str(detail())[:800]}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
 
 
 def set_number(page, css: str, value: int) -> None:
@@ -234,6 +235,18 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         lanes = {y for d in tl if d["name"] == "expert compute" for y in d["y"]}
         assert lanes == {f"rank {r}" for r in range(4)}
         assert "modeled EP clock of step" in plots(page)["ep_timeline"]["title"]
+        # ReaLB (issue 15 §5): the card's balance draws M_d per rank over the shown run's
+        # routing (modeled: this run had no controller)
+        page.locator("#sidebar .wb-knob-balance select").first.select_option("realb-m1")
+
+        def realb_lines():
+            r = plots(page).get("realb") or {}
+            lines = [d for d in r.get("data", []) if re.fullmatch(r"rank \d+", d["name"])]
+            return lines if len(lines) == 4 else None
+
+        wait_for(realb_lines, 20, "the ReaLB view over 4 ranks",
+                 detail=lambda: plots(page).get("realb"))
+        assert "M_d per rank" in plots(page)["realb"]["title"]
 
         out = REPO / "test-artifacts"
         out.mkdir(exist_ok=True)

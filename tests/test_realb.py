@@ -144,3 +144,108 @@ def test_the_store_records_which_experts_ran_in_low_precision(embedded, tmp_path
 
     old = workbench.open_run(Path(__file__).parent / "data" / "store_v3.zarr")
     assert old["low_precision"].shape == old["resident"].shape and not old["low_precision"].any()
+
+
+def test_the_store_records_the_controller_per_rank_and_replays_it(embedded, tmp_path):
+    """Schema 7: M_d, IB_d, R_vd and the per-rank precision of every layer call are stored;
+    the same controller over the store's recorded routing (ds.moe.realb_state(mode)) makes
+    exactly the recorded decisions — one implementation, live and on traces."""
+    import workbench
+    from workbench.errors import InputError
+    from workbench.sim.placement import rank_of_expert
+
+    rt = workbench.Runtime(embedded, max_new_tokens=6)
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=3)
+    r = rt.run(reqs, store=tmp_path / "r.zarr", ep_ranks=4, balance="realb", realb_tau=1.2)
+    ds = workbench.open_run(r.store)
+    st = ds.moe.realb_state()
+    assert st.sizes["ep_rank"] == 4 and st["m"].dims == ("step", "layer", "ep_rank")
+    assert st.attrs["tau"] == 1.2 and "recorded" in st.attrs["source"]
+    # the per-expert flags are the per-rank decisions on the routed experts
+    owner = rank_of_expert("contiguous", ds.sizes["expert"], 4)
+    routed = ds["routed_tokens"].sum("modality").values > 0
+    np.testing.assert_array_equal(ds["low_precision"].values,
+                                  st["low"].values[:, :, owner] & routed)
+    # IB_d from the stored per-rank loads
+    load = ds.moe.ep_load().values.astype(float)
+    np.testing.assert_allclose(st["ib"].values, load / load.mean(-1, keepdims=True), rtol=1e-6)
+    # AIMD: M_d starts at 0.9 and moves by the rule
+    m = st["m"].values.astype(float)
+    assert np.allclose(m[0], 0.9)
+    ibg = st["ib_global"].values
+    nxt = np.where((ibg > 1.2)[..., None], m * 0.5, np.minimum(1.0, m + 0.1))
+    np.testing.assert_allclose(m[1:], nxt[:-1], rtol=1e-5)
+    assert (ibg > 1.2).any() and (m < 0.9).any()
+    again = ds.moe.realb_state("realb")
+    np.testing.assert_allclose(again["m"].values, m, rtol=1e-5)
+    np.testing.assert_array_equal(again["low"].values, st["low"].values)
+    fig = ds.moe.plot_realb()
+    assert any(t.name == "rank 3" for t in fig.data) and fig.layout.shapes
+    # a run without the controller says so; older stores read NaN on one rank
+    plain = workbench.open_run(rt.run(reqs[:1], store=tmp_path / "n.zarr").store)
+    assert plain.sizes["ep_rank"] == 1 and np.isnan(plain["realb_m"].values).all()
+    with pytest.raises(InputError, match="no ReaLB controller"):
+        plain.moe.realb_state()
+    assert plain.moe.realb_state("fixed", fixed_m=0.0)["m"].shape[-1] == plain.attrs.get(
+        "ep_ranks", workbench.Knobs.from_attrs(plain.attrs).ep_ranks)
+    from pathlib import Path
+
+    old = workbench.open_run(Path(__file__).parent / "data" / "store_v3.zarr")
+    assert old["realb_m"].shape == (*old["hits"].shape, 1) and not old["realb_low"].any()
+    with pytest.raises(InputError, match="layer must be in"):
+        ds.moe.plot_realb(layer=99)
+
+
+def test_the_ep_clock_prices_low_experts_and_the_online_switch(embedded, tmp_path):
+    """ds.moe.ep_times of a ReaLB run: the experts it ran low cost less on a GPU with FP4,
+    the online weight conversion (switch_s) is hidden under the dispatch unless ReaLB-seq,
+    FP4-All converts nothing (quantised offline); a profile without FP4 prices no gain."""
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=1)
+    kw = dict(ep_ranks=4, target_model="qwen3-vl-30b-a3b", profile="rtx-5090",
+              interconnect="pcie5")
+    # the quantiser's effect on routing aside, compare the same routing: price the native run
+    nat = workbench.open_run(rt.run(reqs, store=tmp_path / "n.zarr", **kw).store)
+    m1 = workbench.open_run(rt.run(reqs, store=tmp_path / "m1.zarr", balance="realb-m1",
+                                   **kw).store)
+    t_nat, t = nat.moe.ep_times(), m1.moe.ep_times()
+    assert (t_nat["switch_s"] == 0).all()
+    low = m1["low_precision"].values
+    assert low.any()
+    counts = m1["routed_tokens"].sum("modality").values
+    from workbench.sim.costs import Prices
+    from workbench.sim.profiles import get_profile, get_target_model
+    from workbench.sim.costs import CostSpec
+    from workbench.sim.placement import rank_of_expert
+
+    p = Prices(get_profile("rtx-5090"), CostSpec.from_target(get_target_model(
+        "qwen3-vl-30b-a3b")))
+    owner = rank_of_expert("contiguous", counts.shape[-1], 4)
+    want = np.zeros(t["compute_s"].shape)
+    for i, j, x in zip(*np.nonzero(counts)):
+        price = p.expert_in("nvfp4") if low[i, j, x] else p.expert
+        want[i, j, owner[x]] += price(int(counts[i, j, x]))
+    np.testing.assert_allclose(t["compute_s"].values, want, rtol=1e-9)
+    sw = t["switch_s"].values
+    has_low = low.any(-1)
+    assert (sw[has_low] > 0).all()
+    seq = m1.moe.ep_times(overlap=False)
+    d = t["dispatch_s"].values
+    np.testing.assert_allclose(seq["moe_layer_s"].values - t["moe_layer_s"].values,
+                               sw + d - np.maximum(sw, d), atol=1e-15)
+    assert float(seq["moe_layer_s"].sum()) > float(t["moe_layer_s"].sum())
+    allq = workbench.open_run(rt.run(reqs, store=tmp_path / "a.zarr", balance="fp4-all",
+                                     **kw).store)
+    assert (allq.moe.ep_times()["switch_s"] == 0).all()
+    # Hopper has no FP4: the low experts cost what native ones do
+    hs = workbench.open_run(rt.run(reqs, store=tmp_path / "h.zarr", balance="realb-m1",
+                                   **{**kw, "profile": "h200"}).store)
+    assert hs["low_precision"].values.any()
+    hc = hs["routed_tokens"].sum("modality").values
+    ph = Prices(get_profile("h200"), p.cost)
+    want = np.zeros(hc.shape[:2] + (4,))
+    for i, j, x in zip(*np.nonzero(hc)):
+        want[i, j, owner[x]] += ph.expert(int(hc[i, j, x]))
+    np.testing.assert_allclose(hs.moe.ep_times()["compute_s"].values, want, rtol=1e-9)

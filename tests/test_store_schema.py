@@ -177,7 +177,7 @@ def fresh(tmp_path_factory):
 
 def test_a_fresh_store_counts_hits_as_the_run_result(fresh):
     res, ds = fresh
-    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 6
+    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 7
     assert int(ds.hits.sum()) == res.hits and int(ds.misses.sum()) == res.misses
     pinned = ds.pinned.values
     assert pinned.any() and (ds.hits.values[:, pinned] == 0).all()

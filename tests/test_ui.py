@@ -1150,3 +1150,45 @@ def test_ep_view_compares_with_the_pinned_baseline(embedded, demo_inputs, tmp_pa
     assert view.redraws == n + 1
     assert not [t for t in view.pane.object.data if t.type == "scatter" and
                 t.name.startswith("baseline")]
+
+
+def test_realb_view_and_precision_per_rank(embedded, vismmoe_run, tmp_path):
+    """Issue 15 §5: the ReaLB view draws M_d per rank as the run's live controller recorded it
+    (a run without one: under the card's balance, modeled over its routing, or a hint), and
+    the EP view writes each rank's low-precision share over its bar when ranks and placement
+    are the run's own."""
+    from workbench.ui.views import ReaLBView, ep_view_figure, realb_view_figure
+
+    path, _ = vismmoe_run
+    s = DataStore(workspace=path.parent)
+    s.open(path.name)
+    view = ReaLBView(s)
+    assert "no ReaLB controller" in view.pane.object.layout.annotations[0].text
+    ep = s.knobs.group("ep")
+    ep.ep_ranks = 4
+    ep.balance = "realb-m1"
+    fig = view.pane.object
+    lines = [t for t in fig.data if t.name and t.name.startswith("rank ") and t.mode == "lines"]
+    assert len(lines) == 4 and "modeled" in fig.layout.title.text
+    assert all(np.allclose(np.asarray(t.y, float), 0.0) for t in lines)  # ReaLB-m1: M_d = 0
+    ep.balance = "none"
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    res = rt.run(workbench.mixed_batch(3, text_share=0.34, seed=2), store=tmp_path / "m1.zarr",
+                 ep_ranks=4, balance="realb-m1")
+    ds = workbench.open_run(res.store)
+    fig = realb_view_figure(ds, 1, "contiguous", "none")
+    assert "recorded live (balance = realb-m1)" in fig.layout.title.text
+    marks = [t for t in fig.data if t.name == "rank ran in low precision"]
+    first = int(np.nonzero(~ds["pinned"].values)[0][0])  # the first offloaded layer's
+    assert f"layer {first}" in fig.layout.title.text
+    assert marks and len(marks[0].x) == int(ds["realb_low"].isel(layer=first).sum())
+    share = next(t for t in ep_view_figure(ds, 4, "contiguous").data
+                 if t.name and t.name.startswith("share of layer calls in nvfp4"))
+    decided = ~np.isnan(ds["realb_m"].values[..., 0])
+    np.testing.assert_allclose([float(x.split("%")[0]) / 100 for x in share.text],
+                               ds["realb_low"].values[decided].mean(0), atol=0.006)
+    # other ranks or placement than the run's: its decisions do not apply, no marks
+    assert not any((t.name or "").startswith("share of layer calls")
+                   for t in ep_view_figure(ds, 8, "contiguous").data)
+    assert not any((t.name or "").startswith("share of layer calls")
+                   for t in ep_view_figure(ds, 4, "round-robin").data)

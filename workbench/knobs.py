@@ -313,10 +313,13 @@ class ExpertParallelKnobs(KnobGroup):
         doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")
     # ReaLB (issue 15; workbench.sim.realb): low precision on overloaded, visual ranks
     balance = param.Selector(
-        default="none", objects=["none", "fp4-all", "realb", "realb-m1", "realb-m2"],
+        default="none", objects=["none", "fp4-all", "realb", "realb-seq", "realb-m1",
+                                 "realb-m2"],
         doc="Rank balancing by precision (live): 'none'; 'fp4-all' runs every expert in "
-            "low_precision; 'realb' runs the experts of hot (IB_d > realb_c), visual (R_vd > "
-            "M_d) ranks in it, M_d by AIMD; 'realb-m1'/'realb-m2' hold M_d at 0 / 0.7.")
+            "low_precision (quantised offline); 'realb' runs the experts of hot (IB_d > "
+            "realb_c), visual (R_vd > M_d) ranks in it, M_d by AIMD, converting their weights "
+            "while the dispatch all-to-all runs; 'realb-seq' the same, the conversion after it "
+            "(not overlapped); 'realb-m1'/'realb-m2' hold M_d at 0 / 0.7.")
     low_precision = param.Selector(
         default="nvfp4", objects=["nvfp4", "fp8"],
         doc="The low precision of balance (workbench.fake_quant: weights and activations "

@@ -711,7 +711,8 @@ class MoEAccessor:
                             coords={"step": load["step"].values, "layer": load["layer"].values},
                             name="ep_imbalance")
 
-    def ep_times(self, ranks: int | None = None, placement: str | None = None) -> xr.Dataset:
+    def ep_times(self, ranks: int | None = None, placement: str | None = None,
+                 overlap: bool | None = None) -> xr.Dataset:
         """The modeled EP clock of every (step, layer) (MACS Fig. 3): ``dispatch_s`` and
         ``combine_s`` [step, layer] (the all-to-alls, the busiest receiver's bytes on the
         ``interconnect``), ``compute_s`` [step, layer, rank] (each rank's experts, priced
@@ -719,11 +720,20 @@ class MoEAccessor:
         = dispatch + the slowest rank + combine. All *modeled*; 0 where nothing was routed
         (or no hidden-state size is known: stores older than the cost spec's). From the
         per-expert ``routed_tokens`` (the dashboard's in-memory run has no per-token routing):
-        the same figures :meth:`ep_summary` sums."""
+        the same figures :meth:`ep_summary` sums.
+
+        A ReaLB run (``balance`` ≠ none): the experts it ran low (``low_precision``) are
+        priced in the run's ``low_precision`` (the profile's rate; native where it has none),
+        and ``switch_s`` [step, layer] is its online weight conversion
+        (:func:`workbench.sim.realb.switch_s`; 0 for FP4-All, quantised offline), hidden
+        under the dispatch (``max``) or after it with ``realb-seq`` (``+``); ``overlap``
+        True / False prices the same run either way (ReaLB vs ReaLB-seq: the same
+        decisions)."""
         from workbench.sim.costs import Prices
         from workbench.sim.ep import counts_per_rank, phase_s
         from workbench.sim.placement import rank_of_expert
-        from workbench.sim.profiles import get_interconnect
+        from workbench.sim.profiles import get_interconnect, get_profile
+        from workbench.sim.realb import ONLINE_SWITCH, switch_s
 
         k = self._ep_knobs(ranks, placement)
         counts = np.asarray(self._ds["routed_tokens"].sum("modality").values, np.int64)
@@ -734,15 +744,33 @@ class MoEAccessor:
         # the cache clock prices them (an expert no token reached costs nothing)
         prices = self._prices(k.profile, k.target_model)
         load = counts_per_rank(counts, owner, R).astype(np.float64)
+        low = np.asarray(self._ds["low_precision"].values, bool) \
+            if k.balance != "none" else np.zeros(counts.shape, bool)
         if prices.available:
             per_expert = np.where(counts > 0, Prices.many(prices.expert, counts).reshape(
                 counts.shape), 0.0)
+            if low.any():  # the experts ReaLB ran low, in their precision
+                low_p = Prices.many(prices.expert_in(k.low_precision), counts[low])
+                per_expert[low] = np.asarray(low_p).reshape(-1)
             comp = counts_per_rank(per_expert, owner, R)
         else:
             comp = np.zeros(load.shape)
         hidden = float(prices.cost.activation_bytes_per_token) if prices.available else 0.0
-        disp = (phase_s(load.reshape(-1, R), hidden, get_interconnect(k.interconnect))
+        link = get_interconnect(k.interconnect)
+        disp = (phase_s(load.reshape(-1, R), hidden, link)
                 .reshape(S, L) if hidden > 0 else np.zeros((S, L)))
+        switch = np.zeros((S, L))
+        if prices.available and k.balance in ONLINE_SWITCH:
+            decided = ~np.isnan(self._ds["realb_m"].values[..., 0]) \
+                if "realb_m" in self._ds else np.ones((S, L), bool)
+            meta = link.all_to_all_s((R - 1) * E * 4.0)  # allgather of the per-expert loads
+            switch = np.where(decided, switch_s(
+                get_profile(k.profile), prices.cost.expert_bytes,
+                counts_per_rank(low.astype(np.float64), owner, R), k.low_precision, meta), 0.0)
+        # ReaLB hides the conversion under the dispatch; ReaLB-seq waits for both
+        if overlap is None:
+            overlap = k.balance != "realb-seq"
+        front = np.maximum(disp, switch) if overlap else disp + switch
         coords = {"step": self._ds["step"].values, "layer": np.arange(L), "rank": np.arange(R)}
         return xr.Dataset(
             {"load": (("step", "layer", "rank"), load),
@@ -750,7 +778,10 @@ class MoEAccessor:
                            {"units": "s (modeled)", "long_name": "rank's expert compute"}),
              "dispatch_s": (("step", "layer"), disp, {"units": "s (modeled)"}),
              "combine_s": (("step", "layer"), disp.copy(), {"units": "s (modeled)"}),
-             "moe_layer_s": (("step", "layer"), disp * 2 + comp.max(-1),
+             "switch_s": (("step", "layer"), switch,
+                          {"units": "s (modeled)",
+                           "long_name": "ReaLB's online precision conversion"}),
+             "moe_layer_s": (("step", "layer"), front + disp + comp.max(-1),
                              {"units": "s (modeled)"})},
             coords=coords, attrs={"ranks": R, "placement": k.placement,
                                   "interconnect": k.interconnect, "clock": "modeled"})
@@ -789,11 +820,15 @@ class MoEAccessor:
         m2), ``all`` (FP4-All), ``none``; ``controller``: ``c``, ``tau``, ``m0``, ``fixed_m``…
         Returns the arrays and ``speedup_modeled`` (Σ native slowest / Σ decided slowest over
         the MoE layers), ``low_share`` (of (step, layer, rank) cells in low precision) and
-        ``supported`` (whether the profile has the precision: else no speedup is priced)."""
+        ``supported`` (whether the profile has the precision: else no speedup is priced).
+        ``mode`` may also be a ``balance`` knob setting (``fp4-all``, ``realb-m1``…)."""
         from workbench.sim.placement import rank_of_expert
         from workbench.sim.profiles import get_profile
-        from workbench.sim.realb import ReaLB, realb_over_time
+        from workbench.sim.realb import BALANCES, MODES, ReaLB, realb_over_time
 
+        if mode not in MODES and mode in BALANCES:  # a balance knob setting: its variant
+            mode, fixed = BALANCES[mode]
+            controller.setdefault("fixed_m", fixed)
         k = self._ep_knobs(ranks, placement)
         R = int(k.ep_ranks)
         rt = self._ds["routed_tokens"]
@@ -811,6 +846,60 @@ class MoEAccessor:
                    supported=get_profile(profile).supports(precision), mode=mode,
                    profile=profile, precision=precision, ranks=R)
         return out
+
+    def realb_state(self, mode: str | None = None, **realb: Any) -> xr.Dataset:
+        """ReaLB's per-rank state [step, layer, ep_rank]: ``m`` (M_d the decision used),
+        ``ib`` (IB_d), ``vision`` (R_vd), ``low`` (the rank ran low), and [step, layer]
+        ``gated`` and ``ib_global``. ``mode`` None: what the run's live controller recorded
+        (``realb_*`` arrays; a run with ``balance`` = none has none: give a ``mode``);
+        a ``mode``: the controller run over the recorded routing (:meth:`realb`, *modeled*;
+        ``realb`` keywords: ``ranks``, ``placement``, ``tau``, ``gate``…). ``attrs``:
+        ``source`` and ``tau``."""
+        from workbench.knobs import Knobs
+
+        k = Knobs.from_attrs(self._ds.attrs)
+        if mode is None:
+            ds = self._ds
+            if bool(np.isnan(ds["realb_m"].values).all()):
+                raise InputError("this run had no ReaLB controller (balance = none): give a "
+                                 "mode ('realb', 'fixed', 'all', 'none') to run it over the "
+                                 "recorded routing")
+            out = xr.Dataset({n: ds[f"realb_{n}"] for n in ("m", "ib", "vision", "low",
+                                                              "gated")})
+            out["ib_global"] = out["ib"].max("ep_rank")
+            out.attrs.update(source=f"recorded live (balance = {k.balance})",
+                             tau=float(k.realb_tau))
+            return out
+        realb.setdefault("tau", float(k.realb_tau))
+        realb.setdefault("c", float(k.realb_c))
+        realb.setdefault("gate", float(k.realb_gate))
+        r = self.realb(mode, **realb)
+        dims3, dims2 = ("step", "layer", "ep_rank"), ("step", "layer")
+        out = xr.Dataset({"m": (dims3, r["m"]), "low": (dims3, r["low"]),
+                          "gated": (dims2, r["gated"]), "ib_global": (dims2, r["ib_global"])})
+        out.attrs.update(source=f"modeled: the controller ({mode}) over the recorded routing",
+                         tau=float(realb["tau"]))
+        return out
+
+    def plot_realb(self, layer: int | None = None, mode: str | None = None, **realb: Any):
+        """M_d of every rank over the steps at one MoE ``layer`` (default: the first
+        offloaded one), with the steps where IB_global > τ shaded and the ranks that ran low
+        marked (seed 004 Fig. 9): :meth:`realb_state` (recorded, or ``mode`` over the recorded
+        routing)."""
+        from workbench.viz.ep import realb_m_figure
+
+        st = self.realb_state(mode, **realb)
+        if layer is None:
+            pinned = self._ds["pinned"].values if "pinned" in self._ds else None
+            off = np.nonzero(~pinned)[0] if pinned is not None else []
+            layer = int(off[0]) if len(off) else 0
+        L = st.sizes["layer"]
+        if not 0 <= int(layer) < L:
+            raise InputError(f"layer must be in 0 … {L - 1}, not {layer!r}")
+        one = st.isel(layer=int(layer))
+        return realb_m_figure(one["m"].values, one["ib_global"].values, one["low"].values,
+                              st.attrs["tau"], f"ReaLB M_d per rank, layer {layer} — "
+                              f"{st.attrs['source']}")
 
     def _prices(self, profile: str, target_model: str):
         """The modeled clock's prices of this run on ``profile``: the target model's sizes,

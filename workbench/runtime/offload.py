@@ -303,7 +303,8 @@ class Offloader:
             self.active_evict.observe(b.index, real_ids)
         p = self.prices
         tokens = [ev.expert_tokens[e] for e in experts]
-        self._low = self._balance(b, real_ids, experts) if self.balance is not None else set()
+        self._low = (self._balance(b, real_ids, experts, ev) if self.balance is not None
+                     else set())
         ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
         out = self.sim.step(Access(
@@ -457,9 +458,11 @@ class Offloader:
         return view(q, experts, b.num_experts, fake_quant(hidden_states, p), top_k_index,
                     top_k_weights, *args, **kwargs)
 
-    def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int]) -> set[int]:
-        """ReaLB's decision for this layer call: per-rank loads and visual assignments of the
-        real tokens → the experts of the ranks it puts in low precision."""
+    def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int],
+                 ev: LayerEvent) -> set[int]:
+        """ReaLB's decision for this layer call (kept in ``ev.realb`` for the store): per-rank
+        loads and visual assignments of the real tokens → the experts of the ranks it puts in
+        low precision."""
         R = int(self.rank_of_expert.max()) + 1
         ids = np.asarray(real_ids, np.int64)
         mod = self._step_modality
@@ -471,7 +474,7 @@ class Offloader:
         owner = self.rank_of_expert[ids[t, r]]
         load = np.bincount(owner, minlength=R).astype(np.float64)
         visual = np.bincount(owner[vis_tok[t]], minlength=R).astype(np.float64)
-        d = self.balance.decide(b.index, load, visual)
+        d = ev.realb = self.balance.decide(b.index, load, visual)
         return {e for e in experts if d.low[self.rank_of_expert[e]]}
 
     def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,

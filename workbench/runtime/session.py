@@ -170,10 +170,8 @@ class RunSession:
         from workbench.sim.placement import rank_of_expert
         from workbench.sim.realb import ReaLB
 
-        mode, fixed = {"fp4-all": ("all", 0.0), "realb": ("realb", 0.0),
-                       "realb-m1": ("fixed", 0.0), "realb-m2": ("fixed", 0.7)}[k.balance]
-        return {"balance": ReaLB(lay.num_layers, int(k.ep_ranks), mode, c=k.realb_c,
-                                 tau=k.realb_tau, gate=k.realb_gate, fixed_m=fixed),
+        return {"balance": ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks),
+                                             c=k.realb_c, tau=k.realb_tau, gate=k.realb_gate),
                 "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
                 "low_precision": k.low_precision}
 
@@ -213,7 +211,8 @@ class RunSession:
             pinned=self.pinned, overwrite=self.overwrite,
             flush_every=get_options()["flush_every"],
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
-            pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1)
+            pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
+            ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:

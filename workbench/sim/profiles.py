@@ -502,8 +502,44 @@ _B200 = HardwareProfile(
     "a theoretical peak; host_mem_bandwidth = 8 channels x DDR5-5600 x 8 B (ASSUMED).",
 )
 
+_RTX_5090 = HardwareProfile(
+    name="rtx-5090",
+    label="NVIDIA GeForce RTX 5090 (PCIe 5.0 x16; ReaLB's GPU)",
+    device_memory_bytes=32 * _GiB,
+    device_flops=209.5 * _TFLOPS,
+    device_mem_bandwidth=1792 * _GB,
+    link="PCIe 5.0 x16",
+    link_bandwidth=_PCIE_EFFICIENCY * _PCIE5_X16,
+    link_latency_s=_PCIE_TRANSFER_LATENCY,
+    kernel_overhead_s=_CUDA_KERNEL_OVERHEAD,
+    host_flops=16 * 3.4e9 * 32,
+    host_mem_bandwidth=2 * 5600e6 * 8,
+    fp8_flops=419 * _TFLOPS,
+    fp4_flops=1676 * _TFLOPS,
+    sources=(
+        "NVIDIA RTX Blackwell GPU Architecture whitepaper, Appendix A (GeForce RTX 5090, 2407 "
+        "MHz boost): Peak FP16/BF16 Tensor TFLOPS with FP32 accumulate 209.5 dense (419 with "
+        "sparsity), FP8 with FP32 accumulate 419 (838), FP4 with FP32 accumulate 1676 (3352 "
+        "= the 'AI TOPS'); 32 GB GDDR7, 512-bit at 28 Gbps = 1792 GB/s; PCIe Gen 5 x16 - as "
+        "quoted by public spec tables (main-horse.github.io/posts/5090-mm-perf, 'Spec' "
+        "column) and reviews; per clock: 170 SMs x 2.407 GHz x 512 / 1024 / 4096 FLOP",
+        _SRC_PCIE,
+        "ReaLB (seed 004) §5 Implementation Details: eight RTX 5090 GPUs, NVFP4 GEMMs from "
+        "FlashInfer",
+    ),
+    notes=_NOTE_COMMON
+    + " device_flops is the FP32-accumulate BF16 rate (209.5 TFLOPS, half the FP16-accumulate "
+    "one on GeForce), as for the RTX 3090; FP8 likewise 419 with FP32 accumulate; NVFP4 "
+    "(block-scaled) runs at full rate, 1676. The whitepaper itself was not reachable from the "
+    "machine that wrote this profile: the figures are its values as quoted, consistent with "
+    "the per-clock arithmetic. No NVLink: GPUs talk over PCIe (interconnect pcie5). Host "
+    "CPU is an ASSUMPTION: a 16-core desktop CPU at 3.4 GHz, 32 FP32 FLOP/cycle, dual-channel "
+    "DDR5-5600.",
+)
+
 PROFILES: dict[str, HardwareProfile] = {
-    p.name: p for p in (_A100_40GB, _RTX_3090, _H200, _B200, _JETSON_ORIN, _JETSON_ORIN_32GB)
+    p.name: p for p in (_A100_40GB, _RTX_3090, _H200, _B200, _RTX_5090, _JETSON_ORIN,
+                        _JETSON_ORIN_32GB)
 }
 
 # ---------------------------------------------------------------------------------------------

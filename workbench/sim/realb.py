@@ -26,6 +26,29 @@ from dataclasses import dataclass
 import numpy as np
 
 MODES = ("none", "all", "realb", "fixed")
+#: the ``balance`` knob's settings → (controller mode, fixed M_d): the seed's variants
+BALANCES = {"none": ("none", 0.0), "fp4-all": ("all", 0.0), "realb": ("realb", 0.0),
+            "realb-seq": ("realb", 0.0), "realb-m1": ("fixed", 0.0), "realb-m2": ("fixed", 0.7)}
+#: the settings that convert weights online (FP4-All keeps its experts quantised offline)
+ONLINE_SWITCH = ("realb", "realb-seq", "realb-m1", "realb-m2")
+
+
+def switch_s(profile, expert_bytes: float, low_experts: np.ndarray, precision: str,
+             metadata_s: float = 0.0) -> np.ndarray:
+    """Modeled seconds of ReaLB's online precision transformation (seed 004 §4.3: the
+    scheduling metadata S, then the weights T) per layer call: every rank converts the
+    weights of its ``low_experts`` (count per rank, ``[..., R]``) from 16 bits to
+    ``precision`` (reads 16 bits, writes the low ones, at the profile's memory bandwidth, one
+    kernel per rank that converts anything), the ranks in parallel — the slowest sets it; plus
+    ``metadata_s`` (the allgather of the per-rank loads) on every call. Overlapped with the
+    dispatch all-to-all (ReaLB) the layer waits for max(dispatch, S + T); sequential
+    (ReaLB-seq) for dispatch + S + T."""
+    n = np.asarray(low_experts, np.float64)
+    bits = 8.0 if precision == "fp8" else 4.0 + 8.0 / 16
+    per_rank = np.where(n > 0, profile.kernel_overhead_s
+                        + n * expert_bytes * (1.0 + bits / 16.0) / profile.device_mem_bandwidth,
+                        0.0)
+    return per_rank.max(axis=-1) + metadata_s
 
 
 @dataclass
@@ -44,6 +67,12 @@ class ReaLBDecision:
 
 class ReaLB:
     """The controller's state over a run: M_d per (layer, rank) (module docstring)."""
+
+    @classmethod
+    def for_balance(cls, balance: str, layers: int, ranks: int, **kw) -> "ReaLB":
+        """The controller of a ``balance`` knob setting (:data:`BALANCES`)."""
+        mode, fixed = BALANCES[balance]
+        return cls(layers, ranks, mode, fixed_m=fixed, **kw)
 
     def __init__(self, layers: int, ranks: int, mode: str = "realb", *, c: float = 1.0,
                  tau: float = 1.5, m0: float = 0.9, decrease: float = 0.5,
@@ -126,4 +155,4 @@ def _priced(price, counts: np.ndarray) -> np.ndarray:
     return np.where(counts > 0, Prices.many(price, counts).reshape(counts.shape), 0.0)
 
 
-__all__ = ["MODES", "ReaLB", "ReaLBDecision", "realb_over_time"]
+__all__ = ["BALANCES", "MODES", "ONLINE_SWITCH", "ReaLB", "switch_s", "ReaLBDecision", "realb_over_time"]

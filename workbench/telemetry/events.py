@@ -8,6 +8,7 @@ the run's start (``perf_counter`` based), modeled times to the start of the mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +65,9 @@ class LayerEvent:
     token_weights: np.ndarray | None = None
     #: experts ReaLB ran in low precision at this layer call (empty: none)
     low_precision: list[int] = field(default_factory=list)
+    #: ReaLB's decision at this layer call (``workbench.sim.realb.ReaLBDecision``: per-rank
+    #: ``low``, ``m``, ``ib``, ``vision`` and ``gated``), or None: no controller
+    realb: Any = None
     stall_s: float = 0.0
 
 

@@ -43,8 +43,9 @@ from workbench import jsonio
 from workbench.errors import StoreError
 from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
-from workbench.telemetry.schema import (GROWING, INDEX_DIMS, LEGACY_PRED_ORDER, PRED_ORDER,
-                                        SCHEMA, SCHEMA_VERSION, Var, disk_dim, disk_schema)
+from workbench.telemetry.schema import (EP_RANK, GROWING, INDEX_DIMS, LEGACY_PRED_ORDER,
+                                        PRED_ORDER, SCHEMA, SCHEMA_VERSION, Var, disk_dim,
+                                        disk_schema)
 
 #: variables of the first schema: every workbench store has them
 CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_modeled_s",
@@ -438,6 +439,16 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["low_precision"] = xr.Variable(
             v.dims, np.broadcast_to(np.False_, data_vars["resident"].shape),
             attrs={"units": v.units, "description": v.doc})
+    if version < 7 and "hits" in data_vars:  # no ReaLB controller before schema 7
+        coords[EP_RANK] = np.arange(1, dtype=np.int32)
+        shape = (*data_vars["hits"].shape, 1)
+        for name, fill in (("realb_low", np.False_), ("realb_m", np.float32(np.nan)),
+                           ("realb_ib", np.float32(np.nan)), ("realb_vision", np.float32(np.nan)),
+                           ("realb_gated", np.False_)):
+            v = SCHEMA[name]
+            data_vars[name] = xr.Variable(
+                v.dims, np.broadcast_to(fill, shape if len(v.dims) == 3 else shape[:2]),
+                attrs={"units": v.units, "description": v.doc})
     if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
         v = SCHEMA["token_request"]
         data_vars["token_request"] = xr.Variable(

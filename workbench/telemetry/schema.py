@@ -25,8 +25,13 @@ from dataclasses import dataclass, replace
 #: ``dispatch_rerouted`` (no rerouting dispatch before: it reads 0) and ``effective_load``
 #: (MACS's semantic-weighted load; before: every token weighed 1, it reads ``routed_tokens``)
 #: and ``low_precision`` (ReaLB; before: every expert native, it reads False).
+#: 7: ReaLB's per-rank state ``realb_low``/``realb_m``/``realb_ib``/``realb_vision`` [step,
+#: layer, ep_rank] and ``realb_gated`` [step, layer] (before: no controller; ep_rank has size 1,
+#: the floats read NaN, the flags False).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
+#: the dim of ReaLB's per-rank state: the run's ``ep_ranks`` when ``balance`` ≠ none, else 1
+EP_RANK = "ep_rank"
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
 PRED_ORDER = "pred_order"
 #: what schema ≤ 3 named :data:`PRED_ORDER` on disk
@@ -116,6 +121,20 @@ SCHEMA: dict[str, Var] = {
     "low_precision": Var(("step", "layer", "expert"), "bool", 32, "flag",
                          "the expert ran in low precision at the step's layer call (ReaLB: "
                          "balance ≠ none; the precision is the knob low_precision)"),
+    # -- per step × layer × EP rank (ReaLB, balance ≠ none) ------------------------------------
+    "realb_low": Var(("step", "layer", EP_RANK), "bool", 256, "flag",
+                     "ReaLB put the rank's experts in low precision at the step's layer call "
+                     "(the knob low_precision; the rank's experts are in low_precision)"),
+    "realb_m": Var(("step", "layer", EP_RANK), "float32", 256, "ratio",
+                   "M_d, the vision-ratio threshold the decision used (AIMD state before "
+                   "its update; NaN: no controller, or the layer did not run)"),
+    "realb_ib": Var(("step", "layer", EP_RANK), "float32", 256, "ratio",
+                    "IB_d = the rank's load / the mean rank load of the layer call (NaN: no "
+                    "controller)"),
+    "realb_vision": Var(("step", "layer", EP_RANK), "float32", 256, "ratio",
+                        "R_vd, the visual share of the rank's assignments (NaN: no controller)"),
+    "realb_gated": Var(("step", "layer"), "bool", 256, "flag",
+                       "the LB gate let ReaLB act: the layer call's aggregate load > realb_gate"),
     "resident": Var(("step", "layer", "expert"), "bool", 32, "flag",
                     "expert in a cache slot or pinned at the end of the step"),
     # -- per routed token ----------------------------------------------------------------------
@@ -150,10 +169,11 @@ SCHEMA: dict[str, Var] = {
 
 #: variables each schema version added (absent from the files of older stores)
 ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6,
-            "dispatch_rerouted": 6, "effective_load": 6, "low_precision": 6}
+            "dispatch_rerouted": 6, "effective_load": 6, "low_precision": 6,
+            "realb_low": 7, "realb_m": 7, "realb_ib": 7, "realb_vision": 7, "realb_gated": 7}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
-INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality")
+INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality", EP_RANK)
 
 
 def disk_dim(dim: str, version: int) -> str:

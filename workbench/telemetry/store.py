@@ -29,7 +29,7 @@ from workbench.telemetry import zarr_files
 from workbench.telemetry.destination import (Destination, check_destination, io_step,
                                              writable_error)
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
-from workbench.telemetry.schema import (GROWING, INITIAL_CAPACITY, PRED_ORDER, SCHEMA,
+from workbench.telemetry.schema import (EP_RANK, GROWING, INITIAL_CAPACITY, PRED_ORDER, SCHEMA,
                                         SCHEMA_VERSION, STORE_ENTRIES)
 
 #: bytes kept free inside a running store, given back just before its last metadata write, so
@@ -58,7 +58,9 @@ class Recorder:
     ``hits.sum()`` is the run's ``RunResult.hits``.
 
     ``depth``: size of the router-lookahead dim (``lookahead_depth``, 1 when off);
-    ``pred_order``: size of the predictor's order dim (its top-B, 1 when it is off).
+    ``pred_order``: size of the predictor's order dim (its top-B, 1 when it is off);
+    ``ep_ranks``: size of ReaLB's ``ep_rank`` dim (the run's ranks when ``balance`` ≠ none, else
+    1; a layer event's ``realb`` decision fills it, NaN where none was made).
 
     Durability: a new store appears at ``path`` with its whole layout at once and is then
     appended to in place (readers may follow the run); with ``overwrite`` the new run is written
@@ -74,13 +76,15 @@ class Recorder:
     def __init__(self, path: str | Path, num_layers: int, num_experts: int, top_k: int,
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
                  flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1,
-                 pred_order: int = 1, capacity: dict[str, int] | None = None) -> None:
+                 pred_order: int = 1, capacity: dict[str, int] | None = None,
+                 ep_ranks: int = 1) -> None:
         R = pred_order
         self.dest = Destination(path, overwrite, STORE_ENTRIES)  # checks, locks, stages
         self.path = self.dest.path
         self.L, self.E, self.k = num_layers, num_experts, top_k
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
         self.R = max(int(R), 1)  # size of the predictor's pred_order dim (1 when it is off)
+        self.P = max(int(ep_ranks), 1)  # size of ReaLB's ep_rank dim (1 when it is off)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
@@ -111,7 +115,8 @@ class Recorder:
 
     # -- the writer thread's work ----------------------------------------------------------
     def _lay_out(self, pinned: np.ndarray) -> None:
-        files = _layout_files(self.L, self.E, self.k, self.D, self.R, self.capacity)
+        files = _layout_files(self.L, self.E, self.k, self.D, self.R, self.capacity,
+                              self.P)
         stage = self.dest.write_dir
         zarr_files.materialize(stage, files, skip={"zarr.json"})
         zarr_files.AppendArray(stage, "pinned", jsonio.loads(files["pinned/zarr.json"])
@@ -131,7 +136,7 @@ class Recorder:
                                 zarr_files.dump_json(self._group_meta))
 
     def _write_batch(self, events: list[StepEvent], publish: bool) -> None:
-        cols = _columns(events, self.L, self.E, self.k, self.D, self.R)
+        cols = _columns(events, self.L, self.E, self.k, self.D, self.R, self.P)
         start = dict(self.committed)
         end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
@@ -289,14 +294,14 @@ class Recorder:
 
 
 def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
-                  capacity: dict[str, int] | None = None) -> dict[str, bytes]:
+                  capacity: dict[str, int] | None = None, P: int = 1) -> dict[str, bytes]:
     """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D,
-    predictor top-B R) layout: every array's metadata at its initial capacity plus the constant
-    coordinates."""
+    predictor top-B R, ReaLB ranks P) layout: every array's metadata at its initial capacity
+    plus the constant coordinates."""
 
     def build(group: zarr.Group) -> None:
         sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D,
-                 PRED_ORDER: R}
+                 PRED_ORDER: R, EP_RANK: P}
         specs = {name: dict(shape=(cap[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
@@ -309,6 +314,7 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
                  "k": np.arange(k, dtype=np.int32),
                  "depth": np.arange(1, D + 1, dtype=np.int32),  # layers ahead
                  PRED_ORDER: np.arange(R, dtype=np.int32),
+                 EP_RANK: np.arange(P, dtype=np.int32),
                  "modality": np.array(MODALITIES)}
         for name, values in index.items():
             specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
@@ -322,11 +328,11 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
 
     cap = {**INITIAL_CAPACITY, **(capacity or {})}
     return zarr_files.layout_template(
-        ("run-store", SCHEMA_VERSION, L, E, k, D, R, tuple(sorted(cap.items()))), build)
+        ("run-store", SCHEMA_VERSION, L, E, k, D, R, P, tuple(sorted(cap.items()))), build)
 
 
-def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1
-             ) -> dict[str, np.ndarray]:
+def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1,
+             P: int = 1) -> dict[str, np.ndarray]:
     """Turn a batch of step events into one array per schema variable.
 
     A pinned layer's event adds its distinct routed experts (``topk_ids`` ≥ 0) to
@@ -354,6 +360,9 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     weighted: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
     resident = np.zeros((n, L, E), bool)
     low = np.zeros((n, L, E), bool)
+    rb = {name: np.full((n, L, P), np.nan, np.float32) for name in ("m", "ib", "vision")}
+    rb_low = np.zeros((n, L, P), bool)
+    rb_gated = np.zeros((n, L), bool)
     tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
     tok_req = []
     for i, e in enumerate(events):
@@ -391,6 +400,13 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             ids[:, l, :kk] = le.topk_ids
             if le.low_precision:
                 low[i, l, le.low_precision] = True
+            if le.realb is not None:  # ReaLB's decision at this layer call, per rank
+                d = le.realb
+                rb_low[i, l, :len(d.low)] = d.low
+                rb["m"][i, l, :len(d.m)] = d.m
+                rb["ib"][i, l, :len(d.ib)] = d.ib
+                rb["vision"][i, l, :len(d.vision)] = d.vision
+                rb_gated[i, l] = d.gated
             if le.token_weights is not None:  # MACS: weights of this layer's tokens
                 weighted.append((i, l, np.asarray(le.topk_ids), np.asarray(le.token_weights),
                                  np.asarray(e.modality, np.int64)))
@@ -431,7 +447,9 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         effective[i, l] = 0
         tok, slot = np.nonzero(lids >= 0)
         np.add.at(effective, (i, l, lids[tok, slot].astype(np.int64), mod[tok]), tw[tok])
-    out.update(effective_load=effective, low_precision=low)
+    out.update(effective_load=effective, low_precision=low, realb_low=rb_low,
+               realb_m=rb["m"], realb_ib=rb["ib"], realb_vision=rb["vision"],
+               realb_gated=rb_gated)
     out.update(hits=hits, misses=misses, pinned_accesses=pinned_acc, loads=loads,
                evictions=evictions, stall_layer_measured_s=stall_layer, routed_tokens=routed,
                dispatch_dropped=dropped, dispatch_rerouted=rerouted,

@@ -20,9 +20,9 @@ import panel as pn
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
 from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, EPTimelineView, EPView,
-                                HeatmapView, HitRateView, HotRecallView, LatencyView, ReplayView,
-                                TickQueue,
-                                TimelineView, TokenOverlayView, answer_view, progress_view)
+                                HeatmapView, HitRateView, HotRecallView, LatencyView, ReaLBView,
+                                ReplayView, TickQueue, TimelineView, TokenOverlayView,
+                                answer_view, progress_view)
 from workbench.ui.widgets import (card, filter_widgets, input_widgets, knob_cards, make,
                                   model_widgets, replay_widgets, runs_widgets)
 
@@ -170,7 +170,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     # VisMMOE: kept vs pruned visual tokens, Hot Recall (the row under the first screen)
     tokens, recall = TokenOverlayView(store), HotRecallView(store)
     ep, ep_tl = EPView(store), EPTimelineView(store, height=340)
-    ep_card = card(ep.pane, ep_tl.pane,
+    realb = ReaLBView(store, height=340)
+    ep_card = card(ep.pane, ep_tl.pane, realb.pane,
                    title="Expert parallel: the shown run's routing over ranks (virtual; ranks "
                          "and placement from the Expert parallel card)",
                    margin=(4, 4), css_classes=["wb-ep"])
@@ -233,7 +234,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     main = [status, filters, pn.Row(heat.pane, hit.pane), pn.Row(lat.pane, tl.pane), later]
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
              "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
-             "hot_recall": recall, "compare": compare, "ep": ep, "ep_timeline": ep_tl}
+             "hot_recall": recall, "compare": compare, "ep": ep, "ep_timeline": ep_tl,
+             "realb": realb}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None

@@ -338,8 +338,31 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     fig = ep_load_figure(per_rank, ib, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
         f"over layer steps){drops}{_describe(step_range, phase)}"), base,
-        _rank_capacity(ds, ranks, steps))
+        _rank_capacity(ds, ranks, steps), _rank_precision(ds, ranks, placement, steps))
     return _finish(fig, "ep", revision)
+
+
+def _rank_precision(ds: xr.Dataset, ranks: int, placement: str, steps: np.ndarray
+                    ) -> tuple[str, np.ndarray] | None:
+    """``(low precision, share of the selected layer calls each rank ran in it)`` when the
+    run's live ReaLB decided over exactly these ranks and placement (its decisions are per
+    rank of the run: another rank count or placement has none); else None."""
+    if "realb_low" not in ds or int(ds.sizes.get("ep_rank", 0)) != ranks:
+        return None
+    from workbench.telemetry.metadata import RunMetadata
+
+    try:
+        k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs
+    except Exception:  # unreadable knobs: no marks
+        return None
+    if k is None or k.balance == "none" or k.placement != placement or int(k.ep_ranks) != ranks:
+        return None
+    sel = {"step": [int(x) for x in steps]}
+    decided = ~np.isnan(ds["realb_m"].sel(sel).values[..., 0])  # [step, layer] layer calls
+    if not decided.any():
+        return None
+    low = ds["realb_low"].sel(sel).values[decided]  # [calls, rank]
+    return str(k.low_precision), low.mean(0)
 
 
 REPLAY_TITLE = "replay: hit rate vs cache size"
@@ -664,6 +687,50 @@ class EPTimelineView(EPView):
         return ep_timeline_view_figure(s.dataset, int(ep.ep_ranks), ep.placement,
                                        s.step_range, s.phase,
                                        f"{self._revision()}-{ep.ep_ranks}-{ep.placement}")
+
+
+REALB_TITLE = "ReaLB: M_d per rank over the steps"
+
+
+def realb_view_figure(ds: xr.Dataset | None, ranks: int, placement: str, balance: str,
+                      revision: Any = None) -> go.Figure:
+    """ReaLB's AIMD state of the shown run (seed 004 Fig. 9, ``ds.moe.plot_realb``): as its
+    live controller recorded it; a run without one, under the Expert parallel card's
+    ``balance`` (≠ none), ranks and placement: the controller over its recorded routing
+    (*modeled*, nothing reruns)."""
+    if ds is None:
+        return placeholder_figure("realb", REALB_TITLE, "no run yet")
+    recorded = "realb_m" in ds and not bool(np.isnan(ds["realb_m"].values).all())
+    if not recorded:
+        if balance == "none":
+            return placeholder_figure(
+                "realb", REALB_TITLE, "the shown run had no ReaLB controller.<br>Set balance "
+                "in the Expert parallel card to see it over this run's routing (modeled)")
+        if ranks <= 1:
+            return placeholder_figure("realb", REALB_TITLE, EP_ONE_RANK)
+        fig = ds.moe.plot_realb(mode=balance, ranks=ranks, placement=placement)
+    else:
+        fig = ds.moe.plot_realb()
+    return _finish(fig, "realb", revision)
+
+
+class ReaLBView(EPView):
+    """ReaLB's M_d trajectory of the shown run (:func:`realb_view_figure`), redrawn when the
+    run, or the Expert parallel card's ranks, placement or balance change."""
+
+    view = "realb"
+    watches = ("dataset",)
+
+    def __init__(self, store: DataStore, height: int = 340) -> None:
+        super().__init__(store, height)
+        store.knobs.group("ep").param.watch(self._changed, ["balance"])
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        ep = s.knobs.group("ep")
+        return realb_view_figure(s.dataset, int(ep.ep_ranks), ep.placement, ep.balance,
+                                 f"{self._revision()}-{ep.ep_ranks}-{ep.placement}-"
+                                 f"{ep.balance}")
 
 
 class ReplayView(PlotView):

@@ -16,7 +16,8 @@ MODALITY_COLOURS = {"text": "#4C78A8", "image": "#F58518", "video": "#54A24B",
 def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
                    steps: np.ndarray, title: str,
                    baseline: tuple[str, np.ndarray] | None = None,
-                   capacity: tuple[str, float] | None = None) -> go.Figure:
+                   capacity: tuple[str, float] | None = None,
+                   precision: tuple[str, np.ndarray] | None = None) -> go.Figure:
     """Left: each rank's mean load per (step, layer) group, stacked by modality, with the
     balanced level (every rank at the mean) dashed; a ``"dropped"`` entry (assignments a
     capacity-aware dispatch took away) is drawn hatched on top and left out of the level, a
@@ -24,7 +25,9 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
     same-rank expert: they are in the load too) cross-hatched;
     ``baseline`` ``(label, per-rank load)``: another run's (the pinned A/B baseline), as
     diamonds over the bars; ``capacity`` ``(label, assignments)``: a rank's capacity under the
-    run's dispatch (its experts' capacities, mean per layer step), dotted. Right: imbalance max/mean per layer ×
+    run's dispatch (its experts' capacities, mean per layer step), dotted; ``precision``
+    ``(low precision, share per rank)``: the share of its layer calls each rank ran in that
+    precision (ReaLB), written over its bar. Right: imbalance max/mean per layer ×
     step (``imbalance`` [step, layer], NaN where nothing was routed)."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.38, 0.62], horizontal_spacing=0.1,
                         subplot_titles=("load per rank (mean per layer step)",
@@ -61,6 +64,16 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
                                  mode="markers", name=label,
                                  marker={"symbol": "diamond", "size": 10, "color": "#111"}),
                       row=1, col=1)
+    if precision is not None and ranks is not None and total is not None:
+        name, share = precision
+        share = np.asarray(share, float)
+        fig.add_trace(go.Scatter(
+            x=[f"rank {r}" for r in ranks], y=total, mode="markers+text",
+            text=[f"{p:.0%} {name}" for p in share], textposition="top center",
+            name=f"share of layer calls in {name} (ReaLB)",
+            marker={"symbol": "triangle-down", "size": 9,
+                    "color": ["#C0392B" if p > 0 else "#999" for p in share]}),
+            row=1, col=1)
     fig.add_trace(go.Heatmap(z=np.asarray(imbalance, float).T, x=np.asarray(steps),
                              colorscale="Reds", zmin=1.0, name="imbalance",
                              colorbar={"title": "max/mean", "x": 1.02},
@@ -115,4 +128,36 @@ def ep_timeline_figure(dispatch_s: np.ndarray, compute_s: np.ndarray, combine_s:
     fig.update_layout(barmode="overlay", title=title, legend={"orientation": "h", "y": -0.25})
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1])
     fig.update_xaxes(title_text="modeled time in the step (ms)")
+    return fig
+
+
+def realb_m_figure(m: np.ndarray, ib_global: np.ndarray, low: np.ndarray, tau: float,
+                   title: str) -> go.Figure:
+    """ReaLB's AIMD state over iterations (seed 004 Fig. 9): M_d of every rank (``m``
+    [step, rank]) as lines, the steps where IB_global > τ (``ib_global`` [step]: the
+    multiplicative decrease) shaded, and the (step, rank) cells that ran in low precision
+    (``low`` [step, rank]) as markers on their rank's line."""
+    m = np.asarray(m, float)
+    S, R = m.shape if m.ndim == 2 else (0, 0)
+    steps = np.arange(S)
+    fig = go.Figure()
+    for s in np.nonzero(np.asarray(ib_global, float) > tau)[0]:
+        fig.add_vrect(x0=s - 0.5, x1=s + 0.5, fillcolor="#F58518", opacity=0.15,
+                      line_width=0, layer="below")
+    for r in range(R):
+        fig.add_trace(go.Scatter(x=steps, y=m[:, r], mode="lines", name=f"rank {r}",
+                                 line={"shape": "hv"}))
+    rows, cols = np.nonzero(np.asarray(low, bool)) if S else ((), ())
+    if len(rows):
+        fig.add_trace(go.Scatter(x=rows, y=m[rows, cols], mode="markers",
+                                 name="rank ran in low precision",
+                                 marker={"symbol": "x", "color": "#C0392B", "size": 8},
+                                 customdata=cols,
+                                 hovertemplate="step %{x}, rank %{customdata}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"IB_global > τ = {tau:g}",
+                             marker={"symbol": "square", "color": "#F58518", "opacity": 0.3,
+                                     "size": 12}))
+    fig.update_layout(title=title, legend={"orientation": "h", "y": -0.25})
+    fig.update_xaxes(title_text="step (iteration)")
+    fig.update_yaxes(title_text="M_d (vision-ratio threshold)", range=[-0.05, 1.05])
     return fig
