@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("exactness", "transfers", "live", "batch")
+PARTS = ("exactness", "transfers", "live", "batch", "realb")
 KiB, MiB = 1024, 1024 * 1024
 #: one routed expert of Qwen3-VL-30B-A3B in bf16: gate_up [2·768, 2048] + down [2048, 768]
 QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2
@@ -695,6 +695,67 @@ def part_batch(dev: torch.device, tokens: int = 16) -> dict:
     return out
 
 
+def part_realb(dev: torch.device, tokens: int = 16) -> dict:
+    """ReaLB live on the device (issue 15): ``fake_quant`` on the device vs on the CPU (the
+    same values?) and its time on a 4096 × 4096 float32 tensor; a mixed batch of 8 over 8
+    ranks with ``balance`` = none / fp4-all / realb-m1 (low-precision expert runs, answers
+    equal to native, wall medians of 3 interleaved rounds); the split path with the quantiser
+    made the identity gives the native tokens exactly."""
+    import statistics
+
+    import workbench.precision as precision
+
+    out: dict = {"tokens": tokens, "fake_quant": {}}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 4096, generator=g) * torch.logspace(-3, 2, 4096)[None, :]
+    for p in ("nvfp4", "fp8"):
+        cpu = precision.fake_quant(x, p)
+        xd = x.to(dev)
+        on = precision.fake_quant(xd, p)
+        sync(dev)
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            precision.fake_quant(xd, p)
+            sync(dev)
+            ts.append(time.perf_counter() - t0)
+        diff = (on.cpu() - cpu).abs()
+        out["fake_quant"][p] = {"max_abs_diff_vs_cpu": float(diff.max()),
+                                "values_differing": int((diff > 0).sum()),
+                                "median_s_4096sq": statistics.median(ts)}
+    rt = workbench.Runtime(device=dev.type, max_new_tokens=tokens, pinned_layers=0,
+                           cache_slots=64 * 12)
+    reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
+    kw = dict(ep_ranks=8, record=False)
+    nat = rt.run(reqs, **kw)
+    real = precision.fake_quant
+    precision.fake_quant = lambda t, p="nvfp4", axis=None: t.clone()
+    try:
+        ident = rt.run(reqs, balance="fp4-all", **kw)
+    finally:
+        precision.fake_quant = real
+    out["identity_split_equal_native"] = [a["token_ids"] == b["token_ids"]
+                                          for a, b in zip(ident.batch, nat.batch)]
+    out["identity_low_runs"] = ident.low_precision_runs
+    configs = {"none": {}, "fp4-all": dict(balance="fp4-all"),
+               "realb-m1": dict(balance="realb-m1"), "realb": dict(balance="realb")}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    runs: dict[str, dict] = {}
+    for r in range(4):  # round 0 warms up
+        for name, c in configs.items():
+            t0 = time.perf_counter()
+            res = rt.run(reqs, **kw, **c)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+            runs[name] = {"low_precision_runs": res.low_precision_runs,
+                          "answers_equal_native": sum(a["token_ids"] == b["token_ids"]
+                                                      for a, b in zip(res.batch, nat.batch))}
+    base = statistics.median(times["none"])
+    out["runs"] = {k: {"median_s": statistics.median(v), "ratio": statistics.median(v) / base,
+                       **runs[k]} for k, v in times.items()}
+    return out
+
+
 # -- 3. live cost --------------------------------------------------------------------------------
 def _live_scaling():
     """The sibling benchmark ``bench_live_scaling`` as a module (run in this process)."""
@@ -738,7 +799,7 @@ def summary(res: dict) -> str:
         if p in res.get("errors", {}):
             lines.append(f"**{p} failed**: `{res['errors'][p].strip().splitlines()[-1]}`\n")
     for name, fn in (("exactness", _md_exactness), ("transfers", _md_transfers),
-                     ("live", _md_live), ("batch", _md_batch)):
+                     ("live", _md_live), ("batch", _md_batch), ("realb", _md_realb)):
         if res.get(name):
             try:
                 lines += fn(res[name], res)
@@ -913,6 +974,8 @@ def main(argv: list[str] | None = None) -> int:
             run_part("live", lambda: part_live(dev, out_dir))
         if "batch" in parts:
             run_part("batch", lambda: part_batch(dev))
+        if "realb" in parts:
+            run_part("realb", lambda: part_realb(dev))
     save()
     try:
         md = summary(res)
@@ -935,6 +998,24 @@ def _md_batch(bt: dict, res: dict) -> list[str]:
         lines.append(f"| {k} | {v['median_s']:.3f} | {v['ratio']:.2f} | {v['assigned']} | "
                      f"{v['dropped']} | {v['rerouted']} | {v['added']} | "
                      f"{v['answers_equal_topk']}/{bt['requests']} |")
+    return lines + [""]
+
+
+def _md_realb(rb: dict, res: dict) -> list[str]:
+    lines = [f"## ReaLB live: a batch of 8 mixed requests over 8 ranks ({rb['tokens']} tokens)",
+             "", "fake_quant on the device vs the CPU (4096 × 4096 float32, wide range): " +
+             "; ".join(f"{p}: max |Δ| {v['max_abs_diff_vs_cpu']:.2e}, {v['values_differing']} "
+                       f"values differ, {v['median_s_4096sq'] * 1e3:.2f} ms"
+                       for p, v in rb["fake_quant"].items()), "",
+             f"split path with the identity quantiser equals native: "
+             f"**{all(rb['identity_split_equal_native'])}** "
+             f"({sum(rb['identity_split_equal_native'])}/8; {rb['identity_low_runs']} expert "
+             f"runs apart)", "",
+             "| balance | median s | × none | low-precision expert runs | answers = native |",
+             "| --- | --- | --- | --- | --- |"]
+    for k, v in rb["runs"].items():
+        lines.append(f"| {k} | {v['median_s']:.3f} | {v['ratio']:.2f} | "
+                     f"{v['low_precision_runs']} | {v['answers_equal_native']}/8 |")
     return lines + [""]
 
 

@@ -170,3 +170,23 @@ def test_a_live_run_reports_its_ep_load_from_its_store(embedded_dir, tmp_path, c
     assert ds.moe.ep_summary() == {**ep, "interconnect": ep["interconnect"]}
     load = ds.moe.ep_load()
     assert load.sizes["rank"] == 4 and int(load.sum()) == int((ds.topk_ids.values >= 0).sum())
+
+
+def test_load_volatility_on_hand_built_loads():
+    from workbench.sim.ep import load_volatility
+
+    steady = np.tile(np.array([[5.0, 1, 1, 1]]), (6, 2, 1))
+    v = load_volatility(steady, window=2)
+    assert v["hot_change"] == 0.0 and v["history_hot_hit"] == 1.0
+    assert np.isnan(v["history_corr"]) or v["history_corr"] == pytest.approx(1.0)
+    steady[:, :, 1] += np.arange(6)[:, None] * 0.1  # not constant: correlation defined
+    assert load_volatility(steady, 2)["history_corr"] > 0.99
+    flip = np.zeros((4, 1, 2))
+    flip[0::2, 0, 0] = 3
+    flip[1::2, 0, 1] = 3
+    f = load_volatility(flip, window=1)
+    assert f["hot_change"] == 1.0 and f["history_hot_hit"] == 0.0
+    assert f["history_corr"] == pytest.approx(-1.0) and f["pairs"] == 3
+    gap = flip.copy()
+    gap[1] = 0  # a step with no load is skipped, not a change
+    assert load_volatility(gap, 1)["pairs"] == 1

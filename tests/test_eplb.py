@@ -94,8 +94,11 @@ def test_eplb_over_time_fits_on_the_past_and_balances_stationary_traffic():
     phy2log, _, cnt = rebalance_experts(counts[10:20].sum(0).astype(float), 12, 1, 1, 4)
     want = np.einsum("sle,leg->slg", counts[20:30].astype(float), replica_share(phy2log, cnt, 4))
     np.testing.assert_allclose(r.load[20:30], want)
-    # the first plan moves every slot in; later plans only what changed
-    assert r.rebalances[0]["slots_moved"] == L * 12
+    # the first plan moves what differs from the static layout (rank r: experts 2r, 2r + 1
+    # and an empty redundant slot); later plans only what changed
+    first, _, _ = rebalance_experts(counts[0:10].sum(0).astype(float), 12, 1, 1, 4)
+    static = np.tile([0, 1, -1, 2, 3, -1, 4, 5, -1, 6, 7, -1], (L, 1))
+    assert r.rebalances[0]["slots_moved"] == int((first != static).sum()) >= 2 * L
     assert all(b["slots_moved"] <= L * 12 for b in r.rebalances[1:])
 
 
@@ -134,3 +137,27 @@ def test_ds_moe_eplb_on_a_run(embedded, tmp_path):
         ds.moe.eplb(redundant=4, window=0)
     with pytest.raises(KnobError, match="multiple of the 4 GPUs"):
         ds.moe.eplb(redundant=3)
+
+
+def test_ds_moe_eplb_prices_the_replicas_on_the_ep_clock(embedded, tmp_path):
+    """With no rebalance in the run, EPLB's clock is the static EP clock exactly; with
+    replicas, every replica reads its weights (compute summed over ranks grows) and each
+    rebalance step carries its modeled weight movement."""
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=10, ignore_eos=True)
+    res = rt.run(workbench.batch(4, seed=2), store=tmp_path / "b.zarr", ep_ranks=4,
+                 target_model="qwen3-vl-30b-a3b")
+    ds = workbench.open_run(res.store)
+    S = ds.sizes["step"]
+    static = ds.moe.ep_times()
+    none = ds.moe.eplb(redundant=0, window=4, interval=S + 1)
+    np.testing.assert_allclose(none.compute_s, static["compute_s"].values, rtol=1e-12)
+    np.testing.assert_allclose(none.moe_layer_s, static["moe_layer_s"].values, rtol=1e-12)
+    assert not none.rebalance_s.any()
+    rep = ds.moe.eplb(redundant=4, window=3, interval=3)
+    steps = [r["step"] for r in rep.rebalances]
+    assert steps == list(range(3, S, 3)) and (rep.rebalance_s[steps] > 0).all()
+    assert rep.rebalance_s.sum() == pytest.approx(rep.summary()["rebalance_s_modeled"])
+    served = slice(3, None)
+    assert rep.compute_s[served].sum() > none.compute_s[served].sum()  # replicas read weights

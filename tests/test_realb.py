@@ -32,6 +32,7 @@ def test_gate_and_variants():
     assert m1.decide(0, load, vis).low.tolist() == [True, False, False, False]
     assert (m1.m == 0.0).all()
     assert ReaLB(1, 4, mode="all").decide(0, load, vis).low.all()
+    assert ReaLB(1, 4, mode="all", gate=100.0).decide(0, load, vis).low.all()  # no gate
     assert not ReaLB(1, 4, mode="none").decide(0, load, vis).low.any()
     with pytest.raises(ValueError, match="mode must be one of"):
         ReaLB(1, 4, mode="fp4")
@@ -249,3 +250,27 @@ def test_the_ep_clock_prices_low_experts_and_the_online_switch(embedded, tmp_pat
     for i, j, x in zip(*np.nonzero(hc)):
         want[i, j, owner[x]] += ph.expert(int(hc[i, j, x]))
     np.testing.assert_allclose(hs.moe.ep_times()["compute_s"].values, want, rtol=1e-9)
+
+
+def test_realb_carry_keeps_m_d_across_runs(embedded, tmp_path):
+    """realb_carry: the runtime's next run starts where the last one's AIMD left M_d (a
+    server's controller); without it every run starts at 0.9; another rank count has its
+    own."""
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=3)
+    kw = dict(ep_ranks=4, balance="realb", realb_tau=1.2, realb_carry=True)
+    a = workbench.open_run(rt.run(reqs, store=tmp_path / "a.zarr", **kw).store)
+    b = workbench.open_run(rt.run(reqs, store=tmp_path / "b.zarr", **kw).store)
+    ma, mb = a["realb_m"].values.astype(float), b["realb_m"].values.astype(float)
+    ib = a["realb_ib"].values.max(-1)[-1]
+    last = np.where((ib > 1.2)[:, None], ma[-1] * 0.5, np.minimum(1.0, ma[-1] + 0.1))
+    np.testing.assert_allclose(mb[0], last, rtol=1e-6)
+    assert not np.allclose(mb[0], 0.9)
+    fresh = workbench.open_run(rt.run(reqs, store=tmp_path / "c.zarr", ep_ranks=4,
+                                      balance="realb", realb_tau=1.2).store)
+    assert np.allclose(fresh["realb_m"].values[0], 0.9)
+    other = workbench.open_run(rt.run(reqs, store=tmp_path / "d.zarr",
+                                      **{**kw, "ep_ranks": 8}).store)
+    assert np.allclose(other["realb_m"].values[0], 0.9)

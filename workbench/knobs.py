@@ -335,6 +335,11 @@ class ExpertParallelKnobs(KnobGroup):
         doc="ReaLB Γ: act only when a layer call's routed assignments exceed it (paper: 2048 "
             "= 256 × 8 ranks; the embedded model's batches of 8 make ≈ 2 400 in the prefill "
             "and 32 per decode step).")
+    realb_carry = param.Boolean(
+        default=False,
+        doc="ReaLB's M_d lives on across the Runtime's runs with the same balance, ranks and "
+            "placement (a server's controller sees batch after batch; off: every run starts "
+            "at M_d = 0.9).")
     # MACS (dispatch = macs; seed 002 §3, workbench.sim.macs)
     macs_delta = param.Number(
         default=1.5, bounds=(0.0, 100.0), softbounds=(0.0, 5.0),

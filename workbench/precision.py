@@ -51,6 +51,14 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` rounded once, on every device: PyTorch's CUDA kernels turn a division by a
+    Python number into a multiplication by its rounded reciprocal (the last bit can differ,
+    and flip a scale's E4M3 rounding — measured on an H200: one NVFP4 group in 16.7 M values);
+    a divisor tensor on the same device keeps the IEEE division the CPU does."""
+    return x / torch.tensor(c, dtype=x.dtype, device=x.device)
+
+
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """``x`` (float32) rounded to the nearest E2M1 value, ties to the even mantissa, saturated
     to ±6."""
@@ -88,14 +96,14 @@ def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> 
             amax = xf.abs().amax()
         else:
             amax = xf.abs().amax(dim=axis, keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
         return (_to_e4m3(xf / scale) * scale).to(dtype)
     if axis is not None:
         raise InputError("nvfp4 groups the last axis by 16: axis is not a setting of it")
     amax = xf.abs().amax()
     if amax == 0:
         return torch.zeros_like(x)
-    glob = amax / (FP8_MAX * FP4_MAX)
+    glob = _div(amax, FP8_MAX * FP4_MAX)
     n = xf.shape[-1]
     pad = (-n) % NVFP4_GROUP
     flat = xf.reshape(-1, n)
@@ -106,7 +114,7 @@ def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> 
     # the group scale, saturated to E4M3's normal range [2⁻⁶, 448] and rounded to it; the
     # values scaled by the reciprocal of global × scale (NVIDIA's kernels and torchao compute
     # it so: the last bit of a value can depend on it)
-    scale = _to_e4m3((g_amax / FP4_MAX / glob).clamp(E4M3_TINY, FP8_MAX))
+    scale = _to_e4m3((_div(g_amax, FP4_MAX) / glob).clamp(E4M3_TINY, FP8_MAX))
     q = _round_e2m1(g * ((1.0 / glob) / scale))
     out = (q * (glob * scale)).reshape(flat.shape[0], -1)[:, :n]
     return out.reshape(xf.shape).to(dtype)

@@ -761,10 +761,10 @@ class MoEAccessor:
                 .reshape(S, L) if hidden > 0 else np.zeros((S, L)))
         switch = np.zeros((S, L))
         if prices.available and k.balance in ONLINE_SWITCH:
-            decided = ~np.isnan(self._ds["realb_m"].values[..., 0]) \
-                if "realb_m" in self._ds else np.ones((S, L), bool)
+            # the gate keeps ReaLB idle (no metadata, no conversion) on small layer calls
+            gated = np.asarray(self._ds["realb_gated"].values, bool)
             meta = link.all_to_all_s((R - 1) * E * 4.0)  # allgather of the per-expert loads
-            switch = np.where(decided, switch_s(
+            switch = np.where(gated, switch_s(
                 get_profile(k.profile), prices.cost.expert_bytes,
                 counts_per_rank(low.astype(np.float64), owner, R), k.low_precision, meta), 0.0)
         # ReaLB hides the conversion under the dispatch; ReaLB-seq waits for both
@@ -803,11 +803,15 @@ class MoEAccessor:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise InputError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
         counts = self._ds["routed_tokens"].sum("modality").values
-        cost = self._prices(k.profile, k.target_model).cost
+        prices = self._prices(k.profile, k.target_model)
+        cost = prices.cost
         return eplb_over_time(counts, int(k.ep_ranks), int(redundant), int(window),
                               int(interval), num_groups=num_groups, num_nodes=num_nodes,
                               expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
-                              link=get_interconnect(k.interconnect))
+                              link=get_interconnect(k.interconnect),
+                              price=prices.expert if prices.available else None,
+                              hidden_bytes=float(cost.activation_bytes_per_token)
+                              if cost is not None else 0.0)
 
     def realb(self, mode: str = "realb", ranks: int | None = None,
               placement: str | None = None, precision: str = "nvfp4", profile: str = "b200",

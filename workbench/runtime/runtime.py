@@ -75,6 +75,8 @@ class Runtime:
             raise KnobError(f"knobs must be a workbench.Knobs or a dict of knob values, not "
                             f"{type(knobs).__name__}")
         self.knobs = base.set(**knob_values)
+        #: ReaLB's M_d per (balance, ranks, placement), carried across runs (realb_carry)
+        self._realb_m: dict[tuple, Any] = {}
         if isinstance(model, LoadedModel):
             self.lm = model
         else:

@@ -170,8 +170,13 @@ class RunSession:
         from workbench.sim.placement import rank_of_expert
         from workbench.sim.realb import ReaLB
 
-        return {"balance": ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks),
-                                             c=k.realb_c, tau=k.realb_tau, gate=k.realb_gate),
+        ctl = ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks), c=k.realb_c,
+                                tau=k.realb_tau, gate=k.realb_gate)
+        if k.realb_carry:  # the previous run's M_d (a controller that lives across batches)
+            carried = self.runtime._realb_m.setdefault(
+                (k.balance, int(k.ep_ranks), k.placement), ctl.m)
+            ctl.m = carried  # shared: this run's updates are the next run's start
+        return {"balance": ctl,
                 "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
                 "low_precision": k.low_precision}
 

@@ -77,6 +77,39 @@ def imbalance(load: np.ndarray) -> np.ndarray:
         return np.where(mean > 0, load.max(axis=-1) / mean, np.nan)
 
 
+def load_volatility(load: np.ndarray, window: int = 4) -> dict[str, float]:
+    """How much a per-(step, layer) load ``[S, L, N]`` (N ranks or experts) moves between
+    iterations — ReaLB's argument against history-based balancing (seed 004 Fig. 2):
+
+    - ``hot_change``: the share of consecutive step pairs (per layer, both with load) whose
+      busiest of the N changes;
+    - ``history_corr``: the mean Pearson correlation, over (step, layer), of a step's load with
+      the mean of its ``window`` previous steps (what a history-based plan is fitted on; 1:
+      the past predicts the next step's shape exactly; NaN where a side is constant);
+    - ``history_hot_hit``: the share of steps whose busiest is the busiest of that history.
+
+    Steps with no load are skipped; a step's history is the steps before it that had some."""
+    load = np.asarray(load, np.float64)
+    S, L, N = load.shape
+    live = load.sum(-1) > 0
+    hot = load.argmax(-1)
+    both = live[1:] & live[:-1]
+    change = (hot[1:] != hot[:-1])[both]
+    corr, hits = [], []
+    for l in range(L):
+        idx = np.nonzero(live[:, l])[0]
+        for j in range(1, len(idx)):
+            past = load[idx[max(0, j - window):j], l].mean(0)
+            now = load[idx[j], l]
+            hits.append(past.argmax() == now.argmax())
+            if past.std() > 0 and now.std() > 0:
+                corr.append(float(np.corrcoef(past, now)[0, 1]))
+    return {"hot_change": float(change.mean()) if change.size else float("nan"),
+            "history_corr": float(np.mean(corr)) if corr else float("nan"),
+            "history_hot_hit": float(np.mean(hits)) if hits else float("nan"),
+            "pairs": int(change.size), "window": int(window)}
+
+
 def group_metrics(load: np.ndarray) -> dict[str, np.ndarray]:
     """Per-group ``max``, ``mean`` and the three ratios (module docstring) of ``load``
     ``[groups, ranks]``, for the groups with any load (``used``: which)."""

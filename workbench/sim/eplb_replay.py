@@ -11,9 +11,17 @@ store's ``routed_tokens`` summed over modalities, or a trace's) and:
   serves steps ``[t, t + interval)`` — a plan never sees the traffic it is scored on;
 - each expert's tokens are split evenly among its replicas (:func:`replica_share`), each rank's
   load per (step, layer) is its share of the routed tokens;
-- a rebalance moves the weights of every physical slot whose expert changed: ``moved`` slots ×
+- a rebalance moves the weights of every physical slot whose expert changed (statically each
+  rank's first E/R slots hold its contiguous experts, its redundant slots are empty): ``moved`` slots ×
   ``expert_bytes``, priced (``link``) as one all-to-all whose busiest receiver takes its slots'
   bytes (``Interconnect.all_to_all_s``-style: latency + bytes / bandwidth) — *modeled*.
+
+With ``price`` (an expert's modeled seconds for a token count, :meth:`Prices.expert`) the
+result also holds the EP clock of every (step, layer): each rank runs every expert it holds a
+replica of on its share of the tokens (rounded to whole tokens; a replica reads all its
+weights) — ``compute_s`` [S, L, R] — and, with ``hidden_bytes``, the dispatch and combine
+all-to-alls of the replicated loads; ``rebalance_s`` [S] is the modeled weight movement at the
+steps that rebalance (its own lane: the model stalls for it unless the move is hidden).
 
 Torch-free; the loads are the same as ``ds.moe.ep_load``'s with a static placement.
 """
@@ -25,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from workbench.sim.costs import Prices
 from workbench.sim.ep import imbalance
 from workbench.sim.eplb import rebalance_experts, replica_share
 
@@ -39,6 +48,12 @@ class EPLBResult:
     eplb_imbalance: np.ndarray
     load: np.ndarray
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    #: with ``price``: [S, L, R] modeled expert compute per rank, [S, L] dispatch (= combine)
+    #: and MoE-layer seconds (dispatch + slowest rank + combine), [S] rebalance seconds
+    compute_s: np.ndarray | None = None
+    dispatch_s: np.ndarray | None = None
+    moe_layer_s: np.ndarray | None = None
+    rebalance_s: np.ndarray | None = None
 
     def summary(self) -> dict[str, Any]:
         after = self.eplb_imbalance
@@ -60,7 +75,8 @@ class EPLBResult:
 
 def eplb_over_time(counts: np.ndarray, ranks: int, redundant: int, window: int,
                    interval: int, *, num_groups: int = 1, num_nodes: int = 1,
-                   expert_bytes: float = 0.0, link: Any = None) -> EPLBResult:
+                   expert_bytes: float = 0.0, link: Any = None, price=None,
+                   hidden_bytes: float = 0.0) -> EPLBResult:
     """The module docstring's schedule on ``counts`` [S, L, E] over ``ranks`` GPUs with
     ``redundant`` extra slots per layer (E + redundant must be a multiple of ``ranks``)."""
     counts = np.asarray(counts, np.float64)
@@ -73,10 +89,17 @@ def eplb_over_time(counts: np.ndarray, ranks: int, redundant: int, window: int,
     static_load = np.einsum("sle,ler->slr", counts, static_share)
     load = np.empty((S, L, ranks))
     share = static_share
-    # the physical slots' experts of the plan in force (static: slot s holds expert s of
-    # rank s // per_gpu is not defined for P > E; the first plan counts every slot as moved)
+    # the physical slots' experts of the plan in force: statically rank r's first E/R slots
+    # hold its contiguous experts and its redundant slots are empty (-1: filling one moves
+    # weights); experts not divisible by ranks: no such layout, the first plan moves every slot
     slots = None
+    if E % ranks == 0:
+        j = np.arange(per_gpu)
+        first = np.where(j < E // ranks, j, -1)
+        slots = np.tile(np.concatenate([np.where(first >= 0, r * (E // ranks) + first, -1)
+                                        for r in range(ranks)]), (L, 1))
     rebalances = []
+    compute = np.zeros((S, L, ranks)) if price is not None else None
     for t0 in range(0, S, interval):
         t1 = min(t0 + interval, S)
         if t0 > 0:
@@ -94,8 +117,23 @@ def eplb_over_time(counts: np.ndarray, ranks: int, redundant: int, window: int,
             rebalances.append({"step": t0, "slots_moved": int(moved.sum()), "bytes": nbytes,
                                "seconds": seconds})
         load[t0:t1] = np.einsum("sle,ler->slr", counts[t0:t1], share)
-    return EPLBResult(static_imbalance=imbalance(static_load), eplb_imbalance=imbalance(load),
-                      load=load, rebalances=rebalances)
+        if compute is not None:  # every replica on its share of its expert's tokens
+            tokens = np.rint(counts[t0:t1, :, :, None] * share[None]).astype(np.int64)
+            secs = np.where(tokens > 0, Prices.many(price, tokens).reshape(tokens.shape), 0.0)
+            compute[t0:t1] = secs.sum(2)
+    out = EPLBResult(static_imbalance=imbalance(static_load), eplb_imbalance=imbalance(load),
+                     load=load, rebalances=rebalances)
+    if compute is not None:
+        from workbench.sim.ep import phase_s
+
+        disp = (phase_s(load.reshape(-1, ranks), hidden_bytes, link).reshape(S, L)
+                if link is not None and hidden_bytes > 0 else np.zeros((S, L)))
+        reb = np.zeros(S)
+        for r in rebalances:
+            reb[r["step"]] += r["seconds"]
+        out.compute_s, out.dispatch_s, out.rebalance_s = compute, disp, reb
+        out.moe_layer_s = 2 * disp + compute.max(-1)
+    return out
 
 
 __all__ = ["EPLBResult", "eplb_over_time"]

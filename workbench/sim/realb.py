@@ -14,7 +14,8 @@ Per MoE layer with per-rank loads ``Load_d`` (routed assignments) and vision rat
   IB_global > τ (1.5) then M_d ← 0.5·M_d, else M_d ← min(1, M_d + 0.1).
 
 Variants (``mode``): ``realb`` (the above); ``fixed`` (M_d held at ``fixed_m``: ReaLB-m1 is
-0, ReaLB-m2 0.7); ``all`` (every rank low, every layer: FP4-All); ``none`` (every rank native).
+0, ReaLB-m2 0.7); ``all`` (every rank low, every layer, the gate aside: FP4-All); ``none``
+(every rank native).
 M_d is kept per (layer, rank) — the decisions are per MoE layer, and a layer's ranks see their
 own traffic (the paper's Fig. 9 plots one layer's ranks); say so where it matters.
 """
@@ -97,10 +98,10 @@ class ReaLB:
             vision = np.where(load > 0, np.asarray(visual, np.float64) / load, 0.0)
         m = self.m[layer].copy()
         gated = total > self.gate
-        if self.mode == "none" or not gated:
-            low = np.zeros(R, bool)
-        elif self.mode == "all":
+        if self.mode == "all":  # FP4-All: every layer, whatever the gate (no balancing)
             low = load > 0
+        elif self.mode == "none" or not gated:
+            low = np.zeros(R, bool)
         else:
             low = (ib > self.c) & (vision > m)
         if self.mode == "realb" and gated:
