@@ -1192,3 +1192,33 @@ def test_realb_view_and_precision_per_rank(embedded, vismmoe_run, tmp_path):
                    for t in ep_view_figure(ds, 8, "contiguous").data)
     assert not any((t.name or "").startswith("share of layer calls")
                    for t in ep_view_figure(ds, 4, "round-robin").data)
+
+
+def test_ep_views_follow_eplb_and_draw_its_rebalance_lane(embedded, tmp_path):
+    """placement = eplb in the Expert parallel card: the EP view's loads are EPLB's plans with
+    the card's window / interval / replicas, and the EP timeline shows a step that rebalances,
+    its weight movement as the first lane (modeled)."""
+    from workbench.ui.views import EPTimelineView, EPView
+
+    rt = workbench.Runtime(embedded, max_new_tokens=8, ignore_eos=True)
+    ws = tmp_path / "ws"
+    rt.run(workbench.batch(4, seed=2), store=ws / "e.zarr", ep_ranks=4,
+           target_model="qwen3-vl-30b-a3b")
+    s = DataStore(workspace=ws)
+    s.open("e")
+    view, tl = EPView(s), EPTimelineView(s)
+    ep = s.knobs.group("ep")
+    ep.ep_ranks = 4
+    ep.param.update(placement="eplb", eplb_window=2, eplb_interval=3, num_redundant_experts=4)
+    full = workbench.open_run(ws / "e.zarr")
+    ref = full.moe.eplb(redundant=4, window=2, interval=3)
+    bars = [t for t in view.pane.object.data if t.type == "bar"]
+    groups = int((ref.load.sum(-1) > 0).sum())
+    np.testing.assert_allclose(sum(np.asarray(b.y, float) for b in bars),
+                               ref.load.sum((0, 1)) / groups)
+    fig = tl.pane.object
+    lane = [t for t in fig.data if t.name.startswith("EPLB rebalance")]
+    assert lane and float(lane[0].x[0]) == pytest.approx(ref.rebalance_s[3] * 1e3)
+    assert "step 3" in fig.layout.title.text and "EPLB rebalance" in fig.layout.title.text
+    ep.num_redundant_experts = 3  # 64 + 3 is not a multiple of 4: said, not drawn
+    assert "multiple of" in view.pane.object.layout.annotations[0].text

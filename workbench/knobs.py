@@ -293,7 +293,20 @@ class ExpertParallelKnobs(KnobGroup):
             "the model's experts per layer.")
     placement = param.Selector(
         default="contiguous", objects=["contiguous"],  # the EP placements: workbench.features
-        doc="Which rank owns each expert: 'contiguous' (e on ⌊e·R/E⌋), 'round-robin' (e mod R).")
+        doc="Which rank owns each expert: 'contiguous' (e on ⌊e·R/E⌋), 'round-robin' (e mod R), "
+            "'eplb' (EPLB: replicas of the busiest experts, refitted every eplb_interval steps "
+            "on the last eplb_window; in the EP views and replay).")
+    eplb_window = param.Integer(
+        default=16, bounds=(1, None), softbounds=(1, 256),
+        doc="EPLB: steps of per-expert load a plan is fitted on (the past only).")
+    eplb_interval = param.Integer(
+        default=8, bounds=(1, None), softbounds=(1, 256),
+        doc="EPLB: steps between rebalances (each moves the changed experts' weights over "
+            "the interconnect: modeled, its own lane).")
+    num_redundant_experts = param.Integer(
+        default=0, bounds=(0, None), softbounds=(0, 64),
+        doc="EPLB: extra expert slots per layer for replicas of the busiest experts (experts + "
+            "these must be a multiple of ep_ranks).")
     interconnect = param.Selector(
         default="nvlink-a100", objects=["nvlink-a100"],  # the interconnects: workbench.features
         doc="GPU-to-GPU link the modeled dispatch and combine all-to-alls cross (see "
@@ -380,6 +393,18 @@ class ExpertParallelKnobs(KnobGroup):
         if shape.num_experts is not None and self.ep_ranks > shape.num_experts:
             raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
                             f"per layer (each rank owns at least one), not {self.ep_ranks}")
+        if self.placement == "eplb" and shape.num_experts is not None and (
+                (shape.num_experts + self.num_redundant_experts) % self.ep_ranks):
+            raise KnobError(f"placement 'eplb' needs the {shape.num_experts} experts + "
+                            f"num_redundant_experts ({self.num_redundant_experts}) to be a "
+                            f"multiple of ep_ranks ({self.ep_ranks})")
+        if live and self.placement == "eplb" and (
+                self.dispatch in ("macs", "capacity-expanded") or self.balance != "none"):
+            what = (f"balance={self.balance}" if self.balance != "none"
+                    else f"dispatch={self.dispatch}")
+            raise KnobError(f"placement 'eplb' replicates experts over the run's history; live "
+                            f"{what} decides per owning rank: use contiguous or round-robin "
+                            f"with it")
         needs = getattr(self.selected("dispatch"), "needs", frozenset())
         if live and "trace" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "

@@ -621,17 +621,26 @@ class MoEAccessor:
                                                          for k, v in res.config.items()}})
 
     # -- expert parallelism (issue 14) ---------------------------------------------------------
-    def _ep_knobs(self, ranks: int | None, placement: str | None) -> Any:
-        """The run's recorded EP knobs, changed by ``ranks`` / ``placement`` (checked)."""
+    #: knobs an EP view may change beside ranks and placement (EPLB's schedule)
+    EP_VIEW_KNOBS = ("eplb_window", "eplb_interval", "num_redundant_experts")
+
+    def _ep_knobs(self, ranks: int | None, placement: str | None, **eplb: Any) -> Any:
+        """The run's recorded EP knobs, changed by ``ranks`` / ``placement`` and EPLB's
+        ``eplb_window`` / ``eplb_interval`` / ``num_redundant_experts`` (checked)."""
         from workbench.knobs import Knobs
 
+        bad = sorted(set(eplb) - set(self.EP_VIEW_KNOBS))
+        if bad:
+            raise InputError(f"an EP view takes {', '.join(self.EP_VIEW_KNOBS)} beside ranks "
+                             f"and placement, not {bad[0]!r}")
         k = Knobs.from_attrs(self._ds.attrs)
-        values = {n: v for n, v in (("ep_ranks", ranks), ("placement", placement))
-                  if v is not None}
+        values = {n: v for n, v in (("ep_ranks", ranks), ("placement", placement),
+                                    *eplb.items()) if v is not None}
         return k.copy(**values) if values else k
 
     def ep_load(self, ranks: int | None = None, placement: str | None = None,
-                modality: str | None = None, effective: bool = False) -> xr.DataArray:
+                modality: str | None = None, effective: bool = False,
+                **eplb: Any) -> xr.DataArray:
         """Routed (token, expert) assignments each expert-parallel rank receives, int64
         ``[step, layer, rank]``, with ``ranks`` ranks under ``placement`` (default: the run's
         ``ep_ranks`` / ``placement`` knobs). ``modality``: only that modality's tokens. Ranks
@@ -640,24 +649,29 @@ class MoEAccessor:
         is being written. After a capacity-aware dispatch these are the kept assignments
         (:meth:`ep_dropped` the others). ``effective``: MACS's effective load instead — the
         semantic weights w(x) of the assignments (``effective_load``; float; equal to the
-        counts in a run without MACS)."""
+        counts in a run without MACS). ``placement="eplb"``: EPLB's plans over the run
+        (``eplb``: ``eplb_window``, ``eplb_interval``, ``num_redundant_experts``, default the
+        run's knobs), each replica serving its share (float)."""
         if effective:
-            out = self._per_rank("effective_load", ranks, placement, modality, "ep_load")
+            out = self._per_rank("effective_load", ranks, placement, modality, "ep_load",
+                                 **eplb)
             out.attrs["units"] = "weighted token-expert assignments (MACS effective load)"
             return out
-        return self._per_rank("routed_tokens", ranks, placement, modality, "ep_load")
+        return self._per_rank("routed_tokens", ranks, placement, modality, "ep_load", **eplb)
 
     def ep_dropped(self, ranks: int | None = None, placement: str | None = None,
-                   modality: str | None = None) -> xr.DataArray:
+                   modality: str | None = None, **eplb: Any) -> xr.DataArray:
         """The assignments a capacity-aware dispatch dropped, per ``[step, layer, rank]`` of
         the expert they were taken from (``dispatch_dropped``; 0 without a dispatch)."""
-        return self._per_rank("dispatch_dropped", ranks, placement, modality, "ep_dropped")
+        return self._per_rank("dispatch_dropped", ranks, placement, modality, "ep_dropped",
+                              **eplb)
 
     def ep_rerouted(self, ranks: int | None = None, placement: str | None = None,
-                    modality: str | None = None) -> xr.DataArray:
+                    modality: str | None = None, **eplb: Any) -> xr.DataArray:
         """The assignments MACS rerouted, per ``[step, layer, rank]`` of the expert they left
         (``dispatch_rerouted``; 0 without a rerouting dispatch)."""
-        return self._per_rank("dispatch_rerouted", ranks, placement, modality, "ep_rerouted")
+        return self._per_rank("dispatch_rerouted", ranks, placement, modality, "ep_rerouted",
+                              **eplb)
 
     def dispatch_rates(self) -> dict[str, Any]:
         """Drop and reroute rates of the run's dispatch, over all tokens and per modality:
@@ -682,37 +696,60 @@ class MoEAccessor:
         return out
 
     def _per_rank(self, var: str, ranks: int | None, placement: str | None,
-                  modality: str | None, name: str) -> xr.DataArray:
+                  modality: str | None, name: str, **eplb: Any) -> xr.DataArray:
         from workbench.sim.ep import counts_per_rank
         from workbench.sim.placement import rank_of_expert
 
-        k = self._ep_knobs(ranks, placement)
+        k = self._ep_knobs(ranks, placement, **eplb)
         if var not in self._ds:
             raise InputError(f"this store has no {var!r}; EP loads need it")
         counts = self._ds[var]  # [step, layer, expert, modality]
         m = self._modality(modality)
         counts = counts.sel(modality=m) if m is not None else counts.sum("modality")
         E, R = counts.sizes["expert"], int(k.ep_ranks)
-        out = counts_per_rank(counts.values, rank_of_expert(k.placement, E, R), R)
+        if k.placement == "eplb":  # the plans fitted on the whole traffic serve this view too
+            sched, load, _ = self._eplb_schedule(k)
+            out = (load if var == "routed_tokens" and m is None
+                   else sched.served_under_plans(counts.values, 0))
+        else:
+            out = counts_per_rank(counts.values, rank_of_expert(k.placement, E, R), R)
         return xr.DataArray(out, dims=("step", "layer", "rank"),
                             coords={"step": counts["step"].values,
                                     "layer": np.arange(out.shape[1]), "rank": np.arange(R)},
                             name=name, attrs={"units": "token-expert assignments",
                                               "placement": k.placement, "ranks": R})
 
+    def _eplb_schedule(self, k: Any, price=None):
+        """EPLB (``placement`` = eplb, knobs ``eplb_window``, ``eplb_interval``,
+        ``num_redundant_experts``) served over this run's routing: ``(schedule, load [S, L,
+        R], compute [S, L, R] or None)``; rebalances priced with the run's expert bytes on its
+        interconnect (*modeled*)."""
+        from workbench.sim.eplb_replay import EPLBSchedule
+        from workbench.sim.profiles import get_interconnect
+
+        counts = self._ds["routed_tokens"].sum("modality").values
+        S, L, E = counts.shape
+        cost = self._prices(k.profile, k.target_model).cost
+        sched = EPLBSchedule(L, E, int(k.ep_ranks), int(k.num_redundant_experts),
+                             int(k.eplb_window), int(k.eplb_interval),
+                             expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
+                             link=get_interconnect(k.interconnect), price=price)
+        load, compute = sched.serve(counts)
+        return sched, load, compute
+
     def ep_imbalance(self, ranks: int | None = None, placement: str | None = None,
-                     modality: str | None = None) -> xr.DataArray:
+                     modality: str | None = None, **eplb: Any) -> xr.DataArray:
         """Imbalance max/mean over ranks per ``[step, layer]`` (NaN where nothing was
         routed); balancedness as vLLM reports it is its inverse."""
         from workbench.sim.ep import imbalance
 
-        load = self.ep_load(ranks, placement, modality)
+        load = self.ep_load(ranks, placement, modality, **eplb)
         return xr.DataArray(imbalance(load.values), dims=("step", "layer"),
                             coords={"step": load["step"].values, "layer": load["layer"].values},
                             name="ep_imbalance")
 
     def ep_times(self, ranks: int | None = None, placement: str | None = None,
-                 overlap: bool | None = None) -> xr.Dataset:
+                 overlap: bool | None = None, **eplb: Any) -> xr.Dataset:
         """The modeled EP clock of every (step, layer) (MACS Fig. 3): ``dispatch_s`` and
         ``combine_s`` [step, layer] (the all-to-alls, the busiest receiver's bytes on the
         ``interconnect``), ``compute_s`` [step, layer, rank] (each rank's experts, priced
@@ -735,7 +772,7 @@ class MoEAccessor:
         from workbench.sim.profiles import get_interconnect, get_profile
         from workbench.sim.realb import ONLINE_SWITCH, switch_s
 
-        k = self._ep_knobs(ranks, placement)
+        k = self._ep_knobs(ranks, placement, **eplb)
         counts = np.asarray(self._ds["routed_tokens"].sum("modality").values, np.int64)
         S, L, E = counts.shape
         R = int(k.ep_ranks)
@@ -746,7 +783,15 @@ class MoEAccessor:
         load = counts_per_rank(counts, owner, R).astype(np.float64)
         low = np.asarray(self._ds["low_precision"].values, bool) \
             if k.balance != "none" else np.zeros(counts.shape, bool)
-        if prices.available:
+        rebalance = np.zeros(S)
+        if k.placement == "eplb":  # replicas: each on its share; rebalances on their own lane
+            sched, load, comp = self._eplb_schedule(
+                k, price=prices.expert if prices.available else None)
+            if comp is None:
+                comp = np.zeros(load.shape)
+            for r in sched.rebalances:
+                rebalance[r["step"]] += r["seconds"]
+        elif prices.available:
             per_expert = np.where(counts > 0, Prices.many(prices.expert, counts).reshape(
                 counts.shape), 0.0)
             if low.any():  # the experts ReaLB ran low, in their precision
@@ -778,6 +823,9 @@ class MoEAccessor:
                            {"units": "s (modeled)", "long_name": "rank's expert compute"}),
              "dispatch_s": (("step", "layer"), disp, {"units": "s (modeled)"}),
              "combine_s": (("step", "layer"), disp.copy(), {"units": "s (modeled)"}),
+             "rebalance_s": (("step",), rebalance,
+                             {"units": "s (modeled)",
+                              "long_name": "EPLB's weight movement at the step's rebalance"}),
              "switch_s": (("step", "layer"), switch,
                           {"units": "s (modeled)",
                            "long_name": "ReaLB's online precision conversion"}),

@@ -118,6 +118,21 @@ class RoundRobin(EPPlacement):
         return np.arange(num_experts, dtype=np.int64) % ranks
 
 
+@EP_PLACEMENT.register("eplb")
+class EPLBPlacement(EPPlacement):
+    """EPLB (deepseek-ai/EPLB, what vLLM and SGLang ship): the contiguous placement until the
+    first rebalance, then every ``eplb_interval`` steps a plan refitted on the last
+    ``eplb_window`` steps' loads with ``num_redundant_experts`` replicas
+    (:class:`workbench.sim.eplb_replay.EPLBSchedule`) — applied to the recorded routing by the
+    EP views and the EP replay. :meth:`rank_of_expert` is its static start (one owner per
+    expert), which is why live MACS, Expanded Drop and ReaLB refuse it."""
+
+    dynamic = True
+
+    def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
+        return (np.arange(num_experts, dtype=np.int64) * ranks) // num_experts
+
+
 def rank_of_expert(placement: str, num_experts: int, ranks: int) -> np.ndarray:
     """int64 [E]: the rank owning each expert under EP placement ``placement``;
     :class:`KnobError` for an unknown name or ``ranks`` outside 1 … ``num_experts``."""

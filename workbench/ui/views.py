@@ -285,6 +285,8 @@ def hot_recall_view_figure(ds: xr.Dataset | None, step_range: tuple[int, int] | 
 
 
 EP_TITLE = "expert parallel: load per rank"
+#: the Expert parallel card's EPLB schedule knobs (they apply with placement = eplb)
+EPLB_KNOBS = ("eplb_window", "eplb_interval", "num_redundant_experts")
 EP_ONE_RANK = ("ep_ranks = 1: no expert parallelism.<br>Set ep_ranks in the Expert parallel "
                "card to spread this run's experts over ranks (virtual: nothing reruns)")
 
@@ -292,12 +294,14 @@ EP_ONE_RANK = ("ep_ranks = 1: no expert parallelism.<br>Set ep_ranks in the Expe
 def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
                    step_range: tuple[int, int] | None = None, phase: str = "all",
                    revision: Any = None, baseline: xr.Dataset | None = None,
-                   baseline_name: str = "baseline") -> go.Figure:
+                   baseline_name: str = "baseline", eplb: dict | None = None) -> go.Figure:
     """The shown run's routing over ``ranks`` virtual EP ranks under ``placement`` (the
     Expert parallel card's knobs: changing them redraws, nothing reruns): load per rank by
     modality and imbalance per layer × step over the selected steps (``ds.moe.ep_load``, from
     the stored ``routed_tokens``: drawn while the run is written too). ``baseline``: the pinned
-    A/B run, its per-rank load over its own steps of the same phase (diamonds)."""
+    A/B run, its per-rank load over its own steps of the same phase (diamonds). ``eplb``:
+    EPLB's schedule knobs (``placement`` = eplb: the card's window, interval, replicas)."""
+    eplb = eplb or {}
     steps, empty = _ep_steps("ep", EP_TITLE, ds, ranks, step_range, phase)
     if empty is not None:
         return empty
@@ -306,20 +310,21 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     present = [str(m) for m, n in zip(routed["modality"].values, routed.values) if n > 0]
     # one load per modality present; their sum is the whole load (no second pass over it)
     if len(present) > 1:
-        by_mod = {m: ds.moe.ep_load(ranks, placement, m).sel(sel) for m in present}
+        by_mod = {m: ds.moe.ep_load(ranks, placement, m, **eplb).sel(sel) for m in present}
     else:
-        by_mod = {(present or ["text"])[0]: ds.moe.ep_load(ranks, placement).sel(sel)}
+        by_mod = {(present or ["text"])[0]: ds.moe.ep_load(ranks, placement, **eplb).sel(sel)}
     load = sum(by_mod.values())
     groups = max(int((load.sum("rank") > 0).sum()), 1)
     per_rank = {m: v.sum(("step", "layer")).values / groups for m, v in by_mod.items()}
     drops = ""
     if "dispatch_dropped" in ds and int(ds["dispatch_dropped"].sel(sel).sum()):
-        gone = ds.moe.ep_dropped(ranks, placement).sel(sel).sum(("step", "layer")).values
+        gone = ds.moe.ep_dropped(ranks, placement, **eplb).sel(sel).sum(("step", "layer")).values
         per_rank["dropped"] = gone / groups
         kept = float(load.sum())
         drops = f", {gone.sum() / (kept + gone.sum()):.0%} of assignments dropped by dispatch"
     if "dispatch_rerouted" in ds and int(ds["dispatch_rerouted"].sel(sel).sum()):
-        moved = ds.moe.ep_rerouted(ranks, placement).sel(sel).sum(("step", "layer")).values
+        moved = ds.moe.ep_rerouted(ranks, placement, **eplb).sel(sel).sum(
+            ("step", "layer")).values
         per_rank["rerouted"] = moved / groups
         drops += f", {moved.sum() / max(float(load.sum()), 1.0):.0%} rerouted"
     ib = imbalance(load.values)
@@ -329,7 +334,7 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
         b_steps = selected_steps(baseline, None, phase)
         if len(b_steps):
             b_sel = {"step": [int(x) for x in b_steps]}
-            b_load = baseline.moe.ep_load(ranks, placement).sel(b_sel)
+            b_load = baseline.moe.ep_load(ranks, placement, **eplb).sel(b_sel)
             b_groups = max(int((b_load.sum("rank") > 0).sum()), 1)
             base = (f"baseline: {baseline_name}", b_load.sum(("step", "layer")).values / b_groups)
             b_ib = imbalance(b_load.values)
@@ -595,14 +600,24 @@ class EPView(PlotView):
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
         super().__init__(store, height)
-        store.knobs.group("ep").param.watch(self._changed, ["ep_ranks", "placement"])
+        store.knobs.group("ep").param.watch(self._changed, ["ep_ranks", "placement",
+                                                            *EPLB_KNOBS])
+
+    def _eplb(self) -> dict:
+        """The card's EPLB schedule knobs when its placement is eplb (else none apply)."""
+        ep = self.store.knobs.group("ep")
+        return {n: getattr(ep, n) for n in EPLB_KNOBS} if ep.placement == "eplb" else {}
+
+    def _key(self) -> str:
+        ep = self.store.knobs.group("ep")
+        return f"{self._revision()}-{ep.ep_ranks}-{ep.placement}-{sorted(self._eplb().items())}"
 
     def figure(self) -> go.Figure:
         s = self.store
         ep = s.knobs.group("ep")
         return ep_view_figure(s.dataset, int(ep.ep_ranks), ep.placement, s.step_range,
-                              s.phase, f"{self._revision()}-{ep.ep_ranks}-{ep.placement}",
-                              s.baseline, s.baseline_name or "baseline")
+                              s.phase, self._key(), s.baseline, s.baseline_name or "baseline",
+                              self._eplb())
 
 
 def _rank_capacity(ds: xr.Dataset, ranks: int, steps: np.ndarray) -> tuple[str, float] | None:
@@ -647,15 +662,21 @@ def _ep_steps(view: str, title: str, ds: xr.Dataset | None, ranks: int,
 
 def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
                             step_range: tuple[int, int] | None = None, phase: str = "all",
-                            revision: Any = None) -> go.Figure:
+                            revision: Any = None, eplb: dict | None = None) -> go.Figure:
     """The modeled EP clock (``ds.moe.ep_times``) of the first selected step — the prefill
-    unless the filters say otherwise — as lanes: dispatch, each rank's experts, combine, per
-    MoE layer (MACS Fig. 3). Follows the Expert parallel card's ranks and placement."""
+    unless the filters say otherwise; with EPLB the first selected step that rebalances — as
+    lanes: (EPLB's rebalance), dispatch (ReaLB's conversion beside it), each rank's experts,
+    combine, per MoE layer (MACS Fig. 3). Follows the Expert parallel card's ranks, placement
+    and EPLB knobs (``eplb``)."""
     steps, empty = _ep_steps("ep_timeline", EP_TIMELINE_TITLE, ds, ranks, step_range, phase)
     if empty is not None:
         return empty
+    times = ds.moe.ep_times(ranks, placement, **(eplb or {}))
     step = int(steps[0])
-    t = ds.moe.ep_times(ranks, placement).sel(step=step)
+    moving = [int(x) for x in steps if float(times["rebalance_s"].sel(step=int(x))) > 0]
+    if moving:  # EPLB: show a step that pays for a rebalance
+        step = moving[0]
+    t = times.sel(step=step)
     routed = t["load"].sum("rank").values > 0
     if not routed.any():
         return placeholder_figure("ep_timeline", EP_TIMELINE_TITLE,
@@ -664,12 +685,15 @@ def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
     balanced = float((t["dispatch_s"] * 2 + t["compute_s"].mean("rank")).sum()) * 1e3
     from workbench.viz.ep import ep_timeline_figure
 
+    reb = float(t["rebalance_s"]) if "rebalance_s" in t else 0.0
+    sw = t["switch_s"].values[routed] if "switch_s" in t else None
     fig = ep_timeline_figure(
         t["dispatch_s"].values[routed], t["compute_s"].values[routed],
         t["combine_s"].values[routed], t["layer"].values[routed],
         f"modeled EP clock of step {step} over {ranks} ranks ({placement}, "
         f"{t.attrs['interconnect']}): {total:.2f} ms of MoE layers, {balanced:.2f} ms if every "
-        f"rank were at the mean (modeled)")
+        f"rank were at the mean" + (f", + {reb * 1e3:.2f} ms EPLB rebalance" if reb else "")
+        + " (modeled)", rebalance_s=reb, switch_s=sw)
     return _finish(fig, "ep_timeline", revision)
 
 
@@ -685,8 +709,7 @@ class EPTimelineView(EPView):
         s = self.store
         ep = s.knobs.group("ep")
         return ep_timeline_view_figure(s.dataset, int(ep.ep_ranks), ep.placement,
-                                       s.step_range, s.phase,
-                                       f"{self._revision()}-{ep.ep_ranks}-{ep.placement}")
+                                       s.step_range, s.phase, self._key(), self._eplb())
 
 
 REALB_TITLE = "ReaLB: M_d per rank over the steps"

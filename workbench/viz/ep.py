@@ -87,20 +87,33 @@ def ep_load_figure(per_rank: Mapping[str, np.ndarray], imbalance: np.ndarray,
 
 
 def ep_timeline_figure(dispatch_s: np.ndarray, compute_s: np.ndarray, combine_s: np.ndarray,
-                       layers: np.ndarray, title: str) -> go.Figure:
+                       layers: np.ndarray, title: str, rebalance_s: float = 0.0,
+                       switch_s: np.ndarray | None = None) -> go.Figure:
     """The modeled EP clock of one step as lanes (MACS Fig. 3): per MoE layer in order, the
     dispatch all-to-all, then every rank's expert compute side by side (the slowest sets the
     layer; the others wait, drawn light), then the combine. ``dispatch_s`` / ``combine_s``
-    [layers], ``compute_s`` [layers, ranks], seconds (drawn in ms)."""
+    [layers], ``compute_s`` [layers, ranks], seconds (drawn in ms). ``rebalance_s``: EPLB's
+    weight movement before the step (its own lane, first: the step waits for it);
+    ``switch_s`` [layers]: ReaLB's online precision conversion, drawn beside the dispatch it
+    overlaps (the layer's front is the longer of the two)."""
     comp = np.asarray(compute_s, float)
     L, R = comp.shape if comp.ndim == 2 else (0, 0)
-    lanes = ["dispatch", *[f"rank {r}" for r in range(R)], "combine"]
+    sw = np.zeros(L) if switch_s is None else np.asarray(switch_s, float)
+    lanes = (["rebalance"] if rebalance_s > 0 else []) + ["dispatch"] + (
+        ["conversion"] if sw.any() else []) + [f"rank {r}" for r in range(R)] + ["combine"]
     fig = go.Figure()
     t = 0.0
-    parts: dict[str, list] = {"dispatch": [], "compute": [], "wait": [], "combine": []}
+    parts: dict[str, list] = {"rebalance": [], "dispatch": [], "conversion": [],
+                              "compute": [], "wait": [], "combine": []}
+    if rebalance_s > 0:
+        parts["rebalance"].append(("rebalance", t, rebalance_s * 1e3, -1))
+        t += rebalance_s * 1e3
     for i in range(L):
         d, c = float(dispatch_s[i]) * 1e3, comp[i] * 1e3
         parts["dispatch"].append(("dispatch", t, d, int(layers[i])))
+        if sw[i] > 0:
+            parts["conversion"].append(("conversion", t, sw[i] * 1e3, int(layers[i])))
+            d = max(d, sw[i] * 1e3)
         t += d
         slow = float(c.max()) if R else 0.0
         for r in range(R):
@@ -112,7 +125,9 @@ def ep_timeline_figure(dispatch_s: np.ndarray, compute_s: np.ndarray, combine_s:
         m = float(combine_s[i]) * 1e3
         parts["combine"].append(("combine", t, m, int(layers[i])))
         t += m
-    style = {"dispatch": ("#9D755D", "dispatch (all-to-all)"),
+    style = {"rebalance": ("#E45756", "EPLB rebalance (expert weights moved)"),
+             "conversion": ("#72B7B2", "ReaLB precision conversion (overlaps the dispatch)"),
+             "dispatch": ("#9D755D", "dispatch (all-to-all)"),
              "compute": ("#4C78A8", "expert compute"),
              "wait": ("#DDE6F0", "waiting for the slowest rank"),
              "combine": ("#B279A2", "combine (all-to-all)")}
