@@ -749,7 +749,8 @@ class MoEAccessor:
                             name="ep_imbalance")
 
     def ep_times(self, ranks: int | None = None, placement: str | None = None,
-                 overlap: bool | None = None, **eplb: Any) -> xr.Dataset:
+                 overlap: bool | None = None, convert: bool = True,
+                 **eplb: Any) -> xr.Dataset:
         """The modeled EP clock of every (step, layer) (MACS Fig. 3): ``dispatch_s`` and
         ``combine_s`` [step, layer] (the all-to-alls, the busiest receiver's bytes on the
         ``interconnect``), ``compute_s`` [step, layer, rank] (each rank's experts, priced
@@ -765,7 +766,9 @@ class MoEAccessor:
         (:func:`workbench.sim.realb.switch_s`; 0 for FP4-All, quantised offline), hidden
         under the dispatch (``max``) or after it with ``realb-seq`` (``+``); ``overlap``
         True / False prices the same run either way (ReaLB vs ReaLB-seq: the same
-        decisions)."""
+        decisions); ``convert`` False: the low-precision copies were kept beside the native
+        weights (no online conversion, only the metadata; a second, 4.5-bit copy of each
+        expert in memory)."""
         from workbench.sim.costs import Prices
         from workbench.sim.ep import counts_per_rank, phase_s
         from workbench.sim.placement import rank_of_expert
@@ -809,9 +812,11 @@ class MoEAccessor:
             # the gate keeps ReaLB idle (no metadata, no conversion) on small layer calls
             gated = np.asarray(self._ds["realb_gated"].values, bool)
             meta = link.all_to_all_s((R - 1) * E * 4.0)  # allgather of the per-expert loads
+            converted = counts_per_rank(low.astype(np.float64), owner, R) if convert \
+                else np.zeros((S, L, R))
             switch = np.where(gated, switch_s(
-                get_profile(k.profile), prices.cost.expert_bytes,
-                counts_per_rank(low.astype(np.float64), owner, R), k.low_precision, meta), 0.0)
+                get_profile(k.profile), prices.cost.expert_bytes, converted, k.low_precision,
+                meta), 0.0)
         # ReaLB hides the conversion under the dispatch; ReaLB-seq waits for both
         if overlap is None:
             overlap = k.balance != "realb-seq"
