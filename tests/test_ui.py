@@ -1216,6 +1216,7 @@ def test_ep_views_follow_eplb_and_draw_its_rebalance_lane(embedded, tmp_path):
     groups = int((ref.load.sum(-1) > 0).sum())
     np.testing.assert_allclose(sum(np.asarray(b.y, float) for b in bars),
                                ref.load.sum((0, 1)) / groups)
+    assert "EPLB (4 replicas a layer, every 3 steps)" in view.pane.object.layout.title.text
     fig = tl.pane.object
     lane = [t for t in fig.data if t.name.startswith("EPLB rebalance")]
     assert lane and float(lane[0].x[0]) == pytest.approx(ref.rebalance_s[3] * 1e3)

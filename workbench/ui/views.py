@@ -340,6 +340,12 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
             b_ib = imbalance(b_load.values)
             if np.isfinite(b_ib).any():
                 vs = f" (baseline {float(np.nanmean(b_ib)):.2f})"
+    if placement == "eplb":  # its replicas and what the rebalances moved (modeled)
+        reb = ds.moe.ep_times(ranks, placement, **eplb)["rebalance_s"].sel(sel)
+        k = ds.moe._ep_knobs(ranks, placement, **eplb)
+        drops += (f"; EPLB ({k.num_redundant_experts} replicas a layer, every "
+                  f"{k.eplb_interval} steps): {int((reb > 0).sum())} rebalances, "
+                  f"{float(reb.sum()) * 1e3:.1f} ms of weights moved (modeled)")
     fig = ep_load_figure(per_rank, ib, np.asarray(steps), (
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
         f"over layer steps){drops}{_describe(step_range, phase)}"), base,
