@@ -349,3 +349,15 @@ def test_an_over_long_prompt_is_one_line(embedded_dir):
                           capture_output=True, text=True)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and "exceeds the model's context" in err[0], err
+
+
+def test_run_with_realb_prints_its_ep_summary(tmp_path, capsys):
+    """A ReaLB run over ranks ends with its EP summary, exit 0 (the summary reads the recorded
+    routing: the live balance is not replayed) — it used to exit 2 after the run succeeded."""
+    store = tmp_path / "r.zarr"
+    rc = main(["run", "--prompt", "hi", "--max-new-tokens", "2", "--set", "ep_ranks=4",
+               "--set", "balance=realb", "--store", str(store), "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    res = json.loads(out.out)
+    assert res["ep"]["ranks"] == 4 and res["ep"]["groups"] > 0 and store.exists()

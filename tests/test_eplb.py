@@ -141,7 +141,7 @@ def test_ds_moe_eplb_on_a_run(embedded, tmp_path):
     np.testing.assert_allclose(r.static_imbalance, ds.moe.ep_imbalance(4).values)
     with pytest.raises(workbench.WorkbenchError, match="window must be a whole number"):
         ds.moe.eplb(redundant=4, window=0)
-    with pytest.raises(KnobError, match="multiple of the 4 GPUs"):
+    with pytest.raises(KnobError, match=r"multiple of ep_ranks \(4\)"):
         ds.moe.eplb(redundant=3)
 
 
@@ -210,3 +210,34 @@ def test_eplb_is_a_placement_of_the_ep_views_and_the_ep_replay(embedded, tmp_pat
         rt.run("x", record=False, ep_ranks=4, placement="eplb", balance="realb")
     with pytest.raises(KnobError, match=r"experts \+ num_redundant_experts \(3\)"):
         rt.run("x", record=False, ep_ranks=4, placement="eplb", num_redundant_experts=3)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(interval=-1), "eplb_interval must be a whole number ≥ 1"),
+    (dict(interval=0), "eplb_interval must be a whole number ≥ 1"),
+    (dict(window=0), "eplb_window must be a whole number ≥ 1"),
+    (dict(ranks=0), "ep_ranks must be a whole number ≥ 1"),
+    (dict(redundant=10**10), r"at most the 8 experts × 4 ranks = 32"),
+    (dict(redundant=2.5), "num_redundant_experts must be a whole number"),
+])
+def test_eplb_over_time_refuses_sizes_it_cannot_serve(kw, fragment):
+    """Hostile sizes are refused up front, naming the value (an interval of -1 used to loop
+    forever, 10^10 replicas to allocate gigabytes)."""
+    from workbench.sim.eplb_replay import eplb_over_time
+
+    args = {**dict(ranks=4, redundant=0, window=2, interval=2), **kw}
+    with pytest.raises(KnobError, match=fragment):
+        eplb_over_time(np.ones((4, 2, 8)), **args)
+
+
+def test_the_ep_views_refuse_eplb_sizes_before_serving(embedded, tmp_path):
+    import workbench
+
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    ds = workbench.open_run(rt.run("hi", store=tmp_path / "s.zarr").store)
+    with pytest.raises(KnobError, match="at most the 64 experts"):
+        ds.moe.ep_load(4, "eplb", num_redundant_experts=10**10)
+    with pytest.raises(KnobError, match=r"multiple of ep_ranks \(3\)"):
+        ds.moe.ep_load(3, "eplb")
+    with pytest.raises(workbench.WorkbenchError, match="takes eplb_window"):
+        ds.moe.ep_load(4, "eplb", bogus=1)

@@ -120,3 +120,24 @@ def test_profiles_price_low_precision_only_where_the_gpu_has_it():
     assert h200.precision_compute_time(flops, nbytes, "nvfp4") == h200.compute_time(flops, nbytes)
     assert a100.precision_compute_time(flops, nbytes, "fp8") == a100.compute_time(flops, nbytes)
     assert h200.precision_compute_time(flops, nbytes, "fp8") < h200.compute_time(flops, nbytes)
+
+
+def test_hostile_inputs_get_clear_errors_or_finite_values():
+    """From the issue-15 hostile probe: values whose scale underflows float32 quantise to 0
+    (they were NaN), one value works as a row of one, non-tensors and bad axes are refused
+    naming them, a float64 beyond float32's range says so."""
+    for p in ("fp8", "nvfp4"):
+        out = fake_quant(torch.tensor([1e-45, 0.0]), p)
+        assert torch.isfinite(out).all() and (out == 0).all()
+        assert fake_quant(torch.tensor(3.0), p).shape == ()
+    assert float(fake_quant(2.9, "fp8")) == pytest.approx(2.9)
+    for bad in ("x", None, {"a": 1}, [[1.0], [1.0, 2.0]]):
+        with pytest.raises(InputError, match="needs a tensor"):
+            fake_quant(bad)
+    for axis in (2, -3, 1.0, True, "x"):
+        with pytest.raises(InputError, match="axis must be None or a dimension"):
+            fake_quant(torch.ones(2, 3), "fp8", axis=axis)
+    with pytest.raises(InputError, match="beyond its range"):
+        fake_quant(torch.tensor([1e300], dtype=torch.float64), "fp8")
+    with pytest.raises(InputError, match="meta tensor"):
+        fake_quant(torch.ones(4, device="meta"), "fp8")

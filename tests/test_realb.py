@@ -274,3 +274,40 @@ def test_realb_carry_keeps_m_d_across_runs(embedded, tmp_path):
     other = workbench.open_run(rt.run(reqs, store=tmp_path / "d.zarr",
                                       **{**kw, "ep_ranks": 8}).store)
     assert np.allclose(other["realb_m"].values[0], 0.9)
+
+
+def test_controller_settings_are_checked(embedded, tmp_path):
+    """From the hostile probe: every controller setting is range-checked (NaN τ used to run),
+    ds.moe.realb names a bad precision or setting, plot_realb a bad layer, ep_times a bad
+    overlap; the CLI-equivalent knobs were already checked by param."""
+    import workbench
+    from workbench.errors import InputError, KnobError
+
+    for kw, frag in ((dict(tau=float("nan")), "tau must be a finite number ≥ 1"),
+                     (dict(c=float("inf")), "c must be a finite number ≥ 0"),
+                     (dict(m0=2.0), r"m0 must be in 0 … 1"),
+                     (dict(decrease=2.0), r"decrease must be in 0 … 1"),
+                     (dict(gate=-1.0), "gate must be a finite number ≥ 0"),
+                     (dict(fixed_m=5), r"fixed_m must be in 0 … 1")):
+        with pytest.raises(InputError, match=frag):
+            ReaLB(2, 4, **kw)
+    with pytest.raises(InputError, match="ranks must be a whole number"):
+        ReaLB(2, 0)
+    with pytest.raises(KnobError, match="balance must be one of"):
+        ReaLB.for_balance("bogus", 2, 4)
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    ds = workbench.open_run(rt.run("hi", store=tmp_path / "s.zarr", ep_ranks=4,
+                                   balance="realb").store)
+    with pytest.raises(InputError, match="precision must be one of fp8, nvfp4, not 'int4'"):
+        ds.moe.realb("all", precision="int4")
+    with pytest.raises(InputError, match="not 'bogus'"):
+        ds.moe.realb("all", bogus=1)
+    with pytest.raises(InputError, match="mode must be one of"):
+        ds.moe.realb("sometimes")
+    for layer in (1.7, "1", True, -1, 99):
+        with pytest.raises(InputError, match="layer must be in"):
+            ds.moe.plot_realb(layer=layer)
+    with pytest.raises(InputError, match="overlap must be True, False or None"):
+        ds.moe.ep_times(overlap="yes")
+    st = ds.moe.realb_state("realb")
+    assert {"m", "ib", "vision", "low", "gated", "ib_global"} <= set(st.data_vars)

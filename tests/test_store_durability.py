@@ -644,6 +644,10 @@ TAMPER_ON_READ = {
     "chunk a 20 GB sparse file": lambda s: os.truncate(s / "hits" / "c.0.0", 20 * 2**30),
     "chunk a zstd bomb": lambda s: (s / "hits" / "c.0.0").write_bytes(
         __import__("numcodecs").Zstd(level=19).encode(bytes(2**28))),
+    "chunk a valid but short frame": lambda s: (s / "hits" / "c.0.0").write_bytes(
+        __import__("numcodecs").Zstd().encode(bytes(40))),
+    "chunk a short frame of a realb array": lambda s: (s / "realb_m" / "c.0.0.0").write_bytes(
+        __import__("numcodecs").Zstd().encode(np.zeros(10, np.float32).tobytes())),
     "chunk with a second frame": lambda s: (s / "hits" / "c.0.0").write_bytes(
         (s / "hits" / "c.0.0").read_bytes() + __import__("numcodecs").Zstd().encode(b"x" * 8)),
 }

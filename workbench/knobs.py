@@ -393,11 +393,11 @@ class ExpertParallelKnobs(KnobGroup):
         if shape.num_experts is not None and self.ep_ranks > shape.num_experts:
             raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
                             f"per layer (each rank owns at least one), not {self.ep_ranks}")
-        if self.placement == "eplb" and shape.num_experts is not None and (
-                (shape.num_experts + self.num_redundant_experts) % self.ep_ranks):
-            raise KnobError(f"placement 'eplb' needs the {shape.num_experts} experts + "
-                            f"num_redundant_experts ({self.num_redundant_experts}) to be a "
-                            f"multiple of ep_ranks ({self.ep_ranks})")
+        if self.placement == "eplb" and shape.num_experts is not None:
+            from workbench.sim.eplb_replay import check_sizes
+
+            check_sizes(shape.num_experts, self.ep_ranks, self.num_redundant_experts,
+                        self.eplb_window, self.eplb_interval)
         if live and self.placement == "eplb" and (
                 self.dispatch in ("macs", "capacity-expanded") or self.balance != "none"):
             what = (f"balance={self.balance}" if self.balance != "none"

@@ -82,27 +82,46 @@ def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> 
         raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                          f"{precision!r}")
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"fake_quant needs a tensor (or numbers torch.as_tensor takes), "
+                             f"not {type(x).__name__}: {str(e)[:80]}") from None
     if not x.is_floating_point():
         raise InputError(f"fake_quant needs a floating-point tensor, not {x.dtype}")
+    if x.device.type == "meta":
+        raise InputError("fake_quant needs a tensor with values, not a meta tensor")
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)
+                             or not -max(x.dim(), 1) <= axis < max(x.dim(), 1)):
+        raise InputError(f"axis must be None or a dimension of the {x.dim()}-d tensor, not "
+                         f"{axis!r}")
     if precision == "native" or x.numel() == 0:
         return x.clone()
     dtype = x.dtype
+    if not torch.isfinite(x).all():
+        raise InputError("fake_quant needs finite values (the tensor holds NaN or ±inf)")
     xf = x.detach().to(torch.float32)
     if not torch.isfinite(xf).all():
-        raise InputError("fake_quant needs finite values (the tensor holds NaN or ±inf)")
+        raise InputError("fake_quant computes in float32: the tensor holds finite values "
+                         "beyond its range (±3.4e38)")
+    if x.dim() == 0:  # one value: a row of one
+        return fake_quant(x.reshape(1), precision, axis=None if axis is None else 0
+                          ).reshape(())
     if precision == "fp8":
         if axis is None:
             amax = xf.abs().amax()
         else:
             amax = xf.abs().amax(dim=axis, keepdim=True)
-        scale = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
-        return (_to_e4m3(xf / scale) * scale).to(dtype)
+        scale = _div(amax, FP8_MAX)
+        # a scale that underflows float32 (amax below 448 × 1.4e-45): those values are 0
+        live = scale > 0
+        scale = torch.where(live, scale, torch.ones_like(scale))
+        return torch.where(live, _to_e4m3(xf / scale) * scale, 0.0).to(dtype)
     if axis is not None:
         raise InputError("nvfp4 groups the last axis by 16: axis is not a setting of it")
     amax = xf.abs().amax()
-    if amax == 0:
-        return torch.zeros_like(x)
+    if amax == 0 or _div(amax, FP8_MAX * FP4_MAX) == 0:  # all 0, or a global scale that
+        return torch.zeros_like(x)                        # underflows float32: all 0
     glob = _div(amax, FP8_MAX * FP4_MAX)
     n = xf.shape[-1]
     pad = (-n) % NVFP4_GROUP

@@ -818,6 +818,9 @@ class MoEAccessor:
                 get_profile(k.profile), prices.cost.expert_bytes, converted, k.low_precision,
                 meta), 0.0)
         # ReaLB hides the conversion under the dispatch; ReaLB-seq waits for both
+        if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
+            raise InputError(f"overlap must be True, False or None (the run's own), not "
+                             f"{overlap!r}")
         if overlap is None:
             overlap = k.balance != "realb-seq"
         front = np.maximum(disp, switch) if overlap else disp + switch
@@ -881,9 +884,19 @@ class MoEAccessor:
         ``mode`` may also be a ``balance`` knob setting (``fp4-all``, ``realb-m1``…)."""
         from workbench.sim.placement import rank_of_expert
         from workbench.sim.profiles import get_profile
+        from workbench.precision import PRECISIONS
         from workbench.sim.realb import BALANCES, MODES, ReaLB, realb_over_time
 
-        if mode not in MODES and mode in BALANCES:  # a balance knob setting: its variant
+        if precision not in PRECISIONS or precision == "native":
+            raise InputError(f"precision must be one of "
+                             f"{', '.join(p for p in PRECISIONS if p != 'native')}, not "
+                             f"{precision!r}")
+        allowed = ("c", "tau", "m0", "decrease", "increase", "fixed_m")
+        bad = sorted(set(controller) - set(allowed))
+        if bad:
+            raise InputError(f"ds.moe.realb takes the controller settings {', '.join(allowed)}"
+                             f", not {bad[0]!r}")
+        if isinstance(mode, str) and mode not in MODES and mode in BALANCES:
             mode, fixed = BALANCES[mode]
             controller.setdefault("fixed_m", fixed)
         k = self._ep_knobs(ranks, placement)
@@ -933,6 +946,7 @@ class MoEAccessor:
         r = self.realb(mode, **realb)
         dims3, dims2 = ("step", "layer", "ep_rank"), ("step", "layer")
         out = xr.Dataset({"m": (dims3, r["m"]), "low": (dims3, r["low"]),
+                          "ib": (dims3, r["ib"]), "vision": (dims3, r["vision"]),
                           "gated": (dims2, r["gated"]), "ib_global": (dims2, r["ib_global"])})
         out.attrs.update(source=f"modeled: the controller ({mode}) over the recorded routing",
                          tau=float(realb["tau"]))
@@ -951,7 +965,8 @@ class MoEAccessor:
             off = np.nonzero(~pinned)[0] if pinned is not None else []
             layer = int(off[0]) if len(off) else 0
         L = st.sizes["layer"]
-        if not 0 <= int(layer) < L:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                or not 0 <= layer < L:
             raise InputError(f"layer must be in 0 … {L - 1}, not {layer!r}")
         one = st.isel(layer=int(layer))
         return realb_m_figure(one["m"].values, one["ib_global"].values, one["low"].values,
@@ -985,8 +1000,9 @@ class MoEAccessor:
         tr = from_store(self._ds)
         # the EP group's rules only: the run's other knobs were checked when it ran (and some
         # are live-only: a full replay check would refuse them)
-        # (the routing as recorded: a live dispatch is already applied to it, not replayed)
-        k = k.copy(dispatch="topk")
+        # (the routing as recorded: a live dispatch and a live ReaLB are already applied to
+        # it, not replayed)
+        k = k.copy(dispatch="topk", balance="none")
         k.group("ep").check(k, ModelShape.of(tr), live=False)
         cost, prof = _cost(tr, k.profile, k.target_model, None)
         return ep_replay(tr, k, Prices(prof, cost))

@@ -126,8 +126,15 @@ def rebalance_experts(weight: np.ndarray, num_replicas: int, num_groups: int = 1
     if w.ndim != 2 or not np.isfinite(w).all() or (w < 0).any():
         raise KnobError("expert loads must be finite, ≥ 0 and shaped [layers, experts]")
     L, E = w.shape
+    for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups),
+                    ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise KnobError(f"{name} must be a whole number, not {v!r}")
     checks = ((num_replicas >= E, f"num_replicas ({num_replicas}) must be at least the {E} "
                                   f"experts"),
+              (num_replicas <= E * (max(num_gpus, 1) + 1),
+               f"num_replicas ({num_replicas}) must be at most the {E} experts × (GPUs + 1) "
+               f"= {E * (max(num_gpus, 1) + 1)} (a full copy on every GPU)"),
               (num_gpus >= 1 and num_replicas % num_gpus == 0,
                f"num_replicas ({num_replicas}) must be a multiple of the {num_gpus} GPUs"),
               (num_nodes >= 1 and num_gpus % num_nodes == 0,

@@ -74,6 +74,25 @@ class EPLBResult:
         }
 
 
+def check_sizes(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
+    """:class:`KnobError` unless EPLB can serve these sizes: whole numbers, ``ranks``,
+    ``window``, ``interval`` ≥ 1, ``redundant`` in 0 … experts × ranks (a full copy on every
+    rank) and experts + redundant a multiple of ranks."""
+    from workbench.errors import KnobError
+
+    for name, v, lo in (("ep_ranks", ranks, 1), ("eplb_window", window, 1),
+                        ("eplb_interval", interval, 1), ("num_redundant_experts", redundant, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise KnobError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
+    if redundant > experts * ranks:
+        raise KnobError(f"num_redundant_experts ({redundant}) must be at most the {experts} "
+                        f"experts × {ranks} ranks = {experts * ranks} (a full copy on every "
+                        f"rank)")
+    if (experts + redundant) % ranks:
+        raise KnobError(f"placement 'eplb' needs the {experts} experts + num_redundant_experts "
+                        f"({redundant}) to be a multiple of ep_ranks ({ranks})")
+
+
 class EPLBSchedule:
     """EPLB served step by step (the module docstring's schedule), fed chunks of per-(step,
     layer, expert) counts in step order (:meth:`serve`) — so a replay of any length keeps
@@ -84,6 +103,7 @@ class EPLBSchedule:
     def __init__(self, layers: int, experts: int, ranks: int, redundant: int, window: int,
                  interval: int, *, num_groups: int = 1, num_nodes: int = 1,
                  expert_bytes: float = 0.0, link: Any = None, price=None) -> None:
+        check_sizes(experts, ranks, redundant, window, interval)
         L, E = int(layers), int(experts)
         self.L, self.E, self.R = L, E, int(ranks)
         self.P = E + int(redundant)
@@ -204,13 +224,16 @@ def eplb_over_time(counts: np.ndarray, ranks: int, redundant: int, window: int,
     ``redundant`` extra slots per layer (E + redundant must be a multiple of ``ranks``): one
     :class:`EPLBSchedule` served the whole array."""
     counts = np.asarray(counts, np.float64)
+    if counts.ndim != 3:
+        from workbench.errors import InputError
+
+        raise InputError(f"counts must be [steps, layers, experts], not shape {counts.shape}")
     S, L, E = counts.shape
     sched = EPLBSchedule(L, E, ranks, redundant, window, interval, num_groups=num_groups,
                          num_nodes=num_nodes, expert_bytes=expert_bytes, link=link,
                          price=price)
-    if E + int(redundant) < E or (E + int(redundant)) % int(ranks):
-        # the packing's own check names the sizes (KnobError)
-        rebalance_experts(np.ones((1, E)), E + int(redundant), num_groups, num_nodes, ranks)
+    # the packing's own checks (groups, nodes) before anything is served
+    rebalance_experts(np.ones((1, E)), E + int(redundant), num_groups, num_nodes, ranks)
     load, compute = sched.serve(counts)
     static_load = np.einsum("sle,ler->slr", counts, sched.static)
     out = EPLBResult(static_imbalance=imbalance(static_load), eplb_imbalance=imbalance(load),
@@ -228,4 +251,4 @@ def eplb_over_time(counts: np.ndarray, ranks: int, redundant: int, window: int,
     return out
 
 
-__all__ = ["EPLBResult", "EPLBSchedule", "eplb_over_time"]
+__all__ = ["EPLBResult", "EPLBSchedule", "check_sizes", "eplb_over_time"]

@@ -72,14 +72,34 @@ class ReaLB:
     @classmethod
     def for_balance(cls, balance: str, layers: int, ranks: int, **kw) -> "ReaLB":
         """The controller of a ``balance`` knob setting (:data:`BALANCES`)."""
+        if balance not in BALANCES:
+            from workbench.errors import KnobError
+
+            raise KnobError(f"balance must be one of {', '.join(BALANCES)}, not {balance!r}")
         mode, fixed = BALANCES[balance]
         return cls(layers, ranks, mode, fixed_m=fixed, **kw)
 
     def __init__(self, layers: int, ranks: int, mode: str = "realb", *, c: float = 1.0,
                  tau: float = 1.5, m0: float = 0.9, decrease: float = 0.5,
                  increase: float = 0.1, gate: float = 0.0, fixed_m: float = 0.0) -> None:
+        from workbench.errors import InputError
+
         if mode not in MODES:
-            raise ValueError(f"ReaLB mode must be one of {', '.join(MODES)}, not {mode!r}")
+            raise InputError(f"ReaLB mode must be one of {', '.join(MODES)}, not {mode!r}")
+        for name, v, lo in (("layers", layers, 0), ("ranks", ranks, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise InputError(f"ReaLB {name} must be a whole number ≥ {lo}, not {v!r}")
+        # each setting: (value, lowest, highest)
+        for name, v, lo, hi in (("c", c, 0.0, None), ("tau", tau, 1.0, None),
+                                ("m0", m0, 0.0, 1.0), ("decrease", decrease, 0.0, 1.0),
+                                ("increase", increase, 0.0, 1.0), ("gate", gate, 0.0, None),
+                                ("fixed_m", fixed_m, 0.0, 1.0)):
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float, np.integer,
+                                                              np.floating))
+                  and np.isfinite(v) and v >= lo and (hi is None or v <= hi))
+            if not ok:
+                span = f"in {lo:g} … {hi:g}" if hi is not None else f"a finite number ≥ {lo:g}"
+                raise InputError(f"ReaLB {name} must be {span}, not {v!r}")
         self.mode, self.c, self.tau = mode, float(c), float(tau)
         self.decrease, self.increase, self.gate = float(decrease), float(increase), float(gate)
         start = float(fixed_m) if mode == "fixed" else float(m0)
@@ -120,10 +140,19 @@ def realb_over_time(counts: np.ndarray, visual: np.ndarray, rank_of_expert: np.n
     part ([S, L, E]): per (step, layer) the ranks' loads, the decision, and the modeled compute
     of every rank — each expert priced by ``price_native(n)`` or ``price_low(n)`` (its
     rank's precision) — and the slowest rank's, native vs with the decisions. Returns arrays
-    ``low`` [S, L, R], ``m`` [S, L, R], ``ib_global`` [S, L], ``gated`` [S, L],
+    ``low`` [S, L, R], ``m`` [S, L, R], ``ib`` / ``vision`` [S, L, R] (IB_d, R_vd),
+    ``ib_global`` [S, L], ``gated`` [S, L],
     ``compute_native_s`` / ``compute_s`` [S, L] (slowest rank), all *modeled* times."""
-    counts = np.asarray(counts, np.int64)
-    visual = np.asarray(visual, np.int64)
+    from workbench.errors import InputError
+
+    counts = np.asarray(counts)
+    visual = np.asarray(visual)
+    if counts.ndim != 3 or visual.shape != counts.shape:
+        raise InputError(f"counts and visual must both be [steps, layers, experts], not "
+                         f"{counts.shape} and {visual.shape}")
+    if (counts < 0).any() or (visual < 0).any() or (visual > counts).any():
+        raise InputError("counts must be ≥ 0 and visual between 0 and counts")
+    counts, visual = counts.astype(np.int64), visual.astype(np.int64)
     S, L, E = counts.shape
     owner = np.zeros((E, ranks))
     owner[np.arange(E), rank_of_expert] = 1.0
@@ -133,13 +162,14 @@ def realb_over_time(counts: np.ndarray, visual: np.ndarray, rank_of_expert: np.n
     low_e = _priced(price_low, counts)
     native_r = native_e @ owner
     low_r = low_e @ owner
-    out = {k: np.zeros((S, L, ranks)) for k in ("low", "m")}
+    out = {k: np.zeros((S, L, ranks)) for k in ("low", "m", "ib", "vision")}
     out.update({k: np.zeros((S, L)) for k in ("ib_global", "gated", "compute_native_s",
                                               "compute_s")})
     for s in range(S):
         for l in range(L):
             d = controller.decide(l, load[s, l], vis[s, l])
             out["low"][s, l], out["m"][s, l] = d.low, d.m
+            out["ib"][s, l], out["vision"][s, l] = d.ib, d.vision
             out["ib_global"][s, l], out["gated"][s, l] = d.ib_global, d.gated
             per_rank = np.where(d.low, low_r[s, l], native_r[s, l])
             out["compute_native_s"][s, l] = native_r[s, l].max() if ranks else 0.0

@@ -170,6 +170,21 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "…"
 
 
+def _zstd_content_size(raw: bytes) -> int | None:
+    """The decompressed size a zstd frame's header declares (RFC 8878 §3.1.1.1), None when it
+    declares none or ``raw`` is not a zstd frame."""
+    if len(raw) < 6 or raw[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = raw[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(raw) < pos + size:
+        return None
+    value = int.from_bytes(raw[pos:pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
 class _StoreArray(BackendArray):
     """One stored array cut to ``n`` rows along its first axis.
 
@@ -208,6 +223,12 @@ class _StoreArray(BackendArray):
         out = np.empty(nbytes, np.uint8)
         try:
             if self.zstd:
+                # numcodecs fills ``out`` and returns all of it whatever the frame held: the
+                # frame's own declared size must be the chunk's (a short frame would leave
+                # uninitialised bytes in the chunk)
+                declared = _zstd_content_size(raw)
+                if declared != nbytes:
+                    raise ValueError(f"its frame declares {declared} bytes, not {nbytes}")
                 got = numcodecs.Zstd().decode(raw, out=out)
                 got = np.frombuffer(got, np.uint8) if not isinstance(got, np.ndarray) else got
                 if got.nbytes != nbytes:
