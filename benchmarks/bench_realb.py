@@ -136,13 +136,28 @@ def eplb_clock(stores, cfg: dict = EPLB) -> dict:
                        price=p.expert, hidden_bytes=cost.activation_bytes_per_token)
     moe = r.moe_layer_s
     s = r.summary()
+    # per modality, under the plans the whole traffic made (what no serving engine reports)
+    from workbench.sim.ep import imbalance
+    from workbench.sim.eplb_replay import EPLBSchedule
+
+    sched = EPLBSchedule(counts.shape[1], counts.shape[2], RANKS, cfg["redundant"],
+                         cfg["window"], cfg["interval"])
+    sched.serve(counts)
+    first = sched.rebalances[0]["step"] if sched.rebalances else len(counts)
+    by_mod = {}
+    for m in ("text", "image"):
+        c = np.concatenate([ds["routed_tokens"].sel(modality=m).values for ds in stores])
+        static = np.einsum("sle,ler->slr", c, sched.static)[first:]
+        served = sched.served_under_plans(c, 0)[first:]
+        by_mod[m] = {"imbalance_static": float(np.nanmean(imbalance(static))),
+                     "imbalance_eplb": float(np.nanmean(imbalance(served)))}
     return {"moe_s_async": float(moe.sum()), "moe_s": float(moe.sum() + r.rebalance_s.sum()),
             "prefill_moe_s": float(moe[prefill].sum() + r.rebalance_s[prefill].sum()),
             "prefill_moe_s_async": float(moe[prefill].sum()),
             "per_layer_ms": (moe.mean(0) * 1e3).tolist(), "rebalances": s["rebalances"],
             "bytes_moved": s["bytes_moved"], "rebalance_s": s["rebalance_s_modeled"],
             "imbalance_static": s["static_imbalance_after_first_fit"],
-            "imbalance_eplb": s["eplb_imbalance_after_first_fit"]}
+            "imbalance_eplb": s["eplb_imbalance_after_first_fit"], "by_modality": by_mod}
 
 
 def volatility(stores) -> dict:
@@ -351,7 +366,9 @@ def report(out: dict) -> str:
                  f"redundant): {e['rebalances']} rebalances moving "
                  f"{e['bytes_moved'] / 1e9:.2f} GB ({e['rebalance_s'] * 1e3:.1f} ms modeled); "
                  f"imbalance on the steps a plan served {_num(e['imbalance_static'])} static "
-                 f"→ {_num(e['imbalance_eplb'])} EPLB")
+                 f"→ {_num(e['imbalance_eplb'])} EPLB; per modality " + ", ".join(
+                     f"{m} {_num(v['imbalance_static'])} → {_num(v['imbalance_eplb'])}"
+                     for m, v in e["by_modality"].items()))
     f2 = out["fig2"]
     L.append("\nFig. 2 (native runs): busiest rank changes between consecutive steps in "
              f"{f2['rank_all_steps']['hot_change']:.0%} of (step, layer) pairs, busiest expert "
