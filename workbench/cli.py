@@ -170,6 +170,30 @@ def _parser() -> argparse.ArgumentParser:
                    help="|Δ_j| from which an expert is visual/text (default 0.1, the paper's)")
     m.add_argument("--json", action="store_true", help="print one JSON object")
 
+    f = sub.add_parser("refactor",
+                       help="MoE-Prism: split every expert into sub-experts (profile, "
+                            "partition, proxy gate) from calibration requests")
+    f.add_argument("--model", metavar="DIR",
+                   help="local Hugging Face checkpoint directory (default: the embedded model)")
+    f.add_argument("--out", metavar="PATH",
+                   help="folder for prism.safetensors + prism.json (default: the workspace's "
+                        "prism/<config hash>)")
+    f.add_argument("--overwrite", action="store_true", help="replace an existing refactoring")
+    f.add_argument("--requests", type=int, default=64, metavar="N",
+                   help="generated calibration requests, half text-only (default 64)")
+    f.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the calibration requests (default: one of their own)")
+    f.add_argument("--subexperts", type=int, default=4, metavar="N",
+                   help="sub-experts per expert (default 4, the paper's); must divide the "
+                        "expert's neurons")
+    f.add_argument("--deactivated", type=int, default=None, metavar="K",
+                   help="sub-experts the objective drops per token (default N // 2)")
+    f.add_argument("--iterations", type=int, default=100_000, metavar="I",
+                   help="annealing iterations per expert (default 100 000, the paper's)")
+    f.add_argument("--max-tokens", type=int, default=128, metavar="B",
+                   help="calibration tokens kept per expert (default 128)")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -188,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
-                "calibrate-macs": _calibrate_macs}[args.command](args)
+                "calibrate-macs": _calibrate_macs, "refactor": _refactor}[args.command](args)
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
@@ -221,6 +245,55 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     if getattr(args, "json", False):
         print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}))
     return code
+
+
+def _refactor(args) -> int:
+    import numpy as np
+
+    from workbench.errors import InputError
+    from workbench.prism import refactor as R
+
+    for name, v, lo, hi in (("--requests", args.requests, 1, 4096),
+                            ("--subexperts", args.subexperts, 1, 1024),
+                            ("--iterations", args.iterations, 0, 10**8),
+                            ("--max-tokens", args.max_tokens, 1, 65536)):
+        if not lo <= v <= hi:
+            raise InputError(f"{name} must be from {lo} to {hi}, not {v}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
+    from workbench.models.loading import load
+    from workbench.options import get_options
+
+    lm = load(Path(args.model) if args.model else None, device="cpu")
+    out = Path(args.out) if args.out else (Path(get_options()["workspace"]) / "prism"
+                                           / str(lm.config_hash))
+    if (out / R.CONFIG).exists() and not args.overwrite:
+        raise InputError(f"{str(out)!r} already holds a MoE-Prism refactoring; pass "
+                         f"--overwrite to replace it")
+    from workbench.prism.partition import _check
+    from workbench.prism.profile import neuron_layout
+
+    I = neuron_layout(lm.layout.blocks[0])[0]
+    _check(np.zeros((1, I)), args.subexperts, args.deactivated)  # N divides I, K in range
+    reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
+                                  else args.seed)
+    ref = R.refactor(lm, reqs, subexperts=args.subexperts, deactivated=args.deactivated,
+                     r=min(4, I // args.subexperts), iterations=args.iterations,
+                     max_tokens=args.max_tokens)
+    R.save(ref, out, overwrite=args.overwrite)
+    s = ref.summary()
+    if args.json:
+        print(json.dumps({"out": str(out), **s, "profile_s": ref.meta["profile_s"],
+                          "anneal_s": ref.meta["anneal_s"]}))
+    else:
+        o = s["objective"]
+        print(f"MoE-Prism refactoring of {lm.model_id} written to {out}: {s['experts']} experts "
+              f"× {args.subexperts} sub-experts of {I // args.subexperts} neurons; objective "
+              f"(activation lost dropping {ref.meta['deactivated']} per token, Σ over experts) "
+              f"annealed {o['annealed']:.1f} vs greedy {o['greedy']:.1f}, random "
+              f"{o['random']:.1f}, contiguous {o['contiguous']:.1f}; profile "
+              f"{ref.meta['profile_s']:.1f} s, annealing {ref.meta['anneal_s']:.1f} s")
+    return 0
 
 
 def _calibrate_macs(args) -> int:

@@ -1,0 +1,208 @@
+"""MoE-Prism's offline refactoring (issue 16 §1): profile → partition every expert → proxy gate,
+saved beside the model as safetensors + JSON (no pickle; never overwritten silently).
+
+A :class:`Refactoring` holds, per (layer, expert):
+
+- ``perm`` int64 [L, E, I]: the neuron order that makes sub-expert n the contiguous slice
+  n·I/N … (n+1)·I/N − 1 of the permuted fused tensors (rows of ``gate_up_proj``'s gate and up
+  halves, columns of ``down_proj``);
+- ``gates`` int64 [L, E, N, r]: each sub-expert's gate neurons (original neuron ids), the
+  training-free proxy gate (:func:`workbench.prism.partition.gate_neurons`);
+- the objective (seed eq. 2, on the profiled activations) of the annealed partition and of
+  the greedy start, a random and the contiguous partition — ``objective_*`` float64 [L, E] —
+  and the calibration tokens each expert saw (``tokens`` [L, E]).
+
+The JSON header names the model (``model_id``, ``config_hash``), the shapes and the settings;
+:func:`load` checks them (and that every ``perm`` row is a permutation and every gate neuron
+lies in its sub-expert) before a run may use it, and refuses a refactoring made for another
+model or expert shape naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from workbench.errors import InputError
+from workbench.prism import partition as P
+
+FORMAT = "workbench-prism-refactoring/1"
+WEIGHTS, CONFIG = "prism.safetensors", "prism.json"
+CALIBRATION_SEED = 424242
+OBJECTIVES = ("contiguous", "random", "greedy", "annealed")
+
+
+@dataclass
+class Refactoring:
+    """See the module docstring."""
+
+    perm: np.ndarray
+    gates: np.ndarray
+    objective: dict[str, np.ndarray]
+    tokens: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def subexperts(self) -> int:
+        return int(self.meta["subexperts"])
+
+    def summary(self) -> dict[str, Any]:
+        """The objective summed over every expert per partition, and the annealed one's
+        ratio to each (lower is better)."""
+        tot = {k: float(v.sum()) for k, v in self.objective.items()}
+        a = tot["annealed"]
+        return {"objective": tot,
+                "annealed_vs": {k: a / v if v > 0 else None for k, v in tot.items()
+                                if k != "annealed"},
+                "experts": int(self.tokens.size), "tokens_mean": float(self.tokens.mean())}
+
+
+def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED):
+    """Balanced calibration requests of the embedded model's task generator (its own seed,
+    not the held-out split's)."""
+    from workbench.models.batches import mixed_batch
+
+    return mixed_batch(n, text_share=0.5, seed=seed)
+
+
+def refactor(lm, requests: Sequence[Any], subexperts: int = 4, deactivated: int | None = None,
+             r: int = 4, active: float = 0.75, iterations: int = P.ITERATIONS,
+             max_tokens: int = 128, seed: int = 0) -> Refactoring:
+    """Profile ``lm`` over ``requests``, partition every expert into ``subexperts`` (greedy +
+    annealing, K = ``deactivated``, default N // 2), pick ``r`` gate neurons each."""
+    from workbench.prism.profile import neuron_activations, neuron_layout
+
+    lay = lm.layout
+    I, _ = neuron_layout(lay.blocks[0])
+    t0 = time.perf_counter()
+    M = neuron_activations(lm, requests, max_tokens=max_tokens)
+    t_profile = time.perf_counter() - t0
+    L, E = len(M), len(M[0])
+    flat = [m for layer in M for m in layer]
+    K = subexperts // 2 if deactivated is None else deactivated
+    t0 = time.perf_counter()
+    parts = P.anneal_many(flat, subexperts, K, iterations=iterations, seed=seed)
+    t_anneal = time.perf_counter() - t0
+    perm = np.empty((L * E, I), np.int64)
+    gates = np.empty((L * E, subexperts, r), np.int64)
+    obj = {k: np.zeros(L * E) for k in OBJECTIVES}
+    for i, (m, a) in enumerate(zip(flat, parts)):
+        perm[i] = P.permutation(a, subexperts)
+        gates[i] = P.gate_neurons(m, a, subexperts, r=r, active=active) if len(m) \
+            else perm[i].reshape(subexperts, -1)[:, :r]
+        for k, part in (("contiguous", P.contiguous(I, subexperts)),
+                        ("random", P.random_partition(I, subexperts, seed + i)),
+                        ("greedy", P.greedy(m, subexperts)), ("annealed", a)):
+            obj[k][i] = P.objective(m, part, subexperts, K) if len(m) else 0.0
+    return Refactoring(
+        perm=perm.reshape(L, E, I), gates=gates.reshape(L, E, subexperts, r),
+        objective={k: v.reshape(L, E) for k, v in obj.items()},
+        tokens=np.array([[len(m) for m in layer] for layer in M], np.int64),
+        meta={"format": FORMAT, "model_id": lm.model_id, "config_hash": lm.config_hash,
+              "layers": L, "experts": E, "neurons": I, "subexperts": subexperts,
+              "deactivated": K, "gate_neurons": r, "active": active, "iterations": iterations,
+              "t0": P.T0, "cooling": P.COOLING, "max_tokens": max_tokens, "seed": seed,
+              "requests": len(requests), "profile_s": t_profile, "anneal_s": t_anneal})
+
+
+def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
+    """Write ``ref`` into folder ``out`` (created); an existing refactoring there is replaced
+    only with ``overwrite`` (each file written to a temporary name, then renamed)."""
+    out = Path(out)
+    if (out / CONFIG).exists() and not overwrite:
+        raise InputError(f"{str(out)!r} already holds a MoE-Prism refactoring; pass "
+                         f"--overwrite (overwrite=True) to replace it")
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    tensors = {"perm": ref.perm, "gates": ref.gates, "tokens": ref.tokens,
+               **{f"objective_{k}": v.astype(np.float64) for k, v in ref.objective.items()}}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / (WEIGHTS + ".tmp")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": FORMAT})
+        tmp.replace(out / WEIGHTS)
+        tmp = out / (CONFIG + ".tmp")
+        tmp.write_text(json.dumps(ref.meta, indent=1))
+        tmp.replace(out / CONFIG)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise InputError(f"cannot write the MoE-Prism refactoring to {str(out)!r}: "
+                         f"{type(e).__name__}: {str(e)[:200]}") from None
+    return out
+
+
+def load(path: str | Path, lm=None) -> Refactoring:
+    """The refactoring in folder ``path``, checked (module docstring); with ``lm`` also that
+    it was made for this model and expert shape. :class:`InputError` naming what is wrong."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{str(path / CONFIG)!r} is not a readable MoE-Prism refactoring "
+                         f"({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InputError(f"{str(path / CONFIG)!r} is not a {FORMAT} header")
+    shape = []
+    for k in ("layers", "experts", "neurons", "subexperts", "gate_neurons"):
+        v = meta.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+            raise InputError(f"{str(path / CONFIG)!r}: {k} must be a whole number in 1 … "
+                             f"{1 << 20}, not {v!r}")
+        shape.append(v)
+    L, E, I, N, r = shape
+    if I % N or r > I // N:
+        raise InputError(f"{str(path / CONFIG)!r}: {N} sub-experts must divide the {I} "
+                         f"neurons with at least {r} each")
+    if lm is not None:
+        lay = lm.layout
+        from workbench.prism.profile import neuron_layout
+
+        mine = (lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0])
+        if meta.get("config_hash") != lm.config_hash or (L, E, I) != mine:
+            raise InputError(
+                f"the refactoring in {str(path)!r} was made for {meta.get('model_id')!r} "
+                f"(config {meta.get('config_hash')}, {L} layers × {E} experts × {I} neurons), "
+                f"not for {lm.model_id!r} (config {lm.config_hash}, {mine[0]} × {mine[1]} × "
+                f"{mine[2]})")
+    want = {"perm": (L, E, I), "gates": (L, E, N, r), "tokens": (L, E),
+            **{f"objective_{k}": (L, E) for k in OBJECTIVES}}
+    size = (path / WEIGHTS).stat().st_size if (path / WEIGHTS).is_file() else -1
+    budget = 8 * sum(int(np.prod(s)) for s in want.values()) + (1 << 20)
+    if not 0 < size <= budget:
+        raise InputError(f"{str(path / WEIGHTS)!r} is missing or larger than the {budget} "
+                         f"bytes its header's shapes allow")
+    try:
+        t = load_file(str(path / WEIGHTS))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise InputError(f"{str(path / WEIGHTS)!r} cannot be read ({str(e)[:120]})") from None
+    for k, s in want.items():
+        if k not in t or t[k].shape != s:
+            raise InputError(f"{str(path / WEIGHTS)!r}: {k} must have shape {s}, not "
+                             f"{None if k not in t else t[k].shape}")
+    perm, gates = t["perm"].astype(np.int64), t["gates"].astype(np.int64)
+    if not (np.sort(perm, -1) == np.arange(I)).all():
+        raise InputError(f"{str(path / WEIGHTS)!r}: every perm row must be a permutation of "
+                         f"the {I} neurons")
+    group = np.empty_like(perm)  # each neuron's sub-expert under perm
+    np.put_along_axis(group, perm, np.broadcast_to(np.arange(I) // (I // N), perm.shape), -1)
+    in_group = np.take_along_axis(group, gates.reshape(L, E, -1).clip(0, I - 1), -1)
+    if (gates < 0).any() or (gates >= I).any() or (
+            in_group.reshape(L, E, N, r) != np.arange(N)[:, None]).any():
+        raise InputError(f"{str(path / WEIGHTS)!r}: every gate neuron must be a neuron of its "
+                         f"own sub-expert")
+    return Refactoring(perm=perm, gates=gates,
+                       objective={k: t[f"objective_{k}"] for k in OBJECTIVES},
+                       tokens=t["tokens"].astype(np.int64), meta=meta)
+
+
+__all__ = ["CALIBRATION_SEED", "FORMAT", "Refactoring", "calibration_requests", "load",
+           "refactor", "save"]
