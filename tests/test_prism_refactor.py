@@ -106,3 +106,85 @@ def test_the_refactor_command(tmp_path, capsys):
     assert main(["refactor", "--out", str(tmp_path / "q"), "--subexperts", "5"]) == 2
     assert "dividing the 64 neurons" in capsys.readouterr().err
     assert main(["refactor", "--out", str(tmp_path / "q"), "--iterations", "-1"]) == 2
+
+
+def _random_refactoring(lm, N=4, r=2, seed=0):
+    """A valid refactoring of ``lm`` from random partitions (exactness holds for any)."""
+    from workbench.prism import partition as P
+    from workbench.prism import refactor as R
+    from workbench.prism.profile import neuron_layout
+
+    lay = lm.layout
+    L, E, I = lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0]
+    perm = np.stack([np.stack([P.permutation(P.random_partition(I, N, seed + 97 * l + e), N)
+                               for e in range(E)]) for l in range(L)])
+    gates = perm.reshape(L, E, N, I // N)[..., :r].copy()
+    obj = {k: np.zeros((L, E)) for k in R.OBJECTIVES}
+    return R.Refactoring(perm=perm, gates=gates, objective=obj, tokens=np.zeros((L, E),
+                                                                                 np.int64),
+                         meta={"format": R.FORMAT, "model_id": lm.model_id,
+                               "config_hash": lm.config_hash, "layers": L, "experts": E,
+                               "neurons": I, "subexperts": N, "gate_neurons": r})
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2"])
+def test_every_sub_expert_active_equals_the_model(arch, tiny_ckpt, tmp_path):
+    """prism=True with k_active = N (all sub-experts, any partition) gives the model's own
+    greedy tokens and, step by step, logits allclose, offloaded with a small cache and a
+    pinned layer; k_active < N computes less (and a k_active past N is refused)."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    rt = workbench.Runtime(tiny_ckpt(arch), max_new_tokens=6, cache_slots=6, pinned_layers=1,
+                           ignore_eos=True)
+    R.save(_random_refactoring(rt.lm, seed=3), tmp_path / "p")
+    kw = dict(record=False)
+    base = rt.run("the quick brown fox", **kw)
+    el = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"), **kw)
+    assert el.token_ids == base.token_ids
+    assert el.subexperts_ran == el.subexperts_asked > 0
+    half = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"),
+                  prism_k_active=2, **kw)
+    assert half.subexperts_ran * 2 == half.subexperts_asked
+    with pytest.raises(InputError, match=r"prism_k_active must be in 1 … 4"):
+        rt.run("x", record=False, prism=True, prism_refactoring=str(tmp_path / "p"),
+               prism_k_active=5)
+
+
+def test_elastic_logits_match_and_the_embedded_model_keeps_its_answers(embedded, tmp_path):
+    """The embedded VL model: the layer outputs with every sub-expert active are allclose to
+    the experts' own (hooked per layer), and the greedy answers of a mixed batch are equal."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    ref = R.refactor(embedded, R.calibration_requests(8), iterations=300, max_tokens=16)
+    R.save(ref, tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=6)
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=2)
+    outs = {}
+
+    def grab(name):
+        def hook(module, args, out):
+            outs.setdefault(name, []).append(out.detach().clone())
+        return hook
+
+    blk = embedded.layout.blocks[5]
+    for name, kw in (("base", {}), ("prism", dict(prism=True,
+                                                   prism_refactoring=str(tmp_path / "p")))):
+        h = blk.block.register_forward_hook(grab(name))
+        try:
+            res = rt.run(reqs, record=False, **kw)
+        finally:
+            h.remove()
+        outs[name + "_tokens"] = [r["token_ids"] for r in res.batch]
+    assert outs["base_tokens"] == outs["prism_tokens"]
+    for a, b in zip(outs["base"], outs["prism"]):
+        a = a[0] if isinstance(a, tuple) else a
+        b = b[0] if isinstance(b, tuple) else b
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    with pytest.raises(workbench.WorkbenchError, match="not built yet"):
+        rt.run(reqs[:1], record=False, prism=True, balance="realb", ep_ranks=4,
+               prism_refactoring=str(tmp_path / "p"))
+    missing = tmp_path / "none"
+    with pytest.raises(InputError, match="run `workbench refactor`"):
+        rt.run(reqs[:1], record=False, prism=True, prism_refactoring=str(missing))

@@ -22,6 +22,7 @@ from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.predictor import policy as _predictor_policy  # noqa: F401  (prefetch "vismmoe")
 from workbench.predictor.knobs import PredictorKnobs
+from workbench.prism.knobs import PrismKnobs
 from workbench.sim.dispatch import DISPATCH
 from workbench.sim.placement import EP_PLACEMENT
 from workbench.sim.profiles import (available_interconnects, available_profiles,
@@ -45,6 +46,7 @@ GROUPS = (
     ("active_evict", ActiveEvictKnobs, {}),
     ("compression", CompressionKnobs, {"compression": COMPRESSION}),
     ("predictor", PredictorKnobs, {}),
+    ("prism", PrismKnobs, {}),
 )
 
 for _key, _cls, _choices in GROUPS:

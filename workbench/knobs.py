@@ -280,6 +280,23 @@ class CostKnobs(KnobGroup):
             "loaded model's own sizes.")
 
 
+def check_eplb(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
+    """:class:`KnobError` unless EPLB can serve these sizes: whole numbers, ``ranks``,
+    ``window``, ``interval`` ≥ 1, ``redundant`` in 0 … experts × ranks (a full copy on every
+    rank) and experts + redundant a multiple of ranks."""
+    for name, v, lo in (("ep_ranks", ranks, 1), ("eplb_window", window, 1),
+                        ("eplb_interval", interval, 1), ("num_redundant_experts", redundant, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise KnobError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
+    if redundant > experts * ranks:
+        raise KnobError(f"num_redundant_experts ({redundant}) must be at most the {experts} "
+                        f"experts × {ranks} ranks = {experts * ranks} (a full copy on every "
+                        f"rank)")
+    if (experts + redundant) % ranks:
+        raise KnobError(f"placement 'eplb' needs the {experts} experts + num_redundant_experts "
+                        f"({redundant}) to be a multiple of ep_ranks ({ranks})")
+
+
 class ExpertParallelKnobs(KnobGroup):
     """Expert parallelism (MACS, ReaLB): experts spread over ranks, each MoE layer waits for
     its most loaded rank. Ranks are virtual (:mod:`workbench.sim.ep`): every routed token is
@@ -394,10 +411,8 @@ class ExpertParallelKnobs(KnobGroup):
             raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
                             f"per layer (each rank owns at least one), not {self.ep_ranks}")
         if self.placement == "eplb" and shape.num_experts is not None:
-            from workbench.sim.eplb_replay import check_sizes
-
-            check_sizes(shape.num_experts, self.ep_ranks, self.num_redundant_experts,
-                        self.eplb_window, self.eplb_interval)
+            check_eplb(shape.num_experts, self.ep_ranks, self.num_redundant_experts,
+                       self.eplb_window, self.eplb_interval)
         if live and self.placement == "eplb" and (
                 self.dispatch in ("macs", "capacity-expanded") or self.balance != "none"):
             what = (f"balance={self.balance}" if self.balance != "none"

@@ -62,6 +62,39 @@ class Refactoring:
                 "experts": int(self.tokens.size), "tokens_mean": float(self.tokens.mean())}
 
 
+def default_path(model_dir, config_hash: str) -> Path:
+    """Where a run looks when ``prism_refactoring`` is None: the workspace's
+    ``prism/<config hash>`` (what ``workbench refactor`` writes), else one shipped beside the
+    model (``<model dir>/workbench/prism``), else the workspace path (whose error then says to
+    refactor into it)."""
+    from workbench.options import get_options
+
+    mine = Path(get_options()["workspace"]) / "prism" / str(config_hash)
+    shipped = Path(model_dir) / "workbench" / "prism" if model_dir else None
+    for candidate in (mine, shipped):
+        if candidate is not None and (candidate / CONFIG).is_file():
+            return candidate
+    return mine
+
+
+def for_run(lm, knobs) -> tuple[Refactoring, int]:
+    """The refactoring a run with ``prism=True`` uses and its k_active (None: all),
+    checked: the refactoring is this model's, k_active within 1 … its sub-experts."""
+    path = Path(knobs.prism_refactoring) if knobs.prism_refactoring else \
+        default_path(getattr(lm, "path", None), lm.config_hash)
+    if not (path / CONFIG).is_file():
+        raise InputError(f"prism=True needs a MoE-Prism refactoring of {lm.model_id!r}; none "
+                         f"at {str(path)!r} — run `workbench refactor` (or set "
+                         f"prism_refactoring)")
+    ref = load(path, lm)
+    N = ref.subexperts
+    k = N if knobs.prism_k_active is None else int(knobs.prism_k_active)
+    if not 1 <= k <= N:
+        raise InputError(f"prism_k_active must be in 1 … {N} (the refactoring's sub-experts "
+                         f"per expert), not {knobs.prism_k_active}")
+    return ref, k
+
+
 def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED):
     """Balanced calibration requests of the embedded model's task generator (its own seed,
     not the held-out split's)."""

@@ -128,7 +128,7 @@ class Offloader:
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
                  hybrid: bool | Callable[[int], bool] = False, dispatch=None,
                  balance=None, rank_of_expert: np.ndarray | None = None,
-                 low_precision: str = "nvfp4") -> None:
+                 low_precision: str = "nvfp4", prism=None) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -150,6 +150,10 @@ class Offloader:
         #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
         #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
         self.balance = balance
+        #: MoE-Prism: (perm, gates, sub-experts, k_active) — every expert runs through a
+        #: :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts); None: off
+        self.prism = prism
+        self.prism_views: list = []
         self.rank_of_expert = rank_of_expert
         self.low_precision = low_precision
         self._low: set[int] = set()  # this layer call's low-precision experts
@@ -242,6 +246,12 @@ class Offloader:
         moved: list = []
         self._saved.append((b, moved))
         view = ExpertsView(ex, b.expert_params)
+        if self.prism is not None:  # every path below calls the view: all run sub-experts
+            from workbench.prism.execute import PrismView
+
+            perm, gates, N, k_active = self.prism
+            view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn)
+            self.prism_views.append(view)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
@@ -358,6 +368,13 @@ class Offloader:
             elif kind == "pre_evict":
                 self._pf_inflight.pop(action[1], None)
             elif kind == "hits":
+                if out.pinned and self.prism is not None:  # the resident weights, as slices
+                    gone = top_k_index >= b.num_experts
+                    result = view({n: getattr(b.experts, n) for n in b.expert_params},
+                                  list(range(b.num_experts)), b.num_experts, hidden_states,
+                                  top_k_index, top_k_weights.masked_fill(gone, 0), *args,
+                                  **kwargs)
+                    continue
                 if out.pinned:
                     idx, w = top_k_index, top_k_weights
                     low = sorted(self._low)

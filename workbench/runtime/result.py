@@ -51,6 +51,10 @@ class RunResult:
     dispatch_added: int = 0
     #: ReaLB (``balance`` ≠ none): (layer call, expert) computations run in low precision
     low_precision_runs: int = 0
+    #: MoE-Prism (prism=True): (token, sub-expert) runs the routed experts asked for (N per
+    #: routed slot) and those that ran (k_active of them); 0 when off
+    subexperts_asked: int = 0
+    subexperts_ran: int = 0
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix
     # routing + policy) and of the vision-saliency recomputation

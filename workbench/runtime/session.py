@@ -147,7 +147,7 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=self._dispatch(), **self._balance())
+            dispatch=self._dispatch(), **self._balance(), prism=self._prism())
         cal = self.macs_calibration
         if cal is not None and k.macs_reroute and k.macs_eta > 0:
             self.offloader.macs_centroids = torch.as_tensor(
@@ -161,6 +161,18 @@ class RunSession:
                 prefetcher.attach(self.predictor)
             if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
                 self.policy.attach(self.predictor)
+
+    def _prism(self):
+        """MoE-Prism (``prism=True``): ``(perm, gates, sub-experts, k_active)`` for the
+        offloader's sub-expert views; None when off."""
+        k = self.knobs
+        if not k.prism:
+            return None
+        from workbench.prism.refactor import for_run
+
+        ref, k_active = for_run(self.runtime.lm, k)
+        return (torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), ref.subexperts,
+                k_active)
 
     def _balance(self) -> dict[str, Any]:
         """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
@@ -382,7 +394,9 @@ class RunSession:
             dispatch_dropped=self.offloader.dispatch_dropped,
             dispatch_rerouted=self.offloader.dispatch_rerouted,
             dispatch_added=self.offloader.dispatch_added,
-            low_precision_runs=self.offloader.low_precision_runs)
+            low_precision_runs=self.offloader.low_precision_runs,
+            subexperts_asked=sum(v.asked for v in self.offloader.prism_views),
+            subexperts_ran=sum(v.ran for v in self.offloader.prism_views))
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,

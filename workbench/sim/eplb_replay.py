@@ -75,22 +75,11 @@ class EPLBResult:
 
 
 def check_sizes(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
-    """:class:`KnobError` unless EPLB can serve these sizes: whole numbers, ``ranks``,
-    ``window``, ``interval`` ≥ 1, ``redundant`` in 0 … experts × ranks (a full copy on every
-    rank) and experts + redundant a multiple of ranks."""
-    from workbench.errors import KnobError
+    """:class:`KnobError` unless EPLB can serve these sizes (:func:`workbench.knobs.check_eplb`:
+    the knob check and this are one rule)."""
+    from workbench.knobs import check_eplb
 
-    for name, v, lo in (("ep_ranks", ranks, 1), ("eplb_window", window, 1),
-                        ("eplb_interval", interval, 1), ("num_redundant_experts", redundant, 0)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise KnobError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
-    if redundant > experts * ranks:
-        raise KnobError(f"num_redundant_experts ({redundant}) must be at most the {experts} "
-                        f"experts × {ranks} ranks = {experts * ranks} (a full copy on every "
-                        f"rank)")
-    if (experts + redundant) % ranks:
-        raise KnobError(f"placement 'eplb' needs the {experts} experts + num_redundant_experts "
-                        f"({redundant}) to be a multiple of ep_ranks ({ranks})")
+    check_eplb(experts, ranks, redundant, window, interval)
 
 
 class EPLBSchedule:
