@@ -104,7 +104,7 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     (module docstring). ``lm``: a :class:`~workbench.models.loading.LoadedModel`."""
     import torch
 
-    from workbench.models.inputs import build_batch_inputs
+    from workbench.models.inputs import prefill_batches
 
     lay = lm.layout
     L, E = lay.num_layers, lay.num_experts
@@ -138,16 +138,11 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
                for b in lay.blocks]
     try:
-        with torch.no_grad():
-            for i in range(0, len(requests), batch_size):
-                inputs = build_batch_inputs(lm, requests[i:i + batch_size])
-                valid = (inputs.valid if inputs.valid is not None
-                         else np.ones(inputs.modality.size, bool))
-                state["valid"] = torch.as_tensor(valid, device=lm.device)
-                mod = np.clip(inputs.modality[valid].astype(np.int64), 0, 2)
-                state["modality"] = mod
-                tokens += np.bincount(mod, minlength=3)
-                lm.model(**inputs.tensors)
+        for inputs, valid in prefill_batches(lm, requests, batch_size):
+            state["valid"] = torch.as_tensor(valid, device=lm.device)
+            mod = np.clip(inputs.modality[valid].astype(np.int64), 0, 2)
+            state["modality"] = mod
+            tokens += np.bincount(mod, minlength=3)
     finally:
         for h in handles:
             h.remove()

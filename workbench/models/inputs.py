@@ -500,3 +500,18 @@ def _encode_with_image_processor(lm, texts: list[str], per_request: list[list[Im
     tensors["pixel_values"] = enc["pixel_values"]
     tensors["image_grid_thw"] = grid
     return tensors
+
+
+def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8):
+    """Calibration passes: for each batch of ``requests``, yield ``(inputs, valid)`` (the
+    batch's inputs and its real-token mask, numpy bool) — the caller sets up what its hooks
+    read — then run the model's forward (the prefill, no grad) on it."""
+    import torch
+
+    with torch.no_grad():
+        for i in range(0, len(requests), batch_size):
+            inputs = build_batch_inputs(lm, requests[i:i + batch_size])
+            valid = (inputs.valid if inputs.valid is not None
+                     else np.ones(inputs.modality.size, bool))
+            yield inputs, valid
+            lm.model(**inputs.tensors)

@@ -71,7 +71,7 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     tokens (padding excluded) routed to each expert over ``requests`` (module docstring)."""
     import torch
 
-    from workbench.models.inputs import build_batch_inputs
+    from workbench.models.inputs import prefill_batches
 
     if not requests:
         raise InputError("the profiler needs at least one calibration request")
@@ -105,13 +105,8 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
                for b in lay.blocks]
     try:
-        with torch.no_grad():
-            for i in range(0, len(requests), batch_size):
-                inputs = build_batch_inputs(lm, requests[i:i + batch_size])
-                valid = (inputs.valid if inputs.valid is not None
-                         else np.ones(inputs.modality.size, bool))
-                state["valid"] = torch.as_tensor(valid, device=lm.device)
-                lm.model(**inputs.tensors)
+        for _, valid in prefill_batches(lm, requests, batch_size):
+            state["valid"] = torch.as_tensor(valid, device=lm.device)
     finally:
         for h in handles:
             h.remove()
