@@ -56,26 +56,28 @@ class PrismView:
         return {"gate_up_proj": sub_gu.reshape(n * N, 2 * (I // N), H),
                 "down_proj": sub_down.reshape(n * N, down.shape[1], I // N)}
 
-    def _active(self, weights: dict[str, torch.Tensor], experts: list[int],
+    def _chosen(self, weights: dict[str, torch.Tensor], experts: list[int],
                 hidden_states: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """bool [T, k, N]: the sub-experts each routed slot runs (all when k_active = N)."""
+        """long [T, k, k_active]: the sub-experts each routed slot runs (all, in order, when
+        k_active = N); only (token, expert) pairs routed here are scored."""
         T, k = local.shape
-        N = self.N
-        if self.k_active >= N:
-            return torch.ones((T, k, N), dtype=torch.bool, device=local.device)
+        N, ka, dev = self.N, self.k_active, local.device
+        if ka >= N:
+            return torch.arange(N, device=dev).expand(T, k, N)
         gu = weights["gate_up_proj"]
         I = gu.shape[1] // 2
-        act = torch.zeros((T, k, N), dtype=hidden_states.dtype, device=hidden_states.device)
-        for i, e in enumerate(experts):
-            rows = self.gates[e].reshape(-1).to(gu.device)  # [N·r] neuron ids
-            g = torch.nn.functional.linear(hidden_states, gu[i][rows])  # [T, N·r]
-            u = torch.nn.functional.linear(hidden_states, gu[i][rows + I])
-            score = (self.act_fn(g) * u).abs().reshape(T, N, -1).mean(-1)  # [T, N]
-            mine = local == i  # [T, k]
-            act = torch.where(mine[..., None], score[:, None, :], act)
-        top = act.topk(self.k_active, dim=-1).indices
-        return torch.zeros((T, k, N), dtype=torch.bool, device=local.device).scatter_(
-            -1, top, True)
+        score = torch.zeros((T, k, N), dtype=hidden_states.dtype, device=hidden_states.device)
+        tok, slot = torch.nonzero(local < len(experts), as_tuple=True)
+        if len(tok):
+            pos = local[tok, slot]  # each routed pair's expert position
+            rows = self.gates[torch.as_tensor(experts)].to(gu.device).reshape(len(experts), -1)
+            x = hidden_states[tok]  # [P, H]
+            g_w = gu[pos[:, None], rows[pos]]  # [P, N·r, H]: the pair's gate-neuron rows
+            u_w = gu[pos[:, None], rows[pos] + I]
+            g = torch.einsum("ph,pgh->pg", x, g_w)
+            u = torch.einsum("ph,pgh->pg", x, u_w)
+            score[tok, slot] = (self.act_fn(g) * u).abs().reshape(len(tok), N, -1).mean(-1)
+        return score.topk(ka, dim=-1).indices
 
     def __call__(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                  hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -89,13 +91,15 @@ class PrismView:
             n, dtype=torch.long, device=dev)
         local = lut[top_k_index.long()]  # [T, k]: position in ``experts`` or n (not here)
         with torch.no_grad():
-            active = self._active(weights, experts, hidden_states, local)
-        here = (local < n)[..., None] & active  # [T, k, N]
+            chosen = self._chosen(weights, experts, hidden_states, local)  # [T, k, ka]
+        ka = chosen.shape[-1]
+        here = (local < n)[..., None].expand(-1, -1, ka)  # [T, k, ka]
         self.asked += int((local < n).sum()) * N
         self.ran += int(here.sum())
-        sub_ids = top_k_index.long()[..., None] * N + torch.arange(N, device=dev)
-        sub_ids = sub_ids.masked_fill(~here, num_experts * N)  # the sentinel: no compute
-        w = top_k_weights[..., None].expand(-1, -1, N).masked_fill(~here, 0)
+        # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
+        sub_ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
+            ~here, num_experts * N)  # the sentinel: a slot routed to no expert of this call
+        w = top_k_weights[..., None].expand(-1, -1, ka).masked_fill(~here, 0)
         T = top_k_index.shape[0]
         subs = [e * N + s for e in experts for s in range(N)]
         return self.inner(self._sub_weights(weights, experts), subs, num_experts * N,

@@ -29,6 +29,11 @@ def neuron_layout(block) -> tuple[int, int]:
     layout other than gate_up_proj [E, 2I, H] + down_proj [E, H, I] with an ``act_fn``."""
     ex = block.experts
     gu, down = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    if getattr(ex, "has_bias", False) or getattr(ex, "is_transposed", False) \
+            or getattr(ex, "gate_up_proj_bias", None) is not None:
+        raise UnsupportedArchitectureError(
+            f"MoE-Prism slices the experts' weights only: {type(ex).__name__} has expert biases "
+            f"or a transposed layout, which it does not support yet")
     if gu is None or down is None or not hasattr(ex, "act_fn") or gu.dim() != 3 \
             or down.dim() != 3 or gu.shape[1] % 2 or down.shape[2] != gu.shape[1] // 2 \
             or down.shape[1] != gu.shape[2]:

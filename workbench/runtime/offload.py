@@ -368,12 +368,12 @@ class Offloader:
             elif kind == "pre_evict":
                 self._pf_inflight.pop(action[1], None)
             elif kind == "hits":
-                if out.pinned and self.prism is not None:  # the resident weights, as slices
-                    gone = top_k_index >= b.num_experts
-                    result = view({n: getattr(b.experts, n) for n in b.expert_params},
-                                  list(range(b.num_experts)), b.num_experts, hidden_states,
-                                  top_k_index, top_k_weights.masked_fill(gone, 0), *args,
-                                  **kwargs)
+                if out.pinned and self.prism is not None:  # the routed experts' resident
+                    ids = routed.tolist()                  # weights, as slices
+                    at = routed.long()
+                    result = view({n: getattr(b.experts, n)[at] for n in b.expert_params},
+                                  ids, b.num_experts, hidden_states, top_k_index,
+                                  top_k_weights, *args, **kwargs)
                     continue
                 if out.pinned:
                     idx, w = top_k_index, top_k_weights
