@@ -104,7 +104,7 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     (module docstring). ``lm``: a :class:`~workbench.models.loading.LoadedModel`."""
     import torch
 
-    from workbench.models.inputs import prefill_batches
+    from workbench.models.inputs import experts_call, prefill_batches
 
     lay = lm.layout
     L, E = lay.num_layers, lay.num_experts
@@ -119,10 +119,7 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
 
     def hook(b):
         def pre(module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            keep = state["valid"]
-            hs, idx = hs[keep], idx[keep]
+            hs, idx = experts_call(args, kwargs, state["valid"])
             mod = state["modality"]
             ids = idx.detach().cpu().numpy().astype(np.int64)
             t, r = np.nonzero((ids >= 0) & (ids < E))

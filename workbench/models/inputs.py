@@ -515,3 +515,12 @@ def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8):
                      else np.ones(inputs.modality.size, bool))
             yield inputs, valid
             lm.model(**inputs.tensors)
+
+
+def experts_call(args: tuple, kwargs: dict, valid):
+    """``(hidden_states, top_k_index)`` of an experts module's call, as a forward pre-hook
+    receives them, cut to the real tokens (``valid``: a bool tensor from
+    :func:`prefill_batches`' mask)."""
+    hs = args[0] if args else kwargs["hidden_states"]
+    idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    return hs[valid], idx[valid]

@@ -76,7 +76,7 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     tokens (padding excluded) routed to each expert over ``requests`` (module docstring)."""
     import torch
 
-    from workbench.models.inputs import prefill_batches
+    from workbench.models.inputs import experts_call, prefill_batches
 
     if not requests:
         raise InputError("the profiler needs at least one calibration request")
@@ -92,10 +92,7 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
 
     def hook(b):
         def pre(module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            keep = state["valid"]
-            hs, idx = hs[keep], idx[keep]
+            hs, idx = experts_call(args, kwargs, state["valid"])
             ids = idx.detach().cpu().numpy().astype(np.int64)
             for e in np.unique(ids[(ids >= 0) & (ids < E)]):
                 room = max_tokens - int(have[b.index, e])
