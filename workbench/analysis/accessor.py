@@ -709,7 +709,7 @@ class MoEAccessor:
         E, R = counts.sizes["expert"], int(k.ep_ranks)
         if k.placement == "eplb":  # the plans fitted on the whole traffic serve this view too
             sched, load, _ = self._eplb_schedule(k)
-            out = (load if var == "routed_tokens" and m is None
+            out = (load.copy() if var == "routed_tokens" and m is None
                    else sched.served_under_plans(counts.values, 0))
         else:
             out = counts_per_rank(counts.values, rank_of_expert(k.placement, E, R), R)
@@ -723,10 +723,17 @@ class MoEAccessor:
         """EPLB (``placement`` = eplb, knobs ``eplb_window``, ``eplb_interval``,
         ``num_redundant_experts``) served over this run's routing: ``(schedule, load [S, L,
         R], compute [S, L, R] or None)``; rebalances priced with the run's expert bytes on its
-        interconnect (*modeled*)."""
+        interconnect (*modeled*). Kept per settings on this accessor: a view asks for the
+        loads per modality, the clock and the title of one schedule (the Dataset is fixed)."""
         from workbench.sim.eplb_replay import EPLBSchedule
         from workbench.sim.profiles import get_interconnect
 
+        key = (int(k.ep_ranks), int(k.num_redundant_experts), int(k.eplb_window),
+               int(k.eplb_interval), k.profile, k.target_model, k.interconnect,
+               price is not None)
+        memo = self.__dict__.setdefault("_eplb_memo", {})
+        if key in memo:
+            return memo[key]
         counts = self._ds["routed_tokens"].sum("modality").values
         S, L, E = counts.shape
         cost = self._prices(k.profile, k.target_model).cost
@@ -735,7 +742,13 @@ class MoEAccessor:
                              expert_bytes=float(cost.expert_bytes) if cost is not None else 0.0,
                              link=get_interconnect(k.interconnect), price=price)
         load, compute = sched.serve(counts)
-        return sched, load, compute
+        if len(memo) >= 8:  # a few settings at a time (a dashboard's knob changes)
+            memo.pop(next(iter(memo)))
+        for arr in (load, compute):
+            if arr is not None:  # shared by later calls: never written in place
+                arr.flags.writeable = False
+        memo[key] = (sched, load, compute)
+        return memo[key]
 
     def ep_imbalance(self, ranks: int | None = None, placement: str | None = None,
                      modality: str | None = None, **eplb: Any) -> xr.DataArray:

@@ -20,7 +20,6 @@ model, dtypes, finite values, classes in {−1, 0, 1}). No pickle anywhere.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -166,36 +165,15 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
 def save(cal: MacsCalibration, out: str | Path, overwrite: bool = False) -> Path:
     """Write ``cal`` into folder ``out`` (created); an existing calibration there is replaced
     only with ``overwrite`` (each file written to a temporary name, then renamed)."""
-    out = Path(out)
-    if (out / CONFIG).exists() and not overwrite:
-        raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite "
-                         f"(overwrite=True) to replace it")
-    from safetensors import SafetensorError
+    from workbench.tensorfiles import save_folder
 
-    try:
-        return _save(cal, out)
-    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
-        raise InputError(f"cannot write the MACS calibration to {str(out)!r}: "
-                         f"{type(e).__name__}: {str(e)[:200]}") from None
-
-
-def _save(cal: MacsCalibration, out: Path) -> Path:
-    from safetensors.numpy import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {"classes": cal.classes.astype(np.int8), "delta": cal.delta.astype(np.float32),
                "freq_visual": cal.freq_visual.astype(np.float32),
                "freq_text": cal.freq_text.astype(np.float32),
                "centroids": cal.centroids.astype(np.float16),
                "counts": cal.counts.astype(np.int64)}
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-              metadata={"format": FORMAT})
-    tmp.replace(out / WEIGHTS)
-    tmp = out / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps({**cal.meta, "format": FORMAT}, indent=1))
-    tmp.replace(out / CONFIG)
-    return out
+    return save_folder(out, WEIGHTS, CONFIG, tensors, {**cal.meta, "format": FORMAT}, FORMAT,
+                       "MACS calibration", overwrite)
 
 
 def load(path: str | Path, num_layers: int | None = None, num_experts: int | None = None,

@@ -146,28 +146,12 @@ def refactor(lm, requests: Sequence[Any], subexperts: int = 4, deactivated: int 
 def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
     """Write ``ref`` into folder ``out`` (created); an existing refactoring there is replaced
     only with ``overwrite`` (each file written to a temporary name, then renamed)."""
-    out = Path(out)
-    if (out / CONFIG).exists() and not overwrite:
-        raise InputError(f"{str(out)!r} already holds a MoE-Prism refactoring; pass "
-                         f"--overwrite (overwrite=True) to replace it")
-    from safetensors import SafetensorError
-    from safetensors.numpy import save_file
+    from workbench.tensorfiles import save_folder
 
     tensors = {"perm": ref.perm, "gates": ref.gates, "tokens": ref.tokens,
                **{f"objective_{k}": v.astype(np.float64) for k, v in ref.objective.items()}}
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (WEIGHTS + ".tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": FORMAT})
-        tmp.replace(out / WEIGHTS)
-        tmp = out / (CONFIG + ".tmp")
-        tmp.write_text(json.dumps(ref.meta, indent=1))
-        tmp.replace(out / CONFIG)
-    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
-        raise InputError(f"cannot write the MoE-Prism refactoring to {str(out)!r}: "
-                         f"{type(e).__name__}: {str(e)[:200]}") from None
-    return out
+    return save_folder(out, WEIGHTS, CONFIG, tensors, ref.meta, FORMAT,
+                       "MoE-Prism refactoring", overwrite)
 
 
 def load(path: str | Path, lm=None) -> Refactoring:
