@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("exactness", "transfers", "live", "batch", "realb")
+PARTS = ("exactness", "transfers", "live", "batch", "realb", "prism")
 KiB, MiB = 1024, 1024 * 1024
 #: one routed expert of Qwen3-VL-30B-A3B in bf16: gate_up [2·768, 2048] + down [2048, 768]
 QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 2
@@ -756,6 +756,53 @@ def part_realb(dev: torch.device, tokens: int = 16) -> dict:
     return out
 
 
+def part_prism(dev: torch.device, tokens: int = 16) -> dict:
+    """MoE-Prism's elastic execution on the device: a refactoring of random partitions
+    (exactness holds for any; numpy only), a mixed batch of 8 offloaded (24 slots, one pinned
+    layer) — every sub-expert active must give the native tokens; k_active 2 runs half;
+    wall medians of 3 interleaved rounds."""
+    import statistics
+
+    from workbench.prism import partition as P
+    from workbench.prism import refactor as R
+    from workbench.prism.profile import neuron_layout
+
+    rt = workbench.Runtime(device=dev.type, max_new_tokens=tokens, cache_slots=24,
+                           pinned_layers=1)
+    lay = rt.lm.layout
+    L, E, I, N = lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0], 4
+    perm = np.stack([np.stack([P.permutation(P.random_partition(I, N, 97 * l + e), N)
+                               for e in range(E)]) for l in range(L)])
+    ref = R.Refactoring(perm=perm, gates=perm.reshape(L, E, N, I // N)[..., :4].copy(),
+                        objective={k: np.zeros((L, E)) for k in R.OBJECTIVES},
+                        tokens=np.zeros((L, E), np.int64),
+                        meta={"format": R.FORMAT, "model_id": rt.lm.model_id,
+                              "config_hash": rt.lm.config_hash, "layers": L, "experts": E,
+                              "neurons": I, "subexperts": N, "gate_neurons": 4})
+    folder = Path(tempfile.mkdtemp(prefix="prism-")) / "p"
+    R.save(ref, folder)
+    reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
+    configs = {"native": {}, "prism, all 4": dict(prism=True, prism_refactoring=str(folder)),
+               "prism, k_active 2": dict(prism=True, prism_refactoring=str(folder),
+                                          prism_k_active=2)}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    runs: dict = {}
+    for r in range(4):
+        for name, kw in configs.items():
+            t0 = time.perf_counter()
+            runs[name] = rt.run(reqs, record=False, **kw)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    nat = runs["native"]
+    base = statistics.median(times["native"])
+    return {"tokens": tokens, "runs": {
+        k: {"median_s": statistics.median(v), "ratio": statistics.median(v) / base,
+            "answers_equal_native": sum(a["token_ids"] == b["token_ids"]
+                                        for a, b in zip(runs[k].batch, nat.batch)),
+            "subexperts_ran": runs[k].subexperts_ran,
+            "subexperts_asked": runs[k].subexperts_asked} for k, v in times.items()}}
+
+
 # -- 3. live cost --------------------------------------------------------------------------------
 def _live_scaling():
     """The sibling benchmark ``bench_live_scaling`` as a module (run in this process)."""
@@ -799,7 +846,8 @@ def summary(res: dict) -> str:
         if p in res.get("errors", {}):
             lines.append(f"**{p} failed**: `{res['errors'][p].strip().splitlines()[-1]}`\n")
     for name, fn in (("exactness", _md_exactness), ("transfers", _md_transfers),
-                     ("live", _md_live), ("batch", _md_batch), ("realb", _md_realb)):
+                     ("live", _md_live), ("batch", _md_batch), ("realb", _md_realb),
+                     ("prism", _md_prism)):
         if res.get(name):
             try:
                 lines += fn(res[name], res)
@@ -976,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
             run_part("batch", lambda: part_batch(dev))
         if "realb" in parts:
             run_part("realb", lambda: part_realb(dev))
+        if "prism" in parts:
+            run_part("prism", lambda: part_prism(dev))
     save()
     try:
         md = summary(res)
@@ -1016,6 +1066,18 @@ def _md_realb(rb: dict, res: dict) -> list[str]:
     for k, v in rb["runs"].items():
         lines.append(f"| {k} | {v['median_s']:.3f} | {v['ratio']:.2f} | "
                      f"{v['low_precision_runs']} | {v['answers_equal_native']}/8 |")
+    return lines + [""]
+
+
+def _md_prism(pr: dict, res: dict) -> list[str]:
+    lines = [f"## MoE-Prism elastic execution: a batch of 8, offloaded ({pr['tokens']} tokens)",
+             "", "| run | median s | × native | answers = native | sub-experts run |",
+             "| --- | --- | --- | --- | --- |"]
+    for k, v in pr["runs"].items():
+        share = (f"{v['subexperts_ran'] / v['subexperts_asked']:.0%}"
+                 if v["subexperts_asked"] else "")
+        lines.append(f"| {k} | {v['median_s']:.3f} | {v['ratio']:.2f} | "
+                     f"{v['answers_equal_native']}/8 | {share} |")
     return lines + [""]
 
 
