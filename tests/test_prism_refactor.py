@@ -108,25 +108,6 @@ def test_the_refactor_command(tmp_path, capsys):
     assert main(["refactor", "--out", str(tmp_path / "q"), "--iterations", "-1"]) == 2
 
 
-def _random_refactoring(lm, N=4, r=2, seed=0):
-    """A valid refactoring of ``lm`` from random partitions (exactness holds for any)."""
-    from workbench.prism import partition as P
-    from workbench.prism import refactor as R
-    from workbench.prism.profile import neuron_layout
-
-    lay = lm.layout
-    L, E, I = lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0]
-    perm = np.stack([np.stack([P.permutation(P.random_partition(I, N, seed + 97 * l + e), N)
-                               for e in range(E)]) for l in range(L)])
-    gates = perm.reshape(L, E, N, I // N)[..., :r].copy()
-    obj = {k: np.zeros((L, E)) for k in R.OBJECTIVES}
-    return R.Refactoring(perm=perm, gates=gates, objective=obj, tokens=np.zeros((L, E),
-                                                                                 np.int64),
-                         meta={"format": R.FORMAT, "model_id": lm.model_id,
-                               "config_hash": lm.config_hash, "layers": L, "experts": E,
-                               "neurons": I, "subexperts": N, "gate_neurons": r})
-
-
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2"])
 def test_every_sub_expert_active_equals_the_model(arch, tiny_ckpt, tmp_path):
     """prism=True with k_active = N (all sub-experts, any partition) gives the model's own
@@ -137,11 +118,15 @@ def test_every_sub_expert_active_equals_the_model(arch, tiny_ckpt, tmp_path):
 
     rt = workbench.Runtime(tiny_ckpt(arch), max_new_tokens=6, cache_slots=6, pinned_layers=1,
                            ignore_eos=True)
-    R.save(_random_refactoring(rt.lm, seed=3), tmp_path / "p")
+    R.save(R.random_refactoring(rt.lm, seed=3), tmp_path / "p")
     kw = dict(record=False)
+    before = {n: p.detach().clone() for n, p in rt.lm.model.named_parameters()}
     base = rt.run("the quick brown fox", **kw)
     el = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"), **kw)
     assert el.token_ids == base.token_ids
+    # the sub-expert layout lives only while the run is installed: the model's own bytes after
+    for n, p in rt.lm.model.named_parameters():
+        assert torch.equal(p, before[n]), n
     assert el.subexperts_ran == el.subexperts_asked > 0
     half = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"),
                   prism_k_active=2, **kw)
@@ -188,3 +173,26 @@ def test_elastic_logits_match_and_the_embedded_model_keeps_its_answers(embedded,
     missing = tmp_path / "none"
     with pytest.raises(InputError, match="run `workbench refactor`"):
         rt.run(reqs[:1], record=False, prism=True, prism_refactoring=str(missing))
+
+
+def test_the_sub_expert_layout_slices_without_copy_and_round_trips():
+    """Sub-expert s of expert e in the layout is its neurons' gate rows, up rows and down
+    columns (as the refactoring's perm names them), read as views; undone bit for bit."""
+    from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
+
+    g = torch.Generator().manual_seed(0)
+    E, I, H, N = 3, 8, 5, 4
+    c = I // N
+    gu, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    perm = torch.stack([torch.randperm(I, generator=g) for _ in range(E)])
+    lgu, ldown = to_subexpert_layout(gu, down, perm, N)
+    assert lgu.shape == gu.shape and ldown.shape == down.shape
+    sub_gu, sub_down = lgu.reshape(E * N, 2 * c, H), ldown.reshape(E * N, H, c)
+    assert sub_gu.data_ptr() == lgu.data_ptr() and sub_down.data_ptr() == ldown.data_ptr()
+    for e in range(E):
+        for s in range(N):
+            neurons = perm[e, s * c:(s + 1) * c]
+            assert torch.equal(sub_gu[e * N + s], torch.cat([gu[e, neurons], gu[e, neurons + I]]))
+            assert torch.equal(sub_down[e * N + s], down[e][:, neurons])
+    back = from_subexpert_layout(lgu, ldown, perm, N)
+    assert torch.equal(back[0], gu) and torch.equal(back[1], down)

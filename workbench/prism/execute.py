@@ -5,7 +5,10 @@ over sub-expert slices of the (permuted) fused tensors.
 for experts ``[e, …]`` becomes a call for their sub-experts ``[e·N + s, …]`` — each one expert
 of its own to the model's experts forward, with ``gate_up_proj`` rows (its gate and up halves)
 and ``down_proj`` columns of the neurons the refactoring put in sub-expert s
-(``perm[e][s·I/N : (s+1)·I/N]``) — and every routed slot (token, e, w) becomes N slots
+(``perm[e][s·I/N : (s+1)·I/N]``). The offloader stores a prism layer's experts in the
+*sub-expert layout* while installed (:func:`to_subexpert_layout`, at install; undone bit for bit
+at removal), where each sub-expert is a contiguous block: a call slices them with no copy, and
+the host store, the cache slots and the transfers move the same bytes as always. Every routed slot (token, e, w) becomes N slots
 (token, e·N + s, w), the inactive ones masked (the forward's sentinel: no compute). Every path
 of the offloader (cache hits, misses, the host, the pinned prefix, ReaLB's low precision)
 calls the view, so all of them run sub-experts the same way. With every sub-expert active the
@@ -27,34 +30,72 @@ from typing import Any
 import torch
 
 
+def _gate_up_rows(perm: torch.Tensor, N: int) -> torch.Tensor:
+    """long [E, 2I]: the original ``gate_up_proj`` row at each row of the sub-expert layout
+    (sub-expert s's gate rows, then its up rows, for s = 0 … N−1)."""
+    E, I = perm.shape
+    p = perm.reshape(E, N, 1, I // N)
+    return torch.cat([p, p + I], 2).reshape(E, 2 * I)
+
+
+def to_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch.Tensor,
+                        N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's fused expert tensors (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
+    in the sub-expert layout, same shapes: expert e's sub-expert s is rows
+    ``s·2c … (s+1)·2c`` of ``gate_up`` (its c = I/N gate rows, then its up rows) and the
+    ``[H, c]`` block ``down.reshape(E, N, H, c)[e, s]`` — the down bytes are [E, N, H, c]
+    viewed as [E, H, I], so *not* the expert's down matrix. Both reshape to sub-experts
+    without a copy; :func:`from_subexpert_layout` restores the input bit for bit."""
+    E, H, I = down.shape
+    rows = _gate_up_rows(perm.to(gate_up.device), N)
+    gu = torch.gather(gate_up, 1, rows[:, :, None].expand(E, 2 * I, gate_up.shape[2]))
+    d = torch.gather(down, 2, perm.to(down.device)[:, None, :].expand(E, H, I))
+    d = d.reshape(E, H, N, I // N).permute(0, 2, 1, 3).contiguous().view(E, H, I)
+    return gu, d
+
+
+def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch.Tensor,
+                          N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`to_subexpert_layout` (a permutation: exact)."""
+    E, H, I = down.shape
+    rows = _gate_up_rows(perm.to(gate_up.device), N)
+    gu = torch.empty_like(gate_up).scatter_(
+        1, rows[:, :, None].expand(E, 2 * I, gate_up.shape[2]), gate_up)
+    d = down.reshape(E, N, H, I // N).permute(0, 2, 1, 3).reshape(E, H, I)
+    d = torch.empty_like(down).scatter_(2, perm.to(down.device)[:, None, :].expand(E, H, I), d)
+    return gu, d
+
+
 class PrismView:
     """An :class:`ExpertsView` over sub-experts (module docstring). ``perm`` [L, E, I] and
     ``gates`` [L, E, N, r] (a :class:`~workbench.prism.refactor.Refactoring`'s), ``layer``
-    the MoE layer, ``k_active`` sub-experts per (token, expert)."""
+    the MoE layer, ``k_active`` sub-experts per (token, expert). The weights it is handed
+    are in the sub-expert layout (:func:`to_subexpert_layout`; the offloader converts the
+    layer at install), so a call splits them into sub-experts without copying."""
 
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
                  subexperts: int, k_active: int, act_fn) -> None:
         self.inner, self.layer = inner, layer
         self.perm = perm[layer]  # [E, I]
-        self.gates = gates[layer]  # [E, N, r]
         self.N, self.k_active, self.act_fn = subexperts, k_active, act_fn
+        # each gate neuron's gate row in the sub-expert layout (its up row: + c)
+        E, I = self.perm.shape
+        c = I // subexperts
+        where = torch.empty_like(self.perm).scatter_(
+            1, self.perm, torch.arange(I).expand(E, I))  # neuron → position in perm
+        g = torch.gather(where, 1, gates[layer].reshape(E, -1))  # [E, N·r] positions
+        self.gate_rows = (g // c) * 2 * c + g % c
+        self.c = c
         #: (token, expert) sub-expert runs this view was asked for / ran (counters)
         self.asked = 0
         self.ran = 0
 
-    def _sub_weights(self, weights: dict[str, torch.Tensor], experts: list[int]
+    def _sub_weights(self, weights: dict[str, torch.Tensor], n: int
                      ) -> dict[str, torch.Tensor]:
         gu, down = weights["gate_up_proj"], weights["down_proj"]  # [n, 2I, H], [n, H, I]
-        n, two_i, H = gu.shape
-        I, N = two_i // 2, self.N
-        p = self.perm[torch.as_tensor(experts, dtype=torch.long)].to(gu.device)  # [n, I]
-        gate = torch.gather(gu[:, :I], 1, p[:, :, None].expand(n, I, H))
-        up = torch.gather(gu[:, I:], 1, p[:, :, None].expand(n, I, H))
-        sub_gu = torch.cat([gate.reshape(n, N, I // N, H), up.reshape(n, N, I // N, H)], 2)
-        sub_down = torch.gather(down, 2, p[:, None, :].expand(n, down.shape[1], I))
-        sub_down = sub_down.reshape(n, down.shape[1], N, I // N).permute(0, 2, 1, 3)
-        return {"gate_up_proj": sub_gu.reshape(n * N, 2 * (I // N), H),
-                "down_proj": sub_down.reshape(n * N, down.shape[1], I // N)}
+        N, c, H = self.N, self.c, down.shape[1]
+        return {"gate_up_proj": gu.reshape(n * N, 2 * c, gu.shape[2]),
+                "down_proj": down.reshape(n * N, H, c)}
 
     def _chosen(self, weights: dict[str, torch.Tensor], experts: list[int],
                 hidden_states: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -65,15 +106,14 @@ class PrismView:
         if ka >= N:
             return torch.arange(N, device=dev).expand(T, k, N)
         gu = weights["gate_up_proj"]
-        I = gu.shape[1] // 2
         score = torch.zeros((T, k, N), dtype=hidden_states.dtype, device=hidden_states.device)
         tok, slot = torch.nonzero(local < len(experts), as_tuple=True)
         if len(tok):
             pos = local[tok, slot]  # each routed pair's expert position
-            rows = self.gates[torch.as_tensor(experts)].to(gu.device).reshape(len(experts), -1)
+            rows = self.gate_rows[torch.as_tensor(experts)].to(gu.device)  # [n, N·r]
             x = hidden_states[tok]  # [P, H]
             g_w = gu[pos[:, None], rows[pos]]  # [P, N·r, H]: the pair's gate-neuron rows
-            u_w = gu[pos[:, None], rows[pos] + I]
+            u_w = gu[pos[:, None], rows[pos] + self.c]
             g = torch.einsum("ph,pgh->pg", x, g_w)
             u = torch.einsum("ph,pgh->pg", x, u_w)
             score[tok, slot] = (self.act_fn(g) * u).abs().reshape(len(tok), N, -1).mean(-1)
@@ -102,9 +142,9 @@ class PrismView:
         w = top_k_weights[..., None].expand(-1, -1, ka).masked_fill(~here, 0)
         T = top_k_index.shape[0]
         subs = [e * N + s for e in experts for s in range(N)]
-        return self.inner(self._sub_weights(weights, experts), subs, num_experts * N,
+        return self.inner(self._sub_weights(weights, n), subs, num_experts * N,
                           hidden_states, sub_ids.reshape(T, -1).to(top_k_index.dtype),
                           w.reshape(T, -1), *args, **kwargs)
 
 
-__all__ = ["PrismView"]
+__all__ = ["PrismView", "from_subexpert_layout", "to_subexpert_layout"]

@@ -143,6 +143,27 @@ def refactor(lm, requests: Sequence[Any], subexperts: int = 4, deactivated: int 
               "requests": len(requests), "profile_s": t_profile, "anneal_s": t_anneal})
 
 
+def random_refactoring(lm, subexperts: int = 4, r: int = 2, seed: int = 0) -> Refactoring:
+    """A valid refactoring of ``lm`` from random partitions, no profiling (each sub-expert's
+    first ``r`` neurons its gate): for exactness tests and speed benchmarks, where any
+    partition serves; its objectives are 0 (not measured)."""
+    from workbench.prism.profile import neuron_layout
+
+    lay = lm.layout
+    L, E, I = lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0]
+    P._check(np.zeros((1, I)), subexperts, subexperts // 2)
+    perm = np.stack([np.stack([P.permutation(P.random_partition(I, subexperts,
+                                                                seed + 97 * l + e), subexperts)
+                               for e in range(E)]) for l in range(L)])
+    gates = perm.reshape(L, E, subexperts, I // subexperts)[..., :r].copy()
+    return Refactoring(
+        perm=perm, gates=gates, objective={k: np.zeros((L, E)) for k in OBJECTIVES},
+        tokens=np.zeros((L, E), np.int64),
+        meta={"format": FORMAT, "model_id": lm.model_id, "config_hash": lm.config_hash,
+              "layers": L, "experts": E, "neurons": I, "subexperts": subexperts,
+              "gate_neurons": r, "random": True, "seed": seed})
+
+
 def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
     """Write ``ref`` into folder ``out`` (created); an existing refactoring there is replaced
     only with ``overwrite`` (each file written to a temporary name, then renamed)."""

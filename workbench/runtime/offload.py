@@ -154,6 +154,7 @@ class Offloader:
         #: :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts); None: off
         self.prism = prism
         self.prism_views: list = []
+        self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
         self.rank_of_expert = rank_of_expert
         self.low_precision = low_precision
         self._low: set[int] = set()  # this layer call's low-precision experts
@@ -252,6 +253,7 @@ class Offloader:
             perm, gates, N, k_active = self.prism
             view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn)
             self.prism_views.append(view)
+            self._to_subexperts(b)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
@@ -267,12 +269,27 @@ class Offloader:
 
         ex.forward = forward
 
+    def _to_subexperts(self, b: MoEBlock, back: bool = False) -> None:
+        """MoE-Prism: ``b``'s fused expert tensors into the sub-expert layout (``back``: out
+        of it, exactly) — in place of the module's parameters, so every copy made from them
+        (host store, slots, pinned prefix) is in the layout the views slice without copying."""
+        from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
+
+        perm, _, N, _ = self.prism
+        gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
+        with torch.no_grad():
+            gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
+                gu.data, down.data, perm[b.index], N)
+        (self._relaid.discard if back else self._relaid.add)(b.index)
+
     def _remove(self) -> None:
         while self._saved:
             b, moved = self._saved.pop()
             b.experts.__dict__.pop("forward", None)
             for name, p in moved:  # bring the device copy back from the host store
                 p.data = self.store.layer(b.index)[name].to(self.device)
+            if b.index in self._relaid:
+                self._to_subexperts(b, back=True)
         if self.engine is not None:
             self.engine.close()
             self.engine = None
