@@ -196,3 +196,46 @@ def test_the_sub_expert_layout_slices_without_copy_and_round_trips():
             assert torch.equal(sub_down[e * N + s], down[e][:, neurons])
     back = from_subexpert_layout(lgu, ldown, perm, N)
     assert torch.equal(back[0], gu) and torch.equal(back[1], down)
+
+
+def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
+    """subexpert_tokens: each routed (token, expert) counts once per sub-expert it ran — k_active
+    of N, the run's own tally — so ds.moe sees the compute done; without prism each expert is
+    one sub-expert equal to routed_tokens."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=1), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=4)
+    res = rt.run(reqs, prism=True, prism_refactoring=str(tmp_path / "p"), prism_k_active=3,
+                 store=str(tmp_path / "on.zarr"))
+    ds = workbench.open_run(tmp_path / "on.zarr")
+    assert ds.sizes["subexpert"] == 4
+    sub = ds.moe.subexpert_counts()
+    assert int(sub.sum()) == res.subexperts_ran > 0
+    np.testing.assert_array_equal(sub.sum("subexpert").values, 3 * ds.moe.expert_counts().values)
+    assert ds.moe.compute_share() == pytest.approx(0.75)
+    by = ds.moe.compute_share(by="modality")
+    assert float(by.sel(modality="image")) == pytest.approx(0.75)
+    # the proxy gate picks per token: sub-experts of one expert are not all run alike
+    assert (sub.max("subexpert") > sub.min("subexpert")).any()
+    # per token: each routed slot ran exactly k_active sub-experts, and they add up to the counts
+    ran = ds.subexpert_ran.values
+    ids = ds.topk_ids.values
+    np.testing.assert_array_equal(ran.sum(-1), np.where(ids >= 0, 3, 0))
+    tok, lay, slot, s = np.nonzero(ran)
+    again = np.zeros(sub.shape, np.int64)
+    np.add.at(again, (lay, ids[tok, lay, slot], s), 1)
+    np.testing.assert_array_equal(again, sub.values)
+    fig = ds.moe.subexpert_heatmap(normalize=True)
+    z = np.asarray(fig.data[0].z, float)
+    assert z.shape == (4, ds.sizes["expert"]) and np.nanmax(z) <= 1.0
+    np.testing.assert_allclose(np.nansum(z, 0)[~np.isnan(z).all(0)], 3.0)
+    with pytest.raises(InputError, match="layer must be"):
+        ds.moe.subexpert_heatmap(layer=99)
+    rt.run(reqs, store=str(tmp_path / "off.zarr"))
+    off = workbench.open_run(tmp_path / "off.zarr")
+    assert off.sizes["subexpert"] == 1 and off.moe.compute_share() == 1.0
+    np.testing.assert_array_equal(off.moe.subexpert_counts().isel(subexpert=0).values,
+                                  off.moe.expert_counts().values)

@@ -357,8 +357,8 @@ def test_disk_full_at_any_step_fails_cleanly(tmp_path, refs, hook, overwrite):
 
 def test_a_real_full_disk_on_the_cli(tmp_path):
     """A real tmpfs that fills up mid-run: exit 2, one line, status failed, steps readable."""
-    # 800 KiB: the layout fits and a few batches commit before the disk is full
-    with _tmpfs(tmp_path / "small", "size=800k") as mnt:
+    # 960 KiB: the layout fits and a few batches commit before the disk is full
+    with _tmpfs(tmp_path / "small", "size=960k") as mnt:
         store = mnt / "run.zarr"
         proc = subprocess.run(
             [sys.executable, "-m", "workbench.cli", "run",  # the embedded model

@@ -96,6 +96,15 @@ def test_a_schema_3_store_reads_with_pred_order_and_split_hits(v3):
                                                         == 0).all()
     np.testing.assert_array_equal(ds.pinned_accesses.values[:, pinned], raw[:, pinned])
     np.testing.assert_array_equal(ds.misses.values, _raw("misses"))
+    # no sub-experts before schema 8: each expert one, run by every routed token
+    assert ds.subexpert_tokens.dims[3] == "subexpert" and ds.sizes["subexpert"] == 1
+    np.testing.assert_array_equal(ds.subexpert_tokens.isel(subexpert=0).values,
+                                  ds.routed_tokens.values)
+    np.testing.assert_array_equal(ds.subexpert_ran.values[..., 0], ds.topk_ids.values >= 0)
+    np.testing.assert_array_equal(ds.subexpert_ran.isel(token=slice(3, 9), layer=2).values,
+                                  (ds.topk_ids.values >= 0)[3:9, 2, :, None])
+    np.testing.assert_array_equal(ds.subexpert_tokens.isel(step=1, subexpert=0).values,
+                                  ds.routed_tokens.values[1])
     summary = json.loads(ds.attrs["summary"])  # RunResult of the recording run
     assert int(ds.hits.sum()) == summary["hits"] and int(ds.misses.sum()) == summary["misses"]
     assert ds.pinned_accesses.dtype == ds.hits.dtype == np.int32
@@ -177,7 +186,7 @@ def fresh(tmp_path_factory):
 
 def test_a_fresh_store_counts_hits_as_the_run_result(fresh):
     res, ds = fresh
-    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 7
+    assert ds.attrs["schema_version"] == SCHEMA_VERSION == 8
     assert int(ds.hits.sum()) == res.hits and int(ds.misses.sum()) == res.misses
     pinned = ds.pinned.values
     assert pinned.any() and (ds.hits.values[:, pinned] == 0).all()

@@ -196,6 +196,69 @@ class MoEAccessor:
                             attrs={"units": "tokens", "long_name": "routed tokens per request",
                                    "modality": name or "all"})
 
+    def subexpert_counts(self, modality: str | None = None, steps: Any = None,
+                         phase: str | None = None) -> xr.DataArray:
+        """Tokens that ran each sub-expert, DataArray [layer, expert, subexpert] (int64),
+        summed over the selected ``steps`` and ``phase`` (MoE-Prism; a run without sub-experts
+        has one per expert, equal to :meth:`expert_counts`). Over ``subexpert`` it sums to
+        ``k_active ×`` :meth:`expert_counts` (each routed token runs k_active of N)."""
+        name = self._modality(modality)
+        st = self._select(self._ds["subexpert_tokens"], steps, phase)
+        st = st.sum("modality") if name is None else st.sel(modality=name, drop=True)
+        out = st.sum("step").astype(np.int64).transpose("layer", "expert", "subexpert")
+        out.name = "subexpert_counts"
+        out.attrs = {"units": "tokens", "long_name": "tokens that ran the sub-expert",
+                     "modality": name or "all", "phase": phase or "all",
+                     "steps": "all" if steps is None else str(steps)}
+        return out
+
+    def compute_share(self, by: str | None = None) -> float | xr.DataArray:
+        """The share of the routed experts' compute the run did: (token, sub-expert) runs /
+        (routed tokens × N) — MoE-Prism's k_active / N where every expert ran, 1.0 without
+        sub-experts. ``by``: None (the run), ``"step"``, ``"layer"`` or ``"modality"``."""
+        if by not in (None, "step", "layer", "modality"):
+            raise _bad("by", by, "None, 'step', 'layer' or 'modality'")
+        ds = self._ds
+        N = ds.sizes["subexpert"]
+        ran = ds["subexpert_tokens"].sum("subexpert")
+        asked = ds["routed_tokens"] * N
+        if by is None:
+            a = int(asked.sum())
+            return float(int(ran.sum()) / a) if a else float("nan")
+        keep = [by]
+        r = ran.sum([d for d in ran.dims if d not in keep])
+        q = asked.sum([d for d in asked.dims if d not in keep])
+        out = (r / q.where(q > 0)).astype(float)
+        out.name = "compute_share"
+        out.attrs = {"units": "fraction", "long_name": "share of the routed experts' compute run",
+                     "subexperts": N}
+        return out
+
+    def subexpert_heatmap(self, layer: int | None = None, modality: str | None = "all",
+                          normalize: bool = True):
+        """Expert × sub-expert heatmap (plotly) of :meth:`subexpert_counts` at one MoE
+        ``layer`` (default: the first offloaded one); ``normalize``: each expert's column as
+        the share of its tokens that ran the sub-expert (k_active / N on average)."""
+        from workbench.viz.heatmap import subexpert_heatmap
+
+        counts = self.subexpert_counts(modality)
+        L = counts.sizes["layer"]
+        if layer is None:
+            off = np.nonzero(~self._pinned())[0]
+            layer = int(off[0]) if len(off) else 0
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                or not 0 <= layer < L:
+            raise _bad("layer", layer, f"an int in 0 … {L - 1}")
+        one = counts.isel(layer=int(layer), drop=True)
+        if normalize:
+            tok = self.expert_counts(modality).isel(layer=int(layer), drop=True)
+            shown = (one / tok.where(tok > 0)).astype(float)
+            shown.attrs = {**one.attrs, "units": "share of the expert's tokens"}
+        else:
+            shown = one
+        return subexpert_heatmap(shown, f"tokens per sub-expert, layer {layer} — "
+                                        f"{one.attrs['modality']} tokens")
+
     def working_set(self, window: int | None = None) -> xr.DataArray:
         """Distinct (layer, expert) pairs routed, DataArray over ``step`` (int64).
 

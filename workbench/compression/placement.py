@@ -199,10 +199,12 @@ class PrunedPlacement:
             w = np.zeros((S, *le.topk_weights.shape[1:]), le.topk_weights.dtype)
             w[kp] = le.topk_weights
             le.topk_ids, le.topk_weights = ids, w
-            if le.pred_ids is not None and le.pred_ids.shape[0] == len(kp):
-                p = np.full((S, *le.pred_ids.shape[1:]), -1, le.pred_ids.dtype)
-                p[kp] = le.pred_ids
-                le.pred_ids = p
+            for name in ("pred_ids", "sub_chosen"):  # −1: none
+                a = getattr(le, name)
+                if a is not None and a.shape[0] == len(kp):
+                    p = np.full((S, *a.shape[1:]), -1, a.dtype)
+                    p[kp] = a
+                    setattr(le, name, p)
 
     # -- hooks ------------------------------------------------------------------------------
     def _text_pre(self, mod, args, kwargs):

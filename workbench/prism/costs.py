@@ -304,11 +304,15 @@ class CostTable:
         ``prism_refactoring`` in ``knobs`` or ``rt.knobs``) and b in ``sizes``, a run of the
         first b of ``requests`` (default the held-out image requests: one prompt length) with
         ``prism_k_active=m``, ``steps`` tokens each (``ignore_eos``), every expert resident,
-        no recording. A run's decode step = (its steps' wall time − its prefill) / (steps −
-        1); each cell is the median over ``repeats`` rounds, every round visiting every cell
-        (after one warm-up run), so drift of the machine spreads over all cells. ``native``:
-        also time the unmodified runtime (prism off) per size, kept in ``meta`` for the
-        comparison. Default ≈ 1 min on 2 cores for N = 4."""
+        no recording. A decode step is the wall time between two streamed tokens (what a
+        client sees as TPOT); a cell is the median of its ``repeats · (steps − 1)`` decode
+        steps, its prefill the median of ``repeats`` prefills, ``prompt_tokens`` the median
+        longest prompt of a batch. Every round visits every cell (after one warm-up run), so
+        drift of the machine spreads over all cells. ``native``: also time the unmodified
+        runtime (prism off) per size, kept in ``meta`` (``native_decode_s``,
+        ``native_prefill_s``). Default ≈ 1.5 min on 2 cores for N = 4."""
+        import torch
+
         import workbench
         from workbench.prism import refactor as R
 
@@ -338,37 +342,41 @@ class CostTable:
 
         def run(m: int, b: int):
             kw = dict(prism=False) if m == 0 else dict(prism=True, prism_k_active=m)
-            return rt.run(reqs[:b], record=False, **base, **kw)
+            stamps: list[float] = []
+            res = rt.run(reqs[:b], record=False, on_token=lambda *_: stamps.append(
+                time.perf_counter()), **base, **kw)
+            if res.steps != steps or len(stamps) != steps:
+                raise InputError(f"a measurement run made {res.steps} steps ({len(stamps)} "
+                                 f"tokens streamed), not {steps}")
+            return res, np.diff(stamps)
 
         run(N, sizes[0])  # warm-up: loads the refactoring, first-call allocations
         for _ in range(repeats):
             for m, b in cells:
-                res = run(m, b)
-                if res.steps != steps:
-                    raise InputError(f"a measurement run made {res.steps} steps, not {steps}")
-                dec[m, b].append((res.latency_measured_s - res.prefill_measured_s)
-                                 / (steps - 1))
+                res, gaps = run(m, b)
+                dec[m, b].extend(gaps.tolist())
                 pre[m, b].append(res.prefill_measured_s)
                 prompt.append(max((r.get("prompt_tokens", 0) for r in res.batch),
                                   default=0))
         med = {c: (statistics.median(dec[c]), statistics.median(pre[c])) for c in cells}
-        spread = {c: (max(dec[c]) - min(dec[c])) / med[c][0] for c in cells}
+        # interquartile range of the decode steps over their median: how steady the machine was
+        spread = {c: float(np.subtract(*np.percentile(dec[c], [75, 25]))) / med[c][0]
+                  for c in cells}
         p_ref = int(statistics.median(p for p in prompt if p > 0)) if any(prompt) else 1
-        import torch
 
+        refactoring = base.get("prism_refactoring") or rt.knobs.prism_refactoring or \
+            R.default_path(getattr(rt.lm, "path", None), rt.lm.config_hash)
         meta = {"model_id": rt.lm.model_id, "config_hash": rt.lm.config_hash,
-                "refactoring": str(knobs.get("prism_refactoring") or rt.knobs.prism_refactoring
-                                   or R.default_path(getattr(rt.lm, "path", None),
-                                                     rt.lm.config_hash)),
-                "repeats": repeats, "steps": steps, "statistic": "median over repeats of a "
-                "run's mean decode step (wall time)",
+                "refactoring": str(refactoring), "repeats": repeats, "steps": steps,
+                "statistic": "decode: median of every decode step's wall time (between "
+                             "streamed tokens) over the repeats; prefill: median over the "
+                             "repeats; prompt_tokens: median longest prompt of a batch",
                 "requests": "given" if requests is not None else
                             f"workbench.batch({sizes[-1]}, mix='image')",
                 "host": {"machine": platform.machine(), "processor": platform.processor(),
                          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                          "device": str(getattr(rt.knobs, "device", "cpu"))},
-                "max_relative_spread": max(spread.values()),
-                "knobs": base,
+                "max_relative_iqr": max(spread.values()), "knobs": base,
                 "elapsed_s": time.perf_counter() - t0,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         if native:

@@ -89,6 +89,21 @@ class PrismView:
         #: (token, expert) sub-expert runs this view was asked for / ran (counters)
         self.asked = 0
         self.ran = 0
+        #: the layer call in progress: long [T, k, k_active] sub-experts each slot ran (-1:
+        #: none yet) — :meth:`begin` / :meth:`take` around the call, for the store
+        self._chosen_call: torch.Tensor | None = None
+
+    def begin(self, top_k_index: torch.Tensor) -> None:
+        """A layer call starts: its routed slots have run no sub-expert yet."""
+        T, k = top_k_index.shape
+        self._chosen_call = torch.full((T, k, min(self.k_active, self.N)), -1,
+                                       dtype=torch.int16, device=top_k_index.device)
+
+    def take(self):
+        """int16 [T, k, k_active] (numpy): the sub-experts each slot of the layer call ran
+        (-1: the slot ran none: routed nowhere); ends the call."""
+        c, self._chosen_call = self._chosen_call, None
+        return None if c is None else c.cpu().numpy()
 
     def _sub_weights(self, weights: dict[str, torch.Tensor], n: int
                      ) -> dict[str, torch.Tensor]:
@@ -136,6 +151,8 @@ class PrismView:
         here = (local < n)[..., None].expand(-1, -1, ka)  # [T, k, ka]
         self.asked += int((local < n).sum()) * N
         self.ran += int(here.sum())
+        if self._chosen_call is not None:  # every call of the layer fills its own slots
+            self._chosen_call = torch.where(here, chosen.to(torch.int16), self._chosen_call)
         # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
         sub_ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
             ~here, num_experts * N)  # the sentinel: a slot routed to no expert of this call

@@ -344,8 +344,14 @@ class Offloader:
             host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, experts, out)
-        return self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
-                             top_k_weights, args, kwargs)
+        if self.prism is None:
+            return self._execute(b, original, view, ev, out, routed, hidden_states,
+                                 top_k_index, top_k_weights, args, kwargs)
+        view.begin(top_k_index)  # MoE-Prism: which sub-experts each slot ran, for the store
+        result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
+                               top_k_weights, args, kwargs)
+        ev.sub_chosen = view.take()
+        return result
 
     def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:
         """The core's decisions into the layer event, its modeled spans into the probe."""

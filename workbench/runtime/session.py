@@ -229,7 +229,8 @@ class RunSession:
             flush_every=get_options()["flush_every"],
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
-            ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1)
+            ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1,
+            subexperts=self.offloader.prism[2] if self.offloader.prism is not None else 1)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:

@@ -68,6 +68,9 @@ class LayerEvent:
     #: ReaLB's decision at this layer call (``workbench.sim.realb.ReaLBDecision``: per-rank
     #: ``low``, ``m``, ``ib``, ``vision`` and ``gated``), or None: no controller
     realb: Any = None
+    #: MoE-Prism: [T, k, k_active] int16, the sub-experts each routed slot ran (-1: none —
+    #: the slot routed nowhere); None: prism off (each expert one sub-expert)
+    sub_chosen: np.ndarray | None = None
     stall_s: float = 0.0
 
 
@@ -140,3 +143,5 @@ class StepEvent:
                 le.rerouted_ids = le.rerouted_ids[valid]
             if le.token_weights is not None:
                 le.token_weights = le.token_weights[valid]
+            if le.sub_chosen is not None:
+                le.sub_chosen = le.sub_chosen[valid]

@@ -44,8 +44,8 @@ from workbench.errors import StoreError
 from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
 from workbench.telemetry.schema import (EP_RANK, GROWING, INDEX_DIMS, LEGACY_PRED_ORDER,
-                                        PRED_ORDER, SCHEMA, SCHEMA_VERSION, Var, disk_dim,
-                                        disk_schema)
+                                        PRED_ORDER, SCHEMA, SCHEMA_VERSION, SUBEXPERT, Var,
+                                        disk_dim, disk_schema)
 
 #: variables of the first schema: every workbench store has them
 CORE = ("phase", "step_tokens", "step_start_s", "latency_measured_s", "latency_modeled_s",
@@ -470,6 +470,15 @@ def open_run(path: str | Path) -> xr.Dataset:
             data_vars[name] = xr.Variable(
                 v.dims, np.broadcast_to(fill, shape if len(v.dims) == 3 else shape[:2]),
                 attrs={"units": v.units, "description": v.doc})
+    if version < 8:  # each expert one sub-expert, run by every routed token, before 8
+        coords[SUBEXPERT] = np.arange(1, dtype=np.int32)
+        for name, src, fn in (("subexpert_tokens", "routed_tokens", None),
+                              ("subexpert_ran", "topk_ids", lambda a: a >= 0)):
+            if src in arrays:
+                v = SCHEMA[name]
+                data_vars[name] = xr.Variable(v.dims, indexing.LazilyIndexedArray(
+                    _OneMore(arrays[src], v.dims.index(SUBEXPERT), fn)),
+                    attrs={"units": v.units, "description": v.doc})
     if version < 6 and "token_id" in data_vars:  # one request per run before schema 6
         v = SCHEMA["token_request"]
         data_vars["token_request"] = xr.Variable(
@@ -543,6 +552,30 @@ class _LayerCounts(BackendArray):
         key = (*key, *(slice(None),) * (2 - len(key)))
         # the layer axis is the last one left, or gone when key[1] is an int: both broadcast
         return np.where(self.keep[key[1]], self.base._read(key), 0).astype(self.dtype)
+
+
+class _OneMore(BackendArray):
+    """``base`` (lazy) with one more axis of size 1 at ``axis``, its values through ``fn``
+    (None: as they are): an older store's array presented in a newer schema's dims, read
+    chunk by chunk like the rest (BASIC indexing)."""
+
+    def __init__(self, base: _StoreArray, axis: int, fn=None) -> None:
+        self.base, self.axis, self.fn = base, axis, fn
+        self.shape = (*base.shape[:axis], 1, *base.shape[axis:])
+        self.dtype = np.dtype(bool) if fn is not None else base.dtype
+
+    def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
+        return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.BASIC,
+                                                  self._read)
+
+    def _read(self, key: tuple) -> np.ndarray:
+        key = (*key, *(slice(None),) * (len(self.shape) - len(key)))
+        inner = key[:self.axis] + key[self.axis + 1:]
+        a = self.base._read(inner)
+        a = np.asarray(self.fn(a) if self.fn is not None else a, self.dtype)
+        # where the new axis sits among the dims the inner key kept (ints drop theirs)
+        at = sum(not isinstance(k, (int, np.integer)) for k in key[:self.axis])
+        return np.expand_dims(a, at)[(slice(None),) * at + (key[self.axis],)]
 
 
 def _upgrade(data_vars: dict[str, xr.Variable], arrays: dict[str, _StoreArray],

@@ -28,10 +28,17 @@ from dataclasses import dataclass, replace
 #: 7: ReaLB's per-rank state ``realb_low``/``realb_m``/``realb_ib``/``realb_vision`` [step,
 #: layer, ep_rank] and ``realb_gated`` [step, layer] (before: no controller; ep_rank has size 1,
 #: the floats read NaN, the flags False).
+#: 8: MoE-Prism's ``subexpert_tokens`` [step, layer, expert, subexpert, modality] and
+#: ``subexpert_ran`` [token, layer, k, subexpert] (before: no sub-experts; ``subexpert`` has
+#: size 1, they read ``routed_tokens`` and ``topk_ids ≥ 0``: each expert one sub-expert that
+#: every routed token ran).
 #: :func:`workbench.open_run` presents every older store in the current names and meaning.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: the dim of ReaLB's per-rank state: the run's ``ep_ranks`` when ``balance`` ≠ none, else 1
 EP_RANK = "ep_rank"
+#: the dim of MoE-Prism's sub-experts: the refactoring's N when ``prism`` is on, else 1 (the
+#: whole expert)
+SUBEXPERT = "subexpert"
 #: the dim of the lookahead predictor's top-B, best first (``predicted_ids``/``_scores``)
 PRED_ORDER = "pred_order"
 #: what schema ≤ 3 named :data:`PRED_ORDER` on disk
@@ -118,6 +125,12 @@ SCHEMA: dict[str, Var] = {
                           "MACS's effective load: the semantic weights w(x) of the tokens "
                           "routed to the expert (= routed_tokens when no dispatch weighs "
                           "tokens), split by modality"),
+    "subexpert_tokens": Var(("step", "layer", "expert", SUBEXPERT, "modality"), "int32", 32,
+                            "tokens",
+                            "tokens that ran the sub-expert (MoE-Prism, prism on: each routed "
+                            "token runs prism_k_active of its expert's N sub-experts; off: "
+                            "subexpert has size 1 and this equals routed_tokens), split by "
+                            "modality"),
     "low_precision": Var(("step", "layer", "expert"), "bool", 32, "flag",
                          "the expert ran in low precision at the step's layer call (ReaLB: "
                          "balance ≠ none; the precision is the knob low_precision)"),
@@ -152,6 +165,10 @@ SCHEMA: dict[str, Var] = {
                     "routed experts in the router's rank order"),
     "topk_weights": Var(("token", "layer", "k"), "float32", 1024, "weight",
                         "combine weights of the routed experts"),
+    "subexpert_ran": Var(("token", "layer", "k", SUBEXPERT), "bool", 1024, "flag",
+                         "the routed slot ran the sub-expert of its expert (MoE-Prism: "
+                         "prism_k_active of N per slot; off: subexpert has size 1 and it is "
+                         "topk_ids ≥ 0)"),
     "pred_ids": Var(("token", "layer", "depth", "k"), "int16", 1024, "expert id",
                     "router lookahead: the router of layer (layer + depth) applied to this "
                     "layer's MoE input, in its rank order (-1: none, past the last layer or "
@@ -170,10 +187,11 @@ SCHEMA: dict[str, Var] = {
 #: variables each schema version added (absent from the files of older stores)
 ADDED_IN = {"pinned_accesses": 4, "dispatch_dropped": 5, "token_request": 6,
             "dispatch_rerouted": 6, "effective_load": 6, "low_precision": 6,
-            "realb_low": 7, "realb_m": 7, "realb_ib": 7, "realb_vision": 7, "realb_gated": 7}
+            "realb_low": 7, "realb_m": 7, "realb_ib": 7, "realb_vision": 7, "realb_gated": 7,
+            "subexpert_tokens": 8, "subexpert_ran": 8}
 #: dimensions with a coordinate array of their own (an index; ``depth`` counts from 1;
 #: ``modality`` the names), current names
-INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality", EP_RANK)
+INDEX_DIMS = ("layer", "expert", "k", "depth", PRED_ORDER, "modality", EP_RANK, SUBEXPERT)
 
 
 def disk_dim(dim: str, version: int) -> str:

@@ -30,6 +30,7 @@ from workbench.telemetry.destination import (Destination, check_destination, io_
                                              writable_error)
 from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
 from workbench.telemetry.schema import (EP_RANK, GROWING, INITIAL_CAPACITY, PRED_ORDER, SCHEMA,
+                                        SUBEXPERT,
                                         SCHEMA_VERSION, STORE_ENTRIES)
 
 #: bytes kept free inside a running store, given back just before its last metadata write, so
@@ -60,7 +61,9 @@ class Recorder:
     ``depth``: size of the router-lookahead dim (``lookahead_depth``, 1 when off);
     ``pred_order``: size of the predictor's order dim (its top-B, 1 when it is off);
     ``ep_ranks``: size of ReaLB's ``ep_rank`` dim (the run's ranks when ``balance`` ≠ none, else
-    1; a layer event's ``realb`` decision fills it, NaN where none was made).
+    1; a layer event's ``realb`` decision fills it, NaN where none was made);
+    ``subexperts``: size of MoE-Prism's ``subexpert`` dim (the refactoring's N when ``prism``
+    is on, else 1: then ``subexpert_tokens`` repeats ``routed_tokens``).
 
     Durability: a new store appears at ``path`` with its whole layout at once and is then
     appended to in place (readers may follow the run); with ``overwrite`` the new run is written
@@ -77,7 +80,7 @@ class Recorder:
                  attrs: dict[str, Any], pinned: Sequence[bool], overwrite: bool = False,
                  flush_every: int = 16, flush_interval_s: float = 0.5, depth: int = 1,
                  pred_order: int = 1, capacity: dict[str, int] | None = None,
-                 ep_ranks: int = 1) -> None:
+                 ep_ranks: int = 1, subexperts: int = 1) -> None:
         R = pred_order
         self.dest = Destination(path, overwrite, STORE_ENTRIES)  # checks, locks, stages
         self.path = self.dest.path
@@ -85,6 +88,7 @@ class Recorder:
         self.D = max(int(depth), 1)  # size of the lookahead dim (1 when lookahead is off)
         self.R = max(int(R), 1)  # size of the predictor's pred_order dim (1 when it is off)
         self.P = max(int(ep_ranks), 1)  # size of ReaLB's ep_rank dim (1 when it is off)
+        self.S = max(int(subexperts), 1)  # size of MoE-Prism's subexpert dim (1: off)
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self._buf: list[StepEvent] = []
@@ -116,7 +120,7 @@ class Recorder:
     # -- the writer thread's work ----------------------------------------------------------
     def _lay_out(self, pinned: np.ndarray) -> None:
         files = _layout_files(self.L, self.E, self.k, self.D, self.R, self.capacity,
-                              self.P)
+                              self.P, self.S)
         stage = self.dest.write_dir
         zarr_files.materialize(stage, files, skip={"zarr.json"})
         zarr_files.AppendArray(stage, "pinned", jsonio.loads(files["pinned/zarr.json"])
@@ -136,7 +140,7 @@ class Recorder:
                                 zarr_files.dump_json(self._group_meta))
 
     def _write_batch(self, events: list[StepEvent], publish: bool) -> None:
-        cols = _columns(events, self.L, self.E, self.k, self.D, self.R, self.P)
+        cols = _columns(events, self.L, self.E, self.k, self.D, self.R, self.P, self.S)
         start = dict(self.committed)
         end = dict(start)
         for dim, var in (("step", "phase"), ("token", "token_id"), ("span", "span_clock")):
@@ -294,14 +298,15 @@ class Recorder:
 
 
 def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
-                  capacity: dict[str, int] | None = None, P: int = 1) -> dict[str, bytes]:
+                  capacity: dict[str, int] | None = None, P: int = 1, S: int = 1
+                  ) -> dict[str, bytes]:
     """The files of an empty run store for an (L layers, E experts, top-k, lookahead depth D,
-    predictor top-B R, ReaLB ranks P) layout: every array's metadata at its initial capacity
+    predictor top-B R, ReaLB ranks P, MoE-Prism sub-experts S) layout: every array's metadata at its initial capacity
     plus the constant coordinates."""
 
     def build(group: zarr.Group) -> None:
         sizes = {"layer": L, "expert": E, "modality": len(MODALITIES), "k": k, "depth": D,
-                 PRED_ORDER: R, EP_RANK: P}
+                 PRED_ORDER: R, EP_RANK: P, SUBEXPERT: S}
         specs = {name: dict(shape=(cap[v.dims[0]], *(sizes[d] for d in v.dims[1:])),
                             chunks=(v.chunk, *(sizes[d] for d in v.dims[1:])), dtype=v.dtype,
                             dimension_names=list(v.dims), fill_value=0,
@@ -315,6 +320,7 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
                  "depth": np.arange(1, D + 1, dtype=np.int32),  # layers ahead
                  PRED_ORDER: np.arange(R, dtype=np.int32),
                  EP_RANK: np.arange(P, dtype=np.int32),
+                 SUBEXPERT: np.arange(S, dtype=np.int32),
                  "modality": np.array(MODALITIES)}
         for name, values in index.items():
             specs[name] = dict(shape=values.shape, dtype=values.dtype if name != "modality"
@@ -328,11 +334,11 @@ def _layout_files(L: int, E: int, k: int, D: int = 1, R: int = 1,
 
     cap = {**INITIAL_CAPACITY, **(capacity or {})}
     return zarr_files.layout_template(
-        ("run-store", SCHEMA_VERSION, L, E, k, D, R, P, tuple(sorted(cap.items()))), build)
+        ("run-store", SCHEMA_VERSION, L, E, k, D, R, P, S, tuple(sorted(cap.items()))), build)
 
 
 def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int = 1,
-             P: int = 1) -> dict[str, np.ndarray]:
+             P: int = 1, S: int = 1) -> dict[str, np.ndarray]:
     """Turn a batch of step events into one array per schema variable.
 
     A pinned layer's event adds its distinct routed experts (``topk_ids`` ≥ 0) to
@@ -358,16 +364,18 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     dropped = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     rerouted = np.zeros((n, L, E, len(MODALITIES)), np.int32)
     weighted: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
+    chosen: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # MoE-Prism
     resident = np.zeros((n, L, E), bool)
     low = np.zeros((n, L, E), bool)
     rb = {name: np.full((n, L, P), np.nan, np.float32) for name in ("m", "ib", "vision")}
     rb_low = np.zeros((n, L, P), bool)
     rb_gated = np.zeros((n, L), bool)
     tok_ids, tok_step, tok_mod, topk_ids, topk_w, preds, kept = [], [], [], [], [], [], []
-    tok_req = []
+    tok_req, sub_ran = [], []
     for i, e in enumerate(events):
         T = len(e.token_ids)
         ids = np.full((T, L, k), -1, np.int16)
+        ran = np.zeros((T, L, k, S), bool)  # MoE-Prism: the sub-experts each slot ran
         w = np.zeros((T, L, k), np.float32)
         pred = np.full((T, L, D, k), -1, np.int16)
         for le in e.layers:
@@ -407,6 +415,14 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
                 rb["ib"][i, l, :len(d.ib)] = d.ib
                 rb["vision"][i, l, :len(d.vision)] = d.vision
                 rb_gated[i, l] = d.gated
+            if le.sub_chosen is not None:  # MoE-Prism: the sub-experts each slot ran
+                ch = np.asarray(le.sub_chosen)
+                chosen.append((i, l, np.asarray(le.topk_ids), ch,
+                               np.asarray(e.modality, np.int64)))
+                tok, slot, j = np.nonzero((ch >= 0) & (np.asarray(le.topk_ids)[..., None] >= 0))
+                ran[tok, l, slot, ch[tok, slot, j]] = True
+            elif S == 1:  # no sub-experts: the expert is its one sub-expert
+                ran[:, l, :kk, 0] = np.asarray(le.topk_ids) >= 0
             if le.token_weights is not None:  # MACS: weights of this layer's tokens
                 weighted.append((i, l, np.asarray(le.topk_ids), np.asarray(le.token_weights),
                                  np.asarray(e.modality, np.int64)))
@@ -429,6 +445,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         kept.append(np.ones(T, bool) if e.kept is None else np.asarray(e.kept, bool))
         topk_ids.append(ids)
         topk_w.append(w)
+        sub_ran.append(ran)
         preds.append(pred)
     # routed_tokens[step, layer, expert, modality]: one count per (token, expert), by bincount
     all_ids = np.concatenate(topk_ids).astype(np.int64)  # [tokens, L, k], -1 = not routed
@@ -447,9 +464,18 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
         effective[i, l] = 0
         tok, slot = np.nonzero(lids >= 0)
         np.add.at(effective, (i, l, lids[tok, slot].astype(np.int64), mod[tok]), tw[tok])
+    # subexpert_tokens[step, layer, expert, subexpert, modality]: off, every routed token ran
+    # the one sub-expert; on, each (token, expert) slot counts once per sub-expert it ran
+    sub = np.zeros((n, L, E, S, M), np.int32)
+    if not chosen:
+        sub[:, :, :, 0] = routed
+    for i, l, lids, ch, mod in chosen:
+        tok, slot, j = np.nonzero((ch >= 0) & (lids[:, :, None] >= 0))
+        np.add.at(sub, (i, l, lids[tok, slot].astype(np.int64),
+                        ch[tok, slot, j].astype(np.int64), mod[tok]), 1)
     out.update(effective_load=effective, low_precision=low, realb_low=rb_low,
                realb_m=rb["m"], realb_ib=rb["ib"], realb_vision=rb["vision"],
-               realb_gated=rb_gated)
+               realb_gated=rb_gated, subexpert_tokens=sub)
     out.update(hits=hits, misses=misses, pinned_accesses=pinned_acc, loads=loads,
                evictions=evictions, stall_layer_measured_s=stall_layer, routed_tokens=routed,
                dispatch_dropped=dropped, dispatch_rerouted=rerouted,
@@ -462,6 +488,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     out["kept"] = np.concatenate(kept) if kept else np.zeros(0, bool)
     out["topk_ids"] = all_ids.astype(np.int16)
     out["topk_weights"] = np.concatenate(topk_w)
+    out["subexpert_ran"] = np.concatenate(sub_ran)
     out["pred_ids"] = np.concatenate(preds)
     spans = [s for e in events for s in e.spans]
     out["span_clock"] = np.array([s.clock for s in spans], np.int8)

@@ -20,7 +20,8 @@ import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)
 from workbench.errors import InputError
 from workbench.telemetry.events import CLOCKS, LANES
 
-__all__ = ["expert_heatmap", "hit_rate_figure", "latency_figure", "timeline_figure"]
+__all__ = ["expert_heatmap", "hit_rate_figure", "latency_figure", "subexpert_heatmap",
+           "timeline_figure"]
 
 #: one colour per timeline lane (compute, transfer, stall, host = hybrid mode's host runs)
 LANE_COLORS = {"compute": "#4C78A8", "transfer": "#F58518", "stall": "#E45756",
@@ -42,6 +43,21 @@ def expert_heatmap(counts: xr.DataArray, title: str = "routed tokens per expert"
         colorscale="Viridis", colorbar={"title": {"text": units}},
         hovertemplate="layer %{y} · expert %{x}<br>%{z}<extra></extra>"))
     fig.update_layout(title=title, xaxis_title="expert", yaxis_title="MoE layer",
+                      yaxis_autorange="reversed", margin={"t": 60})
+    return fig
+
+
+def subexpert_heatmap(counts: xr.DataArray, title: str = "tokens per sub-expert") -> go.Figure:
+    """Expert × sub-expert heatmap of one layer's [expert, subexpert] DataArray
+    (``ds.moe.subexpert_counts().sel(layer=l)``): which parts of each expert the tokens ran."""
+    if set(counts.dims) != {"expert", "subexpert"}:
+        raise InputError(f"counts must have dims ('expert', 'subexpert'), not {counts.dims!r}")
+    c = counts.transpose("subexpert", "expert")
+    fig = go.Figure(go.Heatmap(
+        z=np.asarray(c.values, float), x=c["expert"].values, y=c["subexpert"].values,
+        colorscale="Viridis", colorbar={"title": {"text": c.attrs.get("units", "")}},
+        hovertemplate="expert %{x} · sub-expert %{y}<br>%{z}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="expert", yaxis_title="sub-expert",
                       yaxis_autorange="reversed", margin={"t": 60})
     return fig
 
