@@ -239,3 +239,34 @@ def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
     assert off.sizes["subexpert"] == 1 and off.moe.compute_share() == 1.0
     np.testing.assert_array_equal(off.moe.subexpert_counts().isel(subexpert=0).values,
                                   off.moe.expert_counts().values)
+
+
+def test_the_modeled_clock_prices_the_sub_experts_a_run_ran(embedded, tmp_path):
+    """An expert running sub-experts is one op of their FLOPs and of the bytes of the distinct
+    ones read: with all of them it costs what the expert does (the modeled latency equals the
+    unmodified run's exactly), with fewer it costs less — on a GPU profile of a real model."""
+    import workbench
+    from workbench.prism import refactor as R
+    from workbench.sim.costs import CostSpec, Prices
+    from workbench.sim.profiles import get_profile, get_target_model
+
+    R.save(R.random_refactoring(embedded, seed=2), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=6)
+    # every layer resident: the price of compute alone (k_active changes the routing after)
+    kw = dict(record=False, profile="h200", target_model="qwen3-vl-30b-a3b",
+              pinned_layers=embedded.layout.num_layers)
+    el = dict(prism=True, prism_refactoring=str(tmp_path / "p"))
+    lat = {k: rt.run(reqs, **kw, **(el if k else {}),
+                     **({"prism_k_active": k} if k else {})).latency_modeled_s
+           for k in (None, 4, 2, 1)}
+    assert lat[4] == lat[None]
+    assert lat[None] > lat[2] > lat[1] > 0
+    # the op of one expert: one kernel overhead, FLOPs of the runs, bytes of distinct parts
+    prof, tm = get_profile("h200"), get_target_model("qwen3-vl-30b-a3b")
+    p = Prices(prof, CostSpec.from_target(tm))
+    c = p.cost
+    got = p.subexperts(np.array([[3, 0, 1, 0], [2, 2, 2, 2]]))
+    assert got[0] == pytest.approx(prof.compute_time(4 * c.expert_flops_per_token / 4,
+                                                     2 * c.expert_bytes / 4))
+    assert got[1] == pytest.approx(p.expert(2))

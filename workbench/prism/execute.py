@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -66,6 +67,11 @@ def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch
     return gu, d
 
 
+#: elements of the gate-neuron rows the proxy gate gathers at once (tokens are chunked to this:
+#: 64 MiB of float32 whatever the prefill's length)
+_GATHER_ITEMS = 1 << 24
+
+
 class PrismView:
     """An :class:`ExpertsView` over sub-experts (module docstring). ``perm`` [L, E, I] and
     ``gates`` [L, E, N, r] (a :class:`~workbench.prism.refactor.Refactoring`'s), ``layer``
@@ -89,20 +95,62 @@ class PrismView:
         #: (token, expert) sub-expert runs this view was asked for / ran (counters)
         self.asked = 0
         self.ran = 0
-        #: the layer call in progress: long [T, k, k_active] sub-experts each slot ran (-1:
-        #: none yet) — :meth:`begin` / :meth:`take` around the call, for the store
+        #: the layer call in progress (:meth:`choose` … :meth:`take`): long [T, k, k_active]
+        #: the sub-experts each slot runs, and int16 the same where they ran (-1: not yet)
         self._chosen_call: torch.Tensor | None = None
+        self._ran_call: torch.Tensor | None = None
+        self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
 
-    def begin(self, top_k_index: torch.Tensor) -> None:
-        """A layer call starts: its routed slots have run no sub-expert yet."""
+    def capture_gates(self, gate_up: torch.Tensor, device: torch.device) -> None:
+        """Keep the layer's gate-neuron rows resident on ``device`` (from ``gate_up`` [E, 2I,
+        H] in the sub-expert layout, read at install before the layer is offloaded): the
+        proxy gate is router-side — it picks a token's sub-experts before any expert is
+        looked up, so only those need to be resident or fetched. 2·r·N rows per expert."""
+        rows = self.gate_rows.to(gate_up.device)  # [E, N·r]
+        E = rows.shape[0]
+        H = gate_up.shape[2]
+        idx = rows[:, :, None].expand(E, rows.shape[1], H)
+        self._gate_w = torch.gather(gate_up, 1, idx).to(device)  # [E, N·r, H]
+        self._up_w = torch.gather(gate_up, 1, idx + self.c).to(device)
+
+    def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               num_experts: int) -> torch.Tensor:
+        """The layer call starts: long [T, k, k_active], the sub-experts each routed slot
+        will run (the proxy gate's k_active best for the token; all, in order, when k_active
+        = N; a slot routed nowhere — id ``num_experts`` — gets sub-expert 0, never run)."""
         T, k = top_k_index.shape
-        self._chosen_call = torch.full((T, k, min(self.k_active, self.N)), -1,
-                                       dtype=torch.int16, device=top_k_index.device)
+        N, ka, dev = self.N, self.k_active, top_k_index.device
+        self._ran_call = torch.full((T, k, min(ka, N)), -1, dtype=torch.int16, device=dev)
+        if ka >= N:
+            chosen = torch.arange(N, device=dev).expand(T, k, N)
+        else:
+            ids = top_k_index.long().clamp(max=num_experts - 1)  # [T, k]
+            G, H = self._gate_w.shape[1:]
+            step = max(1, _GATHER_ITEMS // (k * G * H))  # tokens whose rows are gathered at once
+            chosen = torch.empty((T, k, ka), dtype=torch.long, device=dev)
+            with torch.no_grad():
+                for a in range(0, T, step):
+                    x, e = hidden_states[a:a + step], ids[a:a + step]
+                    g = torch.einsum("th,tkgh->tkg", x, self._gate_w[e])
+                    u = torch.einsum("th,tkgh->tkg", x, self._up_w[e])
+                    score = (self.act_fn(g) * u).abs().reshape(len(x), k, N, -1).mean(-1)
+                    chosen[a:a + step] = score.topk(ka, dim=-1).indices
+        self._chosen_call = chosen
+        return chosen
+
+    def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
+        """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
+        :meth:`choose`), for the modeled clock's prices."""
+        chosen = self._chosen_call
+        routed = (top_k_index < num_experts)[..., None].expand_as(chosen)
+        keys = (top_k_index.long()[..., None] * self.N + chosen)[routed]
+        return torch.bincount(keys, minlength=num_experts * self.N).reshape(
+            num_experts, self.N).cpu().numpy()
 
     def take(self):
         """int16 [T, k, k_active] (numpy): the sub-experts each slot of the layer call ran
         (-1: the slot ran none: routed nowhere); ends the call."""
-        c, self._chosen_call = self._chosen_call, None
+        c, self._ran_call, self._chosen_call = self._ran_call, None, None
         return None if c is None else c.cpu().numpy()
 
     def _sub_weights(self, weights: dict[str, torch.Tensor], n: int
@@ -111,28 +159,6 @@ class PrismView:
         N, c, H = self.N, self.c, down.shape[1]
         return {"gate_up_proj": gu.reshape(n * N, 2 * c, gu.shape[2]),
                 "down_proj": down.reshape(n * N, H, c)}
-
-    def _chosen(self, weights: dict[str, torch.Tensor], experts: list[int],
-                hidden_states: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """long [T, k, k_active]: the sub-experts each routed slot runs (all, in order, when
-        k_active = N); only (token, expert) pairs routed here are scored."""
-        T, k = local.shape
-        N, ka, dev = self.N, self.k_active, local.device
-        if ka >= N:
-            return torch.arange(N, device=dev).expand(T, k, N)
-        gu = weights["gate_up_proj"]
-        score = torch.zeros((T, k, N), dtype=hidden_states.dtype, device=hidden_states.device)
-        tok, slot = torch.nonzero(local < len(experts), as_tuple=True)
-        if len(tok):
-            pos = local[tok, slot]  # each routed pair's expert position
-            rows = self.gate_rows[torch.as_tensor(experts)].to(gu.device)  # [n, N·r]
-            x = hidden_states[tok]  # [P, H]
-            g_w = gu[pos[:, None], rows[pos]]  # [P, N·r, H]: the pair's gate-neuron rows
-            u_w = gu[pos[:, None], rows[pos] + self.c]
-            g = torch.einsum("ph,pgh->pg", x, g_w)
-            u = torch.einsum("ph,pgh->pg", x, u_w)
-            score[tok, slot] = (self.act_fn(g) * u).abs().reshape(len(tok), N, -1).mean(-1)
-        return score.topk(ka, dim=-1).indices
 
     def __call__(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                  hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -145,14 +171,15 @@ class PrismView:
         lut[torch.as_tensor(experts, dtype=torch.long, device=dev)] = torch.arange(
             n, dtype=torch.long, device=dev)
         local = lut[top_k_index.long()]  # [T, k]: position in ``experts`` or n (not here)
-        with torch.no_grad():
-            chosen = self._chosen(weights, experts, hidden_states, local)  # [T, k, ka]
+        if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
+            self.choose(hidden_states, top_k_index, num_experts)  # a call on its own
+        chosen = self._chosen_call  # [T, k, ka]
         ka = chosen.shape[-1]
         here = (local < n)[..., None].expand(-1, -1, ka)  # [T, k, ka]
         self.asked += int((local < n).sum()) * N
         self.ran += int(here.sum())
-        if self._chosen_call is not None:  # every call of the layer fills its own slots
-            self._chosen_call = torch.where(here, chosen.to(torch.int16), self._chosen_call)
+        # every call of the layer (hits, each miss, the host) records its own slots
+        self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
         # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
         sub_ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
             ~here, num_experts * N)  # the sentinel: a slot routed to no expert of this call

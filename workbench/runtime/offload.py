@@ -254,6 +254,7 @@ class Offloader:
             view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn)
             self.prism_views.append(view)
             self._to_subexperts(b)
+            view.capture_gates(ex.gate_up_proj.data, self.device)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
@@ -334,10 +335,16 @@ class Offloader:
                      else set())
         ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
+        if self.prism is not None:  # router-side: the sub-experts each slot runs, priced
+            view.choose(hidden_states, top_k_index, b.num_experts)
+            per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)
+            compute_s = p.subexperts(per_sub[experts]).tolist()
+        else:
+            compute_s = [(low_price if e in self._low else p.expert)(n)
+                         for e, n in zip(experts, tokens)]
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=experts,
-            compute_s=[(low_price if e in self._low else p.expert)(n)
-                       for e, n in zip(experts, tokens)],
+            compute_s=compute_s,
             dense_s=p.dense(int(real_ids.shape[0])),
             prefetch=self._prefetch_candidates(b, pred_real),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
@@ -347,7 +354,6 @@ class Offloader:
         if self.prism is None:
             return self._execute(b, original, view, ev, out, routed, hidden_states,
                                  top_k_index, top_k_weights, args, kwargs)
-        view.begin(top_k_index)  # MoE-Prism: which sub-experts each slot ran, for the store
         result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
                                top_k_weights, args, kwargs)
         ev.sub_chosen = view.take()

@@ -141,6 +141,21 @@ class Prices:
             memo[precision] = functools.lru_cache(maxsize=4096)(price)
         return memo[precision]
 
+    def subexperts(self, tokens: np.ndarray) -> np.ndarray:
+        """MoE-Prism: modeled seconds of each expert's op when it runs sub-experts —
+        ``tokens`` int [experts, N], the tokens that run each of its N sub-experts. One op an
+        expert (its sub-experts run as one grouped kernel: one overhead): the FLOPs of the
+        (token, sub-expert) runs, each 1/N of the expert's, and the bytes of the distinct
+        sub-experts read, each 1/N of the expert's. Every sub-expert run = :meth:`expert`."""
+        t = np.asarray(tokens, np.int64)
+        if self.cost is None:
+            return np.zeros(t.shape[0])
+        N = t.shape[1]
+        c, prof = self.cost, self.profile
+        return np.array([prof.compute_time(float(row.sum()) * c.expert_flops_per_token / N,
+                                           int((row > 0).sum()) * c.expert_bytes / N)
+                         for row in t])
+
     def _host(self, tokens: int) -> float:
         return host_expert_time(self.profile, self.cost, tokens) if self.cost is not None else 0.0
 
