@@ -33,13 +33,24 @@ class PrismKnobs(KnobGroup):
             "<workspace>/prism/<model config hash>, else one shipped in "
             "<model dir>/workbench/prism.")
 
+    prism_offload = param.Boolean(
+        default=False,
+        doc="Cache and fetch sub-experts, not whole experts (MoE-Prism §4): the same memory in "
+            "slots of 1/N of an expert (cache_slots · N of them), and only the sub-experts a "
+            "token runs are copied. Trace replay of a run recorded with prism=True (live: not "
+            "built yet).")
+
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
-        """Live only, and not yet with ReaLB's low precision (both split the experts' runs)."""
+        """Not yet with ReaLB's low precision (both split the experts' runs); sub-expert
+        offloading in replay only. In replay ``prism``/``prism_k_active`` describe the
+        recording: the trace carries which sub-experts ran (they cannot be chosen again
+        without the hidden states)."""
+        if self.prism_offload and live:
+            raise KnobError("prism_offload=True (sub-expert offloading) runs in trace replay "
+                            "for now: record the run with prism=True, then replay its store "
+                            "with prism_offload=True")
         if not self.prism:
             return
-        if not live:
-            raise KnobError("prism=True runs sub-experts live; trace replay of sub-experts is "
-                            "not built yet: replay with prism=False")
         if getattr(knobs, "balance", "none") != "none":
             raise KnobError(f"prism=True with balance={knobs.balance!r} is not built yet: run "
                             f"one or the other")

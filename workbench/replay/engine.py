@@ -39,7 +39,7 @@ from workbench.sim.costs import CostSpec, Prices
 from workbench.sim.placement import SCOPES, Placement
 from workbench.sim.profiles import get_profile, get_target_model
 from workbench.sim.step import Access, Simulator
-from workbench.traces.trace import Groups, Trace
+from workbench.traces.trace import COMPACT_KEYS, Groups, Trace
 
 
 @dataclass
@@ -227,6 +227,8 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     if groups is None:  # (a caller with groups built them from a compacted trace)
         trace = trace.compact_experts()
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
+    if getattr(st.knobs, "prism_offload", False):  # the cache holds sub-experts
+        trace, groups = _subexpert_keys(trace, st, scope), None
     _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction,
                          0 if st.knobs.prefetch == "none" else st.knobs.prefetch_lead)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
@@ -236,7 +238,7 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     if groups is None:
         groups = trace.groups()
     prices = st.prices
-    dense, comp = _work(prices, groups)
+    dense, comp = _work(prices, groups, trace)
     k = st.knobs
     pf_ptr, pf_key = plan_prefetch(PREFETCH.create(k.prefetch, **st.values), trace, groups,
                                    st.placement.pinned, k.prefetch_lead, k.prefetch_budget)
@@ -249,7 +251,7 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
     out = _run_python(groups, dense, comp, st.placement,
                       lambda: _make_policy(k.eviction, policy_knobs, groups, trace),
-                      pf_ptr, pf_key, prices.transfer, trace.num_steps,
+                      pf_ptr, pf_key, st.transfer_s, trace.num_steps,
                       stats=policy_stats, host=host)
     hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
     acc = _Outputs(trace.num_steps, trace.num_layers, keep_stall=st.prices.available)
@@ -258,13 +260,38 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     return acc.result(trace, st, int(unused), time.perf_counter() - t0, policy_stats)
 
 
-def _work(prices: Prices, groups: Groups) -> tuple[np.ndarray, np.ndarray]:
+def _work(prices: Prices, groups: Groups, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Modeled seconds of dense work per group (over the tokens that reach its layer: pruned
-    tokens skip the layers behind the pinned prefix) and of expert work per access."""
+    tokens skip the layers behind the pinned prefix) and of expert work per access.
+
+    MoE-Prism (a trace with sub-experts): each expert's op is :meth:`Prices.subexpert_op` of
+    the sub-experts it ran, as the live clock prices it; on a trace whose keys are the
+    sub-experts (:meth:`Trace.as_subexperts`) each sub-expert's access carries its share of
+    its expert's op (by its runs), so both granularities price the same compute."""
     layer_tokens = (groups.layer_tokens if groups.layer_tokens is not None
                     else groups.step_tokens[groups.step])
-    return (Prices.many(prices.dense, layer_tokens),
-            Prices.many(prices.expert, groups.expert_tokens))
+    dense = Prices.many(prices.dense, layer_tokens)
+    split = trace.attrs.get("subexpert_of")
+    N = int(split) if split else trace.subexperts
+    if N == 1:
+        return dense, Prices.many(prices.expert, groups.expert_tokens)
+    sub = groups if split else trace.as_subexperts().groups()
+    # one op per (group, expert): its sub-experts' accesses are adjacent (ids e·N + s ascend)
+    g = np.repeat(np.arange(sub.num_groups), np.diff(sub.ptr))
+    e = sub.expert.astype(np.int64) // N
+    start = np.ones(len(e), bool)
+    start[1:] = (g[1:] != g[:-1]) | (e[1:] != e[:-1])
+    op = np.cumsum(start) - 1
+    runs = np.bincount(op, weights=sub.expert_tokens).astype(np.int64)
+    parts = np.bincount(op).astype(np.int64)
+    op_s = Prices.many(lambda code: prices.subexpert_op(code // (N + 1), code % (N + 1), N),
+                       runs * (N + 1) + parts)
+    if split:
+        return dense, op_s[op] * sub.expert_tokens / runs[op]
+    if len(op_s) != groups.num_accesses:  # a routed slot that ran no sub-expert
+        raise InputError(f"{_where(trace)}: an expert access ran no sub-expert; replay it "
+                         f"with prism_offload=True (only the sub-experts run are accessed)")
+    return dense, op_s
 
 
 #: accesses per chunk of a streamed (fast engine) replay: its working set is ≈ 150 bytes per
@@ -305,13 +332,13 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
         pf_ptr, pf_key = plan_prefetch(policy, sub, groups, placement.pinned, k.prefetch_lead,
                                        k.prefetch_budget, step_offset=lo, first_group=skip)
         a0, p0 = int(groups.ptr[skip]), int(pf_ptr[skip])
-        dense, comp = _work(prices, groups)
+        dense, comp = _work(prices, groups, sub)
         g_step = groups.step[skip:].astype(np.int64) + lo
         g_layer = groups.layer[skip:].astype(np.int64)
         go, gf, sl = state.run(
             g_layer, g_step, groups.ptr[skip:] - a0, groups.keys()[a0:], dense[skip:],
             comp[a0:], placement.pinned, placement.pool_of_layer, occ_ptr, occ_grp,
-            pf_ptr[skip:] - p0, pf_key[p0:], float(prices.transfer), g0, s0, s1 - s0)
+            pf_ptr[skip:] - p0, pf_key[p0:], float(st.transfer_s), g0, s0, s1 - s0)
         out.add(g_step, g_layer, (go[K.G_HITS], go[K.G_MISSES], go[K.G_PF_LOADS],
                                   go[K.G_PF_HITS], None), gf[0], gf[1], sl, s0, s1)
         g0 += len(g_layer)
@@ -424,8 +451,8 @@ class _Outputs:
             evictions=c["evictions"], redundant=c["redundant"], host_runs=c["host_runs"],
             stall_s=stall, step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
             num_tokens=trace.num_tokens,
-            expert_bytes=st.prices.cost.expert_bytes if priced else float("nan"),
-            transfer_time_s=st.prices.transfer if priced else float("nan"),
+            expert_bytes=st.prices.cost.expert_bytes / st.part if priced else float("nan"),
+            transfer_time_s=st.transfer_s if priced else float("nan"),
             elapsed_s=elapsed, extra=policy_stats)
 
 
@@ -442,6 +469,12 @@ class _Settings:
     placement: Placement
     engine: str  # "fast" or "python"
     config: dict[str, Any]
+    part: int = 1  # MoE-Prism sub-expert offloading: the cache's keys are 1/part of an expert
+
+    @property
+    def transfer_s(self) -> float:
+        """Modeled seconds to copy one cache key (an expert, or a sub-expert)."""
+        return float(self.prices.part(self.part).transfer)
 
 
 def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: str,
@@ -491,6 +524,31 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
                   cost_source=cost.source if cost is not None else "none",
                   engine=engine, hybrid=hybrid, **EVICTION.kwargs_for(eviction, values))
     return _Settings(knobs, values, prices, placement, engine, config)
+
+
+def _subexpert_keys(trace: Trace, st: _Settings, scope: str) -> Trace:
+    """MoE-Prism sub-expert offloading (``prism_offload``): ``trace`` with the sub-experts its
+    run ran as the cache's keys (:meth:`Trace.as_subexperts`), and ``st`` set for it (in
+    place) — the same memory in slots of 1/N of an expert (``cache_slots`` · N of them), each
+    copy 1/N of an expert's transfer."""
+    N = trace.subexperts
+    if N == 1:
+        raise KnobError("prism_offload=True caches sub-experts, and this trace has none: "
+                        "replay a run recorded with prism=True")
+    if st.knobs.hybrid:
+        raise KnobError("prism_offload=True with hybrid=True is not built: run one or the "
+                        "other")
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    if L * E * N > COMPACT_KEYS:
+        raise KnobError(f"prism_offload=True keys every sub-expert: {L} layers × {E} experts "
+                        f"× {N} is over {COMPACT_KEYS}")
+    sub = trace.as_subexperts()
+    slots = int(st.config["cache_slots"])  # expert-sized
+    st.placement = Placement.single_device(L, E * N, K * N, st.knobs.pinned_layers,
+                                           slots * N, scope)
+    st.part = N
+    st.config.update(prism_offload=True, subexperts=N, subexpert_slots=slots * N)
+    return sub
 
 
 def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):

@@ -10,7 +10,7 @@ The hybrid rule (:func:`runs_on_host`) lives here because it is a comparison of 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -36,6 +36,13 @@ class CostSpec:
     # hidden-state bytes of one token (hidden size × dtype bytes): what hybrid mode moves over
     # the link to run an expert on the host and back; 0 in stores written before it existed
     activation_bytes_per_token: float = 0.0
+
+    def part(self, n: int) -> "CostSpec":
+        """One ``n``-th of every expert (MoE-Prism: an expert split into ``n`` equal neuron
+        groups has ``1/n`` of its bytes and FLOPs a sub-expert); the dense part as is."""
+        return self if n == 1 else replace(
+            self, expert_bytes=self.expert_bytes / n,
+            expert_flops_per_token=self.expert_flops_per_token / n)
 
     @classmethod
     def from_target(cls, target: TargetModel) -> "CostSpec":
@@ -93,7 +100,8 @@ class Prices:
     Every price is a method of one argument, memoised per instance:
     ``dense(T)``: attention, router and shared experts of one MoE layer over T tokens;
     ``expert(n)``: one routed expert over n tokens on the device; ``transfer``: one expert over
-    the link; ``host(n)`` / ``on_host(n)``: hybrid mode's host run and its rule. ``cost`` None
+    the link; ``host(n)`` / ``on_host(n)``: hybrid mode's host run and its rule;
+    ``subexpert_op(runs, parts, N)``: an expert running sub-experts (MoE-Prism). ``cost`` None
     (a trace without model sizes) prices nothing: :attr:`available` is False and every price is
     0, so hit counts stay exact while times are reported as unavailable.
     """
@@ -108,6 +116,7 @@ class Prices:
         self.expert = functools.lru_cache(maxsize=4096)(self._expert)
         self.host = functools.lru_cache(maxsize=4096)(self._host)
         self.on_host = functools.lru_cache(maxsize=4096)(self._on_host)
+        self.subexpert_op = functools.lru_cache(maxsize=4096)(self._subexpert_op)
 
     def _dense(self, tokens: int) -> float:
         c = self.cost
@@ -141,20 +150,34 @@ class Prices:
             memo[precision] = functools.lru_cache(maxsize=4096)(price)
         return memo[precision]
 
+    def _subexpert_op(self, tokens: int, parts: int, n: int) -> float:
+        """MoE-Prism: modeled seconds of one expert's op when it runs ``parts`` of its ``n``
+        sub-experts over ``tokens`` (token, sub-expert) runs in all — one op (its sub-experts
+        run as one grouped kernel: one overhead) of the runs' FLOPs, each ``1/n`` of the
+        expert's per token, and of the distinct sub-experts' bytes, each ``1/n`` of the
+        expert's. Every sub-expert run (``parts = n``, ``tokens = n·t``) = :meth:`expert` (t)."""
+        c = self.cost
+        if c is None:
+            return 0.0
+        return self.profile.compute_time(tokens * c.expert_flops_per_token / n,
+                                         parts * c.expert_bytes / n)
+
     def subexperts(self, tokens: np.ndarray) -> np.ndarray:
-        """MoE-Prism: modeled seconds of each expert's op when it runs sub-experts —
-        ``tokens`` int [experts, N], the tokens that run each of its N sub-experts. One op an
-        expert (its sub-experts run as one grouped kernel: one overhead): the FLOPs of the
-        (token, sub-expert) runs, each 1/N of the expert's, and the bytes of the distinct
-        sub-experts read, each 1/N of the expert's. Every sub-expert run = :meth:`expert`."""
+        """:meth:`subexpert_op` of each row of ``tokens`` int [experts, N] (the tokens that
+        run each of an expert's N sub-experts)."""
         t = np.asarray(tokens, np.int64)
-        if self.cost is None:
-            return np.zeros(t.shape[0])
-        N = t.shape[1]
-        c, prof = self.cost, self.profile
-        return np.array([prof.compute_time(float(row.sum()) * c.expert_flops_per_token / N,
-                                           int((row > 0).sum()) * c.expert_bytes / N)
-                         for row in t])
+        return np.array([self.subexpert_op(int(r.sum()), int((r > 0).sum()), t.shape[1])
+                         for r in t], float)
+
+    def part(self, n: int) -> "Prices":
+        """The prices of one ``n``-th of each expert (:meth:`CostSpec.part`: a sub-expert's
+        transfer), same profile; memoised."""
+        if n == 1:
+            return self
+        memo = self.__dict__.setdefault("_part", {})
+        if n not in memo:
+            memo[n] = Prices(self.profile, None if self.cost is None else self.cost.part(n))
+        return memo[n]
 
     def _host(self, tokens: int) -> float:
         return host_expert_time(self.profile, self.cost, tokens) if self.cost is not None else 0.0

@@ -230,6 +230,7 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
     ``open_run`` may name that dim ``rank``). attrs:
     source, path, model_id, the run's ``knob.*`` attrs (JSON text) and its
     ``cost_spec``/``hardware_profile`` (so replay prices it as the live modeled clock did).
+    A run with sub-experts (MoE-Prism) gives ``subexpert_ran``.
     The arrays the store declares must fit the memory budget (``max_bytes``, else
     ``WORKBENCH_TRACE_MAX_BYTES``, else 2 GiB) before they are read."""
     import xarray as xr
@@ -252,6 +253,8 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
             "kept": ("token",), "pred_ids": ("token", "layer", "depth", "k"),
             "predicted_ids": ("step", "layer", order),
             "predicted_scores": ("step", "layer", order)}
+    if ds.sizes.get("subexpert", 1) > 1:  # MoE-Prism: the sub-experts each slot ran
+        used["subexpert_ran"] = ("token", "layer", "k", "subexpert")
     declared = sum(int(ds[n].size) * ds[n].dtype.itemsize for n in used if n in ds.variables)
     limits.check(declared, limits.budget(max_bytes), where,
                  f"its routing arrays ({', '.join(f'{k} {v}' for k, v in ds.sizes.items())})")
@@ -293,6 +296,8 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
             attrs[k] = v
     arrays = {n: var(n, used[n]) for n in ("topk_weights", "token_modality", "phase",
                                              "step_request", "pinned", "kept")}
+    if "subexpert_ran" in used:
+        arrays["subexpert_ran"] = var("subexpert_ran", used["subexpert_ran"])
     try:
         return Trace(topk_ids=ids, token_step=token_step, num_experts=num_experts,
                      pred_ids=pred, attrs=attrs, predicted_ids=p_ids, predicted_scores=p_scores,

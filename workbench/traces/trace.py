@@ -24,6 +24,11 @@ Every source (a run store, the importers in :mod:`workbench.traces.formats`) pro
                                              prefetch = vismmoe; -1 where it did not run);
 - ``predicted_scores`` float32 [step, layer, rank] or None: their σ(y_layer) scores (required
                                              with ``predicted_ids``).
+- ``subexpert_ran`` bool [token, layer, k, N] or None: MoE-Prism — the sub-experts of its expert
+                                             each routed slot ran (only where ``topk_ids`` ≥ 0;
+                                             None: whole experts, N = 1). Replay prices each
+                                             expert's op by them, and :meth:`as_subexperts`
+                                             makes the trace whose keys are the sub-experts.
 
 Accesses are served in this order: step by step, layer 0 … L-1 within a step, and within a
 (step, layer) *group* the distinct routed experts in ascending id order — the order the live
@@ -137,6 +142,7 @@ class Trace:
     kept: np.ndarray | None = None
     predicted_ids: np.ndarray | None = None
     predicted_scores: np.ndarray | None = None
+    subexpert_ran: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -229,6 +235,48 @@ class Trace:
             self.predicted_ids = _ints(p_ids, np.int16, "predicted expert id", -1, E - 1,
                                        ("step", "layer", "rank"))
 
+        if self.subexpert_ran is not None:
+            ran = np.asarray(self.subexpert_ran)
+            if ran.dtype != bool or ran.ndim != 4 or ran.shape[:3] != (T, L, K):
+                raise InputError(f"trace subexpert_ran must be bool [token, layer, k, N] with "
+                                 f"shape ({T}, {L}, {K}, N), got {ran.dtype} {ran.shape}")
+            N = ran.shape[3]
+            if not 1 <= N or E * N > _I16:
+                raise InputError(f"trace subexpert_ran has {N} sub-experts an expert; "
+                                 f"1 … {_I16 // E} allowed with {E} experts")
+            for a, b in _token_chunks(T, L * K * N):
+                if (ran[a:b] & (self.topk_ids[a:b, :, :, None] < 0)).any():
+                    raise InputError("trace subexpert_ran marks a sub-expert of a slot routed "
+                                     "to no expert (topk_ids -1)")
+            self.subexpert_ran = ran if N > 1 else None
+
+    @property
+    def subexperts(self) -> int:
+        """N, the sub-experts an expert has (MoE-Prism; 1: whole experts)."""
+        return 1 if self.subexpert_ran is None else int(self.subexpert_ran.shape[3])
+
+    def as_subexperts(self) -> "Trace":
+        """The trace whose experts are this one's sub-experts: expert e's sub-expert s is id
+        ``e·N + s`` of ``E·N``, a token's slot (layer, k) becoming the N slots (layer, k·N + s),
+        -1 where it ran none. ``attrs["subexpert_of"]`` = N (replay prices such a trace's keys
+        as parts of their experts). Lookahead and predictor outputs (of experts) are dropped."""
+        N = self.subexperts
+        if N == 1:
+            raise InputError("this trace has no sub-experts (recorded without prism)")
+        T, L, K = self.topk_ids.shape
+        sub = np.full((T, L, K * N), -1, np.int16)
+        for a, b in _token_chunks(T, L * K * N):  # bounded temporaries
+            ids = self.topk_ids[a:b].astype(np.int16)[..., None] * np.int16(N) + np.arange(
+                N, dtype=np.int16)
+            sub[a:b] = np.where(self.subexpert_ran[a:b], ids, -1).reshape(b - a, L, K * N)
+        out = object.__new__(Trace)
+        out.__dict__.update(self.__dict__)
+        out.topk_ids, out.num_experts = sub, self.num_experts * N
+        out.topk_weights = _const(np.nan, sub.shape, np.float32)
+        out.pred_ids = out.predicted_ids = out.predicted_scores = out.subexpert_ran = None
+        out.attrs = {**self.attrs, "subexpert_of": N}
+        return out
+
     def predicted(self, step: int, layer: int) -> list[tuple[int, float]]:
         """The predictor's ranked ``(expert, score)`` pairs of y_layer in ``step`` (empty where
         it did not run, or the trace has no predictions)."""
@@ -320,7 +368,8 @@ class Trace:
         a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
         out = object.__new__(Trace)
         out.__dict__.update(self.__dict__)
-        for name in ("topk_ids", "topk_weights", "token_modality", "pred_ids", "kept"):
+        for name in ("topk_ids", "topk_weights", "token_modality", "pred_ids", "kept",
+                     "subexpert_ran"):
             arr = getattr(self, name)
             setattr(out, name, None if arr is None else arr[a:b])
         out.token_step = (ts[a:b] - np.int32(s0)).astype(np.int32, copy=False)

@@ -1,0 +1,110 @@
+"""MoE-Prism in trace replay (issue 16 §2, §4): a run's sub-experts are stored, replay prices
+them as the live modeled clock did, and ``prism_offload`` replays the run with a cache of
+sub-experts (slots of 1/N of an expert, only the sub-experts run are fetched)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workbench.errors import InputError, KnobError
+
+KW = dict(profile="h200", target_model="qwen3-vl-30b-a3b", cache_slots=96, pinned_layers=1)
+
+
+@pytest.fixture(scope="module")
+def prism_store(embedded, tmp_path_factory):
+    """A stored run of the embedded model, a batch of 2, k_active 2 of 4 (random partitions):
+    ``(store path, RunResult)``."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    root = tmp_path_factory.mktemp("prism-replay")
+    R.save(R.random_refactoring(embedded, seed=5), root / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=6, ignore_eos=True)
+    res = rt.run(workbench.mixed_batch(2, text_share=0.5, seed=7), prism=True,
+                 prism_refactoring=str(root / "p"), prism_k_active=2, store=root / "run.zarr",
+                 **KW)
+    return root / "run.zarr", res
+
+
+def test_replay_of_a_prism_run_equals_the_live_run(prism_store, assert_replays_live):
+    import workbench
+
+    ds = workbench.open_run(prism_store[0])
+    assert workbench.load_trace(prism_store[0]).subexperts == 4
+    for engine in ("fast", "python"):
+        assert_replays_live(workbench.replay_trace(ds, engine=engine), ds)
+
+
+def test_sub_expert_offloading_in_replay(prism_store, monkeypatch):
+    """The cache's keys are the sub-experts run: N × the slots of 1/N the bytes; both engines
+    and any chunking agree; with every layer resident both granularities price the same
+    compute, so the same latency."""
+    import workbench
+    from workbench.replay import engine as RE
+
+    ds = workbench.open_run(prism_store[0])
+    whole = workbench.replay_trace(ds)
+    sub = workbench.replay_trace(ds, prism_offload=True)
+    assert sub.config["subexpert_slots"] == 4 * 96 and sub.config["subexperts"] == 4
+    assert sub.expert_bytes == pytest.approx(whole.expert_bytes / 4)
+    assert sub.transfer_time_s < whole.transfer_time_s
+    # only the sub-experts run are accessed: 2 of 4 per routed (token, expert) — fewer bytes
+    assert sub.loads * sub.expert_bytes < whole.loads * whole.expert_bytes
+    py = workbench.replay_trace(ds, prism_offload=True, engine="python")
+    np.testing.assert_array_equal(py.hits, sub.hits)
+    np.testing.assert_allclose(py.step_latency_s, sub.step_latency_s, rtol=1e-12)
+    monkeypatch.setattr(RE, "CHUNK_ACCESSES", 64)  # many chunks, one kernel state
+    small = workbench.replay_trace(ds, prism_offload=True)
+    np.testing.assert_array_equal(small.hits, sub.hits)
+    np.testing.assert_allclose(small.step_latency_s, sub.step_latency_s, rtol=1e-12)
+    monkeypatch.undo()
+    L = ds.sizes["layer"]
+    a = workbench.replay_trace(ds, pinned_layers=L)
+    b = workbench.replay_trace(ds, pinned_layers=L, prism_offload=True)
+    np.testing.assert_allclose(a.step_latency_s, b.step_latency_s, rtol=1e-9)
+
+
+def test_sub_expert_offloading_is_refused_where_it_cannot_run(prism_store, embedded):
+    import workbench
+
+    ds = workbench.open_run(prism_store[0])
+    with pytest.raises(KnobError, match="hybrid"):
+        workbench.replay_trace(ds, prism_offload=True, hybrid=True)
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    with pytest.raises(KnobError, match="trace replay for now"):
+        rt.run("x", record=False, prism_offload=True)
+    plain = workbench.load_trace(prism_store[0])
+    plain = type(plain)(topk_ids=plain.topk_ids, token_step=plain.token_step,
+                        num_experts=plain.num_experts)
+    with pytest.raises(KnobError, match="has none"):
+        workbench.replay_trace(plain, prism_offload=True)
+
+
+def test_a_trace_checks_its_sub_experts(prism_store):
+    import workbench
+    from workbench.traces.trace import Trace
+
+    t = workbench.load_trace(prism_store[0])
+    ran = t.subexpert_ran.copy()
+    with pytest.raises(InputError, match=r"bool \[token, layer, k, N\]"):
+        Trace(topk_ids=t.topk_ids, token_step=t.token_step, num_experts=t.num_experts,
+              subexpert_ran=ran[:, :, :1])
+    ids = t.topk_ids.copy()
+    ids[0, 1, 0] = -1  # a slot routed nowhere cannot have run a sub-expert
+    ran[0, 1, 0, 0] = True
+    with pytest.raises(InputError, match="routed to no expert"):
+        Trace(topk_ids=ids, token_step=t.token_step, num_experts=t.num_experts,
+              subexpert_ran=ran)
+    with pytest.raises(InputError, match="allowed with"):
+        Trace(topk_ids=t.topk_ids, token_step=t.token_step, num_experts=t.num_experts,
+              subexpert_ran=np.zeros((*t.topk_ids.shape, 1024), bool))
+    sub = t.as_subexperts()
+    assert sub.num_experts == 4 * t.num_experts and sub.top_k == 4 * t.top_k
+    # each routed slot's sub-experts: ids e·N + s of its expert, as many as it ran
+    got = sub.topk_ids.reshape(*t.topk_ids.shape, 4)
+    routed = t.topk_ids >= 0
+    assert ((got >= 0).sum(-1)[routed] == 2).all() and (got[~routed] == -1).all()
+    assert ((got // 4)[got >= 0] == np.broadcast_to(t.topk_ids[..., None], got.shape)[
+        got >= 0]).all()
