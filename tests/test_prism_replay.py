@@ -73,8 +73,10 @@ def test_sub_expert_offloading_is_refused_where_it_cannot_run(prism_store, embed
     with pytest.raises(KnobError, match="hybrid"):
         workbench.replay_trace(ds, prism_offload=True, hybrid=True)
     rt = workbench.Runtime(embedded, max_new_tokens=2)
-    with pytest.raises(KnobError, match="trace replay for now"):
+    with pytest.raises(KnobError, match="set prism=True too"):
         rt.run("x", record=False, prism_offload=True)
+    with pytest.raises(KnobError, match="prefetch='previous-step' is not built yet"):
+        rt.run("x", record=False, prism=True, prism_offload=True, prefetch="previous-step")
     plain = workbench.load_trace(prism_store[0])
     plain = type(plain)(topk_ids=plain.topk_ids, token_step=plain.token_step,
                         num_experts=plain.num_experts)
@@ -108,3 +110,40 @@ def test_a_trace_checks_its_sub_experts(prism_store):
     assert ((got >= 0).sum(-1)[routed] == 2).all() and (got[~routed] == -1).all()
     assert ((got // 4)[got >= 0] == np.broadcast_to(t.topk_ids[..., None], got.shape)[
         got >= 0]).all()
+
+
+def test_live_sub_expert_offloading(embedded, tmp_path, assert_replays_live):
+    """prism_offload live: the cache holds sub-experts (N × the slots), only the sub-experts
+    run are copied — every one of them (k_active = N) moves the bytes whole experts do and
+    gives the same tokens; half of them moves fewer bytes. Its store replays exactly (both
+    engines), and the model's own weights are back after."""
+    import torch
+
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=9), tmp_path / "p")
+    before = {n: p.detach().clone() for n, p in embedded.model.named_parameters()}
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=8)
+    kw = dict(KW, prism=True, prism_refactoring=str(tmp_path / "p"))
+    runs = {}
+    for k in (4, 2):
+        for sub in (False, True):
+            runs[k, sub] = rt.run(reqs, prism_k_active=k, prism_offload=sub,
+                                  store=tmp_path / f"{k}{sub}.zarr", **kw)
+    tokens = {key: [r["token_ids"] for r in res.batch] for key, res in runs.items()}
+    assert tokens[4, True] == tokens[4, False] and tokens[2, True] == tokens[2, False]
+    assert runs[4, True].transfer_bytes == runs[4, False].transfer_bytes > 0
+    assert runs[2, True].transfer_bytes < runs[2, False].transfer_bytes
+    # lookups are of sub-experts: N per routed expert when every one runs
+    assert runs[4, True].hits + runs[4, True].misses == 4 * (runs[4, False].hits
+                                                             + runs[4, False].misses)
+    ds = workbench.open_run(tmp_path / "2True.zarr")
+    assert ds.sizes["subexpert"] == 4 and ds.moe.compute_share() == pytest.approx(0.5)
+    for engine in ("fast", "python"):
+        res = workbench.replay_trace(ds, engine=engine)
+        assert res.config["prism_offload"] and res.config["subexpert_slots"] == 4 * 96
+        assert_replays_live(res, ds)
+    for n, p in embedded.model.named_parameters():
+        assert torch.equal(p, before[n]), n

@@ -67,6 +67,23 @@ def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch
     return gu, d
 
 
+def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
+    """One sub-expert's weight shapes (a cache slot of sub-expert offloading) from one
+    expert's: ``gate_up_proj`` (2I, H) → (2I/N, H), ``down_proj`` (H, I) → (H, I/N)."""
+    (two_i, H), (H2, I) = shapes["gate_up_proj"], shapes["down_proj"]
+    return {"gate_up_proj": (two_i // N, H), "down_proj": (H2, I // N)}
+
+
+def subexpert_rows(layer: dict[str, torch.Tensor], N: int) -> dict[str, torch.Tensor]:
+    """A layer's fused tensors in the sub-expert layout as ``[E·N, …]`` rows, row e·N + s the
+    sub-expert s of expert e (views, no copy): what the host store of sub-expert offloading
+    addresses by (layer, e·N + s)."""
+    gu, down = layer["gate_up_proj"], layer["down_proj"]
+    E, H, I = down.shape
+    return {"gate_up_proj": gu.reshape(E * N, 2 * (I // N), gu.shape[2]),
+            "down_proj": down.reshape(E * N, H, I // N)}
+
+
 #: elements of the gate-neuron rows the proxy gate gathers at once (tokens are chunked to this:
 #: 64 MiB of float32 whatever the prefill's length)
 _GATHER_ITEMS = 1 << 24
@@ -121,6 +138,9 @@ class PrismView:
         T, k = top_k_index.shape
         N, ka, dev = self.N, self.k_active, top_k_index.device
         self._ran_call = torch.full((T, k, min(ka, N)), -1, dtype=torch.int16, device=dev)
+        routed = int((top_k_index < num_experts).sum())  # every routed slot runs once
+        self.asked += routed * N
+        self.ran += routed * min(ka, N)
         if ka >= N:
             chosen = torch.arange(N, device=dev).expand(T, k, N)
         else:
@@ -176,8 +196,6 @@ class PrismView:
         chosen = self._chosen_call  # [T, k, ka]
         ka = chosen.shape[-1]
         here = (local < n)[..., None].expand(-1, -1, ka)  # [T, k, ka]
-        self.asked += int((local < n).sum()) * N
-        self.ran += int(here.sum())
         # every call of the layer (hits, each miss, the host) records its own slots
         self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
         # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
@@ -191,4 +209,26 @@ class PrismView:
                           w.reshape(T, -1), *args, **kwargs)
 
 
-__all__ = ["PrismView", "from_subexpert_layout", "to_subexpert_layout"]
+    def run_subexperts(self, weights: dict[str, torch.Tensor], subs, num_experts: int,
+                       hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Sub-expert offloading: the layer output share of sub-experts ``subs`` (ids e·N + s,
+        ``weights`` their own blocks, :func:`subexpert_rows`) — each routed slot's chosen
+        sub-experts among them, weighted by the slot's routing weight."""
+        N, dev = self.N, top_k_index.device
+        chosen = self._chosen_call  # [T, k, ka]: set by :meth:`choose` for this layer call
+        keys = top_k_index.long()[..., None] * N + chosen  # a sentinel slot: ≥ E·N
+        mine = torch.zeros(num_experts * N + N, dtype=torch.bool, device=dev)
+        mine[torch.as_tensor([int(x) for x in subs], dtype=torch.long, device=dev)] = True
+        here = mine[keys]
+        self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
+        T = top_k_index.shape[0]
+        ids = keys.masked_fill(~here, num_experts * N)  # the sentinel: not in this call
+        w = top_k_weights[..., None].expand_as(here).masked_fill(~here, 0)
+        return self.inner(weights, subs, num_experts * N, hidden_states,
+                          ids.reshape(T, -1).to(top_k_index.dtype), w.reshape(T, -1),
+                          *args, **kwargs)
+
+
+__all__ = ["PrismView", "from_subexpert_layout", "subexpert_rows", "subexpert_shapes",
+           "to_subexpert_layout"]

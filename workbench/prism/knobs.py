@@ -37,8 +37,8 @@ class PrismKnobs(KnobGroup):
         default=False,
         doc="Cache and fetch sub-experts, not whole experts (MoE-Prism §4): the same memory in "
             "slots of 1/N of an expert (cache_slots · N of them), and only the sub-experts a "
-            "token runs are copied. Trace replay of a run recorded with prism=True (live: not "
-            "built yet).")
+            "token runs are copied. Live (with prism=True), or in trace replay of a run "
+            "recorded with prism=True.")
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Not yet with ReaLB's low precision (both split the experts' runs); sub-expert
@@ -46,9 +46,16 @@ class PrismKnobs(KnobGroup):
         recording: the trace carries which sub-experts ran (they cannot be chosen again
         without the hidden states)."""
         if self.prism_offload and live:
-            raise KnobError("prism_offload=True (sub-expert offloading) runs in trace replay "
-                            "for now: record the run with prism=True, then replay its store "
-                            "with prism_offload=True")
+            if not self.prism:
+                raise KnobError("prism_offload=True caches the sub-experts a run runs: set "
+                                "prism=True too")
+            # these decide on whole experts' keys (candidates, hot sets, host runs)
+            for name, off in (("prefetch", "none"), ("active_evict", False),
+                              ("hybrid", False), ("predictor", "none")):
+                if getattr(knobs, name, off) != off:
+                    raise KnobError(f"prism_offload=True with {name}={getattr(knobs, name)!r} "
+                                    f"is not built yet (it picks whole experts): set "
+                                    f"{name}={off!r}")
         if not self.prism:
             return
         if getattr(knobs, "balance", "none") != "none":

@@ -128,7 +128,8 @@ class Offloader:
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
                  hybrid: bool | Callable[[int], bool] = False, dispatch=None,
                  balance=None, rank_of_expert: np.ndarray | None = None,
-                 low_precision: str = "nvfp4", prism=None) -> None:
+                 low_precision: str = "nvfp4", prism=None, prism_offload: bool = False
+                 ) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -153,6 +154,9 @@ class Offloader:
         #: MoE-Prism: (perm, gates, sub-experts, k_active) — every expert runs through a
         #: :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts); None: off
         self.prism = prism
+        #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
+        #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
+        self.part = prism[2] if prism is not None and prism_offload else 1
         self.prism_views: list = []
         self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
         self.rank_of_expert = rank_of_expert
@@ -190,15 +194,21 @@ class Offloader:
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
         dtype = getattr(first.experts, first.expert_params[0]).dtype
-        n_offloaded = sum(b.num_experts for b in self.offloaded)
-        self.num_slots = min(num_slots, n_offloaded) if self.offloaded else 0
+        part = self.part
+        n_offloaded = sum(b.num_experts for b in self.offloaded) * part
+        # ``num_slots`` is memory in expert-sized slots: part × as many slots of 1/part
+        self.num_slots = min(num_slots * part, n_offloaded) if self.offloaded else 0
         self.sim = Simulator(
-            Placement.single_device(layout.num_layers, layout.num_experts, layout.top_k,
-                                    pinned_layers, max(self.num_slots, 1)),
-            lambda: policy, transfer_s=self.prices.transfer, record_spans=True)
+            Placement.single_device(layout.num_layers, layout.num_experts * part,
+                                    layout.top_k * part, pinned_layers, max(self.num_slots, 1)),
+            lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
-        self.slots = SlotPool(self.num_slots, first.expert_shapes if self.offloaded else {},
-                              dtype, self.device)
+        shapes = first.expert_shapes if self.offloaded else {}
+        if part > 1:  # a sub-expert's block of the sub-expert layout
+            from workbench.prism.execute import subexpert_shapes
+
+            shapes = subexpert_shapes(shapes, part)
+        self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
         self.engine: TransferEngine | None = None
         self._saved: list[tuple[MoEBlock, dict]] = []
 
@@ -258,7 +268,12 @@ class Offloader:
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
-            self.store.add_layer(b.index, {n: p.data for n, p in params.items()})
+            host = {n: p.data for n, p in params.items()}
+            if self.part > 1:  # the store's rows are the sub-experts (views: no copy)
+                from workbench.prism.execute import subexpert_rows
+
+                host = subexpert_rows(host, self.part)
+            self.store.add_layer(b.index, host)
             for name, p in params.items():
                 if p.device.type != "cpu":  # a CPU tensor is the host store's copy itself
                     p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
@@ -269,6 +284,14 @@ class Offloader:
                                args, kwargs)
 
         ex.forward = forward
+
+    def residency(self) -> np.ndarray:
+        """bool [L, E]: experts resident now (pinned layers entirely); with sub-expert
+        offloading, an expert any of whose sub-experts is."""
+        r = self.sim.residency()
+        if self.part > 1:
+            r = r.reshape(r.shape[0], -1, self.part).any(-1)
+        return r
 
     def _to_subexperts(self, b: MoEBlock, back: bool = False) -> None:
         """MoE-Prism: ``b``'s fused expert tensors into the sub-expert layout (``back``: out
@@ -288,7 +311,7 @@ class Offloader:
             b, moved = self._saved.pop()
             b.experts.__dict__.pop("forward", None)
             for name, p in moved:  # bring the device copy back from the host store
-                p.data = self.store.layer(b.index)[name].to(self.device)
+                p.data = self.store.layer(b.index)[name].to(self.device).reshape(p.shape)
             if b.index in self._relaid:
                 self._to_subexperts(b, back=True)
         if self.engine is not None:
@@ -335,22 +358,28 @@ class Offloader:
                      else set())
         ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
+        keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
         if self.prism is not None:  # router-side: the sub-experts each slot runs, priced
             view.choose(hidden_states, top_k_index, b.num_experts)
-            per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)
-            compute_s = p.subexperts(per_sub[experts]).tolist()
+            per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
+            compute_s = p.subexperts(per_sub)
+            if self.part > 1:  # each sub-expert carries its share of its expert's op
+                e_at, s_at = np.nonzero(per_sub)
+                keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
+                compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
+            compute_s = compute_s.tolist()
         else:
             compute_s = [(low_price if e in self._low else p.expert)(n)
                          for e, n in zip(experts, tokens)]
         out = self.sim.step(Access(
-            step=self.probe.step, layer=b.index, experts=experts,
+            step=self.probe.step, layer=b.index, experts=keys,
             compute_s=compute_s,
             dense_s=p.dense(int(real_ids.shape[0])),
             prefetch=self._prefetch_candidates(b, pred_real),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
             host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
-        self._note_outcome(ev, experts, out)
+        self._note_outcome(ev, keys, out)
         if self.prism is None:
             return self._execute(b, original, view, ev, out, routed, hidden_states,
                                  top_k_index, top_k_weights, args, kwargs)
@@ -423,7 +452,7 @@ class Offloader:
                 for e in out.hits:  # a prefetched expert computes once its copy has landed
                     self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
                 if out.hits:  # every routed expert a hit: no token needs masking
-                    every = routed if len(out.hits) == len(routed) else None
+                    every = routed if len(out.hits) == len(routed) and self.part == 1 else None
                     result = self._run_slots(b, view, out.hits, action[1], hidden_states,
                                              top_k_index, top_k_weights, args, kwargs, every)
             elif kind == "host":
@@ -474,6 +503,9 @@ class Offloader:
         (``all_routed``: see :meth:`ExpertsView.__call__`); the ones ReaLB put in low
         precision this call run apart (:meth:`_run_low`)."""
         weights = self.slots.gather(slots)
+        if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
+            return view.run_subexperts(weights, experts, b.num_experts, hidden_states,
+                                       top_k_index, top_k_weights, *args, **kwargs)
         low = [i for i, e in enumerate(experts) if e in self._low]
         if not low:
             return view(weights, experts, b.num_experts, hidden_states, top_k_index,

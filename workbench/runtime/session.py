@@ -147,7 +147,8 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=self._dispatch(), **self._balance(), prism=self._prism())
+            dispatch=self._dispatch(), **self._balance(), prism=self._prism(),
+            prism_offload=bool(k.prism and k.prism_offload))
         cal = self.macs_calibration
         if cal is not None and k.macs_reroute and k.macs_eta > 0:
             self.offloader.macs_centroids = torch.as_tensor(
@@ -314,7 +315,7 @@ class RunSession:
                                          ids.shape[-1] if ids.dim() > 1 else ids.numel()))
         if self.valid is not None and not self.valid.all():
             ev.keep_tokens(self.valid)  # padding and finished requests: not tokens of the run
-        ev.residency = off.sim.residency()
+        ev.residency = off.residency()
         if self.placement is not None and step == 0:
             self.placement.scatter_event(ev)
         if self.predictor is not None:  # what the predictor said, for replay
@@ -325,7 +326,7 @@ class RunSession:
         ev.spans.extend(probe.modeled)
         ev.latency_modeled_s = off.sim.lanes.compute - probe.modeled_start
         ev.stall_modeled_s = probe.stall_modeled_s
-        ev.transfer_bytes_modeled = probe.moved * int(self.cost.expert_bytes)
+        ev.transfer_bytes_modeled = probe.moved * int(self.cost.part(off.part).expert_bytes)
         self.pending.append(ev)
 
     def _real_tokens(self, kwargs: dict, args: tuple) -> np.ndarray | None:

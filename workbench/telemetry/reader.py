@@ -524,9 +524,12 @@ def _check_semantics(path: Path, ds: xr.Dataset) -> None:
             first_bad(name, ~np.isfinite(v) | (v < 0), v, "a finite number of seconds ≥ 0")
     if "hits" in ds and "misses" in ds and "expert" in ds.sizes:
         e = int(ds.sizes["expert"])
+        n = int(ds.sizes.get(SUBEXPERT, 1))  # sub-expert offloading looks up sub-experts
         look = np.asarray(ds["hits"].values, np.int64) + np.asarray(ds["misses"].values, np.int64)
-        first_bad("misses", look > e, look, f"hits + misses at most the layer's {e} experts "
-                                            f"(distinct lookups of one layer in one step)")
+        first_bad("misses", look > e * n, look,
+                  f"hits + misses at most the layer's {e} experts" + (f" × {n} sub-experts"
+                                                                      if n > 1 else "")
+                  + " (distinct lookups of one layer in one step)")
     if "step_tokens" in ds and "token" in ds.sizes:
         t = int(ds.sizes["token"])
         v = np.asarray(ds["step_tokens"].values)

@@ -6,7 +6,9 @@ The recorder (:mod:`workbench.telemetry.store`) writes exactly these, the reader
 docs table is generated from them.
 
 Invariants of the cache counters (per step and layer): on an offloaded layer ``hits + misses``
-is the number of distinct routed experts and ``pinned_accesses`` is 0; on a pinned layer
+is the number of distinct routed experts (of distinct sub-experts run when the cache holds
+sub-experts: MoE-Prism's ``prism_offload``; ``loads``, ``evictions`` and ``pinned_accesses``
+count them too) and ``pinned_accesses`` is 0; on a pinned layer
 ``pinned_accesses`` is that number and ``hits`` = ``misses`` = 0. So ``hits.sum()`` is the run's
 cache hits (``RunResult.hits``) and ``(hits + misses + pinned_accesses).sum()`` every access.
 """

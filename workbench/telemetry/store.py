@@ -382,7 +382,10 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             l = le.layer
             if le.pinned:  # served by the resident prefix: no lookup, no hit
                 layer_ids = np.asarray(le.topk_ids)
-                pinned_acc[i, l] += np.unique(layer_ids[layer_ids >= 0]).size
+                # MoE-Prism: the runtime lists the layer's keys (sub-experts when it caches
+                # them) in ``hits``; else the distinct routed experts
+                pinned_acc[i, l] += (len(le.hits) if le.sub_chosen is not None
+                                     else np.unique(layer_ids[layer_ids >= 0]).size)
             else:
                 hits[i, l] += len(le.hits)
                 misses[i, l] += len(le.misses)
