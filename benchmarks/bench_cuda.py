@@ -791,7 +791,19 @@ def part_prism(dev: torch.device, tokens: int = 16) -> dict:
     rep = workbench.replay_trace(ds)
     replay_ok = bool((rep.hits == ds.hits.values).all() and np.allclose(
         rep.step_latency_s, ds.latency_modeled_s.values, rtol=1e-9))
-    return {"tokens": tokens, "replay_equals_live": replay_ok,
+    # sub-expert offloading on the device: the same tokens, fewer bytes copied, replay = live
+    sub_store = folder.parent / "sub.zarr"
+    sub = rt.run(reqs, store=sub_store, prism_offload=True, **configs["prism, k_active 2"])
+    whole = runs["prism, k_active 2"]
+    sds = workbench.open_run(sub_store)
+    srep = workbench.replay_trace(sds)
+    offload = {
+        "answers_equal_whole": sum(a["token_ids"] == b["token_ids"]
+                                   for a, b in zip(sub.batch, whole.batch)),
+        "transfer_bytes_whole": whole.transfer_bytes, "transfer_bytes_sub": sub.transfer_bytes,
+        "replay_equals_live": bool((srep.hits == sds.hits.values).all() and np.allclose(
+            srep.step_latency_s, sds.latency_modeled_s.values, rtol=1e-9))}
+    return {"tokens": tokens, "replay_equals_live": replay_ok, "offload": offload,
             "compute_share": ds.moe.compute_share(), "runs": {
         k: {"median_s": statistics.median(v), "ratio": statistics.median(v) / base,
             "answers_equal_native": sum(a["token_ids"] == b["token_ids"]
@@ -1080,6 +1092,13 @@ def _md_prism(pr: dict, res: dict) -> list[str]:
                       f"{pr['compute_share']:.0%}; its trace replay (the simulation core) "
                       f"equals the live run (hits, modeled latency per step): "
                       f"{pr['replay_equals_live']}"]
+    if "offload" in pr:
+        o = pr["offload"]
+        lines += ["", f"Sub-expert offloading (`prism_offload`, k_active 2): answers equal "
+                      f"whole-expert offloading's {o['answers_equal_whole']}/8; bytes copied "
+                      f"{o['transfer_bytes_sub'] / 1e6:.1f} MB vs {o['transfer_bytes_whole'] / 1e6:.1f}"
+                      f" MB whole; replay of its store equals the live run: "
+                      f"{o['replay_equals_live']}"]
     return lines + [""]
 
 

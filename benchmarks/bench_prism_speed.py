@@ -6,7 +6,7 @@ running sub-experts, not of offloading) and, second, offloaded with a small cach
 interleaved (native, prism all, prism k_active N/2, …) and the first round is dropped, so the
 ratios are side by side; the partition is random (speed does not depend on it).
 
-    python benchmarks/bench_prism_speed.py [--rounds 7] [--json FILE]
+    python benchmarks/bench_prism_speed.py [--rounds 7] [--device cpu|cuda] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: the runtime's)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    rt = workbench.Runtime()
+    rt = workbench.Runtime(**({"device": a.device} if a.device else {}))
     lay = rt.lm.layout
     work = Path(tempfile.mkdtemp(prefix="prism-speed-"))
     ref = R.random_refactoring(rt.lm, subexperts=4)
@@ -43,7 +44,7 @@ def main() -> None:
     }
     runs = {"native": {}, f"prism {N}/{N}": dict(prism=True),
             f"prism {N // 2}/{N}": dict(prism=True, prism_k_active=N // 2)}
-    out = {"batch": a.batch, "max_new_tokens": a.max_new_tokens, "subexperts": N,
+    out = {"device": str(rt.lm.device), "batch": a.batch, "max_new_tokens": a.max_new_tokens, "subexperts": N,
            "rounds": a.rounds, "settings": {}}
     for sname, s in settings.items():
         times: dict[str, list[float]] = {r: [] for r in runs}
