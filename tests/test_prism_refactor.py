@@ -270,3 +270,39 @@ def test_the_modeled_clock_prices_the_sub_experts_a_run_ran(embedded, tmp_path):
     assert got[0] == pytest.approx(prof.compute_time(4 * c.expert_flops_per_token / 4,
                                                      2 * c.expert_bytes / 4))
     assert got[1] == pytest.approx(p.expert(2))
+
+
+def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):
+    """prism_k (the seed's K): each token runs its K best (token, sub-expert) pairs among its
+    routed experts' — K = top-k × N is the model exactly, any K in between runs K per token,
+    spread unevenly over its experts; K and k_active together, or a K past top-k × N, refused."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=4), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=3)
+    kw = dict(prism=True, prism_refactoring=str(tmp_path / "p"))
+    top_k = embedded.layout.top_k
+    base = rt.run(reqs, record=False)
+    full = rt.run(reqs, record=False, prism_k=top_k * 4, **kw)
+    assert [r["token_ids"] for r in full.batch] == [r["token_ids"] for r in base.batch]
+    res = rt.run(reqs, prism_k=7, store=tmp_path / "k7.zarr", **kw)
+    ds = workbench.open_run(tmp_path / "k7.zarr")
+    ran = ds.subexpert_ran.values  # [token, layer, k, N]
+    routed = (ds.topk_ids.values >= 0).any(-1)  # tokens each layer routed
+    np.testing.assert_array_equal(ran.sum((-1, -2))[routed], 7)
+    per_slot = ran.sum(-1)[ds.topk_ids.values >= 0]
+    assert per_slot.min() < per_slot.max()  # not k_active per expert: where the scores are
+    assert res.subexperts_ran == int(ran.sum())
+    assert ds.moe.compute_share() == pytest.approx(7 / (top_k * 4))
+    # an expert whose sub-experts all lost is not looked up, live or in replay (= live)
+    idle = (ds.topk_ids.values >= 0) & ~ran.any(-1)
+    assert idle.any()
+    rep = workbench.replay_trace(ds)
+    np.testing.assert_array_equal(rep.hits + rep.misses, ds.hits.values + ds.misses.values)
+    np.testing.assert_allclose(rep.step_latency_s, ds.latency_modeled_s.values, rtol=1e-9)
+    with pytest.raises(InputError, match="set one, not both"):
+        rt.run(reqs[:1], record=False, prism_k=4, prism_k_active=2, **kw)
+    with pytest.raises(InputError, match=rf"prism_k must be in 1 … {top_k * 4}"):
+        rt.run(reqs[:1], record=False, prism_k=top_k * 4 + 1, **kw)

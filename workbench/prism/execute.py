@@ -97,8 +97,11 @@ class PrismView:
     layer at install), so a call splits them into sub-experts without copying."""
 
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
-                 subexperts: int, k_active: int, act_fn) -> None:
+                 subexperts: int, k_active: int, act_fn, global_k: int | None = None) -> None:
         self.inner, self.layer = inner, layer
+        #: the seed's K: a token's K best sub-experts among its routed experts' (None: the
+        #: k_active best of each routed expert)
+        self.global_k = global_k
         self.perm = perm[layer]  # [E, I]
         self.N, self.k_active, self.act_fn = subexperts, k_active, act_fn
         # each gate neuron's gate row in the sub-expert layout (its up row: + c)
@@ -131,39 +134,61 @@ class PrismView:
         self._up_w = torch.gather(gate_up, 1, idx + self.c).to(device)
 
     def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-               num_experts: int) -> torch.Tensor:
-        """The layer call starts: long [T, k, k_active], the sub-experts each routed slot
-        will run (the proxy gate's k_active best for the token; all, in order, when k_active
-        = N; a slot routed nowhere — id ``num_experts`` — gets sub-expert 0, never run)."""
+               top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """The layer call starts: long [T, k, w], the sub-experts each routed slot will run,
+        -1 padding (a slot routed nowhere — id ``num_experts`` — runs none). Per expert: the
+        proxy gate's k_active best (w = k_active; all, in order, when k_active = N). With a
+        global K: the token's K best (token, sub-expert) pairs by score × the slot's routing
+        weight (w = N, the others -1)."""
         T, k = top_k_index.shape
         N, ka, dev = self.N, self.k_active, top_k_index.device
-        self._ran_call = torch.full((T, k, min(ka, N)), -1, dtype=torch.int16, device=dev)
-        routed = int((top_k_index < num_experts).sum())  # every routed slot runs once
-        self.asked += routed * N
-        self.ran += routed * min(ka, N)
-        if ka >= N:
+        routed = top_k_index < num_experts
+        if self.global_k is None and ka >= N:
             chosen = torch.arange(N, device=dev).expand(T, k, N)
         else:
-            ids = top_k_index.long().clamp(max=num_experts - 1)  # [T, k]
-            G, H = self._gate_w.shape[1:]
-            step = max(1, _GATHER_ITEMS // (k * G * H))  # tokens whose rows are gathered at once
-            chosen = torch.empty((T, k, ka), dtype=torch.long, device=dev)
-            with torch.no_grad():
-                for a in range(0, T, step):
-                    x, e = hidden_states[a:a + step], ids[a:a + step]
-                    g = torch.einsum("th,tkgh->tkg", x, self._gate_w[e])
-                    u = torch.einsum("th,tkgh->tkg", x, self._up_w[e])
-                    score = (self.act_fn(g) * u).abs().reshape(len(x), k, N, -1).mean(-1)
-                    chosen[a:a + step] = score.topk(ka, dim=-1).indices
+            score = self._scores(hidden_states, top_k_index, num_experts)  # [T, k, N]
+            if self.global_k is None:
+                chosen = score.topk(ka, dim=-1).indices
+            else:
+                w = (score * top_k_weights[..., None].to(score.dtype)).masked_fill(
+                    ~routed[..., None], float("-inf")).reshape(T, k * N)
+                K = min(self.global_k, k * N)
+                pick = torch.zeros((T, k * N), dtype=torch.bool, device=dev)
+                pick.scatter_(1, w.topk(K, dim=-1).indices, True)
+                pick &= torch.isfinite(w)  # a token with fewer routed slots than K
+                chosen = torch.arange(N, device=dev).expand(T, k, N).masked_fill(
+                    ~pick.reshape(T, k, N), -1)
+        chosen = chosen.masked_fill(~routed[..., None], -1)
         self._chosen_call = chosen
+        self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
+        self.asked += int(routed.sum()) * N  # every routed slot runs once, in some call
+        self.ran += int((chosen >= 0).sum())
         return chosen
+
+    def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                num_experts: int) -> torch.Tensor:
+        """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
+        |act(gate)·up| of its r gate neurons (resident rows), tokens chunked."""
+        T, k = top_k_index.shape
+        ids = top_k_index.long().clamp(max=num_experts - 1)
+        G, H = self._gate_w.shape[1:]
+        step = max(1, _GATHER_ITEMS // (k * G * H))  # tokens whose rows are gathered at once
+        score = torch.empty((T, k, self.N), dtype=hidden_states.dtype,
+                            device=hidden_states.device)
+        with torch.no_grad():
+            for a in range(0, T, step):
+                x, e = hidden_states[a:a + step], ids[a:a + step]
+                g = torch.einsum("th,tkgh->tkg", x, self._gate_w[e])
+                u = torch.einsum("th,tkgh->tkg", x, self._up_w[e])
+                score[a:a + step] = (self.act_fn(g) * u).abs().reshape(
+                    len(x), k, self.N, -1).mean(-1)
+        return score
 
     def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
         :meth:`choose`), for the modeled clock's prices."""
         chosen = self._chosen_call
-        routed = (top_k_index < num_experts)[..., None].expand_as(chosen)
-        keys = (top_k_index.long()[..., None] * self.N + chosen)[routed]
+        keys = (top_k_index.long()[..., None] * self.N + chosen)[chosen >= 0]
         return torch.bincount(keys, minlength=num_experts * self.N).reshape(
             num_experts, self.N).cpu().numpy()
 
@@ -192,10 +217,10 @@ class PrismView:
             n, dtype=torch.long, device=dev)
         local = lut[top_k_index.long()]  # [T, k]: position in ``experts`` or n (not here)
         if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
-            self.choose(hidden_states, top_k_index, num_experts)  # a call on its own
-        chosen = self._chosen_call  # [T, k, ka]
+            self.choose(hidden_states, top_k_index, top_k_weights, num_experts)  # on its own
+        chosen = self._chosen_call  # [T, k, w]
         ka = chosen.shape[-1]
-        here = (local < n)[..., None].expand(-1, -1, ka)  # [T, k, ka]
+        here = (local < n)[..., None] & (chosen >= 0)  # [T, k, w]
         # every call of the layer (hits, each miss, the host) records its own slots
         self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
         # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
@@ -217,10 +242,10 @@ class PrismView:
         sub-experts among them, weighted by the slot's routing weight."""
         N, dev = self.N, top_k_index.device
         chosen = self._chosen_call  # [T, k, ka]: set by :meth:`choose` for this layer call
-        keys = top_k_index.long()[..., None] * N + chosen  # a sentinel slot: ≥ E·N
+        keys = top_k_index.long()[..., None] * N + chosen.clamp(min=0)  # a sentinel: ≥ E·N
         mine = torch.zeros(num_experts * N + N, dtype=torch.bool, device=dev)
         mine[torch.as_tensor([int(x) for x in subs], dtype=torch.long, device=dev)] = True
-        here = mine[keys]
+        here = mine[keys] & (chosen >= 0)
         self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
         T = top_k_index.shape[0]
         ids = keys.masked_fill(~here, num_experts * N)  # the sentinel: not in this call

@@ -27,6 +27,12 @@ class PrismKnobs(KnobGroup):
         doc="Sub-experts each routed expert runs, chosen per token by the proxy gate (None: "
             "all of them, which computes what the experts do). At most the refactoring's "
             "sub-experts.")
+    prism_k = param.Integer(
+        default=None, allow_None=True, bounds=(1, None),
+        doc="The sub-experts a token runs in all, the seed's K (Table 2): its K best among "
+            "its routed experts' sub-experts by proxy-gate score × the expert's routing "
+            "weight — any K in 1 … top-k × N (None: prism_k_active per expert). Not with "
+            "prism_k_active.")
     prism_refactoring = param.String(
         default=None, allow_None=True,
         doc="Folder of a MoE-Prism refactoring (workbench refactor --out); None: "

@@ -151,8 +151,9 @@ class Offloader:
         #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
         #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
         self.balance = balance
-        #: MoE-Prism: (perm, gates, sub-experts, k_active) — every expert runs through a
-        #: :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts); None: off
+        #: MoE-Prism: (perm, gates, sub-experts, k_active, global K or None) — every expert runs
+        #: through a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts,
+        #: or the token's K best of its routed experts'); None: off
         self.prism = prism
         #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
         #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
@@ -260,8 +261,8 @@ class Offloader:
         if self.prism is not None:  # every path below calls the view: all run sub-experts
             from workbench.prism.execute import PrismView
 
-            perm, gates, N, k_active = self.prism
-            view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn)
+            perm, gates, N, k_active, global_k = self.prism
+            view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn, global_k)
             self.prism_views.append(view)
             self._to_subexperts(b)
             view.capture_gates(ex.gate_up_proj.data, self.device)
@@ -299,7 +300,7 @@ class Offloader:
         (host store, slots, pinned prefix) is in the layout the views slice without copying."""
         from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
 
-        perm, _, N, _ = self.prism
+        perm, _, N, _, _ = self.prism
         gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
         with torch.no_grad():
             gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
@@ -360,13 +361,17 @@ class Offloader:
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
         keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
         if self.prism is not None:  # router-side: the sub-experts each slot runs, priced
-            view.choose(hidden_states, top_k_index, b.num_experts)
+            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
             compute_s = p.subexperts(per_sub)
             if self.part > 1:  # each sub-expert carries its share of its expert's op
                 e_at, s_at = np.nonzero(per_sub)
                 keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
                 compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
+            else:  # an expert a global K left idle is not looked up (nothing of it runs)
+                ran = per_sub.sum(1) > 0
+                keys = [e for e, r in zip(experts, ran) if r]
+                compute_s = compute_s[ran]
             compute_s = compute_s.tolist()
         else:
             compute_s = [(low_price if e in self._low else p.expert)(n)

@@ -164,7 +164,7 @@ class RunSession:
                 self.policy.attach(self.predictor)
 
     def _prism(self):
-        """MoE-Prism (``prism=True``): ``(perm, gates, sub-experts, k_active)`` for the
+        """MoE-Prism (``prism=True``): ``(perm, gates, sub-experts, k_active, K)`` for the
         offloader's sub-expert views; None when off."""
         k = self.knobs
         if not k.prism:
@@ -172,8 +172,18 @@ class RunSession:
         from workbench.prism.refactor import for_run
 
         ref, k_active = for_run(self.runtime.lm, k)
-        return (torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), ref.subexperts,
-                k_active)
+        N, top_k = ref.subexperts, self.runtime.lm.layout.top_k
+        K = k.prism_k
+        if K is not None:
+            if k.prism_k_active is not None:
+                raise InputError(f"prism_k (the K best sub-experts of a token's routed "
+                                 f"experts) and prism_k_active (per expert) are two ways to "
+                                 f"choose: set one, not both (prism_k_active="
+                                 f"{k.prism_k_active}, prism_k={K})")
+            if not 1 <= K <= top_k * N:
+                raise InputError(f"prism_k must be in 1 … {top_k * N} (top-k {top_k} × "
+                                 f"{N} sub-experts), not {K}")
+        return (torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K)
 
     def _balance(self) -> dict[str, Any]:
         """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""

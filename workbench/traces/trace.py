@@ -255,6 +255,22 @@ class Trace:
         """N, the sub-experts an expert has (MoE-Prism; 1: whole experts)."""
         return 1 if self.subexpert_ran is None else int(self.subexpert_ran.shape[3])
 
+    def ran_experts(self) -> "Trace":
+        """This trace with a routed expert that ran none of its sub-experts (a global K passed
+        it over) removed from the token's slots (-1), as the live cache never looks it up;
+        itself when every routed expert ran some."""
+        if self.subexpert_ran is None:
+            return self
+        idle = np.zeros(self.topk_ids.shape, bool)
+        for a, b in _token_chunks(self.topk_ids.shape[0], self.subexpert_ran[0].size or 1):
+            idle[a:b] = (self.topk_ids[a:b] >= 0) & ~self.subexpert_ran[a:b].any(-1)
+        if not idle.any():
+            return self
+        out = object.__new__(Trace)
+        out.__dict__.update(self.__dict__)
+        out.topk_ids = np.where(idle, np.int16(-1), self.topk_ids)
+        return out
+
     def as_subexperts(self) -> "Trace":
         """The trace whose experts are this one's sub-experts: expert e's sub-expert s is id
         ``e·N + s`` of ``E·N``, a token's slot (layer, k) becoming the N slots (layer, k·N + s),
