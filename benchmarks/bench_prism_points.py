@@ -19,13 +19,22 @@ quality/cost dial instead of a cliff"); a verdict compares them at 75 %, 50 % an
 Also the wall time of elastic execution with every sub-expert active vs the unmodified runtime
 (medians of interleaved rounds on one batch; goal ≤ 1.10×).
 
-    python benchmarks/bench_prism_points.py [--n 96] [--json OUT]
+The operating points also go into the package (``--ship``, default
+``workbench/prism/operating_points.json``, package data): the dashboard's *Elastic experts*
+card draws them and cannot read ``benchmarks/``. ``--ship-from RESULTS`` rewrites that file from
+a results JSON of this benchmark without running anything.
+
+    python benchmarks/bench_prism_points.py [--n 96] [--json OUT] [--ship PATH | --ship '']
+    python benchmarks/bench_prism_points.py --ship-from benchmarks/results/prism_points.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
+import re
 import statistics
 import tempfile
 import time
@@ -36,6 +45,37 @@ import numpy as np
 import torch
 
 from bench_macs import _batches, paired, verdict
+
+#: where the dashboard reads the operating points (package data of workbench.prism)
+SHIPPED = Path(workbench.__file__).resolve().parent / "prism" / "operating_points.json"
+SHIPPED_FORMAT = "workbench-prism-points/1"
+_ROW = re.compile(r"original, top-(\d+)|MoE-Prism (annealed|random), k_active (\d+)/\d+")
+
+
+def shipped(out: dict, model_id: str, config_hash: str) -> dict:
+    """The operating points of a results dict (:func:`main`'s ``out``) as the dashboard reads
+    them: per curve (``top_k``: whole experts dropped; ``prism``: annealed partition;
+    ``prism_random``: random partitions) the points ``k``, ``compute_share``, ``accuracy``
+    and ``se`` (the accuracy's binomial standard error over the questions), in k order."""
+    curves: dict[str, list] = {"top_k": [], "prism": [], "prism_random": []}
+    for r in out["rows"]:
+        m = _ROW.fullmatch(r["name"])
+        if m is None:
+            raise ValueError(f"unknown row {r['name']!r}")
+        curve = "top_k" if m[1] else "prism" if m[2] == "annealed" else "prism_random"
+        n, acc = len(r["correct"]), r["accuracy"]
+        curves[curve].append({"k": int(m[1] or m[3]), "compute_share": r["compute_share"],
+                              "accuracy": acc, "se": math.sqrt(acc * (1 - acc) / n)})
+    return {"format": SHIPPED_FORMAT, "source": "benchmarks/bench_prism_points.py",
+            "model_id": model_id, "config_hash": config_hash, "n": out["n"],
+            "text_only": out["text_only"], "subexperts": out["subexperts"],
+            "curves": {k: sorted(v, key=lambda p: p["k"]) for k, v in curves.items()},
+            "verdicts": [{k: x[k] for k in ("claim", "verdict")} for x in out["verdicts"]]}
+
+
+def ship(out: dict, path: str | Path, model_id: str, config_hash: str) -> None:
+    Path(path).write_text(json.dumps(shipped(out, model_id, config_hash), indent=1) + "\n")
+    print(f"operating points for the dashboard: {path}")
 
 
 def top_k_prime(lm, k: int):
@@ -69,7 +109,19 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=P.ITERATIONS)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--json")
+    ap.add_argument("--ship", default=str(SHIPPED),
+                    help="also write the operating points the dashboard ships here ('': not)")
+    ap.add_argument("--ship-from", metavar="RESULTS",
+                    help="only rewrite --ship from a results JSON of this benchmark (the "
+                         "embedded model's)")
     a = ap.parse_args()
+    if a.ship_from:
+        from workbench.models.embedded import EMBEDDED_MODEL_DIR
+
+        raw = (Path(EMBEDDED_MODEL_DIR) / "config.json").read_bytes()  # the loader's hash
+        ship(json.loads(Path(a.ship_from).read_text()), a.ship, Path(EMBEDDED_MODEL_DIR).name,
+             hashlib.sha256(raw).hexdigest()[:16])
+        return
     t_start = time.perf_counter()
     rt = workbench.Runtime()
     lm = rt.lm
@@ -168,6 +220,8 @@ def main() -> None:
           f"{out['wall_ratio_all_subexperts']:.2f}× (goal ≤ 1.10×)")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=float))
+    if a.ship:
+        ship(out, a.ship, lm.model_id, lm.config_hash)
 
 
 if __name__ == "__main__":

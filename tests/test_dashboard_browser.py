@@ -398,3 +398,63 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
         if server is not None:
             log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
+
+
+def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, tmp_path):
+    """Issue 16 §5 in a real browser: the shown run ran sub-experts (k_active 2 of 4); the
+    Elastic experts card draws its sub-expert heatmap and compute share, and the measured
+    operating points with the next run's k_active starred — the card's slider moves the star,
+    the layer slider the heatmap; the scheduler view's arrival rate re-simulates."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    t_start = time.time()
+    page = browser_page
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    ws = tmp_path / "ws"
+    R.save(R.random_refactoring(embedded), tmp_path / "prism")
+    workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True).run(
+        workbench.mixed_batch(2), store=ws / "p.zarr", prism=True, prism_k_active=2,
+        prism_refactoring=str(tmp_path / "prism"))
+    port = _free_port()
+    server = start_server(ws, port)
+    log = ""
+    try:
+        page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+        heat = wait_for(lambda: (lambda h: h if h.get("data") and h["data"][0]["z"] else None)(
+            plots(page).get("subexperts") or {}), 40, "the sub-expert heatmap of the shown run")
+        assert heat["run"].startswith("p.zarr") and len(heat["data"][0]["z"]) == 4  # N rows
+        assert "50.0%" in page.locator("[data-testid=prism-share]").first.inner_text()
+
+        def star():
+            p = plots(page).get("prism_points") or {}
+            return next(((d["x"][0], d["name"]) for d in p.get("data", [])
+                         if d["name"].startswith("next run")), None)
+
+        assert wait_for(star, 20, "the next run's k_active on the curve")[0] == 1.0  # all
+        set_number(page, ".wb-prism .wb-knob-prism_k_active", 1)
+        wait_for(lambda: star() and star()[0] == 0.25, 10, "the star at k_active 1 of 4",
+                 detail=star)
+        set_number(page, ".wb-prism-layer", 3)
+        wait_for(lambda: "layer 3" in plots(page)["subexperts"]["title"], 10,
+                 "the heatmap of layer 3", detail=lambda: plots(page)["subexperts"]["title"])
+        assert plots(page)["subexperts"]["data"][0]["z"] != heat["data"][0]["z"]
+
+        def sweep():
+            d = (plots(page).get("scheduler") or {}).get("data") or []
+            return {t["name"]: t["x"] for t in d if t["name"].endswith(" throughput")} or None
+
+        before = wait_for(sweep, 30, "the scheduler's simulated policies")
+        assert set(before) == {"prism throughput", "fifo throughput", "fullbatch throughput"}
+        note = page.locator("[data-testid=scheduler-note]").first.inner_text()
+        assert "cost table C(m, b) modeled" in note, note
+        set_number(page, ".wb-scheduler .wb-knob-rate", 1.23)
+        wait_for(lambda: 1.23 in (sweep() or {}).get("prism throughput", []), 20,
+                 "the scheduler to re-simulate at 1.23 req/s", detail=sweep)
+        assert not errors, f"console errors: {errors}"
+    finally:
+        log = stop_server(server)
+    assert "Traceback" not in app_tracebacks(log), log[-3000:]
+    assert time.time() - t_start < 60

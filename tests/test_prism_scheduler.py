@@ -223,6 +223,13 @@ def test_modeled_costs_follow_the_profile():
     assert (np.diff(t.decode_s, axis=0) > 0).all() and (np.diff(t.decode_s, axis=1) > 0).all()
     assert (ind.decode_s[:3, 1:] > t.decode_s[:3, 1:]).all()
     np.testing.assert_allclose(ind.decode_s[3], t.decode_s[3])
+    # the live clock's pricing: one op (one launch overhead) per touched expert
+    per = CostTable.modeled("h200", "deepseek-vl2", sizes=(1, 4, 64), kernel="per_expert")
+    assert per(1, 2) == pytest.approx(tm.num_layers * (Prices(prof, c).dense(1) + tm.top_k * (
+        prof.compute_time(2 / 4 * c.expert_flops_per_token, 2 / 4 * c.expert_bytes))))
+    assert (per.decode_s > t.decode_s).all()
+    with pytest.raises(KnobError, match="kernel must be one of grouped, per_expert"):
+        CostTable.modeled("h200", "deepseek-vl2", kernel="fused")
     assert t.meta["profile"] == "h200" and t.clock == "modeled"
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -700,6 +701,12 @@ def test_build_app_without_a_server(two_runs):
     assert app._wb_store is s and s.run_name == s.runs[0].name  # the newest run is shown
     assert len(app._wb_views["heatmap"].pane.object.data) == 1
     assert app._wb_views["replay"].study is not None  # the replay view follows the shown run
+    assert app._wb_views["scheduler"].study is not None  # simulated at once outside a server
+    import panel as pn  # the Elastic experts knobs sit in the main column, beside their views
+
+    titles = {c.title.split(" (")[0]: side for side, col in (("sidebar", app[0]), ("main", app[1]))
+              for c in col.select(pn.Card)}
+    assert titles["Elastic experts"] == "main" and titles["Expert cache"] == "sidebar"
     tpl = build_app(DataStore(workspace=two_runs.workspace), preload=False)
     try:
         assert tpl.title.startswith("workbench") and tpl._wb_poll is not None
@@ -844,6 +851,9 @@ def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
     assert len(titles) == len(set(titles))
     shown = [n for c in cards for p in c.select(pn.Param) for n in p._widgets
              if n != "_title"]
+    from workbench.ui.prism import prism_knob_widgets  # Elastic experts: in the main column
+
+    shown += list(prism_knob_widgets(s, 4)._wb_widgets)
     assert sorted(shown) == sorted(s.knobs.names())
     first = [n for p in cards[0].select(pn.Param) for n in p._widgets]
     assert {"compression", "beta", "lam", "alpha"} <= set(first)
@@ -1223,3 +1233,170 @@ def test_ep_views_follow_eplb_and_draw_its_rebalance_lane(embedded, tmp_path):
     assert "step 3" in fig.layout.title.text and "EPLB rebalance" in fig.layout.title.text
     ep.num_redundant_experts = 3  # 64 + 3 is not a multiple of 4: said, not drawn
     assert "multiple of" in view.pane.object.layout.annotations[0].text
+
+
+# -- MoE-Prism surface (issue 16 §5) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prism_runs(embedded, tmp_path_factory):
+    """A workspace with a run of the embedded model on sub-experts (a random refactoring,
+    k_active = 2 of 4, a mixed batch of 2) and the same request on whole experts."""
+    from workbench.prism import refactor as R
+
+    root = tmp_path_factory.mktemp("prism")
+    R.save(R.random_refactoring(embedded), root / "prism")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2)
+    rt.run(reqs, store=root / "ws" / "p.zarr", prism=True, prism_k_active=2,
+           prism_refactoring=str(root / "prism"))
+    rt.run(reqs, store=root / "ws" / "w.zarr")
+    return root / "ws"
+
+
+def test_elastic_experts_card_draws_the_shown_runs_subexperts(prism_runs):
+    """The sub-expert heatmap is the store's counts at the chosen layer (each routed expert's
+    column sums to k_active), under the tokens filter; the note gives the compute share; a run
+    of whole experts hides the heatmap and says so."""
+    from workbench.ui.prism import SubexpertView
+
+    s = DataStore(workspace=prism_runs)
+    s.open("p")
+    view = SubexpertView(s)
+    full = workbench.open_run(prism_runs / "p.zarr")
+
+    def expected(layer: int, modality: str = "all") -> np.ndarray:
+        c = full.moe.subexpert_counts(modality).isel(layer=layer).values.astype(float)
+        tok = full.moe.expert_counts(modality).isel(layer=layer).values[:, None]
+        with np.errstate(invalid="ignore"):
+            return (c / np.where(tok > 0, tok, np.nan)).T  # [subexpert, expert]
+
+    first = int(np.nonzero(~full["pinned"].values)[0][0])
+    z = np.asarray(view.pane.object.data[0].z, float)
+    np.testing.assert_allclose(z, expected(first), equal_nan=True)
+    routed = ~np.isnan(z).all(0)
+    assert routed.any() and np.allclose(z[:, routed].sum(0), 2)  # k_active of each expert
+    L = full.sizes["layer"]
+    assert (view.layer.value, view.layer.fixed_start, view.layer.fixed_end) == (first, 0, L - 1)
+    assert view.pane.visible and f"layer {first}" in view.pane.object.layout.title.text
+    assert "50.0%" in view.note.object and "k_active 2 of N = 4" in view.note.object
+    n = view.redraws
+    view.layer.value = 3
+    assert view.redraws == n + 1 and "layer 3" in view.pane.object.layout.title.text
+    np.testing.assert_allclose(np.asarray(view.pane.object.data[0].z, float), expected(3),
+                               equal_nan=True)
+    s.modality = "image"
+    np.testing.assert_allclose(np.asarray(view.pane.object.data[0].z, float),
+                               expected(3, "image"), equal_nan=True)
+    assert not np.allclose(expected(3, "image"), expected(3), equal_nan=True)
+    s.open("w")
+    assert not view.pane.visible and view.layer.disabled
+    assert "ran whole experts" in view.note.object
+
+
+def test_the_operating_points_are_the_benchmarks_and_mark_the_next_k_active(
+        prism_runs, embedded, tmp_path, monkeypatch):
+    """The curve the dashboard ships is what bench_prism_points.py measured on the embedded
+    model; the next run's k_active (the card's slider, the knob) is the star on the MoE-Prism
+    curve; the shown run's compute share a dotted line; a broken file is refused naming it."""
+    import importlib.util
+
+    from workbench.ui.prism import (KActiveSlider, OperatingPointsView, operating_points,
+                                    prism_knob_widgets)
+
+    points = operating_points()
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench_dir)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_prism_points",
+                                                      f"{bench_dir}/bench_prism_points.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(bench_dir)
+    results = json.loads(Path(bench_dir, "results", "prism_points.json").read_text())
+    assert points == json.loads(json.dumps(bench.shipped(results, embedded.model_id,
+                                                         embedded.config_hash)))
+    N = points["subexperts"]
+    prism = {p["k"]: p for p in points["curves"]["prism"]}
+    assert sorted(prism) == list(range(1, N + 1))
+
+    s = DataStore(workspace=prism_runs)
+    s.open("p")
+    view = OperatingPointsView(s)
+    slider = prism_knob_widgets(s, N)._wb_widgets["prism_k_active"]
+
+    def star():
+        t = [t for t in view.pane.object.data if t.name.startswith("next run")]
+        assert len(t) == 1
+        return float(t[0].x[0]), float(t[0].y[0]), t[0].name
+
+    assert s.knobs.prism_k_active is None and slider.value == N
+    assert star()[:2] == (1.0, prism[N]["accuracy"]) and "prism is off" in star()[2]
+    s.knobs.set(prism=True)
+    slider.value = 1
+    assert s.knobs.prism_k_active == 1
+    assert star() == (0.25, prism[1]["accuracy"], f"next run: k_active 1 (1/{N})")
+    slider.value = N
+    assert s.knobs.prism_k_active is None  # N: every sub-expert
+    s.knobs.group("prism").prism_k_active = 3
+    assert slider.value == 3 and star()[0] == 0.75
+    assert [sh.x0 for sh in view.pane.object.layout.shapes] == [0.5]  # the shown run's share
+    title = view.pane.object.layout.title.text
+    assert "bench_prism_points.py" in title and f"n = {points['n']}" in title
+    s.open("w")  # whole experts: no share line
+    assert not view.pane.object.layout.shapes
+    small = KActiveSlider(s, 2)  # whole experts shown, N = 2 given: at least the knob's 3
+    assert (small.subexperts(), small.widget.fixed_end, small.widget.value) == (3, 3, 3)
+    s.open("p")
+    s.knobs.group("prism").prism_k_active = None
+    assert (small.widget.fixed_end, small.widget.value) == (4, 4)  # the shown run's N
+
+    bad = json.loads(json.dumps(points))
+    bad["curves"]["prism"][0]["accuracy"] = 1.5
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InputError, match=r"bad\.json.*curves\.prism\[0\].*bench_prism_points"):
+        operating_points(tmp_path / "bad.json")
+    monkeypatch.setattr("workbench.ui.prism._points_path", lambda: tmp_path / "bad.json")
+    text = OperatingPointsView(s).pane.object.layout.annotations[0].text
+    assert "bad.json" in text and "rerun benchmarks/bench_prism_points.py" in text
+
+
+def test_scheduler_view_simulates_the_policies_on_a_modeled_cost_table(tmp_path):
+    """The scheduler view's curves and table are the scheduler's simulation on the modeled
+    cost table of the chosen profile (recomputed here); the rate, the policies and the profile
+    redraw it; a batch size the table cannot price is said, not raised."""
+    from workbench.prism import scheduler as S
+    from workbench.prism.costs import CostTable
+    from workbench.ui.prism import DEFAULT_TARGET, SchedulerView, full_batch_s
+
+    s = DataStore(workspace=tmp_path / "ws")
+    v = SchedulerView(s)
+    table = CostTable.modeled(s.knobs.profile, DEFAULT_TARGET)
+    np.testing.assert_array_equal(v.cost.decode_s, table.decode_s)
+    k = v.knobs
+    s_full = full_batch_s(table, k)
+    assert k.rate == pytest.approx(k.batch_size / s_full, rel=0.05)
+    assert k.ttft_slo_s == pytest.approx(s_full, rel=0.05)
+    fig = v.pane.object
+    assert fig.layout.meta["view"] == "scheduler" and "modeled" in fig.layout.title.text
+    assert "<i>modeled</i>" in v.table.object
+    curves = {t.name: t for t in fig.data}
+    i = len(v.study.rates) - 1  # the highest rate: overloaded
+    for p in S.available():
+        m = S.simulate(table, k.copy(policy=p, rate=v.study.rates[i])).metrics()
+        assert curves[f"{p} throughput"].y[i] == pytest.approx(m["throughput_rps"])
+        assert curves[f"{p} goodput"].y[i] == pytest.approx(m["goodput_rps"])
+        assert all(g <= t + 1e-9 for g, t in zip(curves[f"{p} goodput"].y,
+                                                  curves[f"{p} throughput"].y))
+        ttft = curves[f"{p} time to first token"]
+        assert ttft.x[50] == pytest.approx(v.study.at[p]["ttft_s"]["p50"])
+    gains = {p: v.study.sweep[p]["throughput_rps"][i] for p in S.available()}
+    assert gains["prism"] > gains["fifo"]  # the dial: more served under overload
+    n = v.redraws
+    k.rate = 2.5 * k.rate
+    assert v.redraws == n + 1 and f"at {k.rate:.3g} req/s" in v.pane.object.layout.annotations[1].text
+    v.settings.policies = ["fifo"]
+    assert {t.legendgroup for t in v.pane.object.data if t.legendgroup} == {"fifo"}
+    v.settings.profile = "h200"
+    assert v.cost.meta["profile"] == "h200" and "h200" in v.pane.object.layout.title.text
+    k.batch_size = table.max_batch + 1
+    assert f"1 … {table.max_batch}" in v.pane.object.layout.annotations[0].text

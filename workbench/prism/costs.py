@@ -8,13 +8,13 @@ increasing), ``decode_s[m − 1, j]`` (seconds of one decode step of ``sizes[j]`
 prompt tokens each). It comes from one of two clocks (``clock``):
 
 - :meth:`CostTable.measure` — *measured*: the real runtime (``rt.run(requests, prism=True,
-  prism_k_active=m)``, every expert resident, ``ignore_eos``), the median over ``repeats``
-  interleaved rounds of each run's mean decode-step wall time;
+  prism_k_active=m)``, every expert resident, ``ignore_eos``), the median of the decode
+  steps' wall times over ``repeats`` interleaved rounds;
 - :meth:`CostTable.modeled` — *modeled*: a hardware profile (:mod:`workbench.sim.profiles`)
   and a target model's sizes, priced with the profile's roofline (:meth:`compute_time`):
-  per MoE layer the dense part (:class:`~workbench.sim.costs.Prices`' ``dense``) plus one
-  grouped op over the distinct experts the batch's tokens touch, ``m/N`` of each expert's
-  bytes (decode is memory-bound: the bytes read dominate).
+  per MoE layer the dense part (:class:`~workbench.sim.costs.Prices`' ``dense``) plus the
+  routed experts' op(s) over the distinct sub-experts the batch's tokens touch, ``1/N`` of an
+  expert's bytes each (decode is memory-bound: the bytes read dominate).
 
 Between sizes the table interpolates linearly in ``b``; below the smallest size it answers the
 smallest size's price (never cheaper than measured); above the largest it refuses.
@@ -49,6 +49,8 @@ MAX_PROMPT_TOKENS = 1 << 24
 MAX_FILE_BYTES = 16 << 20
 #: how the distinct sub-experts a batch touches are counted by :meth:`CostTable.modeled`
 SUB_CHOICES = ("shared", "independent")
+#: how :meth:`CostTable.modeled` launches a layer's routed experts
+KERNELS = ("grouped", "per_expert")
 
 
 def _seconds(where: str, v: Any) -> float:
@@ -241,21 +243,28 @@ class CostTable:
     @classmethod
     def modeled(cls, profile: Any, shape: Any, subexperts: int = 4,
                 sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                prompt_tokens: int = 128, sub_choice: str = "shared") -> "CostTable":
+                prompt_tokens: int = 128, sub_choice: str = "shared",
+                kernel: str = "grouped") -> "CostTable":
         """C(m, b) of ``shape`` (a :class:`~workbench.sim.profiles.TargetModel` or its name)
         on ``profile`` (a :class:`~workbench.sim.profiles.HardwareProfile` or its name),
         *modeled*. A step of T tokens (decode: T = b; prefill: T = b · prompt_tokens) costs,
         per MoE layer, the dense part — :class:`~workbench.sim.costs.Prices`' ``dense(T)`` —
-        plus one grouped op over the routed experts, the roofline
-        ``compute_time(T·top_k·(m/N)·expert_flops, D·expert_bytes/N)`` with D the expected
-        distinct sub-experts the T tokens touch when each token routes to ``top_k`` of the E
-        experts uniformly at random:
+        plus the routed experts: T·top_k·m sub-expert runs (FLOPs: m/N of an expert's per
+        token) reading the bytes of the D distinct sub-experts the T tokens touch (each 1/N of
+        an expert's), when each token routes to ``top_k`` of the E experts uniformly at
+        random — X = E·(1 − (1 − top_k/E)^T) experts touched —
 
-        - ``sub_choice="shared"``: tokens on one expert run the same m sub-experts, so
-          D = m · E · (1 − (1 − top_k/E)^T) (exact at b = 1; a lower bound above);
+        - ``sub_choice="shared"``: the tokens of one expert run the same m sub-experts,
+          D = m·X (exact at b = 1; a lower bound above);
         - ``"independent"``: each token picks its m of N at random,
-          D = N · E · (1 − (1 − (top_k/E)·(m/N))^T) — the proxy gate choosing per token with
-          no agreement between tokens (an upper bound).
+          D = N·E·(1 − (1 − (top_k/E)·(m/N))^T) — the proxy gate choosing per token with no
+          agreement between tokens (an upper bound);
+
+        - ``kernel="grouped"``: one op for all of a layer's experts (a fused MoE kernel, as
+          the seed's vLLM testbed runs), ``compute_time(runs·flops/N, D·bytes/N)``;
+        - ``"per_expert"``: one op per touched expert, each :meth:`Prices.subexpert_op` of
+          its share — how the workbench's modeled clock prices a live run (a launch overhead
+          per expert).
 
         Attention over the KV cache is not priced (the target models' dense FLOPs exclude it).
         """
@@ -264,9 +273,10 @@ class CostTable:
 
         prof = get_profile(profile) if isinstance(profile, str) else profile
         target = get_target_model(shape) if isinstance(shape, str) else shape
-        if sub_choice not in SUB_CHOICES:
-            raise KnobError(f"sub_choice must be one of {', '.join(SUB_CHOICES)}, not "
-                            f"{sub_choice!r}")
+        for name, v, allowed in (("sub_choice", sub_choice, SUB_CHOICES),
+                                 ("kernel", kernel, KERNELS)):
+            if v not in allowed:
+                raise KnobError(f"{name} must be one of {', '.join(allowed)}, not {v!r}")
         N = _check_arg("subexperts", subexperts, 1, MAX_SUBEXPERTS)
         sizes = tuple(_check_arg("sizes[...]", b, 1, MAX_BATCH) for b in sizes)
         p = _check_arg("prompt_tokens", prompt_tokens, 1, MAX_PROMPT_TOKENS)
@@ -275,12 +285,17 @@ class CostTable:
         E, k = target.num_experts, target.top_k
 
         def step(tokens: int, m: int) -> float:
+            touched = E * -math.expm1(tokens * math.log1p(-k / E))
             if sub_choice == "shared":
-                distinct = m * E * -math.expm1(tokens * math.log1p(-k / E))
+                distinct = m * touched
             else:
                 distinct = N * E * -math.expm1(tokens * math.log1p(-(k / E) * (m / N)))
-            experts = prof.compute_time(tokens * k * (m / N) * cost.expert_flops_per_token,
-                                        distinct * cost.expert_bytes / N)
+            runs = tokens * k * m
+            if kernel == "grouped":
+                experts = prof.compute_time(runs * cost.expert_flops_per_token / N,
+                                            distinct * cost.expert_bytes / N)
+            else:
+                experts = touched * prices.subexpert_op(runs / touched, distinct / touched, N)
             return target.num_layers * (prices.dense(tokens) + experts)
 
         dec = [[step(b, m) for b in sizes] for m in range(1, N + 1)]
@@ -289,6 +304,7 @@ class CostTable:
                    prompt_tokens=p, clock="modeled",
                    meta={"profile": prof.name, "profile_label": prof.label,
                          "target_model": target.name, "sub_choice": sub_choice,
+                         "kernel": kernel,
                          "expert_bytes": cost.expert_bytes,
                          "dense_bytes_per_layer": cost.dense_bytes_per_layer,
                          "num_layers": target.num_layers, "num_experts": E, "top_k": k,
@@ -339,6 +355,7 @@ class CostTable:
         pre: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
         prompt: list[int] = []
         t0 = time.perf_counter()
+        load0 = os.getloadavg()[0]  # other work on the machine shows in the spread
 
         def run(m: int, b: int):
             kw = dict(prism=False) if m == 0 else dict(prism=True, prism_k_active=m)
@@ -377,6 +394,7 @@ class CostTable:
                          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                          "device": str(getattr(rt.knobs, "device", "cpu"))},
                 "max_relative_iqr": max(spread.values()), "knobs": base,
+                "loadavg_1min": [load0, os.getloadavg()[0]],
                 "elapsed_s": time.perf_counter() - t0,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         if native:
@@ -402,4 +420,4 @@ def _check_arg(name: str, v: Any, lo: int, hi: int) -> int:
         raise KnobError(str(e)) from None
 
 
-__all__ = ["CostTable", "FORMAT", "CLOCKS", "SUB_CHOICES"]
+__all__ = ["CostTable", "FORMAT", "CLOCKS", "SUB_CHOICES", "KERNELS"]

@@ -75,12 +75,17 @@ class Policy:
 
 
 _POLICIES: dict[str, Policy] = {}
+#: branches of :func:`_choose` (a new policy adds its branch there, then registers its code)
+_CODES = 3
 
 
 def register(name: str, code: int, doc: str) -> Policy:
     """Add policy ``name`` (its decision is branch ``code`` of :func:`_choose`)."""
     if name in _POLICIES or any(p.code == code for p in _POLICIES.values()):
         raise ValueError(f"scheduler policy {name!r} or code {code} is already registered")
+    if not 0 <= code < _CODES:
+        raise ValueError(f"scheduler policy code must be a branch of _choose (0 … "
+                         f"{_CODES - 1}), not {code}")
     _POLICIES[name] = Policy(name, code, doc)
     return _POLICIES[name]
 
@@ -159,6 +164,7 @@ class SchedulerKnobs(param.Parameterized):
 
     def __init__(self, **values: Any) -> None:
         super().__init__()
+        self.param.policy.objects = available()  # policies registered after this class
         self.set(**values)
 
     def set(self, **values: Any) -> "SchedulerKnobs":

@@ -19,6 +19,8 @@ import panel as pn
 
 from workbench.errors import WorkbenchError
 from workbench.ui.datastore import DataStore
+from workbench.ui.prism import (OperatingPointsView, SchedulerView, SubexpertView,
+                                prism_knob_widgets)
 from workbench.ui.views import (CompareView, DeltasView, DiffHeatmapView, EPTimelineView, EPView,
                                 HeatmapView, HitRateView, HotRecallView, LatencyView, ReaLBView,
                                 ReplayView, TickQueue, TimelineView, TokenOverlayView,
@@ -175,6 +177,32 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                    title="Expert parallel: the shown run's routing over ranks (virtual; ranks "
                          "and placement from the Expert parallel card)",
                    margin=(4, 4), css_classes=["wb-ep"])
+    # MoE-Prism: the Elastic experts knobs beside the measured operating points (k_active
+    # marked), the shown run's sub-experts under them; the QoS scheduler simulation
+    points, subs = OperatingPointsView(store, height=340), SubexpertView(store, height=280)
+    prism_knobs = prism_knob_widgets(store, points.points and points.points["subexperts"])
+    _styled(subs.note)
+    prism_card = card(
+        pn.Row(pn.Column(prism_knobs, width=320, margin=(0, 4)), points.pane,
+               sizing_mode="stretch_width"),
+        pn.FlexBox(pn.Column(subs.note, min_width=420, sizing_mode="stretch_width"),
+                   pn.Column(subs.layer, width=300), flex_wrap="wrap",
+                   sizing_mode="stretch_width"),
+        subs.pane,
+        title="Elastic experts (MoE-Prism): the next run's k_active on the measured operating "
+              "points · the shown run's sub-experts", margin=(4, 4), css_classes=["wb-prism"])
+    sched = SchedulerView(store, defer=served)
+    _styled(sched.table)
+    sched_card = card(
+        pn.FlexBox(_labelled("policies", sched.choices["policies"], width=300),
+                   pn.Column(sched.choices["profile"], width=240),
+                   pn.Column(sched.choices["target_model"], width=240),
+                   flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width"),
+        pn.FlexBox(*[pn.Column(p, width=190, margin=(0, 4)) for p in sched.controls.values()],
+                   flex_wrap="wrap", gap="0 8px", sizing_mode="stretch_width"),
+        sched.pane, sched.table,
+        title="QoS batch scheduler (MoE-Prism): simulated serving per policy, priced by a cost "
+              "table modeled on a hardware profile", margin=(4, 4), css_classes=["wb-scheduler"])
     diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
     answer, progress = answer_view(store), progress_view(store)
     _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])
@@ -219,14 +247,17 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                         collapsed=True, margin=(4, 4), css_classes=["wb-compare"])
     # under the first screen: filled once the page has rendered (served), so the first screen
     # is built, sent and drawn first (the page load of ``benchmarks/bench_dashboard.py``)
-    below = [pn.Row(tokens.pane, recall.pane), ep_card, ab, replay, compare_card]
+    below = [pn.Row(tokens.pane, recall.pane), ep_card, prism_card, sched_card, ab, replay,
+             compare_card]
     later = pn.Column(sizing_mode="stretch_width", margin=0, css_classes=["wb-below"])
     if served:
         def show_below() -> None:
             later.objects = below
-            # the first replay imports torch: on a later tick, once the views below are sent
+            # the first replay imports torch, the first simulation its compiled kernel: on
+            # later ticks, once the views below are sent
             ticks = TickQueue.of_session()
-            ticks.add(id(rep), rep.redraw) if ticks is not None else rep.redraw()
+            for view in (rep, sched):
+                ticks.add(id(view), view.redraw) if ticks is not None else view.redraw()
 
         pn.state.onload(show_below)
     else:
@@ -235,7 +266,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     views = {"heatmap": heat, "hit_rate": hit, "latency": lat, "timeline": tl,
              "heatmap_diff": diff, "deltas": deltas, "replay": rep, "tokens": tokens,
              "hot_recall": recall, "compare": compare, "ep": ep, "ep_timeline": ep_tl,
-             "realb": realb}
+             "realb": realb, "subexperts": subs, "prism_points": points, "scheduler": sched}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
     poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None
@@ -250,7 +281,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     app._wb_store, app._wb_views, app._wb_poll = store, views, poll  # tests and notebooks
     app._wb_widgets = {"input": inp, "runs": runs, "models": models, "error": error,
                        "progress": progress,
-                       "replay": rw}
+                       "replay": rw, "prism": prism_knobs._wb_widgets}
     return app
 
 

@@ -602,7 +602,7 @@ def share_difference(current: xr.Dataset, baseline: xr.Dataset, modality: str = 
 
 #: per-token variables no view uses: left on disk (``open_run`` has them). ``token_modality``
 #: and ``kept`` (one byte a token) are loaded: the visual-token overlay needs them
-_NOT_LOADED = ("topk_ids", "topk_weights", "token_id", "token_step")
+_NOT_LOADED = ("topk_ids", "topk_weights", "token_id", "token_step", "subexpert_ran")
 
 
 #: name lists a store's attrs carry, with the names the views look up in them

@@ -35,7 +35,7 @@ from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs, re
 __all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
            "runs_widgets", "replay_widgets", "replay_knob_panels", "card", "make", "names",
            "ImageDropper",
-           "VISMMOE_KNOBS"]
+           "VISMMOE_KNOBS", "MAIN_GROUPS"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ VISMMOE_KNOBS: dict[str, str] = {
 }
 #: the knob group the VisMMOE card shows whole (no other card repeats it)
 VISMMOE_GROUP = "compression"
+#: knob groups whose widgets sit in a card of the main column beside the views they drive, not
+#: in the sidebar: Elastic experts (``workbench.ui.prism.prism_knob_widgets``)
+MAIN_GROUPS = ("prism",)
 VISMMOE_TITLE = "VisMMOE token compression"
 
 
@@ -184,12 +187,14 @@ def vismmoe_panel(knobs: Knobs, labels: dict[str, str] | None = None) -> pn.Colu
     return col
 
 
-def knob_cards(knobs: Knobs) -> list[pn.Card]:
+def knob_cards(knobs: Knobs, skip: Iterable[str] = MAIN_GROUPS) -> list[pn.Card]:
     """One card per knob group, each knob in exactly one card: the VisMMOE card first (open:
     :func:`vismmoe_panel`, then the rest of :data:`VISMMOE_GROUP`), then :func:`knob_panels` of
     the other groups in collapsible cards titled by the group's ``title`` (open:
-    :data:`OPEN_GROUPS`)."""
-    shown = {k for k, g in knobs.groups.items() if set(g.knob_names()) - set(VISMMOE_KNOBS)}
+    :data:`OPEN_GROUPS`). The groups of ``skip`` (default :data:`MAIN_GROUPS`) get no card
+    here: the main column shows them."""
+    shown = {k for k, g in knobs.groups.items()
+             if set(g.knob_names()) - set(VISMMOE_KNOBS) and k not in skip}
     panels = knob_panels(knobs, exclude=VISMMOE_KNOBS, live=True,
                          groups={VISMMOE_GROUP, *OPEN_GROUPS})
     rest = panels.pop(VISMMOE_GROUP, None)

@@ -1,0 +1,598 @@
+"""The dashboard's MoE-Prism views (issue 16 §5).
+
+- The **Elastic experts** card: the knobs of the group (``prism_k_active`` as a slider,
+  :class:`KActiveSlider`), the shown run's sub-expert heatmap at a chosen layer and the
+  compute share it did (:class:`SubexpertView`, from its store), and the operating-point curve
+  (:class:`OperatingPointsView`): accuracy vs expert compute for MoE-Prism's k_active and for
+  dropping whole experts (top-k′), *measured* on the embedded model by
+  ``benchmarks/bench_prism_points.py``, which writes them into the package
+  (``workbench/prism/operating_points.json``, read by :func:`operating_points`), with the next
+  run's k_active marked.
+- The **QoS scheduler** view (:class:`SchedulerView`): :mod:`workbench.prism.scheduler`'s
+  simulation of the registered policies over a sweep of arrival rates, priced by a cost table
+  *modeled* on a hardware profile (:meth:`~workbench.prism.costs.CostTable.modeled`):
+  throughput and goodput per policy and the latency distributions at the chosen rate.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.resources
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import panel as pn
+import param
+import plotly.graph_objects as go
+import xarray as xr
+
+from workbench.errors import InputError, WorkbenchError
+from workbench.ui.datastore import DataStore
+from workbench.ui.views import PlotView, _finish, placeholder_figure
+from workbench.ui.widgets import _knob_widget_specs, make, names
+from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
+
+__all__ = ["operating_points", "run_subexperts", "subexpert_view_figure", "compute_share_html",
+           "operating_points_view_figure", "SubexpertView", "OperatingPointsView",
+           "KActiveSlider", "prism_knob_widgets", "SchedulerSettings", "SchedulerStudy",
+           "scheduler_study", "scheduler_table_html", "SchedulerView", "POINTS_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+POINTS_FORMAT = "workbench-prism-points/1"
+POINTS_SOURCE = "benchmarks/bench_prism_points.py"
+
+
+# -- the measured operating points ----------------------------------------------------------------
+def _points_path() -> Path:
+    return Path(str(importlib.resources.files("workbench.prism") / "operating_points.json"))
+
+
+def operating_points(path: str | Path | None = None) -> dict[str, Any]:
+    """The operating points in ``path`` (default: the package's, written by
+    ``benchmarks/bench_prism_points.py``), checked: :class:`InputError` naming the file and the
+    field when it is not a ``workbench-prism-points/1`` file of finite shares and accuracies in
+    0 … 1."""
+    from workbench.jsonio import loads
+
+    path = Path(path) if path is not None else _points_path()
+    where = repr(str(path))
+    try:
+        doc = loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"the operating points {where} cannot be read ({type(e).__name__}: "
+                         f"{str(e)[:120]}); rerun {POINTS_SOURCE}") from None
+
+    def bad(what: str) -> InputError:
+        return InputError(f"the operating points {where}: {what}; rerun {POINTS_SOURCE}")
+
+    if not isinstance(doc, dict) or doc.get("format") != POINTS_FORMAT:
+        raise bad(f"not a {POINTS_FORMAT} file")
+    N = doc.get("subexperts")
+    if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+        raise bad(f"subexperts must be a whole number ≥ 1, not {N!r}")
+    curves = doc.get("curves")
+    if not isinstance(curves, dict) or not set(curves) <= set(CURVES) or "prism" not in curves:
+        raise bad(f"curves must map some of {', '.join(CURVES)} (prism among them) to points")
+    for name, pts in curves.items():
+        for i, p in enumerate(pts if isinstance(pts, list) else [None]):
+            ok = isinstance(p, dict) and isinstance(p.get("k"), int) and all(
+                isinstance(p.get(f), (int, float)) and np.isfinite(p[f]) and 0 <= p[f] <= 1
+                for f in ("compute_share", "accuracy", "se"))
+            if not ok:
+                raise bad(f"curves.{name}[{i}] must be {{k, compute_share, accuracy, se}} with "
+                          f"numbers in 0 … 1, not {str(p)[:80]}")
+    return doc
+
+
+def run_subexperts(ds: xr.Dataset) -> int:
+    """N of the run's sub-experts (1: it ran whole experts, or its store predates them)."""
+    return int(ds.sizes.get("subexpert", 1))
+
+
+def _run_k_active(ds: xr.Dataset) -> str:
+    from workbench.telemetry.metadata import RunMetadata
+
+    try:
+        k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs.prism_k_active
+    except Exception:  # unreadable knobs: said as unknown
+        return "?"
+    return "all" if k is None else str(k)
+
+
+# -- the Elastic experts card ---------------------------------------------------------------------
+SUBEXPERT_TITLE = "tokens per sub-expert"
+
+
+def subexpert_view_figure(ds: xr.Dataset | None, layer: int | None = None,
+                          modality: str = "all", revision: Any = None) -> go.Figure:
+    """Expert × sub-expert heatmap of the shown run at MoE ``layer`` (``ds.moe.subexpert_heatmap``:
+    each expert's share of its tokens that ran the sub-expert; None: its first offloaded
+    layer), tokens of ``modality``; a placeholder for a run without sub-experts."""
+    if ds is None:
+        return placeholder_figure("subexperts", SUBEXPERT_TITLE, "no run yet")
+    if run_subexperts(ds) <= 1:
+        return placeholder_figure("subexperts", SUBEXPERT_TITLE,
+                                  "the shown run ran whole experts (prism off)")
+    fig = ds.moe.subexpert_heatmap(layer, modality)
+    fig.update_layout(title=f"{fig.layout.title.text} (share of each expert's tokens; "
+                            f"recorded in the store)")
+    return _finish(fig, "subexperts", revision)
+
+
+def compute_share_html(ds: xr.Dataset | None, run_name: str | None = None) -> str:
+    """One line: the share of the routed experts' compute the shown run did
+    (``ds.moe.compute_share``, whole run and its range over layers), or that it ran whole
+    experts."""
+    if ds is None:
+        return "<span class='wb-muted'>no run yet — press Run or open a run</span>"
+    name = html.escape((run_name or "").removesuffix(".zarr"))
+    N = run_subexperts(ds)
+    if N <= 1:
+        return (f"<span class='wb-muted' data-testid='prism-share'>the shown run <b>{name}</b> "
+                f"ran whole experts (prism off): set prism on above and run to see its "
+                f"sub-experts</span>")
+    share = float(ds.moe.compute_share())
+    per = np.asarray(ds.moe.compute_share(by="layer").values, float)
+    per = per[np.isfinite(per)]
+    spread = f"; per layer {per.min():.1%} – {per.max():.1%}" if per.size else ""
+    return (f"<span data-testid='prism-share'>the shown run <b>{name}</b> did "
+            f"<b>{share:.1%}</b> of its routed experts' compute (k_active "
+            f"{_run_k_active(ds)} of N = {N} sub-experts{spread}) "
+            f"<span class='wb-muted'>— recorded in its store</span></span>")
+
+
+POINTS_TITLE = "accuracy vs expert compute"
+
+
+def operating_points_view_figure(points: dict[str, Any], k_active: int | None, prism: bool,
+                                 ds: xr.Dataset | None = None,
+                                 revision: Any = None) -> go.Figure:
+    """The measured operating points (:func:`operating_points`) with the next run's
+    ``k_active`` (None: all N) marked on the MoE-Prism curve, and the share of the expert
+    compute the shown run ``ds`` did when it ran sub-experts (a dotted line)."""
+    N = int(points["subexperts"])
+    k = N if k_active is None else int(k_active)
+    on_curve = {p["k"]: p for p in points["curves"]["prism"]}
+    notes = []
+    mark = None
+    if k in on_curve:
+        label = f"next run: k_active {'all' if k_active is None else k} ({k}/{N})"
+        mark = (on_curve[k]["compute_share"], on_curve[k]["accuracy"],
+                label if prism else f"{label} — prism is off: it runs whole experts")
+    else:
+        notes.append(f"k_active {k} is not a measured point (N = {N})")
+    run = None
+    if ds is not None and run_subexperts(ds) > 1:
+        share = float(ds.moe.compute_share())
+        run = (share, f"shown run: {share:.0%}")
+        if ds.attrs.get("config_hash") not in (None, points.get("config_hash")):
+            notes.append(f"the shown run's model ({html.escape(str(ds.attrs.get('model_id')))}) "
+                         f"is not the one measured")
+    sub = (f"measured on the embedded model ({html.escape(str(points.get('model_id')))}) by "
+           f"{POINTS_SOURCE}, n = {points.get('n')} held-out questions, ±2 SE")
+    title = (f"{POINTS_TITLE}<br><sub>{sub}"
+             + "".join(f" · {n}" for n in notes) + "</sub>")
+    fig = operating_points_figure(points["curves"], mark, run, title)
+    return _finish(fig, "prism_points", revision)
+
+
+def _set_range(w: Any, lo: int, hi: int, value: int, **kw: Any) -> None:
+    """An editable int slider over ``lo`` … ``hi`` (its text box too) at ``value``: the old
+    bounds are lifted first, as the value may lie outside them; nothing is sent when all is
+    as asked (a live run's every commit comes here)."""
+    if (w.start, w.end, w.fixed_start, w.fixed_end, w.value) == (lo, max(hi, lo + 1), lo, hi,
+                                                                  value):
+        w.param.update(**kw)
+        return
+    w.param.update(fixed_start=None, fixed_end=None)
+    w.param.update(start=lo, end=max(hi, lo + 1), value=value, **kw)
+    w.param.update(fixed_start=lo, fixed_end=hi)
+
+
+class SubexpertView(PlotView):
+    """The shown run's sub-expert heatmap at the layer of ``layer`` (a slider over its MoE
+    layers; the first offloaded one until moved), under the heatmap-tokens filter, and in
+    ``note`` the compute share it did (:func:`compute_share_html`). The heatmap is hidden for
+    a run that ran whole experts (the note says so)."""
+
+    view = "subexperts"
+    watches = ("dataset", "modality")
+
+    def __init__(self, store: DataStore, height: int = 300) -> None:
+        self._layer: int | None = None  # the user's choice; None: the run's first offloaded
+        self._busy = False
+        self.layer = make(pn.widgets.EditableIntSlider, "heatmap layer", start=0, end=1,
+                          value=0, step=1, disabled=True, css_classes=["wb-prism-layer"],
+                          sizing_mode="stretch_width")
+        self.note = pn.pane.HTML("", sizing_mode="stretch_width", margin=(0, 10))
+        super().__init__(store, height)
+        self.layer.param.watch(self._on_layer, "value")
+        self._sync()
+
+    def _shown_layer(self) -> int | None:
+        ds = self.store.dataset
+        if ds is None:
+            return None
+        if self._layer is not None and self._layer < ds.sizes["layer"]:
+            return self._layer
+        off = np.nonzero(~ds.moe._pinned())[0]
+        return int(off[0]) if len(off) else 0
+
+    def figure(self) -> go.Figure:
+        s = self.store
+        return subexpert_view_figure(s.dataset, self._shown_layer(), s.modality,
+                                     f"{self._revision()}-{self._shown_layer()}")
+
+    def redraw(self, *events: Any) -> None:
+        super().redraw(*events)
+        self._sync()
+
+    def _sync(self) -> None:
+        ds = self.store.dataset
+        sub = ds is not None and run_subexperts(ds) > 1
+        self.pane.visible = sub
+        self.note.object = compute_share_html(ds, self.store.run_name)
+        self._busy = True
+        try:
+            if sub:
+                L = int(ds.sizes["layer"])
+                _set_range(self.layer, 0, L - 1, self._shown_layer(), disabled=L <= 1)
+            else:
+                self.layer.disabled = True
+        finally:
+            self._busy = False
+
+    def _on_layer(self, event: Any) -> None:
+        if self._busy or event.new is None:
+            return
+        self._layer = int(event.new)
+        self._changed()
+
+
+class OperatingPointsView(PlotView):
+    """The measured operating points (:func:`operating_points_view_figure`), redrawn when the
+    next run's ``prism`` / ``prism_k_active`` or the shown run change; a placeholder saying
+    why when the package's points cannot be read."""
+
+    view = "prism_points"
+    watches = ("dataset",)
+
+    def __init__(self, store: DataStore, height: int = 340,
+                 points: dict[str, Any] | None = None) -> None:
+        try:
+            self.points, self.problem = points or operating_points(), ""
+        except InputError as e:
+            self.points, self.problem = None, str(e)
+        super().__init__(store, height)
+        store.knobs.group("prism").param.watch(self._changed, ["prism", "prism_k_active"])
+
+    def figure(self) -> go.Figure:
+        if self.points is None:
+            return placeholder_figure(self.view, POINTS_TITLE, html.escape(self.problem))
+        g = self.store.knobs.group("prism")
+        return operating_points_view_figure(self.points, g.prism_k_active, g.prism,
+                                            self.store.dataset,
+                                            f"{self._revision()}-{g.prism_k_active}-{g.prism}")
+
+
+class KActiveSlider:
+    """The ``prism_k_active`` knob as a slider 1 … N, N meaning every sub-expert (the knob's
+    None). N: the shown run's sub-experts when it ran some, else the measured points' (the
+    embedded model's refactoring); a run refuses a k_active past its refactoring's N, naming
+    the range. Knob and slider follow each other."""
+
+    def __init__(self, store: DataStore, points_n: int | None = None) -> None:
+        self.store, self.points_n = store, points_n
+        self.group = store.knobs.group("prism")
+        self._busy = False
+        cls = pn.widgets.EditableIntSlider
+        doc = {"description": self.group.param["prism_k_active"].doc} \
+            if "description" in cls.param else {}
+        self.widget = make(cls, "k_active (N = all)", start=1, end=2, value=1, step=1,
+                           css_classes=["wb-knob-prism_k_active"], sizing_mode="stretch_width",
+                           **doc)
+        self.widget.param.watch(self._to_knob, "value")
+        self.group.param.watch(self._from_knob, "prism_k_active")
+        store.param.watch(self._from_knob, "dataset")
+        self._from_knob()
+
+    def subexperts(self) -> int:
+        ds, k = self.store.dataset, self.group.prism_k_active
+        n = run_subexperts(ds) if ds is not None else 1
+        return max(n if n > 1 else self.points_n or 1, k or 1)
+
+    def _to_knob(self, event: Any) -> None:
+        if self._busy or event.new is None:
+            return
+        v = int(event.new)
+        self.group.prism_k_active = None if v >= self.subexperts() else v
+
+    def _from_knob(self, *events: Any) -> None:
+        N, k = self.subexperts(), self.group.prism_k_active
+        self._busy = True
+        try:
+            _set_range(self.widget, 1, N, N if k is None else k, disabled=N <= 1)
+        finally:
+            self._busy = False
+
+
+def prism_knob_widgets(store: DataStore, points_n: int | None = None) -> pn.Column:
+    """The Elastic experts knobs, each with one widget: ``prism_k_active`` a
+    :class:`KActiveSlider`, the rest of the group (``prism``, the refactoring folder, …) the
+    widgets :func:`~workbench.ui.widgets.knob_panels` gives them. ``col._wb_widgets`` maps
+    knob name → widget."""
+    group = store.knobs.group("prism")
+    rest = [n for n in group.knob_names() if n != "prism_k_active"]
+    panel = pn.Param(group, parameters=rest, widgets=_knob_widget_specs(group), show_name=False,
+                     sizing_mode="stretch_width", margin=0)
+    k = KActiveSlider(store, points_n)
+    hint = pn.pane.HTML("<small class='wb-muted'>sub-experts each routed expert runs, chosen per "
+                        "token by the proxy gate</small>", margin=(0, 10),
+                        stylesheets=[".wb-muted { color: #6b7280; }"])
+    col = pn.Column(k.widget, hint, panel, sizing_mode="stretch_width",
+                    css_classes=["wb-prism-knobs"])
+    col._wb_widgets = {"prism_k_active": k.widget, **{n: panel._widgets[n] for n in rest}}
+    col._wb_link = k  # keep the link alive with the widgets
+    return col
+
+
+# -- the QoS scheduler view -----------------------------------------------------------------------
+#: arrival rates of the view's sweep, as multiples of μ_full = batch_size / S_full (S_full: a full
+#: batch at full quality of the longest requests; about what FIFO serves at most)
+RATE_FACTORS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
+#: the scheduler knobs the view has widgets for, with their labels (the rest keep
+#: SchedulerKnobs' defaults)
+SCHEDULER_KNOBS = {"rate": "arrival rate (req/s)", "ttft_slo_s": "TTFT limit (s)",
+                   "tpot_slo_s": "TPOT limit (s)", "e2e_slo_s": "end-to-end limit (s)",
+                   "batch_size": "batch size B_max", "timeout_s": "prism timeout T_max (s)",
+                   "baseline_level": "fifo / fullbatch level"}
+#: the modeled cost table's target model while the Cost model card's is "none": the embedded
+#: model's architecture (Qwen3-VL-MoE) at full size
+DEFAULT_TARGET = "qwen3-vl-30b-a3b"
+
+
+class SchedulerSettings(param.Parameterized):
+    """What the scheduler view compares and prices with, besides the scheduler's own knobs
+    (:class:`~workbench.prism.scheduler.SchedulerKnobs`): menus from the registries."""
+
+    policies = param.ListSelector(default=[], objects=[],
+                                  doc="Scheduling policies simulated and drawn.")
+    profile = param.Selector(default=None, objects=[],
+                             doc="Hardware profile whose roofline prices C(m, b) (modeled).")
+    target_model = param.Selector(default=None, objects=[],
+                                  doc="Model whose sizes the cost table prices (modeled).")
+
+    def __init__(self, **values: Any) -> None:
+        from workbench.prism import scheduler as S
+        from workbench.sim.profiles import available_profiles, available_target_models
+
+        super().__init__()
+        self.param.policies.objects = S.available()
+        self.param.profile.objects = available_profiles()
+        self.param.target_model.objects = available_target_models()
+        self.param.update(policies=S.available(), profile=available_profiles()[0],
+                          target_model=DEFAULT_TARGET)
+        self.param.update(**values)
+
+
+def _two(x: float) -> float:
+    """``x`` to two significant digits (a default a person can read and type)."""
+    return float(f"{x:.2g}")
+
+
+def _token_max(mean: int, spread: float) -> int:
+    """The largest token count the scheduler draws for ``mean`` (``scheduler._draw``)."""
+    lo = max(1, round(mean * (1 - spread)))
+    return max(lo, round(mean * (1 + spread)))
+
+
+def full_batch_s(table: Any, knobs: Any) -> float:
+    """S_full: one batch of ``knobs.batch_size`` of the longest requests at full quality."""
+    B, N = knobs.batch_size, table.subexperts
+    return (table.prefill(B, N, _token_max(knobs.prompt_tokens, knobs.token_spread))
+            + (_token_max(knobs.out_tokens, knobs.token_spread) - 1) * table(B, N))
+
+
+@dataclass(frozen=True)
+class SchedulerStudy:
+    """The scheduler view's numbers: per policy the metrics (``Schedule.metrics``) at every
+    rate of ``rates`` (``sweep``) and at ``knobs.rate`` (``at``), and there the 0 … 100th
+    percentiles of each latency of :data:`~workbench.viz.prism.LATENCIES` (``quantiles``)."""
+
+    table: Any
+    knobs: Any
+    rates: list[float]
+    sweep: dict[str, dict[str, list[float]]]
+    at: dict[str, dict[str, Any]]
+    quantiles: dict[str, dict[str, np.ndarray]]
+    s_full: float
+    elapsed_s: float
+
+
+def scheduler_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStudy:
+    """Simulate each of ``policies`` priced by ``table`` at ``knobs.rate`` and at
+    :data:`RATE_FACTORS` × μ_full, ``knobs.requests`` Poisson requests a point, one seed (the
+    arrivals of two rates are one draw scaled)."""
+    from workbench.prism import scheduler as S
+
+    t0 = time.perf_counter()
+    s_full = full_batch_s(table, knobs)
+    mu = knobs.batch_size / s_full
+    rates = sorted({*(f * mu for f in RATE_FACTORS), float(knobs.rate)})
+    sweep, at, quantiles = {}, {}, {}
+    for p in policies:
+        rows = []
+        for r in rates:
+            sched = S.simulate(table, knobs.copy(policy=p, rate=r))
+            rows.append(sched.metrics())
+            if r == float(knobs.rate):
+                at[p] = rows[-1]
+                lat = {"ttft_s": sched.ttft_s, "tpot_s": sched.tpot_s, "e2e_s": sched.e2e_s}
+                quantiles[p] = {k: np.percentile(v[np.isfinite(v)], np.arange(101))
+                                if np.isfinite(v).any() else np.full(101, np.nan)
+                                for k, v in lat.items()}
+        sweep[p] = {k: [m[k] for m in rows] for k in ("throughput_rps", "goodput_rps",
+                                                         "slo_attainment")}
+    return SchedulerStudy(table, knobs, rates, sweep, at, quantiles, s_full,
+                          time.perf_counter() - t0)
+
+
+def _cost_label(table: Any) -> str:
+    m = table.meta
+    if table.clock == "modeled":
+        how = ", ".join(f"{k}={m[k]}" for k in ("sub_choice", "kernel") if k in m)
+        return (f"<i>modeled</i>: the roofline of {html.escape(str(m.get('profile_label')))} "
+                f"for {html.escape(str(m.get('target_model')))}'s sizes (a lower bound"
+                f"{'; ' + html.escape(how) if how else ''})")
+    return f"<i>{html.escape(table.clock)}</i>"
+
+
+def scheduler_view_figure(st: SchedulerStudy) -> go.Figure:
+    k = st.knobs
+    slo = {"ttft_s": k.ttft_slo_s, "tpot_s": k.tpot_slo_s, "e2e_s": k.e2e_slo_s}
+    title = (f"QoS batch scheduler, simulated: {k.requests:,} requests a point · cost table "
+             f"{st.table.clock} ({st.table.meta.get('profile', '')}, "
+             f"{st.table.meta.get('target_model', '')})")
+    fig = scheduler_figure(st.rates, st.sweep, st.quantiles, float(k.rate), slo, title)
+    return _finish(fig, "scheduler", f"{k.rate}-{sorted(st.sweep)}")
+
+
+_SHORT = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "end-to-end"}
+
+
+def _seconds(v: float | None) -> str:
+    return "n/a" if v is None or not np.isfinite(v) else f"{v:.3g} s"
+
+
+def scheduler_table_html(st: SchedulerStudy | None, message: str = "") -> str:
+    """At the chosen rate, one row per policy: throughput, goodput, SLO attainment, P50/P99 of
+    TTFT, TPOT and end-to-end latency, the level served; under it what was simulated and how
+    the cost table was made (modeled, measured)."""
+    if st is None:
+        return f"<p class='wb-muted'>{html.escape(message)}</p>" if message else ""
+    k = st.knobs
+    head = ("<tr><th>policy</th><th>throughput</th><th>goodput</th><th>within SLO</th>"
+            + "".join(f"<th>{_SHORT[key]} P50 / P99</th>" for key, _ in LATENCIES)
+            + "<th>mean level</th><th>mean batch</th></tr>")
+    best = max(m["goodput_rps"] for m in st.at.values())
+    rows = []
+    for p, m in st.at.items():
+        cls = " class='wb-good'" if m["goodput_rps"] == best and len(st.at) > 1 else ""
+        lat = "".join(f"<td>{_seconds(m[key]['p50'])} / {_seconds(m[key]['p99'])}</td>"
+                      for key, _ in LATENCIES)
+        rows.append(f"<tr><td>{html.escape(p)}</td><td>{m['throughput_rps']:.3g} req/s</td>"
+                    f"<td{cls}>{m['goodput_rps']:.3g} req/s</td><td>{m['slo_attainment']:.1%}"
+                    f"</td>{lat}<td>{m['mean_level']:.2f} of {st.table.subexperts}</td>"
+                    f"<td>{m['mean_batch']:.1f}</td></tr>")
+    pm, om = _token_max(k.prompt_tokens, k.token_spread), _token_max(k.out_tokens, k.token_spread)
+    note = (f"<div class='wb-muted wb-ab-names' data-testid='scheduler-note'>at <b>"
+            f"{k.rate:.3g}</b> req/s · simulated by "
+            f"workbench.prism.scheduler: {k.requests:,} Poisson requests a point (seed "
+            f"{k.seed}), k_min uniform in 1 … {st.table.subexperts}, prompts up to {pm} and "
+            f"outputs up to {om} tokens · cost table C(m, b) {_cost_label(st.table)} · "
+            f"S_full = {st.s_full:.3g} s (a full batch at full quality) · simulated in "
+            f"{st.elapsed_s * 1e3:.0f} ms (measured)</div>")
+    return (f"{note}<div style='overflow-x: auto'><table class='wb-ab wb-scheduler-table'>"
+            f"<thead>{head}</thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+class SchedulerView:
+    """The QoS scheduler view: ``settings`` (policies, the cost table's profile and target
+    model) and ``knobs`` (a :class:`~workbench.prism.scheduler.SchedulerKnobs`; ``controls``:
+    one ``pn.Param`` per knob of :data:`SCHEDULER_KNOBS`) → :func:`scheduler_study` →
+    ``pane`` (:func:`~workbench.viz.prism.scheduler_figure`) and ``table``. A new cost table
+    (profile, target model) resets the rate to μ_full and the limits to the benchmark's strict
+    SLO: TTFT ≤ S_full, end-to-end ≤ 2·S_full, TPOT ≤ C(batch_size, N); timeout S_full / 2.
+    Independent of the shown run: nothing here runs a model."""
+
+    view = "scheduler"
+
+    def __init__(self, store: DataStore, height: int = 560, defer: bool = False) -> None:
+        from workbench.prism.scheduler import SchedulerKnobs
+
+        k = store.knobs
+        self.settings = SchedulerSettings(
+            profile=k.profile, target_model=DEFAULT_TARGET if k.target_model == "none"
+            else k.target_model)
+        self.knobs = SchedulerKnobs()
+        self.study: SchedulerStudy | None = None
+        self.message = ""
+        self.redraws = 0
+        self._busy = False
+        specs = _knob_widget_specs(self.knobs)
+        self.controls = {n: pn.Param(self.knobs, parameters=[n], widgets={n: {
+            **specs[n], "name": label}}, show_name=False, sizing_mode="stretch_width", margin=0)
+            for n, label in SCHEDULER_KNOBS.items()}
+        cbg = pn.widgets.CheckButtonGroup
+        self.choices = {
+            "policies": cbg.from_param(self.settings.param.policies,
+                                       css_classes=["wb-scheduler-policies"],
+                                       **names(cbg, "", "primary", "outline")),
+            "profile": pn.widgets.Select.from_param(
+                self.settings.param.profile, css_classes=["wb-scheduler-profile"],
+                sizing_mode="stretch_width", **names(pn.widgets.Select, "hardware profile")),
+            "target_model": pn.widgets.Select.from_param(
+                self.settings.param.target_model, css_classes=["wb-scheduler-target"],
+                sizing_mode="stretch_width", **names(pn.widgets.Select, "target model")),
+        }
+        self.pane = pn.pane.Plotly(placeholder_figure(self.view, "QoS batch scheduler",
+                                                      "simulating …"),
+                                   height=height, sizing_mode="stretch_width",
+                                   config={"displaylogo": False, "responsive": True})
+        self.table = pn.pane.HTML("", sizing_mode="stretch_width")
+        self._retable()
+        self.settings.param.watch(self._retable, ["profile", "target_model"])
+        self.settings.param.watch(self.redraw, ["policies"])
+        self.knobs.param.watch(self.redraw, list(SCHEDULER_KNOBS))
+        if not defer:
+            self.redraw()
+
+    def _retable(self, *events: Any) -> None:
+        from workbench.prism.costs import CostTable
+
+        s = self.settings
+        self.cost = CostTable.modeled(s.profile, s.target_model)
+        k = self.knobs
+        self._busy = True
+        try:
+            k.batch_size = min(k.batch_size, self.cost.max_batch)
+            s_full = full_batch_s(self.cost, k)
+            mu = k.batch_size / s_full
+            k.param.update(rate=_two(mu), ttft_slo_s=_two(s_full), e2e_slo_s=_two(2 * s_full),
+                           timeout_s=_two(s_full / 2),
+                           tpot_slo_s=_two(self.cost(k.batch_size, self.cost.subexperts)))
+            self.controls["rate"]._widgets["rate"].param.update(start=_two(mu / 20),
+                                                                end=_two(3 * mu))
+        finally:
+            self._busy = False
+        if events:
+            self.redraw()
+
+    def redraw(self, *events: Any) -> None:
+        if self._busy:
+            return
+        self.study, self.message = None, ""
+        try:
+            self.study = scheduler_study(self.cost, self.knobs, list(self.settings.policies))
+            fig = scheduler_view_figure(self.study) if self.study.at else placeholder_figure(
+                self.view, "QoS batch scheduler", "pick a policy to simulate")
+        except WorkbenchError as e:
+            self.study, self.message = None, str(e)
+            fig = placeholder_figure(self.view, "QoS batch scheduler", html.escape(str(e)))
+        except Exception as e:  # never into Panel: say what happened
+            log.exception("scheduler view")
+            self.study, self.message = None, f"could not simulate: {type(e).__name__}: {e}"
+            fig = placeholder_figure(self.view, "QoS batch scheduler",
+                                     html.escape(self.message[:200]))
+        self.pane.object = fig
+        self.table.object = scheduler_table_html(self.study if self.study and self.study.at
+                                                 else None, self.message)
+        self.redraws += 1
+
+    def __panel__(self) -> pn.pane.Plotly:
+        return self.pane
