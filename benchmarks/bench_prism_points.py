@@ -102,7 +102,6 @@ def top_k_prime(lm, k: int):
 def main() -> None:
     from workbench.prism import partition as P
     from workbench.prism import refactor as R
-    from workbench.prism.profile import neuron_activations
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=96)
@@ -133,19 +132,8 @@ def main() -> None:
     ref = R.refactor(lm, reqs, iterations=a.iterations)
     R.save(ref, work / "annealed")
     # the control: random partitions, gate neurons picked on the same activations
-    M = neuron_activations(lm, reqs)
-    N, I = ref.subexperts, ref.meta["neurons"]
-    L, E = lay.num_layers, lay.num_experts
-    rnd = R.Refactoring(perm=np.empty_like(ref.perm), gates=np.empty_like(ref.gates),
-                        objective={k: v.copy() for k, v in ref.objective.items()},
-                        tokens=ref.tokens.copy(), meta=dict(ref.meta))
-    for l in range(L):
-        for e in range(E):
-            part = P.random_partition(I, N, 1000 * l + e)
-            rnd.perm[l, e] = P.permutation(part, N)
-            m = M[l][e]
-            rnd.gates[l, e] = P.gate_neurons(m, part, N, r=ref.gates.shape[-1]) if len(m) \
-                else rnd.perm[l, e].reshape(N, -1)[:, :ref.gates.shape[-1]]
+    rnd = R.random_control(lm, ref, reqs)
+    N = ref.subexperts
     R.save(rnd, work / "random")
     batches, truth, ex = _batches(a.n, 8)
 

@@ -306,3 +306,17 @@ def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):
         rt.run(reqs[:1], record=False, prism_k=4, prism_k_active=2, **kw)
     with pytest.raises(InputError, match=rf"prism_k must be in 1 … {top_k * 4}"):
         rt.run(reqs[:1], record=False, prism_k=top_k * 4 + 1, **kw)
+
+
+def test_the_random_control_differs_only_in_the_partition(embedded, tmp_path):
+    """random_control: random partitions whose gate neurons follow the proxy gate's rule on
+    the same activations — a valid refactoring (load checks it) of the same model and shape."""
+    from workbench.prism import refactor as R
+
+    ref = R.random_refactoring(embedded, seed=1)
+    rnd = R.random_control(embedded, ref, R.calibration_requests(4))
+    assert rnd.meta["control"] == "random" and rnd.perm.shape == ref.perm.shape
+    assert not np.array_equal(rnd.perm, ref.perm)
+    R.save(rnd, tmp_path / "r")
+    back = R.load(tmp_path / "r", embedded)
+    np.testing.assert_array_equal(back.gates, rnd.gates)

@@ -164,6 +164,28 @@ def random_refactoring(lm, subexperts: int = 4, r: int = 2, seed: int = 0) -> Re
               "gate_neurons": r, "random": True, "seed": seed})
 
 
+def random_control(lm, ref: Refactoring, requests: Sequence[Any]) -> Refactoring:
+    """The control of ``ref``: random partitions (seeded per expert), each sub-expert's gate
+    neurons picked by the proxy gate's rule on the activations profiled over ``requests``
+    (so only the partition differs from an annealed refactoring). Objectives are ``ref``'s
+    (not recomputed)."""
+    from workbench.prism.profile import neuron_activations
+
+    M = neuron_activations(lm, requests)
+    N, I, r = ref.subexperts, ref.meta["neurons"], ref.gates.shape[-1]
+    rnd = Refactoring(perm=np.empty_like(ref.perm), gates=np.empty_like(ref.gates),
+                      objective={k: v.copy() for k, v in ref.objective.items()},
+                      tokens=ref.tokens.copy(), meta={**ref.meta, "control": "random"})
+    for l in range(lm.layout.num_layers):
+        for e in range(lm.layout.num_experts):
+            part = P.random_partition(I, N, 1000 * l + e)
+            rnd.perm[l, e] = P.permutation(part, N)
+            m = M[l][e]
+            rnd.gates[l, e] = P.gate_neurons(m, part, N, r=r) if len(m) \
+                else rnd.perm[l, e].reshape(N, -1)[:, :r]
+    return rnd
+
+
 def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
     """Write ``ref`` into folder ``out`` (created); an existing refactoring there is replaced
     only with ``overwrite`` (each file written to a temporary name, then renamed)."""
