@@ -147,3 +147,55 @@ def test_live_sub_expert_offloading(embedded, tmp_path, assert_replays_live):
         assert_replays_live(res, ds)
     for n, p in embedded.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_a_store_with_impossible_sub_expert_sizes_is_refused(prism_store, tmp_path):
+    """The reader bounds what sub-experts can make it read: chunks must span whole rows (the
+    per-chunk bound then holds), and experts × sub-experts must fit a sub-expert id."""
+    import json
+    import shutil
+
+    import workbench
+    from workbench.errors import StoreError
+
+    def edit(folder, name, **changes):
+        f = folder / name / "zarr.json"
+        meta = json.loads(f.read_text())
+        meta.update(changes)
+        f.write_text(json.dumps(meta))
+
+    narrow = tmp_path / "narrow.zarr"
+    shutil.copytree(prism_store[0], narrow)
+    meta = json.loads((narrow / "subexpert_tokens" / "zarr.json").read_text())
+    edit(narrow, "subexpert_tokens", chunk_grid={"name": "regular", "configuration": {
+        "chunk_shape": [1, 1, 1, 1, 1]}})
+    with pytest.raises(StoreError, match="chunks span the whole of"):
+        workbench.open_run(narrow)
+    wide = tmp_path / "wide.zarr"
+    shutil.copytree(prism_store[0], wide)
+    for name in ("subexpert_tokens", "subexpert_ran"):
+        meta = json.loads((wide / name / "zarr.json").read_text())
+        axis = meta["dimension_names"].index("subexpert")
+        shape, chunk = meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"]
+        shape[axis] = chunk[axis] = 600
+        edit(wide, name, shape=shape, chunk_grid={"name": "regular",
+                                                  "configuration": {"chunk_shape": chunk}})
+    with pytest.raises(StoreError, match=r"64 experts × 600 sub-experts is over 32767"):
+        workbench.open_run(wide)
+
+
+def test_hybrid_mode_with_a_global_k_replays_exactly(embedded, tmp_path, assert_replays_live):
+    """GPU–CPU hybrid decides each looked-up expert by its own tokens: with a global K the
+    experts left idle are not looked up, and the decisions stay with their experts (replay =
+    live, the Python engine: hybrid's)."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=11), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    rt.run(workbench.mixed_batch(2, text_share=0.5, seed=12), prism=True, prism_k=3,
+           prism_refactoring=str(tmp_path / "p"), hybrid=True, store=tmp_path / "h.zarr",
+           **dict(KW, cache_slots=24))
+    ds = workbench.open_run(tmp_path / "h.zarr")
+    assert int(ds.host_runs.sum()) > 0
+    assert_replays_live(workbench.replay_trace(ds, engine="python"), ds)

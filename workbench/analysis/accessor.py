@@ -201,7 +201,8 @@ class MoEAccessor:
         """Tokens that ran each sub-expert, DataArray [layer, expert, subexpert] (int64),
         summed over the selected ``steps`` and ``phase`` (MoE-Prism; a run without sub-experts
         has one per expert, equal to :meth:`expert_counts`). Over ``subexpert`` it sums to
-        ``k_active ×`` :meth:`expert_counts` (each routed token runs k_active of N)."""
+        the sub-experts each routed token ran — ``k_active ×`` :meth:`expert_counts` with
+        ``prism_k_active``; K per token and layer with a global ``prism_k``."""
         name = self._modality(modality)
         st = self._select(self._ds["subexpert_tokens"], steps, phase)
         st = st.sum("modality") if name is None else st.sel(modality=name, drop=True)

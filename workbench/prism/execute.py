@@ -1,5 +1,5 @@
-"""Elastic execution of sub-experts (issue 16 §2, first part): the model's own experts forward
-over sub-expert slices of the (permuted) fused tensors.
+"""Elastic execution of sub-experts (issue 16 §2): the model's own experts forward over
+sub-expert slices of the (permuted) fused tensors.
 
 :class:`PrismView` wraps the offloader's :class:`~workbench.runtime.slots.ExpertsView`: a call
 for experts ``[e, …]`` becomes a call for their sub-experts ``[e·N + s, …]`` — each one expert
@@ -8,19 +8,21 @@ and ``down_proj`` columns of the neurons the refactoring put in sub-expert s
 (``perm[e][s·I/N : (s+1)·I/N]``). The offloader stores a prism layer's experts in the
 *sub-expert layout* while installed (:func:`to_subexpert_layout`, at install; undone bit for bit
 at removal), where each sub-expert is a contiguous block: a call slices them with no copy, and
-the host store, the cache slots and the transfers move the same bytes as always. Every routed slot (token, e, w) becomes N slots
-(token, e·N + s, w), the inactive ones masked (the forward's sentinel: no compute). Every path
-of the offloader (cache hits, misses, the host, the pinned prefix, ReaLB's low precision)
-calls the view, so all of them run sub-experts the same way. With every sub-expert active the
-layer computes Σ_s A[:, S_s]·down[:, S_s] = the expert's output (a sum in another order:
-equal up to float rounding; tested).
+the host store, the cache slots and the transfers move the same bytes as always. Each routed
+slot (token, e, w) hands on only the sub-experts it runs, as slots (token, e·N + s, w); the
+others are the forward's sentinel (no compute). Every path of the offloader (cache hits,
+misses, the host, the pinned prefix, sub-expert offloading's own slots) calls the view, so all
+of them run sub-experts the same way. With every sub-expert active the layer computes
+Σ_s A[:, S_s]·down[:, S_s] = the expert's output (a sum in another order: equal up to float
+rounding; tested).
 
-Which sub-experts a (token, expert) runs (``k_active`` of N): the proxy gate — each
-sub-expert's score is the mean |activation| of its r gate neurons on the token, computed from
-the expert's own weights (2·r·N rows of ``gate_up_proj``); the k_active best run. The router's
-expert choice is kept as is (seed §4.3.1: "the model's top-level router can then use these
-lightweight scores to select which sub-experts to execute"); what a run computes is the
-routed experts' chosen sub-experts, each weighted by its expert's routing weight.
+Which sub-experts run (:meth:`PrismView.choose`, router-side, before the cache is consulted):
+the proxy gate scores each sub-expert on the token by the mean |activation| of its r gate
+neurons, from resident copies of their rows (:meth:`PrismView.capture_gates`); per routed
+expert its ``k_active`` best run, or, with a global K, the token's K best (expert, sub-expert)
+pairs by score × routing weight. The router's expert choice is kept (seed §4.3.1: "the model's
+top-level router can then use these lightweight scores to select which sub-experts to
+execute"); each sub-expert's output is weighted by its expert's routing weight.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ class PrismView:
         #: (token, expert) sub-expert runs this view was asked for / ran (counters)
         self.asked = 0
         self.ran = 0
-        #: the layer call in progress (:meth:`choose` … :meth:`take`): long [T, k, k_active]
-        #: the sub-experts each slot runs, and int16 the same where they ran (-1: not yet)
+        #: the layer call in progress (:meth:`choose` … :meth:`take`): long [T, k, w] the
+        #: sub-experts each slot runs (-1 padding), and int16 the same where they ran
         self._chosen_call: torch.Tensor | None = None
         self._ran_call: torch.Tensor | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
@@ -192,9 +194,15 @@ class PrismView:
         return torch.bincount(keys, minlength=num_experts * self.N).reshape(
             num_experts, self.N).cpu().numpy()
 
+    def tokens_per_expert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
+        """int64 [E]: tokens of the layer call that will run some sub-expert of each expert
+        (after :meth:`choose`; with a global K a routed token may run none of an expert's)."""
+        runs = (self._chosen_call >= 0).any(-1)  # [T, k]
+        return torch.bincount(top_k_index.long()[runs], minlength=num_experts).cpu().numpy()
+
     def take(self):
-        """int16 [T, k, k_active] (numpy): the sub-experts each slot of the layer call ran
-        (-1: the slot ran none: routed nowhere); ends the call."""
+        """int16 [T, k, w] (numpy): the sub-experts each slot of the layer call ran, -1
+        padding (w = k_active, or N with a global K); ends the call."""
         c, self._ran_call, self._chosen_call = self._ran_call, None, None
         return None if c is None else c.cpu().numpy()
 
@@ -209,44 +217,33 @@ class PrismView:
                  hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor, *args: Any, all_routed=None, **kwargs: Any
                  ) -> torch.Tensor:
-        experts = [int(e) for e in experts]
-        N, n = self.N, len(experts)
-        dev = top_k_index.device
-        lut = torch.full((num_experts + 1,), n, dtype=torch.long, device=dev)
-        lut[torch.as_tensor(experts, dtype=torch.long, device=dev)] = torch.arange(
-            n, dtype=torch.long, device=dev)
-        local = lut[top_k_index.long()]  # [T, k]: position in ``experts`` or n (not here)
-        if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
-            self.choose(hidden_states, top_k_index, top_k_weights, num_experts)  # on its own
-        chosen = self._chosen_call  # [T, k, w]
-        ka = chosen.shape[-1]
-        here = (local < n)[..., None] & (chosen >= 0)  # [T, k, w]
-        # every call of the layer (hits, each miss, the host) records its own slots
-        self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
-        # only the chosen sub-experts are handed on: k·k_active slots a token, not k·N
-        sub_ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
-            ~here, num_experts * N)  # the sentinel: a slot routed to no expert of this call
-        w = top_k_weights[..., None].expand(-1, -1, ka).masked_fill(~here, 0)
-        T = top_k_index.shape[0]
-        subs = [e * N + s for e in experts for s in range(N)]
-        return self.inner(self._sub_weights(weights, n), subs, num_experts * N,
-                          hidden_states, sub_ids.reshape(T, -1).to(top_k_index.dtype),
-                          w.reshape(T, -1), *args, **kwargs)
-
+        """The layer output share of whole experts ``experts`` (``weights`` theirs, in the
+        sub-expert layout): their sub-experts, sliced as views."""
+        N = self.N
+        subs = [int(e) * N + s for e in experts for s in range(N)]
+        return self.run_subexperts(self._sub_weights(weights, len(experts)), subs,
+                                   num_experts, hidden_states, top_k_index, top_k_weights,
+                                   *args, **kwargs)
 
     def run_subexperts(self, weights: dict[str, torch.Tensor], subs, num_experts: int,
                        hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Sub-expert offloading: the layer output share of sub-experts ``subs`` (ids e·N + s,
-        ``weights`` their own blocks, :func:`subexpert_rows`) — each routed slot's chosen
-        sub-experts among them, weighted by the slot's routing weight."""
+        """The layer output share of sub-experts ``subs`` (ids e·N + s, ``weights`` their
+        own blocks: :func:`subexpert_rows`, or sliced by :meth:`__call__`) — each routed
+        slot's chosen sub-experts among them, weighted by the slot's routing weight. Every call
+        of a layer (hits, each miss, the host) records the slots it ran."""
         N, dev = self.N, top_k_index.device
-        chosen = self._chosen_call  # [T, k, ka]: set by :meth:`choose` for this layer call
-        keys = top_k_index.long()[..., None] * N + chosen.clamp(min=0)  # a sentinel: ≥ E·N
+        if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
+            self.choose(hidden_states, top_k_index, top_k_weights, num_experts)  # on its own
+        chosen = self._chosen_call.to(dev)  # [T, k, w] (the host path runs on the host)
+        # a slot routed nowhere has id E: its keys E·N + s are past every sub-expert's
+        keys = top_k_index.long()[..., None] * N + chosen.clamp(min=0)
         mine = torch.zeros(num_experts * N + N, dtype=torch.bool, device=dev)
         mine[torch.as_tensor([int(x) for x in subs], dtype=torch.long, device=dev)] = True
         here = mine[keys] & (chosen >= 0)
-        self._ran_call = torch.where(here, chosen.to(torch.int16), self._ran_call)
+        ran = self._ran_call
+        self._ran_call = torch.where(here.to(ran.device), chosen.to(ran.device, torch.int16),
+                                     ran)
         T = top_k_index.shape[0]
         ids = keys.masked_fill(~here, num_experts * N)  # the sentinel: not in this call
         w = top_k_weights[..., None].expand_as(here).masked_fill(~here, 0)

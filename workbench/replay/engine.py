@@ -229,8 +229,10 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     st = _settings(trace, knobs, knob_values, scope, engine, expert_bytes)
     if getattr(st.knobs, "prism_offload", False):  # the cache holds sub-experts
         trace, groups = _subexpert_keys(trace, st, scope), None
-    elif trace.ran_experts() is not trace:  # MoE-Prism's global K left experts idle
-        trace, groups = trace.ran_experts(), None
+    elif trace.subexperts > 1:  # MoE-Prism's global K may leave routed experts idle
+        ran = trace.ran_experts()
+        if ran is not trace:
+            trace, groups = ran, None
     _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction,
                          0 if st.knobs.prefetch == "none" else st.knobs.prefetch_lead)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them

@@ -372,6 +372,9 @@ class Offloader:
                 ran = per_sub.sum(1) > 0
                 keys = [e for e, r in zip(experts, ran) if r]
                 compute_s = compute_s[ran]
+                # hybrid's rule, per key: the tokens that run some sub-expert of it
+                per_expert = view.tokens_per_expert(top_k_index, b.num_experts)
+                tokens = [int(per_expert[e]) for e in keys]
             compute_s = compute_s.tolist()
         else:
             compute_s = [(low_price if e in self._low else p.expert)(n)
@@ -385,12 +388,10 @@ class Offloader:
             host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, keys, out)
-        if self.prism is None:
-            return self._execute(b, original, view, ev, out, routed, hidden_states,
-                                 top_k_index, top_k_weights, args, kwargs)
         result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
                                top_k_weights, args, kwargs)
-        ev.sub_chosen = view.take()
+        if self.prism is not None:  # which sub-experts each slot ran, for the store
+            ev.sub_chosen = view.take()
         return result
 
     def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:

@@ -68,8 +68,8 @@ class LayerEvent:
     #: ReaLB's decision at this layer call (``workbench.sim.realb.ReaLBDecision``: per-rank
     #: ``low``, ``m``, ``ib``, ``vision`` and ``gated``), or None: no controller
     realb: Any = None
-    #: MoE-Prism: [T, k, k_active] int16, the sub-experts each routed slot ran (-1: none —
-    #: the slot routed nowhere); None: prism off (each expert one sub-expert)
+    #: MoE-Prism: [T, k, w] int16, the sub-experts each routed slot ran, -1 padding (w =
+    #: k_active, or N with a global K); None: prism off (each expert one sub-expert)
     sub_chosen: np.ndarray | None = None
     stall_s: float = 0.0
 

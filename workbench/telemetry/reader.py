@@ -61,6 +61,7 @@ MAX_CHUNK_BYTES = 256 * 1024 * 1024
 MAX_DIM = 1 << 20  # a layout dimension (layers, experts, k, …) larger than this is not a run
 MAX_DOC_BYTES = 64 * 1024 * 1024  # a metadata document (zarr.json) at most
 MAX_ROWS = 1 << 48  # a committed extent larger than this is not a run
+MAX_SUBEXPERT_IDS = (1 << 15) - 1  # experts × sub-experts: what an int16 id holds
 
 
 def _fail(path: Path, what: str) -> StoreError:
@@ -335,6 +336,11 @@ def _check_array(path: Path, name: str, meta: dict, sizes: dict[str, int],
         ok = False
     if not ok:
         raise _fail(path, f"array {name!r} has an unusable chunk grid")
+    # the reader reads whole rows of a chunk: a chunk narrower than a row would slip a row of
+    # any size past the per-chunk bound below
+    if v is not PINNED and chunk[1:] != shape[1:]:
+        raise _fail(path, f"array {name!r} declares chunks of {chunk}; a run store's chunks "
+                          f"span the whole of {list(v.dims[1:])} {shape[1:]}")
     if math.prod(chunk) * np.dtype(v.dtype).itemsize > MAX_CHUNK_BYTES:
         raise _fail(path, f"array {name!r} declares chunks of {chunk}; at most "
                           f"{MAX_CHUNK_BYTES // 2**20} MiB per chunk allowed")
@@ -409,6 +415,10 @@ def open_run(path: str | Path) -> xr.Dataset:
     sizes: dict[str, int] = {}
     for n in names:
         _check_array(path, n, metas[n], sizes, committed, version)
+    E, N = sizes.get("expert", 1), sizes.get(SUBEXPERT, 1)
+    if E * N > MAX_SUBEXPERT_IDS:  # sub-expert ids e·N + s are int16 in traces and replay
+        raise _fail(path, f"{E} experts × {N} sub-experts is over {MAX_SUBEXPERT_IDS} "
+                          f"sub-expert ids; not a run")
     coords: dict[str, Any] = {}
     for d in (disk_dim(i, version) for i in INDEX_DIMS):
         if d in present:

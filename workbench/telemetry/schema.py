@@ -6,9 +6,10 @@ The recorder (:mod:`workbench.telemetry.store`) writes exactly these, the reader
 docs table is generated from them.
 
 Invariants of the cache counters (per step and layer): on an offloaded layer ``hits + misses``
-is the number of distinct routed experts (of distinct sub-experts run when the cache holds
-sub-experts: MoE-Prism's ``prism_offload``; ``loads``, ``evictions`` and ``pinned_accesses``
-count them too) and ``pinned_accesses`` is 0; on a pinned layer
+is the number of distinct routed experts (those that ran a sub-expert under MoE-Prism's global
+``prism_k``; the distinct sub-experts run when the cache holds sub-experts, ``prism_offload``,
+and ``loads``, ``evictions`` and ``pinned_accesses`` count them too) and ``pinned_accesses`` is
+0; on a pinned layer
 ``pinned_accesses`` is that number and ``hits`` = ``misses`` = 0. So ``hits.sum()`` is the run's
 cache hits (``RunResult.hits``) and ``(hits + misses + pinned_accesses).sum()`` every access.
 """
@@ -130,9 +131,9 @@ SCHEMA: dict[str, Var] = {
     "subexpert_tokens": Var(("step", "layer", "expert", SUBEXPERT, "modality"), "int32", 32,
                             "tokens",
                             "tokens that ran the sub-expert (MoE-Prism, prism on: each routed "
-                            "token runs prism_k_active of its expert's N sub-experts; off: "
-                            "subexpert has size 1 and this equals routed_tokens), split by "
-                            "modality"),
+                            "token runs prism_k_active of its expert's N sub-experts, or its K "
+                            "best of its routed experts' with prism_k; off: subexpert has "
+                            "size 1 and this equals routed_tokens), split by modality"),
     "low_precision": Var(("step", "layer", "expert"), "bool", 32, "flag",
                          "the expert ran in low precision at the step's layer call (ReaLB: "
                          "balance ≠ none; the precision is the knob low_precision)"),
@@ -169,8 +170,8 @@ SCHEMA: dict[str, Var] = {
                         "combine weights of the routed experts"),
     "subexpert_ran": Var(("token", "layer", "k", SUBEXPERT), "bool", 1024, "flag",
                          "the routed slot ran the sub-expert of its expert (MoE-Prism: "
-                         "prism_k_active of N per slot; off: subexpert has size 1 and it is "
-                         "topk_ids ≥ 0)"),
+                         "prism_k_active of N per slot, or the token's K best with prism_k; "
+                         "off: subexpert has size 1 and it is topk_ids ≥ 0)"),
     "pred_ids": Var(("token", "layer", "depth", "k"), "int16", 1024, "expert id",
                     "router lookahead: the router of layer (layer + depth) applied to this "
                     "layer's MoE input, in its rank order (-1: none, past the last layer or "

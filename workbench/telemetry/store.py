@@ -470,7 +470,7 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     # subexpert_tokens[step, layer, expert, subexpert, modality]: off, every routed token ran
     # the one sub-expert; on, each (token, expert) slot counts once per sub-expert it ran
     sub = np.zeros((n, L, E, S, M), np.int32)
-    if not chosen:
+    if S == 1 and not chosen:
         sub[:, :, :, 0] = routed
     for i, l, lids, ch, mod in chosen:
         tok, slot, j = np.nonzero((ch >= 0) & (lids[:, :, None] >= 0))
