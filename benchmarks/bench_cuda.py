@@ -803,6 +803,15 @@ def part_prism(dev: torch.device, tokens: int = 16) -> dict:
         "transfer_bytes_whole": whole.transfer_bytes, "transfer_bytes_sub": sub.transfer_bytes,
         "replay_equals_live": bool((srep.hits == sds.hits.values).all() and np.allclose(
             srep.step_latency_s, sds.latency_modeled_s.values, rtol=1e-9))}
+    # GPU–CPU hybrid with sub-experts: misses run on the host copy (the chosen sub-experts
+    # follow the tokens to the host), and a global K: the same answers as on the device
+    hyb = rt.run(reqs, record=False, hybrid=True, target_model="qwen3-vl-30b-a3b",
+                 **configs["prism, k_active 2"])
+    dev_k = rt.run(reqs, record=False, target_model="qwen3-vl-30b-a3b",
+                   **configs["prism, k_active 2"])
+    offload["hybrid_answers_equal_device"] = sum(
+        a["token_ids"] == b["token_ids"] for a, b in zip(hyb.batch, dev_k.batch))
+    offload["hybrid_host_runs"] = hyb.host_runs
     return {"tokens": tokens, "replay_equals_live": replay_ok, "offload": offload,
             "compute_share": ds.moe.compute_share(), "runs": {
         k: {"median_s": statistics.median(v), "ratio": statistics.median(v) / base,
@@ -1099,6 +1108,10 @@ def _md_prism(pr: dict, res: dict) -> list[str]:
                       f"{o['transfer_bytes_sub'] / 1e6:.1f} MB vs {o['transfer_bytes_whole'] / 1e6:.1f}"
                       f" MB whole; replay of its store equals the live run: "
                       f"{o['replay_equals_live']}"]
+        if "hybrid_host_runs" in o:
+            lines += ["", f"Hybrid mode with sub-experts (k_active 2): {o['hybrid_host_runs']} "
+                          f"misses ran on the host; answers equal the device-only run's "
+                          f"{o['hybrid_answers_equal_device']}/8"]
     return lines + [""]
 
 
