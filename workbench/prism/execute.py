@@ -27,7 +27,7 @@ execute"); each sub-expert's output is weighted by its expert's routing weight.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -67,6 +67,18 @@ def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch
     d = down.reshape(E, N, H, I // N).permute(0, 2, 1, 3).reshape(E, H, I)
     d = torch.empty_like(down).scatter_(2, perm.to(down.device)[:, None, :].expand(E, H, I), d)
     return gu, d
+
+
+class PrismSetup(NamedTuple):
+    """What a run with ``prism=True`` hands the offloader: the refactoring's ``perm`` [L, E,
+    I] and ``gates`` [L, E, N, r] (tensors), its ``subexperts`` N, and the choice — per
+    expert ``k_active``, or a token's ``global_k`` best (None: per expert)."""
+
+    perm: torch.Tensor
+    gates: torch.Tensor
+    subexperts: int
+    k_active: int
+    global_k: int | None = None
 
 
 def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
@@ -252,5 +264,5 @@ class PrismView:
                           *args, **kwargs)
 
 
-__all__ = ["PrismView", "from_subexpert_layout", "subexpert_rows", "subexpert_shapes",
+__all__ = ["PrismSetup", "PrismView", "from_subexpert_layout", "subexpert_rows", "subexpert_shapes",
            "to_subexpert_layout"]

@@ -151,13 +151,13 @@ class Offloader:
         #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
         #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
         self.balance = balance
-        #: MoE-Prism: (perm, gates, sub-experts, k_active, global K or None) — every expert runs
-        #: through a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts,
-        #: or the token's K best of its routed experts'); None: off
+        #: MoE-Prism (a :class:`~workbench.prism.execute.PrismSetup`): every expert runs through
+        #: a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts, or the
+        #: token's K best of its routed experts'); None: off
         self.prism = prism
         #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
         #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
-        self.part = prism[2] if prism is not None and prism_offload else 1
+        self.part = prism.subexperts if prism is not None and prism_offload else 1
         self.prism_views: list = []
         self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
         self.rank_of_expert = rank_of_expert
@@ -261,8 +261,9 @@ class Offloader:
         if self.prism is not None:  # every path below calls the view: all run sub-experts
             from workbench.prism.execute import PrismView
 
-            perm, gates, N, k_active, global_k = self.prism
-            view = PrismView(view, perm, gates, b.index, N, k_active, ex.act_fn, global_k)
+            ps = self.prism
+            view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
+                             ex.act_fn, ps.global_k)
             self.prism_views.append(view)
             self._to_subexperts(b)
             view.capture_gates(ex.gate_up_proj.data, self.device)
@@ -300,7 +301,7 @@ class Offloader:
         (host store, slots, pinned prefix) is in the layout the views slice without copying."""
         from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
 
-        perm, _, N, _, _ = self.prism
+        perm, N = self.prism.perm, self.prism.subexperts
         gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
         with torch.no_grad():
             gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(

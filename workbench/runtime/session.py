@@ -164,7 +164,7 @@ class RunSession:
                 self.policy.attach(self.predictor)
 
     def _prism(self):
-        """MoE-Prism (``prism=True``): ``(perm, gates, sub-experts, k_active, K)`` for the
+        """MoE-Prism (``prism=True``): the :class:`~workbench.prism.execute.PrismSetup` for the
         offloader's sub-expert views; None when off."""
         k = self.knobs
         if not k.prism:
@@ -183,7 +183,9 @@ class RunSession:
             if not 1 <= K <= top_k * N:
                 raise InputError(f"prism_k must be in 1 … {top_k * N} (top-k {top_k} × "
                                  f"{N} sub-experts), not {K}")
-        return (torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K)
+        from workbench.prism.execute import PrismSetup
+
+        return PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K)
 
     def _balance(self) -> dict[str, Any]:
         """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
@@ -241,7 +243,8 @@ class RunSession:
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
             ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1,
-            subexperts=self.offloader.prism[2] if self.offloader.prism is not None else 1)
+            subexperts=(self.offloader.prism.subexperts if self.offloader.prism is not None
+                        else 1))
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:
