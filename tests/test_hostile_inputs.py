@@ -1436,3 +1436,68 @@ def test_rendering_under_a_hard_address_space_limit(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok fine"
+
+
+class _Mixed(_Renderer):
+    """Renders by content: "slow…" sleeps past any bound, "fail…" raises, others render."""
+
+    def apply_chat_template(self, messages, **kw):
+        c = messages[0]["content"]
+        if c.startswith("slow"):
+            time.sleep(30)
+        if c.startswith("fail"):
+            raise ValueError("boom " + c)
+        return "rendered " + c
+
+
+def test_a_batch_renders_in_one_child_with_bounds_per_prompt(monkeypatch):
+    """A batch's prompts are rendered by one forked child (a fork of a process holding a model
+    was half a batch's wall time), yet each keeps its own bounds: a template error is that
+    prompt's alone, and a prompt that runs past the time bound is reported as its own error
+    while the prompts after it are rendered by a fresh child."""
+    from workbench.models import chat_template as ct
+
+    forks = []
+    real_fork = os.fork
+
+    def counting_fork():
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(ct.os, "fork", counting_fork)
+    msgs = [[{"role": "user", "content": c}] for c in ("a", "b", "fail c", "d")]
+    out = ct.render_chats(_Mixed(), msgs, seconds=5)
+    assert out[:2] == ["rendered a", "rendered b"] and out[3] == "rendered d"
+    assert isinstance(out[2], ct.TemplateRenderError) and "boom fail c" in str(out[2])
+    assert len(forks) == 1
+    forks.clear()
+    t0 = time.perf_counter()
+    msgs = [[{"role": "user", "content": c}] for c in ("a", "slow b", "c", "slow d", "e")]
+    out = ct.render_chats(_Mixed(), msgs, seconds=1)
+    assert time.perf_counter() - t0 < 8
+    assert [o for o in out if isinstance(o, str)] == ["rendered a", "rendered c", "rendered e"]
+    assert [i for i, o in enumerate(out) if isinstance(o, ct.TemplateRenderError)
+            and "longer than 1 s" in str(o)] == [1, 3]
+    assert len(forks) == 3  # the first child, then one after each prompt that ran away
+
+
+def test_a_batch_names_the_request_its_template_refused(embedded_dir, tmp_path):
+    """In a batch, the request whose prompt the template refuses is named by its index."""
+    d = tmp_path / "m"
+    shutil.copytree(embedded_dir, d)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% for c in m.content %}{% if c.text is defined and "
+        "'forbidden' in c.text %}{{ raise_exception('no forbidden words') }}{% endif %}"
+        "{% endfor %}{% endfor %}<|im_start|>assistant\n")
+    lm = workbench.load(d, device="cpu")
+    from workbench.models.inputs import Request, build_batch_inputs
+
+    ok = build_batch_inputs(lm, [Request("fine", []), Request("also fine", [])], 2)
+    assert ok.batch_size == 2
+    with pytest.raises(InputError) as e:
+        build_batch_inputs(lm, [Request("fine", []), Request("a forbidden word", []),
+                                Request("fine again", [])], 2)
+    msg = one_line(e.value)
+    assert msg.startswith("request 1 of the batch: ") and "no forbidden words" in msg, msg

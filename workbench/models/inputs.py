@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from workbench.errors import InputError
-from workbench.models.chat_template import TemplateRenderError, render_chat
+from workbench.models.chat_template import TemplateRenderError, render_chats
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
 #: largest image file read (bytes)
@@ -302,8 +302,9 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
 MAX_BATCH = 256
 
 
-def _render(lm, request: Request, where: str) -> tuple[str, list[Image.Image], list[str]]:
-    """One request's prompt text (chat template applied) and decoded images, checked."""
+def _check_request(lm, request: Request, where: str) -> tuple[Any, list[Image.Image], list[str]]:
+    """One request checked: its chat messages (None when the tokenizer has no chat template:
+    the prompt is the text), its decoded images and their labels."""
     if not isinstance(request, Request):
         raise InputError(f"{where}must be a workbench Request (prompt + images), not "
                          f"{type(request).__name__}")
@@ -321,18 +322,30 @@ def _render(lm, request: Request, where: str) -> tuple[str, list[Image.Image], l
     _check_image_count(lm, len(raw_images))
     images = [open_image(i) for i in raw_images]
     labels = [_label(i, n) for n, i in enumerate(raw_images)]
-    tok = lm.tokenizer
-    if getattr(tok, "chat_template", None):
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
-        content.append({"type": "text", "text": prompt})
-        try:  # bounded in time, memory and size: the template is the checkpoint's code
-            text = render_chat(tok, [{"role": "user", "content": content}])
-        except TemplateRenderError as e:  # a template that raises (or runs away) on this prompt
+    if not getattr(lm.tokenizer, "chat_template", None):
+        return prompt, images, labels
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+    content.append({"type": "text", "text": prompt})
+    return [{"role": "user", "content": content}], images, labels
+
+
+def _render(lm, requests: Sequence[Request], wheres: Sequence[str]
+            ) -> list[tuple[str, list[Image.Image], list[str]]]:
+    """Each request's prompt text (chat template applied) and decoded images, checked; the
+    templates of all of them rendered by one bounded child process
+    (:func:`~workbench.models.chat_template.render_chats`)."""
+    checked = [_check_request(lm, r, w) for r, w in zip(requests, wheres)]
+    chats = [m for m, _, _ in checked if not isinstance(m, str)]
+    # bounded in time, memory and size: the template is the checkpoint's code
+    texts = iter(render_chats(lm.tokenizer, chats) if chats else [])
+    out = []
+    for (m, images, labels), where in zip(checked, wheres):
+        text = m if isinstance(m, str) else next(texts)
+        if isinstance(text, TemplateRenderError):  # it raised (or ran away) on this prompt
             raise InputError(f"{where}the chat template of model {lm.model_id!r} refused the "
-                             f"prompt: {e}") from None
-    else:
-        text = prompt
-    return text, images, labels
+                             f"prompt: {text}")
+        out.append((text, images, labels))
+    return out
 
 
 def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0) -> ModelInputs:
@@ -345,8 +358,8 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
     if not 1 <= len(requests) <= MAX_BATCH:
         raise InputError(f"a batch holds from 1 to {MAX_BATCH} requests, not {len(requests)}")
     B = len(requests)
-    rendered = [_render(lm, r, f"request {i} of the batch: " if B > 1 else "")
-                for i, r in enumerate(requests)]
+    rendered = _render(lm, requests, [f"request {i} of the batch: " if B > 1 else ""
+                                      for i in range(B)])
     texts = [t for t, _, _ in rendered]
     per_request = [imgs for _, imgs, _ in rendered]
     images = [im for imgs in per_request for im in imgs]
