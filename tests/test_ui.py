@@ -1400,3 +1400,73 @@ def test_scheduler_view_simulates_the_policies_on_a_modeled_cost_table(tmp_path)
     assert v.cost.meta["profile"] == "h200" and "h200" in v.pane.object.layout.title.text
     k.batch_size = table.max_batch + 1
     assert f"1 … {table.max_batch}" in v.pane.object.layout.annotations[0].text
+
+
+def test_scheduler_view_prices_with_the_shipped_measured_cost_table(tmp_path, monkeypatch):
+    """Cost table "measured": the view re-prices with the package's measured CPU table (the
+    embedded model's C(m, b)), says so — measured, the model, the measuring host's CPUs and the
+    date — and disables the profile and target model; "modeled" brings the modeled one back. A
+    shipped table that is missing is said in the view, not raised."""
+    from workbench.prism import scheduler as S
+    from workbench.ui import prism as P
+
+    s = DataStore(workspace=tmp_path / "ws")
+    v = P.SchedulerView(s)
+    k = v.knobs
+    modeled = (v.study.s_full, k.rate, v.cost.decode_s.copy())
+    assert v.settings.cost_table == "modeled" and not v.choices["profile"].disabled
+    assert "wb-scheduler-cost" in v.choices["cost_table"].css_classes
+    v.choices["cost_table"].value = "measured"  # the widget drives the setting
+    table = P.measured_cost_table()
+    assert v.settings.cost_table == "measured" and v.cost is table
+    assert v.study.table.clock == "measured"
+    assert v.study.s_full == pytest.approx(P.full_batch_s(table, k))
+    assert v.study.s_full != pytest.approx(modeled[0]) and k.rate != modeled[1]
+    assert k.rate == pytest.approx(k.batch_size / v.study.s_full, rel=0.05)
+    assert k.tpot_slo_s == pytest.approx(table.decode_s.max(), rel=0.05)  # B = 16: every cell
+    assert v.choices["profile"].disabled and v.choices["target_model"].disabled
+    host = table.meta["host"]
+    note = v.table.object
+    assert "<i>measured</i>" in note and "<i>modeled</i>" not in note
+    assert f"{host['cpus']} CPUs" in note and f"{host['torch_threads']} torch thread" in note
+    assert table.meta["date"] in note and table.meta["model_id"] in note
+    title = v.pane.object.layout.title.text
+    assert "cost table measured" in title and f"{host['cpus']} CPUs" in title
+    m = S.simulate(table, k.copy(policy="fifo")).metrics()
+    assert v.study.at["fifo"]["throughput_rps"] == pytest.approx(m["throughput_rps"])
+
+    v.settings.cost_table = "modeled"
+    assert v.study.table.clock == "modeled" and not v.choices["profile"].disabled
+    np.testing.assert_array_equal(v.cost.decode_s, modeled[2])
+    assert (v.study.s_full, k.rate) == pytest.approx(modeled[:2])
+    assert "<i>modeled</i>" in v.table.object
+
+    monkeypatch.setattr(P, "_cost_path", lambda: tmp_path / "gone.json")
+    v.settings.cost_table = "measured"
+    assert v.cost is None and v.study is None
+    assert "gone.json" in v.table.object and "bench_prism_scheduler.py" in v.table.object
+    assert "gone.json" in v.pane.object.layout.annotations[0].text
+    v.settings.cost_table = "modeled"
+    assert v.study.table.clock == "modeled"
+
+
+def test_the_shipped_measured_cost_table_is_the_benchmarks():
+    """``workbench/prism/cost_table_cpu.json`` (package data, what the dashboard reads) is a
+    copy of ``benchmarks/results/prism_cost_cpu.json`` (what bench_prism_scheduler.py
+    writes and BENCHMARKS.md reports): the two cannot drift apart silently; and an installed
+    package carries it (pyproject's package data)."""
+    import tomllib
+
+    from workbench.prism.costs import CostTable
+    from workbench.ui.prism import _cost_path, measured_cost_table
+
+    repo = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "cost_table_cpu.json" in data["package-data"]["workbench.prism"]
+    bench = CostTable.load(repo / "benchmarks" / "results" / "prism_cost_cpu.json")
+    shipped = measured_cost_table()
+    assert _cost_path().name == "cost_table_cpu.json" and shipped.clock == "measured"
+    np.testing.assert_array_equal(shipped.decode_s, bench.decode_s)
+    np.testing.assert_array_equal(shipped.prefill_s, bench.prefill_s)
+    assert (shipped.sizes, shipped.prompt_tokens, shipped.meta) == \
+        (bench.sizes, bench.prompt_tokens, bench.meta)

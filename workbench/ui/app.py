@@ -195,6 +195,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     _styled(sched.table)
     sched_card = card(
         pn.FlexBox(_labelled("policies", sched.choices["policies"], width=300),
+                   pn.Column(sched.choices["cost_table"], width=200),
                    pn.Column(sched.choices["profile"], width=240),
                    pn.Column(sched.choices["target_model"], width=240),
                    flex_wrap="wrap", gap="0 16px", sizing_mode="stretch_width"),
@@ -202,7 +203,8 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                    flex_wrap="wrap", gap="0 8px", sizing_mode="stretch_width"),
         sched.pane, sched.table,
         title="QoS batch scheduler (MoE-Prism): simulated serving per policy, priced by a cost "
-              "table modeled on a hardware profile", margin=(4, 4), css_classes=["wb-scheduler"])
+              "table (modeled on a hardware profile, or measured on a CPU)", margin=(4, 4),
+        css_classes=["wb-scheduler"])
     diff, deltas = DiffHeatmapView(store, height=360), DeltasView(store)
     answer, progress = answer_view(store), progress_view(store)
     _styled(answer, deltas.pane, *[o for o in progress if isinstance(o, pn.pane.HTML)])

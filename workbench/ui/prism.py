@@ -10,8 +10,11 @@
   run's k_active marked.
 - The **QoS scheduler** view (:class:`SchedulerView`): :mod:`workbench.prism.scheduler`'s
   simulation of the registered policies over a sweep of arrival rates, priced by a cost table
-  *modeled* on a hardware profile (:meth:`~workbench.prism.costs.CostTable.modeled`):
-  throughput and goodput per policy and the latency distributions at the chosen rate.
+  either *modeled* on a hardware profile (:meth:`~workbench.prism.costs.CostTable.modeled`) or
+  *measured* on the embedded model (:meth:`~workbench.prism.costs.CostTable.measure`, by
+  ``benchmarks/bench_prism_scheduler.py`` on a 2-core CPU; a copy ships in the package,
+  ``workbench/prism/cost_table_cpu.json``, read by :func:`measured_cost_table`): throughput
+  and goodput per policy and the latency distributions at the chosen rate.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, sche
 __all__ = ["operating_points", "run_subexperts", "subexpert_view_figure", "compute_share_html",
            "operating_points_view_figure", "SubexpertView", "OperatingPointsView",
            "KActiveSlider", "prism_knob_widgets", "SchedulerSettings", "SchedulerStudy",
-           "scheduler_study", "scheduler_table_html", "SchedulerView", "POINTS_FORMAT"]
+           "scheduler_study", "scheduler_table_html", "SchedulerView", "POINTS_FORMAT",
+           "measured_cost_table", "COST_TABLES"]
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +358,40 @@ SCHEDULER_KNOBS = {"rate": "arrival rate (req/s)", "ttft_slo_s": "TTFT limit (s)
 #: the modeled cost table's target model while the Cost model card's is "none": the embedded
 #: model's architecture (Qwen3-VL-MoE) at full size
 DEFAULT_TARGET = "qwen3-vl-30b-a3b"
+#: the cost tables the view can price with (:attr:`SchedulerSettings.cost_table`)
+COST_TABLES = ("modeled", "measured")
+COST_SOURCE = "benchmarks/bench_prism_scheduler.py"
+#: measured tables read so far, by path: the file is only read, and a switch back and forth
+#: should not parse it again
+_MEASURED: dict[str, Any] = {}
+
+
+def _cost_path() -> Path:
+    return Path(str(importlib.resources.files("workbench.prism") / "cost_table_cpu.json"))
+
+
+def measured_cost_table(path: str | Path | None = None) -> Any:
+    """The measured :class:`~workbench.prism.costs.CostTable` in ``path`` (default: the
+    package's ``cost_table_cpu.json``, a copy of ``benchmarks/results/prism_cost_cpu.json``,
+    which ``benchmarks/bench_prism_scheduler.py`` writes), read once per path.
+    :class:`InputError` naming the file when it is missing, not a cost table, or not a
+    *measured* one — the view prices nothing rather than something else under that name."""
+    from workbench.prism.costs import CostTable
+
+    path = Path(path) if path is not None else _cost_path()
+    key = str(path)
+    if key not in _MEASURED:
+        try:
+            table = CostTable.load(path)
+        except InputError as e:
+            raise InputError(f"no measured cost table: {e}; rerun {COST_SOURCE} and copy its "
+                             f"benchmarks/results/prism_cost_cpu.json to "
+                             f"workbench/prism/cost_table_cpu.json") from None
+        if table.clock != "measured":
+            raise InputError(f"no measured cost table: {key!r} is a {table.clock} one; rerun "
+                             f"{COST_SOURCE}")
+        _MEASURED[key] = table
+    return _MEASURED[key]
 
 
 class SchedulerSettings(param.Parameterized):
@@ -362,6 +400,15 @@ class SchedulerSettings(param.Parameterized):
 
     policies = param.ListSelector(default=[], objects=[],
                                   doc="Scheduling policies simulated and drawn.")
+    cost_table = param.Selector(
+        default="modeled", objects=list(COST_TABLES),
+        doc="Which C(m, b) prices the batches. modeled: the roofline of the hardware profile "
+            "for the target model's sizes (a lower bound; profile and target model apply). "
+            "measured: the embedded model's C(m, b) measured through the real runtime on the "
+            "CPU of the machine that made the shipped table (workbench/prism/"
+            "cost_table_cpu.json, by benchmarks/bench_prism_scheduler.py; batches up to its "
+            "largest measured size), whatever machine runs the dashboard; profile and target "
+            "model do not apply.")
     profile = param.Selector(default=None, objects=[],
                              doc="Hardware profile whose roofline prices C(m, b) (modeled).")
     target_model = param.Selector(default=None, objects=[],
@@ -442,13 +489,52 @@ def scheduler_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStu
                           time.perf_counter() - t0)
 
 
+def _host(m: dict[str, Any]) -> str:
+    """The measuring machine of a measured table's ``meta``, as far as it says."""
+    h = m.get("host") if isinstance(m.get("host"), dict) else {}
+    parts = [f"{h['cpus']} CPUs" if h.get("cpus") is not None else "CPUs not recorded"]
+    if h.get("torch_threads") is not None:
+        parts.append(f"{h['torch_threads']} torch thread"
+                     f"{'' if h['torch_threads'] == 1 else 's'}")
+    if h.get("machine"):
+        parts.append(str(h["machine"]))
+    return ", ".join(parts)
+
+
+def _cost_short(table: Any) -> str:
+    """The cost table in a few words (a figure title)."""
+    m = table.meta
+    if table.clock == "measured":
+        return (f"measured ({m.get('model_id', 'model not recorded')} on {_host(m)}, "
+                f"{str(m.get('date', 'date not recorded'))[:10]})")
+    return f"{table.clock} ({m.get('profile', '')}, {m.get('target_model', '')})"
+
+
 def _cost_label(table: Any) -> str:
+    """How the cost table was made, for the note under the view's table: a measured one names
+    the model, the measuring machine and the date (it is not this machine's), its statistic
+    and how unsteady the machine was."""
     m = table.meta
     if table.clock == "modeled":
         how = ", ".join(f"{k}={m[k]}" for k in ("sub_choice", "kernel") if k in m)
         return (f"<i>modeled</i>: the roofline of {html.escape(str(m.get('profile_label')))} "
                 f"for {html.escape(str(m.get('target_model')))}'s sizes (a lower bound"
                 f"{'; ' + html.escape(how) if how else ''})")
+    if table.clock == "measured":
+        e = html.escape
+        extra = []
+        if isinstance(m.get("max_relative_iqr"), (int, float)):
+            extra.append(f"IQR of the decode steps up to {m['max_relative_iqr']:.0%} of "
+                         f"the median")
+        load = m.get("loadavg_1min")
+        if isinstance(load, list) and load and all(isinstance(x, (int, float)) for x in load):
+            extra.append("1-min load average " + " → ".join(f"{x:.2g}" for x in load))
+        return (f"<i>measured</i>: {e(str(m.get('model_id', 'model not recorded')))} through "
+                f"the real runtime on the machine that made the shipped table ({e(_host(m))}; "
+                f"{e(str(m.get('date', 'date not recorded')))}), not necessarily this one: "
+                f"median of {m.get('repeats', '?')} rounds, batches of {table.sizes[0]} … "
+                f"{table.max_batch}, prompts of {table.prompt_tokens} tokens scaled linearly"
+                f"{' (' + e('; '.join(extra)) + ')' if extra else ''}")
     return f"<i>{html.escape(table.clock)}</i>"
 
 
@@ -456,8 +542,7 @@ def scheduler_view_figure(st: SchedulerStudy) -> go.Figure:
     k = st.knobs
     slo = {"ttft_s": k.ttft_slo_s, "tpot_s": k.tpot_slo_s, "e2e_s": k.e2e_slo_s}
     title = (f"QoS batch scheduler, simulated: {k.requests:,} requests a point · cost table "
-             f"{st.table.clock} ({st.table.meta.get('profile', '')}, "
-             f"{st.table.meta.get('target_model', '')})")
+             f"{_cost_short(st.table)}")
     fig = scheduler_figure(st.rates, st.sweep, st.quantiles, float(k.rate), slo, title)
     return _finish(fig, "scheduler", f"{k.rate}-{sorted(st.sweep)}")
 
@@ -502,12 +587,16 @@ def scheduler_table_html(st: SchedulerStudy | None, message: str = "") -> str:
 
 
 class SchedulerView:
-    """The QoS scheduler view: ``settings`` (policies, the cost table's profile and target
-    model) and ``knobs`` (a :class:`~workbench.prism.scheduler.SchedulerKnobs`; ``controls``:
-    one ``pn.Param`` per knob of :data:`SCHEDULER_KNOBS`) → :func:`scheduler_study` →
-    ``pane`` (:func:`~workbench.viz.prism.scheduler_figure`) and ``table``. A new cost table
-    (profile, target model) resets the rate to μ_full and the limits to the benchmark's strict
-    SLO: TTFT ≤ S_full, end-to-end ≤ 2·S_full, TPOT ≤ C(batch_size, N); timeout S_full / 2.
+    """The QoS scheduler view: ``settings`` (policies, which cost table — modeled or measured —
+    and the modeled one's profile and target model) and ``knobs`` (a
+    :class:`~workbench.prism.scheduler.SchedulerKnobs`; ``controls``: one ``pn.Param`` per knob
+    of :data:`SCHEDULER_KNOBS`) → :func:`scheduler_study` → ``pane``
+    (:func:`~workbench.viz.prism.scheduler_figure`) and ``table``. A new cost table (modeled /
+    measured, profile, target model) resets the rate to μ_full and the limits to the
+    benchmark's strict SLO: TTFT ≤ S_full, end-to-end ≤ 2·S_full, TPOT ≤ the largest C(b, m),
+    b ≤ batch_size (C(batch_size, N) for a modeled table); timeout S_full / 2. While the
+    measured table is chosen the profile and target-model widgets are disabled (they do not
+    apply); a measured table that cannot be read is said in the view (``cost`` None).
     Independent of the shown run: nothing here runs a model."""
 
     view = "scheduler"
@@ -533,6 +622,9 @@ class SchedulerView:
             "policies": cbg.from_param(self.settings.param.policies,
                                        css_classes=["wb-scheduler-policies"],
                                        **names(cbg, "", "primary", "outline")),
+            "cost_table": pn.widgets.Select.from_param(
+                self.settings.param.cost_table, css_classes=["wb-scheduler-cost"],
+                sizing_mode="stretch_width", **names(pn.widgets.Select, "cost table")),
             "profile": pn.widgets.Select.from_param(
                 self.settings.param.profile, css_classes=["wb-scheduler-profile"],
                 sizing_mode="stretch_width", **names(pn.widgets.Select, "hardware profile")),
@@ -546,7 +638,7 @@ class SchedulerView:
                                    config={"displaylogo": False, "responsive": True})
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         self._retable()
-        self.settings.param.watch(self._retable, ["profile", "target_model"])
+        self.settings.param.watch(self._retable, ["cost_table", "profile", "target_model"])
         self.settings.param.watch(self.redraw, ["policies"])
         self.knobs.param.watch(self.redraw, list(SCHEDULER_KNOBS))
         if not defer:
@@ -556,16 +648,32 @@ class SchedulerView:
         from workbench.prism.costs import CostTable
 
         s = self.settings
-        self.cost = CostTable.modeled(s.profile, s.target_model)
+        measured = s.cost_table == "measured"
+        for name in ("profile", "target_model"):  # they price the modeled table only
+            self.choices[name].disabled = measured
+        self.cost_error = ""
+        try:
+            self.cost = measured_cost_table() if measured else \
+                CostTable.modeled(s.profile, s.target_model)
+        except WorkbenchError as e:  # a missing or broken shipped table: said, not raised
+            self.cost, self.cost_error = None, str(e)
+        if self.cost is None:
+            if events:
+                self.redraw()
+            return
         k = self.knobs
         self._busy = True
         try:
             k.batch_size = min(k.batch_size, self.cost.max_batch)
             s_full = full_batch_s(self.cost, k)
             mu = k.batch_size / s_full
+            # the largest step of a batch up to batch_size at any level: a measured row is
+            # noisy (on the shipped CPU table C(16, N) is the cheapest level), and a limit
+            # below some levels' price would judge levels, not the scheduler
+            # (bench_prism_scheduler.py's TPOT limit); C(batch_size, N) for a modeled table
+            tpot = float(self.cost.grid(k.batch_size)[0][:, 1:].max())
             k.param.update(rate=_two(mu), ttft_slo_s=_two(s_full), e2e_slo_s=_two(2 * s_full),
-                           timeout_s=_two(s_full / 2),
-                           tpot_slo_s=_two(self.cost(k.batch_size, self.cost.subexperts)))
+                           timeout_s=_two(s_full / 2), tpot_slo_s=_two(tpot))
             self.controls["rate"]._widgets["rate"].param.update(start=_two(mu / 20),
                                                                 end=_two(3 * mu))
         finally:
@@ -578,6 +686,8 @@ class SchedulerView:
             return
         self.study, self.message = None, ""
         try:
+            if self.cost is None:
+                raise InputError(self.cost_error)
             self.study = scheduler_study(self.cost, self.knobs, list(self.settings.policies))
             fig = scheduler_view_figure(self.study) if self.study.at else placeholder_figure(
                 self.view, "QoS batch scheduler", "pick a policy to simulate")
