@@ -230,12 +230,31 @@ class PrismView:
                  top_k_weights: torch.Tensor, *args: Any, all_routed=None, **kwargs: Any
                  ) -> torch.Tensor:
         """The layer output share of whole experts ``experts`` (``weights`` theirs, in the
-        sub-expert layout): their sub-experts, sliced as views."""
+        sub-expert layout): their sub-experts, sliced as views. ``all_routed``: ``experts``
+        are every expert the layer routed to, ascending (a tensor; :class:`ExpertsView`) —
+        then every routed slot's chosen sub-experts are in this call, and they map to the
+        call's sub-experts by a sorted search with no per-call masks (the all-hit step)."""
         N = self.N
+        sub_w = self._sub_weights(weights, len(experts))
+        if all_routed is not None and self._chosen_call is not None \
+                and self._chosen_call.shape[:2] == top_k_index.shape:
+            dev = top_k_index.device
+            chosen = self._chosen_call.to(dev)
+            T = top_k_index.shape[0]
+            step = torch.arange(N, device=dev)
+            subs = (all_routed.to(dev).long()[:, None] * N + step).reshape(-1).to(
+                top_k_index.dtype)
+            # not chosen (and routed nowhere, id E): past every sub-expert, the sentinel
+            ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
+                chosen < 0, num_experts * N)
+            w = top_k_weights[..., None].expand(chosen.shape).masked_fill(chosen < 0, 0)
+            self._ran_call = chosen.to(self._ran_call.device, torch.int16)
+            return self.inner(sub_w, subs, num_experts * N, hidden_states,
+                              ids.reshape(T, -1).to(top_k_index.dtype), w.reshape(T, -1),
+                              *args, all_routed=subs, **kwargs)
         subs = [int(e) * N + s for e in experts for s in range(N)]
-        return self.run_subexperts(self._sub_weights(weights, len(experts)), subs,
-                                   num_experts, hidden_states, top_k_index, top_k_weights,
-                                   *args, **kwargs)
+        return self.run_subexperts(sub_w, subs, num_experts, hidden_states, top_k_index,
+                                   top_k_weights, *args, **kwargs)
 
     def run_subexperts(self, weights: dict[str, torch.Tensor], subs, num_experts: int,
                        hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -438,7 +438,7 @@ class Offloader:
                     at = routed.long()
                     result = view({n: getattr(b.experts, n)[at] for n in b.expert_params},
                                   ids, b.num_experts, hidden_states, top_k_index,
-                                  top_k_weights, *args, **kwargs)
+                                  top_k_weights, *args, all_routed=routed, **kwargs)
                     continue
                 if out.pinned:
                     idx, w = top_k_index, top_k_weights
