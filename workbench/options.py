@@ -17,13 +17,19 @@ _OPTIONS: dict[str, Any] = {
     "workspace": Path(os.environ.get("WORKBENCH_WORKSPACE") or "runs"),
     "flush_every": 32,  # steps buffered before an append to the store
     "flush_interval_s": 0.5,  # … or seconds since the last append, whichever first
+    # intra-op threads of a run on the CPU (None: $WORKBENCH_THREADS, else automatic; see
+    # workbench.runtime.threads)
+    "threads": None,
 }
 
 _VALIDATORS = {
     "workspace": lambda v: isinstance(v, (str, Path)),
     "flush_every": lambda v: isinstance(v, int) and v >= 1,
     "flush_interval_s": lambda v: isinstance(v, (int, float)) and v >= 0,
+    "threads": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                       and 1 <= v <= 4096),
 }
+
 
 
 def get_options() -> dict[str, Any]:
