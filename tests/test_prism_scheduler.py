@@ -297,3 +297,39 @@ def test_measure_times_the_real_runtime(embedded, tmp_path):
     np.testing.assert_array_equal(back.decode_s, t.decode_s)
     assert S.simulate(back, S.SchedulerKnobs(batch_size=2, requests=50, rate=5.0)
                       ).launch_batch.sum() == 50
+
+
+def test_a_measured_serving_run_follows_the_scheduler(embedded, tmp_path):
+    """The scheduler's own decision kernel drives the real runtime (issue 16 §3, a measured
+    serving run): every request served once, at a level ≥ its k_min, in batches ≤ B, its
+    times measured in order (arrival ≤ launch < first token ≤ last); with every request
+    arrived at 0 and no timeout, the decisions depend on no clock, so the launches are the
+    simulation's exactly. What serve sets itself is refused as a run knob."""
+    import workbench
+    from workbench.prism import refactor as R
+    from workbench.prism import serving as V
+
+    R.save(R.random_refactoring(embedded, subexperts=2), tmp_path / "p")
+    rt = workbench.Runtime(embedded)
+    lay = embedded.layout
+    table = _table()
+    n = 5
+    req = S.Requests(np.zeros(n), np.array([1, 2, 1, 2, 2]), np.full(n, 10),
+                     np.array([2, 3, 2, 2, 3]), subexperts=2)
+    prompts = workbench.batch(n, mix="image")
+    k = S.SchedulerKnobs(policy="prism", batch_size=2, timeout_s=None)
+    run = dict(prism_refactoring=str(tmp_path / "p"), pinned_layers=0,
+               cache_slots=lay.num_layers * lay.num_experts)
+    sch = V.serve(rt, req, prompts, table, k, **run)
+    assert np.isfinite(sch.finish_s).all() and sch.launch_batch.sum() == n
+    assert (sch.level >= req.kmin).all() and (sch.batch <= 2).all()
+    assert (sch.start_s >= req.arrival_s).all() and (sch.first_token_s > sch.start_s).all()
+    assert (sch.finish_s >= sch.first_token_s).all()
+    assert (sch.finish_s[req.out_tokens > 1] > sch.first_token_s[req.out_tokens > 1]).all()
+    c = V.compare(sch, table)
+    assert c["same_launches"], (sch.launch_level, S.simulate(table, k, req).launch_level)
+    assert c["measured"]["requests"] == n and c["simulated_over_measured"]["throughput_rps"] > 0
+    with pytest.raises(InputError, match="one prompt per request"):
+        V.serve(rt, req, prompts[:3], table, k, **run)
+    with pytest.raises(InputError, match="prism_k_active"):
+        V.serve(rt, req, prompts, table, k, prism_k_active=1, **run)

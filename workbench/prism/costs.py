@@ -322,7 +322,9 @@ class CostTable:
         ``prism_k_active=m``, ``steps`` tokens each (``ignore_eos``), every expert resident,
         no recording. A decode step is the wall time between two streamed tokens (what a
         client sees as TPOT); a cell is the median of its ``repeats · (steps − 1)`` decode
-        steps, its prefill the median of ``repeats`` prefills, ``prompt_tokens`` the median
+        steps, its prefill the median of ``repeats`` times from the call to the first
+        streamed token (what a client sees as TTFT: the requests' inputs, the run's setup
+        and the prefill forward — a serving run pays all three), ``prompt_tokens`` the median
         longest prompt of a batch. Every round visits every cell (after one warm-up run), so
         drift of the machine spreads over all cells. ``native``: also time the unmodified
         runtime (prism off) per size, kept in ``meta`` (``native_decode_s``,
@@ -360,19 +362,20 @@ class CostTable:
         def run(m: int, b: int):
             kw = dict(prism=False) if m == 0 else dict(prism=True, prism_k_active=m)
             stamps: list[float] = []
+            launched = time.perf_counter()
             res = rt.run(reqs[:b], record=False, on_token=lambda *_: stamps.append(
                 time.perf_counter()), **base, **kw)
             if res.steps != steps or len(stamps) != steps:
                 raise InputError(f"a measurement run made {res.steps} steps ({len(stamps)} "
                                  f"tokens streamed), not {steps}")
-            return res, np.diff(stamps)
+            return res, stamps[0] - launched, np.diff(stamps)
 
         run(N, sizes[0])  # warm-up: loads the refactoring, first-call allocations
         for _ in range(repeats):
             for m, b in cells:
-                res, gaps = run(m, b)
+                res, ttft, gaps = run(m, b)
                 dec[m, b].extend(gaps.tolist())
-                pre[m, b].append(res.prefill_measured_s)
+                pre[m, b].append(ttft)
                 prompt.append(max((r.get("prompt_tokens", 0) for r in res.batch),
                                   default=0))
         med = {c: (statistics.median(dec[c]), statistics.median(pre[c])) for c in cells}
@@ -387,7 +390,9 @@ class CostTable:
                 "refactoring": str(refactoring), "repeats": repeats, "steps": steps,
                 "statistic": "decode: median of every decode step's wall time (between "
                              "streamed tokens) over the repeats; prefill: median over the "
-                             "repeats; prompt_tokens: median longest prompt of a batch",
+                             "repeats of the time from the call to the first streamed token "
+                             "(TTFT: inputs, run setup, prefill forward); prompt_tokens: "
+                             "median longest prompt of a batch",
                 "requests": "given" if requests is not None else
                             f"workbench.batch({sizes[-1]}, mix='image')",
                 "host": {"machine": platform.machine(), "processor": platform.processor(),

@@ -344,10 +344,10 @@ def _choose(code, now, draining, N, B, timeout, full_level, head, arrived, lvl, 
 
 
 @nb.njit(cache=True)
-def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decode, prefill,
-              p_ref, start, first, finish, level, bsize, l_t, l_m, l_b, l_trig):
-    n = arrival.shape[0]
-    # per-level lists of request indices in arrival order: Q_m is levels 0 … m − 1
+def _levels(kmin, N):
+    """Per-level lists of request indices in arrival order, flat: level j's are
+    ``lvl[off[j]:off[j + 1]]`` (Q_m is levels 0 … m − 1)."""
+    n = kmin.shape[0]
     cnt = np.zeros(N, np.int64)
     for i in range(n):
         cnt[kmin[i] - 1] += 1
@@ -359,10 +359,32 @@ def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decod
     for i in range(n):
         lvl[fill[kmin[i] - 1]] = i
         fill[kmin[i] - 1] += 1
+    return lvl, off
+
+
+@nb.njit(cache=True)
+def _launch(take, head, lvl, off, N, ids):
+    """The requests a decision takes (``take[j]`` oldest of level j) into ``ids``; they leave
+    every queue (``head`` advances). Returns how many."""
+    b = 0
+    for j in range(N):
+        for c in range(take[j]):
+            ids[b] = lvl[off[j] + head[j] + c]
+            b += 1
+        head[j] += take[j]
+    return b
+
+
+@nb.njit(cache=True)
+def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decode, prefill,
+              p_ref, start, first, finish, level, bsize, l_t, l_m, l_b, l_trig):
+    n = arrival.shape[0]
+    lvl, off = _levels(kmin, N)
     head = np.zeros(N, np.int64)  # served of each level
     arrived = np.zeros(N, np.int64)  # arrived of each level
     takes = np.zeros((N, N), np.int64)
     take = np.zeros(N, np.int64)
+    ids = np.empty(B, np.int64)
     nxt, served, nl = 0, 0, 0
     now, free = 0.0, 0.0
     while served < n:
@@ -378,24 +400,20 @@ def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decod
         if m == 0:
             now = arrival[nxt]
             continue
-        b, mo, mp = 0, 0, 0
-        for j in range(N):
-            for c in range(take[j]):
-                i = lvl[off[j] + head[j] + c]
-                b += 1
-                mo = max(mo, out[i])
-                mp = max(mp, prompt[i])
+        b = _launch(take, head, lvl, off, N, ids)
+        mo, mp = 0, 0
+        for c in range(b):
+            mo = max(mo, out[ids[c]])
+            mp = max(mp, prompt[ids[c]])
         pre = prefill[m - 1, b] * mp / p_ref
         step = decode[m - 1, b]
-        for j in range(N):
-            for c in range(take[j]):
-                i = lvl[off[j] + head[j] + c]
-                start[i] = now
-                first[i] = now + pre
-                finish[i] = now + pre + (out[i] - 1) * step
-                level[i] = m
-                bsize[i] = b
-            head[j] += take[j]
+        for c in range(b):
+            i = ids[c]
+            start[i] = now
+            first[i] = now + pre
+            finish[i] = now + pre + (out[i] - 1) * step
+            level[i] = m
+            bsize[i] = b
         l_t[nl], l_m[nl], l_b[nl], l_trig[nl] = now, m, b, trig
         nl += 1
         served += b
