@@ -72,13 +72,16 @@ def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch
 class PrismSetup(NamedTuple):
     """What a run with ``prism=True`` hands the offloader: the refactoring's ``perm`` [L, E,
     I] and ``gates`` [L, E, N, r] (tensors), its ``subexperts`` N, and the choice — per
-    expert ``k_active``, or a token's ``global_k`` best (None: per expert)."""
+    expert ``k_active``, or a token's ``global_k`` best (None: per expert) — by the proxy
+    gate, or by a trained ``router`` [L, E·N, H] (:mod:`workbench.prism.finetune`; None: the
+    proxy gate)."""
 
     perm: torch.Tensor
     gates: torch.Tensor
     subexperts: int
     k_active: int
     global_k: int | None = None
+    router: torch.Tensor | None = None
 
 
 def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
@@ -111,8 +114,11 @@ class PrismView:
     layer at install), so a call splits them into sub-experts without copying."""
 
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
-                 subexperts: int, k_active: int, act_fn, global_k: int | None = None) -> None:
+                 subexperts: int, k_active: int, act_fn, global_k: int | None = None,
+                 router: torch.Tensor | None = None) -> None:
         self.inner, self.layer = inner, layer
+        #: a trained sub-expert gate's rows of this layer [E·N, H] (None: the proxy gate)
+        self.router = None if router is None else router[layer]
         #: the seed's K: a token's K best sub-experts among its routed experts' (None: the
         #: k_active best of each routed expert)
         self.global_k = global_k
@@ -182,9 +188,18 @@ class PrismView:
     def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
         """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
-        |act(gate)·up| of its r gate neurons (resident rows), tokens chunked."""
+        |act(gate)·up| of its r gate neurons (resident rows), tokens chunked — or the trained
+        gate's (``router``)."""
         T, k = top_k_index.shape
         ids = top_k_index.long().clamp(max=num_experts - 1)
+        if self.router is not None:  # trained: σ(W[e·N + s] · x), positive like the proxy's
+            if self.router.device != hidden_states.device:
+                self.router = self.router.to(hidden_states.device)
+            with torch.no_grad():
+                s = torch.sigmoid(hidden_states.float() @ self.router.T).reshape(
+                    T, num_experts, self.N)
+                return torch.gather(s, 1, ids[..., None].expand(T, k, self.N)).to(
+                    hidden_states.dtype)
         G, H = self._gate_w.shape[1:]
         step = max(1, _GATHER_ITEMS // (k * G * H))  # tokens whose rows are gathered at once
         score = torch.empty((T, k, self.N), dtype=hidden_states.dtype,

@@ -39,6 +39,12 @@ class PrismKnobs(KnobGroup):
             "<workspace>/prism/<model config hash>, else one shipped in "
             "<model dir>/workbench/prism.")
 
+    prism_router = param.String(
+        default=None, allow_None=True,
+        doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "
+            "chooses the sub-experts instead of the training-free proxy gate; trained for the "
+            "run's refactoring. None: the proxy gate. Live only.")
+
     prism_offload = param.Boolean(
         default=False,
         doc="Cache and fetch sub-experts, not whole experts (MoE-Prism §4): the same memory in "
@@ -62,6 +68,8 @@ class PrismKnobs(KnobGroup):
                     raise KnobError(f"prism_offload=True with {name}={getattr(knobs, name)!r} "
                                     f"is not built yet (it picks whole experts): set "
                                     f"{name}={off!r}")
+        if self.prism_router is not None and not self.prism and live:
+            raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
             return
         if getattr(knobs, "balance", "none") != "none":

@@ -263,7 +263,7 @@ class Offloader:
 
             ps = self.prism
             view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
-                             ex.act_fn, ps.global_k)
+                             ex.act_fn, ps.global_k, ps.router)
             self.prism_views.append(view)
             self._to_subexperts(b)
             view.capture_gates(ex.gate_up_proj.data, self.device)

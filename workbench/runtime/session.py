@@ -185,7 +185,13 @@ class RunSession:
                                  f"{N} sub-experts), not {K}")
         from workbench.prism.execute import PrismSetup
 
-        return PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K)
+        router = None
+        if k.prism_router:  # a trained sub-expert gate (seed §4.3.2) instead of the proxy's
+            from workbench.prism.finetune import load as load_router
+
+            router = torch.as_tensor(load_router(k.prism_router, self.runtime.lm, ref).weight)
+        return PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K,
+                          router)
 
     def _balance(self) -> dict[str, Any]:
         """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
