@@ -19,7 +19,10 @@ Then, per architecture, through the runtime like any run (every expert resident)
 - settings: the original model at top-2 and top-1 (whole experts dropped,
   ``bench_prism_points.top_k_prime``); MoE-Prism k_active 4 … 1 (annealed) and 3 … 1
   (random); MoE-Prism global K 7 … 1 (the seed's K, a token's K best of its router's 2 experts'
-  8 sub-experts by proxy score × routing weight).
+  8 sub-experts by proxy score × routing weight); and the same k_active and global K with
+  the **trained gate** of the router fine-tune (seed §4.3.2, :mod:`workbench.prism.finetune`:
+  ``--router-steps`` steps on the calibration windows, self-distilled from the full model)
+  instead of the proxy gate.
 
 Operating points are counted as in ``bench_prism_ppl`` (its :func:`count_points`: distinct
 compute levels K, stable at PPL ≤ ρ × the full model's and not dominated beyond 2 paired SE),
@@ -166,16 +169,24 @@ def study(arch: str, ckpt: Path, train_text: str, held: str, a, log=print) -> di
     R.save(ref, work / "annealed")
     R.save(R.random_control(lm, ref, cal), work / "random")
     N = ref.subexperts
+    # the optional router fine-tune (seed §4.3.2) on the same calibration windows
+    from workbench.prism import finetune as F
+
+    router = F.finetune(lm, ref, cal, steps=a.router_steps, batch_size=8, log=log)
+    F.save(router, work / "router")
     pairs = windows(held, a.n, 96, 32, seed=11)
     reqs = [Req(p, []) for p, _ in pairs]
     conts = [c for _, c in pairs]
     scores, settings = {}, {}
 
-    def run(key, name, k_prime=TOP_K, partition=None, k_active=None, k_total=None):
+    def run(key, name, k_prime=TOP_K, partition=None, k_active=None, k_total=None,
+            trained=False):
         hooks = top_k_prime(lm, k_prime) if k_prime < TOP_K else []
         kw = dict(base)
         if partition is not None:
             kw.update(prism=True, prism_refactoring=str(work / partition))
+            if trained:
+                kw.update(prism_router=str(work / "router"))
             kw.update(prism_k=k_total) if k_total is not None else kw.update(
                 prism_k_active=k_active)
         t = time.perf_counter()
@@ -202,6 +213,12 @@ def study(arch: str, ckpt: Path, train_text: str, held: str, a, log=print) -> di
     for K in range(TOP_K * N - 1, 0, -1):
         run(f"global{K}", f"MoE-Prism annealed, global K {K}", partition="annealed",
             k_total=K)
+    for k in range(N - 1, 0, -1):
+        run(f"trained{k}", f"MoE-Prism annealed, trained gate, k_active {k}/{N}",
+            partition="annealed", k_active=k, trained=True)
+    for K in range(TOP_K * N - 1, 0, -1):
+        run(f"tglobal{K}", f"MoE-Prism annealed, trained gate, global K {K}",
+            partition="annealed", k_total=K, trained=True)
     full = scores["top2"]
     rows = []
     for key, st in settings.items():
@@ -223,18 +240,26 @@ def study(arch: str, ckpt: Path, train_text: str, held: str, a, log=print) -> di
         cmp("at half the compute, k_active 2/4 beats top-1", "prism2", "top1"),
         cmp("the annealed partition beats random ones at k_active 2/4", "prism2", "random2"),
         cmp("the annealed partition beats random ones at k_active 1/4", "prism1", "random1"),
+        cmp("the trained gate (router fine-tune) beats the proxy gate at k_active 2/4",
+            "trained2", "prism2"),
+        cmp("the trained gate beats the proxy gate at k_active 1/4", "trained1", "prism1"),
+        cmp("the trained gate beats the proxy gate at a global K = 4", "tglobal4", "global4"),
+        cmp("the trained gate beats the proxy gate at a global K = 2", "tglobal2", "global2"),
     ]
     top_levels = [{"K": K * N, "key": f"top{K}"} for K in (2, 1)]
     glob_levels = [{"K": TOP_K * N, "key": "top2"}] + [
         {"K": K, "key": f"global{K}"} for K in range(TOP_K * N - 1, 0, -1)]
     ka_levels = [{"K": TOP_K * k, "key": f"prism{k}"} for k in range(N, 0, -1)]
+    tglob_levels = [{"K": TOP_K * N, "key": "top2"}] + [
+        {"K": K, "key": f"tglobal{K}"} for K in range(TOP_K * N - 1, 0, -1)]
     points = {f"rho {rho:g}": {
         "top_k'": count_points(top_levels, scores, "top2", rho),
         "global K": count_points(glob_levels, scores, "top2", rho),
+        "global K, trained gate": count_points(tglob_levels, scores, "top2", rho),
         "k_active": count_points(ka_levels, scores, "top2", rho)} for rho in RHOS}
     return {"arch": arch, "model_id": lm.model_id, "layers": lay.num_layers,
             "experts": lay.num_experts, "top_k": lay.top_k, "subexperts": N,
-            "refactor_s": t_refactor,
+            "refactor_s": t_refactor, "router": router.meta,
             "objective": {k: float(v.mean()) for k, v in ref.objective.items()},
             "n": len(pairs), "tokens": int(sum(len(c) for c in conts)), "rows": rows,
             "verdicts": verdicts, "operating_points": points}
@@ -246,6 +271,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--n", type=int, default=128, help="held-out windows")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--router-steps", type=int, default=200,
+                    help="steps of the router fine-tune (seed §4.3.2)")
     ap.add_argument("--seeds", default=str(SEEDS), help="folder of the seed papers' text")
     ap.add_argument("--json", default=str(RESULTS), help="write every number here ('': not)")
     a = ap.parse_args()
