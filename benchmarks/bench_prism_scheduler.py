@@ -248,14 +248,12 @@ def main() -> None:
     if a.cost:
         measured = CostTable.load(a.cost)
     else:
-        import torch
-
         from workbench.prism import refactor as R
 
         # one thread: on the shared 2-core machine the embedded model's batched steps took
         # 8–12 ms with one torch thread, but 12–19 ms with two, or 28–50 ms whenever another
         # process held a core (the two threads wait on each other); one is faster and steady
-        torch.set_num_threads(a.threads)
+        workbench.set_options(threads=a.threads)  # the runs' threads (Runtime.run sets them)
         rt = workbench.Runtime()
         work = Path(tempfile.mkdtemp(prefix="prism-costs-"))
         R.save(R.random_refactoring(rt.lm), work / "p")

@@ -1501,3 +1501,63 @@ def test_a_batch_names_the_request_its_template_refused(embedded_dir, tmp_path):
                                 Request("fine again", [])], 2)
     msg = one_line(e.value)
     assert msg.startswith("request 1 of the batch: ") and "no forbidden words" in msg, msg
+
+
+def test_a_batch_stops_at_its_first_refused_prompt(monkeypatch):
+    """A template that hangs on every prompt costs one time bound for the batch, not one per
+    request (review): with stop_at_error the rendering ends at the first error."""
+    from workbench.models import chat_template as ct
+
+    msgs = [[{"role": "user", "content": f"slow {i}"}] for i in range(6)]
+    t0 = time.perf_counter()
+    out = ct.render_chats(_Mixed(), msgs, seconds=0.5, stop_at_error=True)
+    assert time.perf_counter() - t0 < 3
+    assert len(out) == 1 and "longer than 0.5 s" in str(out[0])
+    msgs = [[{"role": "user", "content": c}] for c in ("a", "fail b", "c")]
+    out = ct.render_chats(_Mixed(), msgs, seconds=5, stop_at_error=True)
+    assert out[0] == "rendered a" and len(out) == 2 and "boom fail b" in str(out[1])
+
+
+def test_a_rendering_child_dies_with_its_parent(tmp_path):
+    """The rendering child blocks every signal; if its parent is killed (SIGTERM: no finally
+    runs) the child must not spin on in a runaway template (review): it dies with it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from workbench.models import chat_template as ct\n"
+        "class R:\n"
+        "    def apply_chat_template(self, m, **k):\n"
+        "        while True: pass\n"
+        "ct.render_chat(R(), [{'role': 'user', 'content': 'x'}], seconds=60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        child = None
+        for _ in range(200):  # the forked child appears as the parent's child process
+            kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
+            if kids.stdout.split():
+                child = int(kids.stdout.split()[0])
+                break
+            time.sleep(0.05)
+        assert child is not None, "no rendering child started"
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        def alive(pid: int) -> bool:  # a zombie (dead, not yet reaped by init) is dead
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                return False
+
+        for _ in range(100):
+            if not alive(child):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the rendering child outlived its parent")
+    finally:
+        if p.poll() is None:
+            p.kill()

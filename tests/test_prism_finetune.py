@@ -23,10 +23,12 @@ def trained(embedded, tmp_path_factory):
     ref = R.random_refactoring(embedded, subexperts=4)
     R.save(ref, root / "ref")
     before = {n: p.detach().clone() for n, p in embedded.model.named_parameters()}
+    grads = {n: p.requires_grad for n, p in embedded.model.named_parameters()}
     router = F.finetune(embedded, ref, R.calibration_requests(8), steps=8, batch_size=4)
     after = dict(embedded.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before), "the model must not change"
-    assert all(not p.requires_grad or before for p in after.values())
+    assert {n: p.requires_grad for n, p in after.items()} == grads
+    assert all("forward" not in b.experts.__dict__ for b in embedded.layout.blocks)
     F.save(router, root / "router")
     return ref, router, root
 

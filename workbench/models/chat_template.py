@@ -75,11 +75,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
 
 
 def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
-                 seconds: float | None = None) -> list[str | TemplateRenderError]:
+                 seconds: float | None = None, stop_at_error: bool = False
+                 ) -> list[str | TemplateRenderError]:
     """:func:`render_chat` of each conversation, in order, by one child process where nothing
     goes wrong: each item is the rendered text or the :class:`TemplateRenderError` of that
     conversation (returned, not raised: the caller names which request failed). Each rendering
-    has its own time bound ``seconds`` (from the previous reply)."""
+    has its own time bound ``seconds`` (from the previous reply). ``stop_at_error``: return
+    at the first error (the list ends with it) — a caller that refuses the whole batch on any
+    error must not wait out the time bound once per prompt of a template that hangs on all."""
     seconds = render_seconds() if seconds is None else seconds
 
     def call(messages) -> Any:
@@ -95,10 +98,14 @@ def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
                 out.append(e)
             except Exception as e:  # the template's own error
                 out.append(TemplateRenderError(_one_line(e)))
+            if stop_at_error and isinstance(out[-1], TemplateRenderError):
+                break
         return out
     _preimport()
     while len(out) < len(conversations):  # a fresh child for what a failed one left
-        out.extend(_in_child(call, conversations[len(out):], seconds))
+        out.extend(_in_child(call, conversations[len(out):], seconds, stop_at_error))
+        if stop_at_error and any(isinstance(o, TemplateRenderError) for o in out):
+            return out
     return out
 
 
@@ -163,6 +170,22 @@ def _reply(call, messages) -> list:
         return ["error", _one_line(e)]
 
 
+def _die_with(parent: int) -> None:
+    """In the child: be killed when the parent dies. The child blocks every signal and may be
+    inside a runaway template, so a parent killed by SIGTERM (its ``finally`` never runs)
+    would leave it spinning forever; Linux's parent-death signal (SIGKILL cannot be blocked)
+    ends it. Where prctl is missing, the time bound is the parent's to enforce, as before."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _child(call, conversations, w: int) -> None:
     """Runs in the forked child: render each conversation, write one length-prefixed JSON
     reply per conversation as it is done, exit."""
@@ -175,11 +198,13 @@ def _child(call, conversations, w: int) -> None:
             view = view[n:]
 
 
-def _in_child(call, conversations, seconds: float) -> list[str | TemplateRenderError]:
+def _in_child(call, conversations, seconds: float, stop_at_error: bool = False
+              ) -> list[str | TemplateRenderError]:
     """Render ``conversations`` in one forked child: a result per conversation up to and
     including the first that exceeded a bound (fewer than asked when the child was stopped:
-    the caller renders the rest in a new child)."""
+    the caller renders the rest in a new child), or the first error with ``stop_at_error``."""
     r, w = os.pipe()
+    parent = os.getpid()
     # the child starts with every signal blocked (a Ctrl-C must not unwind the parent's stack
     # in it; SIGKILL, which ends it, cannot be blocked); the parent's mask is restored at once
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
@@ -195,6 +220,7 @@ def _in_child(call, conversations, seconds: float) -> list[str | TemplateRenderE
         code = 1
         try:
             os.close(r)
+            _die_with(parent)
             _child(call, conversations, w)
             code = 0
         finally:
@@ -218,6 +244,8 @@ def _in_child(call, conversations, seconds: float) -> list[str | TemplateRenderE
                 break
             if status != "ok":
                 out.append(TemplateRenderError(value))
+                if stop_at_error:
+                    break
                 continue
             try:
                 out.append(_check_text(value))

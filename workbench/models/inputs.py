@@ -303,8 +303,8 @@ MAX_BATCH = 256
 
 
 def _check_request(lm, request: Request, where: str) -> tuple[Any, list[Image.Image], list[str]]:
-    """One request checked: its chat messages (None when the tokenizer has no chat template:
-    the prompt is the text), its decoded images and their labels."""
+    """One request checked: its chat messages (or, when the tokenizer has no chat template,
+    the prompt itself: the text), its decoded images and their labels."""
     if not isinstance(request, Request):
         raise InputError(f"{where}must be a workbench Request (prompt + images), not "
                          f"{type(request).__name__}")
@@ -337,7 +337,9 @@ def _render(lm, requests: Sequence[Request], wheres: Sequence[str]
     checked = [_check_request(lm, r, w) for r, w in zip(requests, wheres)]
     chats = [m for m, _, _ in checked if not isinstance(m, str)]
     # bounded in time, memory and size: the template is the checkpoint's code
-    texts = iter(render_chats(lm.tokenizer, chats) if chats else [])
+    # the batch is refused at its first error: stop there (a template that hangs on every
+    # prompt must cost one time bound, not one per request)
+    texts = iter(render_chats(lm.tokenizer, chats, stop_at_error=True) if chats else [])
     out = []
     for (m, images, labels), where in zip(checked, wheres):
         text = m if isinstance(m, str) else next(texts)

@@ -333,6 +333,7 @@ class CostTable:
 
         import workbench
         from workbench.prism import refactor as R
+        from workbench.runtime.threads import run_threads
 
         sizes = tuple(_check_arg("sizes[...]", b, 1, MAX_BATCH) for b in sizes)
         if any(a >= b for a, b in zip(sizes, sizes[1:])):
@@ -396,7 +397,7 @@ class CostTable:
                 "requests": "given" if requests is not None else
                             f"workbench.batch({sizes[-1]}, mix='image')",
                 "host": {"machine": platform.machine(), "processor": platform.processor(),
-                         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                         "cpus": os.cpu_count(), "torch_threads": run_threads(rt.lm.device) or torch.get_num_threads(),
                          "device": str(getattr(rt.knobs, "device", "cpu"))},
                 "max_relative_iqr": max(spread.values()), "knobs": base,
                 "loadavg_1min": [load0, os.getloadavg()[0]],

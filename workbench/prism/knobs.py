@@ -43,7 +43,8 @@ class PrismKnobs(KnobGroup):
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "
             "chooses the sub-experts instead of the training-free proxy gate; trained for the "
-            "run's refactoring. None: the proxy gate. Live only.")
+            "run's refactoring. None: the proxy gate. In replay it describes the recording "
+            "(the trace carries which sub-experts ran).")
 
     prism_offload = param.Boolean(
         default=False,

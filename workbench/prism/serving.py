@@ -56,6 +56,12 @@ def serve(rt: Any, requests: Requests, prompts: Sequence[Any], table: CostTable,
     if len(prompts) != n:
         raise InputError(f"serve needs one prompt per request: {n} requests, "
                          f"{len(prompts)} prompts")
+    from workbench.models.inputs import Request
+
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, Request)]
+    if bad:  # before the clock starts, not at request bad[0]'s batch
+        raise InputError(f"prompt {bad[0]} must be a workbench Request (prompt + images), not "
+                         f"{type(prompts[bad[0]]).__name__}")
     for name in ("prism", "prism_k_active", "prism_k", "max_new_tokens", "record",
                  "on_token", "ignore_eos"):
         if name in run_knobs:
@@ -95,9 +101,13 @@ def serve(rt: Any, requests: Requests, prompts: Sequence[Any], table: CostTable,
         steps = int(out[batch].max())
         stamps: list[float] = []
         launched = time.perf_counter() - t0
-        res = rt.run([prompts[i] for i in batch], record=False, prism=True, prism_k_active=m,
-                     max_new_tokens=steps, ignore_eos=True,
-                     on_token=lambda *_: stamps.append(time.perf_counter() - t0), **run_knobs)
+        try:
+            res = rt.run([prompts[i] for i in batch], record=False, prism=True,
+                         prism_k_active=m, max_new_tokens=steps, ignore_eos=True,
+                         on_token=lambda *_: stamps.append(time.perf_counter() - t0),
+                         **run_knobs)
+        except InputError as e:  # name the served requests, not positions in the batch
+            raise InputError(f"serving requests {batch.tolist()} at level {m}: {e}") from None
         if len(stamps) != steps:
             raise RuntimeError(f"a served batch streamed {len(stamps)} steps, not {steps} "
                                f"(stopped or failed: {getattr(res, 'status', '?')})")
