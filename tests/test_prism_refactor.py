@@ -122,12 +122,14 @@ def test_every_sub_expert_active_equals_the_model(arch, tiny_ckpt, tmp_path):
     kw = dict(record=False)
     before = {n: p.detach().clone() for n, p in rt.lm.model.named_parameters()}
     base = rt.run("the quick brown fox", **kw)
-    el = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"), **kw)
-    assert el.token_ids == base.token_ids
-    # the sub-expert layout lives only while the run is installed: the model's own bytes after
-    for n, p in rt.lm.model.named_parameters():
-        assert torch.equal(p, before[n]), n
-    assert el.subexperts_ran == el.subexperts_asked > 0
+    for shortcut in (False, True):  # the sub-expert path itself, and whole experts
+        el = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"),
+                    prism_shortcut=shortcut, **kw)
+        assert el.token_ids == base.token_ids
+        # the sub-expert layout lives only while the run is installed: the model's own bytes
+        for n, p in rt.lm.model.named_parameters():
+            assert torch.equal(p, before[n]), n
+        assert el.subexperts_ran == el.subexperts_asked > 0
     half = rt.run("the quick brown fox", prism=True, prism_refactoring=str(tmp_path / "p"),
                   prism_k_active=2, **kw)
     assert half.subexperts_ran * 2 == half.subexperts_asked
@@ -154,7 +156,7 @@ def test_elastic_logits_match_and_the_embedded_model_keeps_its_answers(embedded,
         return hook
 
     blk = embedded.layout.blocks[5]
-    for name, kw in (("base", {}), ("prism", dict(prism=True,
+    for name, kw in (("base", {}), ("prism", dict(prism=True, prism_shortcut=False,
                                                    prism_refactoring=str(tmp_path / "p")))):
         h = blk.block.register_forward_hook(grab(name))
         try:
@@ -320,3 +322,25 @@ def test_the_random_control_differs_only_in_the_partition(embedded, tmp_path):
     R.save(rnd, tmp_path / "r")
     back = R.load(tmp_path / "r", embedded)
     np.testing.assert_array_equal(back.gates, rnd.gates)
+
+
+def test_the_whole_expert_shortcut_records_what_the_sub_expert_path_does(embedded, tmp_path):
+    """prism_shortcut (default): with every sub-expert active whole experts run over the
+    unchanged layout — the same tokens, and a store equal to the sub-expert path's (which
+    sub-experts ran, cache decisions, the modeled clock), offloaded with a small cache."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=5), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=8)
+    kw = dict(prism=True, prism_refactoring=str(tmp_path / "p"), cache_slots=48,
+              pinned_layers=1, profile="h200", target_model="qwen3-vl-30b-a3b")
+    sub = rt.run(reqs, store=tmp_path / "sub.zarr", prism_shortcut=False, **kw)
+    whole = rt.run(reqs, store=tmp_path / "whole.zarr", **kw)
+    assert [r["token_ids"] for r in whole.batch] == [r["token_ids"] for r in sub.batch]
+    a, b = workbench.open_run(tmp_path / "sub.zarr"), workbench.open_run(tmp_path / "whole.zarr")
+    for var in ("subexpert_ran", "subexpert_tokens", "hits", "misses", "evictions",
+                "latency_modeled_s", "stall_modeled_s"):
+        np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=var)
+    assert whole.subexperts_ran == whole.subexperts_asked == sub.subexperts_ran

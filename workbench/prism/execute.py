@@ -82,6 +82,9 @@ class PrismSetup(NamedTuple):
     k_active: int
     global_k: int | None = None
     router: torch.Tensor | None = None
+    #: with every sub-expert of every routed expert running (k_active = N, no global K),
+    #: run whole experts instead (:class:`PrismView` ``whole``)
+    shortcut: bool = True
 
 
 def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
@@ -115,8 +118,13 @@ class PrismView:
 
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
                  subexperts: int, k_active: int, act_fn, global_k: int | None = None,
-                 router: torch.Tensor | None = None) -> None:
+                 router: torch.Tensor | None = None, whole: bool = False) -> None:
         self.inner, self.layer = inner, layer
+        #: the shortcut: every sub-expert of every routed expert runs, so each call runs whole
+        #: experts through the model's own forward over the *unchanged* layout (the offloader
+        #: then leaves the tensors as they are) — the same sums, in the model's own order, at
+        #: the unmodified runtime's cost; what ran is recorded as for sub-experts
+        self.whole = whole
         #: a trained sub-expert gate's rows of this layer [E·N, H] (None: the proxy gate)
         self.router = None if router is None else router[layer]
         #: the seed's K: a token's K best sub-experts among its routed experts' (None: the
@@ -250,6 +258,9 @@ class PrismView:
         then every routed slot's chosen sub-experts are in this call, and they map to the
         call's sub-experts by a sorted search with no per-call masks (the all-hit step)."""
         N = self.N
+        if self.whole:
+            return self._run_whole(weights, experts, num_experts, hidden_states, top_k_index,
+                                   top_k_weights, *args, all_routed=all_routed, **kwargs)
         sub_w = self._sub_weights(weights, len(experts))
         if all_routed is not None and self._chosen_call is not None \
                 and self._chosen_call.shape[:2] == top_k_index.shape:
@@ -270,6 +281,30 @@ class PrismView:
         subs = [int(e) * N + s for e in experts for s in range(N)]
         return self.run_subexperts(sub_w, subs, num_experts, hidden_states, top_k_index,
                                    top_k_weights, *args, **kwargs)
+
+    def record_all(self) -> None:
+        """The shortcut on a layer the model's own forward ran whole (pinned): every routed
+        slot of the call ran every sub-expert."""
+        self._ran_call = self._chosen_call.to(self._ran_call.device, torch.int16)
+
+    def _run_whole(self, weights, experts, num_experts, hidden_states, top_k_index,
+                   top_k_weights, *args, all_routed=None, **kwargs) -> torch.Tensor:
+        """The shortcut (``whole``): whole experts ``experts`` (``weights`` in the model's own
+        layout), their routed slots recorded as having run every sub-expert."""
+        if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
+            self.choose(hidden_states, top_k_index, top_k_weights, num_experts)
+        chosen = self._chosen_call
+        if all_routed is not None:  # every routed slot is in this call
+            self._ran_call = chosen.to(self._ran_call.device, torch.int16)
+        else:
+            ids = torch.as_tensor([int(e) for e in experts], dtype=top_k_index.dtype,
+                                  device=top_k_index.device)
+            here = torch.isin(top_k_index, ids)[..., None] & (chosen >= 0)
+            self._ran_call = torch.where(here.to(self._ran_call.device),
+                                         chosen.to(self._ran_call.device, torch.int16),
+                                         self._ran_call)
+        return self.inner(weights, experts, num_experts, hidden_states, top_k_index,
+                          top_k_weights, *args, all_routed=all_routed, **kwargs)
 
     def run_subexperts(self, weights: dict[str, torch.Tensor], subs, num_experts: int,
                        hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -39,6 +39,12 @@ class PrismKnobs(KnobGroup):
             "<workspace>/prism/<model config hash>, else one shipped in "
             "<model dir>/workbench/prism.")
 
+    prism_shortcut = param.Boolean(
+        default=True,
+        doc="With every sub-expert of every routed expert active (k_active = N, no prism_k), "
+            "run whole experts: the same sums in the model's own order, at the unmodified "
+            "runtime's cost, recorded as sub-experts. False: run the sub-expert path anyway "
+            "(to test or time it). Not with prism_offload, which caches sub-experts.")
     prism_router = param.String(
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "

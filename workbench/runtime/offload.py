@@ -262,11 +262,15 @@ class Offloader:
             from workbench.prism.execute import PrismView
 
             ps = self.prism
+            # every sub-expert of every routed expert runs: whole experts, layout unchanged
+            whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
+                     and self.part == 1)
             view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
-                             ex.act_fn, ps.global_k, ps.router)
+                             ex.act_fn, ps.global_k, ps.router, whole=whole)
             self.prism_views.append(view)
-            self._to_subexperts(b)
-            view.capture_gates(ex.gate_up_proj.data, self.device)
+            if not whole:
+                self._to_subexperts(b)
+                view.capture_gates(ex.gate_up_proj.data, self.device)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
@@ -361,7 +365,11 @@ class Offloader:
         ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
         keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
-        if self.prism is not None:  # router-side: the sub-experts each slot runs, priced
+        if self.prism is not None and view.whole:  # the shortcut: each routed slot runs all
+            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
+            N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
+            compute_s = [p.subexpert_op(N * n, N, N) for n in tokens]
+        elif self.prism is not None:  # router-side: the sub-experts each slot runs, priced
             view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
             compute_s = p.subexperts(per_sub)
@@ -433,8 +441,8 @@ class Offloader:
             elif kind == "pre_evict":
                 self._pf_inflight.pop(action[1], None)
             elif kind == "hits":
-                if out.pinned and self.prism is not None:  # the routed experts' resident
-                    ids = routed.tolist()                  # weights, as slices
+                if out.pinned and self.prism is not None and not view.whole:
+                    ids = routed.tolist()  # the routed experts' resident weights, as slices
                     at = routed.long()
                     result = view({n: getattr(b.experts, n)[at] for n in b.expert_params},
                                   ids, b.num_experts, hidden_states, top_k_index,
@@ -450,6 +458,8 @@ class Offloader:
                         gone = idx >= b.num_experts
                         idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
                     result = original(hidden_states, idx, w, *args, **kwargs)
+                    if self.prism is not None:  # the shortcut: every routed slot ran all
+                        view.record_all()
                     if low:
                         own = {n: getattr(b.experts, n)[low] for n in b.expert_params}
                         result = result + self._run_low(b, view, low, own, hidden_states,

@@ -191,7 +191,7 @@ class RunSession:
 
             router = torch.as_tensor(load_router(k.prism_router, self.runtime.lm, ref).weight)
         return PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K,
-                          router)
+                          router, bool(k.prism_shortcut))
 
     def _balance(self) -> dict[str, Any]:
         """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
