@@ -41,4 +41,28 @@ def save_folder(out: str | Path, weights: str, config: str, tensors: dict[str, n
     return out
 
 
-__all__ = ["save_folder"]
+def load_header(folder: str | Path, config: str, fmt: str, what: str,
+                dims: tuple[str, ...]) -> tuple[dict[str, Any], list[int]]:
+    """The JSON header ``folder/config`` of a :func:`save_folder` folder, checked: a mapping
+    of format ``fmt`` whose ``dims`` are whole numbers in 1 … 2²⁰ (the shapes the weights are
+    then checked against; bounded so that a header cannot declare an 8 GB tensor). Returns
+    (header, the dims' values); :class:`InputError` naming the file and the fault."""
+    where = str(Path(folder) / config)
+    try:
+        meta = json.loads((Path(folder) / config).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{where!r} is not a readable {what} "
+                         f"({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise InputError(f"{where!r} is not a {fmt} header")
+    values = []
+    for k in dims:
+        v = meta.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+            raise InputError(f"{where!r}: {k} must be a whole number in 1 … {1 << 20}, "
+                             f"not {v!r}")
+        values.append(v)
+    return meta, values
+
+
+__all__ = ["load_header", "save_folder"]

@@ -35,7 +35,6 @@ overwritten silently), naming the model and a hash of the refactoring it was tra
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -192,22 +191,11 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    from workbench.tensorfiles import load_header
+
     path = Path(path)
-    try:
-        meta = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{str(path / CONFIG)!r} is not a readable MoE-Prism router "
-                         f"({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise InputError(f"{str(path / CONFIG)!r} is not a {FORMAT} header")
-    dims = []
-    for k in ("layers", "experts", "subexperts", "hidden"):
-        v = meta.get(k)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
-            raise InputError(f"{str(path / CONFIG)!r}: {k} must be a whole number in 1 … "
-                             f"{1 << 20}, not {v!r}")
-        dims.append(v)
-    L, E, N, H = dims
+    meta, (L, E, N, H) = load_header(path, CONFIG, FORMAT, "MoE-Prism router",
+                                     ("layers", "experts", "subexperts", "hidden"))
     if lm is not None:
         lay = lm.layout
         H_model = int(lay.blocks[0].experts.gate_up_proj.shape[2])

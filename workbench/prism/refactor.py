@@ -20,7 +20,6 @@ model or expert shape naming both.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,22 +202,12 @@ def load(path: str | Path, lm=None) -> Refactoring:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    from workbench.tensorfiles import load_header
+
     path = Path(path)
-    try:
-        meta = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{str(path / CONFIG)!r} is not a readable MoE-Prism refactoring "
-                         f"({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise InputError(f"{str(path / CONFIG)!r} is not a {FORMAT} header")
-    shape = []
-    for k in ("layers", "experts", "neurons", "subexperts", "gate_neurons"):
-        v = meta.get(k)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
-            raise InputError(f"{str(path / CONFIG)!r}: {k} must be a whole number in 1 … "
-                             f"{1 << 20}, not {v!r}")
-        shape.append(v)
-    L, E, I, N, r = shape
+    meta, (L, E, I, N, r) = load_header(
+        path, CONFIG, FORMAT, "MoE-Prism refactoring",
+        ("layers", "experts", "neurons", "subexperts", "gate_neurons"))
     if I % N or r > I // N:
         raise InputError(f"{str(path / CONFIG)!r}: {N} sub-experts must divide the {I} "
                          f"neurons with at least {r} each")
