@@ -22,7 +22,14 @@ neurons, from resident copies of their rows (:meth:`PrismView.capture_gates`); p
 expert its ``k_active`` best run, or, with a global K, the token's K best (expert, sub-expert)
 pairs by score × routing weight. The router's expert choice is kept (seed §4.3.1: "the model's
 top-level router can then use these lightweight scores to select which sub-experts to
-execute"); each sub-expert's output is weighted by its expert's routing weight.
+execute"); each sub-expert's output is weighted by its expert's routing weight. A trained gate
+(:mod:`workbench.prism.finetune`, ``prism_router``) may score instead of the proxy.
+
+The shortcut (``prism_shortcut``, default): when every sub-expert of every routed expert runs
+(k_active = N, no global K, whole-expert caching), the view runs whole experts over the
+model's unchanged layout (``whole``; the offloader then skips the layout change) and records
+every routed slot as having run all N — the same sums in the model's own order, the same store
+and modeled clock as the sub-expert path (tested), at the unmodified runtime's cost.
 """
 
 from __future__ import annotations
