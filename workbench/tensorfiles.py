@@ -65,4 +65,22 @@ def load_header(folder: str | Path, config: str, fmt: str, what: str,
     return meta, values
 
 
-__all__ = ["load_header", "save_folder"]
+def load_weights(folder: str | Path, weights: str, budget: int) -> dict[str, np.ndarray]:
+    """The safetensors file ``folder/weights``, read only when it exists and holds at most
+    ``budget`` bytes (what its header's shapes allow: a file cannot make the reader allocate
+    more); :class:`InputError` naming the file otherwise or when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    f = Path(folder) / weights
+    size = f.stat().st_size if f.is_file() else -1
+    if not 0 < size <= budget:
+        raise InputError(f"{str(f)!r} is missing or larger than the {budget} bytes its "
+                         f"header's shapes allow")
+    try:
+        return load_file(str(f))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise InputError(f"{str(f)!r} cannot be read ({str(e)[:120]})") from None
+
+
+__all__ = ["load_header", "load_weights", "save_folder"]

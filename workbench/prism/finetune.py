@@ -100,9 +100,9 @@ def finetune(lm, ref, requests: Sequence[Any], steps: int = 200, lr: float = 1e-
     W = torch.nn.Parameter(torch.randn(L, E * N, H, generator=g).mul_(0.01).to(dev))
     opt = torch.optim.Adam([W], lr=lr)
     k_now = [1]
-    views, installed = [], []
+    installed = []
 
-    def hook(b, l, view, sub_w):
+    def hook(l, view, sub_w):
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             T, k = top_k_index.shape
             ids = top_k_index.long().clamp(max=E - 1)
@@ -133,8 +133,7 @@ def finetune(lm, ref, requests: Sequence[Any], steps: int = 200, lr: float = 1e-
             sub_w = {"gate_up_proj": gu.reshape(E * N, 2 * c, gu.shape[2]),
                      "down_proj": down.reshape(E * N, down.shape[1], c)}
             view = ExpertsView(ex, b.expert_params)
-            views.append(view)
-            ex.forward = hook(b, l, view, sub_w)
+            ex.forward = hook(l, view, sub_w)
             installed.append(ex)
         order = np.random.default_rng(seed).permutation(len(requests))
         at = 0
@@ -188,10 +187,7 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
     """The trained gate in folder ``path``, checked: its header, the weight's shape, dtype and
     finiteness; with ``lm`` that it is this model's (config and shape), with ``ref`` that it
     was trained for this refactoring. :class:`InputError` naming what is wrong."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    from workbench.tensorfiles import load_header
+    from workbench.tensorfiles import load_header, load_weights
 
     path = Path(path)
     meta, (L, E, N, H) = load_header(path, CONFIG, FORMAT, "MoE-Prism router",
@@ -213,15 +209,7 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
                 f"the router in {str(path)!r} was trained for refactoring "
                 f"{meta.get('refactoring_hash')} ({N} sub-experts), not for the run's "
                 f"({mine}, {ref.subexperts} sub-experts): retrain it on this refactoring")
-    size = (path / WEIGHTS).stat().st_size if (path / WEIGHTS).is_file() else -1
-    budget = 4 * L * E * N * H + (1 << 20)
-    if not 0 < size <= budget:
-        raise InputError(f"{str(path / WEIGHTS)!r} is missing or larger than the {budget} "
-                         f"bytes its header's shapes allow")
-    try:
-        t = load_file(str(path / WEIGHTS))
-    except (OSError, SafetensorError, ValueError) as e:
-        raise InputError(f"{str(path / WEIGHTS)!r} cannot be read ({str(e)[:120]})") from None
+    t = load_weights(path, WEIGHTS, 4 * L * E * N * H + (1 << 20))
     w = t.get("weight")
     if w is None or w.shape != (L, E * N, H) or w.dtype != np.float32:
         raise InputError(f"{str(path / WEIGHTS)!r}: weight must be float32 of shape "

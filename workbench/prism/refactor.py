@@ -199,10 +199,7 @@ def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
 def load(path: str | Path, lm=None) -> Refactoring:
     """The refactoring in folder ``path``, checked (module docstring); with ``lm`` also that
     it was made for this model and expert shape. :class:`InputError` naming what is wrong."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    from workbench.tensorfiles import load_header
+    from workbench.tensorfiles import load_header, load_weights
 
     path = Path(path)
     meta, (L, E, I, N, r) = load_header(
@@ -224,15 +221,8 @@ def load(path: str | Path, lm=None) -> Refactoring:
                 f"{mine[2]})")
     want = {"perm": (L, E, I), "gates": (L, E, N, r), "tokens": (L, E),
             **{f"objective_{k}": (L, E) for k in OBJECTIVES}}
-    size = (path / WEIGHTS).stat().st_size if (path / WEIGHTS).is_file() else -1
     budget = 8 * sum(int(np.prod(s)) for s in want.values()) + (1 << 20)
-    if not 0 < size <= budget:
-        raise InputError(f"{str(path / WEIGHTS)!r} is missing or larger than the {budget} "
-                         f"bytes its header's shapes allow")
-    try:
-        t = load_file(str(path / WEIGHTS))
-    except (OSError, SafetensorError, ValueError) as e:
-        raise InputError(f"{str(path / WEIGHTS)!r} cannot be read ({str(e)[:120]})") from None
+    t = load_weights(path, WEIGHTS, budget)
     for k, s in want.items():
         if k not in t or t[k].shape != s:
             raise InputError(f"{str(path / WEIGHTS)!r}: {k} must have shape {s}, not "
