@@ -75,8 +75,12 @@ def test_sub_expert_offloading_is_refused_where_it_cannot_run(prism_store, embed
     rt = workbench.Runtime(embedded, max_new_tokens=2)
     with pytest.raises(KnobError, match="set prism=True too"):
         rt.run("x", record=False, prism_offload=True)
-    with pytest.raises(KnobError, match="prefetch='previous-step' is not built yet"):
-        rt.run("x", record=False, prism=True, prism_offload=True, prefetch="previous-step")
+    # router lookahead names whole experts; the refusal lists what works on sub-experts
+    with pytest.raises(KnobError, match=r"prefetch='speculative' is not built yet.*"
+                                        r"one of none, previous-step"):
+        rt.run("x", record=False, prism=True, prism_offload=True, prefetch="speculative")
+    with pytest.raises(KnobError, match="active_evict=True is not built yet"):
+        rt.run("x", record=False, prism=True, prism_offload=True, active_evict=True)
     plain = workbench.load_trace(prism_store[0])
     plain = type(plain)(topk_ids=plain.topk_ids, token_step=plain.token_step,
                         num_experts=plain.num_experts)
@@ -147,6 +151,34 @@ def test_live_sub_expert_offloading(embedded, tmp_path, assert_replays_live):
         assert_replays_live(res, ds)
     for n, p in embedded.model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("budget", [None, 3])
+def test_live_sub_expert_offloading_with_previous_step_prefetch(embedded, tmp_path, budget,
+                                                                 assert_replays_live):
+    """prefetch='previous-step' on a cache of sub-experts: the candidates are the sub-experts
+    the next layers ran one step before (as replay plans them on the sub-expert trace), and
+    the store replays exactly, prefetches included, in both engines."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=13), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
+    kw = dict(KW, cache_slots=24, prism=True, prism_refactoring=str(tmp_path / "p"),
+              prism_k_active=2, prism_offload=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=14)
+    plain = rt.run(reqs, store=tmp_path / "plain.zarr", **kw)
+    res = rt.run(reqs, prefetch="previous-step", prefetch_lead=2, prefetch_budget=budget,
+                 store=tmp_path / "pf.zarr", **kw)
+    assert [r["token_ids"] for r in res.batch] == [r["token_ids"] for r in plain.batch]
+    ds = workbench.open_run(tmp_path / "pf.zarr")
+    assert int(ds["prefetches"].sum()) > 0
+    if budget is not None:  # at most the budget per layer call
+        assert int(ds["prefetches"].max()) <= budget
+    for engine in ("fast", "python"):
+        r = workbench.replay_trace(ds, engine=engine)
+        assert r.config["prism_offload"] and r.config["prefetch"] == "previous-step"
+        assert_replays_live(r, ds)
 
 
 def test_a_store_with_impossible_sub_expert_sizes_is_refused(prism_store, tmp_path):

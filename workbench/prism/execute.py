@@ -236,6 +236,14 @@ class PrismView:
         return torch.bincount(keys, minlength=num_experts * self.N).reshape(
             num_experts, self.N).cpu().numpy()
 
+    def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:
+        """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
+        sub-expert) the layer call will run, -1 elsewhere — the routing of a trace whose
+        experts are sub-experts (:meth:`~workbench.traces.trace.Trace.as_subexperts`)."""
+        chosen = self._chosen_call
+        ids = (top_k_index.long()[..., None] * self.N + chosen).masked_fill(chosen < 0, -1)
+        return ids.reshape(ids.shape[0], -1).cpu().numpy()
+
     def tokens_per_expert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E]: tokens of the layer call that will run some sub-expert of each expert
         (after :meth:`choose`; with a global K a routed token may run none of an expert's)."""

@@ -60,21 +60,33 @@ class PrismKnobs(KnobGroup):
             "recorded with prism=True.")
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
-        """Not yet with ReaLB's low precision (both split the experts' runs); sub-expert
-        offloading in replay only. In replay ``prism``/``prism_k_active`` describe the
+        """Not yet with ReaLB's low precision (both split the experts' runs); live sub-expert
+        offloading not with what names whole experts (lookahead prefetch, ActiveEvict, hybrid
+        mode, the predictor; replay refuses hybrid itself and lookahead prefetch for want of
+        sub-expert lookahead in the trace). In replay ``prism``/``prism_k_active`` describe the
         recording: the trace carries which sub-experts ran (they cannot be chosen again
         without the hidden states)."""
         if self.prism_offload and live:
             if not self.prism:
                 raise KnobError("prism_offload=True caches the sub-experts a run runs: set "
                                 "prism=True too")
-            # these decide on whole experts' keys (candidates, hot sets, host runs)
-            for name, off in (("prefetch", "none"), ("active_evict", False),
-                              ("hybrid", False), ("predictor", "none")):
+            # these decide on whole experts' keys (hot sets, host runs, router lookahead)
+            for name, off in (("active_evict", False), ("hybrid", False),
+                              ("predictor", "none")):
                 if getattr(knobs, name, off) != off:
                     raise KnobError(f"prism_offload=True with {name}={getattr(knobs, name)!r} "
                                     f"is not built yet (it picks whole experts): set "
                                     f"{name}={off!r}")
+            # a prefetcher that reads the routing of earlier steps works on sub-expert keys
+            # (as in replay); one that reads the routers' lookahead names whole experts
+            from workbench.policies.prefetch import PREFETCH
+
+            pf = getattr(knobs, "prefetch", "none")
+            if pf in PREFETCH and PREFETCH.get(pf).needs:
+                ok = [n for n in PREFETCH.available() if not PREFETCH.get(n).needs]
+                raise KnobError(f"prism_offload=True with prefetch={pf!r} is not built yet (it "
+                                f"reads the routers' lookahead, which names whole experts): "
+                                f"choose one of {', '.join(ok)}")
         if self.prism_router is not None and not self.prism and live:
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:

@@ -355,7 +355,8 @@ class Offloader:
         real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
         # what the next routers say of the real tokens only (padding must not prefetch)
         pred_real = pred if mask is None or pred is None else pred[self._mask_np]
-        self._note_routing(b.index, real_ids)
+        if self.part == 1:  # sub-expert keys are noted once the view has chosen them
+            self._note_routing(b.index, real_ids)
         if not pinned and self.active_evict is not None:
             self.active_evict.observe(b.index, real_ids)
         p = self.prices
@@ -374,6 +375,8 @@ class Offloader:
             per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
             compute_s = p.subexperts(per_sub)
             if self.part > 1:  # each sub-expert carries its share of its expert's op
+                sub_ids = view.subexpert_ids(top_k_index)
+                self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
                 e_at, s_at = np.nonzero(per_sub)
                 keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
                 compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
@@ -690,7 +693,7 @@ class Offloader:
                               lead=self.prefetch_lead, pred=pred_at,
                               previous=lambda l: prev.get(l, []), future=no_future)
         pinned = [blk.index < self.pinned_layers for blk in lay.blocks]
-        E = lay.num_experts
+        E = lay.num_experts * self.part  # the cache's keys: experts or sub-experts
         return [divmod(k, E) for k in select(self.prefetch.candidates(ctx), pinned,
                                              lay.num_layers, E, self.prefetch_budget)]
 
