@@ -57,30 +57,22 @@ def _replays(stores: list[Path], slots: int, sub: bool, profile: str, target: st
             "bytes_per_decode_step": moved / max(steps, 1)}
 
 
-def main() -> None:
-    from workbench.prism import refactor as R
+def study(rt, refactoring: Path, batches: list, work: Path, max_new_tokens: int = 24,
+          k_actives=(2, 3), fractions=(6, 12, 25, 50, 75), profile: str = PROFILE,
+          target: str = TARGET) -> dict:
+    """Record ``batches`` (lists of requests) with ``rt`` natively and with ``prism=True`` at
+    each of ``k_actives`` (the refactoring in ``refactoring``), every expert resident, then
+    replay every store at budgets of ``fractions`` % of the experts, whole-expert and
+    sub-expert offloading; returns every row and the verdicts."""
+    import workbench.prism.refactor as R
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--profile", default=PROFILE)
-    ap.add_argument("--target", default=TARGET)
-    ap.add_argument("--json")
-    a = ap.parse_args()
-    t0 = time.perf_counter()
-    rt = workbench.Runtime()
     lay = rt.lm.layout
     L, E = lay.num_layers, lay.num_experts
-    work = Path(tempfile.mkdtemp(prefix="prism-offload-"))
-    ref = R.refactor(rt.lm, R.calibration_requests(a.requests))
-    R.save(ref, work / "p")
-    N = ref.subexperts
-    batches, _, ex = _batches(a.n, 8)
-    record = dict(max_new_tokens=a.max_new_tokens, pinned_layers=0, cache_slots=L * E,
+    N = R.load(refactoring, rt.lm).subexperts
+    record = dict(max_new_tokens=max_new_tokens, pinned_layers=0, cache_slots=L * E,
                   prefetch="none")
     settings = {"native": {}, **{f"k_active {k}/{N}": dict(
-        prism=True, prism_refactoring=str(work / "p"), prism_k_active=k) for k in (2, 3)}}
+        prism=True, prism_refactoring=str(refactoring), prism_k_active=k) for k in k_actives}}
     stores: dict[str, list[Path]] = {}
     for name, kw in settings.items():
         stores[name] = []
@@ -88,15 +80,16 @@ def main() -> None:
             path = work / f"{name.replace('/', '-').replace(' ', '_')}_{i}.zarr"
             rt.run(reqs, store=path, **record, **kw)
             stores[name].append(path)
-    budgets = [L * E * f // 100 for f in (6, 12, 25, 50, 75)]
-    out = {"n": a.n, "subexperts": N, "profile": a.profile, "target_model": a.target,
-           "experts": L * E, "budgets": budgets, "rows": []}
+    budgets = sorted({max(lay.top_k, L * E * f // 100) for f in fractions})  # ≥ top-k
+    out = {"n": sum(len(b) for b in batches), "subexperts": N, "profile": profile,
+           "target_model": target, "experts": L * E, "budgets": budgets,
+           "max_new_tokens": max_new_tokens, "rows": []}
     for name in settings:
         for slots in budgets:
             row = {"setting": name, "cache_slots": slots,
-                   "whole": _replays(stores[name], slots, False, a.profile, a.target)}
+                   "whole": _replays(stores[name], slots, False, profile, target)}
             if name != "native":
-                row["sub"] = _replays(stores[name], slots, True, a.profile, a.target)
+                row["sub"] = _replays(stores[name], slots, True, profile, target)
                 row["decode_delta"] = (row["sub"]["decode_step_s"]
                                        / row["whole"]["decode_step_s"] - 1)
             out["rows"].append(row)
@@ -115,11 +108,13 @@ def main() -> None:
                              + f" (best {best:+.1%}, at "
                              f"{budgets[deltas.index(best)]} of {L * E} expert slots)"})
     out["verdicts"] = v
-    out["elapsed_s"] = time.perf_counter() - t0
-    print(f"MoE-Prism sub-expert offloading: embedded model, {a.n} held-out questions in "
-          f"batches of 8, N = {N}; modeled {a.target} on {a.profile}; {out['elapsed_s']:.0f} s\n")
+    return out
+
+
+def report(out: dict) -> None:
+    """The study's table and verdicts, as markdown."""
     print("| setting | slots (of %d) | whole: decode ms | sub: decode ms | Δ | whole: hit rate "
-          "| sub: hit rate | whole: MB/decode step | sub: MB/decode step |" % (L * E))
+          "| sub: hit rate | whole: MB/decode step | sub: MB/decode step |" % out["experts"])
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         w, s = r["whole"], r.get("sub")
@@ -130,8 +125,34 @@ def main() -> None:
               + f"{w['bytes_per_decode_step'] / 1e6:.1f} | "
               + (f"{s['bytes_per_decode_step'] / 1e6:.1f} |" if s else "— |"))
     print("\n| claim | verdict |\n|---|---|")
-    for x in v:
+    for x in out["verdicts"]:
         print(f"| {x['claim']} | {x['verdict']} |")
+
+
+def main() -> None:
+    from workbench.prism import refactor as R
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--profile", default=PROFILE)
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    rt = workbench.Runtime()
+    work = Path(tempfile.mkdtemp(prefix="prism-offload-"))
+    ref = R.refactor(rt.lm, R.calibration_requests(a.requests))
+    R.save(ref, work / "p")
+    batches, _, _ = _batches(a.n, 8)
+    out = study(rt, work / "p", batches, work, a.max_new_tokens, profile=a.profile,
+                target=a.target)
+    out["elapsed_s"] = time.perf_counter() - t0
+    print(f"MoE-Prism sub-expert offloading: embedded model, {a.n} held-out questions in "
+          f"batches of 8, N = {out['subexperts']}; modeled {a.target} on {a.profile}; "
+          f"{out['elapsed_s']:.0f} s\n")
+    report(out)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 
