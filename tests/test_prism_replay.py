@@ -69,9 +69,6 @@ def test_sub_expert_offloading_in_replay(prism_store, monkeypatch):
 def test_sub_expert_offloading_is_refused_where_it_cannot_run(prism_store, embedded):
     import workbench
 
-    ds = workbench.open_run(prism_store[0])
-    with pytest.raises(KnobError, match="hybrid"):
-        workbench.replay_trace(ds, prism_offload=True, hybrid=True)
     rt = workbench.Runtime(embedded, max_new_tokens=2)
     with pytest.raises(KnobError, match="set prism=True too"):
         rt.run("x", record=False, prism_offload=True)
@@ -179,6 +176,45 @@ def test_live_sub_expert_offloading_with_previous_step_prefetch(embedded, tmp_pa
         r = workbench.replay_trace(ds, engine=engine)
         assert r.config["prism_offload"] and r.config["prefetch"] == "previous-step"
         assert_replays_live(r, ds)
+
+
+def test_live_sub_expert_offloading_in_hybrid_mode(embedded, tmp_path, assert_replays_live):
+    """GPU–CPU hybrid on a cache of sub-experts: each missed sub-expert is decided by its own
+    tokens at 1/N of an expert's bytes and FLOPs, and one the rule picks runs from its host
+    rows (the same sums: the tokens equal the run without hybrid). The store replays exactly,
+    and replaying a store recorded without hybrid with hybrid on decides the same misses."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=15), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
+    kw = dict(KW, cache_slots=24, prism=True, prism_refactoring=str(tmp_path / "p"),
+              prism_k_active=2, prism_offload=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=16)
+    plain = rt.run(reqs, store=tmp_path / "plain.zarr", **kw)
+    res = rt.run(reqs, hybrid=True, store=tmp_path / "h.zarr", **kw)
+    assert [r["token_ids"] for r in res.batch] == [r["token_ids"] for r in plain.batch]
+    ds = workbench.open_run(tmp_path / "h.zarr")
+    assert int(ds.host_runs.sum()) > 0
+    assert res.transfer_bytes < plain.transfer_bytes  # a miss run on the host is not copied
+    r = workbench.replay_trace(ds)
+    assert r.config["prism_offload"] and r.config["hybrid"]
+    assert_replays_live(r, ds)
+    replayed = workbench.replay_trace(workbench.open_run(tmp_path / "plain.zarr"), hybrid=True)
+    np.testing.assert_array_equal(replayed.host_runs, ds.host_runs.values)
+    np.testing.assert_array_equal(replayed.hits, ds.hits.values)
+
+
+def test_the_hybrid_rule_of_a_sub_expert_is_its_own():
+    """A sub-expert's host run and copy are 1/N of its expert's bytes and FLOPs: its rule is
+    Prices.part(N)'s, which differs from the whole expert's at some token count."""
+    from workbench.sim.costs import CostSpec, Prices
+    from workbench.sim.profiles import get_profile, get_target_model
+
+    p = Prices(get_profile("h200"), CostSpec.from_target(get_target_model("qwen3-vl-30b-a3b")))
+    q = p.part(4)
+    assert q.host(8) < p.host(8) and q.transfer < p.transfer  # (a copy has a fixed latency)
+    assert any(q.on_host(n) != p.on_host(n) for n in range(1, 4096))
 
 
 def test_a_store_with_impossible_sub_expert_sizes_is_refused(prism_store, tmp_path):

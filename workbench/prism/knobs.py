@@ -61,18 +61,17 @@ class PrismKnobs(KnobGroup):
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Not yet with ReaLB's low precision (both split the experts' runs); live sub-expert
-        offloading not with what names whole experts (lookahead prefetch, ActiveEvict, hybrid
-        mode, the predictor; replay refuses hybrid itself and lookahead prefetch for want of
-        sub-expert lookahead in the trace). In replay ``prism``/``prism_k_active`` describe the
+        offloading not with what names whole experts (lookahead prefetch, ActiveEvict, the
+        predictor; replay refuses lookahead prefetch itself, for want of sub-expert lookahead
+        in the trace). In replay ``prism``/``prism_k_active`` describe the
         recording: the trace carries which sub-experts ran (they cannot be chosen again
         without the hidden states)."""
         if self.prism_offload and live:
             if not self.prism:
                 raise KnobError("prism_offload=True caches the sub-experts a run runs: set "
                                 "prism=True too")
-            # these decide on whole experts' keys (hot sets, host runs, router lookahead)
-            for name, off in (("active_evict", False), ("hybrid", False),
-                              ("predictor", "none")):
+            # these decide on whole experts' keys (hot sets, router lookahead)
+            for name, off in (("active_evict", False), ("predictor", "none")):
                 if getattr(knobs, name, off) != off:
                     raise KnobError(f"prism_offload=True with {name}={getattr(knobs, name)!r} "
                                     f"is not built yet (it picks whole experts): set "

@@ -247,9 +247,10 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     pf_ptr, pf_key = plan_prefetch(PREFETCH.create(k.prefetch, **st.values), trace, groups,
                                    st.placement.pinned, k.prefetch_lead, k.prefetch_budget)
     host = None
-    if k.hybrid:  # per access: (runs on the host if missed?, modeled host seconds)
-        host = (Prices.many(prices.on_host, groups.expert_tokens, bool),
-                Prices.many(prices.host, groups.expert_tokens))
+    if k.hybrid:  # per access: (runs on the host if missed?, modeled host seconds) of its
+        hp = prices.part(st.part)  # key: an expert, or a sub-expert (1/N of the work)
+        host = (Prices.many(hp.on_host, groups.expert_tokens, bool),
+                Prices.many(hp.host, groups.expert_tokens))
     policy_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
@@ -539,9 +540,6 @@ def _subexpert_keys(trace: Trace, st: _Settings, scope: str) -> Trace:
     if N == 1:
         raise KnobError("prism_offload=True caches sub-experts, and this trace has none: "
                         "replay a run recorded with prism=True")
-    if st.knobs.hybrid:
-        raise KnobError("prism_offload=True with hybrid=True is not built: run one or the "
-                        "other")
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if L * E * N > COMPACT_KEYS:
         raise KnobError(f"prism_offload=True keys every sub-expert: {L} layers × {E} experts "

@@ -133,9 +133,6 @@ class Offloader:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
-        # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide)
-        self.hybrid: Callable[[int], bool] | None = (
-            self.prices.on_host if hybrid is True else (hybrid or None))
         self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
@@ -158,6 +155,10 @@ class Offloader:
         #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
         #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
         self.part = prism.subexperts if prism is not None and prism_offload else 1
+        # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide,
+        # of a cache key: an expert, or a sub-expert with 1/part of its bytes and FLOPs)
+        self.hybrid: Callable[[int], bool] | None = (
+            self.prices.part(self.part).on_host if hybrid is True else (hybrid or None))
         self.prism_views: list = []
         self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
         self.rank_of_expert = rank_of_expert
@@ -379,6 +380,7 @@ class Offloader:
                 self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
                 e_at, s_at = np.nonzero(per_sub)
                 keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
+                tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
                 compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
             else:  # an expert a global K left idle is not looked up (nothing of it runs)
                 ran = per_sub.sum(1) > 0
@@ -397,7 +399,8 @@ class Offloader:
             dense_s=p.dense(int(real_ids.shape[0])),
             prefetch=self._prefetch_candidates(b, pred_real),
             on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
-            host_s=[p.host(n) for n in tokens] if self.hybrid and not pinned else None,
+            host_s=([p.part(self.part).host(n) for n in tokens] if self.hybrid and not pinned
+                    else None),
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, keys, out)
         result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
@@ -580,9 +583,16 @@ class Offloader:
                      top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """Expert ``expert``'s share of the layer output, computed by the model's own experts
         forward on the host over the host store's copy (a one-expert view, no copy of the
-        weights)."""
+        weights); with sub-expert offloading ``expert`` is a sub-expert key, its host rows a
+        sub-expert block."""
         cpu = torch.device("cpu")
         host = self.store.layer(b.index)
+        if self.part > 1:
+            out = view.run_subexperts({n: host[n][expert:expert + 1] for n in b.expert_params},
+                                      [expert], b.num_experts, hidden_states.to(cpu),
+                                      top_k_index.to(cpu), top_k_weights.to(cpu), *args,
+                                      **kwargs)
+            return out.to(hidden_states.device)
         out = view({n: host[n][expert:expert + 1] for n in b.expert_params}, [expert],
                    b.num_experts, hidden_states.to(cpu), top_k_index.to(cpu),
                    top_k_weights.to(cpu), *args, **kwargs)
