@@ -188,6 +188,15 @@ def study(name: str, table: CostTable, B: int, n: int) -> dict:
     return out
 
 
+def native_row(meta: dict) -> str:
+    """The unmodified runtime's decode times of a measured table (``meta``), as one more row
+    of :meth:`CostTable.summary`'s markdown table (a newline first; '' when not measured)."""
+    if "native_decode_s" not in meta:
+        return ""
+    return "\n| native (prism off) | " + " | ".join(
+        f"{v * 1e3:.3g}" for v in meta["native_decode_s"]) + " |"
+
+
 def _ms(x) -> str:
     return "–" if x is None else f"{x * 1e3:.3g}"
 
@@ -263,10 +272,8 @@ def main() -> None:
           f"({measured.meta.get('host', {}).get('cpus')} CPUs, "
           f"{measured.meta.get('elapsed_s', 0):.0f} s; IQR/median up to "
           f"{measured.meta.get('max_relative_iqr', float('nan')):.0%}; 1-min load average "
-          f"before / after {measured.meta.get('loadavg_1min')}):\n{measured.summary()}")
-    if "native_decode_s" in measured.meta:
-        print("| native (prism off) | " + " | ".join(
-            f"{v * 1e3:.3g}" for v in measured.meta["native_decode_s"]) + " |")
+          f"before / after {measured.meta.get('loadavg_1min')}):\n{measured.summary()}"
+          + native_row(measured.meta))
     tables = [("embedded model, this CPU", measured, measured.max_batch)]
     for choice, kernel in (("shared", "grouped"), ("independent", "grouped"),
                            ("shared", "per_expert")):

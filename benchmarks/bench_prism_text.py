@@ -152,6 +152,12 @@ def windows(text: str, n: int, prompt: int, cont: int, seed: int) -> list[tuple[
     return out
 
 
+def calibration(train_text: str) -> list:
+    """The refactoring's calibration requests: 64 windows of 128 characters of the training
+    text (seeded)."""
+    return [workbench.Request(p + c, []) for p, c in windows(train_text, 64, 112, 16, seed=7)]
+
+
 def study(arch: str, ckpt: Path, train_text: str, held: str, a, log=print) -> dict:
     from workbench.prism import quality as Q
     from workbench.prism import refactor as R
@@ -161,7 +167,7 @@ def study(arch: str, ckpt: Path, train_text: str, held: str, a, log=print) -> di
     lay = lm.layout
     base = dict(pinned_layers=0, cache_slots=lay.num_layers * lay.num_experts)
     Req = workbench.Request
-    cal = [Req(p + c, []) for p, c in windows(train_text, 64, 112, 16, seed=7)]
+    cal = calibration(train_text)
     t0 = time.perf_counter()
     ref = R.refactor(lm, cal)
     t_refactor = time.perf_counter() - t0

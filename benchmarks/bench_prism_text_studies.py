@@ -31,8 +31,8 @@ JSON: ``--json`` (default ``benchmarks/results/prism_text_studies.json``).
     python benchmarks/bench_prism_text_studies.py [--checkpoints DIR] [--steps 1500]
         [--n 48] [--arch qwen3_moe mixtral]
 
-Needs ``../shared/seeds`` (exits 2 naming it when absent). ≈ 12 min on 2 cores with training,
-≈ 5 min from checkpoints. Time it on a quiet machine: the cost tables are wall-clock.
+Needs ``../shared/seeds`` (exits 2 naming it when absent). ≈ 2.5 min on 2 cores from
+checkpoints, ≈ 9 min training them first. Time it on a quiet machine: the cost tables are wall-clock.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import workbench  # first: sets the process's OpenMP settings before torch start
 
 import bench_prism_offload as OFF
 import bench_prism_scheduler as SCH
-from bench_prism_text import SEEDS, SIZES, corpus, train, windows
+from bench_prism_text import SEEDS, SIZES, calibration, corpus, train, windows
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prism_text_studies.json"
 #: requests per recorded run: one (decode of a single stream, the seed's Fig. 8 setting) and
@@ -81,9 +81,8 @@ def one(arch: str, ckpt: Path, train_text: str, held: str, a) -> dict:
     lm = rt.lm
     Req = workbench.Request
     work = Path(tempfile.mkdtemp(prefix=f"prism-text-studies-{arch}-"))
-    cal = [Req(p + c, []) for p, c in windows(train_text, 64, 112, 16, seed=7)]
     t0 = time.perf_counter()
-    ref = R.refactor(lm, cal)
+    ref = R.refactor(lm, calibration(train_text))
     t_ref = time.perf_counter() - t0
     R.save(ref, work / "annealed")
     prompts = [Req(p, []) for p, _ in windows(held, a.n, 96, 0, seed=11)]
@@ -125,6 +124,9 @@ def main() -> None:
     ap.add_argument("--seeds", default=str(SEEDS), help="folder of the seed papers' text")
     ap.add_argument("--json", default=str(RESULTS), help="write every number here ('': not)")
     a = ap.parse_args()
+    if a.n < TABLE_BATCH:
+        ap.error(f"--n {a.n}: the cost table runs batches of up to {TABLE_BATCH} of the held-out "
+                 f"prompts; give at least {TABLE_BATCH}")
     root = Path(a.seeds)
     if not sorted(root.glob("*.txt")):
         ap.exit(2, f"bench_prism_text_studies: no seed papers (*.txt) in {root}; the text "
@@ -147,11 +149,7 @@ def main() -> None:
             OFF.report(off)
         print(f"\n## {arch}: C(m, b) measured here, ms per decode step "
               f"({res['cost_table_s']:.0f} s)\n")
-        print(res["cost_summary"])
-        native = res["cost_table"].get("meta", {}).get("native_decode_s")
-        if native:
-            print("| native (prism off) | " + " | ".join(f"{v * 1e3:.3g}" for v in native)
-                  + " |")
+        print(res["cost_summary"] + SCH.native_row(res["cost_table"]["meta"]))
         SCH.report(res["scheduler"])
     out["wall_s"] = time.perf_counter() - t_start
     if a.json:
