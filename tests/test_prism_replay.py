@@ -78,6 +78,12 @@ def test_sub_expert_offloading_is_refused_where_it_cannot_run(prism_store, embed
         rt.run("x", record=False, prism=True, prism_offload=True, prefetch="speculative")
     with pytest.raises(KnobError, match="active_evict=True is not built yet"):
         rt.run("x", record=False, prism=True, prism_offload=True, active_evict=True)
+    with pytest.raises(KnobError, match="dynamic_topk=True is not built yet"):
+        rt.run("x", record=False, prism=True, prism_offload=True, dynamic_topk=True)
+    # replay: the trace's lookahead names whole experts, the cache's keys are sub-experts
+    with pytest.raises(KnobError, match="names whole experts.*caches sub-experts"):
+        workbench.replay_trace(workbench.open_run(prism_store[0]), prism_offload=True,
+                               prefetch="speculative")
     plain = workbench.load_trace(prism_store[0])
     plain = type(plain)(topk_ids=plain.topk_ids, token_step=plain.token_step,
                         num_experts=plain.num_experts)

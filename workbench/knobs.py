@@ -244,7 +244,8 @@ class PrefetchKnobs(KnobGroup):
         doc="How many layers ahead a prefetch may target.")
     prefetch_budget = param.Integer(
         default=None, allow_None=True, bounds=(1, None),
-        doc="Most experts prefetched per layer step (None: no limit).")
+        doc="Most experts prefetched per layer step (None: no limit); with prism_offload, "
+            "sub-experts (1/N of an expert each).")
 
     def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
         """Live runs take no prefetch policy that needs the future, and one that reads the

@@ -168,6 +168,11 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
     streamed replay's overlap step, asked already: a stateful policy sees each group once)."""
     if budget is None:
         budget = getattr(policy, "default_budget", None)
+    if policy.needs & {"pred_ids", "predicted_ids"} and trace.attrs.get("subexpert_of"):
+        raise KnobError(
+            f"prefetch {policy.name!r} reads lookahead that names whole experts, and this "
+            f"replay caches sub-experts (prism_offload=True); choose one of: none, "
+            f"previous-step, oracle")
     if "pred_ids" in policy.needs and trace.pred_ids is None:
         raise KnobError(
             f"prefetch {policy.name!r} needs recorded router lookahead (pred_ids), which this "

@@ -61,31 +61,33 @@ class PrismKnobs(KnobGroup):
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Not yet with ReaLB's low precision (both split the experts' runs); live sub-expert
-        offloading not with what names whole experts (lookahead prefetch, ActiveEvict, the
-        predictor; replay refuses lookahead prefetch itself, for want of sub-expert lookahead
-        in the trace). In replay ``prism``/``prism_k_active`` describe the
-        recording: the trace carries which sub-experts ran (they cannot be chosen again
-        without the hidden states)."""
+        offloading not with what names whole experts (lookahead and predictor prefetch,
+        ActiveEvict, the predictor, dynamic top-k's residency budget; replay refuses lookahead
+        prefetch itself, for want of sub-expert lookahead in the trace). In replay
+        ``prism``/``prism_k_active`` describe the recording: the trace carries which
+        sub-experts ran (they cannot be chosen again without the hidden states)."""
         if self.prism_offload and live:
             if not self.prism:
                 raise KnobError("prism_offload=True caches the sub-experts a run runs: set "
                                 "prism=True too")
-            # these decide on whole experts' keys (hot sets, router lookahead)
-            for name, off in (("active_evict", False), ("predictor", "none")):
+            # these decide on whole experts' keys (hot sets, router lookahead, residency)
+            for name, off in (("active_evict", False), ("predictor", "none"),
+                              ("dynamic_topk", False)):
                 if getattr(knobs, name, off) != off:
                     raise KnobError(f"prism_offload=True with {name}={getattr(knobs, name)!r} "
                                     f"is not built yet (it picks whole experts): set "
                                     f"{name}={off!r}")
             # a prefetcher that reads the routing of earlier steps works on sub-expert keys
-            # (as in replay); one that reads the routers' lookahead names whole experts
+            # (as in replay); lookahead (the routers', the predictor's) names whole experts
             from workbench.policies.prefetch import PREFETCH
 
             pf = getattr(knobs, "prefetch", "none")
             if pf in PREFETCH and PREFETCH.get(pf).needs:
                 ok = [n for n in PREFETCH.available() if not PREFETCH.get(n).needs]
+                reads = " and ".join(_READS.get(n, n) for n in sorted(PREFETCH.get(pf).needs))
                 raise KnobError(f"prism_offload=True with prefetch={pf!r} is not built yet (it "
-                                f"reads the routers' lookahead, which names whole experts): "
-                                f"choose one of {', '.join(ok)}")
+                                f"reads {reads}, which name whole experts): choose one of "
+                                f"{', '.join(ok)}")
         if self.prism_router is not None and not self.prism and live:
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
@@ -94,5 +96,9 @@ class PrismKnobs(KnobGroup):
             raise KnobError(f"prism=True with balance={knobs.balance!r} is not built yet: run "
                             f"one or the other")
 
+
+#: what a prefetch policy's ``needs`` read, for the refusal under ``prism_offload``
+_READS = {"pred_ids": "the routers' lookahead", "predicted_ids": "the predictor's outputs",
+          "future": "the trace's future"}
 
 __all__ = ["PrismKnobs"]

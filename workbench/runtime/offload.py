@@ -690,8 +690,8 @@ class Offloader:
             return []
         lay = self.layout
 
-        def pred_at(d: int) -> list[int]:
-            if pred is None or d - 1 >= pred.shape[1]:
+        def pred_at(d: int) -> list[int]:  # (names experts: none for sub-expert keys, as
+            if pred is None or d - 1 >= pred.shape[1] or self.part > 1:  # replay's trace)
                 return []
             return ranked_ids(pred[:, d - 1])
 
