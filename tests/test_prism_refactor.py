@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -106,6 +107,49 @@ def test_the_refactor_command(tmp_path, capsys):
     assert main(["refactor", "--out", str(tmp_path / "q"), "--subexperts", "5"]) == 2
     assert "dividing the 64 neurons" in capsys.readouterr().err
     assert main(["refactor", "--out", str(tmp_path / "q"), "--iterations", "-1"]) == 2
+
+
+def test_the_refactor_command_on_a_text_moe_with_its_own_prompts(tiny_ckpt, tmp_path, capsys):
+    """A text-only model is calibrated on text: the user's prompts (--input, --input-file) or,
+    without them, generated text-only requests (image requests would be refused). A bad file
+    or line exits 2 naming it, without a traceback, and writes nothing."""
+    from workbench.cli import main
+    from workbench.prism import refactor as R
+
+    ckpt = tiny_ckpt("mixtral")
+    f = tmp_path / "cal.txt"
+    f.write_text("# my calibration text\nthe quick brown fox\n\njumps over the lazy dog\n")
+    base = ["refactor", "--model", str(ckpt), "--iterations", "200", "--json"]
+    assert main([*base, "--out", str(tmp_path / "a"), "--input", "a third prompt",
+                 "--input-file", str(f)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["calibration"] == {"requests": 3, "source": "given"}
+    assert R.load(tmp_path / "a").subexperts == 4
+    assert main([*base, "--out", str(tmp_path / "b"), "--requests", "4"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["calibration"] == {"requests": 4, "source": "generated, text-only"}
+    bad = tmp_path / "bad.txt"
+    for content, says in ((b"ok\n\xff\xfe\n", "is not UTF-8"),
+                          (b"fine\n  \nx.png|  \n", "line 3: --input 'x.png|  ' has an empty "
+                                                      "prompt")):
+        bad.write_bytes(content)
+        assert main([*base, "--out", str(tmp_path / "c"), "--input-file", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    assert main([*base, "--out", str(tmp_path / "c"), "--input-file",
+                 str(tmp_path / "missing.txt")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"")
+    os.truncate(big, (16 << 20) + 1)  # sparse: refused by its size, before it is read
+    assert main([*base, "--out", str(tmp_path / "c"), "--input-file", str(big)]) == 2
+    assert "16,777,217 bytes; at most 16,777,216" in capsys.readouterr().err
+    big.write_text("p\n" * 4097)
+    assert main([*base, "--out", str(tmp_path / "c"), "--input-file", str(big)]) == 2
+    assert "4097 calibration requests given; at most 4096" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "c"), "--input", "x.png|what is this?"]) == 2
+    assert "text-only" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2"])

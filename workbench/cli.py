@@ -180,7 +180,15 @@ def _parser() -> argparse.ArgumentParser:
                         "prism/<config hash>)")
     f.add_argument("--overwrite", action="store_true", help="replace an existing refactoring")
     f.add_argument("--requests", type=int, default=64, metavar="N",
-                   help="generated calibration requests, half text-only (default 64)")
+                   help="generated calibration requests, half text-only (all text-only for a "
+                        "text-only model; default 64)")
+    f.add_argument("--input", dest="inputs", action="append", default=[],
+                   metavar="'IMAGE|PROMPT' or 'PROMPT'",
+                   help="a calibration request of your own (repeatable; instead of generated "
+                        "ones): text prompts for a text MoE")
+    f.add_argument("--input-file", metavar="FILE",
+                   help="calibration requests of your own, one per line as --input (UTF-8; "
+                        "blank lines and lines starting with # skipped)")
     f.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the calibration requests (default: one of their own)")
     f.add_argument("--subexperts", type=int, default=4, metavar="N",
@@ -275,8 +283,12 @@ def _refactor(args) -> int:
 
     I = neuron_layout(lm.layout.blocks[0])[0]
     _check(np.zeros((1, I)), args.subexperts, args.deactivated)  # N divides I, K in range
-    reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
-                                  else args.seed)
+    reqs = _own_requests(args.inputs, args.input_file)
+    source = "given"
+    if not reqs:
+        reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
+                                      else args.seed, text_only=not lm.is_vision)
+        source = "generated" + ("" if lm.is_vision else ", text-only")
     ref = R.refactor(lm, reqs, subexperts=args.subexperts, deactivated=args.deactivated,
                      r=min(4, I // args.subexperts), iterations=args.iterations,
                      max_tokens=args.max_tokens)
@@ -284,16 +296,68 @@ def _refactor(args) -> int:
     s = ref.summary()
     if args.json:
         print(json.dumps({"out": str(out), **s, "profile_s": ref.meta["profile_s"],
-                          "anneal_s": ref.meta["anneal_s"]}))
+                          "anneal_s": ref.meta["anneal_s"],
+                          "calibration": {"requests": len(reqs), "source": source}}))
     else:
         o = s["objective"]
         print(f"MoE-Prism refactoring of {lm.model_id} written to {out}: {s['experts']} experts "
               f"× {args.subexperts} sub-experts of {I // args.subexperts} neurons; objective "
               f"(activation lost dropping {ref.meta['deactivated']} per token, Σ over experts) "
               f"annealed {o['annealed']:.1f} vs greedy {o['greedy']:.1f}, random "
-              f"{o['random']:.1f}, contiguous {o['contiguous']:.1f}; profile "
-              f"{ref.meta['profile_s']:.1f} s, annealing {ref.meta['anneal_s']:.1f} s")
+              f"{o['random']:.1f}, contiguous {o['contiguous']:.1f}; calibrated on "
+              f"{len(reqs)} {source} requests; profile {ref.meta['profile_s']:.1f} s, "
+              f"annealing {ref.meta['anneal_s']:.1f} s")
     return 0
+
+
+#: at most this many requests and bytes in an --input-file
+MAX_INPUT_LINES, MAX_INPUT_BYTES = 4096, 16 << 20
+
+
+def _own_requests(inputs: list[str], input_file: str | None) -> list:
+    """The requests of ``--input`` (each ``'IMAGE|PROMPT'`` or ``'PROMPT'``) and of
+    ``--input-file`` (one per line, UTF-8; blank lines and ``#`` comments skipped), in that
+    order; [] when neither is given. Bounded: :data:`MAX_INPUT_LINES` requests,
+    :data:`MAX_INPUT_BYTES` of file, checked before it is read."""
+    from workbench.analysis.sweep import SweepInput
+    from workbench.errors import InputError
+    from workbench.models.inputs import Request
+
+    texts = list(inputs)
+    if input_file is not None:
+        path = Path(input_file)
+        try:
+            size = path.stat().st_size
+            if not path.is_file():
+                raise InputError(f"--input-file {input_file!r} is not a file")
+            if size > MAX_INPUT_BYTES:
+                raise InputError(f"--input-file {input_file!r} has {size:,} bytes; at most "
+                                 f"{MAX_INPUT_BYTES:,} are read")
+            raw = path.read_bytes()[:MAX_INPUT_BYTES]
+        except OSError as e:
+            raise InputError(f"--input-file {input_file!r} cannot be read: "
+                             f"{e.strerror or type(e).__name__}") from None
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise InputError(f"--input-file {input_file!r} is not UTF-8 text (byte "
+                             f"{e.start})") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                texts.append((n, line))
+    if len(texts) > MAX_INPUT_LINES:
+        raise InputError(f"{len(texts)} calibration requests given; at most "
+                         f"{MAX_INPUT_LINES} are taken")
+    out = []
+    for t in texts:
+        where, text = (f"--input-file line {t[0]}", t[1]) if isinstance(t, tuple) else \
+            ("--input", t)
+        try:
+            i = SweepInput.parse(text)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        out.append(Request(i.prompt, list(i.images)))
+    return out
 
 
 def _calibrate_macs(args) -> int:

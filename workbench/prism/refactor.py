@@ -94,12 +94,13 @@ def for_run(lm, knobs) -> tuple[Refactoring, int]:
     return ref, k
 
 
-def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED):
+def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED, text_only: bool = False):
     """Balanced calibration requests of the embedded model's task generator (its own seed,
-    not the held-out split's)."""
+    not the held-out split's): half text-only, half image requests, or all text-only
+    (``text_only``: for a text-only model)."""
     from workbench.models.batches import mixed_batch
 
-    return mixed_batch(n, text_share=0.5, seed=seed)
+    return mixed_batch(n, text_share=1.0 if text_only else 0.5, seed=seed)
 
 
 def refactor(lm, requests: Sequence[Any], subexperts: int = 4, deactivated: int | None = None,
