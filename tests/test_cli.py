@@ -34,6 +34,30 @@ def test_run_prints_answer_and_summary(tiny_ckpt, capsys):
     assert "hit rate" in out and "measured:" in out and "modeled (" in out
 
 
+def test_a_generated_batch_on_a_text_only_model_is_text(tiny_ckpt, capsys):
+    """--batch on a text-only --model draws text-only requests unless --batch-mix asks for
+    images (then refused, exit 2, naming the model as text-only)."""
+    base = ["run", "--model", str(tiny_ckpt()), "--batch", "3", "--max-new-tokens", "2",
+            "--no-record", "--json"]
+    assert main(base) == 0
+    assert len(json.loads(capsys.readouterr().out)["batch"]) == 3
+    assert main([*base, "--batch-mix", "mixed"]) == 2
+    assert "is text-only" in capsys.readouterr().err
+
+
+def test_the_visual_calibrations_refuse_a_text_only_model(tiny_ckpt, tmp_path, capsys):
+    """MACS and the VisMMOE predictor calibrate on visual tokens: a text-only model is refused
+    (exit 2, one line naming it), and nothing is written."""
+    ck = str(tiny_ckpt())
+    assert main(["calibrate-macs", "--model", ck, "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "MACS calibration" in err and "is text-only" in err and "Traceback" not in err
+    assert main(["calibrate", "--model", ck, "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "lookahead predictor" in err and "is text-only" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--prompt", "   "], "prompt is empty"),
     (["--prompt", "x", "--image", "/nonexistent/cat.png"], "image '/nonexistent/cat.png' does not exist"),

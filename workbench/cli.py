@@ -70,9 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-source", choices=("heldout", "demo"), default="heldout",
                    help="--batch from the held-out generated scenes (default) or the demo "
                         "requests")
-    r.add_argument("--batch-mix", choices=("mixed", "image", "text"), default="mixed",
-                   help="--batch: the split's mix of image and text-only requests (default), "
-                        "image requests only, or text-only requests only")
+    r.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
+                   help="--batch: the split's mix of image and text-only requests (default; "
+                        "text-only requests for a text-only --model), image requests only, or "
+                        "text-only requests only")
     r.add_argument("--batch-seed", type=int, metavar="S",
                    help="--batch: seed of the generated split (default: the held-out seed)")
     r.add_argument("--max-new-tokens", type=int, metavar="N",
@@ -374,6 +375,9 @@ def _calibrate_macs(args) -> int:
     from workbench.models.loading import load
 
     lm = load(Path(args.model) if args.model else None, device="cpu")
+    if not lm.is_vision:
+        raise InputError(f"MACS calibration classes experts by their visual and text tokens; "
+                         f"model {lm.model_id!r} is text-only (it has no visual tokens)")
     out = Path(args.out) if args.out else workspace_path(lm.config_hash)
     if (out / "macs.json").exists() and not args.overwrite:
         raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite to "
@@ -447,8 +451,12 @@ def _calibrate(args) -> int:
     from workbench.predictor.model import save
 
     lm = load(Path(args.model) if args.model else None, device="cpu")
+    if not lm.is_vision:
+        raise InputError(f"the lookahead predictor (VisMMOE) is calibrated on image requests "
+                         f"and the visual tokens' summary; model {lm.model_id!r} is text-only")
     if requests is None:
         requests = scene_requests(args.seed, args.requests)
+
     def progress(done: int, total: int) -> None:
         if not args.json and (done == total or done % max(1, total // 10) == 0):
             print(f"calibrate: recorded {done}/{total} requests", file=sys.stderr, flush=True)
@@ -593,7 +601,24 @@ def _run_requests(args) -> list | None:
         return [Request(i.prompt, list(i.images)) for i in map(SweepInput.parse, args.inputs)]
     from workbench.models.batches import batch
 
-    return batch(args.batch, source=args.batch_source, mix=args.batch_mix, seed=args.batch_seed)
+    mix = args.batch_mix or ("mixed" if _takes_images(args.model) else "text")
+    return batch(args.batch, source=args.batch_source, mix=mix, seed=args.batch_seed)
+
+
+def _takes_images(model: str | None) -> bool:
+    """Whether the checkpoint at ``model`` (None: the embedded model) is a vision-language
+    model, from its config.json alone (no load); True when that cannot be read — the load
+    then names what is wrong."""
+    if model is None:
+        return True
+    from workbench.errors import ModelLoadError
+    from workbench.models.loading import read_config
+
+    try:
+        cfg, _ = read_config(model)
+    except ModelLoadError:
+        return True
+    return cfg.get("vision_config") is not None
 
 
 def _run_ep(res, knobs) -> dict | None:
