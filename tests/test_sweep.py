@@ -127,3 +127,14 @@ def test_default_inputs_decode_real_answers():
         answer = answers[(inp.prompt, inp.images[0] if inp.images else None)]
         assert len(answer.split()) >= 3, (inp, answer)
     assert len(demo_inputs(5)) == 5 and len({i.name for i in demo_inputs(5)}) == 5
+
+
+def test_a_text_only_model_sweeps_the_text_only_demos(tiny_ckpt, tmp_path):
+    """Without inputs, a sweep of a text-only model takes text-only demo requests (the image
+    demos would fail every point), and every point completes."""
+    from workbench.analysis.sweep import demo_inputs
+
+    assert all(not i.images for i in demo_inputs(2, text_only=True))
+    ds = sweep({"cache_slots": [4]}, None, out=tmp_path / "s", model=tiny_ckpt(), workers=1,
+               progress=False, knobs=workbench.Knobs(max_new_tokens=2, device="cpu"))
+    assert ds.sizes["input"] == 2 and (ds.status == "complete").all()

@@ -101,8 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=1, metavar="N",
                    help="run each input in a batch of N: with N − 1 generated held-out requests "
                         "(expert-parallel load needs a batch; default 1)")
-    s.add_argument("--batch-mix", choices=("mixed", "image", "text"), default="mixed",
-                   help="--batch: the generated requests' mix (default: the held-out split's)")
+    s.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
+                   help="--batch: the generated requests' mix (default: the held-out split's; "
+                        "text-only for a text-only --model)")
     s.add_argument("--workers", type=int, default=2, metavar="N",
                    help="LocalCluster worker processes (default 2)")
 
@@ -601,24 +602,10 @@ def _run_requests(args) -> list | None:
         return [Request(i.prompt, list(i.images)) for i in map(SweepInput.parse, args.inputs)]
     from workbench.models.batches import batch
 
-    mix = args.batch_mix or ("mixed" if _takes_images(args.model) else "text")
+    from workbench.models.loading import takes_images
+
+    mix = args.batch_mix or ("mixed" if takes_images(args.model) else "text")
     return batch(args.batch, source=args.batch_source, mix=mix, seed=args.batch_seed)
-
-
-def _takes_images(model: str | None) -> bool:
-    """Whether the checkpoint at ``model`` (None: the embedded model) is a vision-language
-    model, from its config.json alone (no load); True when that cannot be read — the load
-    then names what is wrong."""
-    if model is None:
-        return True
-    from workbench.errors import ModelLoadError
-    from workbench.models.loading import read_config
-
-    try:
-        cfg, _ = read_config(model)
-    except ModelLoadError:
-        return True
-    return cfg.get("vision_config") is not None
 
 
 def _run_ep(res, knobs) -> dict | None:
@@ -787,10 +774,14 @@ def _sweep(args) -> int:
     knobs = _knobs_from(args)
     grid = parse_grid(args.grid)
     inputs = [SweepInput.parse(t) for t in args.inputs] or None
-    if args.batch != 1 or args.batch_mix != "mixed":
+    if args.batch != 1 or args.batch_mix is not None:
         from workbench.analysis.sweep import demo_inputs
+        from workbench.models.loading import takes_images
 
-        inputs = [i.batched(args.batch, args.batch_mix) for i in inputs or demo_inputs()]
+        vision = takes_images(args.model)
+        mix = args.batch_mix or ("mixed" if vision else "text")
+        inputs = [i.batched(args.batch, mix)
+                  for i in inputs or demo_inputs(text_only=not vision)]
     # sweep() checks images, workers, the model folder, --out and the scheduler before any
     # cluster starts
     ds = sweep(grid, inputs, out=args.out, model=args.model, knobs=knobs,

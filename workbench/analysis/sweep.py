@@ -111,17 +111,18 @@ def _looks_like_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_SUFFIXES) or Path(name).is_file()
 
 
-def demo_inputs(n: int = 2) -> list[SweepInput]:
+def demo_inputs(n: int = 2, text_only: bool = False) -> list[SweepInput]:
     """``n`` bundled demo requests, the default inputs of a sweep: image and text-only requests
-    in turn, each the one with the longest expected answer left (ties: demo order). A cache is
-    exercised by decoding: a one-word answer is one decode step after the prefill, and its hit
-    rate is ≈ 0 at any useful cache size, so the first demos (one-word answers) made every
-    point of a default sweep read 0 (issue 25)."""
+    in turn (``text_only``: text-only ones, for a text-only model), each the one with the
+    longest expected answer left (ties: demo order). A cache is exercised by decoding: a
+    one-word answer is one decode step after the prefill, and its hit rate is ≈ 0 at any
+    useful cache size, so the first demos (one-word answers) made every point of a default
+    sweep read 0 (issue 25)."""
     from workbench.models.embedded.demo import read_demo
 
     demos = read_demo()
     by_len = lambda d: -len(str(d.get("answer") or "").split())  # noqa: E731
-    image = sorted((d for d in demos if d["image"]), key=by_len)
+    image = [] if text_only else sorted((d for d in demos if d["image"]), key=by_len)
     text = sorted((d for d in demos if not d["image"]), key=by_len)
     picked = []
     while len(picked) < n and (image or text):
@@ -489,8 +490,12 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
     if knobs is not None and not isinstance(knobs, Knobs):
         raise KnobError(f"knobs must be a workbench.Knobs, not {type(knobs).__name__}")
     base = (knobs.copy() if knobs is not None else Knobs())
-    inputs = [SweepInput.parse(i) if isinstance(i, str) else i
-              for i in inputs] if inputs else demo_inputs()
+    if inputs:
+        inputs = [SweepInput.parse(i) if isinstance(i, str) else i for i in inputs]
+    else:  # a text-only model gets the text-only demos
+        from workbench.models.loading import takes_images
+
+        inputs = demo_inputs(text_only=not takes_images(model))
     _check_inputs(inputs)
     grid = check_grid(grid, base, len(inputs))
     names = list(grid)

@@ -154,6 +154,19 @@ def check_model_dir(path: str | Path) -> list[Path]:
     return files
 
 
+def takes_images(path: str | Path | None) -> bool:
+    """Whether the checkpoint at ``path`` (None: the embedded model) is a vision-language
+    model, from its config.json alone (no load); True when that cannot be read — a load then
+    names what is wrong. For defaults that must not offer a text-only model images."""
+    if path is None:
+        return True
+    try:
+        cfg, _ = read_config(path)
+    except ModelLoadError:
+        return True
+    return cfg.get("vision_config") is not None
+
+
 def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
     """``(config.json as a dict, its bytes)``; :class:`ModelLoadError` unless it is a JSON
     object of at most :data:`MAX_CONFIG_BYTES` bytes with a ``model_type``."""
