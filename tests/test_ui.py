@@ -138,6 +138,24 @@ def test_demo_inputs_skip_missing_and_escaping_images(tmp_path):
     assert demo_inputs(tmp_path / "nowhere") == []
 
 
+def test_a_text_only_model_is_offered_text_requests_only(tiny_ckpt, tmp_path):
+    """With a text-only --model the demo menu lists the text-only demos, the first screen is
+    one of them, batches are text, and no image upload is offered."""
+    from workbench.ui.widgets import input_widgets
+
+    (tmp_path / "scene_0.png").write_bytes(_png())
+    (tmp_path / "prompts.json").write_text(json.dumps([
+        {"image": "scene_0.png", "prompt": "what color is the circle?", "answer": "red"},
+        {"image": None, "prompt": "count from 3 to 5.", "answer": "3 4 5"}]))
+    s = _store(tmp_path, tiny_ckpt())
+    w = input_widgets(s, tmp_path)
+    assert list(w["demo"].options) == ["(text only, no image)", "text only — count from 3 to 5."]
+    assert (s.prompt, s.image, s.batch_mix) == ("count from 3 to 5.", None, "text")
+    assert not w["upload"].visible and "text-only model" in w["upload_hint"].object
+    v = input_widgets(DataStore(workspace=tmp_path / "ws2"), tmp_path)  # the embedded (VL)
+    assert len(v["demo"].options) == 3 and v["upload"].visible
+
+
 def test_a_demo_request_shows_its_expected_answer_beside_the_models(tmp_path):
     """The menu has text-only entries (``"image": null``) and each entry's expected answer; after a
     run of that request the answer view shows it, marked right or wrong; an edited prompt is no

@@ -457,7 +457,13 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     """Request inputs: demo selector, image upload (checked: PNG/JPEG, ≤ 5 MB, refused in the
     browser when larger), image preview, prompt box, optional run name; all write to the
     store."""
+    from workbench.models.loading import takes_images
+
     demos = demo_inputs(demo_folder)
+    vision = takes_images(store.model)
+    if not vision:  # a text-only model: its demos are the text ones, its batches text
+        demos = [d for d in demos if not d.get("image")]
+        store.batch_mix = "text"
     options = {"(text only, no image)": -1, **{d["label"]: i for i, d in enumerate(demos)}}
     demo = make(pn.widgets.Select, "Demo input", options=options, value=0 if demos else -1,
                 sizing_mode="stretch_width")
@@ -486,7 +492,8 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
                           accepted_filetypes=[".png", ".jpg", ".jpeg", "image/png",
                                               "image/jpeg"],
                           multiple=False, previews=[], layout="compact",
-                          sizing_mode="stretch_width", css_classes=["wb-upload"])
+                          sizing_mode="stretch_width", css_classes=["wb-upload"],
+                          visible=vision)  # a text-only model takes no image
     preview = pn.pane.Image(None, height=140, sizing_mode="fixed", width=140,
                             visible=False, margin=(4, 10))
     prompt = pn.widgets.TextAreaInput.from_param(
@@ -525,7 +532,9 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     return {"demo": demo, "upload": upload, "upload_message": upload_msg,
             "upload_hint": pn.pane.HTML(
                 f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
-                f"{upload_limit_text()})</small>", margin=(0, 10)),
+                f"{upload_limit_text()})</small>" if vision else
+                "<small class='wb-muted'>a text-only model: text requests only</small>",
+                margin=(0, 10)),
             "preview": preview, "prompt": prompt, "run_name": run_name,
             "batch_size": batch_size, "batch_mix": batch_mix}
 
