@@ -271,6 +271,7 @@ def _refactor(args) -> int:
             raise InputError(f"{name} must be from {lo} to {hi}, not {v}")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
+    reqs = _own_requests(args.inputs, args.input_file)  # bad input costs no model load
     from workbench.models.loading import load
     from workbench.options import get_options
 
@@ -285,7 +286,6 @@ def _refactor(args) -> int:
 
     I = neuron_layout(lm.layout.blocks[0])[0]
     _check(np.zeros((1, I)), args.subexperts, args.deactivated)  # N divides I, K in range
-    reqs = _own_requests(args.inputs, args.input_file)
     source = "given"
     if not reqs:
         reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
@@ -330,12 +330,13 @@ def _own_requests(inputs: list[str], input_file: str | None) -> list:
         path = Path(input_file)
         try:
             size = path.stat().st_size
-            if not path.is_file():
+            if not path.is_file():  # a FIFO or a device never ends
                 raise InputError(f"--input-file {input_file!r} is not a file")
-            if size > MAX_INPUT_BYTES:
-                raise InputError(f"--input-file {input_file!r} has {size:,} bytes; at most "
-                                 f"{MAX_INPUT_BYTES:,} are read")
-            raw = path.read_bytes()[:MAX_INPUT_BYTES]
+            with open(path, "rb") as fh:  # bounded even if it grows after the stat
+                raw = fh.read(MAX_INPUT_BYTES + 1)
+            if max(size, len(raw)) > MAX_INPUT_BYTES:
+                raise InputError(f"--input-file {input_file!r} has {max(size, len(raw)):,} "
+                                 f"bytes; at most {MAX_INPUT_BYTES:,} are read")
         except OSError as e:
             raise InputError(f"--input-file {input_file!r} cannot be read: "
                              f"{e.strerror or type(e).__name__}") from None
