@@ -156,6 +156,24 @@ def test_live_sub_expert_offloading(embedded, tmp_path, assert_replays_live):
         assert torch.equal(p, before[n]), n
 
 
+def _sub_expert_runs(embedded, tmp_path, seed: int, **feature):
+    """Two stored runs of a batch of 2 on a cache of sub-experts (24 expert-sized slots,
+    k_active 2/4, a random partition seeded ``seed``): without ``feature`` (plain.zarr) and
+    with it (with.zarr); checks they answer alike. ``(plain, with)`` RunResults."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=seed), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
+    kw = dict(KW, cache_slots=24, prism=True, prism_refactoring=str(tmp_path / "p"),
+              prism_k_active=2, prism_offload=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=seed + 1)
+    plain = rt.run(reqs, store=tmp_path / "plain.zarr", **kw)
+    res = rt.run(reqs, store=tmp_path / "with.zarr", **kw, **feature)
+    assert [r["token_ids"] for r in res.batch] == [r["token_ids"] for r in plain.batch]
+    return plain, res
+
+
 @pytest.mark.parametrize("budget", [None, 3])
 def test_live_sub_expert_offloading_with_previous_step_prefetch(embedded, tmp_path, budget,
                                                                  assert_replays_live):
@@ -163,18 +181,10 @@ def test_live_sub_expert_offloading_with_previous_step_prefetch(embedded, tmp_pa
     the next layers ran one step before (as replay plans them on the sub-expert trace), and
     the store replays exactly, prefetches included, in both engines."""
     import workbench
-    from workbench.prism import refactor as R
 
-    R.save(R.random_refactoring(embedded, seed=13), tmp_path / "p")
-    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
-    kw = dict(KW, cache_slots=24, prism=True, prism_refactoring=str(tmp_path / "p"),
-              prism_k_active=2, prism_offload=True)
-    reqs = workbench.mixed_batch(2, text_share=0.5, seed=14)
-    plain = rt.run(reqs, store=tmp_path / "plain.zarr", **kw)
-    res = rt.run(reqs, prefetch="previous-step", prefetch_lead=2, prefetch_budget=budget,
-                 store=tmp_path / "pf.zarr", **kw)
-    assert [r["token_ids"] for r in res.batch] == [r["token_ids"] for r in plain.batch]
-    ds = workbench.open_run(tmp_path / "pf.zarr")
+    _sub_expert_runs(embedded, tmp_path, 13, prefetch="previous-step", prefetch_lead=2,
+                     prefetch_budget=budget)
+    ds = workbench.open_run(tmp_path / "with.zarr")
     assert int(ds["prefetches"].sum()) > 0
     if budget is not None:  # at most the budget per layer call
         assert int(ds["prefetches"].max()) <= budget
@@ -190,17 +200,9 @@ def test_live_sub_expert_offloading_in_hybrid_mode(embedded, tmp_path, assert_re
     rows (the same sums: the tokens equal the run without hybrid). The store replays exactly,
     and replaying a store recorded without hybrid with hybrid on decides the same misses."""
     import workbench
-    from workbench.prism import refactor as R
 
-    R.save(R.random_refactoring(embedded, seed=15), tmp_path / "p")
-    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
-    kw = dict(KW, cache_slots=24, prism=True, prism_refactoring=str(tmp_path / "p"),
-              prism_k_active=2, prism_offload=True)
-    reqs = workbench.mixed_batch(2, text_share=0.5, seed=16)
-    plain = rt.run(reqs, store=tmp_path / "plain.zarr", **kw)
-    res = rt.run(reqs, hybrid=True, store=tmp_path / "h.zarr", **kw)
-    assert [r["token_ids"] for r in res.batch] == [r["token_ids"] for r in plain.batch]
-    ds = workbench.open_run(tmp_path / "h.zarr")
+    plain, res = _sub_expert_runs(embedded, tmp_path, 15, hybrid=True)
+    ds = workbench.open_run(tmp_path / "with.zarr")
     assert int(ds.host_runs.sum()) > 0
     assert res.transfer_bytes < plain.transfer_bytes  # a miss run on the host is not copied
     r = workbench.replay_trace(ds)
