@@ -134,13 +134,21 @@ def test_a_missing_predictor_is_calibrated_into_the_workspace_not_the_model(tiny
     """prefetch=vismmoe without a calibrated predictor: the error names where `workbench calibrate
     --out` should put it, the user's workspace (never the model's folder or the package)."""
     import workbench
+    from workbench.models.loading import default_model_dir
 
-    model = tiny_ckpt()
+    model = default_model_dir()  # the embedded (vision) model: a text-only one is refused
     with workbench.set_options(workspace=tmp_path / "ws"):
         rc = main(["run", "--model", str(model), "--prompt", "x", "--no-record", "--set", "prefetch=vismmoe"])
     err = capsys.readouterr().err
     want = tmp_path / "ws" / "predictors"
     assert rc == 2 and f"workbench calibrate --out {want}" in err and str(model) not in err
+    # a text-only model: what calibrates on visual tokens is refused with the knobs to change
+    for sets, says in ((["prefetch=vismmoe"], "set predictor=none"),
+                       (["dispatch=macs"], "set macs_dynamic_capacity=false")):
+        rc = main(["run", "--model", str(tiny_ckpt()), "--prompt", "x", "--no-record",
+                   *[a for s in sets for a in ("--set", s)]])
+        err = capsys.readouterr().err
+        assert rc == 2 and "is text-only" in err and says in err
 
 
 def test_with_json_an_error_is_json_too(tiny_ckpt, tmp_path, capsys):

@@ -91,12 +91,30 @@ class Runtime:
         knobs.check(ModelShape.of(lay))  # every group's rules (knobs.py and the features')
         if knobs.compression != "none":
             check_supported(self.lm.model)
+        self._check_vision(knobs)
         if self.uses_predictor(knobs):
             self.predictor(knobs)
         # the valid prefix interval (VisMMOE eq. 10), on the profile first, then here
         live, modeled = self.plans(knobs)
         modeled.check_pinned()
         live.check_pinned()
+
+    def _check_vision(self, knobs: Knobs) -> None:
+        """What calibrates on visual tokens is refused on a text-only model, with the knobs
+        that turn it off (its calibration commands refuse such a model too)."""
+        if self.lm.is_vision:
+            return
+        name = self.lm.model_id
+        if self.uses_predictor(knobs):
+            raise KnobError(f"the lookahead predictor (VisMMOE) is calibrated on visual tokens; "
+                            f"model {name!r} is text-only: set predictor=none and a prefetch "
+                            f"other than vismmoe")
+        if knobs.dispatch == "macs" and (knobs.macs_dynamic_capacity
+                                         or (knobs.macs_reroute and knobs.macs_eta > 0)):
+            raise KnobError(f"MACS's dynamic capacity and rerouting read a calibration of visual "
+                            f"and text experts; model {name!r} is text-only: set "
+                            f"macs_dynamic_capacity=false and macs_reroute=false, or another "
+                            f"dispatch")
 
     @staticmethod
     def uses_predictor(knobs: Knobs) -> bool:
