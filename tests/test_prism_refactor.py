@@ -213,12 +213,67 @@ def test_elastic_logits_match_and_the_embedded_model_keeps_its_answers(embedded,
         a = a[0] if isinstance(a, tuple) else a
         b = b[0] if isinstance(b, tuple) else b
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    with pytest.raises(workbench.WorkbenchError, match="not built yet"):
+    with pytest.raises(workbench.WorkbenchError, match="prism_offload=True with "
+                                                       "balance='realb' is not built yet"):
         rt.run(reqs[:1], record=False, prism=True, balance="realb", ep_ranks=4,
-               prism_refactoring=str(tmp_path / "p"))
+               prism_offload=True, prism_refactoring=str(tmp_path / "p"))
     missing = tmp_path / "none"
     with pytest.raises(InputError, match="run `workbench refactor`"):
         rt.run(reqs[:1], record=False, prism=True, prism_refactoring=str(missing))
+
+
+def test_realb_low_precision_on_sub_experts(embedded, tmp_path, monkeypatch):
+    """ReaLB with MoE-Prism: an expert ReaLB puts in low precision runs its chosen sub-experts
+    from its weights quantised in the model's own layout. With every sub-expert active, on the
+    sub-expert path, the layer outputs and the answers equal ReaLB's on the unmodified model,
+    with the same low-precision computations; at k_active 2/4 the store records them, and the
+    modeled clock prices a low expert's sub-experts in its precision."""
+    import workbench
+    from workbench.prism import refactor as R
+    from workbench.sim.costs import CostSpec, Prices
+    from workbench.sim.profiles import get_profile, get_target_model
+
+    R.save(R.random_refactoring(embedded, seed=21), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
+    reqs = workbench.mixed_batch(4, text_share=0.5, seed=3)
+    realb = dict(ep_ranks=4, balance="realb-m1", low_precision="nvfp4")
+    prism = dict(prism=True, prism_refactoring=str(tmp_path / "p"))
+    outs, res = {}, {}
+    blk = embedded.layout.blocks[5]
+    for name, kw in (("base", {}), ("prism", dict(prism, prism_shortcut=False)),
+                     ("shortcut", prism)):
+        h = blk.block.register_forward_hook(
+            lambda m, a, o, name=name: outs.setdefault(name, []).append(
+                (o[0] if isinstance(o, tuple) else o).detach().clone()))
+        try:
+            res[name] = rt.run(reqs, record=False, **realb, **kw)
+        finally:
+            h.remove()
+    assert res["base"].low_precision_runs > 0
+    for name in ("prism", "shortcut"):
+        assert res[name].low_precision_runs == res["base"].low_precision_runs
+        assert [r["token_ids"] for r in res[name].batch] == [r["token_ids"]
+                                                            for r in res["base"].batch]
+        for a, b in zip(outs["base"], outs[name]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    half = rt.run(reqs, store=tmp_path / "h.zarr", prism_k_active=2, **realb, **prism)
+    ds = workbench.open_run(half.store)
+    assert half.low_precision_runs > 0 and bool(ds["low_precision"].any())
+    assert ds.moe.compute_share() == pytest.approx(0.5)
+    p = Prices(get_profile("b200"), CostSpec.from_target(get_target_model("qwen3-vl-30b-a3b")))
+    per_sub = np.array([[8, 8, 0, 0], [8, 8, 0, 0]])
+    native, low = p.subexperts(per_sub), p.subexperts(per_sub, np.array([False, True]), "nvfp4")
+    assert low[0] == native[0] and low[1] < native[1]
+    # the clock alone (the quantiser the identity: the same routing and sub-experts either way)
+    import workbench.precision as precision
+
+    monkeypatch.setattr(precision, "fake_quant", lambda x, p="nvfp4", axis=None: x.clone())
+    clock = dict(prism, prism_k_active=2, ep_ranks=4, profile="b200",
+                 target_model="qwen3-vl-30b-a3b", record=False)
+    fp4 = rt.run(reqs, balance="fp4-all", **clock)
+    nat = rt.run(reqs, **clock)
+    assert [r["token_ids"] for r in fp4.batch] == [r["token_ids"] for r in nat.batch]
+    assert fp4.latency_modeled_s < nat.latency_modeled_s  # B200 has FP4 tensor cores
 
 
 def test_the_sub_expert_layout_slices_without_copy_and_round_trips():

@@ -297,6 +297,23 @@ class PrismView:
         return self.run_subexperts(sub_w, subs, num_experts, hidden_states, top_k_index,
                                    top_k_weights, *args, **kwargs)
 
+    def fake_quant(self, weights: dict[str, torch.Tensor], experts, precision: str
+                   ) -> dict[str, torch.Tensor]:
+        """Whole experts ``experts`` (``weights`` theirs, in the sub-expert layout) quantised
+        → dequantised to ``precision`` (ReaLB's low precision) in the model's own layout and
+        put back in the sub-expert one: the values each expert has when ReaLB quantises the
+        unmodified model (block groups run along the matrices' rows, which the sub-expert
+        layout of ``down_proj`` does not keep)."""
+        from workbench.precision import fake_quant
+
+        perm = self.perm[torch.as_tensor([int(e) for e in experts], dtype=torch.long)]
+        gu, d = from_subexpert_layout(weights["gate_up_proj"], weights["down_proj"], perm,
+                                      self.N)
+        gu = torch.stack([fake_quant(t, precision) for t in gu])
+        d = torch.stack([fake_quant(t, precision) for t in d])
+        gu, d = to_subexpert_layout(gu, d, perm, self.N)
+        return {"gate_up_proj": gu, "down_proj": d}
+
     def record_all(self) -> None:
         """The shortcut on a layer the model's own forward ran whole (pinned): every routed
         slot of the call ran every sub-expert."""

@@ -60,10 +60,10 @@ class PrismKnobs(KnobGroup):
             "recorded with prism=True.")
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
-        """Not yet with ReaLB's low precision (both split the experts' runs); live sub-expert
-        offloading not with what names whole experts (lookahead and predictor prefetch,
-        ActiveEvict, the predictor, dynamic top-k's residency budget; replay refuses lookahead
-        prefetch itself, for want of sub-expert lookahead in the trace). In replay
+        """ReaLB's low precision with sub-experts, not yet with sub-expert offloading; live
+        sub-expert offloading not with what names whole experts (lookahead and predictor
+        prefetch, ActiveEvict, the predictor, dynamic top-k's residency budget; replay refuses
+        lookahead prefetch itself, for want of sub-expert lookahead in the trace). In replay
         ``prism``/``prism_k_active`` describe the recording: the trace carries which
         sub-experts ran (they cannot be chosen again without the hidden states)."""
         if self.prism_offload and live:
@@ -92,9 +92,10 @@ class PrismKnobs(KnobGroup):
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
             return
-        if getattr(knobs, "balance", "none") != "none":
-            raise KnobError(f"prism=True with balance={knobs.balance!r} is not built yet: run "
-                            f"one or the other")
+        if getattr(knobs, "balance", "none") != "none" and self.prism_offload:
+            raise KnobError(f"prism_offload=True with balance={knobs.balance!r} is not built "
+                            f"yet (ReaLB picks whole experts' precision per rank): set "
+                            f"prism_offload=false, or balance='none'")
 
 
 #: what a prefetch policy's ``needs`` read, for the refusal under ``prism_offload``

@@ -367,14 +367,16 @@ class Offloader:
         ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
         keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
+        low_mask = np.array([e in self._low for e in experts], bool)  # ReaLB's, this call
         if self.prism is not None and view.whole:  # the shortcut: each routed slot runs all
             view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
-            compute_s = [p.subexpert_op(N * n, N, N) for n in tokens]
+            compute_s = [p.subexpert_op(N * n, N, N, self.low_precision if lo else "native")
+                         for n, lo in zip(tokens, low_mask)]
         elif self.prism is not None:  # router-side: the sub-experts each slot runs, priced
             view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
-            compute_s = p.subexperts(per_sub)
+            compute_s = p.subexperts(per_sub, low_mask, self.low_precision)
             if self.part > 1:  # each sub-expert carries its share of its expert's op
                 sub_ids = view.subexpert_ids(top_k_index)
                 self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
@@ -450,8 +452,12 @@ class Offloader:
                 if out.pinned and self.prism is not None and not view.whole:
                     ids = routed.tolist()  # the routed experts' resident weights, as slices
                     at = routed.long()
-                    result = view({n: getattr(b.experts, n)[at] for n in b.expert_params},
-                                  ids, b.num_experts, hidden_states, top_k_index,
+                    own = {n: getattr(b.experts, n)[at] for n in b.expert_params}
+                    if self._low:  # ReaLB: those experts' sub-experts in low precision
+                        result = self._run_split(b, view, ids, own, hidden_states,
+                                                 top_k_index, top_k_weights, args, kwargs)
+                        continue
+                    result = view(own, ids, b.num_experts, hidden_states, top_k_index,
                                   top_k_weights, *args, all_routed=routed, **kwargs)
                     continue
                 if out.pinned:
@@ -529,10 +535,19 @@ class Offloader:
         if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
             return view.run_subexperts(weights, experts, b.num_experts, hidden_states,
                                        top_k_index, top_k_weights, *args, **kwargs)
-        low = [i for i, e in enumerate(experts) if e in self._low]
-        if not low:
+        if not any(e in self._low for e in experts):
             return view(weights, experts, b.num_experts, hidden_states, top_k_index,
                         top_k_weights, *args, all_routed=all_routed, **kwargs)
+        return self._run_split(b, view, experts, weights, hidden_states, top_k_index,
+                               top_k_weights, args, kwargs)
+
+    def _run_split(self, b: MoEBlock, view: ExpertsView, experts: list[int],
+                   weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
+                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
+                   kwargs: dict) -> torch.Tensor:
+        """``experts``' share of the layer output (``weights`` theirs), those ReaLB put in low
+        precision this call apart (:meth:`_run_low`), the others natively."""
+        low = [i for i, e in enumerate(experts) if e in self._low]
         nat = [i for i in range(len(experts)) if i not in set(low)]
         out = self._run_low(b, view, [experts[i] for i in low],
                             {n: t[low] for n, t in weights.items()}, hidden_states,
@@ -553,8 +568,12 @@ class Offloader:
         from workbench.precision import fake_quant
 
         p = self.low_precision
-        q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
-             for n, t in weights.items()}
+        if self.prism is not None and not getattr(view, "whole", True):
+            # sub-expert layout: quantised in the model's own (block groups of its matrices)
+            q = view.fake_quant(weights, experts, p)
+        else:
+            q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
+                 for n, t in weights.items()}
         self.low_precision_runs += len(experts)
         return view(q, experts, b.num_experts, fake_quant(hidden_states, p), top_k_index,
                     top_k_weights, *args, **kwargs)

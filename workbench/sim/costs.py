@@ -150,24 +150,32 @@ class Prices:
             memo[precision] = functools.lru_cache(maxsize=4096)(price)
         return memo[precision]
 
-    def _subexpert_op(self, tokens: int, parts: int, n: int) -> float:
+    def _subexpert_op(self, tokens: int, parts: int, n: int,
+                      precision: str = "native") -> float:
         """MoE-Prism: modeled seconds of one expert's op when it runs ``parts`` of its ``n``
         sub-experts over ``tokens`` (token, sub-expert) runs in all — one op (its sub-experts
         run as one grouped kernel: one overhead) of the runs' FLOPs, each ``1/n`` of the
         expert's per token, and of the distinct sub-experts' bytes, each ``1/n`` of the
-        expert's. Every sub-expert run (``parts = n``, ``tokens = n·t``) = :meth:`expert` (t)."""
+        expert's. Every sub-expert run (``parts = n``, ``tokens = n·t``) = :meth:`expert` (t);
+        in ``precision`` (ReaLB's low precision) = :meth:`expert_in` (t)."""
         c = self.cost
         if c is None:
             return 0.0
-        return self.profile.compute_time(tokens * c.expert_flops_per_token / n,
-                                         parts * c.expert_bytes / n)
+        flops, nbytes = tokens * c.expert_flops_per_token / n, parts * c.expert_bytes / n
+        if precision == "native":
+            return self.profile.compute_time(flops, nbytes)
+        return self.profile.precision_compute_time(flops, nbytes, precision)
 
-    def subexperts(self, tokens: np.ndarray) -> np.ndarray:
+    def subexperts(self, tokens: np.ndarray, low: np.ndarray | None = None,
+                   precision: str = "native") -> np.ndarray:
         """:meth:`subexpert_op` of each row of ``tokens`` int [experts, N] (the tokens that
-        run each of an expert's N sub-experts)."""
+        run each of an expert's N sub-experts); the rows where ``low`` (bool [experts]) is
+        set in ``precision``."""
         t = np.asarray(tokens, np.int64)
-        return np.array([self.subexpert_op(int(r.sum()), int((r > 0).sum()), t.shape[1])
-                         for r in t], float)
+        low = np.zeros(len(t), bool) if low is None else np.asarray(low, bool)
+        return np.array([self.subexpert_op(int(r.sum()), int((r > 0).sum()), t.shape[1],
+                                           precision if lo else "native")
+                         for r, lo in zip(t, low)], float)
 
     def part(self, n: int) -> "Prices":
         """The prices of one ``n``-th of each expert (:meth:`CostSpec.part`: a sub-expert's
