@@ -580,7 +580,14 @@ BROKEN = {
     "config_no_model_type": ("tiny", lambda d: _cfg(d, model_type=None),
                              ['no "model_type"']),
     "config_unknown_type": ("tiny", lambda d: _cfg(d, model_type="nope_moe"), ["nope_moe"]),
-    "config_is_dir": ("tiny", _cfg_dir, ["has no config.json"]),
+    "config_is_dir": ("tiny", _cfg_dir, ["config.json in", "is not a regular file"]),
+    # never ends (a FIFO blocks, /dev/zero is endless): refused before it is opened
+    "config_fifo": ("tiny", lambda d: ((d / "config.json").unlink(),
+                                       os.mkfifo(d / "config.json")),
+                    ["config.json in", "is not a regular file"]),
+    "config_dev_zero": ("tiny", lambda d: ((d / "config.json").unlink(),
+                                           (d / "config.json").symlink_to("/dev/zero")),
+                        ["config.json in", "is not a regular file"]),
     "config_huge_file": ("tiny", lambda d: (d / "config.json").write_text(
         "{" + " " * (17 * 2**20) + "}"), ["a config of at most"]),
     "config_layers_string": ("tiny", lambda d: _cfg(d, num_hidden_layers="3"),
@@ -664,6 +671,18 @@ def test_broken_model_folders_name_path_and_fault(broken_models, name):
         assert f in msg, msg
     assert len(msg) < 1200
     assert time.perf_counter() - t0 < 20
+
+
+def test_what_a_config_says_of_images_never_blocks(broken_models):
+    """takes_images (the text-only defaults of run --batch, sweeps and the dashboard) reads
+    config.json before any load: a FIFO or /dev/zero there is 'unknown' (True: the load then
+    refuses it), at once."""
+    from workbench.models.loading import takes_images
+
+    t0 = time.perf_counter()
+    assert takes_images(broken_models("config_fifo"))
+    assert takes_images(broken_models("config_dev_zero"))
+    assert time.perf_counter() - t0 < 5
 
 
 def test_extra_tensors_are_ignored_with_a_note(tiny_ckpt, tmp_path):

@@ -148,7 +148,20 @@ def test_the_refactor_command_on_a_text_moe_with_its_own_prompts(tiny_ckpt, tmp_
     assert main([*base, "--out", str(tmp_path / "c"), "--input-file", str(big)]) == 2
     assert "4097 calibration requests given; at most 4096" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "c"), "--input", "x.png|what is this?"]) == 2
+    assert "--input: image 'x.png' does not exist" in capsys.readouterr().err  # before a load
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    assert main([*base, "--out", str(tmp_path / "c"), "--input",
+                 f"{tmp_path / 'x.png'}|what is this?"]) == 2
     assert "text-only" in capsys.readouterr().err
+    for content, says in ((b"# nothing\n\n", "has no requests (only blank lines and # comments)"),
+                          (b"\xef\xbb\xbf# a comment after a BOM\n" + b"a" * 5_000_000,
+                           "line 2: prompt is 5000000 characters; at most"),
+                          ("one\u2028two\nx.png|  \n".encode(), "line 2: --input 'x.png|  '")):
+        bad.write_bytes(content)
+        assert main([*base, "--out", str(tmp_path / "c"), "--input-file", str(bad)]) == 2
+        assert says in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
 

@@ -318,45 +318,51 @@ MAX_INPUT_LINES, MAX_INPUT_BYTES = 4096, 16 << 20
 
 def _own_requests(inputs: list[str], input_file: str | None) -> list:
     """The requests of ``--input`` (each ``'IMAGE|PROMPT'`` or ``'PROMPT'``) and of
-    ``--input-file`` (one per line, UTF-8; blank lines and ``#`` comments skipped), in that
-    order; [] when neither is given. Bounded: :data:`MAX_INPUT_LINES` requests,
-    :data:`MAX_INPUT_BYTES` of file, checked before it is read."""
+    ``--input-file`` (one per line, UTF-8 with or without a BOM; blank lines and ``#``
+    comments skipped), in that order, each prompt and image checked (header only) with the
+    error naming its line; [] when neither is given. Bounded: :data:`MAX_INPUT_LINES`
+    requests, :data:`MAX_INPUT_BYTES` of file, checked before it is read."""
     from workbench.analysis.sweep import SweepInput
     from workbench.errors import InputError
-    from workbench.models.inputs import Request
+    from workbench.models.inputs import Request, check_prompt, probe_image
 
-    texts = list(inputs)
+    texts = [("--input", t) for t in inputs]
     if input_file is not None:
         path = Path(input_file)
+        name = f"--input-file {input_file!r}"
         try:
             size = path.stat().st_size
             if not path.is_file():  # a FIFO or a device never ends
-                raise InputError(f"--input-file {input_file!r} is not a file")
+                raise InputError(f"{name} is not a file")
             with open(path, "rb") as fh:  # bounded even if it grows after the stat
                 raw = fh.read(MAX_INPUT_BYTES + 1)
             if max(size, len(raw)) > MAX_INPUT_BYTES:
-                raise InputError(f"--input-file {input_file!r} has {max(size, len(raw)):,} "
-                                 f"bytes; at most {MAX_INPUT_BYTES:,} are read")
+                raise InputError(f"{name} has {max(size, len(raw)):,} bytes; at most "
+                                 f"{MAX_INPUT_BYTES:,} are read")
         except OSError as e:
-            raise InputError(f"--input-file {input_file!r} cannot be read: "
-                             f"{e.strerror or type(e).__name__}") from None
+            raise InputError(f"{name} cannot be read: {e.strerror or type(e).__name__}"
+                             ) from None
         try:
-            lines = raw.decode("utf-8").splitlines()
+            text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            raise InputError(f"--input-file {input_file!r} is not UTF-8 text (byte "
-                             f"{e.start})") from None
-        for n, line in enumerate(lines, 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                texts.append((n, line))
+            raise InputError(f"{name} is not UTF-8 text (byte {e.start})") from None
+        # lines as an editor counts them: \n (and \r\n), not every separator str.splitlines knows
+        lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)]
+        mine = [(f"{name} line {n}", line) for n, line in lines
+                if line.strip() and not line.lstrip().startswith("#")]
+        if not mine:
+            raise InputError(f"{name} has no requests (only blank lines and # comments)")
+        texts += mine
     if len(texts) > MAX_INPUT_LINES:
         raise InputError(f"{len(texts)} calibration requests given; at most "
                          f"{MAX_INPUT_LINES} are taken")
     out = []
-    for t in texts:
-        where, text = (f"--input-file line {t[0]}", t[1]) if isinstance(t, tuple) else \
-            ("--input", t)
+    for where, text in texts:
         try:
             i = SweepInput.parse(text)
+            check_prompt(i.prompt)
+            for img in i.images:
+                probe_image(img)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
         out.append(Request(i.prompt, list(i.images)))
@@ -379,7 +385,8 @@ def _calibrate_macs(args) -> int:
     lm = load(Path(args.model) if args.model else None, device="cpu")
     if not lm.is_vision:
         raise InputError(f"MACS calibration classes experts by their visual and text tokens; "
-                         f"model {lm.model_id!r} is text-only (it has no visual tokens)")
+                         f"model {lm.model_id!r} is text-only (it needs a vision-language "
+                         f"checkpoint)")
     out = Path(args.out) if args.out else workspace_path(lm.config_hash)
     if (out / "macs.json").exists() and not args.overwrite:
         raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite to "
@@ -455,7 +462,8 @@ def _calibrate(args) -> int:
     lm = load(Path(args.model) if args.model else None, device="cpu")
     if not lm.is_vision:
         raise InputError(f"the lookahead predictor (VisMMOE) is calibrated on image requests "
-                         f"and the visual tokens' summary; model {lm.model_id!r} is text-only")
+                         f"and the visual tokens' summary; model {lm.model_id!r} is text-only "
+                         f"(it needs a vision-language checkpoint)")
     if requests is None:
         requests = scene_requests(args.seed, args.requests)
 

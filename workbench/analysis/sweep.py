@@ -97,7 +97,9 @@ class SweepInput:
             if names and all(_looks_like_image(n) for n in names):
                 images, prompt = names, rest
         if not prompt.strip():
-            raise InputError(f"--input {text!r} has an empty prompt; use 'IMAGE|PROMPT' or 'PROMPT'")
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise InputError(f"--input {shown!r} has an empty prompt; use 'IMAGE|PROMPT' or "
+                             f"'PROMPT'")
         name = (Path(images[0]).stem + ": " if images else "") + prompt.strip()
         return cls(name=name, prompt=prompt.strip(), images=images)
 

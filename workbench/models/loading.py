@@ -142,6 +142,8 @@ def check_model_dir(path: str | Path) -> list[Path]:
     if not path.is_dir():
         raise ModelLoadError(f"model path {str(path)!r} is not a directory")
     cfg = path / "config.json"
+    if not _is_file(cfg) and (cfg.is_symlink() or os.path.lexists(cfg)) and cfg.exists():
+        raise ModelLoadError(f"config.json in {str(path)!r} is not a regular file")
     if not _is_file(cfg):
         raise ModelLoadError(
             f"{where} has no config.json (a Hugging Face checkpoint "
@@ -174,11 +176,16 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
     f = path / "config.json"
     where = f"config.json in {str(path)!r}"
     try:
-        size = f.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{where} is {size:,} bytes; a config of at most "
+        st = f.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO never ends, /dev/zero never stops
+            raise ModelLoadError(f"{where} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ModelLoadError(f"{where} is {st.st_size:,} bytes; a config of at most "
                                  f"{MAX_CONFIG_BYTES:,} bytes is expected")
-        raw = f.read_bytes()
+        with open(f, "rb") as fh:  # bounded even if it grows after the stat
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ModelLoadError(f"{where} grew past {MAX_CONFIG_BYTES:,} bytes while read")
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
     try:
