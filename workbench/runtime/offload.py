@@ -709,8 +709,10 @@ class Offloader:
             return []
         lay = self.layout
 
-        def pred_at(d: int) -> list[int]:  # (names experts: none for sub-expert keys, as
-            if pred is None or d - 1 >= pred.shape[1] or self.part > 1:  # replay's trace)
+        def pred_at(d: int) -> list[int]:
+            # the routers' lookahead names experts: none for sub-expert keys (as in replay,
+            # whose sub-expert trace drops it)
+            if pred is None or d - 1 >= pred.shape[1] or self.part > 1:
                 return []
             return ranked_ids(pred[:, d - 1])
 
