@@ -273,6 +273,10 @@ def test_realb_low_precision_on_sub_experts(embedded, tmp_path, monkeypatch):
     ds = workbench.open_run(half.store)
     assert half.low_precision_runs > 0 and bool(ds["low_precision"].any())
     assert ds.moe.compute_share() == pytest.approx(0.5)
+    # a global K leaves routed experts idle: those run in no precision, and the store and the
+    # count agree (pinned and offloaded layers alike)
+    gk = rt.run(reqs, store=tmp_path / "g.zarr", prism_k=3, **realb, **prism)
+    assert int(workbench.open_run(gk.store)["low_precision"].sum()) == gk.low_precision_runs > 0
     p = Prices(get_profile("b200"), CostSpec.from_target(get_target_model("qwen3-vl-30b-a3b")))
     per_sub = np.array([[8, 8, 0, 0], [8, 8, 0, 0]])
     native, low = p.subexperts(per_sub), p.subexperts(per_sub, np.array([False, True]), "nvfp4")

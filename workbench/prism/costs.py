@@ -318,9 +318,9 @@ class CostTable:
         """C(m, b) of ``rt`` (a :class:`~workbench.runtime.runtime.Runtime`), *measured* here:
         for every m = 1 … N (N: the refactoring a ``prism=True`` run of ``rt`` loads — set
         ``prism_refactoring`` in ``knobs`` or ``rt.knobs``) and b in ``sizes``, a run of the
-        first b of ``requests`` (default the held-out image requests: one prompt length) with
-        ``prism_k_active=m``, ``steps`` tokens each (``ignore_eos``), every expert resident,
-        no recording. A decode step is the wall time between two streamed tokens (what a
+        first b of ``requests`` (default the held-out image requests, text-only ones for a
+        text-only model) with ``prism_k_active=m``, ``steps`` tokens each (``ignore_eos``),
+        every expert resident, no recording. A decode step is the wall time between two streamed tokens (what a
         client sees as TPOT); a cell is the median of its ``repeats · (steps − 1)`` decode
         steps, its prefill the median of ``repeats`` times from the call to the first
         streamed token (what a client sees as TTFT: the requests' inputs, the run's setup
@@ -347,8 +347,8 @@ class CostTable:
         ref, _ = R.for_run(rt.lm, rt.knobs.copy(**{**base, "prism": True,
                                                    "prism_k_active": None}))
         N = ref.subexperts
-        reqs = list(requests) if requests is not None else workbench.batch(sizes[-1],
-                                                                           mix="image")
+        reqs = list(requests) if requests is not None else workbench.batch(
+            sizes[-1], mix="image" if rt.lm.is_vision else "text")  # one prompt length
         if len(reqs) < sizes[-1]:
             raise InputError(f"measure needs {sizes[-1]} requests (the largest size), "
                              f"not {len(reqs)}")

@@ -364,7 +364,6 @@ class Offloader:
         tokens = [ev.expert_tokens[e] for e in experts]
         self._low = (self._balance(b, real_ids, experts, ev) if self.balance is not None
                      else set())
-        ev.low_precision = sorted(self._low)
         low_price = p.expert_in(self.low_precision) if self._low else p.expert
         keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
         low_mask = np.array([e in self._low for e in experts], bool)  # ReaLB's, this call
@@ -388,6 +387,7 @@ class Offloader:
                 ran = per_sub.sum(1) > 0
                 keys = [e for e, r in zip(experts, ran) if r]
                 compute_s = compute_s[ran]
+                self._low &= set(keys)  # an idle expert runs in no precision
                 # hybrid's rule, per key: the tokens that run some sub-expert of it
                 per_expert = view.tokens_per_expert(top_k_index, b.num_experts)
                 tokens = [int(per_expert[e]) for e in keys]
@@ -395,6 +395,7 @@ class Offloader:
         else:
             compute_s = [(low_price if e in self._low else p.expert)(n)
                          for e, n in zip(experts, tokens)]
+        ev.low_precision = sorted(self._low)
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=keys,
             compute_s=compute_s,
