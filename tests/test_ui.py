@@ -154,6 +154,17 @@ def test_a_text_only_model_is_offered_text_requests_only(tiny_ckpt, tmp_path):
     assert not w["upload"].visible and "text-only model" in w["upload_hint"].object
     v = input_widgets(DataStore(workspace=tmp_path / "ws2"), tmp_path)  # the embedded (VL)
     assert len(v["demo"].options) == 3 and v["upload"].visible
+    # the inputs follow the model chosen later: VL → text-only → VL
+    vs = DataStore(workspace=tmp_path / "ws3")
+    v = input_widgets(vs, tmp_path)
+    assert vs.image is not None and vs.batch_mix == "mixed"  # the first demo has an image
+    vs.model = str(tiny_ckpt())
+    assert list(v["demo"].options) == ["(text only, no image)", "text only — count from 3 to 5."]
+    assert (vs.image, vs.prompt, vs.batch_mix) == (None, "count from 3 to 5.", "text")
+    assert not v["upload"].visible and "text-only model" in v["upload_hint"].object
+    vs.model = None
+    assert len(v["demo"].options) == 3 and v["upload"].visible and vs.batch_mix == "mixed"
+    assert vs.prompt == "count from 3 to 5."  # the shown request stays
 
 
 def test_a_demo_request_shows_its_expected_answer_beside_the_models(tmp_path):

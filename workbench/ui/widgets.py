@@ -459,14 +459,10 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     store."""
     from workbench.models.loading import takes_images
 
-    demos = demo_inputs(demo_folder)
-    vision = takes_images(store.model)
-    if not vision:  # a text-only model: its demos are the text ones, its batches text
-        demos = [d for d in demos if not d.get("image")]
-        store.batch_mix = "text"
-    options = {"(text only, no image)": -1, **{d["label"]: i for i, d in enumerate(demos)}}
-    demo = make(pn.widgets.Select, "Demo input", options=options, value=0 if demos else -1,
-                sizing_mode="stretch_width")
+    every = demo_inputs(demo_folder)
+    demos: list[dict] = []  # the menu's demos: the ones the chosen model takes (fit_model)
+    demo = make(pn.widgets.Select, "Demo input", options={"(text only, no image)": -1},
+                value=-1, sizing_mode="stretch_width")
     upload_msg = _message()
 
     def on_file(name: str, data: Any) -> None:
@@ -492,8 +488,8 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
                           accepted_filetypes=[".png", ".jpg", ".jpeg", "image/png",
                                               "image/jpeg"],
                           multiple=False, previews=[], layout="compact",
-                          sizing_mode="stretch_width", css_classes=["wb-upload"],
-                          visible=vision)  # a text-only model takes no image
+                          sizing_mode="stretch_width", css_classes=["wb-upload"])
+    hint = pn.pane.HTML("", margin=(0, 10))
     preview = pn.pane.Image(None, height=140, sizing_mode="fixed", width=140,
                             visible=False, margin=(4, 10))
     prompt = pn.widgets.TextAreaInput.from_param(
@@ -519,8 +515,44 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     def on_image(*events: Any) -> None:
         preview.param.update(object=store.image, visible=bool(store.image))
 
+    forced = {"text": False}  # batch_mix set to text for a text-only model (not by the user)
+
+    def fit_model(*_: Any) -> None:
+        """The inputs the chosen model takes: a text-only one gets the text-only demos, text
+        batches and no image upload; a vision-language one all of them (on every change of
+        the model, before the next run)."""
+        vision = takes_images(store.model)
+        shown = demos[demo.value] if demos and demo.value is not None and demo.value >= 0 \
+            else None
+        demos[:] = every if vision else [d for d in every if not d.get("image")]
+        demo.options = {"(text only, no image)": -1,
+                        **{d["label"]: i for i, d in enumerate(demos)}}
+        upload.visible = vision
+        hint.object = (f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
+                       f"{upload_limit_text()})</small>" if vision else
+                       "<small class='wb-muted'>a text-only model: text requests only</small>")
+        if not vision:
+            if store.batch_mix != "text":
+                forced["text"] = True
+                store.batch_mix = "text"
+            if store.image is not None:  # the shown request has an image: a text one instead
+                store.param.update(image=None)
+                if demos:  # (index 0 may already be the value: the menu changed under it)
+                    demo.value = 0
+                    store.use_demo(demos[0])
+        elif forced["text"]:
+            forced["text"] = False
+            store.batch_mix = store.param.batch_mix.default
+        if shown is not None and shown in demos:
+            demo.value = demos.index(shown)
+        elif demo.value not in demo.options.values():
+            demo.value = 0 if demos else -1
+
+    fit_model()  # the first menu, before on_demo watches it (shown, not yet applied)
+    demo.value = 0 if demos else -1
     demo.param.watch(on_demo, "value")
     store.param.watch(on_image, "image")
+    store.param.watch(fit_model, "model")
     # the first screen: the request of the shown run when it is a demo's (its expected answer
     # then checks the shown answer), else the first demo
     shown = demo_of_run(store.dataset, demos)
@@ -530,11 +562,7 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         store.use_demo(demos[0])
     on_image()
     return {"demo": demo, "upload": upload, "upload_message": upload_msg,
-            "upload_hint": pn.pane.HTML(
-                f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
-                f"{upload_limit_text()})</small>" if vision else
-                "<small class='wb-muted'>a text-only model: text requests only</small>",
-                margin=(0, 10)),
+            "upload_hint": hint,
             "preview": preview, "prompt": prompt, "run_name": run_name,
             "batch_size": batch_size, "batch_mix": batch_mix}
 
