@@ -1342,17 +1342,26 @@ def test_a_wrong_image_token_id_names_the_config_not_the_prompt(embedded_dir, tm
         assert f"image_token_id {bad}" in msg and "the prompt contains" not in msg, msg
 
 
+def _with_template(embedded_dir, tmp_path, per_content: str):
+    """A copy of the embedded model whose chat template runs ``per_content`` (Jinja, with
+    ``c`` a message's content part) on every part of every message, then the assistant turn."""
+    d = tmp_path / "m"
+    shutil.copytree(embedded_dir, d)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% for c in m.content %}" + per_content
+        + "{% endfor %}{% endfor %}<|im_start|>assistant\n")
+    return d
+
+
 def test_a_template_that_loops_on_long_prompts_is_stopped_at_run(embedded_dir, tmp_path,
                                                                    monkeypatch, capsys):
     """A template that loops only for prompts over 20 characters passes the load-time check
     (its prompt is "hello") and hung ``run`` (issue 26): every prompt's rendering is bounded in
     time, and the CLI says so in one line, exit 2. A template's own error names the model."""
-    d = tmp_path / "m"
-    shutil.copytree(embedded_dir, d)
-    (d / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% for c in m.content %}{% if c.text is defined and "
-        "c.text|length > 20 %}{% for i in range(100000) %}{% for j in range(100000) %}"
-        "{% endfor %}{% endfor %}{% endif %}{% endfor %}{% endfor %}<|im_start|>assistant\n")
+    d = _with_template(embedded_dir, tmp_path,
+                       "{% if c.text is defined and c.text|length > 20 %}{% for i in "
+                       "range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                       "{% endif %}")
     monkeypatch.setenv("WORKBENCH_TEMPLATE_SECONDS", "1")
     lm = workbench.load(d, device="cpu")  # "hello" renders
     from workbench.models.inputs import Request, build_inputs
@@ -1504,12 +1513,9 @@ def test_a_batch_renders_in_one_child_with_bounds_per_prompt(monkeypatch):
 
 def test_a_batch_names_the_request_its_template_refused(embedded_dir, tmp_path):
     """In a batch, the request whose prompt the template refuses is named by its index."""
-    d = tmp_path / "m"
-    shutil.copytree(embedded_dir, d)
-    (d / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% for c in m.content %}{% if c.text is defined and "
-        "'forbidden' in c.text %}{{ raise_exception('no forbidden words') }}{% endif %}"
-        "{% endfor %}{% endfor %}<|im_start|>assistant\n")
+    d = _with_template(embedded_dir, tmp_path,
+                       "{% if c.text is defined and 'forbidden' in c.text %}"
+                       "{{ raise_exception('no forbidden words') }}{% endif %}")
     lm = workbench.load(d, device="cpu")
     from workbench.models.inputs import Request, build_batch_inputs
 
