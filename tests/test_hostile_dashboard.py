@@ -630,6 +630,52 @@ def test_upload_widget_refuses_large_files_before_they_are_sent(tmp_path):
         check_image_upload("a text", "t.png")
 
 
+def test_run_during_an_upload_is_refused_and_the_menu_names_the_upload(tmp_path):
+    """Run pressed while an image is still arriving ran the demo image shown before it, and
+    the Demo menu kept naming that demo (issue 37 §3): now Run is refused until the upload has
+    arrived, then the menu names the uploaded image, which the run uses; a client that stops
+    sending blocks Run only for UPLOAD_STALL_S."""
+    import time
+
+    from workbench.ui import datastore
+    from workbench.ui.widgets import UPLOADED, input_widgets
+
+    s = DataStore(workspace=tmp_path / "ws")
+    w = input_widgets(s)  # the shipped demos: the first one shown
+    demo_image = s.image
+    assert demo_image and s.prompt
+    up, data = w["upload"], _png()
+    half = len(data) // 2
+
+    def chunk(i: int, part: bytes) -> None:
+        up._process_event(SimpleNamespace(event_name="upload_event", data={
+            "name": "mine.png", "chunk": i, "total_chunks": 2, "data": part,
+            "type": "image/png"}))
+
+    chunk(1, data[:half])
+    with pytest.raises(InputError, match="'mine.png' is still uploading"):
+        s.start_run()
+    assert not s.running and s.image == demo_image
+    chunk(2, data[half:])
+    assert s.image != demo_image and Path(s.image).parent == tmp_path / "ws" / "uploads"
+    assert w["demo"].value == UPLOADED
+    assert [k for k, v in w["demo"].options.items() if v == UPLOADED] == ["(uploaded) mine.png"]
+    s._check_start(s.prompt)  # no longer refused
+    mine = s.image
+    w["demo"].value = 1  # another demo, then the upload again: its image again
+    assert s.image != mine
+    w["demo"].value = UPLOADED
+    assert s.image == mine
+    # a client that stops half way blocks Run only until it is seen stalled
+    up._process_event(SimpleNamespace(event_name="upload_event", data={
+        "name": "stalled.png", "chunk": 1, "total_chunks": 3, "data": data[:10],
+        "type": "image/png"}))
+    with pytest.raises(InputError, match="still uploading"):
+        s._check_start(s.prompt)
+    s._uploading = ("stalled.png", time.monotonic() - datastore.UPLOAD_STALL_S - 1)
+    s._check_start(s.prompt)
+
+
 # -- in a real browser ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_browser_corrupt_store_and_oversize_upload(source, tmp_path, embedded_dir):

@@ -1140,6 +1140,64 @@ def test_a_refusal_only_the_loaded_model_finds_brings_the_shown_run_back(two_run
         s.knobs.set(prefetch="none")
     assert s.error and "predictor" in s.error
     assert (s.run_name, s.dataset) == before and not s.running
+    # the page says nothing was stored and shows the previous run's answer, not "—"
+    assert "nothing stored" in s.status and "failed" not in s.status and "b" in s.status
+    assert s.answer == s._answer_of(s.dataset)
+
+
+def test_a_refused_widget_value_is_said_beside_it_and_no_run_starts(tmp_path):
+    """A value typed into a knob widget that the knob refuses (issue 37 §2): the knob keeps its
+    last good value, the CLI's message appears right under the widget, nothing is raised into
+    Panel (which logged a traceback), and Run refuses while the widget holds it; correcting
+    the widget clears all of it."""
+    from workbench.errors import InputError
+    from workbench.ui.datastore import held_refusals
+    from workbench.ui.widgets import knob_panels, vismmoe_panel
+
+    s = DataStore(workspace=tmp_path / "ws")
+    s.prompt = "how many shapes?"
+    cache = knob_panels(s.knobs, groups=["cache"])["cache"]
+    slots = cache._widgets["cache_slots"]
+    beta = vismmoe_panel(s.knobs)._wb_widgets["beta"]
+    before = s.knobs.cache_slots
+    for typed in (0, -5):
+        slots._value_edit.value = typed  # the slider's text box, as a user types into it
+        assert slots.value == typed and s.knobs.cache_slots == before
+    alert = [o for o in cache._widget_box.objects if "wb-refused-cache_slots" in o.css_classes]
+    assert len(alert) == 1 and alert[0].visible
+    box = cache._widget_box.objects
+    assert box.index(alert[0]) == box.index(slots) + 1  # beside the widget
+    assert "cache_slots must be at least 1, not -5" in alert[0].object
+    beta._value_edit.value = 0.0  # an exclusive bound: raised a ValueError into Panel before
+    assert s.knobs.beta == 0.5 and set(held_refusals(s.knobs)) == {"cache_slots", "beta"}
+    with pytest.raises(InputError, match="cache_slots box holds .* at least 1, not -5.*1 more"):
+        s.start_run()
+    assert not s.running and not list((tmp_path / "ws").glob("*.zarr"))
+    s.error = "stale"  # another message: left alone
+    slots._value_edit.value = 12
+    beta._value_edit.value = 0.7
+    assert (s.knobs.cache_slots, s.knobs.beta) == (12, 0.7) and not held_refusals(s.knobs)
+    assert not alert[0].visible
+    s.knobs.set(cache_slots=20)
+    assert slots.value == 20  # the knob still moves its widget
+
+
+def test_the_alert_of_a_refused_run_goes_once_its_cause_is_fixed(tmp_path):
+    """The red alert of a Run refused before it started stays while the cause does and goes
+    at the next poll after the knob is fixed (issue 37 §4)."""
+    from workbench.errors import KnobError
+
+    s = DataStore(workspace=tmp_path / "ws")
+    s.prompt = "count from 2 to 8."
+    s.knobs.set(eviction="belady")
+    with pytest.raises(KnobError) as e:
+        s.start_run()
+    s.error = str(e.value)  # what the app does with it
+    s.poll()
+    assert s.error == str(e.value)  # not fixed yet
+    s.knobs.set(eviction="lru")
+    s.poll()
+    assert s.error == ""
 
 
 def test_ep_view_shows_what_a_dispatch_dropped(embedded, demo_inputs, tmp_path):
@@ -1499,3 +1557,39 @@ def test_the_shipped_measured_cost_table_is_the_benchmarks():
     np.testing.assert_array_equal(shipped.prefill_s, bench.prefill_s)
     assert (shipped.sizes, shipped.prompt_tokens, shipped.meta) == \
         (bench.sizes, bench.prompt_tokens, bench.meta)
+
+
+def test_a_batch_shows_every_answer_with_its_expected_one_and_the_baseline(embedded_dir,
+                                                                           tmp_path):
+    """A batch run's page lists every request's answer (issue 37 §5), not only the first: with
+    its expected answer where known (the generated held-out requests and a demo request carry
+    one), and — a baseline of the same batch pinned — which answers differ from it."""
+    from workbench.ui.views import answer_view
+
+    s = DataStore(workspace=tmp_path / "ws", model=str(embedded_dir))
+    view = answer_view(s)
+    shown = lambda: view.object() if callable(view.object) else str(view.object)  # noqa: E731
+    s.use_demo(next(d for d in demo_inputs() if not d["image"]))  # a text demo: its answer known
+    s.param.update(batch_size=3, batch_mix="text")
+    first = s.prompt
+    s.knobs.set(max_new_tokens=12)
+    s.start_run(name="full")
+    s.wait()
+    assert not s.error, s.error
+    rows = s.batch_answers(s.dataset)
+    assert [r["prompt"] for r in rows][0] == first and len(rows) == 3
+    assert all(r.get("expected") for r in rows)  # the demo's and the two generated ones
+    page = shown()
+    assert "data-testid='batch'" in page and "3 requests" in page
+    assert page.count("data-match=") >= 3 and "differ from the baseline" not in page
+    s.pin_baseline()
+    s.knobs.set(max_new_tokens=2)  # cut short: the longer answers now differ
+    s.start_run(name="short")
+    s.wait()
+    short = s.batch_answers(s.dataset)
+    moved = sum(a["text"] != b["text"] for a, b in zip(short, rows))
+    assert moved >= 1
+    page = shown()
+    assert f"{moved} differ from the baseline full.zarr" in page
+    assert page.count("data-differs='true'") == moved
+    assert page.count("data-match='false'") >= moved  # cut short: not the expected answer

@@ -56,7 +56,8 @@ def batch(n: int = 8, *, source: str = "heldout", mix: str = "mixed",
             items = [it for it in items if (it["image"] is None) == (mix == "text")]
         if not items:
             raise InputError(f"no demo requests of mix {mix!r} in data/demo/prompts.json")
-        return [Request(it["prompt"], [it["image"]] if it["image"] else [])
+        return [Request(it["prompt"], [it["image"]] if it["image"] else [],
+                        expected=it.get("answer"))
                 for it in (items[i % len(items)] for i in range(n))]
     from workbench.models.embedded.v2 import tasks
 
@@ -70,7 +71,7 @@ def batch(n: int = 8, *, source: str = "heldout", mix: str = "mixed",
                     for _ in range(n)]
     else:
         examples = tasks.make_split(seed, n, image_only=mix == "image")
-    return [Request(q, [img] if img is not None else []) for img, q, _ in examples]
+    return [Request(q, [img] if img is not None else [], expected=a) for img, q, a in examples]
 
 
 def mixed_batch(n: int = 8, *, text_share: float = 0.5, seed: int | None = None) -> list[Request]:

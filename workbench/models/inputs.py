@@ -53,10 +53,13 @@ IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "PPM")
 
 @dataclass
 class Request:
-    """One request: a prompt and zero or more images (paths or PIL images)."""
+    """One request: a prompt and zero or more images (paths or PIL images); ``expected``: its
+    known answer, where there is one (generated held-out and demo requests), shown beside the
+    answer the run gives — never given to the model."""
 
     prompt: str
     images: Sequence[str | Path | Image.Image] = field(default_factory=list)
+    expected: str | None = None
 
 
 @dataclass

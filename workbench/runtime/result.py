@@ -70,6 +70,13 @@ class RunResult:
     batch: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def right(self) -> tuple[int, int]:
+        """(answers equal to their expected one, requests with an expected answer) of a
+        batch: exact match after stripping, as the model card counts."""
+        known = [r for r in self.batch if r.get("expected") is not None]
+        return sum(answer_matches(r) for r in known), len(known)
+
+    @property
     def texts(self) -> list[str]:
         """Every request's answer, in batch order."""
         return [r["text"] for r in self.batch] if self.batch else [self.text]
@@ -106,7 +113,11 @@ class RunResult:
             f"answer: {self.text}",
             *(f"answer {i}: {r['text']}   ← {r['prompt']!r}"
               + (f" + {len(r['images'])} image(s)" if r["images"] else "")
+              + (f"   expected: {r['expected']} {'✓' if answer_matches(r) else '✗'}"
+                 if r.get("expected") is not None else "")
               for i, r in enumerate(self.batch)),
+            *([f"right: {self.right[0]} of {self.right[1]} answers equal their expected one "
+               f"(exact match)"] if self.right[1] else []),
             f"model {self.model_id} · "
             + (f"batch of {len(self.batch)} requests · " if self.batch else "")
             + f"{self.steps} steps (1 prefill + {self.steps - 1} decode) · "
@@ -174,3 +185,10 @@ def _costs_of(knobs: dict[str, Any]) -> str:
     """Whose expert sizes the modeled clock prices: the target model, or the run's own."""
     target = knobs.get("target_model")
     return "this model" if target in (None, "none") else str(target)
+
+
+def answer_matches(request: dict[str, Any]) -> bool:
+    """A batch entry's answer (``text``) is its ``expected`` one: exact match after stripping
+    surrounding white space, as the model card counts (False without an expected answer)."""
+    e = request.get("expected")
+    return isinstance(e, str) and str(request.get("text", "")).strip() == e.strip()

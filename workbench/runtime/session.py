@@ -421,7 +421,8 @@ class RunSession:
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,
-                 "prompt_tokens": n}
+                 "prompt_tokens": n, **({"expected": r.expected}
+                                        if getattr(r, "expected", None) is not None else {})}
                 for r, t, a, n in zip(self.requests, texts, self.answers,
                                       self.inputs.prompt_tokens())]
         if placement is not None:

@@ -65,6 +65,10 @@ table.wb-replay-table { font-size: 12px; table-layout: auto; }
 table.wb-replay-table th { white-space: normal; min-width: 56px; padding: 4px 6px; }
 table.wb-replay-table td { padding: 3px 6px; }
 td.wb-bad { color: #b91c1c; font-weight: 600; }
+/* a batch's answers: scrolls inside the answer card, cells wrap (never wider than the card) */
+.wb-batch summary { font-size: 13px; color: #374151; cursor: pointer; }
+.wb-batch-rows { max-height: 180px; overflow: auto; }
+table.wb-batch-table td, table.wb-batch-table th { white-space: normal; text-align: left; }
 """
 
 pn.extension("plotly", "filedropper", notifications=True,

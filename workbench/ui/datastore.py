@@ -56,6 +56,7 @@ import re
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -77,6 +78,26 @@ from workbench.ui.replay import ReplayStudy, study
 
 log = logging.getLogger(__name__)
 
+#: knob group → {knob: why} for values typed into a knob widget that the knob refused (the
+#: widget keeps what was typed and says why beside it; the knob keeps its last good value).
+#: A run refuses to start while any knob of its Knobs has an entry (:func:`held_refusals`).
+_WIDGET_REFUSALS: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def hold_refusal(group: Any, name: str, why: str | None) -> None:
+    """Record (``why``: the knob's message) or clear (``None``) the refused value a widget of
+    knob ``name`` of ``group`` holds."""
+    held = _WIDGET_REFUSALS.setdefault(group, {})
+    if why is None:
+        held.pop(name, None)
+    else:
+        held[name] = why
+
+
+def held_refusals(knobs: Knobs) -> dict[str, str]:
+    """``{knob: why}`` for every knob of ``knobs`` whose widget holds a refused value."""
+    return {n: w for g in knobs.groups.values() for n, w in _WIDGET_REFUSALS.get(g, {}).items()}
+
 __all__ = ["DataStore", "RunInfo", "ab_deltas", "check_image_upload", "default_workspace",
            "ab_context", "demo_inputs", "known_models", "list_runs", "load_run", "resolve_run_path", "safe_run_name",
            "selected_steps", "upload_limit_text", "MAX_UPLOAD_BYTES", "MAX_UPLOAD_PIXELS",
@@ -86,6 +107,8 @@ __all__ = ["DataStore", "RunInfo", "ab_deltas", "check_image_upload", "default_w
 MAX_UPLOAD_BYTES = 5_000_000
 #: largest accepted upload, in pixels (width × height), against decompression bombs
 MAX_UPLOAD_PIXELS = 4096 * 4096
+#: seconds without a chunk after which an upload in progress no longer blocks Run
+UPLOAD_STALL_S = 30.0
 #: image formats accepted from uploads (PIL format names)
 UPLOAD_FORMATS = ("PNG", "JPEG")
 
@@ -801,6 +824,9 @@ class DataStore(param.Parameterized):
         self._trace: Any = None  # routing of the shown run, for replay
         self._trace_key: tuple | None = None
         self._replay_memo: dict = {}  # replays already made on that trace
+        self._uploading: tuple[str, float] | None = None  # (name, last chunk's monotonic time)
+        self._refused = ""  # the message of the last Run refused before it started
+        self._refused_prompt: str | None = None  # and the prompt it was given
         self.refresh()
 
     # -- workspace ---------------------------------------------------------------------------
@@ -906,8 +932,26 @@ class DataStore(param.Parameterized):
     @staticmethod
     def _answer_of(ds: xr.Dataset) -> str:
         """Decoded answer of a stored run (from its summary, else blank)."""
+        # (a batch's other answers: batch_answers)
         text = RunMetadata.from_attrs(ds.attrs, strict=False).text or ""
         return text[:MAX_ANSWER_CHARS]
+
+    @staticmethod
+    def batch_answers(ds: xr.Dataset | None) -> list[dict[str, Any]]:
+        """A stored batch run's requests and answers, in batch order (``prompt``, ``images``,
+        ``text``, ``expected`` where known); [] for a run of one request, one not complete, or
+        an odd store (read leniently: the page never fails on it)."""
+        if ds is None:
+            return []
+        try:
+            summary = RunMetadata.from_attrs(ds.attrs, strict=False).summary or {}
+        except Exception:
+            return []
+        rows = summary.get("batch")
+        if not isinstance(rows, list):
+            return []
+        return [r for r in rows if isinstance(r, dict) and isinstance(r.get("text"), str)
+                and isinstance(r.get("prompt"), str)]
 
     def adopt_knobs(self) -> None:
         """Set the knobs to those the shown run was made with (:attr:`RunMetadata.knobs`:
@@ -934,6 +978,13 @@ class DataStore(param.Parameterized):
         """An edited prompt or another image is no longer the demo request: no expected answer."""
         if self.expected and (self.prompt, self.image) != getattr(self, "_demo", None):
             self.expected = ""
+
+    def upload_arriving(self, name: str | None) -> None:
+        """An image upload is arriving (``name``: a chunk of it came in) or ended (``None``:
+        received whole, or refused). While one arrives — and for :data:`UPLOAD_STALL_S` after
+        its last chunk, a client that stops sending must not block Run for ever — a Run is
+        refused: it would run the image shown before the upload."""
+        self._uploading = None if name is None else (str(name)[:80], time.monotonic())
 
     def accept_upload(self, data: bytes | None, filename: str | None = None) -> Path:
         """Check an uploaded image (:func:`check_image_upload`), store it re-encoded as PNG in
@@ -978,9 +1029,13 @@ class DataStore(param.Parameterized):
         """
         if self._job is not None and not self._job.done:
             raise InputError("a run is already in progress; stop it or wait for it to finish")
+        self._refused_prompt = prompt  # None: the prompt box's, whatever it then holds
         prompt = self.prompt if prompt is None else prompt
-        if not prompt or not prompt.strip():
-            raise InputError("prompt is empty; give a question or instruction")
+        try:
+            knobs = self._check_start(prompt)
+        except WorkbenchError as e:  # the alert goes once what it names is fixed (poll)
+            self._refused = str(e)
+            raise
         if images is None:
             images = [self.image] if self.image else []
         ws = self.workspace_path
@@ -993,8 +1048,6 @@ class DataStore(param.Parameterized):
         if path.exists():
             raise InputError(f"run {path.name!r} already exists in the workspace; choose "
                              f"another name")
-        knobs = self.knobs.to_dict()
-        self._precheck(knobs)  # a refusal leaves the shown run, the baseline and the A/B as they were
         job = _Job(path=path, max_new_tokens=int(knobs["max_new_tokens"]),
                    previous=(self._path, self._sig, self._meta, self.run_name, self.dataset))
         extra = []
@@ -1003,7 +1056,8 @@ class DataStore(param.Parameterized):
 
             extra = batch(self.batch_size - 1, mix=self.batch_mix)
         job.thread = threading.Thread(target=self._work, name=f"workbench-run-{path.name}",
-                                      args=(job, knobs, prompt, [str(i) for i in images], extra),
+                                      args=(job, knobs, prompt, [str(i) for i in images], extra,
+                                            self.expected or None),
                                       daemon=True)
         self._job = job
         self._path, self._sig, self._meta = path, None, None
@@ -1013,6 +1067,58 @@ class DataStore(param.Parameterized):
                           status="starting …")
         job.thread.start()
         return path
+
+    def _check_start(self, prompt: str) -> dict[str, Any]:
+        """The checks of :meth:`start_run` that create nothing, in its order: the prompt, the
+        values knob widgets hold refused (:func:`held_refusals`), the knobs
+        (:meth:`_precheck`). Returns the knobs the run would use."""
+        if not prompt or not prompt.strip():
+            raise InputError("prompt is empty; give a question or instruction")
+        up = self._uploading
+        if up is not None and time.monotonic() - up[1] < UPLOAD_STALL_S:
+            raise InputError(f"the image {up[0]!r} is still uploading; press Run once it has "
+                             f"arrived (the run would use the image shown before it)")
+        held = held_refusals(self.knobs)
+        if held:  # what the page shows is not what would run: say so, run nothing
+            name, why = next(iter(held.items()))
+            raise InputError(f"the {name} box holds a value the knob refuses ({why}); correct "
+                             f"it before Run" + (f" (and {len(held) - 1} more)"
+                                                 if len(held) > 1 else ""))
+        knobs = self.knobs.to_dict()
+        self._precheck(knobs)  # a refusal leaves the shown run, the baseline and the A/B as they were
+        return knobs
+
+    def _track_refusal(self, message: str) -> None:
+        """Let :meth:`poll` take down the alert of a refusal the run thread found once its cause
+        is fixed, if the checks of :meth:`start_run` see it now (the model is loaded); else
+        the alert stays until the next Run (nothing here could tell it fixed)."""
+        try:
+            self._check_start(self.prompt if self._refused_prompt is None
+                              else self._refused_prompt)
+        except WorkbenchError as e:
+            if str(e) == message:
+                self._refused = message
+        except Exception:
+            pass
+
+    def _clear_fixed_refusal(self) -> None:
+        """Take down the alert of a refused Run once what it named is fixed (the knob, the
+        widget, the prompt): it must not outlive its cause (see :meth:`poll`)."""
+        if not self._refused or self.running:
+            return
+        if self.error != self._refused:  # replaced by another message meanwhile
+            self._refused = ""
+            return
+        try:
+            self._check_start(self.prompt if self._refused_prompt is None
+                              else self._refused_prompt)
+        except WorkbenchError as e:
+            if str(e) != self._refused:  # still refused, for another reason: say that one
+                self._refused = self.error = str(e)
+            return
+        except Exception:
+            return
+        self._refused = self.error = ""
 
     def _precheck(self, knobs: dict[str, Any]) -> None:
         """The live run's knob checks, before anything starts: against the model's sizes when it
@@ -1033,7 +1139,7 @@ class DataStore(param.Parameterized):
                 Runtime(lm, knobs=k).predictor(k)  # loaded once per path; names what is missing
 
     def _work(self, job: _Job, knobs: dict[str, Any], prompt: str, images: list[str],
-              extra: Sequence[Any] = ()) -> None:
+              extra: Sequence[Any] = (), expected: str | None = None) -> None:
         """The run thread: load (or reuse) the model, then run into the store (``extra``: the
         other requests of a batch, after this one). Touches only ``job``; never parameters
         (see the module docstring)."""
@@ -1057,7 +1163,8 @@ class DataStore(param.Parameterized):
                 if extra:
                     from workbench.models.inputs import Request
 
-                    job.result = rt.run([Request(prompt, images), *extra], store=job.path,
+                    job.result = rt.run([Request(prompt, images, expected=expected), *extra],
+                                        store=job.path,
                                         on_token=on_token, stop=job.stop)
                 else:
                     job.result = rt.run(prompt, images=images, store=job.path,
@@ -1109,6 +1216,7 @@ class DataStore(param.Parameterized):
             if job is not None:
                 self._apply(job)
             self._tail()
+            self._clear_fixed_refusal()
             if time.monotonic() - self._last_refresh >= self.refresh_s:
                 self.refresh()
         except Exception as e:
@@ -1148,6 +1256,12 @@ class DataStore(param.Parameterized):
                 path, sig, meta, name, ds = job.previous or (None, None, None, None, None)
                 self._path, self._sig, self._meta = path, sig, meta
                 upd["run_name"], upd["dataset"] = name, ds
+                # nothing was stored: say so, and show the previous run's answer over its plots
+                upd["answer"] = self._answer_of(ds) if ds is not None else ""
+                upd["progress"] = 0
+                upd["status"] = ("refused before its first step: nothing stored"
+                                 + (f" · showing {name} again" if name else ""))
+                self._track_refusal(job.error)
             # the buttons and the status now, in a callback of their own (Bokeh sends a
             # callback's changes when it returns: what the user waits for after Stop); the
             # store's last steps at the next poll (the job still set, so the tail keeps this

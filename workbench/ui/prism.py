@@ -36,7 +36,7 @@ import xarray as xr
 from workbench.errors import InputError, WorkbenchError
 from workbench.ui.datastore import DataStore
 from workbench.ui.views import PlotView, _finish, placeholder_figure
-from workbench.ui.widgets import _knob_widget_specs, make, names
+from workbench.ui.widgets import _knob_widget_specs, knob_param, make, names
 from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
 
 __all__ = ["operating_points", "run_subexperts", "subexpert_view_figure", "compute_share_html",
@@ -332,8 +332,7 @@ def prism_knob_widgets(store: DataStore, points_n: int | None = None) -> pn.Colu
     knob name → widget."""
     group = store.knobs.group("prism")
     rest = [n for n in group.knob_names() if n != "prism_k_active"]
-    panel = pn.Param(group, parameters=rest, widgets=_knob_widget_specs(group), show_name=False,
-                     sizing_mode="stretch_width", margin=0)
+    panel = knob_param(group, rest, margin=0)
     k = KActiveSlider(store, points_n)
     hint = pn.pane.HTML("<small class='wb-muted'>sub-experts each routed expert runs, chosen per "
                         "token by the proxy gate</small>", margin=(0, 10),
@@ -614,9 +613,9 @@ class SchedulerView:
         self.redraws = 0
         self._busy = False
         specs = _knob_widget_specs(self.knobs)
-        self.controls = {n: pn.Param(self.knobs, parameters=[n], widgets={n: {
-            **specs[n], "name": label}}, show_name=False, sizing_mode="stretch_width", margin=0)
-            for n, label in SCHEDULER_KNOBS.items()}
+        self.controls = {n: knob_param(self.knobs, [n], widgets={n: {**specs[n], "name": label}},
+                                       margin=0)
+                         for n, label in SCHEDULER_KNOBS.items()}
         cbg = pn.widgets.CheckButtonGroup
         self.choices = {
             "policies": cbg.from_param(self.settings.param.policies,

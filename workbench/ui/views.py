@@ -923,7 +923,7 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
     it once the run is done (marked right or wrong: exact match, as the model card counts)."""
 
     def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None,
-               expected: str) -> str:
+               expected: str, baseline: xr.Dataset | None = None) -> str:
         text = answer.strip() or ("…" if running else "—")
         esc = html.escape(text)
         prompt = ds.attrs.get("prompt", "") if ds is not None else ""
@@ -939,12 +939,61 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
             prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
         thumb = _thumbnail(ds)
+        rows = "" if running else _batch_table(DataStore.batch_answers(ds),
+                                               DataStore.batch_answers(store.baseline),
+                                               store.baseline_name)
         return (f"<div class='wb-answer'>{thumb}<div class='wb-muted'>{prompt}</div>"
-                f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}</div>")
+                f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}{rows}</div>")
 
     return pn.pane.HTML(pn.bind(render, store.param.answer, store.param.running,
-                                store.param.run_name, store.param.dataset, store.param.expected),
+                                store.param.run_name, store.param.dataset, store.param.expected,
+                                store.param.baseline),
                         sizing_mode="stretch_width")
+
+
+def _batch_table(rows: list[dict[str, Any]], base: list[dict[str, Any]],
+                 base_name: str | None) -> str:
+    """Every answer of a batch run (issue 37 §5): request, answer, expected answer where known
+    (✓/✗, exact match), and — with a baseline pinned whose batch had the same prompts — the
+    answers that differ from the baseline's, marked with the baseline's answer."""
+    from workbench.runtime.result import answer_matches
+
+    if not rows:
+        return ""
+    same = len(base) == len(rows) and all(a["prompt"] == b["prompt"] for a, b in zip(rows, base))
+    known = [r for r in rows if r.get("expected") is not None]
+    right = sum(answer_matches(r) for r in known)
+    differ = sum(a["text"].strip() != b["text"].strip() for a, b in zip(rows, base)) if same else 0
+    head = [f"{len(rows)} requests"]
+    if known:
+        head.append(f"{right} of {len(known)} as expected")
+    if same:
+        head.append(f"{differ} differ from the baseline {html.escape(str(base_name or ''))}")
+    out = [f"<details class='wb-batch' data-testid='batch' {'open' if len(rows) <= 8 else ''}>"
+           f"<summary>batch: {' · '.join(head)}</summary><div class='wb-batch-rows'>"
+           f"<table class='wb-ab wb-batch-table'><tr><th>#</th><th>request</th><th>answer</th>"
+           f"<th>expected</th>{'<th>baseline</th>' if same else ''}</tr>"]
+    for i, r in enumerate(rows):
+        prompt = r["prompt"] if len(r["prompt"]) <= 60 else r["prompt"][:60] + " …"
+        if r.get("images"):
+            prompt += " 🖼"
+        exp = ""
+        if r.get("expected") is not None:
+            ok = answer_matches(r)
+            exp = (f"<td class='{'wb-good' if ok else 'wb-bad'}' data-match='{str(ok).lower()}'>"
+                   f"{html.escape(str(r['expected'])[:80])} {'✓' if ok else '✗'}</td>")
+        else:
+            exp = "<td class='wb-muted'>—</td>"
+        cell = ""
+        if same:
+            b = base[i]["text"]
+            moved = b.strip() != r["text"].strip()
+            cell = (f"<td class='wb-bad' data-differs='true'>≠ {html.escape(b[:80])}</td>"
+                    if moved else "<td class='wb-muted' data-differs='false'>same</td>")
+        out.append(f"<tr><td>{i}</td><td>{html.escape(prompt)}</td>"
+                   f"<td>{html.escape(r['text'][:120])}</td>{exp}{cell}</tr>")
+    out.append("</table></div></details>")
+    return "".join(out)
 
 
 def _progress_values(store: DataStore) -> tuple[int, int]:

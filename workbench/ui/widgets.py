@@ -4,8 +4,10 @@ Knob widgets are never written by hand: :func:`knob_panels` makes one ``pn.Param
 ``Knobs().groups`` (the knob classes refresh their policy ``Selector`` menus from the registries
 on instantiation, so a policy registered later shows up in its menu with no UI change). Numeric
 knobs with soft bounds become editable sliders (the slider spans the soft bounds, the text box
-accepts anything inside the hard bounds); numeric knobs that may be ``None`` ("no limit") become
-number boxes, which can be left empty; every widget's tooltip is the knob's ``doc``.
+takes any number); numeric knobs that may be ``None`` ("no limit") become number boxes, which
+can be left empty; every widget's tooltip is the knob's ``doc``. Every knob widget sets its knob
+through the knob's own check (:func:`knob_param`): a value the knob refuses is said under the
+widget, in the CLI's words, and no run starts while one is held.
 
 The knobs of :data:`VISMMOE_KNOBS` (compression, β, λ, pinned layers) sit in a prominent
 "VisMMOE" card at the top of the knob sidebar (:func:`vismmoe_panel`): each is a ``pn.Param``
@@ -28,13 +30,13 @@ import panel as pn
 import param
 
 from workbench.errors import InputError, KnobError, WorkbenchError
-from workbench.knobs import Knobs
-from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs, resolve_run_path,
-                                    upload_limit_text)
+from workbench.knobs import Knobs, check_value
+from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, demo_inputs, hold_refusal,
+                                    resolve_run_path, upload_limit_text)
 
 __all__ = ["knob_panels", "knob_cards", "vismmoe_panel", "filter_widgets", "input_widgets",
            "runs_widgets", "replay_widgets", "replay_knob_panels", "card", "make", "names",
-           "ImageDropper",
+           "ImageDropper", "knob_param",
            "VISMMOE_KNOBS", "MAIN_GROUPS"]
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,79 @@ def _knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
     return specs
 
 
+#: style of the message under a knob widget that holds a refused value
+REFUSED_STYLE = [".alert { overflow-wrap: anywhere; font-size: 12px; padding: 4px 8px; "
+                 "margin: 0; }"]
+
+
+def knob_param(group: param.Parameterized, parameters: list[str],
+               widgets: dict[str, Any] | None = None, **kw: Any) -> pn.Param:
+    """``pn.Param(group, parameters, widgets=…)`` (default: :func:`_knob_widget_specs`) whose
+    widgets set a knob only through the knob's own check (:func:`workbench.knobs.check_value`,
+    the CLI's messages). A value the knob refuses stays in the widget, as typed, with the
+    knob's message right under it (CSS class ``wb-refused-<name>``), and is held
+    (:func:`~workbench.ui.datastore.hold_refusal`: a run refuses to start while any is held);
+    the knob keeps its last good value. Correcting the widget clears both.
+
+    Why not Panel's own link: it sets the parameter unchecked, so a refused value raised a
+    ``ValueError`` traceback into the server log, the knob silently kept its old value and the
+    next run used it while the box showed the refused one. The widgets' own hard bounds go
+    too (the knob's check is the one rule, and speaks): with them the widget refused the
+    value itself, again without a word."""
+    specs = _knob_widget_specs(group) if widgets is None else widgets
+    panel = pn.Param(group, parameters=parameters, widgets={n: specs[n] for n in parameters
+                                                            if n in specs},
+                     show_name=False, **{"sizing_mode": "stretch_width", **kw})
+    for name in parameters:
+        widget = panel._widgets.get(name)
+        if widget is not None and "value" in widget.param:
+            _check_widget(panel, group, name, widget)
+    return panel
+
+
+def _check_widget(panel: pn.Param, group: param.Parameterized, name: str, widget: Any) -> None:
+    for w in [w for w in panel._internal_callbacks if getattr(w, "inst", None) is widget
+              and tuple(w.parameter_names) == ("value",)
+              and getattr(w.fn, "__name__", "") == "link_widget"]:
+        widget.param.unwatch(w)  # the unchecked widget → knob link (see knob_param)
+        panel._internal_callbacks.remove(w)
+    for bound in ("fixed_start", "fixed_end"):  # editable sliders: the text box's hard bounds
+        if bound in widget.param and getattr(widget, bound) is not None:
+            setattr(widget, bound, None)
+    if isinstance(widget, (pn.widgets.IntInput, pn.widgets.FloatInput)):
+        widget.param.update(start=None, end=None)
+    shown: list[pn.pane.Alert] = []  # made at the first refusal: every pane is page weight
+
+    def say(text: str | None) -> None:
+        if not shown and text is None:
+            return
+        if not shown:
+            shown.append(pn.pane.Alert("", alert_type="danger", margin=(0, 10, 6, 10),
+                                       sizing_mode="stretch_width", stylesheets=REFUSED_STYLE,
+                                       css_classes=[f"wb-refused-{name}", "wb-refused"]))
+            box = panel._widget_box
+            at = box.objects.index(widget) + 1 if widget in box.objects else len(box)
+            box.insert(at, shown[0])
+        if text is None:
+            shown[0].visible = False
+        else:
+            shown[0].param.update(object=html.escape(text), visible=True)
+
+    def on_value(event: Any) -> None:
+        try:
+            value = check_value(group.param[name], name, event.new)
+        except KnobError as e:
+            hold_refusal(group, name, str(e))
+            say(f"refused: {e}")
+            return
+        hold_refusal(group, name, None)
+        say(None)
+        if getattr(group, name) != value or type(getattr(group, name)) is not type(value):
+            group.param.update(**{name: value})
+
+    widget.param.watch(on_value, "value")
+
+
 def card(*objects: Any, title: str, **kw: Any) -> pn.Card:
     """A card whose title is left-aligned whether or not it collapses."""
     head = pn.pane.HTML(f"<div class='wb-card-title'>{title}</div>", margin=(0, 4),
@@ -135,10 +210,7 @@ def knob_panels(knobs: Knobs, exclude: Iterable[str] = (), live: bool = False,
             continue
         shown = [n for n in group.knob_names() if n not in skip]
         if shown:
-            panel = pn.Param(group, parameters=shown,
-                             name=getattr(group, "title", key) or key, show_name=False,
-                             widgets=_knob_widget_specs(group),
-                             sizing_mode="stretch_width")
+            panel = knob_param(group, shown, name=getattr(group, "title", key) or key)
             for name in shown if live else ():
                 off = replay_only_choices(group, name)
                 widget = panel._widgets.get(name)
@@ -178,8 +250,7 @@ def vismmoe_panel(knobs: Knobs, labels: dict[str, str] | None = None) -> pn.Colu
                                      stylesheets=[LABEL_STYLE]))
         else:
             spec["name"] = label
-        panel = pn.Param(group, parameters=[name], widgets={name: spec}, show_name=False,
-                         sizing_mode="stretch_width", margin=0)
+        panel = knob_param(group, [name], widgets={name: spec}, margin=0)
         widgets[name] = panel._widgets[name]
         rows.append(panel)
     col = pn.Column(*rows, sizing_mode="stretch_width", css_classes=["wb-vismmoe"])
@@ -326,11 +397,14 @@ class ImageDropper(pn.widgets.FileDropper):
 
     def __init__(self, on_file: Callable[[str, Any], None],
                  on_refused: Callable[[str, int], None], max_bytes: int = MAX_UPLOAD_BYTES,
+                 on_arriving: Callable[[str | None], None] | None = None,
                  **params: Any) -> None:
         params.setdefault("max_file_size", f"{max_bytes // 1000}KB")  # FilePond: 1 KB = 1000 B
         params.setdefault("chunk_size", min(self.CHUNK_BYTES, max(max_bytes, 1)))
         super().__init__(**params)
         self._wb_max, self._wb_on_file, self._wb_on_refused = max_bytes, on_file, on_refused
+        #: told of every chunk admitted (its file's name) and of the end (None)
+        self._wb_on_arriving = on_arriving or (lambda name: None)
         self._wb_sizes: dict[str, int] = {}
         self._wb_seen: dict[str, int] = {}
         self.param.watch(self._wb_changed, "value")
@@ -342,6 +416,7 @@ class ImageDropper(pn.widgets.FileDropper):
             super()._process_event(event)
         except Exception:  # a malformed event from a client: dropped, never into Panel
             log.exception("upload event dropped")
+            self._wb_on_arriving(None)
 
     def _wb_admit(self, event: Any) -> bool:
         """Count an upload chunk against the limit; False drops it (and its file)."""
@@ -362,9 +437,11 @@ class ImageDropper(pn.widgets.FileDropper):
             for n in list(self._wb_sizes) if too_many else [name]:
                 del self._wb_sizes[n]
                 getattr(self, "_file_buffer", {}).pop(n, None)
+            self._wb_on_arriving(None)
             self._wb_on_refused(name, got)
             return False
         self._wb_sizes[name] = got
+        self._wb_on_arriving(name)
         if data.get("chunk") == data.get("total_chunks"):
             del self._wb_sizes[name]
         return True
@@ -373,6 +450,8 @@ class ImageDropper(pn.widgets.FileDropper):
         value = event.new or {}
         new = [(n, d) for n, d in value.items() if self._wb_seen.get(n) != id(d)]
         self._wb_seen = {n: id(d) for n, d in value.items()}
+        if new:
+            self._wb_on_arriving(None)
         for name, data in new[-1:]:  # one image is the input: the last one received
             self._wb_on_file(name, data)
         if new:  # accepted files live in the workspace: hold no bytes here
@@ -382,6 +461,8 @@ class ImageDropper(pn.widgets.FileDropper):
 
 
 EMBEDDED_LABEL = "embedded default model"
+#: value of the demo menu's entry for the uploaded image (demos are 0…, text only −1)
+UPLOADED = -2
 
 
 def model_widgets(store: DataStore) -> dict[str, Any]:
@@ -467,7 +548,8 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
 
     def on_file(name: str, data: Any) -> None:
         try:
-            store.accept_upload(data, name)
+            uploaded["path"] = str(store.accept_upload(data, name))
+            shown_upload(name)
         except WorkbenchError as e:
             upload_msg.param.update(object=html.escape(str(e)), visible=True)
             return
@@ -484,7 +566,7 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
             f"{name[:80]!r} is larger than {upload_limit_text()}; images up to "
             f"{upload_limit_text()} are accepted"), visible=True)
 
-    upload = ImageDropper(on_file, on_refused,
+    upload = ImageDropper(on_file, on_refused, on_arriving=store.upload_arriving,
                           accepted_filetypes=[".png", ".jpg", ".jpeg", "image/png",
                                               "image/jpeg"],
                           multiple=False, previews=[], layout="compact",
@@ -505,8 +587,21 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         store.param.batch_mix, **names(pn.widgets.Select, "Batch mix"), width=110,
         description=store.param.batch_mix.doc)
 
+    uploaded: dict[str, str | None] = {"path": None}  # the last image uploaded, as stored
+
+    def shown_upload(name: str) -> None:
+        """The menu names the uploaded image as the input (it named the demo before)."""
+        label = f"(uploaded) {str(name)[:60]}"
+        opts = {k: v for k, v in demo.options.items() if v != UPLOADED}
+        demo.options = {**opts, label: UPLOADED}
+        demo.value = UPLOADED
+
     def on_demo(event: Any) -> None:
         i = event.new
+        if i == UPLOADED:  # the uploaded image (again)
+            if uploaded["path"] and store.image != uploaded["path"]:
+                store.param.update(image=uploaded["path"])
+            return
         if i is None or i < 0:
             store.param.update(image=None)
         else:
@@ -524,9 +619,12 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         vision = takes_images(store.model)
         shown = demos[demo.value] if demos and demo.value is not None and demo.value >= 0 \
             else None
+        if not vision and demo.value == UPLOADED:
+            demo.value = -1
         demos[:] = every if vision else [d for d in every if not d.get("image")]
         demo.options = {"(text only, no image)": -1,
-                        **{d["label"]: i for i, d in enumerate(demos)}}
+                        **{d["label"]: i for i, d in enumerate(demos)},
+                        **{k: v for k, v in demo.options.items() if v == UPLOADED and vision}}
         upload.visible = vision
         hint.object = (f"<small class='wb-muted'>or upload a PNG/JPEG (≤ "
                        f"{upload_limit_text()})</small>" if vision else
@@ -712,8 +810,7 @@ def replay_knob_panels(knobs: Knobs, names: Iterable[str] | None = None,
         group = owners[name]
         spec = dict(_knob_widget_specs(group)[name])
         spec["css_classes"] = [*spec["css_classes"], f"{css_prefix}{name.replace('_', '-')}"]
-        panel = pn.Param(group, parameters=[name], widgets={name: spec}, show_name=False,
-                         sizing_mode="stretch_width", margin=0)
+        panel = knob_param(group, [name], widgets={name: spec}, margin=0)
         panel._wb_widget = panel._widgets[name]
         out[name] = panel
     return out
