@@ -19,6 +19,8 @@ Invariants (the trainer's model and demo folders use them; run stores have their
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -60,50 +62,78 @@ def _siblings(path: Path, kind: str) -> list[Path]:
 # --------------------------------------------------------------------------- the lock
 
 
-def lock(path: Path, what: str) -> int:
-    """Take the exclusive lock of folder ``path`` (its parent is created); returns the lock's fd
-    for :func:`unlock`. :class:`FolderBusyError` when another process holds it."""
-    lockfile = path.with_name(f".{path.name}.lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FolderError(f"{what} {str(path)!r}: cannot create its parent folder ({e.strerror or e})") from None
+def take_lock(lockfile: Path) -> tuple[int | None, str]:
+    """Take an exclusive ``flock`` on ``lockfile`` (created if absent): ``(fd, "")``, or
+    ``(None, who)`` when another process holds it (``who``: what the holder wrote in it, its pid
+    and host). ``OSError`` when the file cannot be created. The one lock of every workbench
+    writer (run stores, the trainer's folders)."""
     for _ in range(100):
-        try:
-            fd = os.open(lockfile, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise FolderError(f"{what} {str(path)!r}: cannot create its lock {str(lockfile)!r} "
-                              f"({e.strerror or e}); choose a writable location") from None
+        fd = os.open(lockfile, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
-                who = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                return None, os.pread(fd, 200, 0).decode(errors="replace").strip()
             finally:
                 os.close(fd)
-            raise FolderBusyError(f"{what} {str(path)!r} is being written by another process "
-                                  f"({who or 'pid unknown'}); a folder has one writer: wait for that run "
-                                  f"to finish or choose another folder") from None
         try:  # the file we locked may have been unlinked by a releasing writer: retry on a fresh one
             if os.fstat(fd).st_ino == os.stat(lockfile).st_ino:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
                               f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode(), 0)
-                return fd
+                return fd, ""
         except FileNotFoundError:
             pass
         os.close(fd)
-    raise FolderBusyError(f"{what} {str(path)!r}: could not take its lock {str(lockfile)!r}")
+    return None, ""
 
 
-def unlock(path: Path, fd: int) -> None:
-    """Drop the lock taken by :func:`lock`. The lock file is removed while still held, so a
-    writer waiting on the old file notices and retries on a fresh one."""
+def drop_lock(lockfile: Path, fd: int) -> None:
+    """Release :func:`take_lock`'s lock. The file is removed while still held, so a writer
+    waiting on the old file notices and retries on a fresh one."""
     try:
-        os.unlink(path.with_name(f".{path.name}.lock"))
+        os.unlink(lockfile)
     except OSError:
         pass
     os.close(fd)
+
+
+def lock(path: Path, what: str) -> int:
+    """Take the exclusive lock of folder ``path``, the sibling ``.<name>.lock`` (its parent is
+    created); returns the fd for :func:`unlock`. :class:`FolderBusyError` when another process
+    holds it, :class:`FolderError` when it cannot be created."""
+    lockfile = path.with_name(f".{path.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, who = take_lock(lockfile)
+    except OSError as e:
+        raise FolderError(f"{what} {str(path)!r}: cannot create its lock {str(lockfile)!r} "
+                          f"({e.strerror or e}); choose a writable location") from None
+    if fd is None:
+        raise FolderBusyError(f"{what} {str(path)!r} is being written by another process ({who or 'pid unknown'}); "
+                              f"a folder has one writer: wait for that run to finish or choose another folder")
+    return fd
+
+
+def unlock(path: Path, fd: int) -> None:
+    """Drop the lock taken by :func:`lock`."""
+    drop_lock(path.with_name(f".{path.name}.lock"), fd)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 # --------------------------------------------------------------------------- ownership
@@ -195,12 +225,10 @@ def stage(path: Path) -> Path:
 def swap_in(staging: Path, path: Path) -> None:
     """Put the finished ``staging`` folder at ``path``; the old folder (if any) is deleted only
     once the new one is in place."""
-    from workbench.telemetry.destination import _exchange  # the one renameat2 wrapper
-
     if not path.exists():
         os.rename(staging, path)
         return
-    if _exchange(staging, path):
+    if exchange(staging, path):
         shutil.rmtree(staging, ignore_errors=True)  # now the old content
         return
     old = _sibling(path, "old")
