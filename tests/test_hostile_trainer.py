@@ -20,7 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from workbench import ownedfolder
 from workbench.models.embedded.v2 import V2_DEMO_DIR, V2_MODEL_DIR, checkpoint
+from workbench.models.embedded.v2.evaluate import routing_stats
+from workbench.models.embedded.v2.tasks import make_split
 from workbench.models.embedded.v2.train import (
+    HELDOUT_SEED,
     TRAIN_MODULE,
     Interrupted,
     Trainer,
@@ -174,8 +177,9 @@ def test_out_of_range_arguments_are_refused_before_anything_is_built(tmp_path, c
 
 def test_checkpoint_dir_that_is_a_file_is_refused_up_front(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
-    _refused(capsys, ["--preset", "smoke", "--out", str(tmp_path / "m"), "--checkpoint-dir", str(tmp_path / "f")],
-             "is a file, not a folder")
+    for ckpt in (tmp_path / "f", tmp_path / "f" / "sub"):
+        _refused(capsys, ["--preset", "smoke", "--out", str(tmp_path / "m"), "--checkpoint-dir", str(ckpt)],
+                 f"--checkpoint-dir {str(ckpt)!r}", "is a file, not a folder")
     assert (tmp_path / "f").read_text() == "x"
 
 
@@ -202,13 +206,16 @@ def test_a_diverging_run_stops_with_one_clear_error(torch_settings):
 
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
-    """A real checkpoint of a smoke run stopped at global step 5 (mixed stage, step 2)."""
+    """A real checkpoint of a smoke run stopped at global step 5 (mixed stage, step 2), with the
+    routing statistics at init that ``main`` stores in it."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     ckpt = tmp_path_factory.mktemp("ckpt")
     args = make_args("smoke", checkpoint_dir=ckpt, stop_after=5)
     model, tokenizer, image_processor = initial_model(args)
+    extra = {"routing_at_init": routing_stats(model, tokenizer, image_processor,  # as main stores it
+                                              make_split(HELDOUT_SEED, args.routing_n), args.eval_batch)}
     with pytest.raises(Interrupted):
-        fit(model, tokenizer, image_processor, args)
+        fit(model, tokenizer, image_processor, args, extra=extra)
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
     return ckpt / "step-0000005"
@@ -260,6 +267,10 @@ TAMPERING = {
     "a window of another kind": (lambda f: _state(f, lambda s: s.update(window={"vision": 0.0, "align": 0.0,
                                                                                   "n": 0})),
                                  "'window' is not a chat stage's logging window"),
+    "a curve entry without its loss": (lambda f: _state(f, lambda s: s["chat_curve"][0].pop("loss")),
+                                       "'chat_curve[0]' is not an entry this trainer logs"),
+    "routing at init cut short": (lambda f: _state(f, lambda s: s["extra"]["routing_at_init"]["per_layer"].pop()),
+                                  "'extra.routing_at_init' does not hold one entry per layer (2)"),
 }
 
 

@@ -162,22 +162,28 @@ def foreign_entries(path: Path, writer: str) -> list[str] | None:
     return out
 
 
-def check(path: Path, what: str, writer: str, overwrite: bool) -> None:
-    """:class:`FolderError` unless ``path`` may be (re)written whole by ``writer``: absent, an
-    empty folder, provably the writer's (:func:`foreign_entries`), or any folder with
-    ``overwrite``. Never a file, and never a folder holding anything the writer did not write
-    without ``overwrite``."""
+def check_place(path: Path, what: str) -> None:
+    """:class:`FolderError` unless folder ``path`` could be created or is one: not a broken
+    link, not a file, not below a file."""
     if path.is_symlink() and not path.exists():
         raise FolderError(f"{what} {str(path)!r} is a broken symbolic link; remove it or give a folder")
+    if path.exists() and not path.is_dir():
+        raise FolderError(f"{what} {str(path)!r} is a file, not a folder; give a new or empty folder")
     up = path.parent
     while not up.exists():
         up = up.parent
     if not up.is_dir():
         raise FolderError(f"{what} {str(path)!r}: {str(up)!r} is a file, not a folder; give a path under a folder")
+
+
+def check(path: Path, what: str, writer: str, overwrite: bool) -> None:
+    """:class:`FolderError` unless ``path`` may be (re)written whole by ``writer``: absent, an
+    empty folder, provably the writer's (:func:`foreign_entries`), or any folder with
+    ``overwrite``. Never a file, and never a folder holding anything the writer did not write
+    without ``overwrite``."""
+    check_place(path, what)
     if not path.exists():
         return
-    if not path.is_dir():
-        raise FolderError(f"{what} {str(path)!r} is a file, not a folder; give a new or empty folder")
     try:
         empty = not any(path.iterdir())
     except OSError as e:

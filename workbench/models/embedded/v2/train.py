@@ -471,6 +471,41 @@ def _new_window(kind: str) -> dict:
     return {"loss": 0.0, "ce": 0.0, "aux": 0.0, "vision": 0.0, "align": 0.0, "n": 0, "tf": {}, "tf_n": {}}
 
 
+CURVE_ENTRIES: dict[str, tuple[set[str], str]] = {
+    "vision_curve": ({"stage", "step", "global_step", "elapsed_s", "vision", "align"}, "\0"),
+    "chat_curve": ({"stage", "step", "global_step", "elapsed_s", "loss", "ce", "aux", "vision", "align", "lr"}, "tf_"),
+    "evals": ({"global_step", "stage", "elapsed_s", "exact_match", "token_accuracy"}, "em_"),
+}
+"""Per curve of a checkpoint: the keys every entry has (:meth:`Trainer._log`, :meth:`Trainer._evaluate`)
+and the prefix of its per-kind keys."""
+
+ROUTING_LAYER_KEYS = {"layer", "entropy_bits_image", "entropy_bits_text", "experts_used_image", "experts_used_text",
+                      "experts_for_90pct_image", "experts_for_90pct_text", "experts_image_only", "experts_text_only",
+                      "js_divergence_bits", "top_experts_image", "top_experts_text"}
+
+
+def routing_stats_problem(stats, num_layers: int) -> str | None:
+    """What is wrong with ``stats`` as :func:`.evaluate.routing_stats` of a ``num_layers``-layer
+    model (the model card renders it), or ``None``."""
+    def num(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not isinstance(stats, dict) or set(stats) != {"n_examples", "tokens", "max_entropy_bits", "per_layer"}:
+        return "is not routing statistics (n_examples, tokens, max_entropy_bits, per_layer)"
+    if not num(stats["n_examples"]) or not num(stats["max_entropy_bits"]) or not isinstance(stats["tokens"], dict) \
+            or not all(num(v) for v in stats["tokens"].values()):
+        return "has counts that are not finite numbers"
+    layers = stats["per_layer"]
+    if not isinstance(layers, list) or len(layers) != num_layers:
+        return f"does not hold one entry per layer ({num_layers})"
+    for row in layers:
+        if not isinstance(row, dict) or set(row) != ROUTING_LAYER_KEYS or not all(
+                num(v) if not k.startswith("top_") else isinstance(v, list) and all(num(x) for x in v)
+                for k, v in row.items()):
+            return f"has a per-layer entry that is not {sorted(ROUTING_LAYER_KEYS)} of finite numbers"
+    return None
+
+
 CHAT_TO_VISION_COST = 6.0
 """A chat step costs about this many vision steps on 2 CPU cores (0.6 vs 3.8 s, measured for the
 earlier attempt): the total ETA's guess for chat stages before one has run."""
@@ -571,13 +606,25 @@ class Trainer:
             bad("state.json 'global_step'", f"= {global_step} is not the step its folder name says")
         if not is_num(state.get("elapsed_s")) or state["elapsed_s"] < 0:
             bad("state.json 'elapsed_s'", f"= {state.get('elapsed_s')!r} is not a number of seconds >= 0")
-        for key in ("vision_curve", "chat_curve", "evals"):
+        names = {s.name for s in self.stages}
+        for key, (required, prefix) in CURVE_ENTRIES.items():  # what the log and the model card read
             curve = state.get(key)
-            if not isinstance(curve, list) or not all(
-                    isinstance(e, dict) and all(isinstance(v, str) or is_num(v) for v in e.values()) for e in curve):
-                bad(f"state.json {key!r}", "is not a list of mappings of finite numbers and names")
-        if not isinstance(state.get("extra"), dict):
-            bad("state.json 'extra'", "is not a mapping")
+            if not isinstance(curve, list):
+                bad(f"state.json {key!r}", "is not a list")
+            for i, e in enumerate(curve):
+                if (not isinstance(e, dict) or not required <= set(e)
+                        or any(k not in required and not k.startswith(prefix) for k in e)
+                        or e["stage"] not in names or not all(is_num(v) for k, v in e.items() if k != "stage")
+                        or not is_int(e.get("global_step")) or not 1 <= e["global_step"] <= global_step):
+                    bad(f"state.json '{key}[{i}]'", f"is not an entry this trainer logs (keys {sorted(required)} and "
+                        f"{prefix}*, finite numbers, a stage of this recipe, a global step <= {global_step})")
+        extra = state.get("extra")
+        if not isinstance(extra, dict) or not set(extra) <= {"routing_at_init"}:
+            bad("state.json 'extra'", "is not a mapping of 'routing_at_init'")
+        if "routing_at_init" in extra:
+            problem = routing_stats_problem(extra["routing_at_init"], self.model.config.text_config.num_hidden_layers)
+            if problem:
+                bad("state.json 'extra.routing_at_init'", problem)
         window, fresh = state.get("window"), _new_window(stage.kind)
         if not isinstance(window, dict) or set(window) != set(fresh) or not all(
                 isinstance(window[k], dict) if isinstance(fresh[k], dict) else is_num(window[k]) for k in fresh):
@@ -1050,8 +1097,7 @@ def check_paths(args: TrainArgs) -> TrainArgs:
         if ckpt.is_relative_to(root):
             raise ValueError(f"--checkpoint-dir {str(ckpt)!r} is inside the repository; checkpoints (hundreds of MB "
                              f"over a run) go outside it, e.g. /tmp/v2-ckpt")
-        if ckpt.exists() and not ckpt.is_dir():
-            raise ValueError(f"--checkpoint-dir {str(ckpt)!r} is a file, not a folder; give a new or empty folder")
+        ownedfolder.check_place(ckpt, "--checkpoint-dir")  # a file, or below one: found now, not at a checkpoint
     folders = {"--out": out, "--demo-dir": demo, "--checkpoint-dir": ckpt}
     if resume is not None and resume != ckpt:
         folders["--resume"] = resume
