@@ -305,41 +305,49 @@ def test_resuming_a_tampered_checkpoint_from_the_cli_is_one_line(saved_checkpoin
 # --------------------------------------------------------------------------- 2. failed writes
 
 
-def _limited(limit: int, argv: list[str]) -> subprocess.CompletedProcess:
-    """The trainer's CLI in a child whose files may not grow past ``limit`` bytes (SIGXFSZ
-    ignored, so a write fails with EFBIG as on a full disk)."""
-    code = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.argv = ['train', *sys.argv[1:]]; "
-            f"runpy.run_module('{TRAIN_MODULE}', run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"})
+def _limited(limit: int, *argvs: list[str]) -> list[tuple[int, str]]:
+    """The trainer's CLI entry point run on each of ``argvs`` in one child (one torch import)
+    whose files may not grow past ``limit`` bytes (SIGXFSZ ignored, so a write fails with EFBIG
+    as on a full disk); per run its exit status and what it wrote to stderr."""
+    code = ("import json, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            f"from {TRAIN_MODULE} import main\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    try:\n        main(argv); code = 0\n"
+            "    except SystemExit as e:\n        code = e.code\n"
+            "    print(f'@@exit {code}', file=sys.stderr, flush=True)\n")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"})
+    assert run.returncode == 0, run.stderr
+    parts = run.stderr.split("@@exit ")  # run i's stderr, then "@@exit <its code>"
+    texts = [parts[0], *(p.split("\n", 1)[1] for p in parts[1:-1])]
+    return [(int(p.split("\n", 1)[0]), text.strip()) for p, text in zip(parts[1:], texts)]
 
 
 def test_a_failed_write_is_one_line_and_leaves_nothing_half_written(saved_checkpoint, tmp_path):
-    # a checkpoint that does not fit: the previous one stays, no partial folder
+    """A checkpoint that does not fit (the previous one stays, no partial folder), then a model
+    that does not fit (--out, the trainer's own, and --demo-dir as they were, no staging left)."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_checkpoint, ckpt / saved_checkpoint.name)
-    kept = _tree(ckpt)
-    run = _limited(100_000, ["--preset", "smoke", "--out", str(tmp_path / "m"), "--resume", str(ckpt)])
-    assert run.returncode == 2, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert "Traceback" not in run.stderr and lines[-1].startswith("error: checkpoint "), run.stderr
-    assert "File too large" in lines[-1] and f"the previous checkpoint {str(ckpt / saved_checkpoint.name)!r} is " \
-        "intact" in lines[-1]
-    assert _tree(ckpt) == kept and sorted(p.name for p in ckpt.iterdir()) == [saved_checkpoint.name]
-
-    # a model that does not fit: --out (the trainer's own) and --demo-dir as they were, no staging left
     out, demo = tmp_path / "out" / "m", tmp_path / "out" / "m-demo"
     for folder in (out, demo):
         folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
         ownedfolder.write_manifest(folder, TRAIN_MODULE)
-    before = _tree(tmp_path / "out")
-    run = _limited(100_000, ["--preset", "smoke", "--out", str(out)])
-    assert run.returncode == 2, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert "Traceback" not in run.stderr and lines[-1].startswith(f"error: --out {str(out)!r}: the model could not "
-                                                                  "be written"), run.stderr
-    assert "File too large" in lines[-1] and "--out and --demo-dir are as they were" in lines[-1]
+    kept, before = _tree(ckpt), _tree(tmp_path / "out")
+    (code1, err1), (code2, err2) = _limited(
+        100_000, ["--preset", "smoke", "--out", str(tmp_path / "m"), "--resume", str(ckpt)],
+        ["--preset", "smoke", "--out", str(out)])
+
+    assert code1 == 2 and "Traceback" not in err1, err1
+    line = err1.splitlines()[-1]
+    assert line.startswith("error: checkpoint ") and "File too large" in line, err1
+    assert f"the previous checkpoint {str(ckpt / saved_checkpoint.name)!r} is intact" in line
+    assert _tree(ckpt) == kept and sorted(p.name for p in ckpt.iterdir()) == [saved_checkpoint.name]
+
+    assert code2 == 2 and "Traceback" not in err2, err2
+    line = err2.splitlines()[-1]
+    assert line.startswith(f"error: --out {str(out)!r}: the model could not be written"), err2
+    assert "File too large" in line and "--out and --demo-dir are as they were" in line
     assert _tree(tmp_path / "out") == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m", "m-demo"]
