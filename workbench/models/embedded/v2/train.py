@@ -1237,7 +1237,7 @@ def _train_and_save(args: TrainArgs) -> dict:
     except (OSError, SafetensorError) as e:  # disk full, file too large: nothing half written is left
         raise ownedfolder.FolderError(
             f"--out {str(args.out)!r}: the model could not be written ({ownedfolder.io_reason(e)}); "
-            + ("--out and --demo-dir are as they were" if staged and staged[1].exists() else
+            + ("--out and --demo-dir are as they were" if len(staged) < 2 or staged[1].exists() else
                f"--demo-dir {str(args.demo_dir)!r} holds the new demo requests, --out is as it was")) from None
     finally:
         for path in staged:
