@@ -26,7 +26,6 @@ from workbench.models.embedded.v2.train import (
     main,
     make_args,
     parse_args,
-    replace_folder,
     stage_stream,
     stages,
     validate,
@@ -256,7 +255,7 @@ def _usage_error(capsys, argv, message, call=parse_args) -> None:
 
 def test_bad_trainer_arguments_are_one_clear_error_each(tmp_path, capsys):
     out = ["--out", str(tmp_path / "m"), "--demo-dir", str(tmp_path / "d")]
-    _usage_error(capsys, [*out, "--steps", "-1"], "steps = -1 is not allowed: an integer >= 0")
+    _usage_error(capsys, [*out, "--steps", "-1"], "steps = -1 is not allowed: an integer in 0..1000000")
     _usage_error(capsys, [*out, "--preset", "huge"], "preset 'huge' is not one of ['full', 'smoke']")
     _usage_error(capsys, [*out, "--recipe", "magic"], "recipe 'magic' is not one of")
     _usage_error(capsys, [*out, "--resume", str(tmp_path / "nowhere")], "is not a folder")
@@ -322,7 +321,7 @@ def test_training_refuses_to_replace_a_folder_it_did_not_write(tmp_path, capsys)
     (precious / "thesis.tex").write_text("x")
     for flag in ("--out", "--demo-dir"):
         other = "--demo-dir" if flag == "--out" else "--out"
-        _usage_error(capsys, [flag, str(precious), other, str(tmp_path / "new")], "non-empty folder without")
+        _usage_error(capsys, [flag, str(precious), other, str(tmp_path / "new")], "non-empty folder this command did not write")
     (tmp_path / "file").write_text("x")
     _usage_error(capsys, ["--out", str(tmp_path / "file"), "--demo-dir", str(tmp_path / "d")],
                  "is a file, not a folder")
@@ -332,13 +331,15 @@ def test_training_refuses_to_replace_a_folder_it_did_not_write(tmp_path, capsys)
 
 
 def test_a_finished_checkpoint_replaces_the_old_one_whole(tmp_path):
-    out, staging = tmp_path / "model", tmp_path / ".model.partial"
+    from workbench.ownedfolder import stage, swap_in
+
+    out = tmp_path / "model"
     out.mkdir()
     (out / "config.json").write_text("old")
     (out / "stale.bin").write_text("old")
-    staging.mkdir()
+    staging = stage(out)
     (staging / "config.json").write_text("new")
-    replace_folder(staging, out)
+    swap_in(staging, out)
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging or old copy left
 

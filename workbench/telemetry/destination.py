@@ -26,20 +26,18 @@ workbench markers. Anything else is refused, naming what is in the way.
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
 import json
 import os
 import secrets
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from workbench import jsonio
 from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
+from workbench.ownedfolder import drop_lock, take_lock
+from workbench.ownedfolder import exchange as _exchange
 
 #: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
 #: writer (see :func:`io_step`). Raising from it injects an I/O error at that step; copying the
@@ -230,22 +228,6 @@ def check_creatable(p: Path, what: str) -> None:
                          f"({e.strerror or e}); choose a writable location") from None
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    AT_FDCWD, RENAME_EXCHANGE = -100, 2
-    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 class Destination:
     """The claim of one writer on one store path (see the module doc).
 
@@ -282,42 +264,20 @@ class Destination:
 
     # -- the lock ------------------------------------------------------------------------------
     def _lock(self) -> int:
-        lock = _lock_path(self.path)
-        for _ in range(100):
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    who = os.pread(fd, 200, 0).decode(errors="replace").strip()
-                finally:
-                    os.close(fd)
-                raise StoreBusyError(
-                    f"store {str(self.path)!r} is being written by another process ({who or 'pid unknown'}); "
-                    f"a store has exactly one writer — wait for that run to finish or choose "
-                    f"another path") from None
-            try:  # the file we locked may have been unlinked by a releasing writer: retry
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                                  f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode(), 0)
-                    return fd
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        raise StoreBusyError(f"store {str(self.path)!r}: could not take its lock {str(lock)!r}")
+        fd, who = take_lock(_lock_path(self.path))
+        if fd is None:
+            raise StoreBusyError(
+                f"store {str(self.path)!r} is being written by another process ({who or 'pid unknown'}); "
+                f"a store has exactly one writer — wait for that run to finish or choose "
+                f"another path")
+        return fd
 
     def release(self) -> None:
         """Drop the lock (idempotent). The lock file is removed while still held, so a writer
         waiting on the old file notices and retries on a fresh one."""
         fd, self._fd = getattr(self, "_fd", None), None
-        if fd is None:
-            return
-        try:
-            os.unlink(_lock_path(self.path))
-        except OSError:
-            pass
-        os.close(fd)
+        if fd is not None:
+            drop_lock(_lock_path(self.path), fd)
 
     # -- crash leftovers -----------------------------------------------------------------------
     def _recover(self) -> None:

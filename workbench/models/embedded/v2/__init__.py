@@ -11,7 +11,8 @@ from pathlib import Path
 _DATA = Path(__file__).resolve().parents[4] / "data"
 V2_MODEL_DIR: Path = _DATA / "qwen3-vl-moe-small"
 """Where ``python -m workbench.models.embedded.v2.train --preset full`` writes the model by default
-(the embedded default, ``workbench.models.embedded.EMBEDDED_MODEL_DIR``)."""
+(the embedded default, ``workbench.models.embedded.EMBEDDED_MODEL_DIR``); it also holds
+``workbench/macs``, which the trainer does not write, so writing over it needs ``--overwrite``."""
 V2_DEMO_DIR: Path = _DATA / "demo"
 """Where it writes the demo requests (``prompts.json`` + images) by default: the dashboard's menu."""
 

@@ -347,6 +347,10 @@ Random init (same seed, before training), per layer:
 {log['command']}
 ```
 
+Over an existing folder the trainer did not write, add `--overwrite` (the shipped `data/qwen3-vl-moe-small` also
+holds `workbench/macs`, a calibration the trainer does not write, so regenerating it in place needs it); without it
+the trainer refuses before training. A new or empty folder, or one the trainer wrote, needs nothing.
+
 Seeds are fixed, `torch.set_num_threads(2)` and `torch.use_deterministic_algorithms(True)` are set, so the
 same command on the same software stack (transformers {log.get('transformers', 'not recorded')}, torch {log['torch']}, CPU)
 should reproduce the weights and every number above; other CPUs / library versions may differ in the last float

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m workbench.models.embedded.v2.train --preset full --out DIR [--recipe NAME]
-        [--checkpoint-dir DIR --checkpoint-every N] [--resume DIR] [--device cpu|cuda]
+    python -m workbench.models.embedded.v2.train --preset full --out DIR [--demo-dir DIR] [--overwrite]
+        [--recipe NAME] [--checkpoint-dir DIR --checkpoint-every N] [--resume DIR] [--device cpu|cuda]
 
 What it does, in order:
 
@@ -17,13 +17,28 @@ What it does, in order:
    held-out split (:mod:`.evaluate`): exact match and token accuracy per task kind, chance and
    blind baselines beside each, per-layer routing statistics of image vs text tokens;
 4. writes the checkpoint, tokenizer, image processor, ``training_log.json`` and the model card
-   ``README.md`` (:mod:`.card`) to ``--out`` (swapped in whole), and the demo requests to
-   ``--demo-dir``.
+   ``README.md`` (:mod:`.card`) to ``--out`` and the demo requests to ``--demo-dir`` (default:
+   ``<out>-demo`` beside ``--out``; ``data/demo`` beside the default ``--out``), each staged and
+   swapped in whole.
+
+Where it writes (:mod:`workbench.ownedfolder`): ``--out`` and ``--demo-dir`` are replaced whole, so
+each must be new, empty, or provably written by this trainer before (it holds the trainer's
+``workbench_written.json`` and nothing that file does not list); anything else only with
+``--overwrite``. The default ``--out``, the shipped ``data/qwen3-vl-moe-small``, is not provably
+the trainer's (it also holds ``workbench/macs``, a MACs calibration the trainer does not write and
+retraining makes stale), so regenerating it in place needs ``--overwrite``, as does the shipped
+``data/demo``: without it nothing in the repository is written. Output, demo and checkpoint
+folders may not be one folder or nested, and each has one writer at a time (a lock). Every
+argument is checked against its bounds (``--help``) before anything is built; a failed write
+(disk full, file too large) is one line and leaves the old folders and the previous checkpoint as
+they were.
 
 Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` optimizer steps counted over all
 stages) hold the model, the probe, the stage's AdamW state, the position in the LR schedule and
 every RNG state (the stage's data stream, numpy's, Python's and torch's), so ``--resume DIR``
-continues bit for bit as if never interrupted (tests/test_v2_training.py).
+continues bit for bit as if never interrupted (tests/test_v2_training.py). A checkpoint is checked
+whole before it is resumed (names, shapes, dtypes, finite values, counters in range, the optimizer's
+groups, every RNG state); a tampered one is refused naming its first bad entry.
 
 Determinism: fixed seeds, ``torch.set_num_threads(2)`` and
 ``torch.use_deterministic_algorithms(True)``; the same command on the same software stack and
@@ -37,6 +52,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import sys
@@ -47,7 +63,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from safetensors import SafetensorError
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLMoeForConditionalGeneration
+
+from workbench import ownedfolder
+from workbench.errors import WorkbenchError
 
 from . import V2_DEMO_DIR, V2_MODEL_DIR, checkpoint
 from .card import render_model_card
@@ -143,7 +163,7 @@ class TrainArgs:
     ``steps`` of mixed chats, then ``finish``."""
 
     out: Path = V2_MODEL_DIR
-    demo_dir: Path = V2_DEMO_DIR
+    demo_dir: Path | None = None  # None: beside out (default_demo_dir)
     preset: str = "full"
     recipe: str = "staged"
     size: ModelSize = FULL_SIZE
@@ -179,9 +199,11 @@ class TrainArgs:
     stop_after: int | None = None  # stop (after a checkpoint) once this many steps ran in all
     eval_every: int = 0  # held-out evaluation of eval_n requests every N steps (0: only at the end)
     eval_n: int = 400
+    overwrite: bool = False  # replace out / demo_dir even when this trainer did not write them
 
 
-RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n")
+RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n",
+               "overwrite")
 """TrainArgs fields that do not change the weights (a resumed run may differ in them)."""
 
 RECIPES: dict[str, dict] = {
@@ -239,38 +261,68 @@ def stages(args: TrainArgs) -> list[Stage]:
     return [vision, mixed, *args.finish]
 
 
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "steps": (0, 1_000_000), "vision_steps": (0, 1_000_000), "seed": (0, 2**32 - 1),
+    "batch_size": (1, 512), "text_batch_size": (0, 512), "vision_batch_size": (1, 512),
+    "image_turns": (1, 16), "text_turns": (1, 16), "warmup": (1, 1_000_000), "log_every": (1, 1_000_000),
+    "heldout_n": (1, 10_000), "routing_n": (1, 10_000), "eval_batch": (1, 1024), "eval_n": (1, 10_000),
+    "checkpoint_every": (1, 1_000_000), "eval_every": (0, 1_000_000), "stop_after": (1, 10_000_000),
+}
+"""Inclusive bounds of the integer arguments. Beyond them a run cannot be meaningful on one machine:
+a seed >= 2**32 is refused by numpy's global seeding, 10**9 held-out requests fill the memory
+(10 000 are ~0.5 GB of images), 10**9 chats per batch crashed the process."""
+FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
+    "lr": (0.0, 1.0), "min_lr_ratio": (0.0, 1.0), "weight_decay": (0.0, 10.0), "grad_clip": (0.0, 1e6),
+    "router_aux_loss_coef": (0.0, 100.0), "vision_aux_coef": (0.0, 100.0), "align_coef": (0.0, 100.0),
+}
+"""Inclusive bounds of the real-valued arguments (``lr`` must also be > 0): an LR of 1e308 made
+every weight NaN, then generation crashed."""
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+"""transformers experts kernels the trainer accepts (all run on CPU and CUDA; same maths)."""
+
+
+def bounds_text(name: str) -> str:
+    """``name``'s allowed range as --help shows it."""
+    if name in INT_BOUNDS:
+        low, high = INT_BOUNDS[name]
+        return f"an integer in {low}..{high}"
+    low, high = FLOAT_BOUNDS[name]
+    return f"a number in {'(' if name == 'lr' else '['}{low:g}, {high:g}]"
+
+
 def validate(args: TrainArgs) -> None:
-    """``ValueError`` naming the first bad argument, its value and what is allowed."""
+    """``ValueError`` naming the first bad argument, its value and what is allowed: every number
+    within its bounds (:data:`INT_BOUNDS`, :data:`FLOAT_BOUNDS`), checked before anything is
+    built (a bad value found after an hour of training, or a crash, loses the hour)."""
     def need(ok: bool, name: str, value, allowed: str) -> None:
         if not ok:
             raise ValueError(f"{name} = {value!r} is not allowed: {allowed}")
 
-    for name in ("steps", "vision_steps"):
-        need(isinstance(getattr(args, name), int) and getattr(args, name) >= 0, name, getattr(args, name),
-             "an integer >= 0")
-    for name in ("batch_size", "vision_batch_size", "log_every", "checkpoint_every", "heldout_n", "routing_n",
-                 "eval_batch", "eval_n", "image_turns", "text_turns", "warmup"):
-        need(isinstance(getattr(args, name), int) and getattr(args, name) >= 1, name, getattr(args, name),
-             "an integer >= 1")
-    need(isinstance(args.text_batch_size, int) and args.text_batch_size >= 0, "text_batch_size",
-         args.text_batch_size, "an integer >= 0")
-    need(isinstance(args.eval_every, int) and args.eval_every >= 0, "eval_every", args.eval_every, "an integer >= 0")
-    need(args.stop_after is None or (isinstance(args.stop_after, int) and args.stop_after >= 1), "stop_after",
-         args.stop_after, "an integer >= 1 or None")
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "router_aux_loss_coef", "vision_aux_coef",
-                 "align_coef"):
+    for name, (low, high) in INT_BOUNDS.items():
         value = getattr(args, name)
-        need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, name, value,
-             "a finite number >= 0")
-    need(args.lr > 0, "lr", args.lr, "a finite number > 0")
+        if name == "stop_after" and value is None:
+            continue
+        need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high, name, value,
+             bounds_text(name) + (" (or None)" if name == "stop_after" else ""))
+    for name, (low, high) in FLOAT_BOUNDS.items():
+        value = getattr(args, name)
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+             and low <= value <= high and (name != "lr" or value > 0), name, value, bounds_text(name))
     need(args.seed not in (HELDOUT_SEED, DEMO_SEED), "seed", args.seed,
          f"any integer but the held-out and demo seeds ({HELDOUT_SEED}, {DEMO_SEED})")
-    need(args.device == "cpu" or args.device.startswith("cuda"), "device", args.device, "'cpu' or 'cuda[:N]'")
-    if args.device != "cpu" and not torch.cuda.is_available():
-        raise ValueError(f"device = {args.device!r} is not available here: no CUDA device")
+    need(isinstance(args.device, str) and re.fullmatch(r"cpu|cuda(:\d{1,3})?", args.device) is not None,
+         "device", args.device, "'cpu', 'cuda' or 'cuda:N'")
+    if args.device != "cpu":
+        index = int(args.device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"device = {args.device!r} is not available here: "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    need(args.experts_implementation in EXPERTS_IMPLEMENTATIONS, "experts_implementation",
+         args.experts_implementation, f"one of {list(EXPERTS_IMPLEMENTATIONS)}")
     need(args.order in ("finish-last", "focus-first"), "order", args.order, "'finish-last' or 'focus-first'")
     for stage in args.finish:
-        need(stage.steps >= 0, f"finish stage {stage.name!r} steps", stage.steps, "an integer >= 0")
+        need(isinstance(stage.steps, int) and 0 <= stage.steps <= INT_BOUNDS["steps"][1],
+             f"finish stage {stage.name!r} steps", stage.steps, bounds_text("steps"))
 
 
 # --------------------------------------------------------------------------- training
@@ -391,6 +443,10 @@ class Interrupted(Exception):
     """Raised by :meth:`Trainer.run` when ``stop_after`` steps ran (after its checkpoint)."""
 
 
+class TrainingError(WorkbenchError, ValueError):
+    """A run that cannot go on (its loss became NaN or infinite); the message says where and why."""
+
+
 def fingerprint(args: TrainArgs) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: every argument
     but the run options (:data:`RUN_OPTIONS`), as JSON values."""
@@ -413,6 +469,41 @@ def _new_window(kind: str) -> dict:
     if kind == "vision":
         return {"vision": 0.0, "align": 0.0, "n": 0}
     return {"loss": 0.0, "ce": 0.0, "aux": 0.0, "vision": 0.0, "align": 0.0, "n": 0, "tf": {}, "tf_n": {}}
+
+
+CURVE_ENTRIES: dict[str, tuple[set[str], str]] = {
+    "vision_curve": ({"stage", "step", "global_step", "elapsed_s", "vision", "align"}, "\0"),
+    "chat_curve": ({"stage", "step", "global_step", "elapsed_s", "loss", "ce", "aux", "vision", "align", "lr"}, "tf_"),
+    "evals": ({"global_step", "stage", "elapsed_s", "exact_match", "token_accuracy"}, "em_"),
+}
+"""Per curve of a checkpoint: the keys every entry has (:meth:`Trainer._log`, :meth:`Trainer._evaluate`)
+and the prefix of its per-kind keys."""
+
+ROUTING_LAYER_KEYS = {"layer", "entropy_bits_image", "entropy_bits_text", "experts_used_image", "experts_used_text",
+                      "experts_for_90pct_image", "experts_for_90pct_text", "experts_image_only", "experts_text_only",
+                      "js_divergence_bits", "top_experts_image", "top_experts_text"}
+
+
+def routing_stats_problem(stats, num_layers: int) -> str | None:
+    """What is wrong with ``stats`` as :func:`.evaluate.routing_stats` of a ``num_layers``-layer
+    model (the model card renders it), or ``None``."""
+    def num(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not isinstance(stats, dict) or set(stats) != {"n_examples", "tokens", "max_entropy_bits", "per_layer"}:
+        return "is not routing statistics (n_examples, tokens, max_entropy_bits, per_layer)"
+    if not num(stats["n_examples"]) or not num(stats["max_entropy_bits"]) or not isinstance(stats["tokens"], dict) \
+            or not all(num(v) for v in stats["tokens"].values()):
+        return "has counts that are not finite numbers"
+    layers = stats["per_layer"]
+    if not isinstance(layers, list) or len(layers) != num_layers:
+        return f"does not hold one entry per layer ({num_layers})"
+    for row in layers:
+        if not isinstance(row, dict) or set(row) != ROUTING_LAYER_KEYS or not all(
+                num(v) if not k.startswith("top_") else isinstance(v, list) and all(num(x) for x in v)
+                for k, v in row.items()):
+            return f"has a per-layer entry that is not {sorted(ROUTING_LAYER_KEYS)} of finite numbers"
+    return None
 
 
 CHAT_TO_VISION_COST = 6.0
@@ -448,23 +539,168 @@ class Trainer:
         """Restore the run from checkpoint ``folder``; returns its state (the stage's part is
         applied when that stage starts). :class:`checkpoint.CheckpointError` if it does not fit."""
         tensors, optimizer, rng, state = checkpoint.read(folder)
-        theirs, ours = state.get("fingerprint", {}), fingerprint(self.args)
+        theirs, ours = state.get("fingerprint"), fingerprint(self.args)
+        if not isinstance(theirs, dict):
+            raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r}: state.json entry 'fingerprint' is "
+                                             f"{'missing' if theirs is None else 'not a mapping'}")
         if theirs != ours:
             diff = "; ".join(_differences(theirs, ours)[:6])
             raise checkpoint.CheckpointError(
                 f"checkpoint {str(folder)!r} was written by a run with other arguments ({diff}); "
                 f"resume with the arguments it was started with")
+        self._check_checkpoint(folder, tensors, optimizer, rng, state)
         probe = {k[len("probe."):]: v for k, v in tensors.items() if k.startswith("probe.")}
         model = {k: v for k, v in tensors.items() if not k.startswith("probe.")}
-        try:
-            self.model.load_state_dict(model, strict=True)
-            self.probe.load_state_dict(probe, strict=True)
-        except RuntimeError as e:
-            raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r} does not fit this model: {e}") from None
+        self.model.load_state_dict(model, strict=True)  # names, shapes and dtypes checked above
+        self.probe.load_state_dict(probe, strict=True)
         self.vision_curve, self.chat_curve, self.evals = state["vision_curve"], state["chat_curve"], state["evals"]
         self.global_step, self.elapsed, self.extra = state["global_step"], state["elapsed_s"], state["extra"]
         state["optimizer_state"], state["torch_rng"] = optimizer, rng
         return state
+
+    def _check_checkpoint(self, folder: Path, tensors: dict, optimizer: dict, rng: dict, state: dict) -> None:
+        """:class:`checkpoint.CheckpointError` naming ``folder`` and its first entry that does not
+        fit this run, before anything of it is applied: the tensors (the model's and the probe's
+        names, shapes and dtypes, all finite), the position (a stage of this recipe, a step inside
+        it, the global step they imply), the stage's AdamW state (its groups as this stage builds
+        them, per-parameter moments of the parameter's shape, finite, not empty after a step), every
+        RNG state (applied to a scratch generator first) and the curves' form. A tampered or
+        damaged checkpoint is refused whole; it never trains on silently (NaN weights, AdamW
+        restarted, every remaining step skipped)."""
+        def bad(entry: str, why: str) -> None:
+            raise checkpoint.CheckpointError(f"checkpoint {str(folder)!r}: {entry} {why}; it cannot be resumed from")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        expected = self.tensors()
+        for name in sorted(set(expected) | set(tensors)):
+            if name not in tensors:
+                bad(f"weights.safetensors lacks {name!r}", "(a tensor of this model)")
+            if name not in expected:
+                bad(f"weights.safetensors entry {name!r}", "is not a tensor of this model")
+            t, ref = tensors[name], expected[name]
+            if t.shape != ref.shape or t.dtype != ref.dtype:
+                bad(f"weights.safetensors entry {name!r}", f"is {t.dtype} {tuple(t.shape)}, not {ref.dtype} "
+                    f"{tuple(ref.shape)}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad(f"weights.safetensors entry {name!r}", "holds NaN or infinite values")
+
+        n = len(self.stages)
+        index, step, global_step = state.get("stage"), state.get("step"), state.get("global_step")
+        if not is_int(index) or not 0 <= index < n:
+            bad("state.json 'stage'", f"= {index!r} is not a stage of this recipe (0..{n - 1})")
+        stage = self.stages[index]
+        if state.get("stage_name") != stage.name:
+            bad("state.json 'stage_name'", f"= {state.get('stage_name')!r} is not stage {index}'s name {stage.name!r}")
+        if not is_int(step) or not 1 <= step <= stage.steps:
+            bad("state.json 'step'", f"= {step!r} is not a step of stage {stage.name!r} (1..{stage.steps})")
+        implied = sum(s.steps for s in self.stages[:index]) + step
+        if global_step != implied:
+            bad("state.json 'global_step'", f"= {global_step!r} is not the {implied} steps its stage and step imply")
+        m = checkpoint._NAME.match(folder.name)
+        if m and int(m.group(1)) != global_step:
+            bad("state.json 'global_step'", f"= {global_step} is not the step its folder name says")
+        if not is_num(state.get("elapsed_s")) or state["elapsed_s"] < 0:
+            bad("state.json 'elapsed_s'", f"= {state.get('elapsed_s')!r} is not a number of seconds >= 0")
+        names = {s.name for s in self.stages}
+        for key, (required, prefix) in CURVE_ENTRIES.items():  # what the log and the model card read
+            curve = state.get(key)
+            if not isinstance(curve, list):
+                bad(f"state.json {key!r}", "is not a list")
+            for i, e in enumerate(curve):
+                if (not isinstance(e, dict) or not required <= set(e)
+                        or any(k not in required and not k.startswith(prefix) for k in e)
+                        or e["stage"] not in names or not all(is_num(v) for k, v in e.items() if k != "stage")
+                        or not is_int(e.get("global_step")) or not 1 <= e["global_step"] <= global_step):
+                    bad(f"state.json '{key}[{i}]'", f"is not an entry this trainer logs (keys {sorted(required)} and "
+                        f"{prefix}*, finite numbers, a stage of this recipe, a global step <= {global_step})")
+        extra = state.get("extra")
+        if not isinstance(extra, dict) or not set(extra) <= {"routing_at_init"}:
+            bad("state.json 'extra'", "is not a mapping of 'routing_at_init'")
+        if "routing_at_init" in extra:
+            problem = routing_stats_problem(extra["routing_at_init"], self.model.config.text_config.num_hidden_layers)
+            if problem:
+                bad("state.json 'extra.routing_at_init'", problem)
+        window, fresh = state.get("window"), _new_window(stage.kind)
+        if not isinstance(window, dict) or set(window) != set(fresh) or not all(
+                isinstance(window[k], dict) if isinstance(fresh[k], dict) else is_num(window[k]) for k in fresh):
+            bad("state.json 'window'", f"is not a {stage.kind} stage's logging window (keys {sorted(fresh)})")
+        if not is_int(window["n"]) or not 0 <= window["n"] <= step or not all(
+                is_num(v) for k in ("tf", "tf_n") if k in window for v in window[k].values()):
+            bad("state.json 'window'", "has counts out of range")
+
+        # the stage's AdamW state, against the optimizer this stage builds
+        ref_optimizer, _ = self._optimizer(stage)
+        params = [p for group in ref_optimizer.param_groups for p in group["params"]]  # state_dict's indexing
+        ref_groups = json.loads(json.dumps(ref_optimizer.state_dict()["param_groups"]))
+        groups = optimizer["param_groups"]
+        if len(groups) != len(ref_groups):
+            bad("state.json 'optimizer.param_groups'", f"has {len(groups)} groups, not this stage's {len(ref_groups)}")
+        for i, (group, ref) in enumerate(zip(groups, ref_groups)):
+            if set(group) != set(ref):
+                bad(f"state.json 'optimizer.param_groups[{i}]'", f"has keys {sorted(group)[:12]}, not {sorted(ref)}")
+            for key in ref:
+                if key == "lr":  # set at every step from the schedule
+                    if not is_num(group[key]) or group[key] < 0:
+                        bad(f"state.json 'optimizer.param_groups[{i}].lr'", f"= {group[key]!r} is not a number >= 0")
+                elif group[key] != ref[key]:
+                    bad(f"state.json 'optimizer.param_groups[{i}].{key}'",
+                        f"= {str(group[key])[:60]} is not this stage's {str(ref[key])[:60]}")
+        if not optimizer["state"]:
+            bad("optimizer.safetensors", f"is empty after step {step} of stage {stage.name!r} (AdamW would restart)")
+        for pid, moments in sorted(optimizer["state"].items()):
+            where = f"optimizer.safetensors entry '{pid}.*'"
+            if pid >= len(params):
+                bad(where, f"names parameter {pid}; this stage optimizes {len(params)}")
+            param = params[pid]
+            if set(moments) != {"step", "exp_avg", "exp_avg_sq"}:
+                bad(where, f"holds {sorted(moments)}, not AdamW's ['exp_avg', 'exp_avg_sq', 'step']")
+            count = moments["step"]
+            if count.shape != () or count.dtype != torch.float32 or not 1 <= float(count) <= step:
+                bad(f"optimizer.safetensors entry '{pid}.step'", f"is not a float32 count in 1..{step}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = moments[key]
+                if t.shape != param.shape or t.dtype != param.dtype:
+                    bad(f"optimizer.safetensors entry '{pid}.{key}'", f"is {t.dtype} {tuple(t.shape)}, not "
+                        f"{param.dtype} {tuple(param.shape)}")
+                if not bool(torch.isfinite(t).all()) or (key == "exp_avg_sq" and bool((t < 0).any())):
+                    bad(f"optimizer.safetensors entry '{pid}.{key}'", "holds NaN, infinite or negative values")
+
+        # every RNG state, applied to a scratch generator of its kind
+        states = state["rng"]
+        for key in ("stream", "python", "numpy"):
+            if key not in states:
+                bad(f"state.json 'rng.{key}'", "is missing")
+        try:
+            np.random.default_rng().bit_generator.state = states["stream"]
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError):
+            bad("state.json 'rng.stream'", "is not a numpy PCG64 state")
+        try:
+            py = states["python"]
+            random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError):
+            bad("state.json 'rng.python'", "is not a Python random state")
+        try:
+            kind, keys, pos, has_gauss, gauss = states["numpy"]
+            np.random.RandomState().set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError):
+            bad("state.json 'rng.numpy'", "is not a numpy MT19937 state")
+        ref_rng = torch.get_rng_state()
+        cpu = rng.get("torch_cpu")
+        if cpu is None or cpu.dtype != ref_rng.dtype or cpu.shape != ref_rng.shape:
+            bad("rng.safetensors entry 'torch_cpu'", f"is {'missing' if cpu is None else f'{cpu.dtype} {tuple(cpu.shape)}'},"
+                f" not {ref_rng.dtype} {tuple(ref_rng.shape)}")
+        try:
+            torch.Generator().set_state(cpu)
+        except RuntimeError:
+            bad("rng.safetensors entry 'torch_cpu'", "is not a torch CPU generator state")
+        for key, value in rng.items():
+            if key != "torch_cpu" and (not re.fullmatch(r"torch_cuda_\d{1,3}", key) or value.dtype != torch.uint8):
+                bad(f"rng.safetensors entry {key!r}", "is not a torch generator state")
 
     def save(self, stage_index: int, step: int, optimizer, stream: np.random.Generator, window: dict) -> None:
         state = {
@@ -541,9 +777,14 @@ class Trainer:
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step, stage, args)
                 if stage.kind == "vision":
-                    self._vision_step(stream, window)
+                    loss = self._vision_step(stream, window)
                 else:
-                    self._chat_step(stage, step, stream, window, vision_losses)
+                    loss = self._chat_step(stage, step, stream, window, vision_losses)
+                if not math.isfinite(loss):  # the weights would be NaN from here on: stop, say why
+                    lr = args.lr if stage.lr is None else stage.lr
+                    raise TrainingError(f"the training loss became {loss} at step {step + 1} of stage {stage.name!r} "
+                                        f"(global step {self.global_step + 1}): training diverged; lower --lr "
+                                        f"(the stage's peak LR is {lr:g})")
                 torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -571,7 +812,7 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def _vision_step(self, stream: np.random.Generator, window: dict) -> None:
+    def _vision_step(self, stream: np.random.Generator, window: dict) -> float:
         args, probe = self.args, self.probe
         images, labels = [], []
         for i in range(args.vision_batch_size):
@@ -582,13 +823,16 @@ class Trainer:
         self.model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
         vision = probe.loss(labels)
         align = probe.align_loss(labels, self.model.model.language_model.embed_tokens.weight)
-        (args.vision_aux_coef * vision + args.align_coef * align).backward()
+        total = args.vision_aux_coef * vision + args.align_coef * align
+        total.backward()
         window["vision"] += float(vision.detach())
         window["align"] += float(align.detach())
         window["n"] += 1
+        return float(total.detach())
 
     def _chat_step(self, stage: Stage, step: int, stream: np.random.Generator, window: dict,
-                   vision_losses: bool) -> None:
+                   vision_losses: bool) -> float:
+        """One chat step's forward and backward passes; returns the step's total loss."""
         args, model, probe = self.args, self.model, self.probe
         weights = {family: share for family, share in stage.families}
         batch_size = args.batch_size if stage.batch_size is None else stage.batch_size
@@ -598,7 +842,7 @@ class Trainer:
         image_items = [(image, turns) for image, turns, _ in chats]
         coef = model.config.text_config.router_aux_loss_coef
         vision = align = torch.zeros(())
-        outs = []
+        outs, total = [], 0.0
         for items in (image_items, texts) if texts else (image_items,):
             batch = self._to_device(encode_conversations(items, self.tokenizer, self.image_processor,
                                                          with_answers=True))
@@ -610,6 +854,7 @@ class Trainer:
                 align = probe.align_loss(labels, model.model.language_model.embed_tokens.weight)
                 loss = loss + args.vision_aux_coef * vision + args.align_coef * align
             loss.backward()
+            total += float(loss.detach())
             outs.append((items, batch, out))
         for items, batch, out in outs:
             aux = float(out.aux_loss.detach())
@@ -624,6 +869,7 @@ class Trainer:
         window["vision"] += float(vision.detach())
         window["align"] += float(align.detach())
         window["n"] += 1
+        return total
 
     def eta_s(self, index: int, done_in_stage: int) -> float:
         """Seconds left for the whole run at the last measured speed of each stage kind."""
@@ -694,11 +940,9 @@ DEMO_PER_KIND = 2
 @torch.no_grad()
 def write_demo(demo_dir: Path, model, tokenizer, image_processor) -> list[dict]:
     """Write the demo requests (seed ``DEMO_SEED``, :data:`DEMO_PER_KIND` of every kind) and
-    ``prompts.json`` into ``demo_dir``; each entry has the reference answer and what this
-    model answers (``model_answer``), so a user sees at once which demos it gets wrong."""
-    demo_dir.mkdir(parents=True, exist_ok=True)
-    for old in demo_dir.glob("scene_*.png"):
-        old.unlink()
+    ``prompts.json`` into ``demo_dir``, a new empty folder (``main`` stages it and swaps it in
+    whole); each entry has the reference answer and what this model answers (``model_answer``),
+    so a user sees at once which demos it gets wrong."""
     examples = make_demo(DEMO_SEED, DEMO_PER_KIND)
     batch = encode_batch(examples, tokenizer, image_processor, with_answers=False)
     out = model.generate(**batch, generation_config=model.generation_config)
@@ -756,39 +1000,12 @@ def write_processor_config(out: Path, image_processor: Qwen2VLImageProcessorPil)
 
 def save_checkpoint(model, tokenizer, image_processor, out: Path) -> None:
     """Save weights (safetensors), configs, tokenizer and processor configs into ``out``, a new
-    folder (``main`` writes into a staging folder and swaps it in with :func:`replace_folder`)."""
-    out.mkdir(parents=True)
+    empty folder (``main`` stages it and swaps it in whole, :func:`workbench.ownedfolder.swap_in`)."""
     model.to(STORAGE_DTYPE).save_pretrained(out)  # exact: the weights are already rounded
     model.to(torch.float32)
     tokenizer.save_pretrained(out)
     image_processor.save_pretrained(out)
     write_processor_config(out, image_processor)
-
-
-def replace_folder(staging: Path, out: Path) -> None:
-    """Put the finished ``staging`` folder at ``out``: the old checkpoint is moved aside first
-    and deleted only after the new one is in place, so a crash leaves one of the two whole."""
-    old = out.with_name(f".{out.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def check_output_folder(path: Path, marker: str, what: str) -> str | None:
-    """Why ``path`` may not be (over)written as ``what`` (``None``: it may): it must be absent,
-    empty, or a folder this script wrote before (it holds ``marker``)."""
-    if not path.exists():
-        return None
-    if not path.is_dir():
-        return f"{what} {str(path)!r} is a file, not a folder"
-    if any(path.iterdir()) and not (path / marker).is_file():
-        return (f"{what} {str(path)!r} is a non-empty folder without {marker}; it would be replaced, "
-                f"so give an empty or new folder, or one this script wrote")
-    return None
 
 
 def dir_size_mb(path: Path) -> float:
@@ -822,25 +1039,91 @@ def fit(model, tokenizer, image_processor, args: TrainArgs, resume: Path | None 
     :class:`Interrupted` at ``stop_after``. Deterministic: the same ``args`` from
     :func:`initial_model` give bit-identical weights, interrupted and resumed or not
     (tests/test_v2_training.py)."""
-    model.set_experts_implementation(args.experts_implementation)
-    trainer = Trainer(model, tokenizer, image_processor, args)
-    trainer.extra.update(extra or {})
-    state = trainer.load(resume) if resume is not None else None
+    held = None
+    if args.checkpoint_dir is not None:  # one writer: another run's clean-up would delete our checkpoints
+        held = ownedfolder.lock(args.checkpoint_dir, "--checkpoint-dir")
     try:
-        trainer.run(state)
+        if args.checkpoint_dir is not None:
+            try:
+                args.checkpoint_dir.mkdir(exist_ok=True)
+            except OSError as e:
+                raise ownedfolder.FolderError(f"--checkpoint-dir {str(args.checkpoint_dir)!r} cannot be a folder of "
+                                              f"checkpoints ({e.strerror or e}); give a new or empty folder") from None
+        model.set_experts_implementation(args.experts_implementation)
+        trainer = Trainer(model, tokenizer, image_processor, args)
+        trainer.extra.update(extra or {})
+        state = trainer.load(resume) if resume is not None else None
+        try:
+            trainer.run(state)
+        finally:
+            model.set_experts_implementation("eager")  # what a plain from_pretrained gives every user
     finally:
-        model.set_experts_implementation("eager")  # what a plain from_pretrained gives every user
+        if held is not None:
+            ownedfolder.unlock(args.checkpoint_dir, held)
     round_to_storage(model)
     return trainer
 
 
+def default_demo_dir(out: Path) -> Path:
+    """Where the demo requests go without ``--demo-dir``: beside ``out``, in ``<out>-demo``; for the
+    shipped model (``out`` = ``data/qwen3-vl-moe-small``) the dashboard's ``data/demo`` beside it."""
+    return V2_DEMO_DIR if out == V2_MODEL_DIR else out.with_name(f"{out.name}-demo")
+
+
+def check_paths(args: TrainArgs) -> TrainArgs:
+    """``args`` with absolute folders (``demo_dir`` defaulted, ``checkpoint_dir`` taken from
+    ``resume``), or ``ValueError`` naming the first flag whose folder may not be used: nothing
+    is written where it could destroy what the trainer did not write. ``--out`` and
+    ``--demo-dir`` are replaced whole at the end, so each must be new, empty, written by this
+    trainer before (:mod:`workbench.ownedfolder`), or ``--overwrite``; no two of the output and
+    checkpoint folders may be one folder or nested (a swap would delete the other); checkpoints
+    stay outside the repository."""
+    out = args.out.resolve()
+    demo = args.demo_dir.resolve() if args.demo_dir is not None else default_demo_dir(out)
+    resume = args.resume.resolve() if args.resume is not None else None
+    ckpt = args.checkpoint_dir.resolve() if args.checkpoint_dir is not None else resume
+    args = replace(args, out=out, demo_dir=demo, resume=resume, checkpoint_dir=ckpt)
+    if resume is not None:
+        if not resume.is_dir():
+            raise ValueError(f"--resume {str(resume)!r} is not a folder; give the --checkpoint-dir of the run to "
+                             f"continue")
+        if checkpoint.latest(resume) is None:
+            raise ValueError(f"--resume {str(resume)!r} holds no checkpoint (step-NNNNNNN folders)")
+    if args.stop_after is not None and ckpt is None:
+        raise ValueError("--stop-after needs --checkpoint-dir (or --resume): without a checkpoint the stopped run "
+                         "could not be continued")
+    root = repo_root()
+    if ckpt is not None:
+        if ckpt.is_relative_to(root):
+            raise ValueError(f"--checkpoint-dir {str(ckpt)!r} is inside the repository; checkpoints (hundreds of MB "
+                             f"over a run) go outside it, e.g. /tmp/v2-ckpt")
+        ownedfolder.check_place(ckpt, "--checkpoint-dir")  # a file, or below one: found now, not at a checkpoint
+    folders = {"--out": out, "--demo-dir": demo, "--checkpoint-dir": ckpt}
+    if resume is not None and resume != ckpt:
+        folders["--resume"] = resume
+    clash = ownedfolder.overlapping({k: v for k, v in folders.items() if v is not None})
+    if clash:
+        raise ValueError(f"{clash}; they must be apart, since writing one would delete the other")
+    for flag, path in (("--out", out), ("--demo-dir", demo)):
+        if path == root or path in root.parents:
+            raise ValueError(f"{flag} {str(path)!r} holds the repository; give a folder of its own")
+        ownedfolder.check(path, flag, TRAIN_MODULE, args.overwrite)  # found now, not after an hour of training
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    """The command line as :class:`TrainArgs`; a bad value exits 2 naming the flag."""
+    """The command line as :class:`TrainArgs`, checked (:func:`validate`, :func:`check_paths`)
+    before anything is built; a bad value exits 2 naming the flag, its value and what is allowed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="full", help=f"one of {sorted(PRESETS)} (default full)")
     parser.add_argument("--recipe", default="staged", help=f"one of {sorted(RECIPES)} (default staged)")
-    parser.add_argument("--out", type=Path, help=f"checkpoint directory (default {V2_MODEL_DIR})")
-    parser.add_argument("--demo-dir", type=Path, help=f"where demo requests go (default {V2_DEMO_DIR})")
+    parser.add_argument("--out", type=Path, help=f"model folder, replaced whole at the end (default {V2_MODEL_DIR}): "
+                        f"new, empty or written by this trainer, else --overwrite")
+    parser.add_argument("--demo-dir", type=Path, help=f"where the demo requests go, replaced whole (default: <out>-demo "
+                        f"beside --out; {V2_DEMO_DIR} for the default --out)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="replace --out and --demo-dir even though this trainer did not write them (e.g. the "
+                             "shipped model, which also holds workbench/macs)")
     for flag, kind, what in (("--steps", int, "mixed-stage optimizer steps"),
                              ("--vision-steps", int, "vision warm-up steps"),
                              ("--seed", int, "init + training-data seed"),
@@ -849,43 +1132,23 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                              ("--heldout-n", int, "held-out requests evaluated at the end"),
                              ("--checkpoint-every", int, "optimizer steps between checkpoints"),
                              ("--stop-after", int, "stop after this many steps in all (after a checkpoint)"),
-                             ("--eval-every", int, "evaluate eval-n held-out requests every N steps"),
+                             ("--eval-every", int, "evaluate eval-n held-out requests every N steps (0: never)"),
                              ("--eval-n", int, "held-out requests of the periodic evaluation")):
-        parser.add_argument(flag, type=kind, help=what)
-    parser.add_argument("--device", help="cpu (default) or cuda")
-    parser.add_argument("--experts-implementation", help="transformers experts kernel for training "
-                        "(default grouped_mm)")
-    parser.add_argument("--checkpoint-dir", type=Path, help="where training checkpoints go (outside the repo)")
+        parser.add_argument(flag, type=kind, help=f"{what}; {bounds_text(flag[2:].replace('-', '_'))}")
+    parser.add_argument("--device", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--experts-implementation", help="transformers experts kernel for training: one of "
+                        f"{', '.join(EXPERTS_IMPLEMENTATIONS)} (default grouped_mm)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="where training checkpoints go (outside the repo; one "
+                        "run at a time)")
     parser.add_argument("--resume", type=Path, help="checkpoint directory to continue from (its newest checkpoint)")
     ns = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(ns).items() if v is not None and k not in ("preset", "recipe")}
     try:
         args = make_args(ns.preset, ns.recipe, **overrides)
         validate(args)
+        return check_paths(args)
     except ValueError as e:
         parser.error(str(e))
-    args = replace(args, out=args.out.resolve(), demo_dir=args.demo_dir.resolve())
-    for path, marker, what in ((args.out, "config.json", "--out"), (args.demo_dir, "prompts.json", "--demo-dir")):
-        problem = check_output_folder(path, marker, what)
-        if problem:  # found now, not after an hour of training
-            parser.error(problem)
-    if args.resume is not None:
-        if not args.resume.is_dir():
-            parser.error(f"--resume {str(args.resume)!r} is not a folder; give the --checkpoint-dir of the run "
-                         f"to continue")
-        if checkpoint.latest(args.resume) is None:
-            parser.error(f"--resume {str(args.resume)!r} holds no checkpoint (step-NNNNNNN folders)")
-        if args.checkpoint_dir is None:
-            args = replace(args, checkpoint_dir=args.resume)  # a resumed run keeps checkpointing there
-    if args.stop_after is not None and args.checkpoint_dir is None:
-        parser.error("--stop-after needs --checkpoint-dir (or --resume): without a checkpoint the stopped "
-                     "run could not be continued")
-    if args.checkpoint_dir is not None:
-        root = repo_root()
-        if args.checkpoint_dir.resolve().is_relative_to(root):
-            parser.error(f"--checkpoint-dir {str(args.checkpoint_dir)!r} is inside the repository; checkpoints "
-                         f"(hundreds of MB over a run) go outside it, e.g. /tmp/v2-ckpt")
-    return args
 
 
 def repo_root() -> Path:
@@ -914,11 +1177,28 @@ TRAIN_MODULE = "workbench.models.embedded.v2.train"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Train (or resume), evaluate, measure routing, save; return the training log dict."""
+    """Train (or resume), evaluate, measure routing, save; return the training log dict. Holds
+    the locks of ``--out`` and ``--demo-dir`` (and, while training, of ``--checkpoint-dir``) from
+    its checks to its swap; a user error or a failed write exits 2 with one line."""
     args = parse_args(argv)
+    held = []
+    try:
+        for path, flag in ((args.out, "--out"), (args.demo_dir, "--demo-dir")):
+            held.append((path, ownedfolder.lock(path, flag)))
+            ownedfolder.recover(path)  # what a killed run of this folder left
+            ownedfolder.check(path, flag, TRAIN_MODULE, args.overwrite)  # again: another run may have written it
+        return _train_and_save(args)
+    except WorkbenchError as e:  # CheckpointError, FolderError, TrainingError
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        for path, fd in reversed(held):
+            ownedfolder.unlock(path, fd)
+
+
+def _train_and_save(args: TrainArgs) -> dict:
     wall_start = time.perf_counter()
     model, tokenizer, image_processor = initial_model(args)
-    config = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {len(stages(args))} stages, "
           f"{sum(s.steps for s in stages(args))} steps", flush=True)
@@ -935,9 +1215,6 @@ def main(argv: list[str] | None = None) -> dict:
     except Interrupted as stop:
         print(f"{stop}; continue with --resume {args.checkpoint_dir}", flush=True)
         return {"interrupted": True}
-    except checkpoint.CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
     print("evaluating on held-out split ...", flush=True)
     metrics = evaluate(model, tokenizer, image_processor, heldout, args.eval_batch)
@@ -950,11 +1227,33 @@ def main(argv: list[str] | None = None) -> dict:
               f"majority {m['majority_baseline']:.3f}, blind {m['blind_baseline']})", flush=True)
 
     model.to("cpu")
-    staging = args.out.with_name(f".{args.out.name}.partial")
-    if staging.exists():
-        shutil.rmtree(staging)  # left by a run that crashed before its swap
-    save_checkpoint(model, tokenizer, image_processor, staging)
-    demo = write_demo(args.demo_dir, model, tokenizer, image_processor)
+    staged: list[Path] = []
+    try:
+        staged += [ownedfolder.stage(args.out), ownedfolder.stage(args.demo_dir)]
+        log = _save(args, staged[0], staged[1], model, tokenizer, image_processor, trainer, metrics, routing_after,
+                    n_params, resume, wall_start)
+        ownedfolder.swap_in(staged[1], args.demo_dir)
+        ownedfolder.swap_in(staged[0], args.out)
+    except (OSError, SafetensorError) as e:  # disk full, file too large: nothing half written is left
+        raise ownedfolder.FolderError(
+            f"--out {str(args.out)!r}: the model could not be written ({ownedfolder.io_reason(e)}); "
+            + ("--out and --demo-dir are as they were" if len(staged) < 2 or staged[1].exists() else
+               f"--demo-dir {str(args.demo_dir)!r} holds the new demo requests, --out is as it was")) from None
+    finally:
+        for path in staged:
+            shutil.rmtree(path, ignore_errors=True)
+    log["dir_size_mb"] = round(dir_size_mb(args.out), 2)
+    print(f"saved to {args.out} ({log['dir_size_mb']:.1f} MB) in {log['total_seconds']:.0f}s total")
+    return log
+
+
+def _save(args: TrainArgs, out: Path, demo_dir: Path, model, tokenizer, image_processor, trainer: Trainer,
+          metrics: dict, routing_after: dict, n_params: int, resume: Path | None, wall_start: float) -> dict:
+    """Write the model, its log and card into the staging folder ``out`` and the demo requests
+    into ``demo_dir``, each with its manifest (:mod:`workbench.ownedfolder`); returns the log."""
+    config = model.config
+    save_checkpoint(model, tokenizer, image_processor, out)
+    demo = write_demo(demo_dir, model, tokenizer, image_processor)
     log = {
         "command": reproduce_command(args),
         "args": fingerprint(args),
@@ -990,11 +1289,10 @@ def main(argv: list[str] | None = None) -> dict:
         "resumed": resume is not None,
     }
     log["total_seconds"] = round(time.perf_counter() - wall_start, 1)
-    (staging / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
-    (staging / "README.md").write_text(render_model_card(log))  # re-render: python -m ...v2.card
-    replace_folder(staging, args.out)
-    log["dir_size_mb"] = round(dir_size_mb(args.out), 2)
-    print(f"saved to {args.out} ({log['dir_size_mb']:.1f} MB) in {log['total_seconds']:.0f}s total")
+    (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    (out / "README.md").write_text(render_model_card(log))  # re-render: python -m ...v2.card
+    ownedfolder.write_manifest(out, TRAIN_MODULE)
+    ownedfolder.write_manifest(demo_dir, TRAIN_MODULE)
     return log
 
 
