@@ -11,7 +11,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one intra-op thread per pytest-xdist worker (the workers share the cores), else up to two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else
+                      max(1, min(2, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

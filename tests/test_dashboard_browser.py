@@ -136,7 +136,6 @@ def browser_page():
 
 
 def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
-    t_start = time.time()
     page = browser_page
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -255,7 +254,6 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
     finally:
         log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
-    assert time.time() - t_start < 60
 
 
 #: bounding boxes of the plotly views (shadow roots included), in viewport pixels
@@ -408,7 +406,6 @@ def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, 
     import workbench
     from workbench.prism import refactor as R
 
-    t_start = time.time()
     page = browser_page
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -457,4 +454,3 @@ def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, 
     finally:
         log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
-    assert time.time() - t_start < 60

@@ -1593,3 +1593,20 @@ def test_a_batch_shows_every_answer_with_its_expected_one_and_the_baseline(embed
     assert f"{moved} differ from the baseline full.zarr" in page
     assert page.count("data-differs='true'") == moved
     assert page.count("data-match='false'") >= moved  # cut short: not the expected answer
+
+
+def test_every_knob_widget_is_made_by_knob_param():
+    """ARCHITECTURE.md: knob widgets set their knob only through the knob's check — no module
+    of the dashboard builds a bare ``pn.Param`` (whose link sets a knob unchecked) but
+    ``knob_param`` itself."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for f in [*(root / "workbench" / "ui").glob("*.py"), root / "apps" / "dashboard.py"]:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"\bpn\.Param\(", line) and not line.lstrip().startswith(('"', "#")):
+                found.append(f"{f.name}:{n}")
+    assert found == ["widgets.py:" + str(next(
+        n for n, line in enumerate((root / "workbench/ui/widgets.py").read_text().splitlines(), 1)
+        if "panel = pn.Param(group, parameters=parameters" in line))], found
