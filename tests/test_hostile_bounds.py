@@ -43,3 +43,124 @@ def test_annealer_cache_is_reused_by_the_next_process(tmp_path):
     assert hits >= 1 and misses == 0, second.stdout
     # no new cache entries: the files (and the index) are as the first process left them
     assert {p: p.stat().st_size for p in cache.rglob("*") if p.is_file()} == files
+
+
+# -- §5: outputs are checked before the work; blank paths refused -------------------------------
+
+STORE = REPO / "tests" / "data" / "store_v3.zarr"
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from workbench.cli import main
+
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def bad_outs(tmp_path):
+    """Output paths that cannot be written, each with what its message must say."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("keep me")
+    return {str(tmp_path / "loop"): "symlink loop",
+            str(tmp_path / "dangling"): "which does not exist",
+            str(tmp_path / "file"): "is a file",
+            "  ": "path is empty", "": "path is empty"}
+
+
+@pytest.mark.parametrize("command", [
+    ["refactor", "--iterations", "0", "--requests", "1"],
+    ["calibrate-macs", "--requests", "2"],
+    ["calibrate", "--steps", "1"],
+])
+def test_output_folders_are_checked_before_any_work(capsys, bad_outs, tmp_path, monkeypatch,
+                                                    command):
+    """A link loop, a dangling link, a file in the way or a blank name is refused by name before
+    the model loads (``--model`` points nowhere: a refusal after the load would say so)."""
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for out, want in bad_outs.items():
+        rc, err = _cli(capsys, *command, "--model", str(tmp_path / "no-model"), "--out", out)
+        assert rc == 2 and want in err and "no-model" not in err, (out, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == before  # nothing made, here or through a link
+
+
+def test_sweep_out_link_loop_is_refused_before_any_point(capsys, tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    rc, err = _cli(capsys, "sweep", "--out", str(tmp_path / "loop"), "--grid", "cache_slots=1")
+    assert rc == 2 and "symlink loop" in err, err
+
+
+def test_export_refuses_blank_and_unusable_folders(bad_outs, tmp_path, monkeypatch):
+    """``ds.moe.export('')`` wrote into the current folder; '  ' made an odd folder."""
+    import workbench
+    from workbench.errors import WorkbenchError
+
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    ds = workbench.open_run(STORE)
+    for out, want in bad_outs.items():
+        with pytest.raises(WorkbenchError, match=want):
+            ds.moe.export(out)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+# -- §6: one writer per output folder ----------------------------------------------------------
+
+def _hold_lock(folder: Path, what: str) -> subprocess.Popen:
+    """Another process holding the one-writer lock of ``folder`` (as a running refactor or
+    calibrate-macs does) until its stdin closes."""
+    code = ("import sys\n"
+            "from workbench.telemetry.destination import writer_lock\n"
+            f"with writer_lock({str(folder)!r}, {what!r}):\n"
+            "    print('held', flush=True)\n"
+            "    sys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+@pytest.mark.parametrize("command", [
+    ["refactor", "--iterations", "0", "--requests", "1"],
+    ["calibrate-macs", "--requests", "2"],
+    ["calibrate", "--steps", "1", "--requests", "2"],
+])
+def test_a_second_writer_of_an_output_folder_is_refused(capsys, tmp_path, command):
+    out = tmp_path / "out"
+    other = _hold_lock(out, "folder")
+    try:
+        rc, err = _cli(capsys, *command, "--out", str(out), "--overwrite")
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    assert rc == 2 and "being written by another process" in err and "exactly one writer" in err
+    assert not out.exists()
+
+
+def test_save_folder_takes_the_lock_and_is_reentrant(tmp_path):
+    """The shared writer refuses while another process holds the folder; the same thread that
+    holds it (a command from its checks on) writes through it."""
+    from workbench.errors import StoreBusyError
+    from workbench.telemetry.destination import writer_lock
+    from workbench.tensorfiles import save_folder
+
+    out = tmp_path / "cal"
+    args = (out, "w.safetensors", "c.json", {"x": np.zeros(3)}, {"format": "f"}, "f",
+            "test folder")
+    other = _hold_lock(out, "test folder")
+    try:
+        with pytest.raises(StoreBusyError, match="being written by another process"):
+            save_folder(*args)
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    with writer_lock(out, "test folder"):
+        save_folder(*args)
+        save_folder(*args, overwrite=True)
+    assert json.loads((out / "c.json").read_text()) == {"format": "f"}
+    assert sorted(os.listdir(tmp_path)) == ["cal"]  # the lock file went with the lock

@@ -14,6 +14,7 @@ nothing is written and no existing store is touched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -257,9 +258,35 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     return code
 
 
-def _refactor(args) -> int:
-    import numpy as np
+def _check_out(args, config: str, holds: str) -> "Path | None":
+    """``--out`` of a command that writes a folder, checked before any work (the shared
+    output-folder check: blank, dangling or looping links, a file in the way, ``config``
+    already there without ``--overwrite``, nowhere writable); None when it is not given."""
+    from workbench.telemetry.destination import check_output_folder
 
+    if args.out is None:
+        return None
+    return check_output_folder(args.out, "--out", config=config, overwrite=args.overwrite,
+                               holds=holds)
+
+
+@contextlib.contextmanager
+def _claimed_out(args, default: Path, config: str, holds: str):
+    """The output folder (``--out``, else ``default``), checked and then held under its
+    one-writer lock for the whole command: a second writer of it is refused at once
+    (:class:`StoreBusyError`) instead of both reporting success over each other's files."""
+    from workbench.telemetry.destination import check_output_folder, writer_lock
+
+    what = "--out" if args.out is not None else "output folder"
+    out = check_output_folder(args.out if args.out is not None else default, what,
+                              config=config, overwrite=args.overwrite, holds=holds)
+    with writer_lock(out, f"{holds} folder"):
+        # checked again under the lock: another writer may have finished in between
+        yield check_output_folder(out, what, config=config, overwrite=args.overwrite,
+                                  holds=holds)
+
+
+def _refactor(args) -> int:
     from workbench.errors import InputError
     from workbench.prism import refactor as R
 
@@ -272,15 +299,21 @@ def _refactor(args) -> int:
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
     reqs = _own_requests(args.inputs, args.input_file)  # bad input costs no model load
+    holds = "MoE-Prism refactoring"
+    _check_out(args, R.CONFIG, holds)  # a bad --out costs no model load either
     from workbench.models.loading import load
     from workbench.options import get_options
 
     lm = load(Path(args.model) if args.model else None, device="cpu")
-    out = Path(args.out) if args.out else (Path(get_options()["workspace"]) / "prism"
-                                           / str(lm.config_hash))
-    if (out / R.CONFIG).exists() and not args.overwrite:
-        raise InputError(f"{str(out)!r} already holds a MoE-Prism refactoring; pass "
-                         f"--overwrite to replace it")
+    with _claimed_out(args, Path(get_options()["workspace"]) / "prism" / str(lm.config_hash),
+                      R.CONFIG, holds) as out:
+        return _refactor_into(args, lm, reqs, out)
+
+
+def _refactor_into(args, lm, reqs: list, out: Path) -> int:
+    import numpy as np
+
+    from workbench.prism import refactor as R
     from workbench.prism.partition import _check
     from workbench.prism.profile import neuron_layout
 
@@ -371,8 +404,8 @@ def _own_requests(inputs: list[str], input_file: str | None) -> list:
 
 def _calibrate_macs(args) -> int:
     from workbench.errors import InputError
-    from workbench.macs.calibration import (CALIBRATION_SEED, calibrate, calibration_requests,
-                                            save, workspace_path)
+    from workbench.macs.calibration import (CALIBRATION_SEED, CONFIG, calibrate,
+                                            calibration_requests, save, workspace_path)
 
     if not 2 <= args.requests <= 4096:
         raise InputError(f"--requests must be from 2 to 4096, not {args.requests}")
@@ -382,19 +415,18 @@ def _calibrate_macs(args) -> int:
         raise InputError(f"--threshold must be in (0, 1), not {args.threshold}")
     from workbench.models.loading import load
 
+    holds = "MACS calibration"
+    _check_out(args, CONFIG, holds)  # a bad --out costs no model load
     lm = load(Path(args.model) if args.model else None, device="cpu")
     if not lm.is_vision:
         raise InputError(f"MACS calibration classes experts by their visual and text tokens; "
                          f"model {lm.model_id!r} is text-only (it needs a vision-language "
                          f"checkpoint)")
-    out = Path(args.out) if args.out else workspace_path(lm.config_hash)
-    if (out / "macs.json").exists() and not args.overwrite:
-        raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite to "
-                         f"replace it")
-    reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
-                                else args.seed)
-    cal = calibrate(lm, reqs, args.threshold)
-    save(cal, out, overwrite=args.overwrite)
+    with _claimed_out(args, workspace_path(lm.config_hash), CONFIG, holds) as out:
+        reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
+                                    else args.seed)
+        cal = calibrate(lm, reqs, args.threshold)
+        save(cal, out, overwrite=args.overwrite)
     summary = {"out": str(out), **cal.summary()}
     if args.json:
         print(json.dumps(summary))
@@ -408,19 +440,23 @@ def _calibrate_macs(args) -> int:
 
 
 def _calibrate(args) -> int:
+    _calibrate_flags(args)
+    out = _calibrate_out(args)
+    from workbench.telemetry.destination import writer_lock
+
+    with writer_lock(out, "predictor folder"):
+        # checked again under the lock: another writer may have finished in between
+        return _calibrate_into(args, _calibrate_out(args))
+
+
+def _calibrate_out(args) -> Path:
+    """``--out`` of ``workbench calibrate``, checked: the shared output-folder check (written
+    through a symlink, as run stores are), then what ``--overwrite`` may replace."""
     from workbench.errors import InputError, StoreExistsError
     from workbench.predictor.model import CONFIG, WEIGHTS
-    from workbench.telemetry.destination import check_creatable
+    from workbench.telemetry.destination import check_output_folder
 
-    if str(args.out).strip() == "" or "\0" in str(args.out):
-        raise InputError(f"--out {args.out!r} is not a usable folder name")
-    out = Path(args.out)
-    if out.is_symlink():  # written through the link, as run stores are
-        target = Path(os.path.realpath(out))
-        if not target.exists():
-            raise InputError(f"--out {str(out)!r} is a symlink to {str(target)!r}, which does "
-                             f"not exist")
-        out = target
+    out = check_output_folder(args.out, "--out")
     fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))  # empty = absent
     if not fresh and not args.overwrite:
         raise StoreExistsError(f"--out {str(out)!r} already exists; pass --overwrite to replace "
@@ -432,7 +468,11 @@ def _calibrate(args) -> int:
             raise InputError(f"--out {str(out)!r} is not a calibrated predictor folder (it "
                              f"holds {', '.join(extra[:5])}); --overwrite only replaces "
                              f"{CONFIG} + {WEIGHTS} — refusing to delete it")
-    check_creatable(out, "predictor folder")
+    return out
+
+
+def _calibrate_flags(args) -> None:
+    from workbench.errors import InputError
     from workbench.predictor.calibrate import (MAX_CALIB_REQUESTS, MAX_CALIB_STEPS,
                                                MAX_RECORDED_TOKENS)
     from workbench.predictor.model import MAX_SIZE
@@ -451,6 +491,10 @@ def _calibrate(args) -> int:
             ("--decay", args.decay, 0.0 < args.decay <= 1.0, "in (0, 1]")):
         if not ok:
             raise InputError(f"{flag} must be {allowed}, not {value}")
+
+
+def _calibrate_into(args, out: Path) -> int:
+    from workbench.errors import InputError
     from workbench.predictor.calibrate import (calibrate, format_report, parse_inputs,
                                                scene_requests)
 

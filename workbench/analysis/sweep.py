@@ -206,8 +206,10 @@ def check_out(out: str | Path) -> Path:
         raise InputError(f"the sweep folder (--out) must be a path, not {out!r}")
     if "\x00" in text:
         raise InputError(f"the sweep folder (--out) {text!r} contains a NUL character")
-    out = Path(text)
+    from workbench.telemetry.destination import follow_link
+
     label = f"sweep folder (--out) {text!r}"
+    out = follow_link(Path(text), "the sweep folder (--out)")
     try:
         if out.exists():
             if not out.is_dir():

@@ -26,6 +26,7 @@ workbench markers. Anything else is refused, naming what is in the way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -34,12 +35,14 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from workbench import jsonio
-from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
+from workbench.errors import (InputError, StoreBusyError, StoreError, StoreExistsError,
+                              WorkbenchError)
 
 #: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
 #: writer (see :func:`io_step`). Raising from it injects an I/O error at that step; copying the
@@ -152,7 +155,7 @@ def workspace_dir(ws: Any) -> Path:
     return ws
 
 
-def store_path_arg(path: Any, what: str) -> Path:
+def store_path_arg(path: Any, what: str, example: str = "runs/demo.zarr") -> Path:
     """``path`` as a :class:`Path`, or :class:`StoreError`: not a str/PathLike, empty, or with a
     NUL byte (which no file system accepts)."""
     if not isinstance(path, (str, os.PathLike)):
@@ -162,7 +165,8 @@ def store_path_arg(path: Any, what: str) -> Path:
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if text.strip() == "":
-        raise StoreError(f"{what} path is empty; give a folder name such as runs/demo.zarr")
+        raise StoreError(f"{what} path is empty ({text!r}); give a folder name such as "
+                         f"{example}")
     if "\0" in text:
         raise StoreError(f"{what} path {text[:80]!r} contains a NUL byte")
     return Path(text)
@@ -230,6 +234,118 @@ def check_creatable(p: Path, what: str) -> None:
                          f"({e.strerror or e}); choose a writable location") from None
 
 
+def take_lock(path: Path, what: str) -> int:
+    """Take the exclusive ``flock`` on ``<parent>/.<name>.lock`` of ``path`` (its folder must
+    exist) and return its fd; :class:`StoreBusyError` naming ``what`` at once when another
+    writer holds it (one writer per path: run stores, output folders)."""
+    lock = _lock_path(path)
+    for _ in range(100):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                who = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            raise StoreBusyError(
+                f"{what} {str(path)!r} is being written by another process "
+                f"({who or 'pid unknown'}); a {what} has exactly one writer — wait for that "
+                f"one to finish or choose another path") from None
+        try:  # the file we locked may have been unlinked by a releasing writer: retry
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                              f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode(), 0)
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise StoreBusyError(f"{what} {str(path)!r}: could not take its lock {str(lock)!r}")
+
+
+def drop_lock(path: Path, fd: int) -> None:
+    """Release :func:`take_lock`'s lock. The lock file is removed while still held, so a writer
+    waiting on the old file notices and retries on a fresh one."""
+    try:
+        os.unlink(_lock_path(path))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+#: locks this process holds through :func:`writer_lock`: (path, thread) → [fd, depth]
+_HELD: dict[tuple[str, int], list[int]] = {}
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | Path, what: str) -> Iterator[Path]:
+    """Hold the one-writer lock of output folder ``path`` (:func:`take_lock`; its parent is
+    created) for the block. Re-entrant in the same thread, so that a command can hold it from
+    its checks to its last write while the shared writer (``tensorfiles.save_folder``) takes it
+    again; another thread or process gets :class:`StoreBusyError` at once."""
+    p = Path(os.path.abspath(path))
+    key = (str(p), threading.get_ident())
+    held = _HELD.get(key)
+    if held is not None:
+        held[1] += 1
+    else:
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = take_lock(p, what)
+        except OSError as e:
+            raise StoreError(f"{what} {str(p)!r} cannot be created: "
+                             f"{e.strerror or e}") from None
+        held = _HELD[key] = [fd, 1]
+    try:
+        yield p
+    finally:
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[key]
+            drop_lock(p, held[0])
+
+
+def follow_link(p: Path, what: str) -> Path:
+    """``p``, or the target of the symlink ``p`` (outputs are written through a link, as run
+    stores are); :class:`InputError` naming ``what`` for a link that leads nowhere (dangling,
+    or a loop), which would otherwise fail only at the first write, after the work."""
+    if not p.is_symlink():
+        return p
+    target = Path(os.path.realpath(p))
+    try:
+        os.stat(p)
+    except OSError as e:
+        why = ("is a symlink loop" if e.errno == errno.ELOOP else
+               f"is a symlink to {str(target)!r}, which does not exist")
+        raise InputError(f"{what} {str(p)!r} {why}; remove the link or point it at a "
+                         f"folder") from None
+    return target
+
+
+def check_output_folder(path: Any, what: str, *, config: str | None = None,
+                        overwrite: bool = True, holds: str = "") -> Path:
+    """Check, before any work, that output folder ``path`` can be written; returns the folder to
+    write (a symlink followed to its target). Refused with a :class:`WorkbenchError` naming
+    ``what`` and the path: not a str/PathLike, blank or with a NUL byte; a symlink that leads
+    nowhere (dangling, or a loop); a file in the way; ``config`` already there (it holds
+    ``holds``) without ``overwrite``; no folder above it where this process can create files.
+    The one output-path check of every command that writes a folder (refactor, calibrate-macs,
+    calibrate, export)."""
+    p = follow_link(store_path_arg(path, what, "out/folder").expanduser(), what)
+    try:
+        if p.exists() and not p.is_dir():
+            raise InputError(f"{what} {str(p)!r} is a file, not a folder; choose another path")
+        there = config is not None and (p / config).exists()
+    except OSError as e:  # e.g. a loop further up, or a parent that is not searchable
+        raise InputError(f"{what} {str(p)!r} cannot be used: {e.strerror or e}") from None
+    if there and not overwrite:
+        raise InputError(f"{str(p)!r} already holds a {holds or what}; pass --overwrite "
+                         f"(overwrite=True) to replace it")
+    check_creatable(p, what)
+    return p
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     try:
@@ -282,42 +398,13 @@ class Destination:
 
     # -- the lock ------------------------------------------------------------------------------
     def _lock(self) -> int:
-        lock = _lock_path(self.path)
-        for _ in range(100):
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    who = os.pread(fd, 200, 0).decode(errors="replace").strip()
-                finally:
-                    os.close(fd)
-                raise StoreBusyError(
-                    f"store {str(self.path)!r} is being written by another process ({who or 'pid unknown'}); "
-                    f"a store has exactly one writer — wait for that run to finish or choose "
-                    f"another path") from None
-            try:  # the file we locked may have been unlinked by a releasing writer: retry
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                                  f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode(), 0)
-                    return fd
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        raise StoreBusyError(f"store {str(self.path)!r}: could not take its lock {str(lock)!r}")
+        return take_lock(self.path, "store")
 
     def release(self) -> None:
-        """Drop the lock (idempotent). The lock file is removed while still held, so a writer
-        waiting on the old file notices and retries on a fresh one."""
+        """Drop the lock (idempotent)."""
         fd, self._fd = getattr(self, "_fd", None), None
-        if fd is None:
-            return
-        try:
-            os.unlink(_lock_path(self.path))
-        except OSError:
-            pass
-        os.close(fd)
+        if fd is not None:
+            drop_lock(self.path, fd)
 
     # -- crash leftovers -----------------------------------------------------------------------
     def _recover(self) -> None:
