@@ -164,3 +164,27 @@ def test_save_folder_takes_the_lock_and_is_reentrant(tmp_path):
         save_folder(*args, overwrite=True)
     assert json.loads((out / "c.json").read_text()) == {"format": "f"}
     assert sorted(os.listdir(tmp_path)) == ["cal"]  # the lock file went with the lock
+
+
+# -- §5: options that do nothing are refused, naming what they need ----------------------------
+
+@pytest.mark.parametrize("argv, flag, needs", [
+    (["run", "--prompt", "hi", "--batch-mix", "text"], "--batch-mix", "--batch"),
+    (["run", "--prompt", "hi", "--batch-seed", "3"], "--batch-seed", "--batch"),
+    (["run", "--input", "hi", "--batch-source", "demo"], "--batch-source", "--batch"),
+    (["run", "--input", "hi", "--batch-mix", "image"], "--batch-mix", "--batch"),
+    (["sweep", "--out", "S", "--batch-mix", "text"], "--batch-mix", "--batch"),
+    (["sweep", "--out", "S", "--batch", "1", "--batch-mix", "text"], "--batch-mix", "--batch"),
+    (["sweep", "--out", "S", "--workers", "1", "--scheduler", "tcp://127.0.0.1:9"],
+     "--workers", "--scheduler"),
+    (["refactor", "--input", "hi", "--requests", "3"], "--requests", "--input"),
+    (["refactor", "--input", "hi", "--seed", "3"], "--seed", "--input"),
+    (["calibrate", "--out", "P", "--prompt", "hi"], "--prompt", "--inputs"),
+    (["calibrate", "--out", "P", "--inputs", "a.png", "--requests", "5"], "--requests",
+     "--inputs"),
+])
+def test_options_that_do_nothing_are_refused(capsys, tmp_path, monkeypatch, argv, flag, needs):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _cli(capsys, *argv, "--model", str(tmp_path / "no-model"))
+    assert rc == 2 and f"{flag} " in err and needs in err and "no-model" not in err, err
+    assert os.listdir(tmp_path) == []

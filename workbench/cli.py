@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, metavar="N",
                    help="run a batch of N generated requests together (instead of --prompt; "
                         "see --batch-source, --batch-mix)")
-    r.add_argument("--batch-source", choices=("heldout", "demo"), default="heldout",
+    r.add_argument("--batch-source", choices=("heldout", "demo"), default=None,
                    help="--batch from the held-out generated scenes (default) or the demo "
                         "requests")
     r.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
@@ -105,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
                    help="--batch: the generated requests' mix (default: the held-out split's; "
                         "text-only for a text-only --model)")
-    s.add_argument("--workers", type=int, default=2, metavar="N",
-                   help="LocalCluster worker processes (default 2)")
+    s.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="LocalCluster worker processes (default 2; not with --scheduler)")
 
     d = sub.add_parser("dashboard", help="serve the Panel dashboard (127.0.0.1 by default)")
     d.add_argument("--address", default="127.0.0.1",
@@ -138,14 +138,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--inputs", nargs="+", default=[], metavar="FILE",
                    help="images (asked --prompt) or JSON lists of {image, prompt} "
                         "(default: --requests generated scenes)")
-    c.add_argument("--prompt", default="what shape is red?",
-                   help="question asked about each --inputs image")
+    c.add_argument("--prompt", default=None,
+                   help="question asked about each --inputs image (default: what shape is "
+                        "red?)")
     c.add_argument("--out", required=True, metavar="PATH",
                    help="directory for predictor.safetensors + predictor.json")
     c.add_argument("--overwrite", action="store_true", help="replace an existing PATH")
     c.add_argument("--steps", type=int, default=300, metavar="N",
                    help="training steps (full-batch Adam; default 300)")
-    c.add_argument("--requests", type=int, default=48, metavar="N",
+    c.add_argument("--requests", type=int, default=None, metavar="N",
                    help="generated scenes when no --inputs (default 48)")
     c.add_argument("--max-new-tokens", type=int, default=4, metavar="N",
                    help="decode steps recorded per request (default 4)")
@@ -182,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="folder for prism.safetensors + prism.json (default: the workspace's "
                         "prism/<config hash>)")
     f.add_argument("--overwrite", action="store_true", help="replace an existing refactoring")
-    f.add_argument("--requests", type=int, default=64, metavar="N",
+    f.add_argument("--requests", type=int, default=None, metavar="N",
                    help="generated calibration requests, half text-only (all text-only for a "
                         "text-only model; default 64)")
     f.add_argument("--input", dest="inputs", action="append", default=[],
@@ -221,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
 
     try:
+        _check_option_pairs(args)
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
                 "calibrate-macs": _calibrate_macs, "refactor": _refactor}[args.command](args)
@@ -246,6 +248,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "MemoryError", EXIT_USAGE)
         return _fail(args, f"{type(e).__name__}: {e} (rerun with --debug for the traceback, and "
                            f"please report it)", "InternalError", 1, internal=True)
+
+
+#: options that only mean something with another: (command, option, its attribute, whether it
+#: acts given the other options, what it needs — the message says it)
+_NEEDS = (
+    ("run", "--batch-source", "batch_source", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("run", "--batch-mix", "batch_mix", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("run", "--batch-seed", "batch_seed", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("sweep", "--batch-mix", "batch_mix", lambda a: a.batch != 1,
+     "it only applies with --batch N for N > 1 (the generated requests it mixes)"),
+    ("sweep", "--workers", "workers", lambda a: a.scheduler is None,
+     "it only applies without --scheduler (that scheduler's workers are its own)"),
+    ("refactor", "--requests", "requests", lambda a: not (a.inputs or a.input_file),
+     "it only applies to generated requests, not with --input/--input-file"),
+    ("refactor", "--seed", "seed", lambda a: not (a.inputs or a.input_file),
+     "it only applies to generated requests, not with --input/--input-file"),
+    ("calibrate", "--prompt", "prompt", lambda a: bool(a.inputs),
+     "it only applies with --inputs (the question asked about each image)"),
+    ("calibrate", "--requests", "requests", lambda a: not a.inputs,
+     "it only applies to generated scenes, not with --inputs"),
+)
+
+
+def _check_option_pairs(args) -> None:
+    """Refuse an option given where it does nothing (e.g. ``run --batch-mix`` with
+    ``--prompt``): silently ignoring it would report a run that is not the one asked for. The
+    message names the option it needs. Defaults are then filled in."""
+    from workbench.errors import InputError
+
+    for command, flag, attr, acts, needs in _NEEDS:
+        if args.command == command and getattr(args, attr) is not None and not acts(args):
+            raise InputError(f"{flag} {getattr(args, attr)!r} does nothing here: {needs}")
+    for command, attr, default in (("run", "batch_source", "heldout"),
+                                   ("refactor", "requests", 64),
+                                   ("calibrate", "prompt", "what shape is red?"),
+                                   ("calibrate", "requests", 48)):
+        if args.command == command and getattr(args, attr) is None:
+            setattr(args, attr, default)
 
 
 def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> int:
