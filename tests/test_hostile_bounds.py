@@ -188,3 +188,25 @@ def test_options_that_do_nothing_are_refused(capsys, tmp_path, monkeypatch, argv
     rc, err = _cli(capsys, *argv, "--model", str(tmp_path / "no-model"))
     assert rc == 2 and f"{flag} " in err and needs in err and "no-model" not in err, err
     assert os.listdir(tmp_path) == []
+
+
+# -- §5: compare_runs names a bad entry --------------------------------------------------------
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("empty", "runs[1] is a Dataset that is not a run store's (it lacks dimension 'step'"),
+    ("no-hits", "runs[1] is a Dataset that is not a run store's (it lacks 'hits'"),
+    (5, "runs[1] is a int"),
+    (None, "runs[1] is a NoneType"),
+])
+def test_compare_runs_names_a_bad_entry(bad, fragment):
+    import xarray as xr
+
+    import workbench
+    from workbench.errors import InputError
+
+    ds = workbench.open_run(STORE)
+    entry = {"empty": xr.Dataset(), "no-hits": ds.drop_vars("hits")}.get(bad, bad)
+    with pytest.raises(InputError) as e:
+        workbench.compare_runs([STORE, entry])
+    assert fragment in str(e.value), str(e.value)
+    workbench.compare_runs([STORE, ds])  # a store and an opened store compare
