@@ -210,3 +210,59 @@ def test_compare_runs_names_a_bad_entry(bad, fragment):
         workbench.compare_runs([STORE, entry])
     assert fragment in str(e.value), str(e.value)
     workbench.compare_runs([STORE, ds])  # a store and an opened store compare
+
+
+# -- §5: a sweep whose points must all fail is refused before any point starts ------------------
+
+@pytest.fixture(scope="module")
+def tiny_refactoring(tiny_ckpt, tmp_path_factory):
+    from workbench.models.loading import load
+    from workbench.prism import refactor as R
+
+    ckpt = tiny_ckpt("mixtral")
+    lm = load(ckpt, device="cpu")
+    out = tmp_path_factory.mktemp("prism") / "ref"
+    from workbench.models.inputs import Request
+
+    R.save(R.refactor(lm, [Request("a b c d", []), Request("e f g h", [])], iterations=10), out)
+    return ckpt, lm, out
+
+
+def test_model_dependent_prism_knobs_are_checked_when_the_runtime_is_made(tiny_refactoring):
+    """prism_k beyond top-k × N, or prism without a refactoring, is refused by the Runtime's
+    knob check (``workbench run`` and every sweep point before it starts), not at the first
+    run's set-up."""
+    from workbench.errors import InputError
+    from workbench.knobs import Knobs
+    from workbench.runtime.runtime import Runtime
+
+    _, lm, ref = tiny_refactoring
+    top_k = lm.layout.top_k
+    with pytest.raises(InputError, match=rf"prism_k must be in 1 … {top_k * 4} .*not 99"):
+        Runtime(lm, knobs=Knobs(prism=True, prism_refactoring=str(ref), prism_k=99))
+    with pytest.raises(InputError, match="needs a MoE-Prism refactoring"):
+        Runtime(lm, knobs=Knobs(prism=True, prism_refactoring=str(ref.parent / "none")))
+    Runtime(lm, knobs=Knobs(prism=True, prism_refactoring=str(ref), prism_k=top_k * 4))
+
+
+def test_a_sweep_of_points_that_must_fail_is_refused_before_it_starts(tiny_refactoring, capsys,
+                                                                      tmp_path):
+    ckpt, _, ref = tiny_refactoring
+    rc, err = _cli(capsys, "sweep", "--model", str(ckpt), "--input", "hi", "--out",
+                   str(tmp_path / "S"), "--grid", "prism_k=97,98,99", "--set", "prism=true",
+                   "--set", f"prism_refactoring={ref}")
+    assert rc == 2 and "every sweep point is refused before it runs" in err, err
+    assert "prism_k must be in 1 …" in err and err.count("\n") == 1
+    assert not (tmp_path / "S").exists()  # no point was started or recorded
+
+
+def test_macs_dispatch_without_a_calibration_is_refused_up_front(embedded, tmp_path):
+    from workbench.errors import InputError
+    from workbench.knobs import Knobs
+    from workbench.runtime.runtime import Runtime
+
+    with pytest.raises(InputError, match="none"):
+        Runtime(embedded, knobs=Knobs(dispatch="macs",
+                                      macs_calibration=str(tmp_path / "none")))
+    Runtime(embedded, knobs=Knobs(dispatch="macs", macs_dynamic_capacity=False,
+                                  macs_reroute=False, macs_calibration=str(tmp_path / "none")))

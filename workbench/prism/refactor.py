@@ -78,7 +78,15 @@ def default_path(model_dir, config_hash: str) -> Path:
 
 def for_run(lm, knobs) -> tuple[Refactoring, int]:
     """The refactoring a run with ``prism=True`` uses and its k_active (None: all),
-    checked: the refactoring is this model's, k_active within 1 … its sub-experts."""
+    checked: the refactoring is this model's, k_active within 1 … its sub-experts, prism_k
+    (not with prism_k_active) within 1 … top-k × sub-experts. The runtime calls it when it
+    checks its knobs (before any run starts: a sweep checks every point so) and again when a
+    run sets up its sub-experts."""
+    if knobs.prism_k is not None and knobs.prism_k_active is not None:
+        raise InputError(f"prism_k (the K best sub-experts of a token's routed experts) and "
+                         f"prism_k_active (per expert) are two ways to choose: set one, not "
+                         f"both (prism_k_active={knobs.prism_k_active}, "
+                         f"prism_k={knobs.prism_k})")
     path = Path(knobs.prism_refactoring) if knobs.prism_refactoring else \
         default_path(getattr(lm, "path", None), lm.config_hash)
     if not (path / CONFIG).is_file():
@@ -91,6 +99,10 @@ def for_run(lm, knobs) -> tuple[Refactoring, int]:
     if not 1 <= k <= N:
         raise InputError(f"prism_k_active must be in 1 … {N} (the refactoring's sub-experts "
                          f"per expert), not {knobs.prism_k_active}")
+    K, top_k = knobs.prism_k, lm.layout.top_k
+    if K is not None and not 1 <= K <= top_k * N:
+        raise InputError(f"prism_k must be in 1 … {top_k * N} (top-k {top_k} × {N} "
+                         f"sub-experts), not {K}")
     return ref, k
 
 

@@ -213,24 +213,24 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
     return p
 
 
-def check_creatable(p: Path, what: str) -> None:
+def check_creatable(p: Path, what: str, error: type[WorkbenchError] = StoreError) -> None:
     """The nearest existing folder above ``p`` is a folder this process can create files in
     (tried with a probe file, since permission bits say nothing to root, to an immutable folder
-    or a read-only mount); otherwise :class:`StoreError` naming ``p``."""
+    or a read-only mount); otherwise ``error`` (:class:`StoreError`) naming ``p``."""
     anc = p.parent
     while not anc.exists():
         if anc.is_symlink():  # a dangling link in the way
-            raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a broken symlink")
+            raise error(f"{what} {str(p)!r}: {str(anc)!r} is a broken symlink")
         anc = anc.parent
     if not anc.is_dir():
-        raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
+        raise error(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
                          f"path under a folder")
     probe = anc / f".workbench-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise StoreError(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
+        raise error(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
                          f"({e.strerror or e}); choose a writable location") from None
 
 
@@ -342,7 +342,7 @@ def check_output_folder(path: Any, what: str, *, config: str | None = None,
     if there and not overwrite:
         raise InputError(f"{str(p)!r} already holds a {holds or what}; pass --overwrite "
                          f"(overwrite=True) to replace it")
-    check_creatable(p, what)
+    check_creatable(p, what, InputError)
     return p
 
 
