@@ -266,3 +266,36 @@ def test_macs_dispatch_without_a_calibration_is_refused_up_front(embedded, tmp_p
                                       macs_calibration=str(tmp_path / "none")))
     Runtime(embedded, knobs=Knobs(dispatch="macs", macs_dynamic_capacity=False,
                                   macs_reroute=False, macs_calibration=str(tmp_path / "none")))
+
+
+# -- §5: a NaN in a refactoring file is named before any arithmetic warns ----------------------
+
+@pytest.mark.parametrize("name, fragment", [
+    ("perm", "perm must hold whole numbers (an integer dtype), not float64"),
+    ("gates", "gates must hold whole numbers (an integer dtype), not float32"),
+    ("tokens", "tokens must hold whole numbers"),
+    ("objective_annealed", "objective_annealed must hold finite numbers"),
+])
+def test_nan_in_a_refactoring_is_refused_without_a_warning(tiny_refactoring, tmp_path, name,
+                                                           fragment):
+    import shutil
+    import warnings
+
+    from safetensors.numpy import load_file, save_file
+
+    from workbench.errors import InputError
+    from workbench.prism import refactor as R
+
+    _, lm, ref = tiny_refactoring
+    bad = tmp_path / "bad"
+    shutil.copytree(ref, bad)
+    t = load_file(str(bad / R.WEIGHTS))
+    a = t[name].astype(np.float32 if name == "gates" else np.float64)
+    a.reshape(-1)[0] = np.nan
+    t[name] = a
+    save_file(t, str(bad / R.WEIGHTS), metadata={"format": R.FORMAT})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's RuntimeWarning came before the error
+        with pytest.raises(InputError) as e:
+            R.load(bad, lm)
+    assert fragment in str(e.value) and str(bad) in str(e.value)

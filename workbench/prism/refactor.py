@@ -240,6 +240,17 @@ def load(path: str | Path, lm=None) -> Refactoring:
         if k not in t or t[k].shape != s:
             raise InputError(f"{str(path / WEIGHTS)!r}: {k} must have shape {s}, not "
                              f"{None if k not in t else t[k].shape}")
+    # the kinds first, before any cast or arithmetic: a NaN cast to int warns (and means
+    # nothing), so the file's fault is named instead
+    for k in ("perm", "gates", "tokens"):
+        if t[k].dtype.kind not in "iu":
+            raise InputError(f"{str(path / WEIGHTS)!r}: {k} must hold whole numbers (an "
+                             f"integer dtype), not {t[k].dtype}")
+    for k in OBJECTIVES:
+        a = t[f"objective_{k}"]
+        if a.dtype.kind not in "iuf" or not np.isfinite(a).all():
+            raise InputError(f"{str(path / WEIGHTS)!r}: objective_{k} must hold finite "
+                             f"numbers ({a.dtype})")
     perm, gates = t["perm"].astype(np.int64), t["gates"].astype(np.int64)
     if not (np.sort(perm, -1) == np.arange(I)).all():
         raise InputError(f"{str(path / WEIGHTS)!r}: every perm row must be a permutation of "
