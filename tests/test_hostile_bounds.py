@@ -299,3 +299,45 @@ def test_nan_in_a_refactoring_is_refused_without_a_warning(tiny_refactoring, tmp
         with pytest.raises(InputError) as e:
             R.load(bad, lm)
     assert fragment in str(e.value) and str(bad) in str(e.value)
+
+
+# -- §4: the replay's memory estimate follows what is allocated ---------------------------------
+
+def _routing_npy(path: Path, tokens: int, layers: int, experts: int, k: int) -> Path:
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((tokens, layers, experts)), -1)[..., :k].astype(np.int16)
+    np.save(path, ids)
+    return path
+
+
+@pytest.mark.parametrize("lead", ["100", "256"])
+def test_a_small_trace_with_a_long_prefetch_lead_replays_within_the_budget(capsys, tmp_path,
+                                                                           lead):
+    """40 tokens × 4 layers with prefetch_lead 100 was refused ("state would need 2.42 GiB";
+    6.07 GiB at 256) and ran in 192 MB with the budget raised: a plan reaches only the step's
+    last layer, and a chunk holds no more accesses than the trace."""
+    p = _routing_npy(tmp_path / "small.npy", 40, 4, 16, 2)
+    rc, err = _cli(capsys, "replay", str(p), "--set", "prefetch=oracle", "--set",
+                   f"prefetch_lead={lead}", "--json")
+    assert rc == 0, err
+
+
+def test_replay_memory_estimate_is_close_to_what_is_allocated(tmp_path):
+    import tracemalloc
+
+    from workbench.knobs import Knobs
+    from workbench.replay import as_trace, replay_trace
+    from workbench.replay.engine import replay_bytes
+
+    for shape, lead in (((40, 4, 16, 2), 256), ((3000, 12, 64, 4), 100)):
+        trace = as_trace(_routing_npy(tmp_path / f"{shape[0]}.npy", *shape))
+        knobs = Knobs().set(prefetch="oracle", prefetch_lead=lead, cache_slots=8)
+        replay_trace(trace, knobs, belady=False)  # compiled before it is measured
+        tracemalloc.start()
+        try:
+            replay_trace(trace, knobs, belady=False)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        est = replay_bytes(trace.compact_experts(), "fast", "lru", False, lead)
+        assert peak / 2 <= est <= 4 * peak, (shape, lead, est, peak)
