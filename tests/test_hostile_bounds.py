@@ -341,3 +341,66 @@ def test_replay_memory_estimate_is_close_to_what_is_allocated(tmp_path):
             tracemalloc.stop()
         est = replay_bytes(trace.compact_experts(), "fast", "lru", False, lead)
         assert peak / 2 <= est <= 4 * peak, (shape, lead, est, peak)
+
+
+# -- §4: what a batch's images cost is bounded before any is decoded ---------------------------
+
+def _png_claiming(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header claims ``width`` × ``height`` and that holds no pixel data: any
+    attempt to decode it fails, so a refusal that names the pixel total came first."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n"
+                     + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def test_a_batch_of_large_images_is_refused_before_decoding(embedded, tmp_path):
+    from workbench.errors import InputError
+    from workbench.models.inputs import (MAX_BATCH_PIXELS, MAX_IMAGE_PIXELS, Request,
+                                         build_batch_inputs)
+
+    big = _png_claiming(tmp_path / "big.png", 4096, 4096)  # every per-image bound is met
+    n = MAX_BATCH_PIXELS // MAX_IMAGE_PIXELS + 1
+    with pytest.raises(InputError) as e:
+        build_batch_inputs(embedded, [Request("what shape?", [big]) for _ in range(n)])
+    msg = str(e.value)
+    assert f"{n * MAX_IMAGE_PIXELS:,} pixels in all" in msg and f"{MAX_BATCH_PIXELS:,}" in msg
+    with pytest.raises(InputError, match="pixels in all"):  # one request, many images
+        build_batch_inputs(embedded, [Request("what shape?", [big] * n)])
+
+
+def test_cli_run_refuses_a_batch_of_large_images_before_the_model_loads(capsys, tmp_path):
+    big = _png_claiming(tmp_path / "big.png", 4096, 4096)
+    rc, err = _cli(capsys, "run", "--model", str(tmp_path / "no-model"), "--no-record",
+                   *[a for _ in range(64) for a in ("--input", f"{big}|what shape?")])
+    assert rc == 2 and "pixels in all" in err and "no-model" not in err, err
+
+
+def test_out_of_memory_while_decoding_is_not_a_damaged_file(tmp_path):
+    """A real MemoryError (the address space capped below what decoding a 4096² image needs)
+    is reported as out of memory, not as "damaged or truncated PNG file"."""
+    from PIL import Image
+
+    p = tmp_path / "big.png"
+    Image.new("RGB", (4096, 4096), (200, 10, 10)).save(p)
+    code = ("import resource, sys\n"
+            "from workbench.models.inputs import open_image\n"
+            "from workbench.errors import InputError\n"
+            "vm = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
+            "if l.startswith('VmSize')][0]\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), vm + (24 << 20)))\n"
+            "try:\n"
+            f"    open_image({str(p)!r})\n"
+            "except MemoryError:\n"
+            "    print('MemoryError')\n"
+            "except InputError as e:\n"
+            "    print('InputError', e)\n")
+    r = _py(code)
+    assert r.stdout.strip() == "MemoryError", (r.stdout, r.stderr[-2000:])

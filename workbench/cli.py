@@ -615,7 +615,7 @@ def _runtime(args, knobs):
 
 def _run(args) -> int:
     from workbench.errors import InputError
-    from workbench.models.inputs import check_prompt, probe_image
+    from workbench.models.inputs import Request, check_batch_pixels, check_prompt
     from workbench.telemetry.store import check_store_path
 
     knobs = _knobs_from(args)
@@ -623,9 +623,9 @@ def _run(args) -> int:
     requests = _run_requests(args)
     for r in requests or [None]:
         check_prompt(args.prompt if r is None else r.prompt)
-        for p in (args.images if r is None else r.images):
-            if isinstance(p, (str, os.PathLike)):
-                probe_image(p)  # header only; the run decodes it (and names the file if it fails)
+    # headers only, and what the batch's images cost together; the run decodes them (and names
+    # a file that fails)
+    check_batch_pixels(requests or [Request(args.prompt, list(args.images))])
     images = list(args.images)
     if args.no_record and (args.store is not None or args.overwrite):
         raise InputError("--no-record writes no store: drop --store/--overwrite, or drop "

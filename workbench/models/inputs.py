@@ -239,6 +239,8 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
         check_image_size(*img.size, _label(img))
         try:
             return to_rgb(img)
+        except MemoryError:  # not the image's fault: said as what it is (the CLI: one line)
+            raise
         except Exception as e:
             raise InputError(f"{_label(img)} (mode {img.mode}) cannot be converted to RGB: "
                              f"{_one_line(e)}") from None
@@ -252,6 +254,8 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
             im.seek(0)
             im.load()
             return to_rgb(im)
+    except MemoryError:  # out of memory is not a damaged file: said as what it is
+        raise
     except Exception as e:  # truncated data, broken chunks, zlib errors, oversized text chunks…
         raise InputError(f"{label} is a damaged or truncated {im.format} file: "
                          f"{_one_line(e)}") from None
@@ -300,6 +304,42 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
 
 #: most requests one batch may hold (a run's batch; each request's images are checked too)
 MAX_BATCH = 256
+
+
+#: most pixels the images of one batch (or request) may have together, from their headers before
+#: any is decoded: 8 × 4096² (384 MiB as RGB, the decoded images all being held together). Each
+#: image's own bound (:data:`MAX_IMAGE_PIXELS`) still holds; :data:`MAX_BATCH` requests of
+#: 4096² images each met every other bound and took 5 GB
+MAX_BATCH_PIXELS = 8 * MAX_IMAGE_PIXELS
+
+
+def _images_of(request: Any) -> list[Any]:
+    images = getattr(request, "images", None) or []
+    if isinstance(images, (str, os.PathLike, Image.Image)):
+        return [images]
+    return list(images)
+
+
+def check_batch_pixels(requests: Sequence[Any]) -> int:
+    """The pixels of every image of ``requests`` together (each image's header read, nothing
+    decoded; each image checked as :func:`probe_image` does, its error naming its request);
+    :class:`InputError` with the limit when they exceed :data:`MAX_BATCH_PIXELS`."""
+    total = n = 0
+    B = len(requests)
+    for i, r in enumerate(requests):
+        for img in _images_of(r):
+            try:
+                w, h, _ = probe_image(img)
+            except InputError as e:
+                raise InputError(f"request {i} of the batch: {e}" if B > 1 else str(e)) from None
+            total += w * h
+            n += 1
+    if total > MAX_BATCH_PIXELS:
+        raise InputError(f"the {n} images of the {'batch' if B > 1 else 'request'} have "
+                         f"{total:,} pixels in all; at most {MAX_BATCH_PIXELS:,} (8 × "
+                         f"4096×4096) are decoded together: give fewer or smaller images, or "
+                         f"split the batch")
+    return total
 
 
 def _check_request(lm, request: Request, where: str) -> tuple[Any, list[Image.Image], list[str]]:
@@ -360,6 +400,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
     if not 1 <= len(requests) <= MAX_BATCH:
         raise InputError(f"a batch holds from 1 to {MAX_BATCH} requests, not {len(requests)}")
     B = len(requests)
+    check_batch_pixels(requests)  # what the batch costs, before any image is decoded
     rendered = _render(lm, requests, [f"request {i} of the batch: " if B > 1 else ""
                                       for i in range(B)])
     texts = [t for t, _, _ in rendered]
@@ -379,7 +420,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
                                                 return_tensors="pt", **pad))
                 else:
                     tensors = _encode_with_image_processor(lm, texts, per_request, pad)
-        except InputError:
+        except (InputError, MemoryError):  # out of memory is not a refused image
             raise
         except Exception as e:
             ip = lm.processor if lm.processor is not None else lm.image_processor
