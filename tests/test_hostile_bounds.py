@@ -404,3 +404,10 @@ def test_out_of_memory_while_decoding_is_not_a_damaged_file(tmp_path):
             "    print('InputError', e)\n")
     r = _py(code)
     assert r.stdout.strip() == "MemoryError", (r.stdout, r.stderr[-2000:])
+
+
+def test_run_store_link_loop_is_named_as_a_loop(capsys, tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    rc, err = _cli(capsys, "run", "--prompt", "hi", "--model", str(tmp_path / "no-model"),
+                   "--store", str(tmp_path / "loop"))
+    assert rc == 2 and "store" in err and "is a symlink loop" in err, err

@@ -181,13 +181,7 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
     message naming the path. Creates nothing but a probe file it removes at once.
     """
     path = store_path_arg(path, "store")
-    p = Path(path).expanduser()
-    if p.is_symlink():
-        target = Path(os.path.realpath(p))
-        if not target.exists():
-            raise StoreError(f"store {str(p)!r} is a symlink to {str(target)!r}, which does not "
-                             f"exist; remove the link or point it at a run store")
-        p = target
+    p = follow_link(Path(path).expanduser(), "store", StoreError)
     p = Path(os.path.abspath(p))
     for up in p.parents:  # a store nested in a store would block --overwrite of the outer one
         if (up / "zarr.json").is_file():
@@ -306,10 +300,11 @@ def writer_lock(path: str | Path, what: str) -> Iterator[Path]:
             drop_lock(p, held[0])
 
 
-def follow_link(p: Path, what: str) -> Path:
+def follow_link(p: Path, what: str, error: type[WorkbenchError] = InputError) -> Path:
     """``p``, or the target of the symlink ``p`` (outputs are written through a link, as run
-    stores are); :class:`InputError` naming ``what`` for a link that leads nowhere (dangling,
-    or a loop), which would otherwise fail only at the first write, after the work."""
+    stores are); ``error`` (:class:`InputError`) naming ``what`` for a link that leads nowhere
+    (dangling, or a loop), which would otherwise fail only at the first write, after the
+    work."""
     if not p.is_symlink():
         return p
     target = Path(os.path.realpath(p))
@@ -318,8 +313,8 @@ def follow_link(p: Path, what: str) -> Path:
     except OSError as e:
         why = ("is a symlink loop" if e.errno == errno.ELOOP else
                f"is a symlink to {str(target)!r}, which does not exist")
-        raise InputError(f"{what} {str(p)!r} {why}; remove the link or point it at a "
-                         f"folder") from None
+        raise error(f"{what} {str(p)!r} {why}; remove the link or point it at a folder"
+                    ) from None
     return target
 
 
