@@ -411,3 +411,20 @@ def test_run_store_link_loop_is_named_as_a_loop(capsys, tmp_path):
     rc, err = _cli(capsys, "run", "--prompt", "hi", "--model", str(tmp_path / "no-model"),
                    "--store", str(tmp_path / "loop"))
     assert rc == 2 and "store" in err and "is a symlink loop" in err, err
+
+
+def test_cost_table_save_refuses_blank_paths_and_broken_links(tmp_path, monkeypatch):
+    from workbench.errors import WorkbenchError
+    from workbench.prism.costs import CostTable
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    table = CostTable([[2.0, 3.0]], [[1.0, 1.0]], (2, 4), 1, "measured")
+    for bad, want in (("", "path is empty"), ("  ", "path is empty"),
+                      ("loop", "symlink loop"), ("dangling", "which does not exist"),
+                      (".", "is a folder")):
+        with pytest.raises(WorkbenchError, match=want):
+            table.save(bad, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "loop"]
+    assert table.save("costs.json").is_file()
