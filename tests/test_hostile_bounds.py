@@ -428,3 +428,21 @@ def test_cost_table_save_refuses_blank_paths_and_broken_links(tmp_path, monkeypa
             table.save(bad, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["dangling", "loop"]
     assert table.save("costs.json").is_file()
+
+
+def test_a_sweep_of_replay_only_knobs_is_refused_before_any_model_loads(capsys, tmp_path,
+                                                                        tiny_ckpt):
+    """Knobs `workbench run` refuses before loading (a replay-only prefetcher) are refused for
+    every sweep point before the model loads (the checkpoint's weights are cut short: loading
+    it would fail with another error)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_ckpt(), model)
+    for w in model.glob("*.safetensors"):
+        data = w.read_bytes()
+        w.write_bytes(data[:len(data) // 2])
+    rc, err = _cli(capsys, "sweep", "--model", str(model), "--input", "hi",
+                   "--out", str(tmp_path / "S"), "--grid", "prefetch=oracle")
+    assert rc == 2 and "only trace replay can run it" in err, err
+    assert not (tmp_path / "S").exists()
