@@ -29,8 +29,9 @@ def _py(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_annealer_cache_is_reused_by_the_next_process(tmp_path):
     code = ("import numpy as np, json\n"
             "from workbench.prism import partition as P, _anneal\n"
-            "P.anneal_many([np.random.rand(6, 8) for _ in range(2)], 4, iterations=5)\n"
-            "s = _anneal.anneal_batch.stats\n"
+            "P.anneal(np.random.rand(6, 8), P.greedy(np.random.rand(6, 8), 4), 4, "
+            "iterations=5)\n"
+            "s = _anneal.anneal_one.stats\n"
             "print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))\n")
     cache = tmp_path / "numba"
     first = _py(code, NUMBA_CACHE_DIR=str(cache))
@@ -131,15 +132,18 @@ def _hold_lock(folder: Path, what: str) -> subprocess.Popen:
     ["calibrate", "--steps", "1", "--requests", "2"],
 ])
 def test_a_second_writer_of_an_output_folder_is_refused(capsys, tmp_path, command):
+    """Refused at once, before the model loads (``--model`` points nowhere: a refusal after
+    the load would say so), and nothing of the first writer's is touched."""
     out = tmp_path / "out"
     other = _hold_lock(out, "folder")
     try:
-        rc, err = _cli(capsys, *command, "--out", str(out), "--overwrite")
+        rc, err = _cli(capsys, *command, "--out", str(out), "--overwrite", "--model",
+                       str(tmp_path / "no-model"))
     finally:
         other.stdin.close()
         other.wait(timeout=60)
     assert rc == 2 and "being written by another process" in err and "exactly one writer" in err
-    assert not out.exists()
+    assert "no-model" not in err and not out.exists()
 
 
 def test_save_folder_takes_the_lock_and_is_reentrant(tmp_path):

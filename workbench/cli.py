@@ -301,28 +301,22 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     return code
 
 
-def _check_out(args, config: str, holds: str) -> "Path | None":
-    """``--out`` of a command that writes a folder, checked before any work (the shared
-    output-folder check: blank, dangling or looping links, a file in the way, ``config``
-    already there without ``--overwrite``, nowhere writable); None when it is not given."""
-    from workbench.telemetry.destination import check_output_folder
-
-    if args.out is None:
-        return None
-    return check_output_folder(args.out, "--out", config=config, overwrite=args.overwrite,
-                               holds=holds)
-
-
 @contextlib.contextmanager
-def _claimed_out(args, default: Path, config: str, holds: str):
-    """The output folder (``--out``, else ``default``), checked and then held under its
-    one-writer lock for the whole command: a second writer of it is refused at once
-    (:class:`StoreBusyError`) instead of both reporting success over each other's files."""
+def _claimed_out(args, default: "Path | None", config: str, holds: str):
+    """The output folder (``--out``, else ``default``) of a command that writes one, checked
+    before any work (the shared output-folder check: blank, dangling or looping links, a file
+    in the way, ``config`` already there without ``--overwrite``, nowhere writable) and then
+    held under its one-writer lock for the whole command: a second writer of it is refused at
+    once (:class:`StoreBusyError`) instead of both reporting success over each other's files.
+    Yields None when there is no ``--out`` and no ``default`` yet (the model names it)."""
     from workbench.telemetry.destination import check_output_folder, writer_lock
 
     what = "--out" if args.out is not None else "output folder"
-    out = check_output_folder(args.out if args.out is not None else default, what,
-                              config=config, overwrite=args.overwrite, holds=holds)
+    path = args.out if args.out is not None else default
+    if path is None:
+        yield None
+        return
+    out = check_output_folder(path, what, config=config, overwrite=args.overwrite, holds=holds)
     with writer_lock(out, f"{holds} folder"):
         # checked again under the lock: another writer may have finished in between
         yield check_output_folder(out, what, config=config, overwrite=args.overwrite,
@@ -343,13 +337,18 @@ def _refactor(args) -> int:
         raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
     reqs = _own_requests(args.inputs, args.input_file)  # bad input costs no model load
     holds = "MoE-Prism refactoring"
-    _check_out(args, R.CONFIG, holds)  # a bad --out costs no model load either
     from workbench.models.loading import load
     from workbench.options import get_options
 
-    lm = load(Path(args.model) if args.model else None, device="cpu")
-    with _claimed_out(args, Path(get_options()["workspace"]) / "prism" / str(lm.config_hash),
-                      R.CONFIG, holds) as out:
+    with contextlib.ExitStack() as stack:
+        # --out is claimed before the model loads (a bad or busy one costs nothing), the
+        # default folder, named by the model, right after
+        out = stack.enter_context(_claimed_out(args, None, R.CONFIG, holds))
+        lm = load(Path(args.model) if args.model else None, device="cpu")
+        if out is None:
+            out = stack.enter_context(_claimed_out(
+                args, Path(get_options()["workspace"]) / "prism" / str(lm.config_hash),
+                R.CONFIG, holds))
         return _refactor_into(args, lm, reqs, out)
 
 
@@ -459,13 +458,17 @@ def _calibrate_macs(args) -> int:
     from workbench.models.loading import load
 
     holds = "MACS calibration"
-    _check_out(args, CONFIG, holds)  # a bad --out costs no model load
-    lm = load(Path(args.model) if args.model else None, device="cpu")
-    if not lm.is_vision:
-        raise InputError(f"MACS calibration classes experts by their visual and text tokens; "
-                         f"model {lm.model_id!r} is text-only (it needs a vision-language "
-                         f"checkpoint)")
-    with _claimed_out(args, workspace_path(lm.config_hash), CONFIG, holds) as out:
+    with contextlib.ExitStack() as stack:
+        # --out claimed before the model loads, the default folder (the model's) after
+        out = stack.enter_context(_claimed_out(args, None, CONFIG, holds))
+        lm = load(Path(args.model) if args.model else None, device="cpu")
+        if not lm.is_vision:
+            raise InputError(f"MACS calibration classes experts by their visual and text "
+                             f"tokens; model {lm.model_id!r} is text-only (it needs a "
+                             f"vision-language checkpoint)")
+        if out is None:
+            out = stack.enter_context(_claimed_out(args, workspace_path(lm.config_hash),
+                                                   CONFIG, holds))
         reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
                                     else args.seed)
         cal = calibrate(lm, reqs, args.threshold)
