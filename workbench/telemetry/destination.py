@@ -218,14 +218,14 @@ def check_creatable(p: Path, what: str, error: type[WorkbenchError] = StoreError
         anc = anc.parent
     if not anc.is_dir():
         raise error(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
-                         f"path under a folder")
+                    f"path under a folder")
     probe = anc / f".workbench-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise error(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
-                         f"({e.strerror or e}); choose a writable location") from None
+                    f"({e.strerror or e}); choose a writable location") from None
 
 
 def take_lock(path: Path, what: str) -> int:
