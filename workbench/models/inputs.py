@@ -11,9 +11,10 @@ at most :data:`MAX_IMAGE_PIXELS` pixels (4096 × 4096: Qwen3-VL's own processor 
 that many pixels, and the dashboard's upload limit is the same) and an aspect ratio of at most
 :data:`MAX_ASPECT_RATIO`:1 (Qwen2-VL's ``smart_resize``, which the Qwen-VL family's image
 processors share, refuses more); the images of one batch (or request) together have at most
-:data:`MAX_BATCH_PIXELS` pixels, from their headers before any is decoded. Decoding then turns any mode into RGB the way transformers'
-``convert_to_rgb`` does (alpha composited onto white; 16-bit and float images scaled to 8 bits
-rather than clipped); an animated image gives its first frame. Anything else raises
+:data:`MAX_BATCH_PIXELS` pixels, from their headers before any is decoded. Decoding then
+turns any mode into RGB the way transformers' ``convert_to_rgb`` does (alpha composited onto
+white; 16-bit and float images scaled to 8 bits rather than clipped); an animated image gives
+its first frame. Anything else raises
 :class:`~workbench.errors.InputError` naming the image, what is wrong and what is allowed; running
 out of memory while decoding is a :class:`MemoryError`, never reported as a damaged file.
 """
