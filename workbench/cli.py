@@ -14,6 +14,7 @@ nothing is written and no existing store is touched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, metavar="N",
                    help="run a batch of N generated requests together (instead of --prompt; "
                         "see --batch-source, --batch-mix)")
-    r.add_argument("--batch-source", choices=("heldout", "demo"), default="heldout",
+    r.add_argument("--batch-source", choices=("heldout", "demo"), default=None,
                    help="--batch from the held-out generated scenes (default) or the demo "
                         "requests")
     r.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
@@ -104,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-mix", choices=("mixed", "image", "text"), default=None,
                    help="--batch: the generated requests' mix (default: the held-out split's; "
                         "text-only for a text-only --model)")
-    s.add_argument("--workers", type=int, default=2, metavar="N",
-                   help="LocalCluster worker processes (default 2)")
+    s.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="LocalCluster worker processes (default 2; not with --scheduler)")
 
     d = sub.add_parser("dashboard", help="serve the Panel dashboard (127.0.0.1 by default)")
     d.add_argument("--address", default="127.0.0.1",
@@ -137,14 +138,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--inputs", nargs="+", default=[], metavar="FILE",
                    help="images (asked --prompt) or JSON lists of {image, prompt} "
                         "(default: --requests generated scenes)")
-    c.add_argument("--prompt", default="what shape is red?",
-                   help="question asked about each --inputs image")
+    c.add_argument("--prompt", default=None,
+                   help="question asked about each --inputs image (default: what shape is "
+                        "red?)")
     c.add_argument("--out", required=True, metavar="PATH",
                    help="directory for predictor.safetensors + predictor.json")
     c.add_argument("--overwrite", action="store_true", help="replace an existing PATH")
     c.add_argument("--steps", type=int, default=300, metavar="N",
                    help="training steps (full-batch Adam; default 300)")
-    c.add_argument("--requests", type=int, default=48, metavar="N",
+    c.add_argument("--requests", type=int, default=None, metavar="N",
                    help="generated scenes when no --inputs (default 48)")
     c.add_argument("--max-new-tokens", type=int, default=4, metavar="N",
                    help="decode steps recorded per request (default 4)")
@@ -181,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="folder for prism.safetensors + prism.json (default: the workspace's "
                         "prism/<config hash>)")
     f.add_argument("--overwrite", action="store_true", help="replace an existing refactoring")
-    f.add_argument("--requests", type=int, default=64, metavar="N",
+    f.add_argument("--requests", type=int, default=None, metavar="N",
                    help="generated calibration requests, half text-only (all text-only for a "
                         "text-only model; default 64)")
     f.add_argument("--input", dest="inputs", action="append", default=[],
@@ -220,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
 
     try:
+        _check_option_pairs(args)
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
                 "calibrate-macs": _calibrate_macs, "refactor": _refactor}[args.command](args)
@@ -247,6 +250,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"please report it)", "InternalError", 1, internal=True)
 
 
+#: options that only mean something with another: (command, option, its attribute, whether it
+#: acts given the other options, what it needs — the message says it)
+_NEEDS = (
+    ("run", "--batch-source", "batch_source", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("run", "--batch-mix", "batch_mix", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("run", "--batch-seed", "batch_seed", lambda a: a.batch is not None,
+     "it only applies with --batch N; drop it or use --batch"),
+    ("sweep", "--batch-mix", "batch_mix", lambda a: a.batch != 1,
+     "it only applies with --batch N for N > 1 (the generated requests it mixes)"),
+    ("sweep", "--workers", "workers", lambda a: a.scheduler is None,
+     "it only applies without --scheduler (that scheduler's workers are its own)"),
+    ("refactor", "--requests", "requests", lambda a: not (a.inputs or a.input_file),
+     "it only applies to generated requests, not with --input/--input-file"),
+    ("refactor", "--seed", "seed", lambda a: not (a.inputs or a.input_file),
+     "it only applies to generated requests, not with --input/--input-file"),
+    ("calibrate", "--prompt", "prompt", lambda a: bool(a.inputs),
+     "it only applies with --inputs (the question asked about each image)"),
+    ("calibrate", "--requests", "requests", lambda a: not a.inputs,
+     "it only applies to generated scenes, not with --inputs"),
+)
+
+
+def _check_option_pairs(args) -> None:
+    """Refuse an option given where it does nothing (e.g. ``run --batch-mix`` with
+    ``--prompt``): silently ignoring it would report a run that is not the one asked for. The
+    message names the option it needs. Defaults are then filled in."""
+    from workbench.errors import InputError
+
+    for command, flag, attr, acts, needs in _NEEDS:
+        if args.command == command and getattr(args, attr) is not None and not acts(args):
+            raise InputError(f"{flag} {getattr(args, attr)!r} does nothing here: {needs}")
+    for command, attr, default in (("run", "batch_source", "heldout"),
+                                   ("refactor", "requests", 64),
+                                   ("calibrate", "prompt", "what shape is red?"),
+                                   ("calibrate", "requests", 48)):
+        if args.command == command and getattr(args, attr) is None:
+            setattr(args, attr, default)
+
+
 def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> int:
     """Report an error: one ``workbench: error: …`` line on stderr, and with ``--json`` also one
     JSON object ``{"error": {"type", "message", "exit_code"}}`` on stdout, so a script that reads
@@ -257,9 +301,29 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     return code
 
 
-def _refactor(args) -> int:
-    import numpy as np
+@contextlib.contextmanager
+def _claimed_out(args, default: "Path | None", config: str, holds: str):
+    """The output folder (``--out``, else ``default``) of a command that writes one, checked
+    before any work (the shared output-folder check: blank, dangling or looping links, a file
+    in the way, ``config`` already there without ``--overwrite``, nowhere writable) and then
+    held under its one-writer lock for the whole command: a second writer of it is refused at
+    once (:class:`StoreBusyError`) instead of both reporting success over each other's files.
+    Yields None when there is no ``--out`` and no ``default`` yet (the model names it)."""
+    from workbench.telemetry.destination import check_output_folder, writer_lock
 
+    what = "--out" if args.out is not None else "output folder"
+    path = args.out if args.out is not None else default
+    if path is None:
+        yield None
+        return
+    out = check_output_folder(path, what, config=config, overwrite=args.overwrite, holds=holds)
+    with writer_lock(out, f"{holds} folder"):
+        # checked again under the lock: another writer may have finished in between
+        yield check_output_folder(out, what, config=config, overwrite=args.overwrite,
+                                  holds=holds)
+
+
+def _refactor(args) -> int:
     from workbench.errors import InputError
     from workbench.prism import refactor as R
 
@@ -272,15 +336,26 @@ def _refactor(args) -> int:
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise InputError(f"--seed must be from 0 to 2**63 − 1, not {args.seed}")
     reqs = _own_requests(args.inputs, args.input_file)  # bad input costs no model load
+    holds = "MoE-Prism refactoring"
     from workbench.models.loading import load
     from workbench.options import get_options
 
-    lm = load(Path(args.model) if args.model else None, device="cpu")
-    out = Path(args.out) if args.out else (Path(get_options()["workspace"]) / "prism"
-                                           / str(lm.config_hash))
-    if (out / R.CONFIG).exists() and not args.overwrite:
-        raise InputError(f"{str(out)!r} already holds a MoE-Prism refactoring; pass "
-                         f"--overwrite to replace it")
+    with contextlib.ExitStack() as stack:
+        # --out is claimed before the model loads (a bad or busy one costs nothing), the
+        # default folder, named by the model, right after
+        out = stack.enter_context(_claimed_out(args, None, R.CONFIG, holds))
+        lm = load(Path(args.model) if args.model else None, device="cpu")
+        if out is None:
+            out = stack.enter_context(_claimed_out(
+                args, Path(get_options()["workspace"]) / "prism" / str(lm.config_hash),
+                R.CONFIG, holds))
+        return _refactor_into(args, lm, reqs, out)
+
+
+def _refactor_into(args, lm, reqs: list, out: Path) -> int:
+    import numpy as np
+
+    from workbench.prism import refactor as R
     from workbench.prism.partition import _check
     from workbench.prism.profile import neuron_layout
 
@@ -371,8 +446,8 @@ def _own_requests(inputs: list[str], input_file: str | None) -> list:
 
 def _calibrate_macs(args) -> int:
     from workbench.errors import InputError
-    from workbench.macs.calibration import (CALIBRATION_SEED, calibrate, calibration_requests,
-                                            save, workspace_path)
+    from workbench.macs.calibration import (CALIBRATION_SEED, CONFIG, calibrate,
+                                            calibration_requests, save, workspace_path)
 
     if not 2 <= args.requests <= 4096:
         raise InputError(f"--requests must be from 2 to 4096, not {args.requests}")
@@ -382,19 +457,22 @@ def _calibrate_macs(args) -> int:
         raise InputError(f"--threshold must be in (0, 1), not {args.threshold}")
     from workbench.models.loading import load
 
-    lm = load(Path(args.model) if args.model else None, device="cpu")
-    if not lm.is_vision:
-        raise InputError(f"MACS calibration classes experts by their visual and text tokens; "
-                         f"model {lm.model_id!r} is text-only (it needs a vision-language "
-                         f"checkpoint)")
-    out = Path(args.out) if args.out else workspace_path(lm.config_hash)
-    if (out / "macs.json").exists() and not args.overwrite:
-        raise InputError(f"{str(out)!r} already holds a MACS calibration; pass --overwrite to "
-                         f"replace it")
-    reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
-                                else args.seed)
-    cal = calibrate(lm, reqs, args.threshold)
-    save(cal, out, overwrite=args.overwrite)
+    holds = "MACS calibration"
+    with contextlib.ExitStack() as stack:
+        # --out claimed before the model loads, the default folder (the model's) after
+        out = stack.enter_context(_claimed_out(args, None, CONFIG, holds))
+        lm = load(Path(args.model) if args.model else None, device="cpu")
+        if not lm.is_vision:
+            raise InputError(f"MACS calibration classes experts by their visual and text "
+                             f"tokens; model {lm.model_id!r} is text-only (it needs a "
+                             f"vision-language checkpoint)")
+        if out is None:
+            out = stack.enter_context(_claimed_out(args, workspace_path(lm.config_hash),
+                                                   CONFIG, holds))
+        reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
+                                    else args.seed)
+        cal = calibrate(lm, reqs, args.threshold)
+        save(cal, out, overwrite=args.overwrite)
     summary = {"out": str(out), **cal.summary()}
     if args.json:
         print(json.dumps(summary))
@@ -408,19 +486,23 @@ def _calibrate_macs(args) -> int:
 
 
 def _calibrate(args) -> int:
+    _calibrate_flags(args)
+    out = _calibrate_out(args)
+    from workbench.telemetry.destination import writer_lock
+
+    with writer_lock(out, "predictor folder"):
+        # checked again under the lock: another writer may have finished in between
+        return _calibrate_into(args, _calibrate_out(args))
+
+
+def _calibrate_out(args) -> Path:
+    """``--out`` of ``workbench calibrate``, checked: the shared output-folder check (written
+    through a symlink, as run stores are), then what ``--overwrite`` may replace."""
     from workbench.errors import InputError, StoreExistsError
     from workbench.predictor.model import CONFIG, WEIGHTS
-    from workbench.telemetry.destination import check_creatable
+    from workbench.telemetry.destination import check_output_folder
 
-    if str(args.out).strip() == "" or "\0" in str(args.out):
-        raise InputError(f"--out {args.out!r} is not a usable folder name")
-    out = Path(args.out)
-    if out.is_symlink():  # written through the link, as run stores are
-        target = Path(os.path.realpath(out))
-        if not target.exists():
-            raise InputError(f"--out {str(out)!r} is a symlink to {str(target)!r}, which does "
-                             f"not exist")
-        out = target
+    out = check_output_folder(args.out, "--out")
     fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))  # empty = absent
     if not fresh and not args.overwrite:
         raise StoreExistsError(f"--out {str(out)!r} already exists; pass --overwrite to replace "
@@ -432,7 +514,11 @@ def _calibrate(args) -> int:
             raise InputError(f"--out {str(out)!r} is not a calibrated predictor folder (it "
                              f"holds {', '.join(extra[:5])}); --overwrite only replaces "
                              f"{CONFIG} + {WEIGHTS} — refusing to delete it")
-    check_creatable(out, "predictor folder")
+    return out
+
+
+def _calibrate_flags(args) -> None:
+    from workbench.errors import InputError
     from workbench.predictor.calibrate import (MAX_CALIB_REQUESTS, MAX_CALIB_STEPS,
                                                MAX_RECORDED_TOKENS)
     from workbench.predictor.model import MAX_SIZE
@@ -451,6 +537,10 @@ def _calibrate(args) -> int:
             ("--decay", args.decay, 0.0 < args.decay <= 1.0, "in (0, 1]")):
         if not ok:
             raise InputError(f"{flag} must be {allowed}, not {value}")
+
+
+def _calibrate_into(args, out: Path) -> int:
+    from workbench.errors import InputError
     from workbench.predictor.calibrate import (calibrate, format_report, parse_inputs,
                                                scene_requests)
 
@@ -528,7 +618,7 @@ def _runtime(args, knobs):
 
 def _run(args) -> int:
     from workbench.errors import InputError
-    from workbench.models.inputs import check_prompt, probe_image
+    from workbench.models.inputs import Request, check_batch_pixels, check_prompt
     from workbench.telemetry.store import check_store_path
 
     knobs = _knobs_from(args)
@@ -536,9 +626,9 @@ def _run(args) -> int:
     requests = _run_requests(args)
     for r in requests or [None]:
         check_prompt(args.prompt if r is None else r.prompt)
-        for p in (args.images if r is None else r.images):
-            if isinstance(p, (str, os.PathLike)):
-                probe_image(p)  # header only; the run decodes it (and names the file if it fails)
+    # headers only, and what the batch's images cost together; the run decodes them (and names
+    # a file that fails)
+    check_batch_pixels(requests or [Request(args.prompt, list(args.images))])
     images = list(args.images)
     if args.no_record and (args.store is not None or args.overwrite):
         raise InputError("--no-record writes no store: drop --store/--overwrite, or drop "

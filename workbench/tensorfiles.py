@@ -18,11 +18,25 @@ def save_folder(out: str | Path, weights: str, config: str, tensors: dict[str, n
                 meta: dict[str, Any], fmt: str, what: str, overwrite: bool = False) -> Path:
     """Write ``tensors`` to ``out/weights`` (safetensors, ``format`` metadata ``fmt``) and
     ``meta`` to ``out/config`` (JSON); ``what`` names the content in errors ("MACS
-    calibration")."""
-    out = Path(out)
-    if (out / config).exists() and not overwrite:
-        raise InputError(f"{str(out)!r} already holds a {what}; pass --overwrite "
-                         f"(overwrite=True) to replace it")
+    calibration"). The folder is checked first (:func:`check_output_folder`: blank paths,
+    dangling or looping links and files in the way are refused) and written under its
+    one-writer lock (:func:`writer_lock`; a caller may already hold it from its own checks
+    on): a second writer of the same folder is refused with :class:`StoreBusyError`, never
+    interleaved."""
+    from workbench.telemetry.destination import check_output_folder, writer_lock
+
+    out = check_output_folder(out, f"{what} folder", config=config, overwrite=overwrite,
+                              holds=what)
+    with writer_lock(out, f"{what} folder"):
+        # checked again under the lock: another writer may have finished in between
+        out = check_output_folder(out, f"{what} folder", config=config, overwrite=overwrite,
+                                  holds=what)
+        _write_folder(out, weights, config, tensors, meta, fmt, what)
+    return out
+
+
+def _write_folder(out: Path, weights: str, config: str, tensors: dict[str, np.ndarray],
+                  meta: dict[str, Any], fmt: str, what: str) -> None:
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
@@ -38,7 +52,6 @@ def save_folder(out: str | Path, weights: str, config: str, tensors: dict[str, n
     except (OSError, SafetensorError, RuntimeError, ValueError) as e:
         raise InputError(f"cannot write the {what} to {str(out)!r}: "
                          f"{type(e).__name__}: {str(e)[:200]}") from None
-    return out
 
 
 def load_header(folder: str | Path, config: str, fmt: str, what: str,

@@ -631,9 +631,11 @@ class MoEAccessor:
         bad = [f for f in figures if f not in ("html", "json")]
         if bad:
             raise _bad("figures", tuple(figures), "a list of 'html' and 'json'")
-        out = Path(folder)
-        if out.exists() and not out.is_dir():
-            raise InputError(f"export folder {str(out)!r} is a file; give a folder")
+        from workbench.telemetry.destination import check_output_folder
+
+        # the shared output check: '' (the current folder), blank names, dangling links and a
+        # file in the way are refused before anything is computed or written
+        out = check_output_folder(folder, "export folder")
         out.mkdir(parents=True, exist_ok=True)
         written: list[Path] = []
 

@@ -9,6 +9,7 @@ of them, and the model / request when those differ) beside the headline numbers 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,9 +23,30 @@ COLUMNS = ("hit_rate", "hits", "misses", "loads", "evictions", "latency_measured
            "stall_modeled_s", "steps")
 
 
-def _as_dataset(run: Any) -> tuple[str, xr.Dataset]:
+#: what the table and the figure read from each run (``ds.moe.summary``, ``hit_rate``)
+NEEDED_DIMS = ("step", "layer")
+NEEDED_VARS = ("phase", "hits", "misses", "loads", "evictions", "latency_measured_s",
+               "latency_modeled_s", "stall_measured_s", "stall_modeled_s", "transfer_bytes",
+               "transfer_bytes_modeled")
+
+
+def _as_dataset(run: Any, i: int) -> tuple[str, xr.Dataset]:
+    """Entry ``i`` of ``runs`` as (name, Dataset); :class:`InputError` naming the entry when
+    it is neither a store path nor a Dataset with what a run store holds (checked here, so that
+    a bad entry is not a KeyError deep in the summary)."""
     if isinstance(run, xr.Dataset):
+        missing = ([f"dimension {d!r}" for d in NEEDED_DIMS if d not in run.dims]
+                   + [repr(v) for v in NEEDED_VARS if v not in run.variables])
+        if missing:
+            raise InputError(f"compare_runs: runs[{i}] is a Dataset that is not a run store's "
+                             f"(it lacks {', '.join(missing[:4])}"
+                             f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}); "
+                             f"give a store path or workbench.open_run(path)")
         return str(run.attrs.get("run_name") or run.attrs.get("store") or "run"), run
+    if not isinstance(run, (str, os.PathLike)):
+        raise InputError(f"compare_runs: runs[{i}] is a {type(run).__name__} "
+                         f"({str(run)[:60]!r}); give a store path or a Dataset of "
+                         f"workbench.open_run")
     from workbench.telemetry.store import open_run
 
     path = Path(run)
@@ -43,7 +65,7 @@ def compare_runs(runs: Sequence[Any]) -> tuple[Any, Any]:
 
     if isinstance(runs, (str, Path, xr.Dataset)) or not len(runs):
         raise InputError("compare_runs takes a list of one or more runs (store paths or Datasets)")
-    named = [_as_dataset(r) for r in runs]
+    named = [_as_dataset(r, i) for i, r in enumerate(runs)]
     names = [n for n, _ in named]
     if len(set(names)) != len(names):  # two stores of one name in different folders
         names = [f"{n} ({i})" for i, n in enumerate(names)]

@@ -206,8 +206,10 @@ def check_out(out: str | Path) -> Path:
         raise InputError(f"the sweep folder (--out) must be a path, not {out!r}")
     if "\x00" in text:
         raise InputError(f"the sweep folder (--out) {text!r} contains a NUL character")
-    out = Path(text)
+    from workbench.telemetry.destination import follow_link
+
     label = f"sweep folder (--out) {text!r}"
+    out = follow_link(Path(text), "the sweep folder (--out)")
     try:
         if out.exists():
             if not out.is_dir():
@@ -426,14 +428,24 @@ def check_points(model: str | Path | None, points: Sequence[dict[str, Any]],
     from workbench.models.loading import load
     from workbench.runtime.runtime import Runtime
 
+    from workbench.knobs import ModelShape
+
     models: dict[tuple[str, str], Any] = {}
     by_knobs: dict[str, WorkbenchError | None] = {}
     refused: dict[str, WorkbenchError] = {}
+    for point in points:  # first what needs no model (as `workbench run` before it loads)
+        key = json.dumps(point["knobs"], sort_keys=True, default=str)
+        if key not in by_knobs:
+            try:
+                Knobs(**point["knobs"]).check(ModelShape.unknown(), live=True)
+            except WorkbenchError as e:
+                by_knobs[key] = e
     try:
         for point in points:
             k = point["knobs"]
             key = json.dumps(k, sort_keys=True, default=str)
-            if key not in by_knobs:  # else: the same knobs for another input
+            if key not in by_knobs:  # else: refused already, or the same knobs for another
+                # input (a sweep whose points all fail without a model loads none)
                 mk = (k["dtype"], k["device"] if local else "cpu")
                 if mk not in models:
                     models[mk] = load(model, dtype=mk[0], device=mk[1])

@@ -10,10 +10,13 @@ a regular file of at most :data:`MAX_IMAGE_BYTES` bytes, in one of :data:`IMAGE_
 at most :data:`MAX_IMAGE_PIXELS` pixels (4096 × 4096: Qwen3-VL's own processor caps an image at
 that many pixels, and the dashboard's upload limit is the same) and an aspect ratio of at most
 :data:`MAX_ASPECT_RATIO`:1 (Qwen2-VL's ``smart_resize``, which the Qwen-VL family's image
-processors share, refuses more). Decoding then turns any mode into RGB the way transformers'
-``convert_to_rgb`` does (alpha composited onto white; 16-bit and float images scaled to 8 bits
-rather than clipped); an animated image gives its first frame. Anything else raises
-:class:`~workbench.errors.InputError` naming the image, what is wrong and what is allowed.
+processors share, refuses more); the images of one batch (or request) together have at most
+:data:`MAX_BATCH_PIXELS` pixels, from their headers before any is decoded. Decoding then
+turns any mode into RGB the way transformers' ``convert_to_rgb`` does (alpha composited onto
+white; 16-bit and float images scaled to 8 bits rather than clipped); an animated image gives
+its first frame. Anything else raises
+:class:`~workbench.errors.InputError` naming the image, what is wrong and what is allowed; running
+out of memory while decoding is a :class:`MemoryError`, never reported as a damaged file.
 """
 
 from __future__ import annotations
@@ -242,6 +245,8 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
         check_image_size(*img.size, _label(img))
         try:
             return to_rgb(img)
+        except MemoryError:  # not the image's fault: said as what it is (the CLI: one line)
+            raise
         except Exception as e:
             raise InputError(f"{_label(img)} (mode {img.mode}) cannot be converted to RGB: "
                              f"{_one_line(e)}") from None
@@ -255,6 +260,8 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
             im.seek(0)
             im.load()
             return to_rgb(im)
+    except MemoryError:  # out of memory is not a damaged file: said as what it is
+        raise
     except Exception as e:  # truncated data, broken chunks, zlib errors, oversized text chunks…
         raise InputError(f"{label} is a damaged or truncated {im.format} file: "
                          f"{_one_line(e)}") from None
@@ -303,6 +310,42 @@ def build_inputs(lm, request: Request, max_new_tokens: int = 0) -> ModelInputs:
 
 #: most requests one batch may hold (a run's batch; each request's images are checked too)
 MAX_BATCH = 256
+
+
+#: most pixels the images of one batch (or request) may have together, from their headers before
+#: any is decoded: 8 × 4096² (384 MiB as RGB, the decoded images all being held together). Each
+#: image's own bound (:data:`MAX_IMAGE_PIXELS`) still holds; :data:`MAX_BATCH` requests of
+#: 4096² images each met every other bound and took 5 GB
+MAX_BATCH_PIXELS = 8 * MAX_IMAGE_PIXELS
+
+
+def _images_of(request: Any) -> list[Any]:
+    images = getattr(request, "images", None) or []
+    if isinstance(images, (str, os.PathLike, Image.Image)):
+        return [images]
+    return list(images)
+
+
+def check_batch_pixels(requests: Sequence[Any]) -> int:
+    """The pixels of every image of ``requests`` together (each image's header read, nothing
+    decoded; each image checked as :func:`probe_image` does, its error naming its request);
+    :class:`InputError` with the limit when they exceed :data:`MAX_BATCH_PIXELS`."""
+    total = n = 0
+    B = len(requests)
+    for i, r in enumerate(requests):
+        for img in _images_of(r):
+            try:
+                w, h, _ = probe_image(img)
+            except InputError as e:
+                raise InputError(f"request {i} of the batch: {e}" if B > 1 else str(e)) from None
+            total += w * h
+            n += 1
+    if total > MAX_BATCH_PIXELS:
+        raise InputError(f"the {n} images of the {'batch' if B > 1 else 'request'} have "
+                         f"{total:,} pixels in all; at most {MAX_BATCH_PIXELS:,} (8 × "
+                         f"4096×4096) are decoded together: give fewer or smaller images, or "
+                         f"split the batch")
+    return total
 
 
 def _check_request(lm, request: Request, where: str) -> tuple[Any, list[Image.Image], list[str]]:
@@ -363,6 +406,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
     if not 1 <= len(requests) <= MAX_BATCH:
         raise InputError(f"a batch holds from 1 to {MAX_BATCH} requests, not {len(requests)}")
     B = len(requests)
+    check_batch_pixels(requests)  # what the batch costs, before any image is decoded
     rendered = _render(lm, requests, [f"request {i} of the batch: " if B > 1 else ""
                                       for i in range(B)])
     texts = [t for t, _, _ in rendered]
@@ -382,7 +426,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
                                                 return_tensors="pt", **pad))
                 else:
                     tensors = _encode_with_image_processor(lm, texts, per_request, pad)
-        except InputError:
+        except (InputError, MemoryError):  # out of memory is not a refused image
             raise
         except Exception as e:
             ip = lm.processor if lm.processor is not None else lm.image_processor

@@ -190,7 +190,10 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
     if G == 0 or policy.name == "none":
         return np.zeros(G + 1, np.int64), np.zeros(0, np.int64)
     if "source" in type(policy).__dict__:  # a built-in: the same plan, vectorised
-        return _plan_vectorised(type(policy).source, list(type(policy).depths(lead)), trace,
+        # depths past the step's last layer name nothing: not looped over (a lead of 256 on a
+        # 4-layer trace costs what a lead of 3 does)
+        return _plan_vectorised(type(policy).source,
+                                [d for d in type(policy).depths(lead) if d < L], trace,
                                 groups, pinned, budget)
     steps_tokens = np.r_[0, np.cumsum(groups.step_tokens)]
     ranked_cache: dict[tuple[int, int], list[int]] = {}

@@ -175,8 +175,14 @@ class CostTable:
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the table to ``path`` (JSON; a temporary name, then renamed). An existing file
-        is replaced only with ``overwrite``."""
-        path = Path(path)
+        is replaced only with ``overwrite``; a blank path or a link that leads nowhere is
+        refused (the shared output-path checks)."""
+        from workbench.telemetry.destination import follow_link, store_path_arg
+
+        path = follow_link(store_path_arg(path, "cost table file", "costs.json").expanduser(),
+                           "cost table file")
+        if path.is_dir():
+            raise InputError(f"cost table file {str(path)!r} is a folder; give a file path")
         if path.exists() and not overwrite:
             raise InputError(f"{str(path)!r} already exists; pass overwrite=True to replace "
                              f"the cost table there")

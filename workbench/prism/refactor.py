@@ -78,7 +78,15 @@ def default_path(model_dir, config_hash: str) -> Path:
 
 def for_run(lm, knobs) -> tuple[Refactoring, int]:
     """The refactoring a run with ``prism=True`` uses and its k_active (None: all),
-    checked: the refactoring is this model's, k_active within 1 … its sub-experts."""
+    checked: the refactoring is this model's, k_active within 1 … its sub-experts, prism_k
+    (not with prism_k_active) within 1 … top-k × sub-experts. The runtime calls it when it
+    checks its knobs (before any run starts: a sweep checks every point so) and again when a
+    run sets up its sub-experts."""
+    if knobs.prism_k is not None and knobs.prism_k_active is not None:
+        raise InputError(f"prism_k (the K best sub-experts of a token's routed experts) and "
+                         f"prism_k_active (per expert) are two ways to choose: set one, not "
+                         f"both (prism_k_active={knobs.prism_k_active}, "
+                         f"prism_k={knobs.prism_k})")
     path = Path(knobs.prism_refactoring) if knobs.prism_refactoring else \
         default_path(getattr(lm, "path", None), lm.config_hash)
     if not (path / CONFIG).is_file():
@@ -91,6 +99,10 @@ def for_run(lm, knobs) -> tuple[Refactoring, int]:
     if not 1 <= k <= N:
         raise InputError(f"prism_k_active must be in 1 … {N} (the refactoring's sub-experts "
                          f"per expert), not {knobs.prism_k_active}")
+    K, top_k = knobs.prism_k, lm.layout.top_k
+    if K is not None and not 1 <= K <= top_k * N:
+        raise InputError(f"prism_k must be in 1 … {top_k * N} (top-k {top_k} × {N} "
+                         f"sub-experts), not {K}")
     return ref, k
 
 
@@ -228,6 +240,17 @@ def load(path: str | Path, lm=None) -> Refactoring:
         if k not in t or t[k].shape != s:
             raise InputError(f"{str(path / WEIGHTS)!r}: {k} must have shape {s}, not "
                              f"{None if k not in t else t[k].shape}")
+    # the kinds first, before any cast or arithmetic: a NaN cast to int warns (and means
+    # nothing), so the file's fault is named instead
+    for k in ("perm", "gates", "tokens"):
+        if t[k].dtype.kind not in "iu":
+            raise InputError(f"{str(path / WEIGHTS)!r}: {k} must hold whole numbers (an "
+                             f"integer dtype), not {t[k].dtype}")
+    for k in OBJECTIVES:
+        a = t[f"objective_{k}"]
+        if a.dtype.kind not in "iuf" or not np.isfinite(a).all():
+            raise InputError(f"{str(path / WEIGHTS)!r}: objective_{k} must hold finite "
+                             f"numbers ({a.dtype})")
     perm, gates = t["perm"].astype(np.int64), t["gates"].astype(np.int64)
     if not (np.sort(perm, -1) == np.arange(I)).all():
         raise InputError(f"{str(path / WEIGHTS)!r}: every perm row must be a permutation of "

@@ -156,8 +156,9 @@ def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
     streams: per (step, layer) its counts and stall (:class:`_Outputs`: 15 bytes when narrow,
     64 when not), per step 32, per access 4 for Belady's future, per key
     :data:`REPLAY_BYTES_PER_KEY`, and one chunk's working set (≈ 150 bytes per access of
-    :data:`CHUNK_ACCESSES`, and a prefetch plan of ``prefetch_lead`` layers ahead ≈ 48 bytes
-    per access and layer of lead: 0 = no prefetch). Keys are those in use
+    :data:`CHUNK_ACCESSES` or of the trace if it has fewer, and a prefetch plan of
+    ``prefetch_lead`` layers ahead ≈ 48 bytes per access and layer of lead, a lead reaching at
+    most the step's last layer: 0 = no prefetch). Keys are those in use
     (:meth:`Trace.compact_experts` first)."""
     S, L, E = trace.num_steps, trace.num_layers, trace.num_experts
     keys = L * E * REPLAY_BYTES_PER_KEY
@@ -165,8 +166,12 @@ def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
         return S * L * PYTHON_BYTES_PER_STEP_LAYER + keys
     narrow = S * L > NARROW_CELLS
     cell = (7 if narrow else 56) + (0 if hits_only else 8)
-    future = 4 * trace.num_tokens * L * trace.top_k if eviction == "belady" else 0
-    chunk = (150 + 48 * prefetch_lead) * CHUNK_ACCESSES
+    slots = trace.num_tokens * L * trace.top_k  # every routed (token, layer) slot
+    future = 4 * slots if eviction == "belady" else 0
+    # what is allocated, not the knobs' reach: a chunk holds no more accesses than the trace,
+    # and a plan looks ahead only to the step's last layer (depths l + d < L)
+    lead = min(prefetch_lead, max(L - 1, 0))
+    chunk = (150 + 48 * lead) * min(CHUNK_ACCESSES, slots)
     return S * L * cell + 32 * S + future + keys + chunk
 
 
@@ -359,7 +364,8 @@ def _candidates_per_group(policy, k, E: int, nk: int) -> int:
     budget = k.prefetch_budget if k.prefetch_budget is not None else getattr(
         policy, "default_budget", None)
     depths = getattr(type(policy), "depths", None)
-    bound = len(list(depths(k.prefetch_lead))) * E if callable(depths) else nk
+    L = nk // max(E, 1)  # depths past the last layer name nothing
+    bound = sum(d < L for d in depths(k.prefetch_lead)) * E if callable(depths) else nk
     return min(bound, int(budget) if budget is not None else bound, nk)
 
 

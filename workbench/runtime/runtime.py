@@ -94,6 +94,13 @@ class Runtime:
         self._check_vision(knobs)
         if self.uses_predictor(knobs):
             self.predictor(knobs)
+        # what a run reads beside the model, checked now (not when the first run sets up): a
+        # sweep checks every point's knobs so, before any point starts
+        if knobs.prism:
+            from workbench.prism.refactor import for_run
+
+            for_run(self.lm, knobs)
+        self.macs_calibration(knobs)
         # the valid prefix interval (VisMMOE eq. 10), on the profile first, then here
         live, modeled = self.plans(knobs)
         modeled.check_pinned()
@@ -115,6 +122,22 @@ class Runtime:
                             f"and text experts; model {name!r} is text-only: set "
                             f"macs_dynamic_capacity=false and macs_reroute=false, or another "
                             f"dispatch")
+
+    def macs_calibration(self, knobs: Knobs) -> Any:
+        """The MACS calibration a run of ``knobs`` reads (``dispatch=macs`` with dynamic
+        capacity or rerouting: the ``macs_calibration`` folder, else the model's default),
+        checked against this model; None when the run needs none."""
+        if not (knobs.dispatch == "macs" and (knobs.macs_dynamic_capacity
+                                              or (knobs.macs_reroute and knobs.macs_eta > 0))):
+            return None
+        from workbench.macs.calibration import default_path, load
+
+        lm = self.lm
+        path = knobs.macs_calibration or default_path(lm.path, lm.config_hash)
+        cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
+        hidden = getattr(cfg, "hidden_size", None)
+        return load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
+                    hidden_size=int(hidden) if hidden else None)
 
     @staticmethod
     def uses_predictor(knobs: Knobs) -> bool:

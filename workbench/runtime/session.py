@@ -171,18 +171,8 @@ class RunSession:
             return None
         from workbench.prism.refactor import for_run
 
-        ref, k_active = for_run(self.runtime.lm, k)
-        N, top_k = ref.subexperts, self.runtime.lm.layout.top_k
-        K = k.prism_k
-        if K is not None:
-            if k.prism_k_active is not None:
-                raise InputError(f"prism_k (the K best sub-experts of a token's routed "
-                                 f"experts) and prism_k_active (per expert) are two ways to "
-                                 f"choose: set one, not both (prism_k_active="
-                                 f"{k.prism_k_active}, prism_k={K})")
-            if not 1 <= K <= top_k * N:
-                raise InputError(f"prism_k must be in 1 … {top_k * N} (top-k {top_k} × "
-                                 f"{N} sub-experts), not {K}")
+        ref, k_active = for_run(self.runtime.lm, k)  # checked there (prism_k too)
+        N, K = ref.subexperts, k.prism_k
         from workbench.prism.execute import PrismSetup
 
         router = None
@@ -216,17 +206,8 @@ class RunSession:
         its dynamic capacity, centroids for its rerouting) when a switch needs it."""
         k, rt = self.knobs, self.runtime
         pol = DISPATCH.create(k.dispatch, **k.to_dict())
-        self.macs_calibration = None
-        if k.dispatch == "macs" and (k.macs_dynamic_capacity
-                                     or (k.macs_reroute and k.macs_eta > 0)):
-            from workbench.macs.calibration import default_path, load
-
-            lm = rt.lm
-            path = k.macs_calibration or default_path(lm.path, lm.config_hash)
-            cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
-            hidden = getattr(cfg, "hidden_size", None)
-            cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
-                       hidden_size=int(hidden) if hidden else None)
+        self.macs_calibration = cal = rt.macs_calibration(k)
+        if cal is not None:
             pol.classes = cal.classes
             self.macs_calibration = cal
         return pol

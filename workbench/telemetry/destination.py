@@ -26,16 +26,20 @@ workbench markers. Anything else is refused, naming what is in the way.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from workbench import jsonio
-from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
+from workbench.errors import (InputError, StoreBusyError, StoreError, StoreExistsError,
+                              WorkbenchError)
 from workbench.ownedfolder import drop_lock, take_lock
 from workbench.ownedfolder import exchange as _exchange
 
@@ -150,7 +154,7 @@ def workspace_dir(ws: Any) -> Path:
     return ws
 
 
-def store_path_arg(path: Any, what: str) -> Path:
+def store_path_arg(path: Any, what: str, example: str = "runs/demo.zarr") -> Path:
     """``path`` as a :class:`Path`, or :class:`StoreError`: not a str/PathLike, empty, or with a
     NUL byte (which no file system accepts)."""
     if not isinstance(path, (str, os.PathLike)):
@@ -160,7 +164,8 @@ def store_path_arg(path: Any, what: str) -> Path:
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if text.strip() == "":
-        raise StoreError(f"{what} path is empty; give a folder name such as runs/demo.zarr")
+        raise StoreError(f"{what} path is empty ({text!r}); give a folder name such as "
+                         f"{example}")
     if "\0" in text:
         raise StoreError(f"{what} path {text[:80]!r} contains a NUL byte")
     return Path(text)
@@ -175,13 +180,7 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
     message naming the path. Creates nothing but a probe file it removes at once.
     """
     path = store_path_arg(path, "store")
-    p = Path(path).expanduser()
-    if p.is_symlink():
-        target = Path(os.path.realpath(p))
-        if not target.exists():
-            raise StoreError(f"store {str(p)!r} is a symlink to {str(target)!r}, which does not "
-                             f"exist; remove the link or point it at a run store")
-        p = target
+    p = follow_link(Path(path).expanduser(), "store", StoreError)
     p = Path(os.path.abspath(p))
     for up in p.parents:  # a store nested in a store would block --overwrite of the outer one
         if (up / "zarr.json").is_file():
@@ -207,25 +206,116 @@ def check_destination(path: str | Path, overwrite: bool, known: Iterable[str]) -
     return p
 
 
-def check_creatable(p: Path, what: str) -> None:
+def check_creatable(p: Path, what: str, error: type[WorkbenchError] = StoreError) -> None:
     """The nearest existing folder above ``p`` is a folder this process can create files in
     (tried with a probe file, since permission bits say nothing to root, to an immutable folder
-    or a read-only mount); otherwise :class:`StoreError` naming ``p``."""
+    or a read-only mount); otherwise ``error`` (:class:`StoreError`) naming ``p``."""
     anc = p.parent
     while not anc.exists():
         if anc.is_symlink():  # a dangling link in the way
-            raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a broken symlink")
+            raise error(f"{what} {str(p)!r}: {str(anc)!r} is a broken symlink")
         anc = anc.parent
     if not anc.is_dir():
-        raise StoreError(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
-                         f"path under a folder")
+        raise error(f"{what} {str(p)!r}: {str(anc)!r} is a file, not a folder; choose a "
+                    f"path under a folder")
     probe = anc / f".workbench-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise StoreError(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
-                         f"({e.strerror or e}); choose a writable location") from None
+        raise error(f"{what} {str(p)!r}: cannot create files in {str(anc)!r} "
+                    f"({e.strerror or e}); choose a writable location") from None
+
+
+def lock_writer(path: Path, what: str) -> int:
+    """Take the one-writer lock of ``path`` (``<parent>/.<name>.lock``, ownedfolder's flock; its
+    folder must exist) and return its fd; :class:`StoreBusyError` naming ``what`` at once when
+    another writer holds it (one writer per path: run stores, output folders)."""
+    fd, who = take_lock(_lock_path(path))
+    if fd is None:
+        raise StoreBusyError(
+            f"{what} {str(path)!r} is being written by another process "
+            f"({who or 'pid unknown'}); a {what} has exactly one writer — wait for that "
+            f"one to finish or choose another path")
+    return fd
+
+
+def unlock_writer(path: Path, fd: int) -> None:
+    """Release :func:`lock_writer`'s lock."""
+    drop_lock(_lock_path(path), fd)
+
+
+#: locks this process holds through :func:`writer_lock`: (path, thread) → [fd, depth]
+_HELD: dict[tuple[str, int], list[int]] = {}
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | Path, what: str) -> Iterator[Path]:
+    """Hold the one-writer lock of output folder ``path`` (:func:`take_lock`; its parent is
+    created) for the block. Re-entrant in the same thread, so that a command can hold it from
+    its checks to its last write while the shared writer (``tensorfiles.save_folder``) takes it
+    again; another thread or process gets :class:`StoreBusyError` at once."""
+    p = Path(os.path.abspath(path))
+    key = (str(p), threading.get_ident())
+    held = _HELD.get(key)
+    if held is not None:
+        held[1] += 1
+    else:
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = lock_writer(p, what)
+        except OSError as e:
+            raise StoreError(f"{what} {str(p)!r} cannot be created: "
+                             f"{e.strerror or e}") from None
+        held = _HELD[key] = [fd, 1]
+    try:
+        yield p
+    finally:
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[key]
+            unlock_writer(p, held[0])
+
+
+def follow_link(p: Path, what: str, error: type[WorkbenchError] = InputError) -> Path:
+    """``p``, or the target of the symlink ``p`` (outputs are written through a link, as run
+    stores are); ``error`` (:class:`InputError`) naming ``what`` for a link that leads nowhere
+    (dangling, or a loop), which would otherwise fail only at the first write, after the
+    work."""
+    if not p.is_symlink():
+        return p
+    target = Path(os.path.realpath(p))
+    try:
+        os.stat(p)
+    except OSError as e:
+        why = ("is a symlink loop" if e.errno == errno.ELOOP else
+               f"is a symlink to {str(target)!r}, which does not exist")
+        raise error(f"{what} {str(p)!r} {why}; remove the link or point it at a folder"
+                    ) from None
+    return target
+
+
+def check_output_folder(path: Any, what: str, *, config: str | None = None,
+                        overwrite: bool = True, holds: str = "") -> Path:
+    """Check, before any work, that output folder ``path`` can be written; returns the folder to
+    write (a symlink followed to its target). Refused with a :class:`WorkbenchError` naming
+    ``what`` and the path: not a str/PathLike, blank or with a NUL byte; a symlink that leads
+    nowhere (dangling, or a loop); a file in the way; ``config`` already there (it holds
+    ``holds``) without ``overwrite``; no folder above it where this process can create files.
+    The one output-path check of every command that writes a folder (refactor, calibrate-macs,
+    calibrate, export)."""
+    p = follow_link(store_path_arg(path, what, "out/folder").expanduser(), what)
+    try:
+        if p.exists() and not p.is_dir():
+            raise InputError(f"{what} {str(p)!r} is a file, not a folder; choose another path")
+        there = config is not None and (p / config).exists()
+    except OSError as e:  # e.g. a loop further up, or a parent that is not searchable
+        raise InputError(f"{what} {str(p)!r} cannot be used: {e.strerror or e}") from None
+    if there and not overwrite:
+        raise InputError(f"{str(p)!r} already holds a {holds or what}; pass --overwrite "
+                         f"(overwrite=True) to replace it")
+    check_creatable(p, what, InputError)
+    return p
 
 
 class Destination:
@@ -264,20 +354,13 @@ class Destination:
 
     # -- the lock ------------------------------------------------------------------------------
     def _lock(self) -> int:
-        fd, who = take_lock(_lock_path(self.path))
-        if fd is None:
-            raise StoreBusyError(
-                f"store {str(self.path)!r} is being written by another process ({who or 'pid unknown'}); "
-                f"a store has exactly one writer — wait for that run to finish or choose "
-                f"another path")
-        return fd
+        return lock_writer(self.path, "store")
 
     def release(self) -> None:
-        """Drop the lock (idempotent). The lock file is removed while still held, so a writer
-        waiting on the old file notices and retries on a fresh one."""
+        """Drop the lock (idempotent)."""
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
-            drop_lock(_lock_path(self.path), fd)
+            unlock_writer(self.path, fd)
 
     # -- crash leftovers -----------------------------------------------------------------------
     def _recover(self) -> None:
