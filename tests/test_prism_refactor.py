@@ -81,7 +81,7 @@ def test_refactor_the_embedded_model_save_and_load(embedded, tmp_path, tiny_ckpt
     with pytest.raises(InputError, match="neurons must be a whole number"):
         R.load(out)
     (out / R.CONFIG).write_text("{not json")
-    with pytest.raises(InputError, match="not a readable"):
+    with pytest.raises(InputError, match="prism.json' is not valid JSON"):
         R.load(out)
     with pytest.raises(InputError, match="dividing the 64 neurons"):
         P.anneal_many([np.ones((2, 64))], 5)

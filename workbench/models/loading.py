@@ -46,6 +46,8 @@ import torch
 
 from workbench import jsonio
 from workbench.errors import ModelLoadError
+from workbench.fileio import _json_kind, _no_constant, check_regular_file, open_regular, parse_json
+from workbench.fileio import read_bytes_bounded, read_json, read_text, shorten
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.chat_template import TemplateRenderError, render_chat
 from workbench.models.inputs import _one_line
@@ -53,6 +55,8 @@ from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
 #: largest config.json read (a real one is a few kB)
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: largest model.safetensors.index.json read (a real one is well under a MiB)
+MAX_INDEX_BYTES = 64 * 1024 * 1024
 #: largest safetensors header (the safetensors library's own limit)
 MAX_HEADER_BYTES = 100_000_000
 #: safetensors dtypes → bytes per element (F4 packs two per byte: counted as 1, see
@@ -148,12 +152,78 @@ def check_model_dir(path: str | Path) -> list[Path]:
         raise ModelLoadError(
             f"{where} has no config.json (a Hugging Face checkpoint "
             f"directory needs config.json, *.safetensors weights and tokenizer files)")
-    read_config(path)
+    cfg, _ = read_config(path)
     files = weight_files(path)
-    if not any(_is_file(path / f) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any(os.path.lexists(path / f) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelLoadError(f"{where} has no tokenizer "
                              f"(tokenizer.json / tokenizer_config.json)")
+    check_model_files(path, cfg)
+    check_config_ranges(cfg, path)
     return files
+
+
+#: files of a model folder that transformers opens itself (tokenizer, chat template,
+#: processors, generation config) → (what a message calls them, largest size read, kind:
+#: "json", "text" (UTF-8) or "bytes"). Each that is there is read by :func:`check_model_files`
+#: before transformers is called: transformers skips a file that is not a regular file (a
+#: FIFO, a dangling link) as if it were absent and loads on, with other answers.
+MODEL_FILES = {
+    "tokenizer.json": ("tokenizer", 64 << 20, "json"),
+    "tokenizer_config.json": ("tokenizer", 16 << 20, "json"),
+    "special_tokens_map.json": ("tokenizer", 1 << 20, "json"),
+    "added_tokens.json": ("tokenizer", 16 << 20, "json"),
+    "vocab.json": ("tokenizer", 64 << 20, "json"),
+    "vocab.txt": ("tokenizer", 64 << 20, "text"),
+    "merges.txt": ("tokenizer", 64 << 20, "text"),
+    "tokenizer.model": ("tokenizer", 64 << 20, "bytes"),
+    "chat_template.jinja": ("chat template", 1 << 20, "text"),
+    "chat_template.json": ("chat template", 1 << 20, "json"),
+    "preprocessor_config.json": ("image processor", 1 << 20, "json"),
+    "processor_config.json": ("image processor", 1 << 20, "json"),
+    "video_preprocessor_config.json": ("image processor", 1 << 20, "json"),
+    "generation_config.json": ("generation config", 1 << 20, "json"),
+}
+#: the files that hold a tokenizer's vocabulary (one of them is needed)
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
+    """Every file of :data:`MODEL_FILES` in the folder ``path`` is a regular file within its
+    size limit, readable, valid JSON (an object) or UTF-8 where it should be; and the folder has
+    what its config needs: ``tokenizer_config.json`` and a vocabulary file (a tokenizer without
+    its config loads with other special tokens), and for a vision-language config (a
+    ``vision_config``) ``preprocessor_config.json`` and a chat template (which places the image
+    tokens). :class:`ModelLoadError` naming the file otherwise."""
+    path = Path(path)
+    docs: dict[str, Any] = {}
+    for name, (kind, limit, fmt) in MODEL_FILES.items():
+        f = path / name
+        if not os.path.lexists(f):
+            continue
+        what = f"{kind} in {str(path)!r}: {name}"
+        if fmt == "json":
+            docs[name] = read_json(f, limit, what, ModelLoadError)
+        elif fmt == "text":
+            read_text(f, limit, what, ModelLoadError)
+        else:
+            read_bytes_bounded(f, limit, what, ModelLoadError)
+    tokenizer = f"tokenizer in {str(path)!r}"
+    if "tokenizer_config.json" not in docs:
+        raise ModelLoadError(f"{tokenizer} is incomplete: it has no tokenizer_config.json "
+                             f"(its special tokens and settings)")
+    if not any(os.path.lexists(path / f) for f in _VOCAB_FILES):
+        raise ModelLoadError(f"{tokenizer} is incomplete: it has none of "
+                             f"{', '.join(_VOCAB_FILES)} (its vocabulary)")
+    if cfg.get("vision_config") is not None:
+        if "preprocessor_config.json" not in docs:
+            raise ModelLoadError(f"image processor in {str(path)!r} is missing: config.json "
+                                 f"has a vision_config, which needs preprocessor_config.json")
+        if not (os.path.lexists(path / "chat_template.jinja") or "chat_template.json" in docs
+                or docs["tokenizer_config.json"].get("chat_template")
+                or docs.get("processor_config.json", {}).get("chat_template")):
+            raise ModelLoadError(f"chat template in {str(path)!r} is missing: config.json has "
+                                 f"a vision_config, whose requests need a chat template "
+                                 f"(chat_template.jinja) to place the image tokens")
 
 
 def takes_images(path: str | Path | None) -> bool:
@@ -173,41 +243,13 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
     """``(config.json as a dict, its bytes)``; :class:`ModelLoadError` unless it is a JSON
     object of at most :data:`MAX_CONFIG_BYTES` bytes with a ``model_type``."""
     path = Path(path)
-    f = path / "config.json"
     where = f"config.json in {str(path)!r}"
-    try:
-        st = f.stat()
-        if not stat.S_ISREG(st.st_mode):  # a FIFO never ends, /dev/zero never stops
-            raise ModelLoadError(f"{where} is not a regular file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{where} is {st.st_size:,} bytes; a config of at most "
-                                 f"{MAX_CONFIG_BYTES:,} bytes is expected")
-        with open(f, "rb") as fh:  # bounded even if it grows after the stat
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{where} grew past {MAX_CONFIG_BYTES:,} bytes while read")
-    except OSError as e:
-        raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
-    try:
-        cfg = jsonio.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{where} is not readable: not valid JSON ({_one_line(e)})") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{where} is not readable: it must be a JSON object "
-                             f"({{\"model_type\": …}}), not a JSON {_json_kind(cfg)}")
+    raw = read_bytes_bounded(path / "config.json", MAX_CONFIG_BYTES, where, ModelLoadError)
+    cfg = parse_json(raw, where, ModelLoadError)
     if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
         raise ModelLoadError(f"{where} is not readable: it has no \"model_type\" (the "
                              f"architecture, e.g. \"qwen3_vl_moe\")")
     return cfg, raw
-
-
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not standard JSON")
-
-
-def _json_kind(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -221,16 +263,15 @@ def weight_files(path: str | Path) -> list[Path]:
         raise ModelLoadError(f"{where}: model.safetensors is not a regular file")
     if _is_file(single):
         return [single]
-    if _is_file(index):
-        try:
-            idx = jsonio.loads(index.read_bytes())
-            wmap = idx["weight_map"]
-            if not isinstance(wmap, dict) or not wmap or not all(
-                    isinstance(v, str) for v in wmap.values()):
-                raise ValueError("weight_map must map tensor names to shard file names")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{where}: model.safetensors.index.json is not a valid "
-                                 f"shard index: {_one_line(e)}") from None
+    if os.path.lexists(index):
+        idx = read_json(index, MAX_INDEX_BYTES, f"{where}: model.safetensors.index.json",
+                        ModelLoadError, obj=False)
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not wmap or not all(
+                isinstance(v, str) for v in wmap.values()):
+            raise ModelLoadError(f"{where}: model.safetensors.index.json is not a valid shard "
+                                 f"index: its weight_map must map tensor names to shard file "
+                                 f"names, not {shorten(wmap)}")
         shards = []
         for name in dict.fromkeys(wmap.values()):
             f = path / name
@@ -238,6 +279,9 @@ def weight_files(path: str | Path) -> list[Path]:
                 raise ModelLoadError(f"{where}: model.safetensors.index.json names shard "
                                      f"{name!r}; shards must be *.safetensors files in the "
                                      f"directory itself")
+            if os.path.lexists(f):  # there, but perhaps a FIFO or a directory
+                check_regular_file(f, f"{where}: shard {name!r}", ModelLoadError,
+                                   empty_ok=True)
             if not _is_file(f):
                 raise ModelLoadError(f"{where} lacks shard {name!r}, which "
                                      f"model.safetensors.index.json lists for "
@@ -264,19 +308,35 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     file (and tensor)."""
     f = Path(f)
     where = f"weights in {str(f.parent)!r} could not be loaded: {f.name}"
+    # a FIFO would block the open, /dev/zero never ends: refused before it is opened
+    with open_regular(f, where, ModelLoadError, empty_ok=True) as fh:
+        return safetensors_header(fh, where)
+
+
+def safetensors_budget(tensors: dict[str, dict[str, Any]]) -> int:
+    """The most bytes a safetensors file with the checked header ``tensors`` (of
+    :func:`read_safetensors_header`) can have: its data, the 8-byte length and the largest
+    header. A bound to read such a file whole by :func:`workbench.fileio.read_bytes_bounded`."""
+    data = sum(math.prod(t["shape"]) * ST_DTYPES[t["dtype"]] for t in tensors.values())
+    return data + 8 + MAX_HEADER_BYTES
+
+
+def safetensors_header(fh, where: str) -> dict[str, dict[str, Any]]:
+    """:func:`read_safetensors_header` of the open binary file (or ``io.BytesIO``) ``fh`` of a
+    regular file; ``where`` names it in errors."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ModelLoadError(f"{where} is {size} bytes: too short for a safetensors "
-                                     f"header (empty or truncated)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise ModelLoadError(
-                    f"{where} is not a safetensors file: its header claims {n:,} bytes "
-                    f"(the file has {size:,}; headers are at most {MAX_HEADER_BYTES:,})")
-            raw = fh.read(n)
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(0)
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{where} is {'empty' if not size else f'{size} bytes'}: "
+                                 f"too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise ModelLoadError(
+                f"{where} is not a safetensors file: its header claims {n:,} bytes "
+                f"(the file has {size:,}; headers are at most {MAX_HEADER_BYTES:,})")
+        raw = fh.read(n)
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
     try:
@@ -324,6 +384,72 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: config keys that hold token ids the vision path looks for in the prompt
+_VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                      "vision_end_token_id")
+
+
+def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
+    """Refuse a config.json whose index and count fields point outside the model's own shape
+    (transformers accepts them and computes something else: ``deepstack_visual_indexes:
+    [100]`` of a 4-block vision tower silently drops the deepstack features). Checked in the
+    config and its ``text_config``/``vision_config``: ``deepstack_visual_indexes`` within the
+    vision ``depth`` (and no more of them than text layers); ``mlp_only_layers`` within
+    ``num_hidden_layers``; ``decoder_sparse_step`` in 1 … layers; ``first_k_dense_replace`` in
+    0 … layers; ``num_experts_per_tok`` in 1 … the experts; the vision token ids within the
+    vocabulary. :class:`ModelLoadError` naming the field, its value and the allowed range."""
+    where = f"config.json in {str(path)!r}"
+    parts = [("", cfg)] + [(f"{k}.", cfg[k]) for k in ("text_config", "vision_config")
+                           if isinstance(cfg.get(k), dict)]
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text_layers = text.get("num_hidden_layers")
+
+    def refuse(key: str, v: Any, allowed: str) -> None:
+        raise ModelLoadError(f"{where}: {key} = {shorten(v)} is outside the model: {allowed}")
+
+    def indexes(key: str, v: Any, n: Any, of: str) -> None:
+        if v is None or not _whole(n):
+            return
+        if not isinstance(v, list) or not all(_whole(i) and 0 <= i < n for i in v):
+            refuse(key, v, f"a list of indexes in 0 … {n - 1} (the model has {n} {of})")
+
+    def within(key: str, v: Any, lo: int, hi: Any, allowed: str) -> None:
+        if v is None or not _whole(hi):
+            return
+        if not _whole(v) or not lo <= v <= hi:
+            refuse(key, v, allowed)
+
+    for pre, d in parts:
+        layers = d.get("num_hidden_layers")
+        indexes(pre + "mlp_only_layers", d.get("mlp_only_layers"), layers, "layers")
+        within(pre + "decoder_sparse_step", d.get("decoder_sparse_step"), 1, layers,
+               f"a whole number in 1 … {layers} (the model has {layers} layers)")
+        within(pre + "first_k_dense_replace", d.get("first_k_dense_replace"), 0, layers,
+               f"a whole number in 0 … {layers} (the model has {layers} layers)")
+        experts = next((d[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if _whole(d.get(k))), None)
+        k = d.get("num_experts_per_tok")
+        within(pre + "num_experts_per_tok", k, 1, experts,
+               f"top-{shorten(k)} of {experts} experts; it must be between 1 and the "
+               f"number of experts")
+        ds = d.get("deepstack_visual_indexes")
+        indexes(pre + "deepstack_visual_indexes", ds, d.get("depth"), "vision blocks")
+        if isinstance(ds, list) and _whole(text_layers) and len(ds) > text_layers:
+            refuse(pre + "deepstack_visual_indexes", ds,
+                   f"at most {text_layers} indexes (each feeds one of the {text_layers} text "
+                   f"layers)")
+    vocab = text.get("vocab_size")
+    if _whole(vocab):
+        for pre, d in parts[:2]:
+            for key in _VISION_TOKEN_KEYS:
+                within(pre + key, d.get(key), 0, vocab - 1,
+                       f"a token id in 0 … {vocab - 1} (the vocabulary has {vocab} tokens)")
 
 
 #: config keys that declare a depth, and the tensor-name segment that numbers those layers
@@ -583,9 +709,17 @@ def _check_normalisation(ip: Any, path: Path) -> None:
                  for x in vals)
         if not ok or (name == "image_std" and any(x <= 0 for x in vals)):
             raise ModelLoadError(
-                f"image processor in {str(path)!r} (preprocessor_config.json): {name} is "
+                f"image processor in {str(path)!r} ({_processor_files(path)}): {name} is "
                 f"{vals!r}; it must hold finite numbers" + (", each > 0 (pixels are divided "
                                                            "by it)" if name == "image_std" else ""))
+
+
+def _processor_files(path: Path) -> str:
+    """The processor files of ``path`` that transformers reads an image processor from (a
+    broken processor_config.json was blamed on preprocessor_config.json)."""
+    names = [n for n in ("preprocessor_config.json", "processor_config.json")
+             if os.path.lexists(path / n)]
+    return " and ".join(names) or "preprocessor_config.json"
 
 
 def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
@@ -609,7 +743,7 @@ def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
         except Exception as e:
             raise ModelLoadError(
                 f"image processor in {str(path)!r} could not be loaded "
-                f"(preprocessor_config.json): {_one_line(e)}") from None
+                f"({_processor_files(path)}): {_one_line(e)}") from None
         return None, ip, [note] if note else []
     finally:
         quiet.setLevel(level)
