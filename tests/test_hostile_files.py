@@ -383,3 +383,57 @@ def test_a_model_folder_with_a_fifo_is_refused_by_load_without_blocking(broken_m
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split().count("refused") == len(names), r.stdout
 
+
+
+# --------------------------------------------------------------------------------------------
+# the other readers: cost tables, operating points, sweep outcomes, store metadata, demo
+# requests, predictor input lists, --input-file
+# --------------------------------------------------------------------------------------------
+def test_every_other_reader_refuses_a_fifo_and_a_sparse_giant(tmp_path):
+    """Each reader on a FIFO (a hang before, for those that opened it unchecked) and on a
+    sparse 1.5 GB file (read whole before): refused at once, or, where a file is optional
+    (a sweep outcome, the demo requests), taken as absent."""
+    for kind, make in (("fifo", _fifo), ("sparse", lambda p: _sparse(p, 1_500_000_000))):
+        d = tmp_path / kind
+        (d / "store").mkdir(parents=True)
+        (d / "demo").mkdir()
+        for f in ("costs.json", "points.json", "outcome.json", "store/zarr.json",
+                  "demo/prompts.json", "inputs.json", "requests.txt"):
+            make(d / f)
+    r = _python(_IMPORTS + f"""
+    from workbench.analysis.sweep import read_outcome
+    from workbench.cli import _own_requests
+    from workbench.errors import StoreError
+    from workbench.models.embedded.demo import read_demo
+    from workbench.predictor.calibrate import parse_inputs
+    from workbench.prism.costs import CostTable
+    from workbench.ui.datastore import _read_attrs
+    from workbench.ui.prism import operating_points
+
+    out = {{}}
+    for kind in ("fifo", "sparse"):
+        d = Path({str(tmp_path)!r}) / kind
+        calls = {{
+            "costs": lambda: CostTable.load(d / "costs.json"),
+            "points": lambda: operating_points(d / "points.json"),
+            "outcome": lambda: read_outcome(d / "outcome.json"),
+            "store": lambda: _read_attrs(d / "store"),
+            "demo": lambda: read_demo(d / "demo"),
+            "inputs": lambda: parse_inputs([str(d / "inputs.json")], "x"),
+            "requests": lambda: _own_requests([], str(d / "requests.txt")),
+        }}
+        for name, call in calls.items():
+            try:
+                out[f"{{kind}} {{name}}"] = ["returned", repr(call())]
+            except WorkbenchError as e:
+                out[f"{{kind}} {{name}}"] = [type(e).__name__, str(e)]
+    print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    for key, (kind, msg) in out.items():
+        if key.endswith(("outcome", "demo")):
+            assert (kind, msg) in (("returned", "None"), ("returned", "[]")), (key, msg)
+            continue
+        fault = "is not a regular file" if key.startswith("fifo") else "is too large"
+        assert fault in msg and len(msg) < 400, (key, kind, msg)

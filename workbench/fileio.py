@@ -48,9 +48,11 @@ _repr.maxlevel = 3
 def shorten(value: Any, limit: int = MAX_ECHO) -> str:
     """``repr(value)`` on one line and at most ``limit`` characters (cut with "…"), computed
     without building the whole repr of a huge or deeply nested value."""
-    if isinstance(value, (str, bytes)):  # its head, not reprlib's head…tail
-        text = repr(value[:limit])
-        text = text if len(value) <= limit else text[:limit - 1] + "…"
+    if isinstance(value, int) and value.bit_length() > 14_000:
+        # repr of an int over 4300 digits raises ValueError
+        return f"a {int(value.bit_length() * 0.30103) + 1}-digit number"
+    if isinstance(value, (str, bytes, int)):  # its head, not reprlib's head...tail
+        text = repr(value[:limit + 1] if isinstance(value, (str, bytes)) else value)
     else:
         text = _repr.repr(value)
     text = " ".join(text.split())
@@ -62,17 +64,21 @@ def _reason(e: OSError) -> str:
 
 
 def check_regular_file(path: str | Path, what: str, error: type[Exception] = InputError,
-                       limit: int | None = None, *, empty_ok: bool = False) -> int:
-    """The size of ``path`` if it is a regular file (symlinks followed) of at most ``limit``
-    bytes (and not empty unless ``empty_ok``); otherwise ``error`` saying which of those it
-    is not. Opens nothing: for files a library then opens itself."""
+                       limit: int | None = None, *, empty_ok: bool = False,
+                       follow_symlinks: bool = True) -> int:
+    """The size of ``path`` if it is a regular file of at most ``limit`` bytes (and not empty
+    unless ``empty_ok``; a symlink to one only with ``follow_symlinks``); otherwise ``error``
+    saying which of those it is not. Opens nothing: for files a library then opens itself.
+    ``error`` is an exception type, or any callable that makes one from the message."""
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=follow_symlinks)
     except FileNotFoundError:
         raise error(f"{what} does not exist") from None
     except (OSError, ValueError) as e:
         reason = _reason(e) if isinstance(e, OSError) else shorten(str(e))
         raise error(f"{what} cannot be read: {reason}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{what} is a symlink; only plain files are read here")
     _check_stat(st, what, error, limit, empty_ok)
     return st.st_size
 
@@ -90,13 +96,18 @@ def _check_stat(st: os.stat_result, what: str, error: type[Exception], limit: in
 
 
 def open_regular(path: str | Path, what: str, error: type[Exception] = InputError,
-                 limit: int | None = None, *, empty_ok: bool = False):
+                 limit: int | None = None, *, empty_ok: bool = False,
+                 follow_symlinks: bool = True):
     """``path`` opened for binary reading after :func:`check_regular_file`; opened
     non-blocking and re-checked on the open descriptor, so that a FIFO or device put there
     after the check can neither block nor be read."""
-    check_regular_file(path, what, error, limit, empty_ok=empty_ok)
+    check_regular_file(path, what, error, limit, empty_ok=empty_ok,
+                       follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise error(f"{what} does not exist") from None
     except OSError as e:
@@ -110,10 +121,12 @@ def open_regular(path: str | Path, what: str, error: type[Exception] = InputErro
 
 
 def read_bytes_bounded(path: str | Path, limit: int, what: str,
-                       error: type[Exception] = InputError, *, empty_ok: bool = False) -> bytes:
+                       error: type[Exception] = InputError, *, empty_ok: bool = False,
+                       follow_symlinks: bool = True) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them (module docstring);
     ``error`` naming ``what`` and the fault otherwise."""
-    with open_regular(path, what, error, limit, empty_ok=empty_ok) as fh:
+    with open_regular(path, what, error, limit, empty_ok=empty_ok,
+                      follow_symlinks=follow_symlinks) as fh:
         try:
             raw = fh.read(limit + 1)  # bounded even if it grows after the stat
         except OSError as e:

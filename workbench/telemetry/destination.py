@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable
 
 from workbench import jsonio
 from workbench.errors import StoreBusyError, StoreError, StoreExistsError, WorkbenchError
+from workbench.fileio import read_bytes_bounded
 
 #: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
 #: writer (see :func:`io_step`). Raising from it injects an I/O error at that step; copying the
@@ -72,6 +73,10 @@ def _is_empty_dir(path: Path) -> bool:
         return False
 
 
+#: largest root zarr.json read to tell a store from other folders (as the store reader's)
+MAX_ROOT_DOC_BYTES = 64 * 1024 * 1024
+
+
 def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
     """Entries of ``path`` that a workbench run store never holds (empty: provably a store).
 
@@ -92,11 +97,12 @@ def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
             continue
         if name == "zarr.json" and p.is_file() and not p.is_symlink():
             try:
-                doc = jsonio.loads(p.read_bytes())
+                doc = jsonio.loads(read_bytes_bounded(p, MAX_ROOT_DOC_BYTES, "zarr.json",
+                                                      StoreError, follow_symlinks=False))
                 attrs = doc.get("attributes", {}) if isinstance(doc, dict) else None
                 ok = (isinstance(attrs, dict) and doc.get("node_type") == "group"
                       and "schema_version" in attrs and "workbench_version" in attrs)
-            except (OSError, ValueError, RecursionError):
+            except (OSError, ValueError, RecursionError, StoreError):
                 ok = False
             if not ok:
                 out.append("zarr.json (not a workbench run store's)")
