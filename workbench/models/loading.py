@@ -400,7 +400,8 @@ def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
     (transformers accepts them and computes something else: ``deepstack_visual_indexes:
     [100]`` of a 4-block vision tower silently drops the deepstack features). Checked in the
     config and its ``text_config``/``vision_config``: ``deepstack_visual_indexes`` within the
-    vision ``depth`` (and no more of them than text layers); ``mlp_only_layers`` within
+    vision ``depth``, distinct (and no more of them than text layers); ``mrope_section``
+    summing to half the head width; ``mlp_only_layers`` within
     ``num_hidden_layers``; ``decoder_sparse_step`` in 1 … layers; ``first_k_dense_replace`` in
     0 … layers; ``num_experts_per_tok`` in 1 … the experts; the vision token ids within the
     vocabulary. :class:`ModelLoadError` naming the field, its value and the allowed range."""
@@ -440,6 +441,22 @@ def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
                f"number of experts")
         ds = d.get("deepstack_visual_indexes")
         indexes(pre + "deepstack_visual_indexes", ds, d.get("depth"), "vision blocks")
+        if isinstance(ds, list) and len(set(ds)) != len(ds):  # a repeat drops a merger
+            refuse(pre + "deepstack_visual_indexes", ds, "distinct indexes (each feeds its "
+                                                         "own merger)")
+        for rope_key in ("rope_parameters", "rope_scaling"):
+            rope = d.get(rope_key)
+            sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+            head = d.get("head_dim")
+            if not _whole(head) and _whole(d.get("hidden_size")) and \
+                    _whole(d.get("num_attention_heads")) and d["num_attention_heads"] > 0:
+                head = d["hidden_size"] // d["num_attention_heads"]
+            if sections is not None and _whole(head) and not (
+                    isinstance(sections, list) and all(_whole(x) and x >= 0 for x in sections)
+                    and sum(sections) == head // 2):
+                refuse(f"{pre}{rope_key}.mrope_section", sections,
+                       f"sizes ≥ 0 that sum to head_dim / 2 = {head // 2} (the rotary "
+                       f"frequencies of a {head}-wide head)")
         if isinstance(ds, list) and _whole(text_layers) and len(ds) > text_layers:
             refuse(pre + "deepstack_visual_indexes", ds,
                    f"at most {text_layers} indexes (each feeds one of the {text_layers} text "
