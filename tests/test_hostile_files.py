@@ -442,3 +442,37 @@ def test_every_other_reader_refuses_a_fifo_and_a_sparse_giant(tmp_path):
             continue
         fault = "is not a regular file" if key.startswith("fifo") else "is too large"
         assert fault in msg and len(msg) < 400, (key, kind, msg)
+
+
+def _st_header(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+@pytest.mark.parametrize("case", ["tensor_name", "shape", "offsets", "shard_name", "layers"])
+def test_values_from_a_model_folder_are_echoed_shortened(tiny_ckpt, tmp_path, case):
+    """A 5 MB tensor or shard name, a 100 000-long shape, 300-digit offsets or layer counts:
+    each error line stays short."""
+    d = tmp_path / case
+    shutil.copytree(tiny_ckpt("qwen2_moe"), d)
+    st = d / "model.safetensors"
+    big = "n" * 5_000_000
+    if case == "tensor_name":
+        st.write_bytes(_st_header({big: {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}})
+                       + b"\0" * 8)
+    elif case == "shape":
+        st.write_bytes(_st_header({"w": {"dtype": "F32", "shape": [2] * 100_000,
+                                         "data_offsets": [0, 4]}}) + b"\0" * 4)
+    elif case == "offsets":
+        st.write_bytes(_st_header({"w": {"dtype": "F32", "shape": [10**300],
+                                         "data_offsets": [0, 10**300]}}) + b"\0" * 4)
+    elif case == "shard_name":
+        st.rename(d / "model-1.safetensors")
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"w": big + ".safetensors"}}))
+    else:
+        _cfg(d, num_hidden_layers=10**300)
+    with pytest.raises(ModelLoadError) as e:
+        workbench.load(d, device="cpu")
+    msg = one_line(e.value)
+    assert str(d) in msg and len(msg) < 800, msg[:2000]

@@ -202,14 +202,15 @@ def load(path: str | Path, num_layers: int | None = None, num_experts: int | Non
     except ModelLoadError as e:
         raise InputError(f"{where}: {e}") from None
     if set(header) != set(_TENSORS):
-        raise InputError(f"{where}: {WEIGHTS} holds {sorted(header)}, expected "
+        raise InputError(f"{where}: {WEIGHTS} holds {shorten(sorted(header))}, expected "
                          f"{sorted(_TENSORS)}")
     shapes = {}
     for name, (dtype, ndim) in _TENSORS.items():
         info = header[name]
         if info["dtype"] != dtype or len(info["shape"]) != ndim:
             raise InputError(f"{where}: tensor {name!r} is {info['dtype']} "
-                             f"{list(info['shape'])}, expected {dtype} with {ndim} dims")
+                             f"{shorten(list(info['shape']))}, expected {dtype} with {ndim} "
+                             f"dims")
         shapes[name] = tuple(info["shape"])
     L, E = shapes["classes"]
     if any(shapes[n][:2] != (L, E) for n in _TENSORS):

@@ -277,13 +277,13 @@ def weight_files(path: str | Path) -> list[Path]:
             f = path / name
             if Path(name).name != name or not name.endswith(".safetensors"):
                 raise ModelLoadError(f"{where}: model.safetensors.index.json names shard "
-                                     f"{name!r}; shards must be *.safetensors files in the "
-                                     f"directory itself")
+                                     f"{shorten(name)}; shards must be *.safetensors files in "
+                                     f"the directory itself")
             if os.path.lexists(f):  # there, but perhaps a FIFO or a directory
-                check_regular_file(f, f"{where}: shard {name!r}", ModelLoadError,
+                check_regular_file(f, f"{where}: shard {shorten(name)}", ModelLoadError,
                                    empty_ok=True)
             if not _is_file(f):
-                raise ModelLoadError(f"{where} lacks shard {name!r}, which "
+                raise ModelLoadError(f"{where} lacks shard {shorten(name)}, which "
                                      f"model.safetensors.index.json lists for "
                                      f"{sum(v == name for v in wmap.values())} tensors")
             shards.append(f)
@@ -311,6 +311,11 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     # a FIFO would block the open, /dev/zero never ends: refused before it is opened
     with open_regular(f, where, ModelLoadError, empty_ok=True) as fh:
         return safetensors_header(fh, where)
+
+
+def _num(v: int) -> str:
+    """A whole number for a message: ``1,234`` (a giant from a file: :func:`shorten`)."""
+    return f"{v:,}" if abs(v) < 10**18 else shorten(v)
 
 
 def safetensors_budget(tensors: dict[str, dict[str, Any]]) -> int:
@@ -352,7 +357,7 @@ def safetensors_header(fh, where: str) -> dict[str, dict[str, Any]]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        bad = f"{where}: tensor {name!r} has a broken header entry"
+        bad = f"{where}: tensor {shorten(name)} has a broken header entry"
         if not isinstance(info, dict):
             raise ModelLoadError(f"{bad} ({_one_line(info, 80)})")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -370,12 +375,13 @@ def safetensors_header(fh, where: str) -> dict[str, dict[str, Any]]:
                                  f"[begin, end] with 0 ≤ begin ≤ end")
         nbytes = math.prod(shape) * ST_DTYPES[dtype]
         if offs[1] - offs[0] != nbytes:
-            raise ModelLoadError(f"{bad}: shape {shape} of {dtype} needs {nbytes:,} bytes, its "
-                                 f"data_offsets span {offs[1] - offs[0]:,}")
+            raise ModelLoadError(f"{bad}: shape {shorten(shape)} of {dtype} needs "
+                                 f"{_num(nbytes)} bytes, its data_offsets span "
+                                 f"{_num(offs[1] - offs[0])}")
         if offs[1] > data:
             raise ModelLoadError(
-                f"{where} is truncated: tensor {name!r} ends at byte {offs[1]:,} of the data, "
-                f"which holds {data:,} bytes")
+                f"{where} is truncated: tensor {shorten(name)} ends at byte {_num(offs[1])} of the "
+                f"data, which holds {data:,} bytes")
         end = max(end, offs[1])
         tensors[name] = {"dtype": dtype, "shape": tuple(shape), "data_offsets": tuple(offs)}
     if end != data:
@@ -497,7 +503,8 @@ def _check_declared_depth(cfg: dict[str, Any], tensors: dict[str, dict[str, Any]
                 n = have[_DEPTH_KEYS[k]]
                 if v > 4 * n + 16:
                     raise ModelLoadError(
-                        f"config.json in {str(path)!r} declares {where}{k} = {v:,}, but the "
+                        f"config.json in {str(path)!r} declares {where}{k} = "
+                        f"{_num(v)}, but the "
                         f"weights number {n:,} {_DEPTH_KEYS[k]}: the config and the weights "
                         f"do not belong together")
 
@@ -686,7 +693,7 @@ def _check_dtypes(model: Any, tensors: dict[str, dict[str, Any]], info: dict[str
         mine = state.get(name)
         if mine is not None and not mine.is_floating_point():
             continue  # an integer buffer stored as such (position ids, counters)
-        bad.append(f"{name!r} ({t['dtype']})")
+        bad.append(f"{shorten(name)} ({t['dtype']})")
     if bad:
         raise ModelLoadError(
             f"weights in {str(path)!r} store {', '.join(bad[:_LIST])}"

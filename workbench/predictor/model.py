@@ -191,7 +191,7 @@ def _check_tensors(cfg: PredictorConfig, path: Path) -> dict[str, dict[str, Any]
     extra = sorted(set(stored) - set(wanted))
     if missing or extra:
         what = (f"lacks tensor {missing[0]!r}" if missing else f"has unexpected tensor "
-                                                               f"{extra[0]!r}")
+                                                               f"{shorten(extra[0])}")
         n = len(missing) + len(extra)
         raise InputError(f"{where}: {WEIGHTS} {what}" + (f" (and {n - 1} more differences)"
                                                          if n > 1 else "")
@@ -201,7 +201,8 @@ def _check_tensors(cfg: PredictorConfig, path: Path) -> dict[str, dict[str, Any]
         if tuple(info["shape"]) != tuple(t.shape):
             field_ = _shape_field(name)
             raise InputError(
-                f"{where}: tensor {name!r} in {WEIGHTS} has shape {list(info['shape'])}, but "
+                f"{where}: tensor {name!r} in {WEIGHTS} has shape {shorten(list(info['shape']))}, "
+                f"but "
                 f"{CONFIG} (config {field_}) needs {list(t.shape)}; the files do not belong "
                 f"together")
         allowed = _FLOAT_ST if t.is_floating_point() else _INT_ST
