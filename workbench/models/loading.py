@@ -183,8 +183,17 @@ MODEL_FILES = {
     "video_preprocessor_config.json": ("image processor", 1 << 20, "json"),
     "generation_config.json": ("generation config", 1 << 20, "json"),
 }
+#: the folder of a model's extra chat templates (``NAME.jinja``), read by transformers
+_TEMPLATE_DIR = "additional_chat_templates"
 #: the files that hold a tokenizer's vocabulary (one of them is needed)
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _glob(folder: Path, pattern: str) -> list[Path]:
+    try:
+        return sorted(folder.glob(pattern)) if folder.is_dir() else []
+    except OSError:
+        return []
 
 
 def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
@@ -196,7 +205,13 @@ def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
     tokens). :class:`ModelLoadError` naming the file otherwise."""
     path = Path(path)
     docs: dict[str, Any] = {}
-    for name, (kind, limit, fmt) in MODEL_FILES.items():
+    # and what transformers globs: any *.model (a sentencepiece vocabulary) and the extra
+    # templates in additional_chat_templates/
+    found = {**MODEL_FILES,
+             **{f.name: MODEL_FILES["tokenizer.model"] for f in _glob(path, "*.model")},
+             **{f"{_TEMPLATE_DIR}/{f.name}": MODEL_FILES["chat_template.jinja"]
+                for f in _glob(path / _TEMPLATE_DIR, "*.jinja")}}
+    for name, (kind, limit, fmt) in found.items():
         f = path / name
         if not os.path.lexists(f):
             continue
