@@ -81,6 +81,16 @@ def test_the_reader_names_each_kind_of_file_that_is_not_one(tmp_path):
         read_bytes_bounded(tmp_path / "zero", 10, "x", ModelLoadError)
 
 
+def test_the_read_is_bounded_even_when_the_size_lies():
+    """/proc files say 0 bytes and hold more (as a file that grows after the stat): the read
+    stops at the limit, and a file that claims 0 bytes is 'empty' unless empty is allowed."""
+    with pytest.raises(InputError, match="grew past 100 bytes while read"):
+        read_bytes_bounded("/proc/self/status", 100, "status", empty_ok=True)
+    with pytest.raises(InputError, match=r"is empty \(0 bytes\)"):
+        read_bytes_bounded("/proc/self/status", 100, "status")
+    assert read_bytes_bounded("/proc/self/status", 1 << 20, "status", empty_ok=True)
+
+
 def test_the_reader_parses_json_bounded_in_depth_and_standard(tmp_path):
     p = tmp_path / "a.json"
     for text, fragment in [(NESTED, "nested deeper than 64"), ('{"a": NaN}', "NaN is not"),
@@ -253,18 +263,39 @@ def test_a_megabyte_value_is_echoed_shortened(folders, tmp_path, embedded):
         assert len(str(e.value)) < 1000
 
 
-def test_the_cli_refuses_a_fifo_calibration_with_one_line(folders, tmp_path):
-    d = _copy(folders, tmp_path, "macs")
-    _fifo(d / "macs.safetensors")
+def test_the_cli_refuses_hostile_folders_with_one_line(folders, tmp_path):
+    """``macs_calibration=DIR`` / ``prism_router=DIR`` with a FIFO hung; a prism.json nested
+    200 000 deep escaped as "internal error", exit 1. Now: exit 2, one line naming the file
+    (the three runs in one child process)."""
+    macs = _copy(folders, tmp_path, "macs")
+    _fifo(macs / "macs.safetensors")
+    prism = _copy(folders, tmp_path, "prism")
+    (prism / "prism.json").write_text(NESTED)
+    router = _copy(folders, tmp_path, "router")
+    _fifo(router / "router.json")
+    cases = {"macs.safetensors": (["dispatch=macs", f"macs_calibration={macs}"],
+                                  "is not a regular file"),
+             "prism.json": (["prism=true", f"prism_refactoring={prism}"],
+                            "nested deeper than 64"),
+             "router.json": (["prism=true", f"prism_refactoring={folders / 'prism'}",
+                              f"prism_router={router}"], "is not a regular file")}
+    argvs = {f: ["run", "--prompt", "x", "--no-record"] + [x for s in sets for x in ("--set", s)]
+             for f, (sets, _) in cases.items()}
     r = _python(f"""
-        import sys
+        import contextlib, io, json
         from workbench.cli import main
-        sys.exit(main(["run", "--prompt", "x", "--no-record", "--set", "dispatch=macs",
-                       "--set", "macs_calibration={d}"]))
+        out = {{}}
+        for file, argv in {argvs!r}.items():
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = main(argv)
+            out[file] = [rc, err.getvalue()]
+        print(json.dumps(out))
     """)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.count("\n") == 1 and "macs.safetensors" in r.stderr
-    assert "is not a regular file" in r.stderr
+    assert r.returncode == 0, r.stderr[-2000:]
+    for file, (rc, err) in json.loads(r.stdout.splitlines()[-1]).items():
+        assert rc == 2 and err.count("\n") == 1, (file, rc, err)
+        assert err.startswith("workbench: error:") and file in err and cases[file][1] in err
 
 
 # --------------------------------------------------------------------------------------------
