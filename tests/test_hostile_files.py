@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import workbench
-from workbench.errors import InputError, ModelLoadError, WorkbenchError
+from workbench.errors import InputError, ModelLoadError
 from workbench.fileio import read_bytes_bounded, read_json, read_text, shorten
 
 ROOT = Path(__file__).resolve().parents[1]

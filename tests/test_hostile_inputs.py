@@ -543,7 +543,7 @@ BROKEN = {
     "header_len_huge": ("tiny", lambda d: _raw(d, struct.pack("<Q", 2**62) + b"{}"),
                         ["header claims 4,611,686,018,427,387,904 bytes"]),
     "header_not_json": ("tiny", lambda d: _raw(d, struct.pack("<Q", 10) + b"not json!!"),
-                        ["header is not a JSON object"]),
+                        ["its header is not valid JSON"]),
     "header_not_object": ("tiny", lambda d: _raw(d, _header([1, 2])), ["JSON array"]),
     "header_huge_tensor": ("tiny", lambda d: _raw(d, _header({"lm_head.weight": {
         "dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}}, b"\0" * 64)),

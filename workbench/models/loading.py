@@ -44,10 +44,9 @@ from typing import Any
 
 import torch
 
-from workbench import jsonio
 from workbench.errors import ModelLoadError
-from workbench.fileio import _json_kind, _no_constant, check_regular_file, open_regular, parse_json
-from workbench.fileio import read_bytes_bounded, read_json, read_text, shorten
+from workbench.fileio import (check_regular_file, open_regular, parse_json, read_bytes_bounded,
+                              read_json, read_text, shorten)
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.chat_template import TemplateRenderError, render_chat
 from workbench.models.inputs import _one_line
@@ -359,13 +358,7 @@ def safetensors_header(fh, where: str) -> dict[str, dict[str, Any]]:
         raw = fh.read(n)
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
-    try:
-        header = jsonio.loads(raw, parse_constant=_no_constant)
-        if not isinstance(header, dict):
-            raise ValueError(f"a JSON {_json_kind(header)}, not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{where} is not a safetensors file: its header is not a JSON "
-                             f"object ({_one_line(e, 120)})") from None
+    header = parse_json(raw, f"{where} is not a safetensors file: its header", ModelLoadError)
     data = size - 8 - n
     tensors: dict[str, dict[str, Any]] = {}
     end = 0
