@@ -127,6 +127,7 @@ def test_shorten_cuts_huge_and_deep_values():
     assert len(shorten(deep)) <= 120
     assert shorten("line\nbreak") == repr("line\nbreak")
     assert shorten(3) == "3"
+    assert len(shorten([10**5000])) <= 120 and len(shorten(10**5000)) <= 120
 
 
 # --------------------------------------------------------------------------------------------

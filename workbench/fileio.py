@@ -1,7 +1,8 @@
 """One bounded way to read a file, and one way to echo a file's value in a message.
 
 Every file the workbench reads that a user can hand it or replace (model folders, calibrations,
-refactorings, routers, predictors, cost tables, store metadata, request files) goes through
+refactorings, routers, predictors, cost tables, operating points, store metadata, traces, sweep
+outcomes, demo requests, request files) goes through
 :func:`read_bytes_bounded` / :func:`read_json`, or through :func:`check_regular_file` before a
 library (transformers, safetensors) opens it. Invariants, whatever the path names:
 
@@ -54,7 +55,10 @@ def shorten(value: Any, limit: int = MAX_ECHO) -> str:
     if isinstance(value, (str, bytes, int)):  # its head, not reprlib's head...tail
         text = repr(value[:limit + 1] if isinstance(value, (str, bytes)) else value)
     else:
-        text = _repr.repr(value)
+        try:
+            text = _repr.repr(value)
+        except ValueError:  # an int of over 4300 digits inside
+            text = f"<a {type(value).__name__} too large to show>"
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
