@@ -184,7 +184,7 @@ MODEL_FILES = {
 }
 #: the folder of a model's extra chat templates (``NAME.jinja``), read by transformers
 _TEMPLATE_DIR = "additional_chat_templates"
-#: the files that hold a tokenizer's vocabulary (one of them is needed)
+#: the files that hold a tokenizer's vocabulary (one of them, or another ``*.model``, is needed)
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -225,7 +225,7 @@ def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
     if "tokenizer_config.json" not in docs:
         raise ModelLoadError(f"{tokenizer} is incomplete: it has no tokenizer_config.json "
                              f"(its special tokens and settings)")
-    if not any(os.path.lexists(path / f) for f in _VOCAB_FILES):
+    if not any(os.path.lexists(path / f) for f in _VOCAB_FILES) and not _glob(path, "*.model"):
         raise ModelLoadError(f"{tokenizer} is incomplete: it has none of "
                              f"{', '.join(_VOCAB_FILES)} (its vocabulary)")
     if cfg.get("vision_config") is not None:
