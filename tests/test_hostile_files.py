@@ -513,3 +513,22 @@ def test_values_from_a_model_folder_are_echoed_shortened(tiny_ckpt, tmp_path, ca
         workbench.load(d, device="cpu")
     msg = one_line(e.value)
     assert str(d) in msg and len(msg) < 800, msg[:2000]
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"n_group": 3, "topk_method": "group_limited_greedy"},
+     "n_group = 3 is outside the model: a whole number ≥ 1 that divides the 8 experts"),
+    ({"n_group": 0}, "n_group = 0"),
+    ({"n_group": 2, "topk_group": 99, "topk_method": "group_limited_greedy"},
+     "topk_group = 99 is outside the model: a whole number in 1 … n_group = 2"),
+])
+def test_group_limited_routing_fields_are_checked(tiny_ckpt, tmp_path, changes, fragment):
+    """n_group that does not divide the experts, 0 groups, or topk_group above n_group: a run
+    crashed (RuntimeError, ZeroDivisionError) after the load."""
+    from workbench.models.loading import check_model_dir
+
+    d = tmp_path / "ds"
+    shutil.copytree(tiny_ckpt("deepseek_v2"), d)
+    _cfg(d, **changes)
+    with pytest.raises(ModelLoadError, match=fragment):
+        check_model_dir(d)

@@ -417,8 +417,9 @@ def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
     vision ``depth``, distinct (and no more of them than text layers); ``mrope_section``
     summing to half the head width; ``mlp_only_layers`` within
     ``num_hidden_layers``; ``decoder_sparse_step`` in 1 … layers; ``first_k_dense_replace`` in
-    0 … layers; ``num_experts_per_tok`` in 1 … the experts; the vision token ids within the
-    vocabulary. :class:`ModelLoadError` naming the field, its value and the allowed range."""
+    0 … layers; ``num_experts_per_tok`` in 1 … the experts; ``n_group`` dividing the experts
+    and ``topk_group`` in 1 … ``n_group`` (these crashed a run); the vision token ids within
+    the vocabulary. :class:`ModelLoadError` naming the field, its value and the allowed range."""
     where = f"config.json in {str(path)!r}"
     parts = [("", cfg)] + [(f"{k}.", cfg[k]) for k in ("text_config", "vision_config")
                            if isinstance(cfg.get(k), dict)]
@@ -453,6 +454,13 @@ def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
         within(pre + "num_experts_per_tok", k, 1, experts,
                f"top-{shorten(k)} of {experts} experts; it must be between 1 and the "
                f"number of experts")
+        groups = d.get("n_group")  # group-limited routing (DeepSeek): groups of experts
+        if groups is not None and _whole(experts) and not (
+                _whole(groups) and 1 <= groups <= experts and experts % groups == 0):
+            refuse(pre + "n_group", groups, f"a whole number ≥ 1 that divides the {experts} "
+                                            f"experts")
+        within(pre + "topk_group", d.get("topk_group"), 1, groups if _whole(experts) else None,
+               f"a whole number in 1 … n_group = {groups}")
         ds = d.get("deepstack_visual_indexes")
         indexes(pre + "deepstack_visual_indexes", ds, d.get("depth"), "vision blocks")
         if isinstance(ds, list) and len(set(ds)) != len(ds):  # a repeat drops a merger
