@@ -543,7 +543,7 @@ BROKEN = {
     "header_len_huge": ("tiny", lambda d: _raw(d, struct.pack("<Q", 2**62) + b"{}"),
                         ["header claims 4,611,686,018,427,387,904 bytes"]),
     "header_not_json": ("tiny", lambda d: _raw(d, struct.pack("<Q", 10) + b"not json!!"),
-                        ["header is not a JSON object"]),
+                        ["its header is not valid JSON"]),
     "header_not_object": ("tiny", lambda d: _raw(d, _header([1, 2])), ["JSON array"]),
     "header_huge_tensor": ("tiny", lambda d: _raw(d, _header({"lm_head.weight": {
         "dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}}, b"\0" * 64)),
@@ -589,7 +589,7 @@ BROKEN = {
                                            (d / "config.json").symlink_to("/dev/zero")),
                         ["config.json in", "is not a regular file"]),
     "config_huge_file": ("tiny", lambda d: (d / "config.json").write_text(
-        "{" + " " * (17 * 2**20) + "}"), ["a config of at most"]),
+        "{" + " " * (17 * 2**20) + "}"), ["config.json in", "is too large"]),
     "config_layers_string": ("tiny", lambda d: _cfg(d, num_hidden_layers="3"),
                              ["num_hidden_layers"]),
     "config_layers_huge": ("tiny", lambda d: _cfg(d, num_hidden_layers=10**5),
@@ -608,7 +608,7 @@ BROKEN = {
     "tokenizer_missing": ("tiny", lambda d: [(d / f).unlink() for f in (
         "tokenizer.json", "tokenizer_config.json")], ["has no tokenizer"]),
     "tokenizer_garbage": ("tiny", lambda d: (d / "tokenizer.json").write_text("{garbage"),
-                          ["tokenizer in", "could not be loaded"]),
+                          ["tokenizer in", "tokenizer.json is not valid JSON"]),
     "tokenizer_json_missing": ("tiny", lambda d: (d / "tokenizer.json").unlink(),
                                ["tokenizer in"]),
     "chat_template_broken": ("emb", lambda d: (d / "chat_template.jinja").write_text(
@@ -1064,7 +1064,7 @@ BROKEN_PREDICTORS = {
     "header_2_62": (_pred_bytes(lambda b: struct.pack("<Q", 2**62) + b[8:]),
                     ["predictor.safetensors", "4,611,686,018,427,387,904 bytes"]),
     "empty_weights": (_pred_bytes(lambda b: b""), ["predictor.safetensors", "too short"]),
-    "json_list": (_pred_json("[1, 2]"), ["predictor.json", "JSON list"]),
+    "json_list": (_pred_json("[1, 2]"), ["predictor.json", "JSON array"]),
     "json_garbage": (_pred_json("{garbage"), ["predictor.json", "not valid JSON"]),
     "json_nan": (_pred_json('{"format": NaN}'), ["predictor.json", "not valid JSON"]),
     "json_deep": (_pred_json("[" * 100_000 + "]" * 100_000), ["predictor.json",
@@ -1103,7 +1103,7 @@ BROKEN_PREDICTORS = {
     "zero_std": (_pred_weights(lambda sd: sd["x_std"].__setitem__(0, 0.0)), ["'x_std'", "≤ 0"]),
     "no_weights": (lambda d: (d / "predictor.safetensors").unlink(), ["holds no calibrated"]),
     "json_is_dir": (lambda d: ((d / "predictor.json").unlink(),
-                               (d / "predictor.json").mkdir()), ["holds no calibrated"]),
+                               (d / "predictor.json").mkdir()), ["predictor.json is a directory"]),
 }
 
 

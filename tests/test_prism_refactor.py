@@ -81,7 +81,7 @@ def test_refactor_the_embedded_model_save_and_load(embedded, tmp_path, tiny_ckpt
     with pytest.raises(InputError, match="neurons must be a whole number"):
         R.load(out)
     (out / R.CONFIG).write_text("{not json")
-    with pytest.raises(InputError, match="not a readable"):
+    with pytest.raises(InputError, match="prism.json' is not valid JSON"):
         R.load(out)
     with pytest.raises(InputError, match="dividing the 64 neurons"):
         P.anneal_many([np.ones((2, 64))], 5)
@@ -138,7 +138,7 @@ def test_the_refactor_command_on_a_text_moe_with_its_own_prompts(tiny_ckpt, tmp_
         assert says in err and "Traceback" not in err
     assert main([*base, "--out", str(tmp_path / "c"), "--input-file",
                  str(tmp_path / "missing.txt")]) == 2
-    assert "cannot be read" in capsys.readouterr().err
+    assert "missing.txt' does not exist" in capsys.readouterr().err
     big = tmp_path / "big.txt"
     big.write_bytes(b"")
     os.truncate(big, (16 << 20) + 1)  # sparse: refused by its size, before it is read

@@ -255,7 +255,7 @@ def test_cost_table_save_load_round_trip_and_malformed_files(tmp_path):
     neg[1][2] = -0.5
     refused(r"decode_s\[1\]\[2\] must be a finite number of seconds above 0, not -0.5",
             decode_s=neg)
-    refused(r"prefill_s\[0\]\[0\] must be a finite", text=p.read_text().replace(
+    refused(r"NaN is not standard JSON", text=p.read_text().replace(
         str(doc["prefill_s"][0][0]), "NaN", 1))
     refused(r"decode_s must be 4 lists", decode_s=doc["decode_s"][:3])
     refused(r"prefill_s must be 4 lists \(subexperts\) of 3", prefill_s=[r[:2] for r in
@@ -265,15 +265,15 @@ def test_cost_table_save_load_round_trip_and_malformed_files(tmp_path):
     refused("sizes must be strictly increasing", sizes=[1, 8, 2])
     refused(r"sizes\[2\] must be a whole number in 1 … 65536", sizes=[1, 2, 10**12])
     refused("sizes must be a list of 1 … 1024", sizes=list(range(1, 2000)))
-    refused("not a readable cost table", text="{not json")
-    refused("not a readable cost table", text="[" * 100 + "]" * 100)
+    refused("cost table .* is not valid JSON", text="{not json")
+    refused("nested deeper than 64", text="[" * 100 + "]" * 100)
     refused("is not a workbench-prism-costs/1 file", format="something else")
     refused("clock must be one of measured, modeled", clock="guessed")
     big = tmp_path / "big.json"
     big.write_text(" " * (17 << 20))
-    with pytest.raises(InputError, match="more than a cost table may be"):
+    with pytest.raises(InputError, match="cost table .* is too large"):
         CostTable.load(big)
-    with pytest.raises(InputError, match="not a readable cost table"):
+    with pytest.raises(InputError, match="cost table .* does not exist"):
         CostTable.load(tmp_path / "missing.json")
     with pytest.raises(InputError, match="must be a finite number of seconds above 0"):
         CostTable([[1.0, float("inf")]], [[1.0, 1.0]], (1, 2), 1, "measured")

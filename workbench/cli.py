@@ -399,28 +399,14 @@ def _own_requests(inputs: list[str], input_file: str | None) -> list:
     requests, :data:`MAX_INPUT_BYTES` of file, checked before it is read."""
     from workbench.analysis.sweep import SweepInput
     from workbench.errors import InputError
+    from workbench.fileio import read_text
     from workbench.models.inputs import Request, check_prompt, probe_image
 
     texts = [("--input", t) for t in inputs]
     if input_file is not None:
-        path = Path(input_file)
         name = f"--input-file {input_file!r}"
-        try:
-            size = path.stat().st_size
-            if not path.is_file():  # a FIFO or a device never ends
-                raise InputError(f"{name} is not a file")
-            with open(path, "rb") as fh:  # bounded even if it grows after the stat
-                raw = fh.read(MAX_INPUT_BYTES + 1)
-            if max(size, len(raw)) > MAX_INPUT_BYTES:
-                raise InputError(f"{name} has {max(size, len(raw)):,} bytes; at most "
-                                 f"{MAX_INPUT_BYTES:,} are read")
-        except OSError as e:
-            raise InputError(f"{name} cannot be read: {e.strerror or type(e).__name__}"
-                             ) from None
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise InputError(f"{name} is not UTF-8 text (byte {e.start})") from None
+        # a FIFO or a device never ends, a sparse file is refused by its size before it is read
+        text = read_text(input_file, MAX_INPUT_BYTES, name, empty_ok=True)
         # lines as an editor counts them: \n (and \r\n), not every separator str.splitlines knows
         lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)]
         mine = [(f"{name} line {n}", line) for n, line in lines

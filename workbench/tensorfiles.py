@@ -5,6 +5,7 @@ folder. No pickle."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from workbench.errors import InputError
+from workbench.fileio import read_bytes_bounded, read_json, shorten
 
 
 def save_folder(out: str | Path, weights: str, config: str, tensors: dict[str, np.ndarray],
@@ -54,46 +56,55 @@ def _write_folder(out: Path, weights: str, config: str, tensors: dict[str, np.nd
                          f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
+#: largest JSON header of a folder read (a real one is a few kB)
+MAX_HEADER_JSON = 16 << 20
+
+
 def load_header(folder: str | Path, config: str, fmt: str, what: str,
                 dims: tuple[str, ...]) -> tuple[dict[str, Any], list[int]]:
-    """The JSON header ``folder/config`` of a :func:`save_folder` folder, checked: a mapping
-    of format ``fmt`` whose ``dims`` are whole numbers in 1 … 2²⁰ (the shapes the weights are
-    then checked against; bounded so that a header cannot declare an 8 GB tensor). Returns
-    (header, the dims' values); :class:`InputError` naming the file and the fault."""
+    """The JSON header ``folder/config`` of a :func:`save_folder` folder, checked: read by
+    :func:`workbench.fileio.read_json` (a regular file of at most :data:`MAX_HEADER_JSON`
+    bytes, depth-limited), a mapping of format ``fmt`` whose ``dims`` are whole numbers in
+    1 … 2²⁰ (the shapes the weights are then checked against; bounded so that a header cannot
+    declare an 8 GB tensor). Returns (header, the dims' values); :class:`InputError` naming the
+    file and the fault."""
     where = str(Path(folder) / config)
-    try:
-        meta = json.loads((Path(folder) / config).read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{where!r} is not a readable {what} "
-                         f"({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(meta, dict) or meta.get("format") != fmt:
-        raise InputError(f"{where!r} is not a {fmt} header")
+    meta = read_json(Path(folder) / config, MAX_HEADER_JSON, f"{what} header {where!r}")
+    if meta.get("format") != fmt:
+        raise InputError(f"{where!r} is not a {fmt} header (its format is "
+                         f"{shorten(meta.get('format'))})")
     values = []
     for k in dims:
         v = meta.get(k)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
             raise InputError(f"{where!r}: {k} must be a whole number in 1 … {1 << 20}, "
-                             f"not {v!r}")
+                             f"not {shorten(v)}")
         values.append(v)
     return meta, values
 
 
 def load_weights(folder: str | Path, weights: str, budget: int) -> dict[str, np.ndarray]:
-    """The safetensors file ``folder/weights``, read only when it exists and holds at most
-    ``budget`` bytes (what its header's shapes allow: a file cannot make the reader allocate
-    more); :class:`InputError` naming the file otherwise or when it cannot be read."""
+    """The safetensors file ``folder/weights``, read by
+    :func:`workbench.fileio.read_bytes_bounded` (a regular file, not empty, of at most
+    ``budget`` bytes: what its header's shapes allow, so a file cannot make the reader allocate
+    more) with its header checked by
+    :func:`workbench.models.loading.safetensors_header`; :class:`InputError` naming the
+    file and saying whether it is missing, empty, too large or unreadable."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
+
+    from workbench.errors import ModelLoadError
+    from workbench.models.loading import safetensors_header
 
     f = Path(folder) / weights
-    size = f.stat().st_size if f.is_file() else -1
-    if not 0 < size <= budget:
-        raise InputError(f"{str(f)!r} is missing or larger than the {budget} bytes its "
-                         f"header's shapes allow")
-    try:
-        return load_file(str(f))
-    except (OSError, SafetensorError, ValueError) as e:
-        raise InputError(f"{str(f)!r} cannot be read ({str(e)[:120]})") from None
+    raw = read_bytes_bounded(f, budget, repr(str(f)))
+    try:  # the header's dtypes, shapes and byte ranges checked before any tensor is built
+        safetensors_header(io.BytesIO(raw), repr(str(f)))
+        return load(raw)
+    except ModelLoadError as e:
+        raise InputError(str(e)) from None
+    except (SafetensorError, ValueError) as e:
+        raise InputError(f"{str(f)!r} cannot be read ({shorten(str(e))})") from None
 
 
 __all__ = ["load_header", "load_weights", "save_folder"]

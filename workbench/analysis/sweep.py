@@ -46,6 +46,7 @@ import xarray as xr
 
 from workbench import jsonio
 from workbench.errors import InputError, KnobError, WorkbenchError
+from workbench.fileio import read_text
 from workbench.knobs import Knobs
 
 #: seconds a sweep waits for a ``scheduler`` to accept the connection and answer as a Dask
@@ -353,12 +354,16 @@ def check_scheduler(address: str, timeout: float = SCHEDULER_TIMEOUT_S) -> str:
     return norm
 
 
+#: largest outcome file of a sweep point read (a real one is a few kB)
+MAX_OUTCOME_BYTES = 16 * 1024 * 1024
+
+
 def read_outcome(meta: str | Path) -> dict[str, Any] | None:
     """A point's outcome file, or ``None`` when it is missing or unreadable (garbage JSON, not
     an object, no status, a complete point without a result): such a point is not done."""
     try:
-        o = jsonio.loads(Path(meta).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        o = jsonio.loads(read_text(meta, MAX_OUTCOME_BYTES, "outcome"))
+    except (OSError, ValueError, InputError):  # a FIFO or a sparse giant is "not done" too
         return None
     if not isinstance(o, dict) or not isinstance(o.get("status"), str):
         return None

@@ -21,13 +21,14 @@ model, dtypes, finite values, classes in {−1, 0, 1}). No pickle anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from workbench import jsonio
 from workbench.errors import InputError
+from workbench.fileio import read_json, shorten
 
 FORMAT = "workbench-macs-calibration/1"
 WEIGHTS = "macs.safetensors"
@@ -182,39 +183,34 @@ def load(path: str | Path, num_layers: int | None = None, num_experts: int | Non
     ``num_layers`` × ``num_experts`` (and ``config_hash``, and centroids of ``hidden_size``)
     when given — all from the header, before any tensor is read; :class:`InputError` naming
     the file and what is wrong otherwise."""
-    from safetensors.numpy import load_file
-
     from workbench.errors import ModelLoadError
-    from workbench.models.loading import read_safetensors_header
+    from workbench.models.loading import read_safetensors_header, safetensors_budget
+    from workbench.tensorfiles import load_weights
 
     path = Path(path)
     where = f"MACS calibration in {str(path)!r}"
     cfg = path / CONFIG
-    if not cfg.is_file():
+    if not os.path.lexists(cfg):
         raise InputError(f"no {where} (no {CONFIG}); run `workbench calibrate-macs` for the "
                          f"model (or set macs_calibration to a calibration folder)")
-    if cfg.stat().st_size > MAX_CONFIG_BYTES:
-        raise InputError(f"{where}: {CONFIG} is {cfg.stat().st_size:,} bytes; at most "
-                         f"{MAX_CONFIG_BYTES:,}")
-    try:
-        meta = jsonio.loads(cfg.read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise InputError(f"{where}: {CONFIG} is not valid JSON ({str(e)[:120]})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise InputError(f"{where}: {CONFIG} is not a {FORMAT} file")
-    try:
+    meta = read_json(cfg, MAX_CONFIG_BYTES, f"{where}: {CONFIG}")
+    if meta.get("format") != FORMAT:
+        raise InputError(f"{where}: {CONFIG} is not a {FORMAT} file (its format is "
+                         f"{shorten(meta.get('format'))})")
+    try:  # refuses a FIFO or device before it is opened
         header = read_safetensors_header(path / WEIGHTS)
     except ModelLoadError as e:
         raise InputError(f"{where}: {e}") from None
     if set(header) != set(_TENSORS):
-        raise InputError(f"{where}: {WEIGHTS} holds {sorted(header)}, expected "
+        raise InputError(f"{where}: {WEIGHTS} holds {shorten(sorted(header))}, expected "
                          f"{sorted(_TENSORS)}")
     shapes = {}
     for name, (dtype, ndim) in _TENSORS.items():
         info = header[name]
         if info["dtype"] != dtype or len(info["shape"]) != ndim:
             raise InputError(f"{where}: tensor {name!r} is {info['dtype']} "
-                             f"{list(info['shape'])}, expected {dtype} with {ndim} dims")
+                             f"{shorten(list(info['shape']))}, expected {dtype} with {ndim} "
+                             f"dims")
         shapes[name] = tuple(info["shape"])
     L, E = shapes["classes"]
     if any(shapes[n][:2] != (L, E) for n in _TENSORS):
@@ -231,10 +227,10 @@ def load(path: str | Path, num_layers: int | None = None, num_experts: int | Non
         raise InputError(f"{where} is for {L} layers × {E} experts; this model has "
                          f"{num_layers} × {num_experts}; calibrate it for this model")
     if config_hash and meta.get("config_hash") and meta["config_hash"] != config_hash:
-        raise InputError(f"{where} was made for config_hash={meta['config_hash']!r} "
-                         f"({meta.get('model_id', 'another model')}), this model has "
+        raise InputError(f"{where} was made for config_hash={shorten(meta['config_hash'])} "
+                         f"({shorten(meta.get('model_id', 'another model'))}), this model has "
                          f"{config_hash!r}; calibrate it for this model")
-    t = load_file(str(path / WEIGHTS))
+    t = load_weights(path, WEIGHTS, safetensors_budget(header))
     if not np.isin(t["classes"], (-1, 0, 1)).all():
         raise InputError(f"{where}: classes must be −1, 0 or +1")
     for n in ("delta", "freq_visual", "freq_text", "centroids"):

@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from workbench import jsonio
 from workbench.errors import ModelLoadError
+from workbench.fileio import (check_regular_file, open_regular, parse_json, read_bytes_bounded,
+                              read_json, read_text, shorten)
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.chat_template import TemplateRenderError, render_chat
 from workbench.models.inputs import _one_line
@@ -53,6 +54,8 @@ from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
 #: largest config.json read (a real one is a few kB)
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: largest model.safetensors.index.json read (a real one is well under a MiB)
+MAX_INDEX_BYTES = 64 * 1024 * 1024
 #: largest safetensors header (the safetensors library's own limit)
 MAX_HEADER_BYTES = 100_000_000
 #: safetensors dtypes → bytes per element (F4 packs two per byte: counted as 1, see
@@ -148,12 +151,93 @@ def check_model_dir(path: str | Path) -> list[Path]:
         raise ModelLoadError(
             f"{where} has no config.json (a Hugging Face checkpoint "
             f"directory needs config.json, *.safetensors weights and tokenizer files)")
-    read_config(path)
+    cfg, _ = read_config(path)
     files = weight_files(path)
-    if not any(_is_file(path / f) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any(os.path.lexists(path / f) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelLoadError(f"{where} has no tokenizer "
                              f"(tokenizer.json / tokenizer_config.json)")
+    check_model_files(path, cfg)
+    check_config_ranges(cfg, path)
     return files
+
+
+#: files of a model folder that transformers opens itself (tokenizer, chat template,
+#: processors, generation config) → (what a message calls them, largest size read, kind:
+#: "json", "text" (UTF-8) or "bytes"). Each that is there is read by :func:`check_model_files`
+#: before transformers is called: transformers skips a file that is not a regular file (a
+#: FIFO, a dangling link) as if it were absent and loads on, with other answers.
+MODEL_FILES = {
+    "tokenizer.json": ("tokenizer", 64 << 20, "json"),
+    "tokenizer_config.json": ("tokenizer", 16 << 20, "json"),
+    "special_tokens_map.json": ("tokenizer", 1 << 20, "json"),
+    "added_tokens.json": ("tokenizer", 16 << 20, "json"),
+    "vocab.json": ("tokenizer", 64 << 20, "json"),
+    "vocab.txt": ("tokenizer", 64 << 20, "text"),
+    "merges.txt": ("tokenizer", 64 << 20, "text"),
+    "tokenizer.model": ("tokenizer", 64 << 20, "bytes"),
+    "chat_template.jinja": ("chat template", 1 << 20, "text"),
+    "chat_template.json": ("chat template", 1 << 20, "json"),
+    "preprocessor_config.json": ("image processor", 1 << 20, "json"),
+    "processor_config.json": ("image processor", 1 << 20, "json"),
+    "video_preprocessor_config.json": ("image processor", 1 << 20, "json"),
+    "generation_config.json": ("generation config", 1 << 20, "json"),
+}
+#: the folder of a model's extra chat templates (``NAME.jinja``), read by transformers
+_TEMPLATE_DIR = "additional_chat_templates"
+#: the files that hold a tokenizer's vocabulary (one of them, or another ``*.model``, is needed)
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _glob(folder: Path, pattern: str) -> list[Path]:
+    try:
+        return sorted(folder.glob(pattern)) if folder.is_dir() else []
+    except OSError:
+        return []
+
+
+def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
+    """Every file of :data:`MODEL_FILES` in the folder ``path`` is a regular file within its
+    size limit, readable, valid JSON (an object) or UTF-8 where it should be; and the folder has
+    what its config needs: ``tokenizer_config.json`` and a vocabulary file (a tokenizer without
+    its config loads with other special tokens), and for a vision-language config (a
+    ``vision_config``) ``preprocessor_config.json`` and a chat template (which places the image
+    tokens). :class:`ModelLoadError` naming the file otherwise."""
+    path = Path(path)
+    docs: dict[str, Any] = {}
+    # and what transformers globs: any *.model (a sentencepiece vocabulary) and the extra
+    # templates in additional_chat_templates/
+    found = {**MODEL_FILES,
+             **{f.name: MODEL_FILES["tokenizer.model"] for f in _glob(path, "*.model")},
+             **{f"{_TEMPLATE_DIR}/{f.name}": MODEL_FILES["chat_template.jinja"]
+                for f in _glob(path / _TEMPLATE_DIR, "*.jinja")}}
+    for name, (kind, limit, fmt) in found.items():
+        f = path / name
+        if not os.path.lexists(f):
+            continue
+        what = f"{kind} in {str(path)!r}: {name}"
+        if fmt == "json":
+            docs[name] = read_json(f, limit, what, ModelLoadError)
+        elif fmt == "text":
+            read_text(f, limit, what, ModelLoadError)
+        else:
+            read_bytes_bounded(f, limit, what, ModelLoadError)
+    tokenizer = f"tokenizer in {str(path)!r}"
+    if "tokenizer_config.json" not in docs:
+        raise ModelLoadError(f"{tokenizer} is incomplete: it has no tokenizer_config.json "
+                             f"(its special tokens and settings)")
+    if not any(os.path.lexists(path / f) for f in _VOCAB_FILES) and not _glob(path, "*.model"):
+        raise ModelLoadError(f"{tokenizer} is incomplete: it has none of "
+                             f"{', '.join(_VOCAB_FILES)} (its vocabulary)")
+    if cfg.get("vision_config") is not None:
+        if "preprocessor_config.json" not in docs:
+            raise ModelLoadError(f"image processor in {str(path)!r} is missing: config.json "
+                                 f"has a vision_config, which needs preprocessor_config.json")
+        if not (os.path.lexists(path / "chat_template.jinja") or "chat_template.json" in docs
+                or docs["tokenizer_config.json"].get("chat_template")
+                or docs.get("processor_config.json", {}).get("chat_template")):
+            raise ModelLoadError(f"chat template in {str(path)!r} is missing: config.json has "
+                                 f"a vision_config, whose requests need a chat template "
+                                 f"(chat_template.jinja) to place the image tokens")
 
 
 def takes_images(path: str | Path | None) -> bool:
@@ -173,41 +257,13 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], bytes]:
     """``(config.json as a dict, its bytes)``; :class:`ModelLoadError` unless it is a JSON
     object of at most :data:`MAX_CONFIG_BYTES` bytes with a ``model_type``."""
     path = Path(path)
-    f = path / "config.json"
     where = f"config.json in {str(path)!r}"
-    try:
-        st = f.stat()
-        if not stat.S_ISREG(st.st_mode):  # a FIFO never ends, /dev/zero never stops
-            raise ModelLoadError(f"{where} is not a regular file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{where} is {st.st_size:,} bytes; a config of at most "
-                                 f"{MAX_CONFIG_BYTES:,} bytes is expected")
-        with open(f, "rb") as fh:  # bounded even if it grows after the stat
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{where} grew past {MAX_CONFIG_BYTES:,} bytes while read")
-    except OSError as e:
-        raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
-    try:
-        cfg = jsonio.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{where} is not readable: not valid JSON ({_one_line(e)})") from None
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{where} is not readable: it must be a JSON object "
-                             f"({{\"model_type\": …}}), not a JSON {_json_kind(cfg)}")
+    raw = read_bytes_bounded(path / "config.json", MAX_CONFIG_BYTES, where, ModelLoadError)
+    cfg = parse_json(raw, where, ModelLoadError)
     if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
         raise ModelLoadError(f"{where} is not readable: it has no \"model_type\" (the "
                              f"architecture, e.g. \"qwen3_vl_moe\")")
     return cfg, raw
-
-
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not standard JSON")
-
-
-def _json_kind(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -221,25 +277,27 @@ def weight_files(path: str | Path) -> list[Path]:
         raise ModelLoadError(f"{where}: model.safetensors is not a regular file")
     if _is_file(single):
         return [single]
-    if _is_file(index):
-        try:
-            idx = jsonio.loads(index.read_bytes())
-            wmap = idx["weight_map"]
-            if not isinstance(wmap, dict) or not wmap or not all(
-                    isinstance(v, str) for v in wmap.values()):
-                raise ValueError("weight_map must map tensor names to shard file names")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"{where}: model.safetensors.index.json is not a valid "
-                                 f"shard index: {_one_line(e)}") from None
+    if os.path.lexists(index):
+        idx = read_json(index, MAX_INDEX_BYTES, f"{where}: model.safetensors.index.json",
+                        ModelLoadError, obj=False)
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not wmap or not all(
+                isinstance(v, str) for v in wmap.values()):
+            raise ModelLoadError(f"{where}: model.safetensors.index.json is not a valid shard "
+                                 f"index: its weight_map must map tensor names to shard file "
+                                 f"names, not {shorten(wmap)}")
         shards = []
         for name in dict.fromkeys(wmap.values()):
             f = path / name
             if Path(name).name != name or not name.endswith(".safetensors"):
                 raise ModelLoadError(f"{where}: model.safetensors.index.json names shard "
-                                     f"{name!r}; shards must be *.safetensors files in the "
-                                     f"directory itself")
+                                     f"{shorten(name)}; shards must be *.safetensors files in "
+                                     f"the directory itself")
+            if os.path.lexists(f):  # there, but perhaps a FIFO or a directory
+                check_regular_file(f, f"{where}: shard {shorten(name)}", ModelLoadError,
+                                   empty_ok=True)
             if not _is_file(f):
-                raise ModelLoadError(f"{where} lacks shard {name!r}, which "
+                raise ModelLoadError(f"{where} lacks shard {shorten(name)}, which "
                                      f"model.safetensors.index.json lists for "
                                      f"{sum(v == name for v in wmap.values())} tensors")
             shards.append(f)
@@ -264,35 +322,50 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     file (and tensor)."""
     f = Path(f)
     where = f"weights in {str(f.parent)!r} could not be loaded: {f.name}"
+    # a FIFO would block the open, /dev/zero never ends: refused before it is opened
+    with open_regular(f, where, ModelLoadError, empty_ok=True) as fh:
+        return safetensors_header(fh, where)
+
+
+def _num(v: int) -> str:
+    """A whole number for a message: ``1,234`` (a giant from a file: :func:`shorten`)."""
+    return f"{v:,}" if abs(v) < 10**18 else shorten(v)
+
+
+def safetensors_budget(tensors: dict[str, dict[str, Any]]) -> int:
+    """The most bytes a safetensors file with the checked header ``tensors`` (of
+    :func:`read_safetensors_header`) can have: its data, the 8-byte length and the largest
+    header. A bound to read such a file whole by :func:`workbench.fileio.read_bytes_bounded`."""
+    data = sum(math.prod(t["shape"]) * ST_DTYPES[t["dtype"]] for t in tensors.values())
+    return data + 8 + MAX_HEADER_BYTES
+
+
+def safetensors_header(fh, where: str) -> dict[str, dict[str, Any]]:
+    """:func:`read_safetensors_header` of the open binary file (or ``io.BytesIO``) ``fh`` of a
+    regular file; ``where`` names it in errors."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ModelLoadError(f"{where} is {size} bytes: too short for a safetensors "
-                                     f"header (empty or truncated)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise ModelLoadError(
-                    f"{where} is not a safetensors file: its header claims {n:,} bytes "
-                    f"(the file has {size:,}; headers are at most {MAX_HEADER_BYTES:,})")
-            raw = fh.read(n)
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(0)
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{where} is {'empty' if not size else f'{size} bytes'}: "
+                                 f"too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise ModelLoadError(
+                f"{where} is not a safetensors file: its header claims {n:,} bytes "
+                f"(the file has {size:,}; headers are at most {MAX_HEADER_BYTES:,})")
+        raw = fh.read(n)
     except OSError as e:
         raise ModelLoadError(f"{where} is not readable: {_one_line(e)}") from None
-    try:
-        header = jsonio.loads(raw, parse_constant=_no_constant)
-        if not isinstance(header, dict):
-            raise ValueError(f"a JSON {_json_kind(header)}, not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{where} is not a safetensors file: its header is not a JSON "
-                             f"object ({_one_line(e, 120)})") from None
+    header = parse_json(raw, f"{where} is not a safetensors file: its header", ModelLoadError)
     data = size - 8 - n
     tensors: dict[str, dict[str, Any]] = {}
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        bad = f"{where}: tensor {name!r} has a broken header entry"
+        bad = f"{where}: tensor {shorten(name)} has a broken header entry"
         if not isinstance(info, dict):
             raise ModelLoadError(f"{bad} ({_one_line(info, 80)})")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -310,12 +383,13 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
                                  f"[begin, end] with 0 ≤ begin ≤ end")
         nbytes = math.prod(shape) * ST_DTYPES[dtype]
         if offs[1] - offs[0] != nbytes:
-            raise ModelLoadError(f"{bad}: shape {shape} of {dtype} needs {nbytes:,} bytes, its "
-                                 f"data_offsets span {offs[1] - offs[0]:,}")
+            raise ModelLoadError(f"{bad}: shape {shorten(shape)} of {dtype} needs "
+                                 f"{_num(nbytes)} bytes, its data_offsets span "
+                                 f"{_num(offs[1] - offs[0])}")
         if offs[1] > data:
             raise ModelLoadError(
-                f"{where} is truncated: tensor {name!r} ends at byte {offs[1]:,} of the data, "
-                f"which holds {data:,} bytes")
+                f"{where} is truncated: tensor {shorten(name)} ends at byte {_num(offs[1])} of the "
+                f"data, which holds {data:,} bytes")
         end = max(end, offs[1])
         tensors[name] = {"dtype": dtype, "shape": tuple(shape), "data_offsets": tuple(offs)}
     if end != data:
@@ -324,6 +398,97 @@ def read_safetensors_header(f: str | Path) -> dict[str, dict[str, Any]]:
     return tensors
 
 
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: config keys that hold token ids the vision path looks for in the prompt
+_VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                      "vision_end_token_id")
+
+
+def check_config_ranges(cfg: dict[str, Any], path: str | Path) -> None:
+    """Refuse a config.json whose index and count fields point outside the model's own shape
+    (transformers accepts them and computes something else: ``deepstack_visual_indexes:
+    [100]`` of a 4-block vision tower silently drops the deepstack features). Checked in the
+    config and its ``text_config``/``vision_config``: ``deepstack_visual_indexes`` within the
+    vision ``depth``, distinct (and no more of them than text layers); ``mrope_section``
+    summing to half the head width; ``mlp_only_layers`` within
+    ``num_hidden_layers``; ``decoder_sparse_step`` in 1 … layers; ``first_k_dense_replace`` in
+    0 … layers; ``num_experts_per_tok`` in 1 … the experts; ``n_group`` dividing the experts
+    and ``topk_group`` in 1 … ``n_group`` (these crashed a run); the vision token ids within
+    the vocabulary. :class:`ModelLoadError` naming the field, its value and the allowed range."""
+    where = f"config.json in {str(path)!r}"
+    parts = [("", cfg)] + [(f"{k}.", cfg[k]) for k in ("text_config", "vision_config")
+                           if isinstance(cfg.get(k), dict)]
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text_layers = text.get("num_hidden_layers")
+
+    def refuse(key: str, v: Any, allowed: str) -> None:
+        raise ModelLoadError(f"{where}: {key} = {shorten(v)} is outside the model: {allowed}")
+
+    def indexes(key: str, v: Any, n: Any, of: str) -> None:
+        if v is None or not _whole(n):
+            return
+        if not isinstance(v, list) or not all(_whole(i) and 0 <= i < n for i in v):
+            refuse(key, v, f"a list of indexes in 0 … {n - 1} (the model has {n} {of})")
+
+    def within(key: str, v: Any, lo: int, hi: Any, allowed: str) -> None:
+        if v is None or not _whole(hi):
+            return
+        if not _whole(v) or not lo <= v <= hi:
+            refuse(key, v, allowed)
+
+    for pre, d in parts:
+        layers = d.get("num_hidden_layers")
+        indexes(pre + "mlp_only_layers", d.get("mlp_only_layers"), layers, "layers")
+        within(pre + "decoder_sparse_step", d.get("decoder_sparse_step"), 1, layers,
+               f"a whole number in 1 … {layers} (the model has {layers} layers)")
+        within(pre + "first_k_dense_replace", d.get("first_k_dense_replace"), 0, layers,
+               f"a whole number in 0 … {layers} (the model has {layers} layers)")
+        experts = next((d[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if _whole(d.get(k))), None)
+        k = d.get("num_experts_per_tok")
+        within(pre + "num_experts_per_tok", k, 1, experts,
+               f"top-{shorten(k)} of {experts} experts; it must be between 1 and the "
+               f"number of experts")
+        groups = d.get("n_group")  # group-limited routing (DeepSeek): groups of experts
+        if groups is not None and _whole(experts) and not (
+                _whole(groups) and 1 <= groups <= experts and experts % groups == 0):
+            refuse(pre + "n_group", groups, f"a whole number ≥ 1 that divides the {experts} "
+                                            f"experts")
+        within(pre + "topk_group", d.get("topk_group"), 1, groups if _whole(experts) else None,
+               f"a whole number in 1 … n_group = {groups}")
+        ds = d.get("deepstack_visual_indexes")
+        indexes(pre + "deepstack_visual_indexes", ds, d.get("depth"), "vision blocks")
+        if isinstance(ds, list) and len(set(ds)) != len(ds):  # a repeat drops a merger
+            refuse(pre + "deepstack_visual_indexes", ds, "distinct indexes (each feeds its "
+                                                         "own merger)")
+        for rope_key in ("rope_parameters", "rope_scaling"):
+            rope = d.get(rope_key)
+            sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+            head = d.get("head_dim")
+            if not _whole(head) and _whole(d.get("hidden_size")) and \
+                    _whole(d.get("num_attention_heads")) and d["num_attention_heads"] > 0:
+                head = d["hidden_size"] // d["num_attention_heads"]
+            if sections is not None and _whole(head) and not (
+                    isinstance(sections, list) and all(_whole(x) and x >= 0 for x in sections)
+                    and sum(sections) == head // 2):
+                refuse(f"{pre}{rope_key}.mrope_section", sections,
+                       f"sizes ≥ 0 that sum to head_dim / 2 = {head // 2} (the rotary "
+                       f"frequencies of a {head}-wide head)")
+        if isinstance(ds, list) and _whole(text_layers) and len(ds) > text_layers:
+            refuse(pre + "deepstack_visual_indexes", ds,
+                   f"at most {text_layers} indexes (each feeds one of the {text_layers} text "
+                   f"layers)")
+    vocab = text.get("vocab_size")
+    if _whole(vocab):
+        for pre, d in parts[:2]:
+            for key in _VISION_TOKEN_KEYS:
+                within(pre + key, d.get(key), 0, vocab - 1,
+                       f"a token id in 0 … {vocab - 1} (the vocabulary has {vocab} tokens)")
 
 
 #: config keys that declare a depth, and the tensor-name segment that numbers those layers
@@ -354,7 +519,8 @@ def _check_declared_depth(cfg: dict[str, Any], tensors: dict[str, dict[str, Any]
                 n = have[_DEPTH_KEYS[k]]
                 if v > 4 * n + 16:
                     raise ModelLoadError(
-                        f"config.json in {str(path)!r} declares {where}{k} = {v:,}, but the "
+                        f"config.json in {str(path)!r} declares {where}{k} = "
+                        f"{_num(v)}, but the "
                         f"weights number {n:,} {_DEPTH_KEYS[k]}: the config and the weights "
                         f"do not belong together")
 
@@ -543,7 +709,7 @@ def _check_dtypes(model: Any, tensors: dict[str, dict[str, Any]], info: dict[str
         mine = state.get(name)
         if mine is not None and not mine.is_floating_point():
             continue  # an integer buffer stored as such (position ids, counters)
-        bad.append(f"{name!r} ({t['dtype']})")
+        bad.append(f"{shorten(name)} ({t['dtype']})")
     if bad:
         raise ModelLoadError(
             f"weights in {str(path)!r} store {', '.join(bad[:_LIST])}"
@@ -583,9 +749,17 @@ def _check_normalisation(ip: Any, path: Path) -> None:
                  for x in vals)
         if not ok or (name == "image_std" and any(x <= 0 for x in vals)):
             raise ModelLoadError(
-                f"image processor in {str(path)!r} (preprocessor_config.json): {name} is "
+                f"image processor in {str(path)!r} ({_processor_files(path)}): {name} is "
                 f"{vals!r}; it must hold finite numbers" + (", each > 0 (pixels are divided "
                                                            "by it)" if name == "image_std" else ""))
+
+
+def _processor_files(path: Path) -> str:
+    """The processor files of ``path`` that transformers reads an image processor from (a
+    broken processor_config.json was blamed on preprocessor_config.json)."""
+    names = [n for n in ("preprocessor_config.json", "processor_config.json")
+             if os.path.lexists(path / n)]
+    return " and ".join(names) or "preprocessor_config.json"
 
 
 def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
@@ -609,7 +783,7 @@ def _vision_processors(tf, path: Path) -> tuple[Any, Any, list[str]]:
         except Exception as e:
             raise ModelLoadError(
                 f"image processor in {str(path)!r} could not be loaded "
-                f"(preprocessor_config.json): {_one_line(e)}") from None
+                f"({_processor_files(path)}): {_one_line(e)}") from None
         return None, ip, [note] if note else []
     finally:
         quiet.setLevel(level)

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from workbench import jsonio
 from workbench.errors import InputError
+from workbench.fileio import read_json
 from workbench.predictor.features import RoutingProbe, request_samples
 from workbench.predictor.model import (LookaheadPredictor, PredictorConfig, hot_recall,
                                        oracle_recall, random_recall)
@@ -66,14 +66,7 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
             raise InputError(f"input {it!r} does not exist" if not p.exists() else
                              f"input {it!r} is not a regular file")
         if p.suffix.lower() == ".json":
-            if p.stat().st_size > 16 * 2**20:
-                raise InputError(f"input list {it!r} is {p.stat().st_size} bytes; at most "
-                                 f"16 MiB allowed")
-            try:
-                rows = jsonio.loads(p.read_bytes())
-            except (ValueError, RecursionError) as e:
-                raise InputError(f"input list {it!r} is not valid JSON ({str(e)[:120]})") \
-                    from None
+            rows = read_json(p, 16 * 2**20, f"input list {it!r}", obj=False)
             if not isinstance(rows, list):
                 raise InputError(f"input list {it!r} holds a JSON {type(rows).__name__}; "
                                  f"expected a list of {{\"image\": PATH, \"prompt\": TEXT}}")

@@ -13,6 +13,7 @@ settings needed to rebuild the module, plus the calibration report). No pickle a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from workbench import jsonio
 from workbench.errors import InputError
+from workbench.fileio import read_bytes_bounded, read_json, shorten
 
 WEIGHTS = "predictor.safetensors"
 CONFIG = "predictor.json"
@@ -125,45 +126,22 @@ def _real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
 
 
-def _show(v: Any, limit: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit - 1] + "…"
-
-
 def read_config(path: str | Path) -> PredictorConfig:
     """The :class:`PredictorConfig` of the predictor folder ``path``, every field's type and
     range checked (nothing is built). Raises :class:`InputError` naming the folder and field."""
     p = Path(path)
     where = f"predictor in {str(p)!r}"
-    f = p / CONFIG
-    try:
-        size = f.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise InputError(f"{where}: {CONFIG} is {size:,} bytes, more than the "
-                             f"{MAX_CONFIG_BYTES:,} a predictor config may have")
-        doc = jsonio.loads(f.read_bytes(), parse_constant=_no_constant)
-    except InputError:
-        raise
-    except OSError as e:
-        raise InputError(f"{where}: {CONFIG} is not readable: "
-                         f"{e.strerror or type(e).__name__}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InputError(f"{where}: {CONFIG} is not valid JSON "
-                         f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") \
-            from None
-    if not isinstance(doc, dict):
-        raise InputError(f"{where}: {CONFIG} holds a JSON {type(doc).__name__} "
-                         f"({_show(doc)}), expected an object with format and config")
+    doc = read_json(p / CONFIG, MAX_CONFIG_BYTES, f"{where}: {CONFIG}")
     if doc.get("format") != FORMAT:
-        raise InputError(f"{where}: {CONFIG} has format {_show(doc.get('format'))}, expected "
+        raise InputError(f"{where}: {CONFIG} has format {shorten(doc.get('format'))}, expected "
                          f"{FORMAT!r}")
     cfg = doc.get("config")
     if not isinstance(cfg, dict):
-        raise InputError(f"{where}: {CONFIG} field 'config' is {_show(cfg)}, expected an "
+        raise InputError(f"{where}: {CONFIG} field 'config' is {shorten(cfg)}, expected an "
                          f"object")
     unknown = sorted(str(k) for k in cfg if k not in _FIELDS)
     if unknown:
-        raise InputError(f"{where}: {CONFIG} has unknown config field {_show(unknown[0])}; "
+        raise InputError(f"{where}: {CONFIG} has unknown config field {shorten(unknown[0])}; "
                          f"known: {', '.join(_FIELDS)}")
     for name in _REQUIRED:
         if name not in cfg:
@@ -171,13 +149,9 @@ def read_config(path: str | Path) -> PredictorConfig:
     for name, value in cfg.items():
         ok, allowed = _FIELDS[name]
         if not ok(value):
-            raise InputError(f"{where}: {CONFIG} field config.{name} is {_show(value)}; it "
+            raise InputError(f"{where}: {CONFIG} field config.{name} is {shorten(value)}; it "
                              f"must be {allowed}")
     return PredictorConfig(**cfg)
-
-
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not allowed")
 
 
 def check_against_model(cfg: PredictorConfig, path: str | Path, lm: Any) -> None:
@@ -200,9 +174,9 @@ def check_against_model(cfg: PredictorConfig, path: str | Path, lm: Any) -> None
             f"{lm.config_hash!r}; run workbench calibrate for it")
 
 
-def _check_tensors(cfg: PredictorConfig, path: Path) -> None:
+def _check_tensors(cfg: PredictorConfig, path: Path) -> dict[str, dict[str, Any]]:
     """The weights file's header (read and checked on its own, nothing loaded) must hold exactly
-    the tensors ``cfg`` describes, with their shapes and a fitting dtype."""
+    the tensors ``cfg`` describes, with their shapes and a fitting dtype; returns it."""
     from workbench.errors import ModelLoadError
     from workbench.models.loading import read_safetensors_header
 
@@ -217,7 +191,7 @@ def _check_tensors(cfg: PredictorConfig, path: Path) -> None:
     extra = sorted(set(stored) - set(wanted))
     if missing or extra:
         what = (f"lacks tensor {missing[0]!r}" if missing else f"has unexpected tensor "
-                                                               f"{extra[0]!r}")
+                                                               f"{shorten(extra[0])}")
         n = len(missing) + len(extra)
         raise InputError(f"{where}: {WEIGHTS} {what}" + (f" (and {n - 1} more differences)"
                                                          if n > 1 else "")
@@ -227,13 +201,15 @@ def _check_tensors(cfg: PredictorConfig, path: Path) -> None:
         if tuple(info["shape"]) != tuple(t.shape):
             field_ = _shape_field(name)
             raise InputError(
-                f"{where}: tensor {name!r} in {WEIGHTS} has shape {list(info['shape'])}, but "
+                f"{where}: tensor {name!r} in {WEIGHTS} has shape {shorten(list(info['shape']))}, "
+                f"but "
                 f"{CONFIG} (config {field_}) needs {list(t.shape)}; the files do not belong "
                 f"together")
         allowed = _FLOAT_ST if t.is_floating_point() else _INT_ST
         if info["dtype"] not in allowed:
             raise InputError(f"{where}: tensor {name!r} in {WEIGHTS} is {info['dtype']}, "
                              f"expected one of {', '.join(allowed)}")
+    return stored
 
 
 def _shape_field(name: str) -> str:
@@ -280,19 +256,23 @@ def load(path: str | Path, model: Any = None) -> LookaheadPredictor:
     calibrated for it (:func:`check_against_model`); then the values (finite, positive
     standard deviations). Any fault raises :class:`InputError` naming the folder."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
+
+    from workbench.models.loading import safetensors_budget
 
     p = Path(path)
-    if not _is_file(p / CONFIG) or not _is_file(p / WEIGHTS):
+    # there but not a regular file (a FIFO, a directory): read_config / the reads below say so
+    if not all(_exists(p / f) for f in (CONFIG, WEIGHTS)):
         raise InputError(f"{str(p)!r} holds no calibrated predictor ({CONFIG} + {WEIGHTS}); "
                          f"make one with `workbench calibrate --out {p}`")
     cfg = read_config(p)
     if model is not None:
         check_against_model(cfg, p, model)
-    _check_tensors(cfg, p)
+    raw = read_bytes_bounded(p / WEIGHTS, safetensors_budget(_check_tensors(cfg, p)),
+                             f"predictor in {str(p)!r}: {WEIGHTS}")
     try:
         pred = LookaheadPredictor(cfg)
-        pred.load_state_dict(load_file(str(p / WEIGHTS)))
+        pred.load_state_dict(load(raw))
     except (ValueError, KeyError, TypeError, RuntimeError, OSError, SafetensorError) as e:
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise InputError(f"predictor in {str(p)!r} is not readable: {msg}") from None
@@ -300,10 +280,10 @@ def load(path: str | Path, model: Any = None) -> LookaheadPredictor:
     return pred.eval()
 
 
-def _is_file(p: Path) -> bool:
+def _exists(p: Path) -> bool:
     try:
-        return p.is_file()
-    except OSError:  # name too long, permission denied on a parent …
+        return os.path.lexists(p)
+    except (OSError, ValueError):  # name too long, permission denied on a parent …
         return False
 
 

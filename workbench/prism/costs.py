@@ -202,24 +202,14 @@ class CostTable:
         """The table in ``path``, checked: :class:`InputError` naming the file and the field
         (non-JSON, another format, sizes not increasing or beyond the bounds, arrays of the
         wrong shape, seconds that are not finite numbers above 0)."""
-        from workbench.jsonio import loads
+        from workbench.fileio import read_json, shorten
 
         path = Path(path)
         name = repr(str(path))
-        try:
-            size = path.stat().st_size
-            if size > MAX_FILE_BYTES:
-                raise InputError(f"{name} is {size} bytes, more than a cost table may be "
-                                 f"({MAX_FILE_BYTES})")
-            doc = loads(path.read_bytes())
-        except InputError:
-            raise
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise InputError(f"{name} is not a readable cost table ({type(e).__name__}: "
-                             f"{str(e)[:120]})") from None
+        doc = read_json(path, MAX_FILE_BYTES, f"cost table {name}", obj=False)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise InputError(f"{name} is not a {FORMAT} file (format "
-                             f"{doc.get('format') if isinstance(doc, dict) else None!r})")
+                             f"{shorten(doc.get('format') if isinstance(doc, dict) else None)})")
         try:
             N = _whole("subexperts", doc.get("subexperts"), 1, MAX_SUBEXPERTS)
             sizes = doc.get("sizes")

@@ -187,6 +187,7 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
     """The trained gate in folder ``path``, checked: its header, the weight's shape, dtype and
     finiteness; with ``lm`` that it is this model's (config and shape), with ``ref`` that it
     was trained for this refactoring. :class:`InputError` naming what is wrong."""
+    from workbench.fileio import shorten
     from workbench.tensorfiles import load_header, load_weights
 
     path = Path(path)
@@ -198,8 +199,9 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
         if meta.get("config_hash") != lm.config_hash or (L, E, H) != (
                 lay.num_layers, lay.num_experts, H_model):
             raise InputError(
-                f"the router in {str(path)!r} was trained for {meta.get('model_id')!r} "
-                f"(config {meta.get('config_hash')}, {L} layers × {E} experts, hidden {H}), "
+                f"the router in {str(path)!r} was trained for "
+                f"{shorten(meta.get('model_id'))} (config {shorten(meta.get('config_hash'))}, "
+                f"{L} layers × {E} experts, hidden {H}), "
                 f"not for {lm.model_id!r} (config {lm.config_hash}, {lay.num_layers} × "
                 f"{lay.num_experts}, hidden {H_model})")
     if ref is not None:
@@ -207,7 +209,7 @@ def load(path: str | Path, lm=None, ref=None) -> Router:
         if meta.get("refactoring_hash") != mine or N != ref.subexperts:
             raise InputError(
                 f"the router in {str(path)!r} was trained for refactoring "
-                f"{meta.get('refactoring_hash')} ({N} sub-experts), not for the run's "
+                f"{shorten(meta.get('refactoring_hash'))} ({N} sub-experts), not for the run's "
                 f"({mine}, {ref.subexperts} sub-experts): retrain it on this refactoring")
     t = load_weights(path, WEIGHTS, 4 * L * E * N * H + (1 << 20))
     w = t.get("weight")

@@ -212,6 +212,7 @@ def save(ref: Refactoring, out: str | Path, overwrite: bool = False) -> Path:
 def load(path: str | Path, lm=None) -> Refactoring:
     """The refactoring in folder ``path``, checked (module docstring); with ``lm`` also that
     it was made for this model and expert shape. :class:`InputError` naming what is wrong."""
+    from workbench.fileio import shorten
     from workbench.tensorfiles import load_header, load_weights
 
     path = Path(path)
@@ -228,8 +229,9 @@ def load(path: str | Path, lm=None) -> Refactoring:
         mine = (lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0])
         if meta.get("config_hash") != lm.config_hash or (L, E, I) != mine:
             raise InputError(
-                f"the refactoring in {str(path)!r} was made for {meta.get('model_id')!r} "
-                f"(config {meta.get('config_hash')}, {L} layers × {E} experts × {I} neurons), "
+                f"the refactoring in {str(path)!r} was made for "
+                f"{shorten(meta.get('model_id'))} (config {shorten(meta.get('config_hash'))}, "
+                f"{L} layers × {E} experts × {I} neurons), "
                 f"not for {lm.model_id!r} (config {lm.config_hash}, {mine[0]} × {mine[1]} × "
                 f"{mine[2]})")
     want = {"perm": (L, E, I), "gates": (L, E, N, r), "tokens": (L, E),

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator
 from workbench import jsonio
 from workbench.errors import (InputError, StoreBusyError, StoreError, StoreExistsError,
                               WorkbenchError)
+from workbench.fileio import read_bytes_bounded
 from workbench.ownedfolder import drop_lock, take_lock
 from workbench.ownedfolder import exchange as _exchange
 
@@ -74,6 +75,10 @@ def _is_empty_dir(path: Path) -> bool:
         return False
 
 
+#: largest root zarr.json read to tell a store from other folders (as the store reader's)
+MAX_ROOT_DOC_BYTES = 64 * 1024 * 1024
+
+
 def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
     """Entries of ``path`` that a workbench run store never holds (empty: provably a store).
 
@@ -94,11 +99,12 @@ def foreign_entries(path: Path, known: Iterable[str]) -> list[str]:
             continue
         if name == "zarr.json" and p.is_file() and not p.is_symlink():
             try:
-                doc = jsonio.loads(p.read_bytes())
+                doc = jsonio.loads(read_bytes_bounded(p, MAX_ROOT_DOC_BYTES, "zarr.json",
+                                                      StoreError, follow_symlinks=False))
                 attrs = doc.get("attributes", {}) if isinstance(doc, dict) else None
                 ok = (isinstance(attrs, dict) and doc.get("node_type") == "group"
                       and "schema_version" in attrs and "workbench_version" in attrs)
-            except (OSError, ValueError, RecursionError):
+            except (OSError, ValueError, RecursionError, StoreError):
                 ok = False
             if not ok:
                 out.append("zarr.json (not a workbench run store's)")

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import socket
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from xarray.core import indexing
 
 from workbench import jsonio
 from workbench.errors import StoreError
+from workbench.fileio import read_bytes_bounded, shorten
 from workbench.telemetry.destination import store_path_arg
 from workbench.telemetry.events import MODALITIES
 from workbench.telemetry.schema import (EP_RANK, GROWING, INDEX_DIMS, LEGACY_PRED_ORDER,
@@ -70,26 +70,10 @@ def _fail(path: Path, what: str) -> StoreError:
 
 def _read_file(path: Path, f: Path, what: str, limit: int) -> bytes:
     """The bytes of ``f``, a regular file (not a link, FIFO or device) of at most ``limit``
-    bytes, checked before reading: a tampered store cannot make a reader hang or fill memory."""
-    try:
-        st = os.stat(f, follow_symlinks=False)
-    except FileNotFoundError:
-        raise _fail(path, f"{what} is missing") from None
-    except OSError as e:
-        raise _fail(path, f"{what} cannot be read ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise _fail(path, f"{what} is {kind}; a run store holds plain files only")
-    if st.st_size > limit:
-        raise _fail(path, f"{what} is {st.st_size} bytes; at most {limit} allowed")
-    try:
-        with open(f, "rb") as fh:
-            raw = fh.read(limit + 1)
-    except OSError as e:
-        raise _fail(path, f"{what} cannot be read ({e.strerror or e})") from None
-    if len(raw) > limit:
-        raise _fail(path, f"{what} is over {limit} bytes")
-    return raw
+    bytes (:func:`workbench.fileio.read_bytes_bounded`, links not followed: a run store holds
+    plain files only): a tampered store cannot make a reader hang or fill memory."""
+    return read_bytes_bounded(f, limit, what, lambda msg: _fail(path, msg), empty_ok=True,
+                              follow_symlinks=False)
 
 
 def _read_doc(path: Path, rel: str) -> dict:
@@ -166,9 +150,8 @@ def _writer_gone(attrs: dict) -> bool:
 
 def _short(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**30:
-        return f"a {len(str(abs(v)))}-digit number"
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "…"
+        return f"a {len(str(abs(v))) if v.bit_length() < 14_000 else 'many'}-digit number"
+    return shorten(v, 60)
 
 
 def _zstd_content_size(raw: bytes) -> int | None:

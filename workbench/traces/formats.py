@@ -38,6 +38,7 @@ import numpy as np
 
 from workbench import jsonio
 from workbench.errors import InputError, StoreExistsError
+from workbench.fileio import open_regular
 from workbench.traces import limits
 from workbench.traces.limits import cut, show
 from workbench.traces.trace import Trace
@@ -122,10 +123,10 @@ def _file(path: str | Path, what: str) -> tuple[Path, int]:
 
 
 def _open(p: Path, where: str):
-    try:
-        return open(p, "rb")
-    except OSError as e:
-        raise InputError(f"{where} cannot be read ({e.strerror or e})") from None
+    """``p`` opened for reading by :func:`workbench.fileio.open_regular`: a FIFO or device put
+    there after the checks of :func:`_check_file` can neither block nor be read (the reads
+    that follow are bounded by line and by record)."""
+    return open_regular(p, where, empty_ok=True)
 
 
 def _lines(f, where: str, max_line: int) -> Iterator[tuple[int, bytes]]:

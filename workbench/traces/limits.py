@@ -100,8 +100,11 @@ def check(need: int, limit: tuple[int, str], where: str, what: str) -> None:
 
 
 def show(value: Any, n: int = 60) -> str:
-    """``repr(value)``, cut to ``n`` characters (error messages stay one short line)."""
-    return cut(repr(value), n)
+    """``repr(value)``, cut to ``n`` characters (error messages stay one short line):
+    :func:`workbench.fileio.shorten`."""
+    from workbench.fileio import shorten
+
+    return shorten(value, n)
 
 
 def cut(text: str, n: int = 100) -> str:

@@ -67,6 +67,7 @@ import xarray as xr
 
 from workbench import jsonio
 from workbench.errors import InputError, StoreError, WorkbenchError
+from workbench.fileio import read_bytes_bounded
 from workbench.knobs import Knobs
 from workbench.options import get_options
 from workbench.policies.eviction import EVICTION
@@ -227,15 +228,12 @@ class RunInfo:
 
 def _read_attrs(path: Path) -> dict[str, Any]:
     """The group attributes of a store, from its ``zarr.json``. :class:`StoreError` (with the
-    reason) when the document is too large, not JSON, not an object or has no attribute object;
-    ``OSError`` when it cannot be read."""
-    meta = path / "zarr.json"
-    size = meta.stat().st_size
-    if size > MAX_META_BYTES:
-        raise StoreError(f"its zarr.json is {size / 2**20:.0f} MiB; a run's metadata is at most "
-                         f"{MAX_META_BYTES // 2**20} MiB")
+    reason) when the document is missing, not a regular file, too large, unreadable, not JSON,
+    not an object or has no attribute object (read by
+    :func:`workbench.fileio.read_bytes_bounded`: a FIFO there never blocks the dashboard)."""
+    raw = read_bytes_bounded(path / "zarr.json", MAX_META_BYTES, "its zarr.json", StoreError)
     try:
-        doc = jsonio.loads(meta.read_bytes())
+        doc = jsonio.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise StoreError(f"its zarr.json is not valid JSON ({type(e).__name__}: "
                          f"{str(e)[:80]})") from None

@@ -52,6 +52,10 @@ POINTS_SOURCE = "benchmarks/bench_prism_points.py"
 
 
 # -- the measured operating points ----------------------------------------------------------------
+#: largest operating-points file read (the package's is a few kB)
+MAX_POINTS_BYTES = 16 * 1024 * 1024
+
+
 def _points_path() -> Path:
     return Path(str(importlib.resources.files("workbench.prism") / "operating_points.json"))
 
@@ -61,15 +65,14 @@ def operating_points(path: str | Path | None = None) -> dict[str, Any]:
     ``benchmarks/bench_prism_points.py``), checked: :class:`InputError` naming the file and the
     field when it is not a ``workbench-prism-points/1`` file of finite shares and accuracies in
     0 … 1."""
-    from workbench.jsonio import loads
+    from workbench.fileio import read_json
 
     path = Path(path) if path is not None else _points_path()
     where = repr(str(path))
     try:
-        doc = loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"the operating points {where} cannot be read ({type(e).__name__}: "
-                         f"{str(e)[:120]}); rerun {POINTS_SOURCE}") from None
+        doc = read_json(path, MAX_POINTS_BYTES, f"the operating points {where}", obj=False)
+    except InputError as e:
+        raise InputError(f"{e}; rerun {POINTS_SOURCE}") from None
 
     def bad(what: str) -> InputError:
         return InputError(f"the operating points {where}: {what}; rerun {POINTS_SOURCE}")

@@ -8,8 +8,10 @@ malformed file gives an empty list, a malformed entry is skipped (logged). No to
 from __future__ import annotations
 
 import json
+import os
 
 from workbench import jsonio
+from workbench.fileio import read_bytes_bounded
 import logging
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,10 @@ def read_demo(folder: str | Path | None = None, *, required: bool = False) -> li
 def _read_entries(d: Path) -> list[dict[str, Any]]:
     try:
         f = d / "prompts.json"
-        if f.stat().st_size > MAX_DEMO_FILE_BYTES:
-            raise ValueError(f"{f} is larger than {MAX_DEMO_FILE_BYTES} bytes")
-        items = jsonio.loads(f.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
+        if not os.path.lexists(f):
+            return []
+        items = jsonio.loads(read_bytes_bounded(f, MAX_DEMO_FILE_BYTES, str(f)))
+    except (OSError, ValueError, RecursionError) as e:  # InputError is a ValueError
         if not isinstance(e, FileNotFoundError):
             log.warning("demo inputs in %s are unreadable: %s", d, e)
         return []
