@@ -5,6 +5,7 @@
 ``workbench sweep``  a knob grid × inputs on Dask distributed, one store per point + a summary.
 ``workbench dashboard`` the Panel dashboard on 127.0.0.1.
 ``workbench knobs`` every knob with its default, bounds and doc.
+``workbench export-trace`` a run store's routing as a .jsonl, .npy or .wbtrace trace file.
 
 Long commands (refactor, calibrate, calibrate-macs, sweep) draw progress bars with an ETA on
 stderr when it is a terminal (``--progress`` forces them, ``--no-progress`` hides them).
@@ -216,6 +217,17 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print one JSON object")
     progress_flag(f)
 
+    x = sub.add_parser("export-trace",
+                       help="write a run store's routing as a trace file: .jsonl, .npy or "
+                            ".wbtrace (see docs/traces.md)")
+    x.add_argument("source", metavar="STORE",
+                   help="run store (or a trace file in another format: .jsonl, .npy, .wbtrace)")
+    x.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
+    x.add_argument("--format", default=None,
+                   help="jsonl, npy or wbtrace (default: from --out's suffix, which must agree)")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
+    x.add_argument("--json", action="store_true", help="print one JSON object")
+
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -234,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
-                "calibrate-macs": _calibrate_macs, "refactor": _refactor}[args.command](args)
+                "calibrate-macs": _calibrate_macs, "refactor": _refactor,
+                "export-trace": _export_trace}[args.command](args)
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
@@ -267,6 +280,22 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     if getattr(args, "json", False):
         print(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}))
     return code
+
+
+def _export_trace(args) -> int:
+    from workbench.traces import export_trace
+
+    res = export_trace(args.source, args.out, format=args.format, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    back = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in res["read_with"].items())
+    print(f"wrote {res['path']}: {res['format']} trace of {res['tokens']} tokens × "
+          f"{res['layers']} layers × top-{res['top_k']} ({res['steps']} steps, "
+          f"{res['requests']} request{'s' if res['requests'] != 1 else ''}), "
+          f"{res['bytes']:,} bytes; not carried: {', '.join(res['dropped']) or 'nothing'}; "
+          f"replay it with {back}")
+    return 0
 
 
 def _progress_wanted(args) -> bool:
