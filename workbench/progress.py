@@ -46,6 +46,19 @@ def _size(stream: TextIO) -> tuple[int, int] | None:
     return None if size.columns > 0 and size.lines > 0 else (100, 24)
 
 
+def bar(total: int, desc: str, *, enabled: bool = True, file: TextIO | None = None,
+        **kw: Any):
+    """One plain-text tqdm bar on ``file`` (default stderr) that also draws on a terminal
+    reporting a size of 0 × 0; ``enabled=False``: a bar that draws nothing."""
+    from tqdm import tqdm  # the plain text bar: a CLI is no notebook
+
+    file = sys.stderr if file is None else file
+    size = _size(file) if enabled else None
+    return tqdm(total=total, desc=desc, file=file, disable=not enabled, leave=True,
+                dynamic_ncols=size is None,
+                **({} if size is None else {"ncols": size[0], "nrows": size[1]}), **kw)
+
+
 class Bars:
     """A :data:`Callback` drawing one tqdm bar per phase on ``file`` (default stderr), each
     left on screen when its phase ends (a new phase, :meth:`close`, or ``done == total``).
@@ -62,21 +75,15 @@ class Bars:
             return
         if phase != self._phase:
             self.close()
-            from tqdm import tqdm  # the plain text bar: a CLI is no notebook
-
-            file = sys.stderr if self.file is None else self.file
-            size = _size(file)
             self._phase = phase
-            self._bar = tqdm(total=total, desc=f"{self.prefix}{phase}", file=file,
-                             leave=True, dynamic_ncols=size is None,
-                             **({} if size is None else {"ncols": size[0], "nrows": size[1]}))
-        bar = self._bar
-        if bar is None:   # this phase already ended (done == total was reported)
+            self._bar = bar(total, f"{self.prefix}{phase}", file=self.file)
+        b = self._bar
+        if b is None:   # this phase already ended (done == total was reported)
             return
-        if bar.total != total:
-            bar.total = total
-        if done > bar.n:
-            bar.update(done - bar.n)
+        if b.total != total:
+            b.total = total
+        if done > b.n:
+            b.update(done - b.n)
         if done >= total:
             self.close(keep_phase=True)
 

@@ -608,10 +608,9 @@ def _check_inputs(inputs: Sequence[Any]) -> None:
 
 
 def _progress(total: int, already: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from workbench.progress import bar
 
-    return tqdm(total=total, desc=f"sweep ({already} already done)", unit="point",
-                disable=not enabled, file=sys.stderr)
+    return bar(total, f"sweep ({already} already done)", unit="point", enabled=enabled)
 
 
 def summarize(out: str | Path, grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput],
