@@ -203,6 +203,28 @@ def test_the_export_trace_command(batch_store, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+SHARED = Path(os.environ.get("WORKBENCH_SHARED") or REPO.parent / "shared")
+MIXTRAL = SHARED / "data" / "traces" / "mixtral-8x7b-vllm"
+
+
+@pytest.mark.skipif(not (MIXTRAL / "routing_raw.jsonl").exists(),
+                    reason=f"shared Mixtral routing data not found under {MIXTRAL}")
+@pytest.mark.parametrize("name, key", [("humaneval_2_routing", "token_idx"),
+                                       ("routing_raw", "token_pos")])
+def test_vllm_json_lines_convert_back_to_what_they_were(name, key, tmp_path):
+    """Real routing recorded elsewhere (Mixtral-8x7B under vLLM, records missing): JSON lines
+    → JSON lines reads back equal, with its requests' dataset and problem ids."""
+    a = load_trace(MIXTRAL / f"{name}.jsonl")
+    res = export_trace(MIXTRAL / f"{name}.jsonl", tmp_path / "m.jsonl")
+    assert res["dropped"] == []
+    b = load_trace(tmp_path / "m.jsonl", num_experts=8)
+    _carried_equal(a, b)
+    assert np.array_equal(np.isnan(a.topk_weights), np.isnan(b.topk_weights))
+    _weights_equal_where_routed(a, b)
+    assert b.attrs["position_key"] == key and b.attrs["requests"] == a.attrs["requests"]
+    assert b.attrs["missing_records"] == a.attrs["missing_records"] > 0
+
+
 # -- the shipped sample and the README's replay commands ----------------------------------------
 def test_the_sample_trace_is_this_models_routing_of_its_command(batch_store):
     assert SAMPLE.stat().st_size < 500_000

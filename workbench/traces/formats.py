@@ -1096,8 +1096,10 @@ def _replace(p: Path, write: Any, binary: bool = False) -> Path:
 def write_jsonl(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
     """Write ``trace`` as per-(token, layer) JSON lines that :func:`read_jsonl` reads back.
 
-    One line per (token, layer) with a routed expert: ``{"problem_id": request, "layer",
-    "token_idx" | "token_pos", "experts", "gating_probs"?}``. A trace of one-token decode steps
+    One line per (token, layer) with a routed expert: ``{"dataset"?, "problem_id", "layer",
+    "token_idx" | "token_pos", "experts", "gating_probs"?}``; a request's ``dataset`` and
+    ``problem_id`` are those ``attrs["requests"]`` names (a trace read from JSON lines), else
+    ``problem_id`` is its index. A trace of one-token decode steps
     only is written with ``token_idx`` (each index one decode step); any other with
     ``token_pos`` in emission order (step by step, layer by layer, the step's tokens in order),
     which the reader splits into the same steps, the first of each request its prefill.
@@ -1182,10 +1184,12 @@ def write_jsonl(trace: Trace, path: str | Path, overwrite: bool = False) -> Path
                              f"reader would merge the two steps (write .wbtrace instead)")
         prev = (first[0], (int(rows[-1, 0]), int(rows[-1, 1])))
 
+    heads = _request_heads(trace.attrs.get("requests"), int(req[-1]) + 1)
+
     def write(f) -> None:
         for s in range(S):
             a, b = int(starts[s]), int(starts[s + 1])
-            head = f'{{"problem_id": {int(req[s])}, "layer": '
+            head = f'{heads[int(req[s])]}"layer": '
             for layer, pos in np.argwhere(has[a:b].T):
                 t = a + int(pos)
                 line = (f'{head}{int(layer)}, "{key}": '
@@ -1197,6 +1201,25 @@ def write_jsonl(trace: Trace, path: str | Path, overwrite: bool = False) -> Path
                 f.write(line + "}\n")
 
     return _replace(p, write)
+
+
+def _request_heads(requests: Any, R: int) -> list[str]:
+    """Each request's ``"dataset"``/``"problem_id"`` keys as a line starts with them: those of
+    ``attrs["requests"]`` (what :func:`read_jsonl` recorded) when it names R distinct requests,
+    else ``problem_id`` = the request's index."""
+    ok = (isinstance(requests, list) and len(requests) == R
+          and all(isinstance(r, dict) and set(r) <= {"dataset", "problem_id"} for r in requests))
+    if ok:
+        pairs = [(r.get("dataset"), r.get("problem_id", 0)) for r in requests]
+        ok = len(set(map(repr, pairs))) == R and all(
+            (v is None and k == "dataset") or isinstance(v, str)
+            or (isinstance(v, int) and not isinstance(v, bool))
+            for pair in pairs for k, v in zip(("dataset", "problem_id"), pair))
+    if not ok:
+        return [f'{{"problem_id": {r}, ' for r in range(R)]
+    return ["{" + "".join(f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}, "
+                          for k, v in zip(("dataset", "problem_id"), pair) if v is not None)
+            for pair in pairs]
 
 
 def write_npy(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
@@ -1283,8 +1306,11 @@ def export_trace(source: Any, path: str | Path, format: str | None = None,
     has = {"pred_ids": tr.pred_ids is not None, "predicted_ids": tr.predicted_ids is not None,
            "subexpert_ran": tr.subexpert_ran is not None, "kept": not bool(tr.kept.all())}
     if format in ("jsonl", "npy"):
+        # attrs a reader sets again (provenance, its own counts) are not lost
+        own = {"source", "path", "position_key", "records", "missing_records", "requests",
+               "prefill_tokens"}
         has.update(token_modality=bool(tr.token_modality.any()), pinned=bool(tr.pinned.any()),
-                   attrs=any(k not in ("source", "path") for k in tr.attrs))
+                   attrs=any(k not in own for k in tr.attrs))
     if format == "npy":
         pre = npy_prefill_tokens(tr)
         has.update(topk_weights=bool(np.isfinite(tr.topk_weights).any()),
