@@ -1147,8 +1147,9 @@ def write_jsonl(trace: Trace, path: str | Path, overwrite: bool = False) -> Path
     if len(bad):
         t, layer = (int(x) for x in bad[0])
         raise InputError(f"token {t} (step {int(ts[t])}), layer {layer} is routed to "
-                         f"{int(n_routed[t, layer])} of top-{K} experts {show(ids[t, layer].tolist())};"
-                         f" a JSON line holds exactly top-k experts (write .wbtrace instead)")
+                         f"{int(n_routed[t, layer])} of top-{K} experts "
+                         f"{show(ids[t, layer].tolist())}; a JSON line holds exactly top-k "
+                         f"experts (write .wbtrace instead)")
     nan = np.isnan(w)
     mixed = np.argwhere(routed.any(-1) & nan.any(-1) & ~nan.all(-1))
     if len(mixed):
