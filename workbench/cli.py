@@ -349,7 +349,7 @@ def _refactor(args) -> int:
     with _bars(args) as bars:
         ref = R.refactor(lm, reqs, subexperts=args.subexperts, deactivated=args.deactivated,
                          r=min(4, I // args.subexperts), iterations=args.iterations,
-                         max_tokens=args.max_tokens, progress=bars)
+                         max_tokens=args.max_tokens, progress=bars.callback)
     R.save(ref, out, overwrite=args.overwrite)
     s = ref.summary()
     if args.json:
@@ -450,7 +450,7 @@ def _calibrate_macs(args) -> int:
     reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
                                 else args.seed)
     with _bars(args) as bars:
-        cal = calibrate(lm, reqs, args.threshold, progress=bars)
+        cal = calibrate(lm, reqs, args.threshold, progress=bars.callback)
     save(cal, out, overwrite=args.overwrite)
     summary = {"out": str(out), **cal.summary()}
     if args.json:
@@ -528,7 +528,7 @@ def _calibrate(args) -> int:
         pred, report = calibrate(lm, requests, steps=args.steps, seed=args.seed,
                                  window=args.window, decay=args.decay,
                                  use_visual=not args.no_visual_summary,
-                                 max_new_tokens=args.max_new_tokens, progress=bars)
+                                 max_new_tokens=args.max_new_tokens, progress=bars.callback)
     # saved aside, then put in place: a failure leaves the old predictor as it was
     import secrets
     import shutil

@@ -70,6 +70,12 @@ class Bars:
         self._phase: str | None = None
         self._bar: Any = None
 
+    @property
+    def callback(self) -> "Bars | None":
+        """This object when enabled, else None: a library call given None skips even the
+        bookkeeping progress costs (annealing in chunks, for one)."""
+        return self if self.enabled else None
+
     def __call__(self, phase: str, done: int, total: int) -> None:
         if not self.enabled:
             return
