@@ -5,6 +5,10 @@
 ``workbench sweep``  a knob grid × inputs on Dask distributed, one store per point + a summary.
 ``workbench dashboard`` the Panel dashboard on 127.0.0.1.
 ``workbench knobs`` every knob with its default, bounds and doc.
+``workbench export-trace`` a run store's routing as a .jsonl, .npy or .wbtrace trace file.
+
+Long commands (refactor, calibrate, calibrate-macs, sweep) draw progress bars with an ETA on
+stderr when it is a terminal (``--progress`` forces them, ``--no-progress`` hides them).
 
 Bad input (unknown knob, bad value, missing image or model, empty or too long prompt, an existing
 store without ``--overwrite``) prints one ``workbench: error: …`` line and exits with status 2;
@@ -57,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="set a knob (repeatable); `workbench knobs` lists them")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
+    def progress_flag(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars with an ETA on stderr (default: only when stderr "
+                             "is a terminal; --no-progress never)")
+
     r = sub.add_parser("run", help="serve one request (or a batch) with experts offloaded")
     common(r)
     r.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
@@ -107,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                         "text-only for a text-only --model)")
     s.add_argument("--workers", type=int, default=None, metavar="N",
                    help="LocalCluster worker processes (default 2; not with --scheduler)")
+    progress_flag(s)
 
     d = sub.add_parser("dashboard", help="serve the Panel dashboard (127.0.0.1 by default)")
     d.add_argument("--address", default="127.0.0.1",
@@ -156,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-visual-summary", action="store_true",
                    help="train the ablation without h^(v)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
+    progress_flag(c)
 
     m = sub.add_parser("calibrate-macs",
                        help="MACS expert classes and centroids from calibration requests")
@@ -173,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--threshold", type=float, default=0.1, metavar="T",
                    help="|Δ_j| from which an expert is visual/text (default 0.1, the paper's)")
     m.add_argument("--json", action="store_true", help="print one JSON object")
+    progress_flag(m)
 
     f = sub.add_parser("refactor",
                        help="MoE-Prism: split every expert into sub-experts (profile, "
@@ -205,6 +217,18 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--max-tokens", type=int, default=128, metavar="B",
                    help="calibration tokens kept per expert (default 128)")
     f.add_argument("--json", action="store_true", help="print one JSON object")
+    progress_flag(f)
+
+    x = sub.add_parser("export-trace",
+                       help="write a run store's routing as a trace file: .jsonl, .npy or "
+                            ".wbtrace (see docs/traces.md)")
+    x.add_argument("source", metavar="STORE",
+                   help="run store (or a trace file in another format: .jsonl, .npy, .wbtrace)")
+    x.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
+    x.add_argument("--format", default=None,
+                   help="jsonl, npy or wbtrace (default: from --out's suffix, which must agree)")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
+    x.add_argument("--json", action="store_true", help="print one JSON object")
 
     k = sub.add_parser("knobs", help="list every knob with its default, bounds and doc")
     k.add_argument("--json", action="store_true", help="print one JSON object")
@@ -225,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_option_pairs(args)
         return {"run": _run, "info": _info, "knobs": _knobs, "sweep": _sweep,
                 "dashboard": _dashboard, "replay": _replay, "calibrate": _calibrate,
-                "calibrate-macs": _calibrate_macs, "refactor": _refactor}[args.command](args)
+                "calibrate-macs": _calibrate_macs, "refactor": _refactor,
+                "export-trace": _export_trace}[args.command](args)
     except KeyboardInterrupt:
         print("workbench: interrupted", file=sys.stderr)
         return 130
@@ -301,6 +326,36 @@ def _fail(args, message: str, kind: str, code: int, internal: bool = False) -> i
     return code
 
 
+def _export_trace(args) -> int:
+    from workbench.traces import export_trace
+
+    res = export_trace(args.source, args.out, format=args.format, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    back = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in res["read_with"].items())
+    print(f"wrote {res['path']}: {res['format']} trace of {res['tokens']} tokens × "
+          f"{res['layers']} layers × top-{res['top_k']} ({res['steps']} steps, "
+          f"{res['requests']} request{'s' if res['requests'] != 1 else ''}), "
+          f"{res['bytes']:,} bytes; not carried: {', '.join(res['dropped']) or 'nothing'}; "
+          f"replay it with {back}")
+    return 0
+
+
+def _progress_wanted(args) -> bool:
+    from workbench.progress import wanted
+
+    return wanted(args.progress)
+
+
+def _bars(args):
+    """The progress bars of a long command (:mod:`workbench.progress`): ``--progress`` /
+    ``--no-progress``, else drawn only when stderr is a terminal; never on stdout."""
+    from workbench.progress import Bars
+
+    return Bars(_progress_wanted(args), prefix=f"{args.command}: ")
+
+
 @contextlib.contextmanager
 def _claimed_out(args, default: "Path | None", config: str, holds: str):
     """The output folder (``--out``, else ``default``) of a command that writes one, checked
@@ -366,9 +421,10 @@ def _refactor_into(args, lm, reqs: list, out: Path) -> int:
         reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
                                       else args.seed, text_only=not lm.is_vision)
         source = "generated" + ("" if lm.is_vision else ", text-only")
-    ref = R.refactor(lm, reqs, subexperts=args.subexperts, deactivated=args.deactivated,
-                     r=min(4, I // args.subexperts), iterations=args.iterations,
-                     max_tokens=args.max_tokens)
+    with _bars(args) as bars:
+        ref = R.refactor(lm, reqs, subexperts=args.subexperts, deactivated=args.deactivated,
+                         r=min(4, I // args.subexperts), iterations=args.iterations,
+                         max_tokens=args.max_tokens, progress=bars.callback)
     R.save(ref, out, overwrite=args.overwrite)
     s = ref.summary()
     if args.json:
@@ -457,7 +513,8 @@ def _calibrate_macs(args) -> int:
                                                    CONFIG, holds))
         reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
                                     else args.seed)
-        cal = calibrate(lm, reqs, args.threshold)
+        with _bars(args) as bars:
+            cal = calibrate(lm, reqs, args.threshold, progress=bars.callback)
         save(cal, out, overwrite=args.overwrite)
     summary = {"out": str(out), **cal.summary()}
     if args.json:
@@ -543,14 +600,11 @@ def _calibrate_into(args, out: Path) -> int:
     if requests is None:
         requests = scene_requests(args.seed, args.requests)
 
-    def progress(done: int, total: int) -> None:
-        if not args.json and (done == total or done % max(1, total // 10) == 0):
-            print(f"calibrate: recorded {done}/{total} requests", file=sys.stderr, flush=True)
-
-    pred, report = calibrate(lm, requests, steps=args.steps, seed=args.seed,
-                             window=args.window, decay=args.decay,
-                             use_visual=not args.no_visual_summary,
-                             max_new_tokens=args.max_new_tokens, progress=progress)
+    with _bars(args) as bars:
+        pred, report = calibrate(lm, requests, steps=args.steps, seed=args.seed,
+                                 window=args.window, decay=args.decay,
+                                 use_visual=not args.no_visual_summary,
+                                 max_new_tokens=args.max_new_tokens, progress=bars.callback)
     # saved aside, then put in place: a failure leaves the old predictor as it was
     import secrets
     import shutil
@@ -870,7 +924,8 @@ def _sweep(args) -> int:
     # sweep() checks images, workers, the model folder, --out and the scheduler before any
     # cluster starts
     ds = sweep(grid, inputs, out=args.out, model=args.model, knobs=knobs,
-               scheduler=args.scheduler, workers=args.workers, progress=not args.json)
+               scheduler=args.scheduler, workers=args.workers, progress=not args.json,
+               bar=_progress_wanted(args))
     failed = int((ds.status != "complete").sum())
     if args.json:
         print(json.dumps({"out": args.out, "summary": str(Path(args.out) / "summary.zarr"),

@@ -656,6 +656,15 @@ class MoEAccessor:
                     else fig.to_json())
         return written
 
+    def export_trace(self, path: str | Path, format: str | None = None,
+                     overwrite: bool = False) -> dict:
+        """Write this run's routing as a trace file (``.jsonl``, ``.npy`` or ``.wbtrace``;
+        :func:`workbench.traces.export_trace`, which says what each format carries) and
+        return what was written."""
+        from workbench.traces import export_trace
+
+        return export_trace(self._ds, path, format=format, overwrite=overwrite)
+
     # -- caching lab (issue 4): replay this run's routing under any cache/prefetch knobs -------
     def replay(self, knobs: Any = None, *, scope: str = "global", **knob_values: Any):
         """Replay this store's routing (:func:`workbench.replay_trace`): the run's own knobs

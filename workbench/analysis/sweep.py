@@ -498,8 +498,11 @@ def _write_outcome(meta: str | Path, outcome: dict[str, Any]) -> dict[str, Any]:
 def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = None, *,
           out: str | Path, model: str | Path | None = None, knobs: Knobs | None = None,
           scheduler: str | None = None, workers: int | None = None,
-          progress: bool = True) -> xr.Dataset:
+          progress: bool = True, bar: bool | None = None) -> xr.Dataset:
     """Run every point of ``grid`` × ``inputs`` on Dask; returns the summary Dataset.
+
+    ``progress``: say on stderr what a user should know (points refused, no workers yet) and,
+    unless ``bar`` says otherwise, draw a progress bar of the points with an ETA there.
 
     ``scheduler`` is the address of an existing Dask scheduler; without it a LocalCluster of
     ``workers`` processes (default 2) on 127.0.0.1 is started and stopped.
@@ -579,7 +582,8 @@ def sweep(grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput] | None = 
                 run_point, model_dir, point["knobs"], point["prompt"], point["images"],
                 str(out / "points" / f"{pid}.zarr"), str(out / "points" / f"{pid}.json"),
                 point, key=f"workbench-{pid}", pure=False): point for pid, point in todo}
-            bar = _progress(len(futures), len(done), progress)
+            show_bar = progress if bar is None else bar
+            bar = _progress(len(futures), len(done), show_bar)
             try:
                 for fut in as_completed(list(futures)):
                     try:
@@ -621,10 +625,9 @@ def _check_inputs(inputs: Sequence[Any]) -> None:
 
 
 def _progress(total: int, already: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from workbench.progress import bar
 
-    return tqdm(total=total, desc=f"sweep ({already} already done)", unit="point",
-                disable=not enabled, file=sys.stderr)
+    return bar(total, f"sweep ({already} already done)", unit="point", enabled=enabled)
 
 
 def summarize(out: str | Path, grid: dict[str, Sequence[Any]], inputs: Sequence[SweepInput],

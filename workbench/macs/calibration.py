@@ -98,10 +98,12 @@ def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED):
     return mixed_batch(n, text_share=0.5, seed=seed)
 
 
-def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: int = 8
-              ) -> MacsCalibration:
+def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: int = 8,
+              progress=None) -> MacsCalibration:
     """Run ``lm``'s forward (prefill) over ``requests`` in batches and build the calibration
-    (module docstring). ``lm``: a :class:`~workbench.models.loading.LoadedModel`."""
+    (module docstring). ``lm``: a :class:`~workbench.models.loading.LoadedModel`.
+    ``progress("calibration requests", done, total)`` after each batch
+    (:mod:`workbench.progress`)."""
     import torch
 
     from workbench.models.inputs import experts_call, prefill_batches
@@ -135,7 +137,8 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
                for b in lay.blocks]
     try:
-        for inputs, valid in prefill_batches(lm, requests, batch_size):
+        for inputs, valid in prefill_batches(lm, requests, batch_size, progress,
+                                             "calibration requests"):
             state["valid"] = torch.as_tensor(valid, device=lm.device)
             mod = np.clip(inputs.modality[valid].astype(np.int64), 0, 2)
             state["modality"] = mod

@@ -30,7 +30,7 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -564,12 +564,17 @@ def _encode_with_image_processor(lm, texts: list[str], per_request: list[list[Im
     return tensors
 
 
-def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8):
+def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8,
+                    progress: Callable[[str, int, int], None] | None = None,
+                    phase: str = "profiling requests"):
     """Calibration passes: for each batch of ``requests``, yield ``(inputs, valid)`` (the
     batch's inputs and its real-token mask, numpy bool) — the caller sets up what its hooks
-    read — then run the model's forward (the prefill, no grad) on it."""
+    read — then run the model's forward (the prefill, no grad) on it. After each forward,
+    ``progress(phase, requests done, len(requests))`` (:mod:`workbench.progress`)."""
     import torch
 
+    if progress is not None:
+        progress(phase, 0, len(requests))
     with torch.no_grad():
         for i in range(0, len(requests), batch_size):
             inputs = build_batch_inputs(lm, requests[i:i + batch_size])
@@ -577,6 +582,8 @@ def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8):
                      else np.ones(inputs.modality.size, bool))
             yield inputs, valid
             lm.model(**inputs.tensors)
+            if progress is not None:
+                progress(phase, min(i + batch_size, len(requests)), len(requests))
 
 
 def experts_call(args: tuple, kwargs: dict, valid):

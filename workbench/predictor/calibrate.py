@@ -91,7 +91,9 @@ MAX_RECORDED_TOKENS = 256
 
 
 def record(lm, requests: list[tuple[Any, str]], max_new_tokens: int = 4,
-           progress: Callable[[int, int], None] | None = None) -> Recorded:
+           progress: Callable[[str, int, int], None] | None = None) -> Recorded:
+    """Serve each request (greedy, exactly ``max_new_tokens``) and record its routing;
+    ``progress("recording requests", done, total)`` after each (:mod:`workbench.progress`)."""
     from workbench.models.inputs import Request, build_inputs
 
     t0 = time.perf_counter()
@@ -107,7 +109,7 @@ def record(lm, requests: list[tuple[Any, str]], max_new_tokens: int = 4,
             lm.model.generate(**inputs.tensors, **gen)
             per_request.append(list(probe.steps))
             if progress is not None:
-                progress(len(per_request), len(requests))
+                progress("recording requests", len(per_request), len(requests))
     return Recorded(per_request, lm.layout.num_layers, lm.layout.num_experts, int(probe.H or 0),
                     lm.model_id, lm.config_hash, time.perf_counter() - t0)
 
@@ -122,7 +124,9 @@ def dataset(rec: Recorded, idx: Sequence[int], window: int, decay: float, use_vi
 
 
 def train(cfg: PredictorConfig, X: np.ndarray, G: np.ndarray, steps: int, seed: int,
-          lr: float = 3e-3) -> tuple[LookaheadPredictor, list[float]]:
+          lr: float = 3e-3, progress: Callable[[str, int, int], None] | None = None,
+          phase: str = "training steps") -> tuple[LookaheadPredictor, list[float]]:
+    """Full-batch Adam for ``steps`` steps; ``progress(phase, done, steps)`` every step."""
     torch.manual_seed(seed)
     pred = LookaheadPredictor(cfg)
     x = torch.as_tensor(X)
@@ -139,6 +143,8 @@ def train(cfg: PredictorConfig, X: np.ndarray, G: np.ndarray, steps: int, seed: 
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(phase, len(losses), steps)
     return pred.eval(), losses
 
 
@@ -176,10 +182,13 @@ def call_cost(pred: LookaheadPredictor, X: np.ndarray, n: int = 200) -> dict[str
 def calibrate(lm, requests: list[tuple[Any, str]], *, steps: int = 300, seed: int = 0,
               window: int = 5, decay: float = 0.8, use_visual: bool = True,
               holdout: float = 0.25, max_new_tokens: int = 4, ablation: bool = True,
-              progress: Callable[[int, int], None] | None = None
+              progress: Callable[[str, int, int], None] | None = None
               ) -> tuple[LookaheadPredictor, dict[str, Any]]:
     """Record, train, evaluate. Returns the predictor and its report (the ablation without
-    h^(v) is trained on the same split and reported when ``ablation`` and ``use_visual``)."""
+    h^(v) is trained on the same split and reported when ``ablation`` and ``use_visual``).
+    ``progress(phase, done, total)`` (:mod:`workbench.progress`) follows its phases:
+    "recording requests", "training steps" and, with the ablation, "training steps (ablation
+    without h^(v))"."""
     if len(requests) < 2:
         raise InputError(f"calibration needs at least 2 requests (one held out), got "
                          f"{len(requests)}")
@@ -199,7 +208,9 @@ def calibrate(lm, requests: list[tuple[Any, str]], *, steps: int = 300, seed: in
         Xtr, Gtr, _, _ = dataset(rec, tr, window, decay, vis)
         Xte, _, Ate, Lte = dataset(rec, te, window, decay, vis)
         t0 = time.perf_counter()
-        pred, losses = train(cfg, Xtr, Gtr, steps, seed)
+        pred, losses = train(cfg, Xtr, Gtr, steps, seed, progress=progress,
+                             phase="training steps" if vis == use_visual
+                             else "training steps (ablation without h^(v))")
         return pred, {"train_samples": int(len(Xtr)), "train_s": time.perf_counter() - t0,
                       "final_loss": losses[-1] if losses else None,
                       "heldout": evaluate(pred, Xte, Ate, Lte, rec.num_layers),

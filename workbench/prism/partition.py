@@ -131,13 +131,19 @@ def anneal(M: np.ndarray, assign: np.ndarray, N: int, K: int | None = None, *,
 
 
 def anneal_many(Ms: list[np.ndarray], N: int, K: int | None = None, *, t0: float = T0,
-                cooling: float = COOLING, iterations: int = ITERATIONS, seed: int = 0
-                ) -> list[np.ndarray]:
+                cooling: float = COOLING, iterations: int = ITERATIONS, seed: int = 0,
+                progress=None) -> list[np.ndarray]:
     """Greedy then annealing for every expert of ``Ms`` (each [B_e, C], one C), in parallel
-    over the experts (numba threads). Returns each expert's partition [C]."""
+    over the experts (numba threads). Returns each expert's partition [C].
+
+    With ``progress`` the experts go in chunks (several per numba thread, so the threads stay
+    busy) and ``progress("annealing experts", done, len(Ms))`` follows each chunk; an expert's
+    result depends only on its own seed, so chunking changes no partition."""
     if not Ms:
         return []
     Ms = [_check(M, N, K)[0] for M in Ms]
+    if progress is not None:   # the bar starts before the greedy starts, which take a while
+        progress("annealing experts", 0, len(Ms))
     K = N // 2 if K is None else int(K)
     C = Ms[0].shape[1]
     if any(M.shape[1] != C for M in Ms):
@@ -149,9 +155,22 @@ def anneal_many(Ms: list[np.ndarray], N: int, K: int | None = None, *, t0: float
     assigns = np.stack([greedy(M, N) for M in Ms])
     seeds = np.arange(len(Ms), dtype=np.int64) + int(seed) * 1_000_003
     _, batch = _compiled()
-    out = batch(flat, offsets, C, assigns, N, K, float(t0), float(cooling), int(iterations),
-                seeds)
-    return list(out)
+    n = len(Ms)
+    step = n if progress is None else max(64, 8 * _threads())
+    out = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        out.extend(batch(flat, offsets[a:b + 1], C, assigns[a:b], N, K, float(t0),
+                         float(cooling), int(iterations), seeds[a:b]))
+        if progress is not None:
+            progress("annealing experts", b, n)
+    return out
+
+
+def _threads() -> int:
+    import numba
+
+    return int(numba.get_num_threads())
 
 
 def gate_neurons(M: np.ndarray, assign: np.ndarray, N: int, r: int = 4,

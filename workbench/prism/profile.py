@@ -71,9 +71,11 @@ def check_layout(block, expert: int, x) -> float:
 
 
 def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
-                       batch_size: int = 8) -> list[list[np.ndarray]]:
+                       batch_size: int = 8, progress=None) -> list[list[np.ndarray]]:
     """``[layer][expert]`` → float32 [B_e, I]: the activations of the first ``max_tokens``
-    tokens (padding excluded) routed to each expert over ``requests`` (module docstring)."""
+    tokens (padding excluded) routed to each expert over ``requests`` (module docstring).
+    ``progress("profiling requests", done, total)`` after each batch
+    (:mod:`workbench.progress`)."""
     import torch
 
     from workbench.models.inputs import experts_call, prefill_batches
@@ -107,7 +109,7 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
                for b in lay.blocks]
     try:
-        for _, valid in prefill_batches(lm, requests, batch_size):
+        for _, valid in prefill_batches(lm, requests, batch_size, progress):
             state["valid"] = torch.as_tensor(valid, device=lm.device)
     finally:
         for h in handles:

@@ -117,21 +117,24 @@ def calibration_requests(n: int = 64, seed: int = CALIBRATION_SEED, text_only: b
 
 def refactor(lm, requests: Sequence[Any], subexperts: int = 4, deactivated: int | None = None,
              r: int = 4, active: float = 0.75, iterations: int = P.ITERATIONS,
-             max_tokens: int = 128, seed: int = 0) -> Refactoring:
+             max_tokens: int = 128, seed: int = 0, progress=None) -> Refactoring:
     """Profile ``lm`` over ``requests``, partition every expert into ``subexperts`` (greedy +
-    annealing, K = ``deactivated``, default N // 2), pick ``r`` gate neurons each."""
+    annealing, K = ``deactivated``, default N // 2), pick ``r`` gate neurons each.
+    ``progress(phase, done, total)`` (:mod:`workbench.progress`) follows the two long phases:
+    "profiling requests" and "annealing experts"."""
     from workbench.prism.profile import neuron_activations, neuron_layout
 
     lay = lm.layout
     I, _ = neuron_layout(lay.blocks[0])
     t0 = time.perf_counter()
-    M = neuron_activations(lm, requests, max_tokens=max_tokens)
+    M = neuron_activations(lm, requests, max_tokens=max_tokens, progress=progress)
     t_profile = time.perf_counter() - t0
     L, E = len(M), len(M[0])
     flat = [m for layer in M for m in layer]
     K = subexperts // 2 if deactivated is None else deactivated
     t0 = time.perf_counter()
-    parts = P.anneal_many(flat, subexperts, K, iterations=iterations, seed=seed)
+    parts = P.anneal_many(flat, subexperts, K, iterations=iterations, seed=seed,
+                          progress=progress)
     t_anneal = time.perf_counter() - t0
     perm = np.empty((L * E, I), np.int64)
     gates = np.empty((L * E, subexperts, r), np.int64)

@@ -717,16 +717,12 @@ def _npy_data(f, where: str, shape: tuple, fortran: bool, dt: np.dtype,
 # -- plain text (.wbtrace) -----------------------------------------------------------------------
 def write_plain(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
     """Write ``trace`` as ``.wbtrace`` text (format in ``docs/traces.md``). Lossless except
-    ``pred_ids`` and ``predicted_ids``/``predicted_scores`` (not stored) and the provenance
+    ``pred_ids``, ``predicted_ids``/``predicted_scores``, ``kept`` and ``subexpert_ran`` (not
+    stored) and the provenance
     attrs ``source``/``path`` (set by the reader). An existing file is kept unless
     ``overwrite``: :class:`StoreExistsError`. Written line by line to a temporary file that
     replaces ``path`` at the end."""
-    p = _path(path, "trace file")
-    if p.is_dir():
-        raise InputError(f"trace file {str(p)!r} is a folder; give a file path")
-    if p.exists() and not overwrite:
-        raise StoreExistsError(f"trace file {str(p)!r} already exists; pass overwrite=True "
-                               f"(--overwrite) to replace it, or choose another path")
+    p = _out_file(path, overwrite)
     T, L, K = trace.topk_ids.shape
     if L < 1 or K < 1:
         raise InputError(f"a .wbtrace needs ≥ 1 layer and top_k ≥ 1, the trace has {L} and {K}")
@@ -755,25 +751,18 @@ def write_plain(trace: Trace, path: str | Path, overwrite: bool = False) -> Path
         out.append("# predicted_ids/predicted_scores are not stored in this format")
     out.append("# step\trequest\tphase\tmodality\t" + "\t".join(f"layer {i}" for i in range(L)))
     ids, w = trace.topk_ids, trace.topk_weights
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write("\n".join(out) + "\n")
-            for t in range(T):
-                s = int(trace.token_step[t])
-                cols = [str(s), str(int(trace.step_request[s])),
-                        _code_name(trace.phase[s], PHASE_NAMES),
-                        _code_name(trace.token_modality[t], MODALITY_NAMES)]
-                cols += [_layer_field(ids[t, layer], w[t, layer]) for layer in range(L)]
-                f.write("\t".join(cols) + "\n")
-        os.replace(tmp, p)
-    except OSError as e:
-        raise InputError(f"trace file {str(p)!r} cannot be written ({e.strerror or e})") \
-            from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return p
+
+    def write(f) -> None:
+        f.write("\n".join(out) + "\n")
+        for t in range(T):
+            s = int(trace.token_step[t])
+            cols = [str(s), str(int(trace.step_request[s])),
+                    _code_name(trace.phase[s], PHASE_NAMES),
+                    _code_name(trace.token_modality[t], MODALITY_NAMES)]
+            cols += [_layer_field(ids[t, layer], w[t, layer]) for layer in range(L)]
+            f.write("\t".join(cols) + "\n")
+
+    return _replace(p, write)
 
 
 def _utf8(text: str) -> bool:
@@ -1071,3 +1060,268 @@ def _plain_code(text: str, what: str, names: tuple[str, ...], at: str) -> int:
         raise InputError(f"{at}: {what} {show(t, 40)} is not one of {', '.join(names)} or an "
                          f"integer code")
     return _plain_int(t, f"{what} code", at, -128, 127)
+
+
+# -- writers: JSON lines and .npy (the inverses of read_jsonl / read_npy) ------------------------
+def _out_file(path: str | Path, overwrite: bool) -> Path:
+    """The checked output path of a writer: not a folder, and an existing file only with
+    ``overwrite`` (:class:`StoreExistsError`), so a writer never replaces what it was not told
+    to."""
+    p = _path(path, "trace file")
+    if p.is_dir():
+        raise InputError(f"trace file {str(p)!r} is a folder; give a file path")
+    if (p.exists() or p.is_symlink()) and not overwrite:
+        raise StoreExistsError(f"trace file {str(p)!r} already exists; pass overwrite=True "
+                               f"(--overwrite) to replace it, or choose another path")
+    return p
+
+
+def _replace(p: Path, write: Any, binary: bool = False) -> Path:
+    """Run ``write(f)`` on a temporary file beside ``p``, then put it in place with one
+    ``os.replace``: a reader never sees half a file and a failure leaves ``p`` as it was."""
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    try:
+        with (open(tmp, "wb") if binary
+              else open(tmp, "w", encoding="utf-8", newline="\n")) as f:
+            write(f)
+        os.replace(tmp, p)
+    except OSError as e:
+        raise InputError(f"trace file {str(p)!r} cannot be written ({e.strerror or e})") \
+            from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return p
+
+
+def write_jsonl(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``trace`` as per-(token, layer) JSON lines that :func:`read_jsonl` reads back.
+
+    One line per (token, layer) with a routed expert: ``{"dataset"?, "problem_id", "layer",
+    "token_idx" | "token_pos", "experts", "gating_probs"?}``; a request's ``dataset`` and
+    ``problem_id`` are those ``attrs["requests"]`` names (a trace read from JSON lines), else
+    ``problem_id`` is its index. A trace of one-token decode steps
+    only is written with ``token_idx`` (each index one decode step); any other with
+    ``token_pos`` in emission order (step by step, layer by layer, the step's tokens in order),
+    which the reader splits into the same steps, the first of each request its prefill.
+
+    Carried (read back equal): ``topk_ids``, ``token_step``, ``phase``, ``step_request``, and
+    ``topk_weights`` where an id is routed (``gating_probs``, written as the shortest text that
+    reads back to the same float32; a row without weights has none). Dropped: the weights of
+    unrouted slots (-1 ids have no record: NaN when read), ``token_modality``, ``pinned``,
+    ``kept``, lookahead/predictor ids, sub-experts and ``attrs``; ``num_experts`` is not
+    written (pass ``num_experts=`` when reading: the reader's default is the largest id + 1).
+
+    Refused with :class:`InputError` naming the step, token and layer (write ``.wbtrace``
+    instead, which is lossless): a (token, layer) routed to fewer than top-k experts (a line
+    holds exactly top-k), a row with some weights NaN and some not, and a trace whose steps,
+    phases or request order the reader would see differently. Requests must follow each other
+    in order 0, 1, …; an existing ``path`` is kept unless ``overwrite``
+    (:class:`StoreExistsError`); written to a temporary file that replaces ``path`` at the end.
+    """
+    p = _out_file(path, overwrite)
+    T, L, K = trace.topk_ids.shape
+    if T < 1 or L < 1 or K < 1:
+        raise InputError(f"a JSON-lines trace needs ≥ 1 token, layer and expert per token; the "
+                         f"trace has {T} tokens, {L} layers, top-{K}")
+    ts = trace.token_step.astype(np.int64)
+    S = trace.num_steps
+    starts = np.r_[0, np.flatnonzero(np.diff(ts)) + 1, T]
+    per_step = np.diff(starts)
+    req, phase = trace.step_request.astype(np.int64), trace.phase
+    first_of_req = np.r_[True, req[1:] != req[:-1]]
+    if req[0] != 0 or np.any(np.diff(req) < 0) or np.any(np.diff(req) > 1):
+        raise InputError(f"the trace's steps belong to requests {show(req.tolist())}; JSON lines "
+                         f"carry requests back to back in order 0, 1, … (write .wbtrace for "
+                         f"any other order)")
+    by_idx = bool((per_step == 1).all() and (phase == 1).all())
+    if not by_idx and np.any(phase != np.where(first_of_req, 0, 1)):
+        s = int(np.flatnonzero(phase != np.where(first_of_req, 0, 1))[0])
+        raise InputError(f"step {s} is {_code_name(phase[s], PHASE_NAMES)}; JSON lines in "
+                         f"emission order (token_pos) make the first step of each request its "
+                         f"prefill and every other step a decode step (write .wbtrace for "
+                         f"other phases)")
+    ids, w = trace.topk_ids, trace.topk_weights
+    routed = ids >= 0
+    n_routed = routed.sum(-1)
+    bad = np.argwhere((n_routed > 0) & (n_routed < K))
+    if len(bad):
+        t, layer = (int(x) for x in bad[0])
+        raise InputError(f"token {t} (step {int(ts[t])}), layer {layer} is routed to "
+                         f"{int(n_routed[t, layer])} of top-{K} experts "
+                         f"{show(ids[t, layer].tolist())}; a JSON line holds exactly top-k "
+                         f"experts (write .wbtrace instead)")
+    nan = np.isnan(w)
+    mixed = np.argwhere(routed.any(-1) & nan.any(-1) & ~nan.all(-1))
+    if len(mixed):
+        t, layer = (int(x) for x in mixed[0])
+        raise InputError(f"token {t}, layer {layer} has weights {show(w[t, layer].tolist())}: "
+                         f"some NaN, some not; gating_probs is all of a row's weights or none")
+    key = "token_idx" if by_idx else "token_pos"
+    has = routed.any(-1)          # [T, L]: the (token, layer) pairs that get a line
+    # each step's index within its request: its token_idx when every step is one decode token
+    in_req = np.arange(S) - np.maximum.accumulate(np.where(first_of_req, np.arange(S), 0))
+    last_of_req = np.r_[first_of_req[1:], True]
+    prev: tuple | None = None     # (request, (layer, pos)) of the last line, as the reader sees it
+    for s in range(S):
+        a, b = int(starts[s]), int(starts[s + 1])
+        where = f"step {s} (tokens {a}..{b - 1})"
+        if by_idx:   # the reader ends a request at its largest token_idx
+            if last_of_req[s] and not has[a].any():
+                raise InputError(f"{where}, the last of request {int(req[s])}, routes no token "
+                                 f"at any layer, so JSON lines would end the request early "
+                                 f"(write .wbtrace instead)")
+            continue
+        rows = np.argwhere(has[a:b].T)    # (layer, pos) in emission order
+        if not len(rows):
+            raise InputError(f"{where} routes no token at any layer; JSON lines cannot carry an "
+                             f"empty step (write .wbtrace instead)")
+        if int(rows[:, 1].max()) != b - a - 1:
+            raise InputError(f"{where}: its last token is routed at no layer, so JSON lines "
+                             f"would end the step early (write .wbtrace instead)")
+        first = (int(req[s]), (int(rows[0, 0]), int(rows[0, 1])))
+        if prev is not None and first[0] == prev[0] and first[1] > prev[1]:
+            raise InputError(f"{where}: its first line (layer {first[1][0]}, token_pos "
+                             f"{first[1][1]}) follows the previous step's last one, so the "
+                             f"reader would merge the two steps (write .wbtrace instead)")
+        prev = (first[0], (int(rows[-1, 0]), int(rows[-1, 1])))
+
+    heads = _request_heads(trace.attrs.get("requests"), int(req[-1]) + 1)
+
+    def write(f) -> None:
+        for s in range(S):
+            a, b = int(starts[s]), int(starts[s + 1])
+            head = f'{heads[int(req[s])]}"layer": '
+            for layer, pos in np.argwhere(has[a:b].T):
+                t = a + int(pos)
+                line = (f'{head}{int(layer)}, "{key}": '
+                        f'{int(in_req[s]) if by_idx else int(pos)}, "experts": ['
+                        + ", ".join(str(int(e)) for e in ids[t, layer]) + "]")
+                if not nan[t, layer, 0]:
+                    line += (', "gating_probs": ['
+                             + ", ".join(_fmt_weight(x) for x in w[t, layer]) + "]")
+                f.write(line + "}\n")
+
+    return _replace(p, write)
+
+
+def _request_heads(requests: Any, R: int) -> list[str]:
+    """Each request's ``"dataset"``/``"problem_id"`` keys as a line starts with them: those of
+    ``attrs["requests"]`` (what :func:`read_jsonl` recorded) when it names R distinct requests,
+    else ``problem_id`` = the request's index."""
+    ok = (isinstance(requests, list) and len(requests) == R
+          and all(isinstance(r, dict) and set(r) <= {"dataset", "problem_id"} for r in requests))
+    if ok:
+        pairs = [(r.get("dataset"), r.get("problem_id", 0)) for r in requests]
+        ok = len(set(map(repr, pairs))) == R and all(
+            (v is None and k == "dataset") or isinstance(v, str)
+            or (isinstance(v, int) and not isinstance(v, bool))
+            for pair in pairs for k, v in zip(("dataset", "problem_id"), pair))
+    if not ok:
+        return [f'{{"problem_id": {r}, ' for r in range(R)]
+    return ["{" + "".join(f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}, "
+                          for k, v in zip(("dataset", "problem_id"), pair) if v is not None)
+            for pair in pairs]
+
+
+def write_npy(trace: Trace, path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``trace``'s routed experts as the ``.npy`` array :func:`read_npy` reads:
+    int16 ``[tokens, layers, top_k]`` (-1 = none), saved by ``numpy.save`` without pickle.
+
+    Carried: ``topk_ids`` only. A trace whose first step is a prefill and every other step
+    one decode token reads back with the same steps and phases given
+    ``prefill_tokens=`` the first step's tokens (:func:`npy_prefill_tokens`); any other step
+    structure, weights, modality, requests, pinned layers and attrs are dropped, and
+    ``num_experts`` (pass ``num_experts=`` when reading; the default is the largest id + 1).
+    An existing ``path`` is kept unless ``overwrite`` (:class:`StoreExistsError`); written to
+    a temporary file that replaces ``path`` at the end."""
+    p = _out_file(path, overwrite)
+    T, L, K = trace.topk_ids.shape
+    if T < 1 or L < 1 or K < 1:
+        raise InputError(f"a .npy trace needs ≥ 1 token, layer and expert per token; the trace "
+                         f"has {T} tokens, {L} layers, top-{K}")
+    ids = np.ascontiguousarray(trace.topk_ids, np.int16)
+    return _replace(p, lambda f: np.save(f, ids, allow_pickle=False), binary=True)
+
+
+def npy_prefill_tokens(trace: Trace) -> int | None:
+    """The ``prefill_tokens`` that makes :func:`read_npy` give ``trace``'s steps and phases
+    back (0 for a trace of one-token decode steps), or None when no value does (several
+    requests, several prefills, a decode step of several tokens)."""
+    T = len(trace.token_step)
+    per_step = np.bincount(trace.token_step, minlength=trace.num_steps)
+    if len(np.unique(trace.step_request)) > 1 or (per_step[1:] != 1).any() \
+            or (trace.phase[1:] != 1).any():
+        return None
+    if trace.phase[0] == 0:
+        return int(per_step[0]) if T else 0
+    return 0 if per_step[0] == 1 else None
+
+
+#: the formats a trace is exported to, and the suffix each is recognised by
+EXPORT_FORMATS = {"jsonl": ".jsonl", "npy": ".npy", "wbtrace": ".wbtrace"}
+
+
+def export_trace(source: Any, path: str | Path, format: str | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:
+    """Write the routing of ``source`` (a run store or any trace file :func:`load_trace`
+    reads by its suffix, a Dataset from :func:`workbench.open_run`, or a :class:`Trace`) to
+    ``path`` in ``format``: ``jsonl``
+    (:func:`write_jsonl`), ``npy`` (:func:`write_npy`) or ``wbtrace`` (:func:`write_plain`;
+    ``plain`` is the same). ``format=None`` takes it from ``path``'s suffix
+    (:data:`EXPORT_FORMATS`); a format that disagrees with a known suffix is refused, so a
+    file's name never lies about its content. An existing ``path`` is kept unless
+    ``overwrite`` (:class:`StoreExistsError`); the file appears whole or not at all.
+
+    Returns what was written: ``path``, ``format``, ``tokens``, ``layers``, ``top_k``,
+    ``steps``, ``requests``, ``num_experts``, ``bytes``; ``dropped``, the fields this trace
+    has that the format does not carry; and ``read_with``, the reader options that give its
+    steps back (``num_experts``; ``prefill_tokens`` for npy)."""
+    p = _path(path, "trace file")
+    known = {v: k for k, v in EXPORT_FORMATS.items()}
+    by_suffix = known.get(p.suffix.lower())
+    if format is None:
+        if by_suffix is None:
+            raise InputError(f"cannot tell the format of trace file {str(p)!r} from its suffix "
+                             f"{p.suffix or '(none)'!r}; name it with one of "
+                             f"{', '.join(EXPORT_FORMATS.values())}, or give the format (one "
+                             f"of {', '.join(EXPORT_FORMATS)})")
+        format = by_suffix
+    if format == "plain":
+        format = "wbtrace"
+    if not isinstance(format, str) or format not in EXPORT_FORMATS:
+        raise InputError(f"trace export format {show(format)} is unknown; allowed: "
+                         f"{', '.join(EXPORT_FORMATS)}")
+    if by_suffix is not None and by_suffix != format:
+        raise InputError(f"format {format!r} does not match trace file {str(p)!r}, whose "
+                         f"suffix {p.suffix!r} means {by_suffix!r}; name the file "
+                         f"{p.stem + EXPORT_FORMATS[format]!r} or give format {by_suffix!r}")
+    _out_file(p, overwrite)   # before the store is read: an existing file costs nothing
+    import xarray as xr
+
+    tr = (source if isinstance(source, Trace) else from_store(source)
+          if isinstance(source, xr.Dataset) else load_trace(source))
+    writer = {"jsonl": write_jsonl, "npy": write_npy, "wbtrace": write_plain}[format]
+    writer(tr, p, overwrite=overwrite)
+    T, L, K = tr.topk_ids.shape
+    read_with: dict[str, Any] = {"num_experts": tr.num_experts}
+    has = {"pred_ids": tr.pred_ids is not None, "predicted_ids": tr.predicted_ids is not None,
+           "subexpert_ran": tr.subexpert_ran is not None, "kept": not bool(tr.kept.all())}
+    if format in ("jsonl", "npy"):
+        # attrs a reader sets again (provenance, its own counts) are not lost
+        own = {"source", "path", "position_key", "records", "missing_records", "requests",
+               "prefill_tokens"}
+        has.update(token_modality=bool(tr.token_modality.any()), pinned=bool(tr.pinned.any()),
+                   attrs=any(k not in own for k in tr.attrs))
+    if format == "npy":
+        pre = npy_prefill_tokens(tr)
+        has.update(topk_weights=bool(np.isfinite(tr.topk_weights).any()),
+                   step_request=len(np.unique(tr.step_request)) > 1,
+                   token_step=pre is None)
+        if pre is not None:
+            read_with["prefill_tokens"] = pre
+    dropped = [k for k, v in has.items() if v]
+    return {"path": str(p), "format": format, "tokens": T, "layers": L, "top_k": K,
+            "steps": tr.num_steps, "requests": int(len(np.unique(tr.step_request))),
+            "num_experts": tr.num_experts, "bytes": p.stat().st_size, "dropped": dropped,
+            "read_with": read_with}
