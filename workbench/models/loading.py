@@ -32,7 +32,6 @@ What :func:`load` checks, so that a broken checkpoint never runs with made-up we
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os

@@ -13,7 +13,6 @@ deterministic algorithms) so the same inputs and seed give the same weights.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -29,7 +29,6 @@ Importing this module imports no torch.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field

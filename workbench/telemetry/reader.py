@@ -25,7 +25,6 @@ line and exits 2) whose message names the store and what is wrong.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket

@@ -11,7 +11,6 @@ seen: every flushed step stays readable.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time

@@ -7,7 +7,6 @@ malformed file gives an empty list, a malformed entry is skipped (logged). No to
 
 from __future__ import annotations
 
-import json
 import os
 
 from workbench import jsonio

@@ -9,7 +9,6 @@ states a figure that was not measured. Re-render after editing this template::
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from .tasks import (
@@ -372,7 +371,12 @@ def main(argv: list[str] | None = None) -> None:
                                                  "its training_log.json")
     parser.add_argument("checkpoint", type=Path, help="the checkpoint folder (holds training_log.json)")
     ns = parser.parse_args(argv)
-    log = json.loads((ns.checkpoint / "training_log.json").read_text())
+    from workbench.fileio import read_json
+
+    from .rerun import MAX_LOG_BYTES
+
+    where = ns.checkpoint / "training_log.json"
+    log = read_json(where, MAX_LOG_BYTES, str(where), SystemExit)
     (ns.checkpoint / "README.md").write_text(render_model_card(log))
 
 

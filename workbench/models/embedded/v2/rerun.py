@@ -22,6 +22,8 @@ from pathlib import Path
 from .card import render_model_card
 
 TRAIN_MODULE = "workbench.models.embedded.v2.train"
+#: the largest training_log.json read (a full run's is ≈ 100 kB)
+MAX_LOG_BYTES = 16 << 20
 
 
 def sha256(path: Path) -> str:
@@ -55,11 +57,11 @@ def _write_atomic(path: Path, text: str) -> None:
 def read_log(checkpoint: Path) -> dict:
     """The checkpoint's training log, checked for what a re-run needs (``ValueError`` names the
     problem): before, not after, 90 minutes of training."""
+    from workbench.fileio import read_json
+
     log_path = checkpoint / "training_log.json"
-    try:
-        log = json.loads(log_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{log_path} is not readable JSON: {e}") from None
+    # the one bounded reader: a FIFO, a device or a huge file is refused, not read
+    log = read_json(log_path, MAX_LOG_BYTES, str(log_path), ValueError)
     if not isinstance(log, dict) or not isinstance(log.get("command"), str) \
             or not isinstance(log.get("heldout"), dict) or not isinstance(log.get("args"), dict):
         raise ValueError(f"{log_path} lacks the 'command', 'args' and 'heldout' entries a training run writes")
