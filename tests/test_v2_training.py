@@ -303,7 +303,8 @@ def test_rerun_check_refuses_a_malformed_log_before_training(tmp_path, capsys):
     from workbench.models.embedded.v2.rerun import main as rerun_main
 
     log = tmp_path / "training_log.json"
-    cases = {"{not json": "not readable JSON", "[1, 2]": "lacks the 'command'",
+    cases = {"{not json": "is not valid JSON", "[1, 2]": "must be a JSON object",
+             '{"args": {}}': "lacks the 'command'",
              '{"command": "rm -rf /", "args": {}, "heldout": {}}': "is not 'python -m",
              f'{{"command": "python -m {TRAIN_MODULE} --steps 1", "args": {{}}, "heldout": {{}}}}':
                  "has no model.safetensors"}
