@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from workbench.errors import InputError
+from workbench.errors import InputError, one_line
 from workbench.models.chat_template import TemplateRenderError, render_chats
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
@@ -113,12 +113,6 @@ def quiet_transformers():
         log.setLevel(level)
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, cut to ``limit`` characters."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
 def check_image_size(width: int, height: int, label: str) -> None:
     """Raise :class:`InputError` unless a ``width`` × ``height`` image is within
     :data:`MAX_IMAGE_PIXELS` and :data:`MAX_ASPECT_RATIO` (``label`` names it)."""
@@ -146,7 +140,7 @@ def _check_file(p: Path) -> int:
     except PermissionError:
         raise InputError(f"{label} cannot be read: permission denied") from None
     except (OSError, ValueError) as e:  # a link loop, a name too long, a NUL in the path, …
-        raise InputError(f"{label} cannot be read: {_one_line(e)}") from None
+        raise InputError(f"{label} cannot be read: {one_line(e)}") from None
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"{label} is a directory, not an image file")
     if not stat.S_ISREG(st.st_mode):
@@ -178,7 +172,7 @@ def _open_header(p: Path) -> Image.Image:
         raise InputError(f"{label} cannot be read: permission denied") from None
     except Exception as e:  # UnidentifiedImageError, a broken header (SyntaxError, struct.error…)
         raise InputError(f"{label} is not a readable image in one of the accepted formats "
-                         f"({', '.join(IMAGE_FORMATS)}): {_one_line(e)}") from None
+                         f"({', '.join(IMAGE_FORMATS)}): {one_line(e)}") from None
     try:
         check_image_size(*im.size, label)
     except InputError:
@@ -244,7 +238,7 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
             return to_rgb(img)
         except Exception as e:
             raise InputError(f"{_label(img)} (mode {img.mode}) cannot be converted to RGB: "
-                             f"{_one_line(e)}") from None
+                             f"{one_line(e)}") from None
     p = _as_path(img)
     _check_file(p)
     label = _label(p)
@@ -257,7 +251,7 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
             return to_rgb(im)
     except Exception as e:  # truncated data, broken chunks, zlib errors, oversized text chunks…
         raise InputError(f"{label} is a damaged or truncated {im.format} file: "
-                         f"{_one_line(e)}") from None
+                         f"{one_line(e)}") from None
     finally:
         im.close()
 
@@ -388,7 +382,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
             ip = lm.processor if lm.processor is not None else lm.image_processor
             raise InputError(
                 f"the image processor of model {lm.model_id!r} ({type(ip).__name__}) refused "
-                f"{', '.join(labels)}: {_one_line(e)}") from None
+                f"{', '.join(labels)}: {one_line(e)}") from None
     else:
         with quiet_transformers():
             tensors = dict(tok(texts, return_tensors="pt", **pad))

@@ -46,9 +46,9 @@ import torch
 
 from workbench import jsonio
 from workbench.errors import ModelLoadError
+from workbench.errors import one_line as _one_line  # the shared one, under its old name here
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.chat_template import TemplateRenderError, render_chat
-from workbench.models.inputs import _one_line
 from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
 #: largest config.json read (a real one is a few kB)

@@ -204,9 +204,9 @@ class RunSession:
         ctl = ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks), c=k.realb_c,
                                 tau=k.realb_tau, gate=k.realb_gate)
         if k.realb_carry:  # the previous run's M_d (a controller that lives across batches)
-            carried = self.runtime._realb_m.setdefault(
-                (k.balance, int(k.ep_ranks), k.placement), ctl.m)
-            ctl.m = carried  # shared: this run's updates are the next run's start
+            # shared: this run's updates are the next run's start
+            ctl.m = self.runtime.realb_carry.share((k.balance, int(k.ep_ranks), k.placement),
+                                                   ctl.m)
         return {"balance": ctl,
                 "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
                 "low_precision": k.low_precision}
@@ -420,7 +420,7 @@ class RunSession:
             subexperts_ran=sum(v.ran for v in self.offloader.prism_views))
         if len(self.requests) > 1:
             result.batch = [
-                {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,
+                {"prompt": r.prompt, "images": image_labels(r), "text": t, "token_ids": a,
                  "prompt_tokens": n, **({"expected": r.expected}
                                         if getattr(r, "expected", None) is not None else {})}
                 for r, t, a, n in zip(self.requests, texts, self.answers,
@@ -447,7 +447,7 @@ class RunSession:
 
 
 
-def _image_labels(request: Request) -> list[str]:
+def image_labels(request: Request) -> list[str]:
     """A request's images as text: paths, or ``<PIL image>``."""
     images = request.images
     images = [images] if isinstance(images, (str, bytes, Image.Image)) or hasattr(
