@@ -290,6 +290,24 @@ def test_no_private_name_is_imported_across_modules():
     assert not found, "private names imported: " + "; ".join(found)
 
 
+HOOK_CALLS = {"register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+              "register_full_backward_pre_hook"}
+
+
+def test_only_the_hooks_module_puts_hooks_on_a_model():
+    """``workbench.models.hooks`` is the one place a hook goes on a model (its docstring lists
+    the features that use it); the embedded model's own trainer and evaluator
+    (``models/embedded/v2``) keep theirs."""
+    found = []
+    for mod, path in MODULES.items():
+        if mod == "workbench.models.hooks" or mod.startswith("workbench.models.embedded.v2"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in HOOK_CALLS:
+                found.append(f"{mod}:{node.lineno} {node.attr}")
+    assert not found, "hooks registered outside workbench.models.hooks: " + "; ".join(found)
+
+
 def _imports_torch(code: str) -> bool:
     out = subprocess.run([sys.executable, "-c", code + "\nimport sys\n"
                           "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"],

@@ -514,25 +514,3 @@ def _encode_with_image_processor(lm, texts: list[str], per_request: list[list[Im
     return tensors
 
 
-def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8):
-    """Calibration passes: for each batch of ``requests``, yield ``(inputs, valid)`` (the
-    batch's inputs and its real-token mask, numpy bool) — the caller sets up what its hooks
-    read — then run the model's forward (the prefill, no grad) on it."""
-    import torch
-
-    with torch.no_grad():
-        for i in range(0, len(requests), batch_size):
-            inputs = build_batch_inputs(lm, requests[i:i + batch_size])
-            valid = (inputs.valid if inputs.valid is not None
-                     else np.ones(inputs.modality.size, bool))
-            yield inputs, valid
-            lm.model(**inputs.tensors)
-
-
-def experts_call(args: tuple, kwargs: dict, valid):
-    """``(hidden_states, top_k_index)`` of an experts module's call, as a forward pre-hook
-    receives them, cut to the real tokens (``valid``: a bool tensor from
-    :func:`prefill_batches`' mask)."""
-    hs = args[0] if args else kwargs["hidden_states"]
-    idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-    return hs[valid], idx[valid]

@@ -34,6 +34,7 @@ from workbench.compression.placement import PrunedPlacement, check_supported
 from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError
 from workbench.knobs import Knobs
+from workbench.models.hooks import Hooks
 from workbench.models.inputs import Request, build_batch_inputs, modality_of
 from workbench.options import get_options
 from workbench.policies.active_evict import ActiveEvict
@@ -259,16 +260,14 @@ class RunSession:
             self._install()
             self._open_store()  # inside the try: a failure from here on closes it
             model = self.runtime.lm.model
+            # the declared order of the model's hooks (workbench.models.hooks): offloader,
+            # token compression, predictor, step boundaries; removed in reverse
             with self.offloader, (self.placement or contextlib.nullcontext()), \
-                    (self.predictor or contextlib.nullcontext()):
-                h1 = model.register_forward_pre_hook(self._step_started, with_kwargs=True)
-                h2 = model.register_forward_hook(self._step_ended, with_kwargs=True)
-                try:
-                    with torch.no_grad():
-                        model.generate(**self.inputs.tensors, **self._generate_kwargs())
-                finally:
-                    h1.remove()
-                    h2.remove()
+                    (self.predictor or contextlib.nullcontext()), Hooks() as hooks:
+                hooks.pre(model, self._step_started, with_kwargs=True)
+                hooks.post(model, self._step_ended, with_kwargs=True)
+                with torch.no_grad():
+                    model.generate(**self.inputs.tensors, **self._generate_kwargs())
             for ev in self.pending:  # a forward whose token never came (stopped): keep it
                 self._keep(ev)
             self.pending = []
