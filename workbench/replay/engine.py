@@ -10,7 +10,7 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
   registered policy (tests hold both equal, and equal to the live run they replay).
 
 ``hybrid=True`` (GPU–CPU hybrid mode) runs every miss that
-:func:`~workbench.runtime.clocks.runs_on_host` picks on the modeled host lane instead of loading
+:func:`~workbench.sim.costs.runs_on_host` picks on the modeled host lane instead of loading
 it, as the live runtime does (python engine only).
 
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
