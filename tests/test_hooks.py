@@ -38,12 +38,23 @@ def test_hooks_run_in_install_order_and_come_off_last_first():
 
 def test_a_failed_install_removes_what_it_had_installed():
     lin = torch.nn.Linear(2, 2)
-    with pytest.raises(RuntimeError, match="already overridden"):
+    with pytest.raises(ValueError, match="boom"):
         with Hooks() as hooks:
             hooks.pre(lin, lambda m, a: None)
             hooks.override(lin, "forward", lambda x: x)
-            hooks.override(lin, "forward", lambda x: 2 * x)  # would lose the first at removal
+            raise ValueError("boom")
     assert not lin._forward_pre_hooks and "forward" not in vars(lin)
+
+
+def test_an_override_of_an_override_puts_the_first_back():
+    lin = torch.nn.Linear(2, 2)
+    theirs = lambda x: 3 * x  # noqa: E731  (an instance override someone else installed)
+    lin.forward = theirs
+    with Hooks() as hooks:
+        hooks.override(lin, "forward", lambda x: x)
+        hooks.override(lin, "forward", lambda x: 2 * x)
+        assert lin(torch.ones(1)) == 2
+    assert vars(lin)["forward"] is theirs
 
 
 def test_a_run_leaves_no_hook_on_the_model(embedded, vismmoe_run, demo_inputs):

@@ -50,12 +50,13 @@ class Hooks:
 
     def override(self, obj: Any, name: str, value: Any) -> None:
         """``obj.name = value`` as an instance attribute shadowing the class's (a module's
-        ``forward``, a model method); removal drops the instance attribute, so the class's
-        own is back, unchanged."""
-        if name in vars(obj):  # a second override would be lost at removal
-            raise RuntimeError(f"{type(obj).__name__}.{name} is already overridden")
+        ``forward``, a model method); removal puts back exactly what was there: the instance
+        attribute it shadowed, if any (someone else's override), else none, so the class's own
+        is back, unchanged."""
+        d = vars(obj)
+        had, old = name in d, d.get(name)
         setattr(obj, name, value)
-        self._undo.append(lambda: vars(obj).pop(name, None))
+        self._undo.append(lambda: d.__setitem__(name, old) if had else d.pop(name, None))
 
     def remove(self) -> None:
         """Remove every hook and override, last installed first."""
