@@ -198,6 +198,10 @@ class RealbCarry:
         returned is shared: the run's AIMD updates to it are the next run's start."""
         return self._m.setdefault(key, m)
 
+    def clear(self) -> None:
+        """Forget every carried M_d: the next run that carries starts from a fresh controller."""
+        self._m.clear()
+
 
 def _priced(price, counts: np.ndarray) -> np.ndarray:
     """``price(n)`` of every count (:meth:`Prices.many`), 0 where nothing was routed."""
