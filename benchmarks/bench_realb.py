@@ -79,7 +79,7 @@ class Runner:
         self.n_runs = 0
 
     def run(self, **knobs) -> dict:
-        self.rt._realb_m.clear()  # each configuration's controller starts fresh
+        self.rt.realb_carry.clear()  # each configuration's controller starts fresh
         answers, wall, stores = [], 0.0, []
         for reqs in self.batches:
             self.n_runs += 1

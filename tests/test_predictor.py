@@ -157,7 +157,7 @@ def test_live_vismmoe_prefetch_equals_replay(calibrated, lm, tmp_path, knobs,
     replaying a vismmoe run reproduces it exactly, as for the other prefetch policies."""
     import workbench
     from workbench.errors import KnobError
-    from workbench.telemetry.store import open_run
+    from workbench.analysis import open_run
     from workbench.traces import from_store
 
     pred, rep = calibrated

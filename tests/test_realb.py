@@ -311,3 +311,19 @@ def test_controller_settings_are_checked(embedded, tmp_path):
         ds.moe.ep_times(overlap="yes")
     st = ds.moe.realb_state("realb")
     assert {"m", "ib", "vision", "low", "gated", "ib_global"} <= set(st.data_vars)
+
+
+def test_realb_carry_owns_the_carried_m_d():
+    """RealbCarry (Runtime.realb_carry) is the one state runs share: the first run's array is
+    handed to every later run under the same key, another key gets its own, clear() forgets."""
+    from workbench.sim.realb import RealbCarry
+
+    carry = RealbCarry()
+    first = np.full((2, 4), 0.9)
+    assert carry.share(("realb", 4, "contiguous"), first) is first
+    assert carry.share(("realb", 4, "contiguous"), np.zeros((2, 4))) is first
+    other = np.zeros((2, 8))
+    assert carry.share(("realb", 8, "contiguous"), other) is other
+    carry.clear()
+    fresh = np.ones((2, 4))
+    assert carry.share(("realb", 4, "contiguous"), fresh) is fresh

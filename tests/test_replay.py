@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from workbench.analysis import open_run  # ds.moe registered
 from workbench.errors import KnobError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.replay.engine import replay
 from workbench.replay.flat import flat_hits
-from workbench.telemetry.store import open_run
 from workbench.traces import from_store, read_jsonl
 
 SHARED = Path(os.environ.get("WORKBENCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))

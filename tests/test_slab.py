@@ -143,7 +143,7 @@ def test_live_slab_equals_replay(lm, predictor_dir, tmp_path, knobs, assert_repl
     import workbench
     from workbench.errors import KnobError
     from workbench.replay.engine import replay
-    from workbench.telemetry.store import open_run
+    from workbench.analysis import open_run
     from workbench.traces import from_store
 
     rt = workbench.Runtime(lm, device="cpu", max_new_tokens=5, ignore_eos=True)

@@ -27,11 +27,12 @@ import xarray as xr
 import zarr
 
 import workbench
+from workbench.analysis import open_run  # ds.moe registered
 from workbench.cli import main
 from workbench.errors import StoreError
 from workbench.telemetry.events import TEXT, LayerEvent, StepEvent
 from workbench.telemetry.schema import SCHEMA, SCHEMA_VERSION, disk_schema
-from workbench.telemetry.store import Recorder, open_run
+from workbench.telemetry.store import Recorder
 from workbench.traces.formats import from_store, load_trace
 
 V3 = Path(__file__).parent / "data" / "store_v3.zarr"

@@ -48,7 +48,7 @@ _LAZY = {
     "batch": "workbench.models.batches",
     "mixed_batch": "workbench.models.batches",
     "fake_quant": "workbench.precision",
-    "open_run": "workbench.telemetry.store",
+    "open_run": "workbench.analysis",  # the reader, with ds.moe registered
     "replay_trace": "workbench.replay",
     "load_trace": "workbench.traces",
     "set_options": "workbench.options",

@@ -411,11 +411,11 @@ def _refactor_into(args, lm, reqs: list, out: Path) -> int:
     import numpy as np
 
     from workbench.prism import refactor as R
-    from workbench.prism.partition import _check
+    from workbench.prism.partition import check_problem
     from workbench.prism.profile import neuron_layout
 
     I = neuron_layout(lm.layout.blocks[0])[0]
-    _check(np.zeros((1, I)), args.subexperts, args.deactivated)  # N divides I, K in range
+    check_problem(np.zeros((1, I)), args.subexperts, args.deactivated)  # N divides I, K in range
     source = "given"
     if not reqs:
         reqs = R.calibration_requests(args.requests, R.CALIBRATION_SEED if args.seed is None
@@ -755,7 +755,7 @@ def _run_ep(res, knobs) -> dict | None:
     if not res.store:
         return {"ranks": knobs.ep_ranks, "note": "not computed: --no-record keeps no routing "
                                                  "to attribute to ranks"}
-    from workbench.telemetry.store import open_run
+    from workbench.analysis import open_run  # ds.moe registered
 
     return open_run(res.store).moe.ep_summary()
 
@@ -776,10 +776,11 @@ def _replay(args) -> int:
     if args.prefill_tokens:
         opts["prefill_tokens"] = args.prefill_tokens
     trace = load_trace(Path(args.trace), format=args.format, **opts)
-    from workbench.knobs import _ALIASES
+    from workbench.knobs import aliases
     from workbench.replay import replay_knob_names
 
-    given = [_ALIASES.get(n, n) for n in (a.split("=", 1)[0].strip() for a in args.sets)]
+    old_names = aliases()
+    given = [old_names.get(n, n) for n in (a.split("=", 1)[0].strip() for a in args.sets)]
     known = set(Knobs().names())  # an unknown name gets its own error (with a suggestion)
     cannot = sorted({n for n in given if n in known} - replay_knob_names())
     if cannot:

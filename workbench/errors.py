@@ -8,6 +8,13 @@ and what is allowed.
 from __future__ import annotations
 
 
+def one_line(e: object, limit: int = 300) -> str:
+    """An exception's (or any value's) message on one line, cut to ``limit`` characters: what
+    an error message quotes of a cause it did not write."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class WorkbenchError(Exception):
     """Base class of errors caused by the user's input (CLI exit status 2)."""
 

@@ -576,7 +576,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def show_value(value: Any, limit: int = 60) -> str:
     """``repr`` of a bad value for a message, cut to ``limit`` characters."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit - 1] + "…"
@@ -652,26 +652,26 @@ def check_value(p: param.Parameter, name: str, value: Any) -> Any:
         if isinstance(value, np.bool_):
             value = bool(value)
         if not isinstance(value, bool):
-            raise KnobError(f"{name} must be a boolean, not {_show(value)}{how}")
+            raise KnobError(f"{name} must be a boolean, not {show_value(value)}{how}")
     elif isinstance(p, param.Integer):
         if isinstance(value, (bool, np.bool_)):
             raise KnobError(f"{name} must be an integer, not {value!r} (a boolean){how}")
         if not isinstance(value, numbers.Integral):
             kind = "a number with a fraction" if isinstance(value, numbers.Real) else \
                 type(value).__name__
-            raise KnobError(f"{name} must be an integer, not {_show(value)} ({kind}){how}")
+            raise KnobError(f"{name} must be an integer, not {show_value(value)} ({kind}){how}")
         value = int(value)
         lo, hi = _int_range(p, name)
         if value > hi:
             top = f"{hi} (2**53 − 1)" if hi == INT_CEILING else f"{hi}"
-            raise KnobError(f"{name} must be at most {top}, not {_show(value)}{how}")
+            raise KnobError(f"{name} must be at most {top}, not {show_value(value)}{how}")
     elif isinstance(p, param.Number):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise KnobError(f"{name} must be a number, not {_show(value)}{how}")
+            raise KnobError(f"{name} must be a number, not {show_value(value)}{how}")
         try:
             value = float(value)
         except (OverflowError, ValueError):  # a huge int or Fraction
-            raise KnobError(f"{name} must be a finite number, not {_show(value)}{how}") from None
+            raise KnobError(f"{name} must be a finite number, not {show_value(value)}{how}") from None
         if not math.isfinite(value):
             raise KnobError(f"{name} must be a finite number, not {value}{how}")
         if value == 0.0:
@@ -679,12 +679,12 @@ def check_value(p: param.Parameter, name: str, value: Any) -> Any:
     elif isinstance(p, param.Selector):
         if not isinstance(value, str):
             raise KnobError(f"{name} must be one of {', '.join(map(str, p.objects or []))}, "
-                            f"not {_show(value)}")
+                            f"not {show_value(value)}")
     elif isinstance(p, param.String):
         if not isinstance(value, str):
-            raise KnobError(f"{name} must be text, not {_show(value)}{how}")
+            raise KnobError(f"{name} must be text, not {show_value(value)}{how}")
         if "\x00" in value:
-            raise KnobError(f"{name} must not contain NUL characters, not {_show(value)}{how}")
+            raise KnobError(f"{name} must not contain NUL characters, not {show_value(value)}{how}")
     try:
         p._validate(value)
     except (ValueError, TypeError) as e:
@@ -693,7 +693,7 @@ def check_value(p: param.Parameter, name: str, value: Any) -> Any:
     return value
 
 
-def _parse(p: param.Parameter, name: str, text: str) -> Any:
+def parse_text(p: param.Parameter, name: str, text: str) -> Any:
     """Turn a CLI string into the knob's type (validation proper is :func:`check_value`)."""
     t = text.strip()
     if p.allow_None and t.lower() in ("none", "null", ""):
@@ -701,14 +701,14 @@ def _parse(p: param.Parameter, name: str, text: str) -> Any:
     how = f" (allowed: {allowed(p, name)})"
     kind = type(p).__name__.lower()
     bad = KnobError(f"{name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
-                    f"not {_show(text)}{how}")
+                    f"not {show_value(text)}{how}")
     if isinstance(p, param.Boolean):
         low = t.lower()
         if low in _TRUE:
             return True
         if low in _FALSE:
             return False
-        raise KnobError(f"{name} must be a boolean, not {_show(text)} (allowed: true/false, "
+        raise KnobError(f"{name} must be a boolean, not {show_value(text)} (allowed: true/false, "
                         f"yes/no, on/off, 1/0)")
     if isinstance(p, param.Integer):
         try:
@@ -722,7 +722,7 @@ def _parse(p: param.Parameter, name: str, text: str) -> Any:
             raise bad from None
         if not math.isfinite(v):
             literal = any(w in t.lower() for w in ("inf", "nan"))
-            raise KnobError(f"{name} must be a finite number, not {_show(text)}"
+            raise KnobError(f"{name} must be a finite number, not {show_value(text)}"
                             f"{'' if literal else ' (it overflows to inf)'}{how}")
         return v
     return t
@@ -842,7 +842,7 @@ class Knobs:
             name, text = a.split("=", 1)
             name = name.strip()
             new = _ALIASES.get(name, name)
-            value = _parse(self._owner(new).param[new], new, text)
+            value = parse_text(self._owner(new).param[new], new, text)
             twice = [n for n in parsed if _ALIASES.get(n, n) == new]
             if twice:  # which one should win is a guess: refuse, naming both
                 raise KnobError(f"knob {new!r} is set twice (--set {twice[0]}=… and --set "
@@ -872,7 +872,7 @@ class Knobs:
 
         if not isinstance(attrs, Mapping):
             raise KnobError(f"store attributes must be a mapping of 'knob.NAME' to JSON text, "
-                            f"not {type(attrs).__name__} ({_show(attrs)})")
+                            f"not {type(attrs).__name__} ({show_value(attrs)})")
         from workbench import jsonio  # depth-limited JSON (here: knobs stays a leaf at import)
 
         k = cls()
@@ -890,7 +890,7 @@ class Knobs:
                     value = jsonio.loads(text, parse_constant=_no_constant)
                 except ValueError as e:  # JSONDecodeError, or NaN/Infinity
                     raise KnobError(f"store attribute {key!r} is not valid JSON ({e}): "
-                                    f"{_show(text)}; expected {k.allowed(name)} as JSON "
+                                    f"{show_value(text)}; expected {k.allowed(name)} as JSON "
                                     f"text") from None
             else:  # an attribute written as a JSON value rather than text
                 value = text

@@ -1066,10 +1066,10 @@ class MoEAccessor:
         else the cost spec the run recorded (``Prices.available`` False without either)."""
         from types import SimpleNamespace
 
-        from workbench.replay.engine import _cost
+        from workbench.replay.engine import cost_of
         from workbench.sim.costs import Prices
 
-        cost, prof = _cost(SimpleNamespace(attrs=dict(self._ds.attrs)), profile, target_model,
+        cost, prof = cost_of(SimpleNamespace(attrs=dict(self._ds.attrs)), profile, target_model,
                            None)
         return Prices(prof, cost)
 
@@ -1077,7 +1077,7 @@ class MoEAccessor:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,
         balancedness, imbalance ratio, max rank load, per-rank shares, per modality, the
         modeled EP layer times): :func:`workbench.replay.ep.ep_replay`."""
-        from workbench.replay.engine import _cost
+        from workbench.replay.engine import cost_of
         from workbench.replay.ep import ep_replay
         from workbench.sim.costs import Prices
         from workbench.traces import from_store
@@ -1092,7 +1092,7 @@ class MoEAccessor:
         # it, not replayed)
         k = k.copy(dispatch="topk", balance="none")
         k.group("ep").check(k, ModelShape.of(tr), live=False)
-        cost, prof = _cost(tr, k.profile, k.target_model, None)
+        cost, prof = cost_of(tr, k.profile, k.target_model, None)
         return ep_replay(tr, k, Prices(prof, cost))
 
 

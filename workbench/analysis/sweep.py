@@ -47,6 +47,7 @@ import xarray as xr
 from workbench import jsonio
 from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.fileio import read_text
+from workbench.errors import one_line as _one_line  # the shared one, under its old name here
 from workbench.knobs import Knobs
 
 #: seconds a sweep waits for a ``scheduler`` to accept the connection and answer as a Dask
@@ -78,9 +79,9 @@ class SweepInput:
 
     def batched(self, batch: int, mix: str = "mixed") -> "SweepInput":
         """This input in a batch of ``batch`` (its name says so when > 1)."""
-        from workbench.models.batches import _check
+        from workbench.models.batches import check_batch_size
 
-        _check(batch, "heldout", mix)
+        check_batch_size(batch, "heldout", mix)
         name = self.name if batch == 1 else f"{self.name} (batch of {batch}, {mix})"
         return SweepInput(name=name, prompt=self.prompt, images=self.images, batch=int(batch),
                           mix=mix)
@@ -139,7 +140,7 @@ def demo_inputs(n: int = 2, text_only: bool = False) -> list[SweepInput]:
 
 def parse_grid(assignments: Iterable[str]) -> dict[str, list[Any]]:
     """``["cache_slots=8,16", "eviction=lru,lfu"]`` → typed, validated value lists."""
-    from workbench.knobs import _parse
+    from workbench.knobs import parse_text
 
     grid: dict[str, list[Any]] = {}
     probe = Knobs()
@@ -151,7 +152,7 @@ def parse_grid(assignments: Iterable[str]) -> dict[str, list[Any]]:
         owner = probe._owner(name)
         if name in grid:
             raise KnobError(f"--grid names {name!r} twice")
-        vals = [_parse(owner.param[name], name, v) for v in values.split(",") if v.strip()]
+        vals = [parse_text(owner.param[name], name, v) for v in values.split(",") if v.strip()]
         if not vals:
             raise KnobError(f"--grid {name} has no values")
         for v in vals:
@@ -253,11 +254,6 @@ def _make_out(out: Path) -> None:
         raise InputError(f"{label} cannot be written: permission denied") from None
     except OSError as e:
         raise InputError(f"{label} cannot be written: {_one_line(e)}") from None
-
-
-def _one_line(e: Any, limit: int = 300) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
-
 import numpy as np
 import torch
 
 from workbench.compression.policies import CompressionPolicy, SelectionInput
 from workbench.compression.saliency import VisionSaliency
 from workbench.errors import InputError, KnobError
+from workbench.models.hooks import Hooks
 
 
 def _decoder_index(name: str) -> int:
@@ -102,8 +101,7 @@ class PrunedPlacement:
                          if self.pinned < len(blocks) else None)
         self.saliency = (VisionSaliency(model.model.visual, check=saliency_check)
                          if policy.needs_saliency else None)
-        self._handles: list[Any] = []
-        self._ds_overridden = False
+        self._hooks = Hooks()
         self._reset()
         self.select_s = 0.0
         self.saliency_s = 0.0
@@ -123,17 +121,15 @@ class PrunedPlacement:
             if self.boundary is not None:
                 if self.saliency is not None:
                     self.saliency.__enter__()
-                self._handles.append(self.tm.register_forward_pre_hook(
-                    self._text_pre, with_kwargs=True))
+                hooks = self._hooks
+                hooks.pre(self.tm, self._text_pre, with_kwargs=True)
                 for i, r in enumerate(self.prefix_routers):
-                    self._handles.append(r.register_forward_hook(self._router_hook(i)))
+                    hooks.post(r, self._router_hook(i))
                 for l, layer in enumerate(self.tm.layers):
                     if l >= self.boundary:
-                        self._handles.append(layer.register_forward_pre_hook(
-                            self._layer_pre, with_kwargs=True))
+                        hooks.pre(layer, self._layer_pre, with_kwargs=True)
                 self._orig_ds = self.tm._deepstack_process
-                self.tm._deepstack_process = self._deepstack  # instance override
-                self._ds_overridden = True
+                hooks.override(self.tm, "_deepstack_process", self._deepstack)
         except BaseException:
             self._remove()
             raise
@@ -143,11 +139,7 @@ class PrunedPlacement:
         self._remove()
 
     def _remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
-        if self._ds_overridden:
-            self.tm.__dict__.pop("_deepstack_process", None)
-            self._ds_overridden = False
+        self._hooks.remove()
         if self.saliency is not None:
             self.saliency.remove()
 

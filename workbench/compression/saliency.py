@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from workbench.models.hooks import Hooks
+
 
 class VisionSaliency:
     """Context manager: hook ``visual.blocks[block].attn`` and keep ``scores`` (``[N]`` float32,
@@ -37,20 +39,17 @@ class VisionSaliency:
         self.m2 = int(visual.spatial_merge_size) ** 2
         self.scores: torch.Tensor | None = None
         self.seconds = 0.0
-        self._handle = None
+        self._hooks = Hooks()
 
     def __enter__(self) -> "VisionSaliency":
-        attn = self.visual.blocks[self.block].attn
-        self._handle = attn.register_forward_hook(self._hook, with_kwargs=True)
+        self._hooks.post(self.visual.blocks[self.block].attn, self._hook, with_kwargs=True)
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._hooks.remove()
 
     def reset(self) -> None:
         self.scores = None

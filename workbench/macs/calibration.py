@@ -106,7 +106,7 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     (:mod:`workbench.progress`)."""
     import torch
 
-    from workbench.models.inputs import experts_call, prefill_batches
+    from workbench.models.hooks import prefill_experts
 
     lay = lm.layout
     L, E = lay.num_layers, lay.num_experts
@@ -119,33 +119,26 @@ def calibrate(lm, requests: Sequence[Any], threshold: float = 0.1, batch_size: i
     sums: list[torch.Tensor | None] = [None] * L
     state: dict[str, Any] = {}
 
-    def hook(b):
-        def pre(module, args, kwargs):
-            hs, idx = experts_call(args, kwargs, state["valid"])
-            mod = state["modality"]
-            ids = idx.detach().cpu().numpy().astype(np.int64)
-            t, r = np.nonzero((ids >= 0) & (ids < E))
-            np.add.at(routed[b.index], (ids[t, r], mod[t]), 1)
-            z = hs.detach().float()
-            if sums[b.index] is None:
-                sums[b.index] = torch.zeros(E, z.shape[-1], dtype=torch.float64)
-            onehot = torch.zeros(z.shape[0], E, dtype=torch.float64)
-            onehot[torch.as_tensor(t), torch.as_tensor(ids[t, r])] = 1.0
-            sums[b.index] += onehot.T @ z.double().cpu()
-        return pre
+    def on_experts(b, hs, idx):
+        mod = state["modality"]
+        ids = idx.detach().cpu().numpy().astype(np.int64)
+        t, r = np.nonzero((ids >= 0) & (ids < E))
+        np.add.at(routed[b.index], (ids[t, r], mod[t]), 1)
+        z = hs.detach().float()
+        if sums[b.index] is None:
+            sums[b.index] = torch.zeros(E, z.shape[-1], dtype=torch.float64)
+        onehot = torch.zeros(z.shape[0], E, dtype=torch.float64)
+        onehot[torch.as_tensor(t), torch.as_tensor(ids[t, r])] = 1.0
+        sums[b.index] += onehot.T @ z.double().cpu()
 
-    handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
-               for b in lay.blocks]
-    try:
-        for inputs, valid in prefill_batches(lm, requests, batch_size, progress,
-                                             "calibration requests"):
-            state["valid"] = torch.as_tensor(valid, device=lm.device)
-            mod = np.clip(inputs.modality[valid].astype(np.int64), 0, 2)
-            state["modality"] = mod
-            tokens += np.bincount(mod, minlength=3)
-    finally:
-        for h in handles:
-            h.remove()
+    def on_batch(inputs, valid):
+        nonlocal tokens
+        mod = np.clip(inputs.modality[valid].astype(np.int64), 0, 2)
+        state["modality"] = mod
+        tokens += np.bincount(mod, minlength=3)
+
+    prefill_experts(lm, requests, batch_size, on_experts, on_batch, progress,
+                    "calibration requests")
     from workbench.sim.macs import expert_classes
 
     classes, delta = expert_classes(routed, tokens, threshold)

@@ -33,7 +33,7 @@ SOURCES = ("heldout", "demo")
 MIXES = ("mixed", "image", "text")
 
 
-def _check(n: int, source: str, mix: str) -> None:
+def check_batch_size(n: int, source: str, mix: str) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_BATCH:
         raise InputError(f"a batch holds from 1 to {MAX_BATCH} requests, not {n!r}")
     if source not in SOURCES:
@@ -46,7 +46,7 @@ def batch(n: int = 8, *, source: str = "heldout", mix: str = "mixed",
           seed: int | None = None) -> list[Request]:
     """``n`` requests (see the module docstring). ``seed``: the generated split's seed
     (default :data:`HELDOUT_SEED`); ignored for the demo requests."""
-    _check(n, source, mix)
+    check_batch_size(n, source, mix)
     n = int(n)
     if source == "demo":
         from workbench.models.embedded.demo import read_demo
@@ -79,7 +79,7 @@ def mixed_batch(n: int = 8, *, text_share: float = 0.5, seed: int | None = None)
     requests (held-out scenes and digit strips), interleaved evenly — the mix MACS reacts to."""
     if not isinstance(text_share, (int, float)) or not 0.0 <= float(text_share) <= 1.0:
         raise InputError(f"text_share must be a number in [0, 1], not {text_share!r}")
-    _check(n, "heldout", "mixed")
+    check_batch_size(n, "heldout", "mixed")
     n_text = int(round(float(text_share) * int(n)))
     text = batch(n_text, mix="text", seed=seed) if n_text else []
     image = batch(int(n) - n_text, mix="image", seed=seed) if n - n_text else []

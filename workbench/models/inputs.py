@@ -30,13 +30,13 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-from workbench.errors import InputError
+from workbench.errors import InputError, one_line
 from workbench.models.chat_template import TemplateRenderError, render_chats
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
@@ -116,12 +116,6 @@ def quiet_transformers():
         log.setLevel(level)
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, cut to ``limit`` characters."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
 def check_image_size(width: int, height: int, label: str) -> None:
     """Raise :class:`InputError` unless a ``width`` × ``height`` image is within
     :data:`MAX_IMAGE_PIXELS` and :data:`MAX_ASPECT_RATIO` (``label`` names it)."""
@@ -149,7 +143,7 @@ def _check_file(p: Path) -> int:
     except PermissionError:
         raise InputError(f"{label} cannot be read: permission denied") from None
     except (OSError, ValueError) as e:  # a link loop, a name too long, a NUL in the path, …
-        raise InputError(f"{label} cannot be read: {_one_line(e)}") from None
+        raise InputError(f"{label} cannot be read: {one_line(e)}") from None
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"{label} is a directory, not an image file")
     if not stat.S_ISREG(st.st_mode):
@@ -181,7 +175,7 @@ def _open_header(p: Path) -> Image.Image:
         raise InputError(f"{label} cannot be read: permission denied") from None
     except Exception as e:  # UnidentifiedImageError, a broken header (SyntaxError, struct.error…)
         raise InputError(f"{label} is not a readable image in one of the accepted formats "
-                         f"({', '.join(IMAGE_FORMATS)}): {_one_line(e)}") from None
+                         f"({', '.join(IMAGE_FORMATS)}): {one_line(e)}") from None
     try:
         check_image_size(*im.size, label)
     except InputError:
@@ -249,7 +243,7 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
             raise
         except Exception as e:
             raise InputError(f"{_label(img)} (mode {img.mode}) cannot be converted to RGB: "
-                             f"{_one_line(e)}") from None
+                             f"{one_line(e)}") from None
     p = _as_path(img)
     _check_file(p)
     label = _label(p)
@@ -264,7 +258,7 @@ def open_image(img: str | Path | Image.Image) -> Image.Image:
         raise
     except Exception as e:  # truncated data, broken chunks, zlib errors, oversized text chunks…
         raise InputError(f"{label} is a damaged or truncated {im.format} file: "
-                         f"{_one_line(e)}") from None
+                         f"{one_line(e)}") from None
     finally:
         im.close()
 
@@ -432,7 +426,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
             ip = lm.processor if lm.processor is not None else lm.image_processor
             raise InputError(
                 f"the image processor of model {lm.model_id!r} ({type(ip).__name__}) refused "
-                f"{', '.join(labels)}: {_one_line(e)}") from None
+                f"{', '.join(labels)}: {one_line(e)}") from None
     else:
         with quiet_transformers():
             tensors = dict(tok(texts, return_tensors="pt", **pad))
@@ -564,32 +558,3 @@ def _encode_with_image_processor(lm, texts: list[str], per_request: list[list[Im
     return tensors
 
 
-def prefill_batches(lm, requests: Sequence[Request], batch_size: int = 8,
-                    progress: Callable[[str, int, int], None] | None = None,
-                    phase: str = "profiling requests"):
-    """Calibration passes: for each batch of ``requests``, yield ``(inputs, valid)`` (the
-    batch's inputs and its real-token mask, numpy bool) — the caller sets up what its hooks
-    read — then run the model's forward (the prefill, no grad) on it. After each forward,
-    ``progress(phase, requests done, len(requests))`` (:mod:`workbench.progress`)."""
-    import torch
-
-    if progress is not None:
-        progress(phase, 0, len(requests))
-    with torch.no_grad():
-        for i in range(0, len(requests), batch_size):
-            inputs = build_batch_inputs(lm, requests[i:i + batch_size])
-            valid = (inputs.valid if inputs.valid is not None
-                     else np.ones(inputs.modality.size, bool))
-            yield inputs, valid
-            lm.model(**inputs.tensors)
-            if progress is not None:
-                progress(phase, min(i + batch_size, len(requests)), len(requests))
-
-
-def experts_call(args: tuple, kwargs: dict, valid):
-    """``(hidden_states, top_k_index)`` of an experts module's call, as a forward pre-hook
-    receives them, cut to the real tokens (``valid``: a bool tensor from
-    :func:`prefill_batches`' mask)."""
-    hs = args[0] if args else kwargs["hidden_states"]
-    idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-    return hs[valid], idx[valid]

@@ -46,9 +46,10 @@ import torch
 from workbench.errors import ModelLoadError
 from workbench.fileio import (check_regular_file, open_regular, parse_json, read_bytes_bounded,
                               read_json, read_text, shorten)
+from workbench.errors import one_line as _one_line  # the shared one, under its old name here
 from workbench.models.adapter import MoELayout, find_moe_blocks
 from workbench.models.chat_template import TemplateRenderError, render_chat
-from workbench.models.inputs import _one_line
+from workbench.models.hooks import keep_forward_hook
 from workbench.models.inputs import quiet_transformers as _quiet_transformers
 
 #: largest config.json read (a real one is a few kB)
@@ -664,7 +665,7 @@ def load(path: str | Path | None = None, *, dtype: str = "float32",
         layout=layout, dtype=dtype, device=dev,
         image_token_id=image_id, video_token_id=video_id, notes=notes)
     if check:
-        model.register_forward_hook(_logits_guard(lm))
+        keep_forward_hook(model, _logits_guard(lm))
     return lm
 
 

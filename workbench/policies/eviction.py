@@ -114,13 +114,14 @@ class Belady(EvictionPolicy):
     whole layer's experts needed at once it is the classic heuristic form of MIN). It needs the
     future, so only trace replay can run it: replay calls :meth:`prepare` with the trace's
     access groups and :meth:`begin_group` before each group. Ties (e.g. never used again) go to
-    the least recently used, then the smallest (layer, expert).
+    the least recently used, then the smallest (layer, expert): its recency is LRU's own
+    bookkeeping (the same methods), not a copy.
     """
 
     needs = frozenset({"future"})
 
     def reset(self) -> None:
-        self.last_use: dict[Key, int] = {}
+        LRU.reset(self)
         self._occ: dict[Key, list[int]] = {}
         self._ptr: dict[Key, int] = {}
         self._group = 0
@@ -150,13 +151,7 @@ class Belady(EvictionPolicy):
         self._ptr[key] = i
         return occ[i] if i < len(occ) else float("inf")
 
-    def on_hit(self, key: Key, t: int) -> None:
-        self.last_use[key] = t
-
-    on_insert = on_hit
-
-    def on_evict(self, key: Key) -> None:
-        self.last_use.pop(key, None)
+    on_hit, on_insert, on_evict = LRU.on_hit, LRU.on_insert, LRU.on_evict
 
     def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
         if not self._occ:

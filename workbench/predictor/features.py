@@ -37,6 +37,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from workbench.models.hooks import Hooks
+
 
 def window_targets(active: np.ndarray, window: int, decay: float) -> np.ndarray:
     """``g [L, E]`` from ``active [L, E]`` (bool, one step): g[l, e] = max over 1 ≤ d ≤ W,
@@ -102,7 +104,7 @@ class RoutingProbe:
     step: int = -1
     steps: list[StepRecord] = field(default_factory=list)
     keep_steps: bool = True
-    _handles: list = field(default_factory=list)
+    _hooks: Hooks = field(default_factory=Hooks)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -121,17 +123,15 @@ class RoutingProbe:
     # -- install / remove --------------------------------------------------------------------
     def __enter__(self) -> "RoutingProbe":
         try:
-            m = self.model
-            self._handles.append(m.register_forward_pre_hook(self._model_pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._model_post, with_kwargs=True))
+            m, hooks = self.model, self._hooks
+            hooks.pre(m, self._model_pre, with_kwargs=True)
+            hooks.post(m, self._model_post, with_kwargs=True)
             lm = getattr(getattr(m, "model", None), "language_model", None)
             if lm is not None:
-                self._handles.append(lm.register_forward_pre_hook(self._lm_pre,
-                                                                  with_kwargs=True))
+                hooks.pre(lm, self._lm_pre, with_kwargs=True)
             for b in self.layout.blocks:
-                self._handles.append(b.block.register_forward_pre_hook(
-                    self._block_pre(b.index), with_kwargs=True))
-                self._handles.append(b.router.register_forward_hook(self._router_post(b.index)))
+                hooks.pre(b.block, self._block_pre(b.index), with_kwargs=True)
+                hooks.post(b.router, self._router_post(b.index))
         except BaseException:
             self.remove()
             raise
@@ -141,8 +141,7 @@ class RoutingProbe:
         self.remove()
 
     def remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        self._hooks.remove()
 
     # -- hooks --------------------------------------------------------------------------------
     def _model_pre(self, module, args, kwargs):

@@ -35,7 +35,7 @@ from workbench.errors import InputError
 T0, COOLING, ITERATIONS = 100.0, 0.995, 100_000
 
 
-def _check(M: np.ndarray, N: int, K: int | None) -> tuple[np.ndarray, int]:
+def check_problem(M: np.ndarray, N: int, K: int | None) -> tuple[np.ndarray, int]:
     M = np.asarray(M)
     if M.ndim != 2 or M.shape[1] == 0:
         raise InputError(f"activations must be [tokens, neurons] with neurons, not {M.shape}")
@@ -61,7 +61,7 @@ def normalised(M: np.ndarray) -> np.ndarray:
 def objective(M: np.ndarray, assign: np.ndarray, N: int, K: int | None = None) -> float:
     """The module docstring's objective of partition ``assign`` [C] on |M| (as given: not
     normalised)."""
-    M, K = _check(M, N, K)
+    M, K = check_problem(M, N, K)
     A = np.abs(np.asarray(M, np.float64))
     L = np.zeros((A.shape[0], N))
     for n in range(N):
@@ -71,7 +71,7 @@ def objective(M: np.ndarray, assign: np.ndarray, N: int, K: int | None = None) -
 
 def greedy(M: np.ndarray, N: int) -> np.ndarray:
     """The greedy initial partition (module docstring): int64 [C], N groups of C/N."""
-    M, _ = _check(M, N, None)
+    M, _ = check_problem(M, N, None)
     impact = np.abs(np.asarray(M, np.float64)).sum(0)
     C = M.shape[1]
     size = C // N
@@ -119,7 +119,7 @@ def anneal(M: np.ndarray, assign: np.ndarray, N: int, K: int | None = None, *,
            t0: float = T0, cooling: float = COOLING, iterations: int = ITERATIONS,
            seed: int = 0) -> np.ndarray:
     """Simulated annealing from ``assign`` (module docstring): the best partition seen."""
-    M, K = _check(M, N, K)
+    M, K = check_problem(M, N, K)
     assign = np.asarray(assign, np.int64)
     if assign.shape != (M.shape[1],) or (np.bincount(assign, minlength=N)
                                          != M.shape[1] // N).any():
@@ -141,7 +141,7 @@ def anneal_many(Ms: list[np.ndarray], N: int, K: int | None = None, *, t0: float
     result depends only on its own seed, so chunking changes no partition."""
     if not Ms:
         return []
-    Ms = [_check(M, N, K)[0] for M in Ms]
+    Ms = [check_problem(M, N, K)[0] for M in Ms]
     if progress is not None:   # the bar starts before the greedy starts, which take a while
         progress("annealing experts", 0, len(Ms))
     K = N // 2 if K is None else int(K)
@@ -181,7 +181,7 @@ def gate_neurons(M: np.ndarray, assign: np.ndarray, N: int, r: int = 4,
     centrality is its co-activation summed over the other neurons of its own sub-expert; ties go
     to the lower neuron id. A sub-expert's score for a token is then the mean |activation| of its
     gate neurons (:func:`proxy_scores`)."""
-    M, _ = _check(M, N, None)
+    M, _ = check_problem(M, N, None)
     C = M.shape[1]
     assign = np.asarray(assign, np.int64)
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= r <= C // N:

@@ -78,7 +78,7 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     (:mod:`workbench.progress`)."""
     import torch
 
-    from workbench.models.inputs import experts_call, prefill_batches
+    from workbench.models.hooks import prefill_experts
 
     if not requests:
         raise InputError("the profiler needs at least one calibration request")
@@ -90,30 +90,19 @@ def neuron_activations(lm, requests: Sequence[Any], max_tokens: int = 128,
     E = lay.num_experts
     rows: list[list[list[np.ndarray]]] = [[[] for _ in range(E)] for _ in lay.blocks]
     have = np.zeros((len(lay.blocks), E), np.int64)
-    state: dict[str, Any] = {}
 
-    def hook(b):
-        def pre(module, args, kwargs):
-            hs, idx = experts_call(args, kwargs, state["valid"])
-            ids = idx.detach().cpu().numpy().astype(np.int64)
-            for e in np.unique(ids[(ids >= 0) & (ids < E)]):
-                room = max_tokens - int(have[b.index, e])
-                if room <= 0:
-                    continue
-                tok = np.nonzero((ids == e).any(1))[0][:room]
-                a = activations(b, int(e), hs[torch.as_tensor(tok, device=hs.device)])
-                rows[b.index][e].append(a.detach().float().cpu().numpy())
-                have[b.index, e] += len(tok)
-        return pre
+    def on_experts(b, hs, idx):
+        ids = idx.detach().cpu().numpy().astype(np.int64)
+        for e in np.unique(ids[(ids >= 0) & (ids < E)]):
+            room = max_tokens - int(have[b.index, e])
+            if room <= 0:
+                continue
+            tok = np.nonzero((ids == e).any(1))[0][:room]
+            a = activations(b, int(e), hs[torch.as_tensor(tok, device=hs.device)])
+            rows[b.index][e].append(a.detach().float().cpu().numpy())
+            have[b.index, e] += len(tok)
 
-    handles = [b.experts.register_forward_pre_hook(hook(b), with_kwargs=True)
-               for b in lay.blocks]
-    try:
-        for _, valid in prefill_batches(lm, requests, batch_size, progress):
-            state["valid"] = torch.as_tensor(valid, device=lm.device)
-    finally:
-        for h in handles:
-            h.remove()
+    prefill_experts(lm, requests, batch_size, on_experts, progress=progress)
     I = neuron_layout(lay.blocks[0])[0]
     return [[np.concatenate(r) if r else np.zeros((0, I), np.float32) for r in layer]
             for layer in rows]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from workbench.errors import InputError
+from workbench.models.hooks import Hooks
 
 __all__ = ["Scores", "score", "paired_nll"]
 
@@ -232,12 +233,10 @@ def score(rt, requests: Sequence[Any], continuations: Sequence[Any], *, eos: boo
     for a in range(0, len(order), batch_size):
         idx = order[a:a + batch_size]
         forcer = _Forcer([targets[i] for i in idx], stop)
-        h = lm.model.register_forward_hook(forcer.hook, with_kwargs=True)
-        try:
+        with Hooks() as hooks:  # before the run's own: it reads the model's raw logits
+            hooks.post(lm.model, forcer.hook, with_kwargs=True)
             res = rt.run([reqs[i] for i in idx], max_new_tokens=max(len(targets[i]) for i in idx),
                          sampling=False, logits_processor=[forcer], **knobs)
-        finally:
-            h.remove()
         for j, i in enumerate(idx):
             if forcer.step < len(targets[i]):  # a run stopped early (never by the scorer)
                 raise RuntimeError(f"teacher forcing stopped after {forcer.step} of "

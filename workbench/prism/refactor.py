@@ -166,7 +166,7 @@ def random_refactoring(lm, subexperts: int = 4, r: int = 2, seed: int = 0) -> Re
 
     lay = lm.layout
     L, E, I = lay.num_layers, lay.num_experts, neuron_layout(lay.blocks[0])[0]
-    P._check(np.zeros((1, I)), subexperts, subexperts // 2)
+    P.check_problem(np.zeros((1, I)), subexperts, subexperts // 2)
     perm = np.stack([np.stack([P.permutation(P.random_partition(I, subexperts,
                                                                 seed + 97 * l + e), subexperts)
                                for e in range(E)]) for l in range(L)])

@@ -67,7 +67,7 @@ MAX_REQUESTS = 50_000_000
 @dataclass(frozen=True)
 class Policy:
     """A registered scheduling policy: ``code`` selects its branch of the kernel's
-    :func:`_choose`; ``doc`` one line."""
+    :func:`choose_level`; ``doc`` one line."""
 
     name: str
     code: int
@@ -75,16 +75,16 @@ class Policy:
 
 
 _POLICIES: dict[str, Policy] = {}
-#: branches of :func:`_choose` (a new policy adds its branch there, then registers its code)
+#: branches of :func:`choose_level` (a new policy adds its branch there, then registers its code)
 _CODES = 3
 
 
 def register(name: str, code: int, doc: str) -> Policy:
-    """Add policy ``name`` (its decision is branch ``code`` of :func:`_choose`)."""
+    """Add policy ``name`` (its decision is branch ``code`` of :func:`choose_level`)."""
     if name in _POLICIES or any(p.code == code for p in _POLICIES.values()):
         raise ValueError(f"scheduler policy {name!r} or code {code} is already registered")
     if not 0 <= code < _CODES:
-        raise ValueError(f"scheduler policy code must be a branch of _choose (0 … "
+        raise ValueError(f"scheduler policy code must be a branch of choose_level (0 … "
                          f"{_CODES - 1}), not {code}")
     _POLICIES[name] = Policy(name, code, doc)
     return _POLICIES[name]
@@ -299,7 +299,7 @@ def _oldest(upto, limit, head, arrived, lvl, off, take, prompt, out):
 
 
 @nb.njit(cache=True)
-def _choose(code, now, draining, N, B, timeout, full_level, head, arrived, lvl, off,
+def choose_level(code, now, draining, N, B, timeout, full_level, head, arrived, lvl, off,
             arrival, prompt, out, decode, prefill, p_ref, takes, take):
     """Policy ``code``'s decision: (level m, trigger), ``take`` filled with the requests per
     k_min level; m = 0: wait for the next arrival."""
@@ -344,7 +344,7 @@ def _choose(code, now, draining, N, B, timeout, full_level, head, arrived, lvl, 
 
 
 @nb.njit(cache=True)
-def _levels(kmin, N):
+def level_queues(kmin, N):
     """Per-level lists of request indices in arrival order, flat: level j's are
     ``lvl[off[j]:off[j + 1]]`` (Q_m is levels 0 … m − 1)."""
     n = kmin.shape[0]
@@ -363,7 +363,7 @@ def _levels(kmin, N):
 
 
 @nb.njit(cache=True)
-def _launch(take, head, lvl, off, N, ids):
+def take_requests(take, head, lvl, off, N, ids):
     """The requests a decision takes (``take[j]`` oldest of level j) into ``ids``; they leave
     every queue (``head`` advances). Returns how many."""
     b = 0
@@ -379,7 +379,7 @@ def _launch(take, head, lvl, off, N, ids):
 def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decode, prefill,
               p_ref, start, first, finish, level, bsize, l_t, l_m, l_b, l_trig):
     n = arrival.shape[0]
-    lvl, off = _levels(kmin, N)
+    lvl, off = level_queues(kmin, N)
     head = np.zeros(N, np.int64)  # served of each level
     arrived = np.zeros(N, np.int64)  # arrived of each level
     takes = np.zeros((N, N), np.int64)
@@ -395,12 +395,12 @@ def _simulate(code, arrival, kmin, prompt, out, N, B, timeout, full_level, decod
         while nxt < n and arrival[nxt] <= now:
             arrived[kmin[nxt] - 1] += 1
             nxt += 1
-        m, trig = _choose(code, now, nxt == n, N, B, timeout, full_level, head, arrived, lvl,
+        m, trig = choose_level(code, now, nxt == n, N, B, timeout, full_level, head, arrived, lvl,
                           off, arrival, prompt, out, decode, prefill, p_ref, takes, take)
         if m == 0:
             now = arrival[nxt]
             continue
-        b = _launch(take, head, lvl, off, N, ids)
+        b = take_requests(take, head, lvl, off, N, ids)
         mo, mp = 0, 0
         for c in range(b):
             mo = max(mo, out[ids[c]])

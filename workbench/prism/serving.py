@@ -1,6 +1,6 @@
 """A *measured* serving run driven by the QoS scheduler (issue 16 §3, "optionally drive the real
 runtime from the same scheduler"): requests arrive in real time, the scheduler's own decision
-kernel (:func:`workbench.prism.scheduler._choose`, the one the simulation runs) picks which
+kernel (:func:`workbench.prism.scheduler.choose_level`, the one the simulation runs) picks which
 waiting requests to launch at which level m, and the runtime serves each batch —
 ``Runtime.run`` of those requests together, ``prism=True, prism_k_active=m`` — while the wall
 clock stamps every token.
@@ -32,8 +32,8 @@ import numpy as np
 
 from workbench.errors import InputError
 from workbench.prism.costs import CostTable
-from workbench.prism.scheduler import (Requests, Schedule, SchedulerKnobs, _choose, _launch,
-                                       _levels, get, simulate)
+from workbench.prism.scheduler import (Requests, Schedule, SchedulerKnobs, choose_level, take_requests,
+                                       level_queues, get, simulate)
 
 __all__ = ["serve", "compare"]
 
@@ -73,7 +73,7 @@ def serve(rt: Any, requests: Requests, prompts: Sequence[Any], table: CostTable,
     timeout = np.inf if k.timeout_s is None else float(k.timeout_s)
     arrival, kmin = requests.arrival_s, requests.kmin
     prompt, out = requests.prompt_tokens, requests.out_tokens
-    lvl, off = _levels(kmin, N)
+    lvl, off = level_queues(kmin, N)
     head, arrived = np.zeros(N, np.int64), np.zeros(N, np.int64)
     takes, take = np.zeros((N, N), np.int64), np.zeros(N, np.int64)
     ids = np.empty(B, np.int64)
@@ -90,13 +90,13 @@ def serve(rt: Any, requests: Requests, prompts: Sequence[Any], table: CostTable,
         while nxt < n and arrival[nxt] <= now:
             arrived[kmin[nxt] - 1] += 1
             nxt += 1
-        m, trig = _choose(code, now, nxt == n, N, B, timeout, k.baseline_level == "full",
+        m, trig = choose_level(code, now, nxt == n, N, B, timeout, k.baseline_level == "full",
                           head, arrived, lvl, off, arrival, prompt, out, decode, prefill,
                           float(table.prompt_tokens), takes, take)
         if m == 0:  # the policy waits for the next arrival
             sleep(max(0.0, arrival[nxt] - (time.perf_counter() - t0)))
             continue
-        b = _launch(take, head, lvl, off, N, ids)
+        b = take_requests(take, head, lvl, off, N, ids)
         batch = ids[:b].copy()
         steps = int(out[batch].max())
         stamps: list[float] = []

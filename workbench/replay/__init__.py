@@ -117,10 +117,10 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False
     if knobs.ep_ranks > 1:  # expert-parallel load (workbench.replay.ep): the same trace
         from workbench.replay.ep import ep_replay
-        from workbench.replay.engine import _cost
+        from workbench.replay.engine import cost_of
         from workbench.sim.costs import Prices
 
-        cost, prof = _cost(trace, knobs.profile, knobs.target_model, None)
+        cost, prof = cost_of(trace, knobs.profile, knobs.target_model, None)
         res.extra["ep"] = ep_replay(trace, knobs, Prices(prof, cost))
     return res
 

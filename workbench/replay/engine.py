@@ -10,7 +10,7 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
   registered policy (tests hold both equal, and equal to the live run they replay).
 
 ``hybrid=True`` (GPU–CPU hybrid mode) runs every miss that
-:func:`~workbench.runtime.clocks.runs_on_host` picks on the modeled host lane instead of loading
+:func:`~workbench.sim.costs.runs_on_host` picks on the modeled host lane instead of loading
 it, as the live runtime does (python engine only).
 
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
@@ -188,7 +188,7 @@ def _check_replay_memory(trace: Trace, engine: str, hits_only: bool,
                  f"{trace.num_layers:,} × {trace.num_experts:,} (layer, expert) keys) would")
 
 
-def _cost(trace: Trace, profile: str, target_model: str, expert_bytes: float | None):
+def cost_of(trace: Trace, profile: str, target_model: str, expert_bytes: float | None):
     """(CostSpec or None, HardwareProfile). Imported traces know no model sizes: they are
     priced only with a target model (or explicit expert bytes), else their times are
     unavailable (None); stores carry their run's cost spec."""
@@ -259,8 +259,8 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     policy_stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     policy_knobs = EVICTION.kwargs_for(k.eviction, st.values)
-    out = _run_python(groups, dense, comp, st.placement,
-                      lambda: _make_policy(k.eviction, policy_knobs, groups, trace),
+    out = run_python(groups, dense, comp, st.placement,
+                      lambda: make_policy(k.eviction, policy_knobs, groups, trace),
                       pf_ptr, pf_key, st.transfer_s, trace.num_steps,
                       stats=policy_stats, host=host)
     hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
@@ -497,7 +497,7 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
         knobs = Knobs(**knob_values)
     elif knob_values:  # never changes the caller's object
         knobs = knobs.copy(**knob_values)
-    cost, prof = _cost(trace, knobs.profile, knobs.target_model, expert_bytes)
+    cost, prof = cost_of(trace, knobs.profile, knobs.target_model, expert_bytes)
     # the expert size the replay prices with: cache_bytes then obeys the rule cache_slots
     # does (at least top-k experts), as in a live run
     eb = int(cost.expert_bytes) if cost is not None and cost.expert_bytes >= 1 else None
@@ -559,7 +559,7 @@ def _subexpert_keys(trace: Trace, st: _Settings, scope: str) -> Trace:
     return sub
 
 
-def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
+def make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
     """One eviction policy for one pool, given what it asks for (the trace's future for
     Belady, its recorded predictor outputs for slab)."""
     policy = EVICTION.create(name, **knobs)
@@ -570,7 +570,7 @@ def _make_policy(name: str, knobs: dict, groups: Groups, trace: Trace | None):
     return policy
 
 
-def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_key, xfer, S):
+def run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_key, xfer, S):
     """Whole ``groups`` through the compiled loop in one chunk (:func:`flat_hits` builds its
     own groups; a trace replay streams through :func:`_replay_fast`)."""
     L, E = groups.num_layers, groups.num_experts
@@ -588,7 +588,7 @@ def _run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf
     return (*out, np.zeros_like(out[0]))
 
 
-def _run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr, pf_key,
+def run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr, pf_key,
                 xfer, S, stats=None, host=None):
     """Every group through :meth:`workbench.sim.step.Simulator.step` — the same function the
     live offloader calls. ``stats``, when a dict, receives the summed ``policy.stats()`` of the

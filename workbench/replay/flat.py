@@ -18,7 +18,7 @@ from workbench.errors import KnobError
 from workbench.knobs import Knobs
 from workbench.policies.eviction import EVICTION
 from workbench.replay import kernel as K
-from workbench.replay.engine import _make_policy, _run_fast, _run_python
+from workbench.replay.engine import make_policy, run_fast, run_python
 from workbench.sim.placement import Placement
 from workbench.traces.trace import Groups
 
@@ -53,9 +53,9 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     if engine == "fast":
         if eviction not in K.POLICY_CODES:
             raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
-        out = _run_fast(groups, z, z, placement, K.POLICY_CODES[eviction], Knobs().to_dict(),
+        out = run_fast(groups, z, z, placement, K.POLICY_CODES[eviction], Knobs().to_dict(),
                         *empty, 0.0, n)
     else:
-        out = _run_python(groups, z, z, placement, lambda: _make_policy(
+        out = run_python(groups, z, z, placement, lambda: make_policy(
             eviction, {}, groups, None), *empty, 0.0, n)
     return int(out[0].sum())

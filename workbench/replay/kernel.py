@@ -280,19 +280,30 @@ def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
     return slot
 
 
-@njit(**_JIT)
-def _admit(k, g, step, s0, t, policy, pool, num_experts, num_layers, ks, kf, pl, res, tree,
-           ring, hot_pow, window, occ_ptr, occ_grp, sl):
-    """``ExpertCache.admit`` for a prefetch: give ``k`` a slot in ``pool``, evicting the
-    policy's victim among its unprotected residents if it is full (booked on the victim's layer
-    in ``sl[0]``, and in ``sl[1]`` as redundant if it was never used). A prefetched key is not
-    protected: Belady gives it its real next use at once. Returns the new access clock, or -1
+# inlined into both admission paths (a demand miss in _simulate, a prefetch in _prefetch): a call
+# passing its ~20 arrays cost 2-3x the admission itself (measured), and this is the hottest path
+@njit(**_HOT)
+def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks, kf, pl, res,
+           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl):
+    """``ExpertCache.admit``: give ``k`` a slot in ``pool``, evicting the policy's victim
+    among its unprotected residents if it is full (booked on the victim's layer in ``sl[0]``,
+    and in ``sl[1]`` as redundant if it was never used). Returns the new access clock, or -1
     when every resident is protected (nothing changed). ``g``, ``step``: global group and
-    step; ``s0`` the first step of ``sl``'s rows. The demand path in :func:`_simulate` is the
-    same steps written out around the same :func:`_evict`."""
+    step; ``s0`` the first step of ``sl``'s rows. ``pending``: a demand miss, protected until
+    its transfer is done (Belady: next use 0 until :func:`_bel_fix`); else a prefetch, not
+    protected (Belady gives it its real next use at once)."""
     slot = -1  # Belady: the victim's slot, which k takes
     if pl[pool, OCC] >= pl[pool, CAP]:
-        x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
+        # _victim's LRU and Belady-tree branches, written out: calling _victim for them (or
+        # inlining all of it) measured slower on the demand path
+        if policy == LRU:
+            x = pl[pool, TAIL]
+            while x != -1 and kf[x, PROT]:
+                x = ks[x, PREV]
+        elif policy == BELADY and tree.shape[1] > 1:
+            x = _tree_victim(pool, g, res, tree)
+        else:
+            x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
         if x == -1:
             return -1
         slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
@@ -308,11 +319,16 @@ def _admit(k, g, step, s0, t, policy, pool, num_experts, num_layers, ks, kf, pl,
             pl[pool, OCC] = slot + 1
         res[pool, slot] = k
         ks[k, POS] = slot
-        if policy == BELADY:  # unprotected at once; the slot may have held a higher priority
-            v = _next_use(k, g, ks, occ_ptr, occ_grp)
-            ks[k, NU] = v
-            if tree.shape[1] > 1:
-                _tree_set(pool, slot, _pack(v, t), tree)
+        if policy == BELADY:
+            if pending:  # protected until done: see _bel_fix
+                ks[k, NU] = 0
+                if tree.shape[1] > 1:
+                    _tree_set(pool, slot, 0, tree)
+            else:  # unprotected at once; the slot may have held a higher priority
+                v = _next_use(k, g, ks, occ_ptr, occ_grp)
+                ks[k, NU] = v
+                if tree.shape[1] > 1:
+                    _tree_set(pool, slot, _pack(v, t), tree)
         else:
             _touch(k, step, policy, ks, ring)
     return t
@@ -330,9 +346,9 @@ def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_o
         k = pf_key[j]
         if kf[k, RES]:
             continue
-        t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], num_experts,
-                    num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
-                    sl)
+        t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], False,
+                    num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window,
+                    occ_ptr, occ_grp, sl)
         if t2 < 0:
             continue
         t = t2
@@ -455,7 +471,6 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
     t = tick[0]  # the cache's access clock (ExpertCache.t)
     now = lanes[0]  # modeled compute lane
     xfer_free = lanes[1]  # modeled transfer lane
-    bel_tree = policy == BELADY and tree.shape[1] > 1
 
     for g in range(G):  # g indexes this chunk's arrays; gg is the group's global index
         gg = g0 + g
@@ -519,43 +534,14 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         hits_done = False
         pf_done = False
         while True:
-            # issue(): _admit(k, ...) for each miss, written out: a call passing its ~15 arrays
-            # cost 2-3× the admission itself (measured), and this is the hottest path
+            # issue(): _admit each miss (inlined)
             while nxt_miss < nm:
                 k = miss_buf[nxt_miss]
-                slot = -1  # Belady: the victim's slot, which k takes
-                if pl[pool, OCC] >= pl[pool, CAP]:
-                    if policy == LRU:
-                        x = pl[pool, TAIL]
-                        while x != -1 and kf[x, PROT]:
-                            x = ks[x, PREV]
-                    elif bel_tree:
-                        x = _tree_victim(pool, gg, res, tree)
-                    else:
-                        x = _victim(pool, gg, policy, ks, kf, pl, res, tree, ring, hot_pow,
-                                    window, step)
-                    if x == -1:
-                        break  # every slot holds an expert this layer still needs
-                    slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf,
-                                  pl, res, sl)
-                t += 1
-                ks[k, LAST] = t
-                kf[k, RES] = 1
-                if policy == LRU:
-                    _push_head(k, ks, pl, pool)
-                    pl[pool, OCC] += 1
-                else:
-                    if slot < 0:
-                        slot = pl[pool, OCC]
-                        pl[pool, OCC] = slot + 1
-                    res[pool, slot] = k
-                    ks[k, POS] = slot
-                    if policy == BELADY:
-                        ks[k, NU] = 0  # pending (protected) until done: see _bel_fix
-                        if bel_tree:
-                            _tree_set(pool, slot, 0, tree)
-                    else:
-                        _touch(k, step, policy, ks, ring)
+                t2 = _admit(k, gg, step, s0, t, policy, pool, True, num_experts, num_layers, ks,
+                            kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl)
+                if t2 < 0:
+                    break  # every slot holds an expert this layer still needs
+                t = t2
                 kf[k, USED] = 1
                 kf[k, PREF] = 0
                 adm_buf[na] = k

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from workbench.models.adapter import MoEBlock, MoELayout
+from workbench.models.hooks import Hooks
 from workbench.policies.active_evict import ActiveEvict, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
 from workbench.runtime.expert_store import HostExpertStore
@@ -213,6 +214,7 @@ class Offloader:
         self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
         self.engine: TransferEngine | None = None
         self._saved: list[tuple[MoEBlock, dict]] = []
+        self._hooks = Hooks()  # each experts module's forward override
 
     def set_token_mask(self, valid: np.ndarray | None, modality: np.ndarray | None = None,
                        request: np.ndarray | None = None) -> None:
@@ -290,7 +292,7 @@ class Offloader:
             return self._layer(b, original, view, hidden_states, top_k_index, top_k_weights,
                                args, kwargs)
 
-        ex.forward = forward
+        self._hooks.override(ex, "forward", forward)
 
     def residency(self) -> np.ndarray:
         """bool [L, E]: experts resident now (pinned layers entirely); with sub-expert
@@ -314,9 +316,9 @@ class Offloader:
         (self._relaid.discard if back else self._relaid.add)(b.index)
 
     def _remove(self) -> None:
+        self._hooks.remove()  # the model's own experts forwards first, then their tensors
         while self._saved:
             b, moved = self._saved.pop()
-            b.experts.__dict__.pop("forward", None)
             for name, p in moved:  # bring the device copy back from the host store
                 p.data = self.store.layer(b.index)[name].to(self.device).reshape(p.shape)
             if b.index in self._relaid:

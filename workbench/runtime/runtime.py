@@ -2,7 +2,9 @@
 
 A :class:`Runtime` is a loaded model and default knobs. ``Runtime.run`` checks the run's knobs
 against the model and hands the run to a :class:`~workbench.runtime.session.RunSession` (all
-per-run state; the Runtime itself never changes during a run, so runs are re-entrant). The
+per-run state; the Runtime itself never changes during a run, so runs are re-entrant; the one
+exception, asked for by a knob, is ReaLB's M_d carried under ``realb_carry``, owned by
+:class:`~workbench.sim.realb.RealbCarry`). The
 session wraps ``model.generate`` (the model's own generation loop, greedy by default) with
 three things that are always removed afterwards, whatever happens:
 
@@ -27,7 +29,7 @@ import torch
 
 from workbench.compression.placement import check_supported
 from workbench.errors import InputError, KnobError, ModelLoadError
-from workbench.knobs import Knobs, ModelShape, _show
+from workbench.knobs import Knobs, ModelShape, show_value
 from workbench.models.inputs import ModelInputs, Request
 from workbench.models.loading import LoadedModel, load
 from workbench.options import get_options
@@ -40,6 +42,7 @@ from workbench.runtime.session import RunSession
 from workbench.sim.costs import CostSpec
 from workbench.sim.plan import MemoryPlan
 from workbench.sim.profiles import get_profile, get_target_model
+from workbench.sim.realb import RealbCarry
 from workbench.telemetry.store import check_store_path
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,8 +79,9 @@ class Runtime:
             raise KnobError(f"knobs must be a workbench.Knobs or a dict of knob values, not "
                             f"{type(knobs).__name__}")
         self.knobs = base.set(**knob_values)
-        #: ReaLB's M_d per (balance, ranks, placement), carried across runs (realb_carry)
-        self._realb_m: dict[tuple, Any] = {}
+        #: ReaLB's M_d carried across runs (knob realb_carry): the one state runs share,
+        #: owned by RealbCarry and handed to each run's session
+        self.realb_carry = RealbCarry()
         if isinstance(model, LoadedModel):
             self.lm = model
         else:
@@ -246,7 +250,7 @@ class Runtime:
 
         if isinstance(images, (str, bytes, bytearray, os.PathLike, Image.Image)):
             raise InputError(f"images must be a list of paths or PIL images, not "
-                             f"{type(images).__name__} ({_show(images)}); wrap a single image "
+                             f"{type(images).__name__} ({show_value(images)}); wrap a single image "
                              f"in a list: images=[...]")
         if not isinstance(images, Iterable):
             raise InputError(f"images must be a list of paths or PIL images, not "
@@ -283,7 +287,7 @@ class Runtime:
                   live: MemoryPlan, modeled: MemoryPlan) -> dict[str, Any]:
         """The store attrs of a run of ``k`` on the batch ``requests`` (``prompt``, ``images``
         and ``prompt_tokens`` are request 0's; ``requests`` lists them all)."""
-        from workbench.runtime.session import _image_labels
+        from workbench.runtime.session import image_labels
 
         lm = self.lm
         request = requests[0]
@@ -300,9 +304,9 @@ class Runtime:
             # the modeled clock's sizes, so replay can price this trace the same way
             "cost_spec": json.dumps(dataclasses.asdict(self.cost_spec(k))),
             "prompt": request.prompt,
-            "images": json.dumps(_image_labels(request)),
+            "images": json.dumps(image_labels(request)),
             "batch_size": len(requests),
-            "requests": json.dumps([{"prompt": r.prompt, "images": _image_labels(r),
+            "requests": json.dumps([{"prompt": r.prompt, "images": image_labels(r),
                                      "prompt_tokens": n} for r, n in zip(requests, n_real)]),
             # each image's patch grid (t, h, w) from the processor and the vision tower's merge:
             # one visual token per spatial_merge_size² patches, row-major (ds.moe.visual_tokens)

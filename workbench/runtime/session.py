@@ -34,6 +34,7 @@ from workbench.compression.placement import PrunedPlacement, check_supported
 from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError
 from workbench.knobs import Knobs
+from workbench.models.hooks import Hooks
 from workbench.models.inputs import Request, build_batch_inputs, modality_of
 from workbench.options import get_options
 from workbench.policies.active_evict import ActiveEvict
@@ -194,9 +195,9 @@ class RunSession:
         ctl = ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks), c=k.realb_c,
                                 tau=k.realb_tau, gate=k.realb_gate)
         if k.realb_carry:  # the previous run's M_d (a controller that lives across batches)
-            carried = self.runtime._realb_m.setdefault(
-                (k.balance, int(k.ep_ranks), k.placement), ctl.m)
-            ctl.m = carried  # shared: this run's updates are the next run's start
+            # shared: this run's updates are the next run's start
+            ctl.m = self.runtime.realb_carry.share((k.balance, int(k.ep_ranks), k.placement),
+                                                   ctl.m)
         return {"balance": ctl,
                 "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
                 "low_precision": k.low_precision}
@@ -240,16 +241,14 @@ class RunSession:
             self._install()
             self._open_store()  # inside the try: a failure from here on closes it
             model = self.runtime.lm.model
+            # the declared order of the model's hooks (workbench.models.hooks): offloader,
+            # token compression, predictor, step boundaries; removed in reverse
             with self.offloader, (self.placement or contextlib.nullcontext()), \
-                    (self.predictor or contextlib.nullcontext()):
-                h1 = model.register_forward_pre_hook(self._step_started, with_kwargs=True)
-                h2 = model.register_forward_hook(self._step_ended, with_kwargs=True)
-                try:
-                    with torch.no_grad():
-                        model.generate(**self.inputs.tensors, **self._generate_kwargs())
-                finally:
-                    h1.remove()
-                    h2.remove()
+                    (self.predictor or contextlib.nullcontext()), Hooks() as hooks:
+                hooks.pre(model, self._step_started, with_kwargs=True)
+                hooks.post(model, self._step_ended, with_kwargs=True)
+                with torch.no_grad():
+                    model.generate(**self.inputs.tensors, **self._generate_kwargs())
             for ev in self.pending:  # a forward whose token never came (stopped): keep it
                 self._keep(ev)
             self.pending = []
@@ -401,7 +400,7 @@ class RunSession:
             subexperts_ran=sum(v.ran for v in self.offloader.prism_views))
         if len(self.requests) > 1:
             result.batch = [
-                {"prompt": r.prompt, "images": _image_labels(r), "text": t, "token_ids": a,
+                {"prompt": r.prompt, "images": image_labels(r), "text": t, "token_ids": a,
                  "prompt_tokens": n, **({"expected": r.expected}
                                         if getattr(r, "expected", None) is not None else {})}
                 for r, t, a, n in zip(self.requests, texts, self.answers,
@@ -428,7 +427,7 @@ class RunSession:
 
 
 
-def _image_labels(request: Request) -> list[str]:
+def image_labels(request: Request) -> list[str]:
     """A request's images as text: paths, or ``<PIL image>``."""
     images = request.images
     images = [images] if isinstance(images, (str, bytes, Image.Image)) or hasattr(

@@ -179,6 +179,30 @@ def realb_over_time(counts: np.ndarray, visual: np.ndarray, rank_of_expert: np.n
     return out
 
 
+class RealbCarry:
+    """ReaLB's M_d carried from one run to the next (the ``realb_carry`` knob: a server's
+    controller that lives across batches), one [layers, ranks] array per (balance, ranks,
+    placement).
+
+    Invariant: the only state runs of one :class:`~workbench.runtime.runtime.Runtime` share. It
+    is owned here, handed to each run explicitly (``Runtime.realb_carry``) and changed only by
+    the controller whose ``m`` :meth:`share` returned: a run that does not ask for it (knob off)
+    neither reads nor changes it.
+    """
+
+    def __init__(self) -> None:
+        self._m: dict[tuple, np.ndarray] = {}
+
+    def share(self, key: tuple, m: np.ndarray) -> np.ndarray:
+        """The M_d carried under ``key``; ``m`` (a fresh controller's) the first time. The array
+        returned is shared: the run's AIMD updates to it are the next run's start."""
+        return self._m.setdefault(key, m)
+
+    def clear(self) -> None:
+        """Forget every carried M_d: the next run that carries starts from a fresh controller."""
+        self._m.clear()
+
+
 def _priced(price, counts: np.ndarray) -> np.ndarray:
     """``price(n)`` of every count (:meth:`Prices.many`), 0 where nothing was routed."""
     from workbench.sim.costs import Prices
@@ -186,4 +210,4 @@ def _priced(price, counts: np.ndarray) -> np.ndarray:
     return np.where(counts > 0, Prices.many(price, counts).reshape(counts.shape), 0.0)
 
 
-__all__ = ["BALANCES", "MODES", "ONLINE_SWITCH", "ReaLB", "switch_s", "ReaLBDecision", "realb_over_time"]
+__all__ = ["BALANCES", "MODES", "ONLINE_SWITCH", "ReaLB", "RealbCarry", "switch_s", "ReaLBDecision", "realb_over_time"]

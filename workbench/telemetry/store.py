@@ -503,6 +503,6 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     return out
 
 
-from workbench.telemetry.reader import open_run  # noqa: E402,F401  (the read side)
-
-import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)
+# the read side; ``ds.moe`` is registered by workbench.analysis (telemetry never imports it):
+# ``workbench.open_run`` / ``workbench.analysis.open_run`` is this function with the accessor
+from workbench.telemetry.reader import open_run  # noqa: E402,F401

@@ -656,7 +656,7 @@ def load_run(path: str | Path) -> xr.Dataset:
     The run's headline numbers are computed once as a check (``ds.moe.summary()``): a store
     the views could not draw raises here. Every failure is a :class:`StoreError` (a
     :class:`WorkbenchError`) saying what is wrong."""
-    from workbench.telemetry.store import open_run
+    from workbench.analysis import open_run  # ds.moe registered
 
     try:
         full = open_run(path)

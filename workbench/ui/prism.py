@@ -35,8 +35,8 @@ import xarray as xr
 
 from workbench.errors import InputError, WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui.views import PlotView, _finish, placeholder_figure
-from workbench.ui.widgets import _knob_widget_specs, knob_param, make, names
+from workbench.ui.views import PlotView, finish_figure, placeholder_figure
+from workbench.ui.widgets import knob_widget_specs, knob_param, make, names
 from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
 
 __all__ = ["operating_points", "run_subexperts", "subexpert_view_figure", "compute_share_html",
@@ -128,7 +128,7 @@ def subexpert_view_figure(ds: xr.Dataset | None, layer: int | None = None,
     fig = ds.moe.subexpert_heatmap(layer, modality)
     fig.update_layout(title=f"{fig.layout.title.text} (share of each expert's tokens; "
                             f"recorded in the store)")
-    return _finish(fig, "subexperts", revision)
+    return finish_figure(fig, "subexperts", revision)
 
 
 def compute_share_html(ds: xr.Dataset | None, run_name: str | None = None) -> str:
@@ -185,7 +185,7 @@ def operating_points_view_figure(points: dict[str, Any], k_active: int | None, p
     title = (f"{POINTS_TITLE}<br><sub>{sub}"
              + "".join(f" · {n}" for n in notes) + "</sub>")
     fig = operating_points_figure(points["curves"], mark, run, title)
-    return _finish(fig, "prism_points", revision)
+    return finish_figure(fig, "prism_points", revision)
 
 
 def _set_range(w: Any, lo: int, hi: int, value: int, **kw: Any) -> None:
@@ -546,7 +546,7 @@ def scheduler_view_figure(st: SchedulerStudy) -> go.Figure:
     title = (f"QoS batch scheduler, simulated: {k.requests:,} requests a point · cost table "
              f"{_cost_short(st.table)}")
     fig = scheduler_figure(st.rates, st.sweep, st.quantiles, float(k.rate), slo, title)
-    return _finish(fig, "scheduler", f"{k.rate}-{sorted(st.sweep)}")
+    return finish_figure(fig, "scheduler", f"{k.rate}-{sorted(st.sweep)}")
 
 
 _SHORT = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "end-to-end"}
@@ -615,7 +615,7 @@ class SchedulerView:
         self.message = ""
         self.redraws = 0
         self._busy = False
-        specs = _knob_widget_specs(self.knobs)
+        specs = knob_widget_specs(self.knobs)
         self.controls = {n: knob_param(self.knobs, [n], widgets={n: {**specs[n], "name": label}},
                                        margin=0)
                          for n, label in SCHEDULER_KNOBS.items()}

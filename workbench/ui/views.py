@@ -51,7 +51,7 @@ BASELINE_COLOR = "#9A9A9A"
 _FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 12}
 
 
-def _finish(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
+def finish_figure(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
     fig.update_layout(meta={"view": view}, uirevision=str(revision), template="plotly_white",
                       font=_FONT, margin={"l": 60, "r": 30, "t": 60, "b": 50},
                       title={"x": 0.01, "xanchor": "left", "font": {"size": 14}})
@@ -66,7 +66,7 @@ def placeholder_figure(view: str, title: str, message: str) -> go.Figure:
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     fig.update_layout(title=title)
-    return _finish(fig, view, "empty")
+    return finish_figure(fig, view, "empty")
 
 
 def _steps_arg(steps: np.ndarray) -> Any:
@@ -104,7 +104,7 @@ def heatmap_figure(ds: xr.Dataset | None, modality: str = "all",
     if np.isnan(np.asarray(fig.data[0].z, float)).all():  # every layer empty
         fig.add_annotation(text=f"no {what} in the selection", showarrow=False, x=0.5, y=0.5,
                            xref="paper", yref="paper", font={"size": 13, "color": "#666"})
-    return _finish(fig, "heatmap", revision)
+    return finish_figure(fig, "heatmap", revision)
 
 
 def diff_heatmap_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None,
@@ -127,7 +127,7 @@ def diff_heatmap_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None,
         fig.add_annotation(text="same routing in both runs (Δ = 0 everywhere)",
                            showarrow=False, x=0.5, y=1.02, xref="paper", yref="paper",
                            yanchor="bottom", font={"size": 12, "color": "#666"})
-    return _finish(fig, "heatmap_diff", revision)
+    return finish_figure(fig, "heatmap_diff", revision)
 
 
 def hit_rate_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = None,
@@ -164,7 +164,7 @@ def hit_rate_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = No
                               title=f"{fig.layout.title.text} · baseline "
                                     f"{'n/a' if np.isnan(hr) else f'{hr:.1%}'}")
     fig.update_layout(title=f"{fig.layout.title.text}{_describe(step_range, phase)}")
-    return _finish(fig, "hit_rate", revision)
+    return finish_figure(fig, "hit_rate", revision)
 
 
 def latency_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = None,
@@ -191,7 +191,7 @@ def latency_view_figure(ds: xr.Dataset | None, baseline: xr.Dataset | None = Non
                 secondary_y=secondary)
     fig.update_layout(title=f"{title}{_describe(step_range, phase)}",
                       legend={"orientation": "h", "y": -0.25})
-    return _finish(fig, "latency", revision)
+    return finish_figure(fig, "latency", revision)
 
 
 def timeline_view_figure(ds: xr.Dataset | None, clock: str = "modeled",
@@ -216,7 +216,7 @@ def timeline_view_figure(ds: xr.Dataset | None, clock: str = "modeled",
     total = float(np.asarray(ds[stall].sel(step=steps).values).sum()) * 1e3
     fig.update_layout(title=f"{title} · {shown}{note} · stall {total:.3f} ms ({clock})",
                       legend={"orientation": "h", "y": -0.3})
-    return _finish(fig, "timeline", revision)
+    return finish_figure(fig, "timeline", revision)
 
 
 TOKENS_TITLE = "kept vs pruned visual tokens"
@@ -249,7 +249,7 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     except WorkbenchError as e:  # no image, a store without the image layout, …
         return placeholder_figure("tokens", TOKENS_TITLE,
                                   "<br>".join(textwrap.wrap(html.escape(str(e)), 70)))
-    return _finish(fig, "tokens", revision)
+    return finish_figure(fig, "tokens", revision)
 
 
 #: k of the dashboard's Hot Recall view (the paper reports 10, 20, 30; at most the run's B)
@@ -281,7 +281,7 @@ def hot_recall_view_figure(ds: xr.Dataset | None, step_range: tuple[int, int] | 
     fig = hot_recall_figure(recall, rnd, orc, title=(
         f"Hot Recall@{k} per layer (layers l+1 … l+{recall.attrs['window']})"
         f"{_describe(step_range, phase)}"))
-    return _finish(fig, "hot_recall", revision)
+    return finish_figure(fig, "hot_recall", revision)
 
 
 EP_TITLE = "expert parallel: load per rank"
@@ -350,7 +350,7 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
         f"EP over {ranks} ranks ({placement}): imbalance {mean_ib:.2f}{vs} (max/mean, mean "
         f"over layer steps){drops}{_describe(step_range, phase)}"), base,
         _rank_capacity(ds, ranks, steps), _rank_precision(ds, ranks, placement, steps))
-    return _finish(fig, "ep", revision)
+    return finish_figure(fig, "ep", revision)
 
 
 def _rank_precision(ds: xr.Dataset, ranks: int, placement: str, steps: np.ndarray
@@ -394,7 +394,7 @@ def replay_view_figure(st: ReplayStudy, revision: Any = None) -> go.Figure:
     fig.add_vline(x=st.at_slots, line={"color": "#9ca3af", "dash": "dot", "width": 1},
                   annotation_text=f"table: {st.at_slots} slots", annotation_position="top left",
                   annotation_font={"size": 11, "color": "#6b7280"})
-    return _finish(fig, "replay", revision)
+    return finish_figure(fig, "replay", revision)
 
 
 def replay_table_html(st: ReplayStudy | None, message: str = "") -> str:
@@ -700,7 +700,7 @@ def ep_timeline_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
         f"{t.attrs['interconnect']}): {total:.2f} ms of MoE layers, {balanced:.2f} ms if every "
         f"rank were at the mean" + (f", + {reb * 1e3:.2f} ms EPLB rebalance" if reb else "")
         + " (modeled)", rebalance_s=reb, switch_s=sw)
-    return _finish(fig, "ep_timeline", revision)
+    return finish_figure(fig, "ep_timeline", revision)
 
 
 class EPTimelineView(EPView):
@@ -740,7 +740,7 @@ def realb_view_figure(ds: xr.Dataset | None, ranks: int, placement: str, balance
         fig = ds.moe.plot_realb(mode=balance, ranks=ranks, placement=placement)
     else:
         fig = ds.moe.plot_realb()
-    return _finish(fig, "realb", revision)
+    return finish_figure(fig, "realb", revision)
 
 
 class ReaLBView(EPView):

@@ -80,7 +80,7 @@ def make(cls: type, label: str | None = None, color: str | None = None,
     return cls(**names(cls, label, color, variant), **kw)
 
 
-def _knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
+def knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
     specs: dict[str, Any] = {}
     for name in group.param:
         if name == "name":
@@ -112,7 +112,7 @@ REFUSED_STYLE = [".alert { overflow-wrap: anywhere; font-size: 12px; padding: 4p
 
 def knob_param(group: param.Parameterized, parameters: list[str],
                widgets: dict[str, Any] | None = None, **kw: Any) -> pn.Param:
-    """``pn.Param(group, parameters, widgets=…)`` (default: :func:`_knob_widget_specs`) whose
+    """``pn.Param(group, parameters, widgets=…)`` (default: :func:`knob_widget_specs`) whose
     widgets set a knob only through the knob's own check (:func:`workbench.knobs.check_value`,
     the CLI's messages). A value the knob refuses stays in the widget, as typed, with the
     knob's message right under it (CSS class ``wb-refused-<name>``), and is held
@@ -124,7 +124,7 @@ def knob_param(group: param.Parameterized, parameters: list[str],
     next run used it while the box showed the refused one. The widgets' own hard bounds go
     too (the knob's check is the one rule, and speaks): with them the widget refused the
     value itself, again without a word."""
-    specs = _knob_widget_specs(group) if widgets is None else widgets
+    specs = knob_widget_specs(group) if widgets is None else widgets
     panel = pn.Param(group, parameters=parameters, widgets={n: specs[n] for n in parameters
                                                             if n in specs},
                      show_name=False, **{"sizing_mode": "stretch_width", **kw})
@@ -237,7 +237,7 @@ def vismmoe_panel(knobs: Knobs, labels: dict[str, str] | None = None) -> pn.Colu
     widgets: dict[str, Any] = {}
     for name, label in labels.items():
         group = owners[name]
-        spec = dict(_knob_widget_specs(group)[name])
+        spec = dict(knob_widget_specs(group)[name])
         p = group.param[name]
         buttons = isinstance(p, param.Selector) and len(p.objects) <= 6
         if buttons:
@@ -673,7 +673,7 @@ def export_zip(store: DataStore) -> Any:
     import tempfile
     import zipfile
 
-    from workbench.telemetry.store import open_run
+    from workbench.analysis import open_run  # ds.moe registered
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
@@ -808,7 +808,7 @@ def replay_knob_panels(knobs: Knobs, names: Iterable[str] | None = None,
     out: dict[str, pn.Param] = {}
     for name in (replay_knob_names() if names is None else names):
         group = owners[name]
-        spec = dict(_knob_widget_specs(group)[name])
+        spec = dict(knob_widget_specs(group)[name])
         spec["css_classes"] = [*spec["css_classes"], f"{css_prefix}{name.replace('_', '-')}"]
         panel = knob_param(group, [name], widgets={name: spec}, margin=0)
         panel._wb_widget = panel._widgets[name]

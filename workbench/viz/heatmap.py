@@ -5,6 +5,9 @@ Pure functions: no I/O, no model, no global state. Arrays go to plotly as whole 
 timeline of tens of thousands of spans builds in milliseconds. Every time axis and trace name
 says whether it shows the *measured* clock (wall time here) or the *modeled* one (the hardware
 profile's timeline).
+
+The Datasets come from :func:`workbench.open_run` (``workbench.analysis``), which registers
+``ds.moe``; viz never imports analysis (the accessor imports viz to build its figures).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import plotly.graph_objects as go
 import xarray as xr
 from plotly.subplots import make_subplots
 
-import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)
 from workbench.errors import InputError
 from workbench.telemetry.events import CLOCKS, LANES
 

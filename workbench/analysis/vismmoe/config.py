@@ -126,7 +126,7 @@ def scaled_plan(layout, budget_slots: int, pinned_layers: int, *, semantic_layer
         reserve_slots=layout.top_k if reserve_slots is None else int(reserve_slots))
 
 
-def _cache_slots(layout, budget_slots: int, pinned: int) -> int:
+def pinned_cache_slots(layout, budget_slots: int, pinned: int) -> int:
     return int(budget_slots - pinned * layout.num_experts)
 
 
@@ -158,7 +158,7 @@ def ladder_configs(layout, *, stages: Sequence[Stage] = LADDER, budget_slots: in
         k = dict(knobs)
         if k.get("pinned_layers") == RULE:
             k["pinned_layers"] = int(pinned_full)
-        k["cache_slots"] = _cache_slots(layout, budget_slots, k["pinned_layers"])
+        k["cache_slots"] = pinned_cache_slots(layout, budget_slots, k["pinned_layers"])
         if k["cache_slots"] < layout.top_k:
             raise InputError(f"stage {st.name!r}: pinned_layers={k['pinned_layers']} leaves "
                              f"{k['cache_slots']} of the {budget_slots} expert slots for the "

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from workbench.analysis.vismmoe.config import (PROFILE, TARGET, _cache_slots,
+from workbench.analysis.vismmoe.config import (PROFILE, TARGET, pinned_cache_slots,
                                                expert_budget_slots, scaled_plan, stage_knobs)
 from workbench.errors import InputError
 
@@ -40,7 +40,7 @@ def pinned_sweep(rt, requests: Sequence[tuple[Any, str, str]], *,
         for p in depths:
             p = int(p)
             row = {"budget_slots": b, "pinned_layers": p,
-                   "cache_slots": _cache_slots(lay, b, p), "valid": lo <= p <= hi}
+                   "cache_slots": pinned_cache_slots(lay, b, p), "valid": lo <= p <= hi}
             if row["valid"]:
                 lat, pre, dec, meas, hits, misses, loads = [], [], [], [], 0, 0, []
                 for img, q, _a in requests:

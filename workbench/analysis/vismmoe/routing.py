@@ -16,7 +16,7 @@ import pandas as pd
 import xarray as xr
 
 import workbench.analysis.accessor  # noqa: F401  (registers ds.moe)
-from workbench.analysis.vismmoe.config import _cache_slots, base_knobs, expert_budget_slots
+from workbench.analysis.vismmoe.config import pinned_cache_slots, base_knobs, expert_budget_slots
 from workbench.errors import InputError
 
 
@@ -82,7 +82,7 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
     wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="vismmoe-"))
     wd.mkdir(parents=True, exist_ok=True)
     knobs = {**base_knobs(1), "max_new_tokens": 1, "pinned_layers": int(pinned_layers),
-             "cache_slots": _cache_slots(lay, budget, pinned_layers)}
+             "cache_slots": pinned_cache_slots(lay, budget, pinned_layers)}
     runs = ["none", *policies]
     groups = [*_RAW_GROUPS, *(f"visual (kept: {p})" for p in policies)]
     L, E, R = lay.num_layers, lay.num_experts, len(requests)
@@ -141,7 +141,7 @@ def chance_jaccard(k: int, num_experts: int) -> float:
                      for i in range(1, k + 1)))
 
 
-def _layer_range(ds: xr.Dataset, layers: str) -> slice:
+def layer_range(ds: xr.Dataset, layers: str) -> slice:
     p = int(ds.attrs["pinned_layers"])
     ranges = {"after-prefix": slice(p, None), "prefix": slice(0, p), "all": slice(None)}
     if layers not in ranges:
@@ -155,7 +155,7 @@ def pruning_table(ds: xr.Dataset, layers: str = "after-prefix") -> pd.DataFrame:
     (``layers="after-prefix"``, where pruning acts), the prefix layers (``"prefix"``, whose
     routing affinity scores) or every layer (``"all"``). ``attrs['chance_similarity']``: the
     similarity of unrelated routing (:func:`chance_jaccard`)."""
-    sel = ds.isel(layer=_layer_range(ds, layers))
+    sel = ds.isel(layer=layer_range(ds, layers))
     sim = sel["similarity_next"]
     with np.errstate(invalid="ignore"):
         simv = (sim.mean(("request", "layer"), skipna=True).values

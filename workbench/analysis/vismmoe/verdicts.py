@@ -12,7 +12,7 @@ import pandas as pd
 import xarray as xr
 
 from workbench.analysis.vismmoe.config import PAPER
-from workbench.analysis.vismmoe.routing import _layer_range, chance_jaccard
+from workbench.analysis.vismmoe.routing import layer_range, chance_jaccard
 
 
 def _paired(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -74,7 +74,7 @@ def findings(ladder: xr.Dataset | None = None, sweep: pd.DataFrame | None = None
                         f"{d['cache_slots'].min()} slots), modeled ms {pts}: {shape}, lowest "
                         f"at {x[i]} ({len(y)} valid point{'s' if len(y) != 1 else ''})"))
     if pruning is not None:
-        after = pruning.isel(layer=_layer_range(pruning, "after-prefix"))
+        after = pruning.isel(layer=layer_range(pruning, "after-prefix"))
         conc = after["concentration"].mean("layer")
         inact = after["inactive"].mean("layer")
         sim = after["similarity_next"].mean("layer", skipna=True)

@@ -36,7 +36,7 @@ from workbench.ownedfolder import io_reason
 from workbench.errors import WorkbenchError
 
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d{7})$")
+STEP_FOLDER = re.compile(r"^step-(\d{7})$")
 _MOMENT = re.compile(r"^(\d{1,9})\.([A-Za-z_]{1,40})$")
 MAX_STATE_BYTES = 64 * 2**20
 """``state.json`` larger than this is refused before reading (curves of a long run are < 1 MB)."""
@@ -54,7 +54,7 @@ def latest(root: Path) -> Path | None:
     """The newest complete checkpoint in ``root`` (``None`` when it holds none)."""
     if not root.is_dir():
         return None
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_FOLDER.match(p.name)) and p.is_dir())
     return found[-1][1] if found else None
 
 
@@ -95,7 +95,7 @@ def write(root: Path, global_step: int, tensors: dict[str, torch.Tensor], optimi
             f"checkpoint {str(final)!r} could not be written ({io_reason(e)}); "
             + (f"the previous checkpoint {str(before)!r} is intact (--resume {str(root)!r} continues from it)"
                if before is not None else "no earlier checkpoint exists")) from None
-    older = sorted(p for p in root.iterdir() if _NAME.match(p.name) and p != final)
+    older = sorted(p for p in root.iterdir() if STEP_FOLDER.match(p.name) and p != final)
     for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old)
     return final

@@ -110,10 +110,10 @@ def check_prefix(log: dict, saved: Path) -> dict:
     position) but for wall times. Returns the ``prefix_check`` entry."""
     import tempfile
 
-    from .checkpoint import _NAME
+    from .checkpoint import STEP_FOLDER
     from .train import main as train_main
 
-    m = _NAME.match(saved.name)
+    m = STEP_FOLDER.match(saved.name)
     if not m or not saved.is_dir():
         raise ValueError(f"{saved} is not a step-NNNNNNN checkpoint folder")
     steps = int(m.group(1))

@@ -601,7 +601,7 @@ class Trainer:
         implied = sum(s.steps for s in self.stages[:index]) + step
         if global_step != implied:
             bad("state.json 'global_step'", f"= {global_step!r} is not the {implied} steps its stage and step imply")
-        m = checkpoint._NAME.match(folder.name)
+        m = checkpoint.STEP_FOLDER.match(folder.name)
         if m and int(m.group(1)) != global_step:
             bad("state.json 'global_step'", f"= {global_step} is not the step its folder name says")
         if not is_num(state.get("elapsed_s")) or state["elapsed_s"] < 0:
