@@ -28,10 +28,10 @@ def _py(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_annealer_cache_is_reused_by_the_next_process(tmp_path):
     code = ("import numpy as np, json\n"
-            "from workbench.prism import partition as P, _anneal\n"
+            "from workbench.prism import partition as P, anneal\n"
             "P.anneal(np.random.rand(6, 8), P.greedy(np.random.rand(6, 8), 4), 4, "
             "iterations=5)\n"
-            "s = _anneal.anneal_one.stats\n"
+            "s = anneal.anneal_one.stats\n"
             "print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values())]))\n")
     cache = tmp_path / "numba"
     first = _py(code, NUMBA_CACHE_DIR=str(cache))

@@ -99,10 +99,10 @@ def random_partition(C: int, N: int, seed: int = 0) -> np.ndarray:
 
 def _kernels():
     """The compiled annealer (numba, cached on disk like the replay kernels and reused by
-    later processes: see :mod:`workbench.prism._anneal`)."""
-    from workbench.prism import _anneal
+    later processes: see :mod:`workbench.prism.anneal`)."""
+    from workbench.prism import anneal
 
-    return _anneal.anneal_one, _anneal.anneal_batch
+    return anneal.anneal_one, anneal.anneal_batch
 
 
 _COMPILED = None

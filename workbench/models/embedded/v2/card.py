@@ -24,6 +24,8 @@ from .tasks import (
 )
 
 NAME = "qwen3-vl-moe-small"
+#: the largest training_log.json read (a full run's is ≈ 70 kB)
+MAX_LOG_BYTES = 16 << 20
 
 _EXAMPLES = {
     "color": ("what color is the circle?", "red", True),
@@ -372,8 +374,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="the checkpoint folder (holds training_log.json)")
     ns = parser.parse_args(argv)
     from workbench.fileio import read_json
-
-    from .rerun import MAX_LOG_BYTES
 
     where = ns.checkpoint / "training_log.json"
     log = read_json(where, MAX_LOG_BYTES, str(where), SystemExit)

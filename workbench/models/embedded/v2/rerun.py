@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .card import render_model_card
+from .card import MAX_LOG_BYTES, render_model_card
 
 TRAIN_MODULE = "workbench.models.embedded.v2.train"
-#: the largest training_log.json read (a full run's is ≈ 100 kB)
-MAX_LOG_BYTES = 16 << 20
 
 
 def sha256(path: Path) -> str:
