@@ -300,6 +300,8 @@ def test_stop_ends_the_run_early(tiny_ckpt, tmp_path):
     s.wait()
     assert not s.running and not s.error
     assert s.status.startswith("stopped") and s.dataset.sizes["step"] < 200
+    # the Runs list says so too (issue 37 §8: it said "complete · N steps")
+    assert [r.label for r in list_runs(s.workspace_path)][0].split(" · ")[1] == "stopped"
 
 
 # -- views ----------------------------------------------------------------------------------------

@@ -195,7 +195,8 @@ class RunInfo:
     """One store of the workspace, as listed (``steps``: committed steps). A store that cannot
     be read is listed with ``status == "unreadable"`` and the reason in ``problem``; a failed or
     interrupted run says why in ``reason`` (it is *abandoned* when it committed no step: there
-    is nothing to show)."""
+    is nothing to show). ``stopped``: a complete run that Stop ended early (listed as stopped,
+    never as complete)."""
 
     name: str
     status: str
@@ -204,6 +205,7 @@ class RunInfo:
     prompt: str
     problem: str = ""
     reason: str = ""
+    stopped: bool = False
 
     @property
     def abandoned(self) -> bool:
@@ -222,7 +224,8 @@ class RunInfo:
         why = f": {_printable(self.reason, _LABEL_CHARS)}" if self.reason else ""
         if self.abandoned:
             return f"{short} · abandoned ({self.status}{why})"
-        return f"{short} · {self.status}{why} · {self.steps} steps"
+        status = "stopped" if self.stopped and self.status == "complete" else self.status
+        return f"{short} · {status}{why} · {self.steps} steps"
 
 
 def _read_attrs(path: Path) -> dict[str, Any]:
@@ -315,7 +318,8 @@ def _inspect(real_ws: Path, p: Path) -> RunInfo | None:
         prompt = attrs.get("prompt", "")
         info = RunInfo(name=name, status=status, steps=committed["step"],
                        created=_printable(str(attrs.get("created", "")), 40),
-                       prompt=str(prompt)[:MAX_PROMPT_CHARS], reason=_end_reason(status, attrs))
+                       prompt=str(prompt)[:MAX_PROMPT_CHARS], reason=_end_reason(status, attrs),
+                       stopped=status == "complete" and _was_stopped(attrs))
     except StoreError as e:
         info = bad(str(e))
     except OSError as e:
@@ -336,6 +340,15 @@ def _end_reason(status: str, attrs: dict[str, Any]) -> str:
         error = attrs.get("error")
         return _printable(error, 200) if isinstance(error, str) and error else "no error recorded"
     return ""
+
+
+def _was_stopped(attrs: dict[str, Any]) -> bool:
+    """Whether a complete run's summary says Stop ended it (read leniently: False when odd)."""
+    try:
+        summary = RunMetadata.from_attrs(attrs, strict=False).summary or {}
+    except Exception:
+        return False
+    return summary.get("stopped") is True
 
 
 def _mark_unreadable(path: Path, reason: str) -> None:
