@@ -1595,3 +1595,18 @@ def test_a_batch_shows_every_answer_with_its_expected_one_and_the_baseline(embed
     assert f"{moved} differ from the baseline full.zarr" in page
     assert page.count("data-differs='true'") == moved
     assert page.count("data-match='false'") >= moved  # cut short: not the expected answer
+
+
+def test_dashboard_on_a_busy_port_names_it_and_the_way_out(capsys):
+    """Issue 37 §8: ``workbench dashboard`` on a port in use says which, and ``--port 0``."""
+    import socket
+
+    from workbench.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["dashboard", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port 0" in err, err
