@@ -60,10 +60,13 @@ table.wb-ab th, table.wb-ab td { padding: 4px 10px; border-bottom: 1px solid #e5
 table.wb-ab th:first-child, table.wb-ab td:first-child { text-align: left; }
 table.wb-ab th { color: #374151; font-weight: 600; vertical-align: bottom; }
 td.wb-good { color: #047857; font-weight: 600; }
-/* the replay table fits the main column at 1440 px: headers wrap, cells stay on one line */
-table.wb-replay-table { font-size: 12px; table-layout: auto; }
-table.wb-replay-table th { white-space: normal; min-width: 56px; padding: 4px 6px; }
-table.wb-replay-table td { padding: 3px 6px; }
+/* the tables of the main column (replay, scheduler, compare) fit their card: headers wrap,
+   cells stay on one line, and a table still too wide scrolls inside its box (.wb-fit-box),
+   never past the card */
+table.wb-fit { font-size: 12px; table-layout: auto; }
+table.wb-fit th { white-space: normal; min-width: 56px; padding: 4px 6px; }
+table.wb-fit td { padding: 3px 6px; }
+.wb-fit-box { overflow-x: auto; max-width: 100%; }
 td.wb-bad { color: #b91c1c; font-weight: 600; }
 /* a batch's answers: scrolls inside the answer card, cells wrap (never wider than the card) */
 .wb-batch summary { font-size: 13px; color: #374151; cursor: pointer; }
