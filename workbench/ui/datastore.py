@@ -838,6 +838,7 @@ class DataStore(param.Parameterized):
         self._trace_key: tuple | None = None
         self._replay_memo: dict = {}  # replays already made on that trace
         self._uploading: tuple[str, float] | None = None  # (name, last chunk's monotonic time)
+        self._upload_ended: tuple[str, float] | None = None  # (name, when it was had whole)
         self._refused = ""  # the message of the last Run refused before it started
         self._refused_prompt: str | None = None  # and the prompt it was given
         self.refresh()
@@ -997,7 +998,22 @@ class DataStore(param.Parameterized):
         received whole, or refused). While one arrives — and for :data:`UPLOAD_STALL_S` after
         its last chunk, a client that stops sending must not block Run for ever — a Run is
         refused: it would run the image shown before the upload."""
+        if name is None and self._uploading is not None:
+            self._upload_ended = (self._uploading[0], time.monotonic())
         self._uploading = None if name is None else (str(name)[:80], time.monotonic())
+
+    def upload_on_its_way(self, name: str) -> None:
+        """The browser holds an image upload ``name`` it has not finished sending (a Run pressed
+        right after the drop reaches the server before the upload's first chunk): Run refuses
+        as for :meth:`upload_arriving` — unless the server has had a file of that name whole
+        within :data:`UPLOAD_STALL_S` (the browser's progress display lags the transfer)."""
+        name = str(name)[:80]
+        ended = self._upload_ended
+        if ended is not None and ended[0] == name and \
+                time.monotonic() - ended[1] < UPLOAD_STALL_S:
+            return
+        if self._uploading is None:
+            self._uploading = (name, time.monotonic())
 
     def accept_upload(self, data: bytes | None, filename: str | None = None) -> Path:
         """Check an uploaded image (:func:`check_image_upload`), store it re-encoded as PNG in

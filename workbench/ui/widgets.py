@@ -545,6 +545,7 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     demo = make(pn.widgets.Select, "Demo input", options={"(text only, no image)": -1},
                 value=-1, sizing_mode="stretch_width")
     upload_msg = _message()
+    upload_msg.css_classes = ["wb-upload-message"]
 
     def on_file(name: str, data: Any) -> None:
         try:
@@ -598,10 +599,11 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
         store.param.batch_size, **names(pn.widgets.IntInput, "Batch (requests together)"),
         # the box takes the row less the mix menu: at a fixed 150 px its label ran into the
         # mix menu's label
-        sizing_mode="stretch_width", min_width=150, description=store.param.batch_size.doc)
+        sizing_mode="stretch_width", min_width=150, description=store.param.batch_size.doc,
+        css_classes=["wb-batch-size"])
     batch_mix = pn.widgets.Select.from_param(
         store.param.batch_mix, **names(pn.widgets.Select, "Batch mix"), width=110,
-        description=store.param.batch_mix.doc)
+        description=store.param.batch_mix.doc, css_classes=["wb-batch-mix"])
 
     uploaded: dict[str, str | None] = {"path": None}  # the last image uploaded, as stored
 
