@@ -654,6 +654,8 @@ def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, 
         mix, size = (page.locator(f"{c} label").first.bounding_box()
                      for c in (".wb-batch-mix", ".wb-batch-size"))
         assert size["x"] + size["width"] <= mix["x"], (size, mix)  # the labels apart
+        stop, bar = (page.locator(c).first.bounding_box() for c in (".wb-stop", "#sidebar"))
+        assert stop["x"] + stop["width"] <= bar["x"] + bar["width"], (stop, bar)
         out = REPO / "test-artifacts"
         out.mkdir(exist_ok=True)
         page.screenshot(path=str(out / "dashboard-1440.png"))

@@ -202,7 +202,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
         runs["export"], runs["message"], runs["problems"],
         title="Runs", collapsible=False)
     _styled(inp["upload_hint"], runs["baseline"])
-    sidebar = [request, pn.Row(run_b, stop_b, run_request), error, *knob_cards(store.knobs), runs_card]
+    # (run_request: hidden, outside the Row: a hidden child there still took its share)
+    sidebar = [request, pn.Row(run_b, stop_b), run_request, error, *knob_cards(store.knobs),
+               runs_card]
 
     # -- right: progress and answer, filters, plots, A/B -------------------------------------
     filt = filter_widgets(store)
