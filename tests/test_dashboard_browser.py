@@ -114,6 +114,24 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1, detail
     raise AssertionError(f"timed out after {timeout} s waiting for {what}{seen}")
 
 
+def selected_options(page) -> list[str]:
+    """The text of the selected option of every ``<select>`` of the page (shadow roots too)."""
+    return page.evaluate("""() => { const out = [];
+        const walk = r => { for (const el of r.querySelectorAll('*')) {
+            if (el.tagName === 'SELECT') out.push(el.options[el.selectedIndex]?.text);
+            if (el.shadowRoot) walk(el.shadowRoot); } };
+        walk(document); return out; }""")
+
+
+def shown_text(locator) -> str:
+    """The text a pane shows: a Panel pane's host (its CSS classes) holds it in its shadow
+    root, where ``inner_text`` does not look; "" while the pane is hidden or absent."""
+    if not locator.count() or not locator.is_visible():
+        return ""
+    return locator.evaluate("e => [...(e.shadowRoot || e).children].filter(c => c.tagName "
+                            "!== 'STYLE' && c.tagName !== 'LINK').map(c => c.innerText).join(' ')")
+
+
 def set_number(page, css: str, value: int) -> None:
     """Type into the text box of an (editable) numeric widget and commit with Enter."""
     box = page.locator(f"{css} input").first
@@ -319,11 +337,7 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
             assert first["heatmap"]["run"] == "shown.zarr"
             # the first screen: the shown run, its demo request selected, the four plots
             assert "newest run of the workspace" in page.locator(".wb-status").first.inner_text()
-            chosen = page.evaluate("""() => { const out = [];
-                const walk = r => { for (const el of r.querySelectorAll('*')) {
-                    if (el.tagName === 'SELECT') out.push(el.options[el.selectedIndex]?.text);
-                    if (el.shadowRoot) walk(el.shadowRoot); } };
-                walk(document); return out; }""")
+            chosen = selected_options(page)
             assert demo["label"] in chosen, chosen
             assert page.locator("[data-testid=expected]").count() == 1
             assert page.locator("[data-testid=answer-image]").count() == 1
@@ -451,6 +465,195 @@ def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, 
         wait_for(lambda: 1.23 in (sweep() or {}).get("prism throughput", []), 20,
                  "the scheduler to re-simulate at 1.23 req/s", detail=sweep)
         assert not errors, f"console errors: {errors}"
+    finally:
+        log = stop_server(server)
+    assert "Traceback" not in app_tracebacks(log), log[-3000:]
+#: what the page shows that could be cut off or covered, through shadow roots: per plotly view
+#: the boxes of the figure, its title, legend, toolbar, axis titles and annotations; per table
+#: of a card (.wb-scheduler, .wb-compare, .wb-replay, .wb-answer-box) its box and the card's
+LAYOUT_JS = """
+() => {
+  const out = {plots: {}, tables: []};
+  const R = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const CARDS = ['wb-scheduler', 'wb-compare', 'wb-replay', 'wb-answer-box'];
+  const walk = (root, card) => {
+    for (const el of root.querySelectorAll('*')) {
+      let c = card;
+      if (el.classList && CARDS.some(k => el.classList.contains(k))) c = el;
+      if (el.classList && el.classList.contains('js-plotly-plot') && el.layout &&
+          el.getBoundingClientRect().width > 0) {
+        const all = s => [...el.querySelectorAll(s)].map(R);
+        out.plots[(el.layout.meta || {}).view || '?'] = {
+          plot: R(el), title: all('.gtitle'), legend: all('.legend'), modebar: all('.modebar'),
+          xtitles: all('[class^=g-x][class$=title]'), ytitles: all('[class^=g-y][class$=title]'),
+          notes: all('.annotation')};
+      }
+      if (el.tagName === 'TABLE' && c) out.tables.push({cls: el.className, box: R(el), card: R(c)});
+      if (el.shadowRoot) walk(el.shadowRoot, c);
+    }
+  };
+  walk(document, null);
+  return out;
+}
+"""
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] - 1 and b[0] < a[2] - 1 and a[1] < b[3] - 1 and b[1] < a[3] - 1
+
+
+def layout_blemishes(page) -> list[str]:
+    """What :data:`LAYOUT_JS` finds cut off or covered: a title past its figure's edges, a
+    legend on an axis title, the toolbar on a y-axis title, a note (subtitle) on an axis title,
+    a table wider than its card. Empty when the page is tidy."""
+    found = []
+    lay = page.evaluate(LAYOUT_JS)
+    for view, p in lay["plots"].items():
+        box = p["plot"]
+        for t in p["title"]:
+            if t[0] < box[0] - 1 or t[2] > box[2] + 1 or t[1] < box[1] - 1:
+                found.append(f"{view}: title {t} outside the figure {box}")
+        axes = p["xtitles"] + p["ytitles"]
+        if any(_overlap(a, g) for a in axes for g in p["legend"]):
+            found.append(f"{view}: the legend covers an axis title")
+        if any(_overlap(a, m) for a in p["ytitles"] for m in p["modebar"]):
+            found.append(f"{view}: the toolbar covers a y-axis title")
+        if any(_overlap(a, t) for a in p["ytitles"] for t in p["title"] + p["notes"]):
+            found.append(f"{view}: the title or a note covers a y-axis title")
+    for t in lay["tables"]:
+        if t["box"][2] > t["card"][2] + 1 or t["box"][0] < t["card"][0] - 1:
+            found.append(f"table {t['cls']!r} {t['box']} is wider than its card {t['card']}")
+    return found
+
+
+def _stores(ws: Path) -> set[str]:
+    return {p.name for p in ws.glob("*.zarr")}
+
+
+def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, tmp_path):
+    """Issue 37 §2–5 and §8 in one page at a laptop's 1440 × 900: a value a knob refuses is
+    said under its widget, Run then says so and stores nothing, and the alert goes once the
+    value is fixed; a batch lists every answer with its expected one; a run the loaded model
+    refuses says nothing was stored; Run right after an upload either waits for it ("still
+    uploading") or runs the uploaded image, never the demo's; a file that is no image is
+    refused with no "Upload complete" beside it; and nothing on the page is cut off or covered
+    (:func:`layout_blemishes`: titles, legends, toolbars, tables), a pinned baseline's
+    legends included."""
+    from PIL import Image
+
+    page = browser_page
+    page.set_viewport_size({"width": 1440, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    ws = tmp_path / "ws"
+    port = _free_port()
+    server = start_server(ws, port)
+    log = ""
+    error = page.locator(".wb-error").first
+    run = page.locator(".wb-run button").first
+    status = page.locator(".wb-status").first
+
+    def finished(what: str) -> None:
+        wait_for(lambda: run.is_enabled() and page.locator(".wb-stop button").first.is_disabled(),
+                 120, what)
+
+    try:
+        page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+        wait_for(lambda: len(plots(page)) >= 5, 60, "the plotly views to render")
+
+        # §2: a refused value stays in its box, said under it; Run says so and stores nothing
+        set_number(page, ".wb-knob-cache_slots", 0)
+        refused = page.locator(".wb-refused-cache_slots").first
+        wait_for(lambda: refused.is_visible() and "refused" in shown_text(refused), 20,
+                 "the refusal under the cache slots box")
+        run.click()
+        wait_for(lambda: error.is_visible() and "cache_slots box" in shown_text(error), 20,
+                 "Run refused while the box holds the value")
+        assert not _stores(ws)
+        set_number(page, ".wb-knob-cache_slots", 16)
+        wait_for(lambda: not error.is_visible() and not refused.is_visible(), 20,
+                 "the alerts to go once the value is fixed")
+
+        # §5: a batch of 3 lists every answer, with the expected ones
+        set_number(page, ".wb-knob-max_new_tokens", 6)
+        set_number(page, ".wb-batch-size", 3)
+        run.click()
+        finished("the batch run")
+        batch = page.locator("[data-testid=batch]").first
+        wait_for(lambda: batch.locator("tr td").count() > 0, 30, "the batch's answers")
+        assert batch.locator("tr").count() == 1 + 3  # a header, a row a request
+        assert batch.locator("td[data-match]").count() >= 1
+        (batch_run,) = _stores(ws)
+        page.locator(".wb-pin button").first.click()  # the baseline of the legends below
+        set_number(page, ".wb-batch-size", 1)
+
+        # §4: a run the loaded model refuses (the model at bfloat16 is not loaded when Run is
+        # pressed, so the thread finds it): nothing stored, the batch run shown again
+        page.locator(".wb-card-title", has_text="Execution").first.click()
+        page.locator("#sidebar .wb-knob-dtype select").first.select_option("bfloat16")
+        set_number(page, ".wb-knob-pinned_layers", 40)
+        run.click()
+        wait_for(lambda: "nothing stored" in status.inner_text(), 120,
+                 "the refused run's page", detail=status.inner_text)
+        assert batch_run[:-5] in status.inner_text() and _stores(ws) == {batch_run}
+        assert "pinned_layers" in shown_text(error)
+        set_number(page, ".wb-knob-pinned_layers", 1)
+        page.locator("#sidebar .wb-knob-dtype select").first.select_option("float32")
+
+        # §3: Run at once after an upload: refused while it arrives, or it runs the upload
+        png = tmp_path / "mine.png"
+        Image.new("RGB", (64, 48), (200, 30, 30)).save(png)
+        page.locator(".wb-upload input[type=file]").first.set_input_files(str(png))
+        run.click()
+        # the server handles the click before the upload's end, which the menu then names; the
+        # "still uploading" alert of a refused Run goes at that end (its cause is gone), so a
+        # refusal shows here as no run at all
+        wait_for(lambda: "(uploaded) mine.png" in selected_options(page), 30,
+                 "the menu to name the upload")
+        finished("the run Run started, if it started one")
+        if _stores(ws) == {batch_run}:  # refused while the image was on its way: Run again
+            run.click()
+            wait_for(lambda: _stores(ws) != {batch_run}, 30, "the run of the upload",
+                     detail=lambda: (shown_text(error), status.inner_text()))
+            finished("the run of the uploaded image")
+        (new,) = _stores(ws) - {batch_run}
+        attrs = json.loads((ws / new / "zarr.json").read_text())["attributes"]
+        (image,) = json.loads(attrs["images"])
+        assert Path(image).parent == ws / "uploads", image
+
+        # §8: a file that is no image: refused, and FilePond's "Upload complete" not beside it
+        fake = tmp_path / "fake.png"
+        fake.write_bytes(b"not an image at all")
+        page.locator(".wb-upload input[type=file]").first.set_input_files(str(fake))
+        message = page.locator(".wb-upload-message").first
+        wait_for(lambda: message.is_visible() and "fake.png" in shown_text(message), 30,
+                 "the fake image refused")
+        wait_for(lambda: not page.get_by_text("Upload complete").first.is_visible(), 10,
+                 "no 'Upload complete' beside the refusal")
+
+        # §8: nothing cut off or covered, the pinned baseline's legends and the tables below
+        # included (the replay and scheduler tables come once the page is drawn)
+        wait_for(lambda: page.locator(".wb-scheduler-table").count() and
+                 page.locator(".wb-replay-table tbody tr").count(), 60, "the tables below")
+        wait_for(lambda: any(d["name"].startswith("baseline") for d in
+                             plots(page)["latency"]["data"]), 20, "the baseline's latency")
+        page.locator(".wb-card-title", has_text="Compare runs").first.click()
+        picker = page.locator(".wb-compare-runs input").first
+        for _ in range(2):
+            picker.click()
+            page.keyboard.press("Enter")
+        wait_for(lambda: page.locator(".wb-compare-table").count(), 30, "the compare table")
+        page.keyboard.press("Escape")
+        assert layout_blemishes(page) == []
+        mix, size = (page.locator(f"{c} label").first.bounding_box()
+                     for c in (".wb-batch-mix", ".wb-batch-size"))
+        assert size["x"] + size["width"] <= mix["x"], (size, mix)  # the labels apart
+        stop, bar = (page.locator(c).first.bounding_box() for c in (".wb-stop", "#sidebar"))
+        assert stop["x"] + stop["width"] <= bar["x"] + bar["width"], (stop, bar)
+        out = REPO / "test-artifacts"
+        out.mkdir(exist_ok=True)
+        page.screenshot(path=str(out / "dashboard-1440.png"))
+        assert not errors, f"page errors: {errors}"
     finally:
         log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]

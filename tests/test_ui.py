@@ -300,6 +300,8 @@ def test_stop_ends_the_run_early(tiny_ckpt, tmp_path):
     s.wait()
     assert not s.running and not s.error
     assert s.status.startswith("stopped") and s.dataset.sizes["step"] < 200
+    # the Runs list says so too (issue 37 §8: it said "complete · N steps")
+    assert [r.label for r in list_runs(s.workspace_path)][0].split(" · ")[1] == "stopped"
 
 
 # -- views ----------------------------------------------------------------------------------------
@@ -1610,3 +1612,38 @@ def test_every_knob_widget_is_made_by_knob_param():
     assert found == ["widgets.py:" + str(next(
         n for n, line in enumerate((root / "workbench/ui/widgets.py").read_text().splitlines(), 1)
         if "panel = pn.Param(group, parameters=parameters" in line))], found
+
+
+def test_dashboard_on_a_busy_port_names_it_and_the_way_out(capsys):
+    """Issue 37 §8: ``workbench dashboard`` on a port in use says which, and ``--port 0``."""
+    import socket
+
+    from workbench.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["dashboard", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port 0" in err, err
+
+
+def test_a_file_the_browser_still_sends_refuses_run_until_the_server_has_it(tmp_path):
+    """Run pressed right after a drop reaches the server before the upload's first chunk: the
+    browser says a file is on its way (app.RUN_JS) and Run refuses — unless the server has had
+    that file whole already (the browser's progress display lags the transfer)."""
+    from workbench.errors import InputError
+
+    s = DataStore(workspace=tmp_path / "ws")
+    s.upload_on_its_way("mine.png")
+    with pytest.raises(InputError, match="'mine.png' is still uploading"):
+        s._check_start("q")
+    s.upload_arriving("mine.png")
+    s.upload_arriving(None)  # received whole
+    s._check_start("q")
+    s.upload_on_its_way("mine.png")
+    s._check_start("q")  # the same file, had already: not refused
+    s.upload_on_its_way("other.png")
+    with pytest.raises(InputError, match="'other.png' is still uploading"):
+        s._check_start("q")

@@ -948,9 +948,35 @@ def _sweep(args) -> int:
 
 
 def _dashboard(args) -> int:
+    """Serve the dashboard; a port already in use is one line naming it and the way out
+    (checked before anything is served: the server's own error names neither)."""
+    import errno
+    import socket
+
+    from workbench.errors import InputError
+
+    def busy() -> InputError:
+        return InputError(f"port {args.port} on {args.address} is in use (another dashboard?); "
+                          f"pass --port 0 for any free port, or --port N for another")
+
+    if args.port:
+        family = socket.AF_INET6 if ":" in args.address else socket.AF_INET
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            try:
+                s.bind((args.address, args.port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise busy() from None
+                raise
     from workbench.ui.app import serve
 
-    serve(address=args.address, port=args.port, show=args.show)
+    try:
+        serve(address=args.address, port=args.port, show=args.show)
+    except OSError as e:  # taken between the check and the server's bind
+        if e.errno == errno.EADDRINUSE:
+            raise busy() from None
+        raise
     return 0
 
 

@@ -10,6 +10,7 @@ Bokeh event loop. ``serve()`` runs it on ``127.0.0.1`` by default.
 from __future__ import annotations
 
 import html
+import json
 import logging
 import socket
 from pathlib import Path
@@ -60,15 +61,41 @@ table.wb-ab th, table.wb-ab td { padding: 4px 10px; border-bottom: 1px solid #e5
 table.wb-ab th:first-child, table.wb-ab td:first-child { text-align: left; }
 table.wb-ab th { color: #374151; font-weight: 600; vertical-align: bottom; }
 td.wb-good { color: #047857; font-weight: 600; }
-/* the replay table fits the main column at 1440 px: headers wrap, cells stay on one line */
-table.wb-replay-table { font-size: 12px; table-layout: auto; }
-table.wb-replay-table th { white-space: normal; min-width: 56px; padding: 4px 6px; }
-table.wb-replay-table td { padding: 3px 6px; }
+/* the tables of the main column (replay, scheduler, compare) fit their card: headers wrap,
+   cells stay on one line, and a table still too wide scrolls inside its box (.wb-fit-box),
+   never past the card */
+table.wb-fit { font-size: 12px; table-layout: auto; }
+table.wb-fit th { white-space: normal; min-width: 56px; padding: 4px 6px; }
+table.wb-fit td { padding: 3px 6px; }
+.wb-fit-box { overflow-x: auto; max-width: 100%; }
 td.wb-bad { color: #b91c1c; font-weight: 600; }
 /* a batch's answers: scrolls inside the answer card, cells wrap (never wider than the card) */
 .wb-batch summary { font-size: 13px; color: #374151; cursor: pointer; }
 .wb-batch-rows { max-height: 180px; overflow: auto; }
 table.wb-batch-table td, table.wb-batch-table th { white-space: normal; text-align: left; }
+"""
+
+#: the Run button's click, in the browser: the request to run (a fresh value each click) and
+#: the name of an image still uploading, if any (FilePond's entries, through shadow roots)
+RUN_JS = """
+const busy = [];
+const walk = (root) => {
+  for (const el of root.querySelectorAll('*')) {
+    if (el.classList && el.classList.contains('filepond--item')) {
+      const state = el.getAttribute('data-filepond-item-state') || '';
+      if (!/complete|error|invalid/.test(state)) {
+        const info = el.querySelector('.filepond--file-info-main');
+        busy.push((info && info.textContent) || 'the image');
+      }
+    }
+    // a file chosen, not yet taken in by FilePond (its entry comes a few frames later)
+    if (el.classList && el.classList.contains('filepond--browser') && el.files && el.files.length)
+      busy.push(el.files[0].name);
+    if (el.shadowRoot) walk(el.shadowRoot);
+  }
+};
+walk(document);
+req.value = JSON.stringify({at: Date.now() + Math.random(), uploading: busy[0] || null});
 """
 
 pn.extension("plotly", "filedropper", notifications=True,
@@ -138,7 +165,23 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     def on_error(*events: Any) -> None:
         error.param.update(object=html.escape(store.error), visible=bool(store.error))
 
-    run_b.on_click(on_run)
+    # Run asks through the browser, in one message with whether an image upload is still on its
+    # way there (a FilePond entry not yet complete): the server hears of an upload only at its
+    # first chunk, and a Run pressed right after the drop reached it first and ran the image
+    # shown before (the browser test's "upload, then Run at once")
+    run_request = pn.widgets.TextInput(visible=False, css_classes=["wb-run-request"])
+
+    def on_request(event: Any) -> None:
+        try:
+            uploading = json.loads(event.new).get("uploading")
+        except (ValueError, AttributeError):
+            return
+        if uploading:  # refused by start_run: "… is still uploading"
+            store.upload_on_its_way(str(uploading))
+        on_run(event)
+
+    run_request.param.watch(on_request, "value")
+    run_b.js_on_click(args={"req": run_request}, code=RUN_JS)
     stop_b.on_click(lambda e: store.stop())
     # answered in the browser at once: the server's callback may wait behind a redraw
     stop_b.js_on_click(args={"b": stop_b}, code="b.disabled = true")
@@ -159,7 +202,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
         runs["export"], runs["message"], runs["problems"],
         title="Runs", collapsible=False)
     _styled(inp["upload_hint"], runs["baseline"])
-    sidebar = [request, pn.Row(run_b, stop_b), error, *knob_cards(store.knobs), runs_card]
+    # (run_request: hidden, outside the Row: a hidden child there still took its share)
+    sidebar = [request, pn.Row(run_b, stop_b), run_request, error, *knob_cards(store.knobs),
+               runs_card]
 
     # -- right: progress and answer, filters, plots, A/B -------------------------------------
     filt = filter_widgets(store)
@@ -183,7 +228,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
                    margin=(4, 4), css_classes=["wb-ep"])
     # MoE-Prism: the Elastic experts knobs beside the measured operating points (k_active
     # marked), the shown run's sub-experts under them; the QoS scheduler simulation
-    points, subs = OperatingPointsView(store, height=340), SubexpertView(store, height=280)
+    points, subs = OperatingPointsView(store, height=380), SubexpertView(store, height=280)
     prism_knobs = prism_knob_widgets(store, points.points and points.points["subexperts"])
     _styled(subs.note)
     prism_card = card(

@@ -196,7 +196,8 @@ class RunInfo:
     """One store of the workspace, as listed (``steps``: committed steps). A store that cannot
     be read is listed with ``status == "unreadable"`` and the reason in ``problem``; a failed or
     interrupted run says why in ``reason`` (it is *abandoned* when it committed no step: there
-    is nothing to show)."""
+    is nothing to show). ``stopped``: a complete run that Stop ended early (listed as stopped,
+    never as complete)."""
 
     name: str
     status: str
@@ -205,6 +206,7 @@ class RunInfo:
     prompt: str
     problem: str = ""
     reason: str = ""
+    stopped: bool = False
 
     @property
     def abandoned(self) -> bool:
@@ -223,7 +225,8 @@ class RunInfo:
         why = f": {_printable(self.reason, _LABEL_CHARS)}" if self.reason else ""
         if self.abandoned:
             return f"{short} · abandoned ({self.status}{why})"
-        return f"{short} · {self.status}{why} · {self.steps} steps"
+        status = "stopped" if self.stopped and self.status == "complete" else self.status
+        return f"{short} · {status}{why} · {self.steps} steps"
 
 
 def _read_attrs(path: Path) -> dict[str, Any]:
@@ -313,7 +316,8 @@ def _inspect(real_ws: Path, p: Path) -> RunInfo | None:
         prompt = attrs.get("prompt", "")
         info = RunInfo(name=name, status=status, steps=committed["step"],
                        created=_printable(str(attrs.get("created", "")), 40),
-                       prompt=str(prompt)[:MAX_PROMPT_CHARS], reason=_end_reason(status, attrs))
+                       prompt=str(prompt)[:MAX_PROMPT_CHARS], reason=_end_reason(status, attrs),
+                       stopped=status == "complete" and _was_stopped(attrs))
     except StoreError as e:
         info = bad(str(e))
     except OSError as e:
@@ -334,6 +338,15 @@ def _end_reason(status: str, attrs: dict[str, Any]) -> str:
         error = attrs.get("error")
         return _printable(error, 200) if isinstance(error, str) and error else "no error recorded"
     return ""
+
+
+def _was_stopped(attrs: dict[str, Any]) -> bool:
+    """Whether a complete run's summary says Stop ended it (read leniently: False when odd)."""
+    try:
+        summary = RunMetadata.from_attrs(attrs, strict=False).summary or {}
+    except Exception:
+        return False
+    return summary.get("stopped") is True
 
 
 def _mark_unreadable(path: Path, reason: str) -> None:
@@ -823,6 +836,7 @@ class DataStore(param.Parameterized):
         self._trace_key: tuple | None = None
         self._replay_memo: dict = {}  # replays already made on that trace
         self._uploading: tuple[str, float] | None = None  # (name, last chunk's monotonic time)
+        self._upload_ended: tuple[str, float] | None = None  # (name, when it was had whole)
         self._refused = ""  # the message of the last Run refused before it started
         self._refused_prompt: str | None = None  # and the prompt it was given
         self.refresh()
@@ -982,7 +996,22 @@ class DataStore(param.Parameterized):
         received whole, or refused). While one arrives — and for :data:`UPLOAD_STALL_S` after
         its last chunk, a client that stops sending must not block Run for ever — a Run is
         refused: it would run the image shown before the upload."""
+        if name is None and self._uploading is not None:
+            self._upload_ended = (self._uploading[0], time.monotonic())
         self._uploading = None if name is None else (str(name)[:80], time.monotonic())
+
+    def upload_on_its_way(self, name: str) -> None:
+        """The browser holds an image upload ``name`` it has not finished sending (a Run pressed
+        right after the drop reaches the server before the upload's first chunk): Run refuses
+        as for :meth:`upload_arriving` — unless the server has had a file of that name whole
+        within :data:`UPLOAD_STALL_S` (the browser's progress display lags the transfer)."""
+        name = str(name)[:80]
+        ended = self._upload_ended
+        if ended is not None and ended[0] == name and \
+                time.monotonic() - ended[1] < UPLOAD_STALL_S:
+            return
+        if self._uploading is None:
+            self._uploading = (name, time.monotonic())
 
     def accept_upload(self, data: bytes | None, filename: str | None = None) -> Path:
         """Check an uploaded image (:func:`check_image_upload`), store it re-encoded as PNG in

@@ -584,7 +584,7 @@ def scheduler_table_html(st: SchedulerStudy | None, message: str = "") -> str:
             f"outputs up to {om} tokens · cost table C(m, b) {_cost_label(st.table)} · "
             f"S_full = {st.s_full:.3g} s (a full batch at full quality) · simulated in "
             f"{st.elapsed_s * 1e3:.0f} ms (measured)</div>")
-    return (f"{note}<div style='overflow-x: auto'><table class='wb-ab wb-scheduler-table'>"
+    return (f"{note}<div class='wb-fit-box'><table class='wb-ab wb-fit wb-scheduler-table'>"
             f"<thead>{head}</thead><tbody>{''.join(rows)}</tbody></table></div>")
 
 

@@ -51,17 +51,76 @@ BASELINE_COLOR = "#9A9A9A"
 _FONT = {"family": "Inter, Segoe UI, Helvetica, Arial, sans-serif", "size": 12}
 
 
+#: characters a line of a plot title holds (plotly never wraps a title: a longer line is cut
+#: off at the figure's edge). 64 fit the narrowest view (half the main column, ≈ 400 px at a
+#: 1280 px window, 14 px text); the views that span the main column hold more.
+TITLE_CHARS = 64
+WIDE_TITLE_CHARS = 130
+#: height of a title line, px
+TITLE_LINE_PX = 18
+WIDE_VIEWS = frozenset({"ep", "ep_timeline", "realb", "replay", "scheduler", "subexperts"})
+#: where a long title line breaks, best first (between the parts of a title, never inside one
+#: while a part fits a line): the separator, and how much of it stays on the line
+_TITLE_BREAKS = ((" · ", 2), (" — ", 2), ("; ", 1), (": ", 1), (", ", 1), (" (", 0), (" ", 0))
+
+
+def wrap_title(text: str, width: int = TITLE_CHARS) -> str:
+    """``text`` with ``<br>`` where a line would pass ``width`` characters: lines already broken
+    (``<br>``) stay so, a line that is one ``<sub>…</sub>`` is wrapped inside the tag (at 1.4 ×
+    ``width``: smaller type), and a break goes at the first of :data:`_TITLE_BREAKS` that
+    makes the line fit (a line with no break point is left long). Only breaks are added: read
+    with each added ``<br>`` as a space, the text is ``text`` (tests find words in titles)."""
+    out = []
+    for line in str(text).split("<br>"):
+        tag = line.startswith("<sub>") and line.endswith("</sub>") and line.count("<") == 2
+        inner = line[5:-6] if tag else line
+        parts = _wrap_line(inner, int(width * 1.4) if tag else width)
+        out.extend(f"<sub>{p}</sub>" for p in parts) if tag else out.extend(parts)
+    return "<br>".join(out)
+
+
+def _wrap_line(line: str, width: int) -> list[str]:
+    lines = []
+    while len(line) > width:
+        for sep, keep in _TITLE_BREAKS:
+            at = line.rfind(sep, 1, width)
+            if at > 0:
+                cut = at + keep
+                lines.append(line[:cut].rstrip())
+                line = line[cut:].lstrip()
+                break
+        else:
+            break
+    return [*lines, line]
+
+
 def finish_figure(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
+    """The dashboard's look of a view's figure: its ``meta.view`` (tests and notebooks find a
+    view by it), its title wrapped to the view's width (:func:`wrap_title`) with a top margin
+    that holds its lines (a title never covers the plot or its axis titles), and a
+    horizontal legend under the plot at the figure's bottom edge, below the x-axis title
+    (plotly makes the bottom margin room for it): a legend placed in plot fractions covered the
+    axis title whenever it grew (a pinned baseline's entries)."""
+    title = wrap_title(fig.layout.title.text or "",
+                       WIDE_TITLE_CHARS if view in WIDE_VIEWS else TITLE_CHARS)
+    # the top margin holds the title's lines (plotly's own title.automargin measures the title
+    # in the document, outside Panel's shadow roots, and throws)
+    top = 60 + TITLE_LINE_PX * title.count("<br>")
     fig.update_layout(meta={"view": view}, uirevision=str(revision), template="plotly_white",
-                      font=_FONT, margin={"l": 60, "r": 30, "t": 60, "b": 50},
-                      title={"x": 0.01, "xanchor": "left", "font": {"size": 14}})
+                      font=_FONT, margin={"l": 60, "r": 30, "t": top, "b": 50},
+                      title={"x": 0.01, "xanchor": "left", "font": {"size": 14},
+                             **({"text": title} if title else {})})
+    legend = fig.layout.legend
+    if legend.orientation == "h" and legend.y is not None and legend.y < 0.5:
+        fig.update_layout(legend={"yref": "container", "y": 0, "yanchor": "bottom"})
     return fig
 
 
 def placeholder_figure(view: str, title: str, message: str) -> go.Figure:
     """An empty figure with ``message`` in the middle (no run yet, empty selection, …)."""
     fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+    fig.add_annotation(text=wrap_title(message, WIDE_TITLE_CHARS if view in WIDE_VIEWS
+                                       else TITLE_CHARS), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
                        font={"size": 13, "color": "#666"})
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
@@ -413,7 +472,7 @@ def replay_table_html(st: ReplayStudy | None, message: str = "") -> str:
             f"sizes {st.bounds[0]}–{st.bounds[1]} · replay took {st.elapsed_s * 1e3:.0f} ms "
             f"(measured) · I/O figures are <i>modeled</i> on the run's hardware profile"
             f"</div>")
-    return (f"{note}<div style='overflow-x: auto'><table class='wb-ab wb-replay-table'><thead>"
+    return (f"{note}<div class='wb-fit-box'><table class='wb-ab wb-fit wb-replay-table'><thead>"
             f"<tr><th>policy</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
             f"</div>{_replay_ep_html(st.ep)}")
 
@@ -1041,8 +1100,8 @@ def _short_value(v: Any) -> str:
 
 class CompareView:
     """Several runs of the workspace at once (:func:`workbench.compare_runs`): pick runs in
-    ``choice``; ``table`` shows one row per run (the knobs that differ, then the headline
-    numbers) and ``pane`` their hit rates per step overlaid. The run menu follows the
+    ``choice``; ``table`` shows one column per run (rows: the knobs that differ, then the
+    headline numbers) and ``pane`` their hit rates per step overlaid. The run menu follows the
     workspace (re-listed when a run ends or another is shown)."""
 
     def __init__(self, store: DataStore) -> None:
@@ -1086,8 +1145,11 @@ class CompareView:
                                  f"{html.escape(type(e).__name__)}: {html.escape(str(e)[:200])}</p>")
             self.pane.visible = False
             return
-        self.table.object = table.to_html(classes="wb-ab", float_format=lambda x: f"{x:.4g}",
-                                          border=0, escape=True)
+        # a run a column (a row per knob and number): the runs are few, the columns were many
+        # (the table ran past its card)
+        self.table.object = ("<div class='wb-fit-box'>" + table.T.to_html(
+            classes="wb-ab wb-fit wb-compare-table", float_format=lambda x: f"{x:.4g}",
+            border=0, escape=True) + "</div>")
         self.pane.object = fig
         self.pane.visible = True
 

@@ -545,32 +545,47 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
     demo = make(pn.widgets.Select, "Demo input", options={"(text only, no image)": -1},
                 value=-1, sizing_mode="stretch_width")
     upload_msg = _message()
+    upload_msg.css_classes = ["wb-upload-message"]
 
     def on_file(name: str, data: Any) -> None:
         try:
             uploaded["path"] = str(store.accept_upload(data, name))
             shown_upload(name)
         except WorkbenchError as e:
-            upload_msg.param.update(object=html.escape(str(e)), visible=True)
+            refuse(str(e))
             return
         except Exception as e:  # never into Panel: say what happened
             log.exception("upload %r", name)
-            upload_msg.param.update(object=html.escape(
-                f"the upload could not be used: {type(e).__name__}: {str(e)[:200]}"),
-                visible=True)
+            refuse(f"the upload could not be used: {type(e).__name__}: {str(e)[:200]}")
             return
         upload_msg.visible = False
 
     def on_refused(name: str, size: int) -> None:
-        upload_msg.param.update(object=html.escape(
-            f"{name[:80]!r} is larger than {upload_limit_text()}; images up to "
-            f"{upload_limit_text()} are accepted"), visible=True)
+        refuse(f"{name[:80]!r} is larger than {upload_limit_text()}; images up to "
+               f"{upload_limit_text()} are accepted")
 
-    upload = ImageDropper(on_file, on_refused, on_arriving=store.upload_arriving,
+    def refuse(message: str | None) -> None:
+        """Say why an upload was refused (``None``: a new one is arriving, say nothing). FilePond
+        marks a file "Upload complete" (green) once its bytes arrived, whatever the server then
+        made of them: a refused file's entry is hidden (CSS class ``wb-upload-refused``), so
+        the red refusal is the only word on it."""
+        classes = [c for c in upload.css_classes if c != "wb-upload-refused"]
+        upload.css_classes = classes + (["wb-upload-refused"] if message else [])
+        if message:
+            upload_msg.param.update(object=html.escape(message), visible=True)
+
+    def on_arriving(name: str | None) -> None:
+        if name is not None and "wb-upload-refused" in upload.css_classes:
+            refuse(None)
+        store.upload_arriving(name)
+
+    upload = ImageDropper(on_file, on_refused, on_arriving=on_arriving,
                           accepted_filetypes=[".png", ".jpg", ".jpeg", "image/png",
                                               "image/jpeg"],
                           multiple=False, previews=[], layout="compact",
-                          sizing_mode="stretch_width", css_classes=["wb-upload"])
+                          sizing_mode="stretch_width", css_classes=["wb-upload"],
+                          stylesheets=[":host(.wb-upload-refused) .filepond--item "
+                                       "{ display: none; }"])
     hint = pn.pane.HTML("", margin=(0, 10))
     preview = pn.pane.Image(None, height=140, sizing_mode="fixed", width=140,
                             visible=False, margin=(4, 10))
@@ -582,10 +597,13 @@ def input_widgets(store: DataStore, demo_folder: Any = None) -> dict[str, Any]:
                     sizing_mode="stretch_width")
     batch_size = pn.widgets.IntInput.from_param(
         store.param.batch_size, **names(pn.widgets.IntInput, "Batch (requests together)"),
-        width=150, description=store.param.batch_size.doc)
+        # the box takes the row less the mix menu: at a fixed 150 px its label ran into the
+        # mix menu's label
+        sizing_mode="stretch_width", min_width=150, description=store.param.batch_size.doc,
+        css_classes=["wb-batch-size"])
     batch_mix = pn.widgets.Select.from_param(
         store.param.batch_mix, **names(pn.widgets.Select, "Batch mix"), width=110,
-        description=store.param.batch_mix.doc)
+        description=store.param.batch_mix.doc, css_classes=["wb-batch-mix"])
 
     uploaded: dict[str, str | None] = {"path": None}  # the last image uploaded, as stored
 

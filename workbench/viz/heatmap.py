@@ -122,10 +122,13 @@ def latency_figure(ds: xr.Dataset) -> go.Figure:
             hovertemplate=f"step %{{x}} (%{{customdata}}): %{{y:.3f}} ms {label}<extra></extra>"),
             secondary_y=secondary)
     fig.update_xaxes(title_text="step (0 = prefill)", **integer_ticks(step))
-    fig.update_yaxes(title_text="latency, measured (ms)", secondary_y=False, rangemode="tozero")
+    # axis titles short enough for the plot's height: a longer one ran past the plot into the
+    # top margin, under the plot's toolbar (the profile is the legend's, once)
+    fig.update_yaxes(title_text="measured (ms)", secondary_y=False, rangemode="tozero")
     prof = ds.attrs.get("hardware_profile")
-    fig.update_yaxes(title_text="latency, modeled (ms)" + (f" — {prof}" if prof else ""),
-                     secondary_y=True, rangemode="tozero")
+    fig.update_yaxes(title_text="modeled (ms)", secondary_y=True, rangemode="tozero")
+    if prof:
+        fig.data[1].name = f"step latency, modeled on {prof} (ms)"
     fig.update_layout(title="per-step latency: measured vs modeled",
                       legend={"orientation": "h", "y": -0.2})
     return fig

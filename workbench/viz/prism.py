@@ -60,7 +60,8 @@ def operating_points_figure(curves: Mapping[str, Sequence[Mapping[str, float]]],
                       annotation_font={"size": 11, "color": "#374151"})
     fig.update_xaxes(title_text="share of the routed experts' compute", tickformat=".0%",
                      range=[0, 1.08], dtick=0.25)
-    fig.update_yaxes(title_text="answers right (exact match)", tickformat=".0%")
+    # short: a longer title outgrew the plot's height and ran into the title's subtitle
+    fig.update_yaxes(title_text="answers right", tickformat=".0%")
     fig.update_layout(title=title, legend={"orientation": "h", "y": -0.25})
     return fig
 
