@@ -195,7 +195,7 @@ def _nested(doc: dict) -> None:
 LISTED_BAD = [
     ("garbage-json", _write(b"\x00\xff\xfe garbage {"), "not valid JSON"),
     ("truncated-json", _truncated, "not valid JSON"),
-    ("empty-json", _write(""), "not valid JSON"),
+    ("empty-json", _write(""), "is empty (0 bytes)"),
     ("deeply-nested-json", _write("[" * 200_000 + "]" * 200_000), "not valid JSON"),
     ("json-a-list", _write("[1, 2, 3]"), "not a JSON object"),
     ("json-null", _write("null"), "not a JSON object"),
@@ -224,7 +224,7 @@ LISTED_BAD = [
     ("a-file", _a_file, "is a file"),
     ("no-zarr-json", _no_metadata, "no zarr.json"),
     ("empty-folder", _empty_folder, "no zarr.json"),
-    ("zarr-json-a-folder", _metadata_a_folder, "cannot be read"),
+    ("zarr-json-a-folder", _metadata_a_folder, "is a directory"),
     ("symlink-loop", _link_loop, "loops"),
     ("dangling-symlink", _dangling_link, "points nowhere"),
     ("symlink-outside", _link_outside, "outside the workspace"),
@@ -320,15 +320,17 @@ def test_unreadable_workspace_entry_without_read_permission(source, tmp_path, mo
     _copy(source, ws, "good.zarr")
     if os.geteuid() != 0:
         os.chmod(bad, 0)
-    else:  # root reads anything: refuse the read as the kernel would for anyone else
-        real = Path.read_bytes
+    else:  # root reads anything: refuse the open as the kernel would for anyone else
+        import workbench.fileio as F
 
-        def read_bytes(self):
-            if "noperm.zarr" in str(self):
-                raise PermissionError(13, "Permission denied", str(self))
-            return real(self)
+        real = F.os.open
 
-        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        def os_open(path, *a, **k):
+            if "noperm.zarr" in str(path):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(F.os, "open", os_open)
     try:
         _check_dashboard(ws, "noperm.zarr", "Permission denied")
     finally:
@@ -341,7 +343,7 @@ def test_a_huge_metadata_document_is_refused_not_read(source, tmp_path, monkeypa
     _set_attrs(big, prompt="p" * 2_000_000)
     _copy(source, ws, "good.zarr")
     monkeypatch.setattr(D, "MAX_META_BYTES", 1_000_000)
-    _check_dashboard(ws, "bad.zarr", "MiB")
+    _check_dashboard(ws, "bad.zarr", "too large")
 
 
 def test_hidden_entries_are_not_runs(source, tmp_path):
