@@ -1647,3 +1647,41 @@ def test_a_file_the_browser_still_sends_refuses_run_until_the_server_has_it(tmp_
     s.upload_on_its_way("other.png")
     with pytest.raises(InputError, match="'other.png' is still uploading"):
         s._check_start("q")
+
+
+def test_the_tick_queue_leaves_the_loop_idle_as_long_as_it_redrew():
+    """Issue 37 §1: under load, redraws saturated the event loop and Stop waited 20-50 s. A
+    served session's redraws now rest as long as each took before the next, and after a burst
+    ``ready()`` stays False as long as the burst took (the poll then skips the store's new
+    steps: frames dropped, the newest wins). Bokeh's document is replaced by a recorder of the
+    two scheduling calls the queue makes."""
+    import time
+
+    from workbench.ui.views import TickQueue
+
+    class Doc:
+        def __init__(self):
+            self.calls = []
+
+        def add_next_tick_callback(self, fn):
+            self.calls.append((0, fn))
+
+        def add_timeout_callback(self, fn, ms):
+            self.calls.append((ms, fn))
+
+    q = TickQueue(Doc())
+    drawn = []
+    q.add(1, lambda: (time.sleep(0.3), drawn.append(1)))
+    q.add(2, lambda: drawn.append("old 2"))
+    q.add(2, lambda: (time.sleep(0.3), drawn.append(2)))  # asked again: redrawn once, newest
+    assert not q.ready() and len(q.doc.calls) == 1
+    ms, fn = q.doc.calls.pop(0)
+    assert ms == 0
+    fn()
+    ms, fn = q.doc.calls.pop(0)
+    assert ms >= 300  # the loop rests as long as the redraw took
+    fn()
+    assert drawn == [1, 2] and not q.doc.calls
+    assert not q.ready()  # resting: ≥ 0.6 s of redraws in the burst
+    time.sleep(0.7)
+    assert q.ready()

@@ -320,7 +320,12 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
              "realb": realb, "subexperts": subs, "prism_points": points, "scheduler": sched}
 
     # served: runs on the session's event loop; in a notebook: on the kernel's loop
-    poll = pn.state.add_periodic_callback(store.poll, period=poll_ms) if poll_ms else None
+    # the store's new steps are read only when the session's redraws have rested (TickQueue):
+    # under load frames are dropped, and clicks are read in the idle time
+    ticks = TickQueue.of_session()
+    poll = pn.state.add_periodic_callback(
+        store.poll if ticks is None else lambda: store.poll(tail=ticks.ready()),
+        period=poll_ms) if poll_ms else None
 
     if template:
         # Bootstrap, not Fast: the Fast design fetches a Google font (no third-party requests)

@@ -1233,16 +1233,18 @@ class DataStore(param.Parameterized):
                                 and self.dataset.attrs.get("status") == "running")
 
     # -- the periodic callback ---------------------------------------------------------------
-    def poll(self) -> None:
-        """Bring parameters up to date: the run thread's progress, the shown store's new steps,
-        the run list (every ``refresh_s``). Cheap when nothing changed (one ``stat``). Never
-        raises: it runs on the event loop, where an exception would only be logged over and
-        over; an unexpected one is logged once and shown in :attr:`error`."""
+    def poll(self, tail: bool = True) -> None:
+        """Bring parameters up to date: the run thread's progress, the shown store's new steps
+        (unless ``tail`` is False: the page is still drawing the last ones, see
+        ``views.TickQueue``), the run list (every ``refresh_s``). Cheap when nothing changed
+        (one ``stat``). Never raises: it runs on the event loop, where an exception would only
+        be logged over and over; an unexpected one is logged once and shown in :attr:`error`."""
         try:
             job = self._job
             if job is not None:
                 self._apply(job)
-            self._tail()
+            if tail:
+                self._tail()
             self._clear_fixed_refusal()
             if time.monotonic() - self._last_refresh >= self.refresh_s:
                 self.refresh()

@@ -494,18 +494,31 @@ def _replay_ep_html(ep: Any) -> str:
 
 # -- views ---------------------------------------------------------------------------------------
 class TickQueue:
-    """The redraws of one served session, one per event-loop tick.
+    """The redraws of one served session, one per event-loop tick, at most half the loop's time.
 
     A run's new steps change ``dataset`` several times a second and every plot redraws; done in
     one callback, the redraws held the event loop for a second or more, and a click (Stop)
     waited behind them (11-18 tokens late, ``benchmarks/bench_stop.py``). Here each redraw is
-    its own next-tick callback: between two, the loop reads the browser's messages. A view asked
-    again before its turn redraws once, with the newest state (the queue coalesces)."""
+    its own callback, and a view asked again before its turn redraws once, with the newest state
+    (the queue coalesces).
+
+    Under load that was not enough (issue 37): a redraw took longer than the poll period, every
+    poll brought new steps, the loop was busy redrawing ~98 % of the time (py-spy) and Stop
+    reached the server 6–29 s after the click. So redraws leave the loop idle as long as they
+    kept it busy: the next redraw waits :data:`REST` × the last one's duration, and after a
+    burst :meth:`ready` is False for as long as the burst took — the poll reads the store's new
+    steps only when ready (:meth:`DataStore.poll`), so under load frames are dropped (the
+    newest state wins) instead of queueing, and clicks are read in the idle time."""
+
+    #: idle time after a redraw, in units of the redraw's own duration
+    REST = 1.0
 
     def __init__(self, doc: Any) -> None:
         self.doc = doc
         self.pending: dict[int, Callable[[], None]] = {}  # insertion order = redraw order
         self.scheduled = False
+        self.burst_s = 0.0  # seconds of redraws since the queue was last empty
+        self.rest_until = 0.0  # time.monotonic() before which the session should not redraw
 
     @classmethod
     def of_session(cls) -> "TickQueue | None":
@@ -519,6 +532,13 @@ class TickQueue:
             queue = doc._wb_ticks = cls(doc)
         return queue
 
+    def ready(self) -> bool:
+        """Nothing queued and the rest after the last burst of redraws is over: new data may
+        be read (and redrawn) now."""
+        import time
+
+        return not self.pending and time.monotonic() >= self.rest_until
+
     def add(self, key: int, fn: Callable[[], None]) -> None:
         self.pending[key] = fn
         if not self.scheduled:
@@ -526,15 +546,25 @@ class TickQueue:
             self.doc.add_next_tick_callback(self._one)
 
     def _one(self) -> None:
+        import time
+
         self.scheduled = False
-        if self.pending:
-            fn = self.pending.pop(next(iter(self.pending)))
-            try:
-                fn()
-            finally:
-                if self.pending and not self.scheduled:
+        if not self.pending:
+            return
+        fn = self.pending.pop(next(iter(self.pending)))
+        t0 = time.monotonic()
+        try:
+            fn()
+        finally:
+            took = time.monotonic() - t0
+            self.burst_s += took
+            if self.pending:
+                if not self.scheduled:
                     self.scheduled = True
-                    self.doc.add_next_tick_callback(self._one)
+                    self.doc.add_timeout_callback(self._one, max(1, int(took * self.REST * 1e3)))
+            else:
+                self.rest_until = time.monotonic() + self.burst_s * self.REST
+                self.burst_s = 0.0
 
 
 class PlotView:
