@@ -294,7 +294,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(out, indent=2))
         return
-    print("dashboard interactivity (measured in headless Chromium; medians, ms)")
+    print(f"dashboard interactivity (measured in headless Chromium; medians, ms; "
+          f"{out.get('load', 0)} busy-looping processes beside it)")
     print(f"  page load to first plots (first session of a fresh server, empty workspace) "
           f"{out['page_load_ms']:8.0f}")
     for key, label, goal in (("modality_filter_to_plot", "filter (modality) → heatmap", 300),
@@ -304,6 +305,7 @@ def main() -> None:
                               "replay: policy toggle → curves", 300),
                              ("replay_range_to_plot", "replay: cache range → curves", 300),
                              ("knob_run_first_plot", "knob + Run → first plot (warm)", 3000),
+                             ("refused_value_said", "refused value → said under it", 1000),
                              ("page_load_last_run", "page load → the last run's 4 plots",
                               3000)):
         if key in out:
