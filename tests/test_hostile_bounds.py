@@ -450,3 +450,39 @@ def test_a_sweep_of_replay_only_knobs_is_refused_before_any_model_loads(capsys, 
                    "--out", str(tmp_path / "S"), "--grid", "prefetch=oracle")
     assert rc == 2 and "only trace replay can run it" in err, err
     assert not (tmp_path / "S").exists()
+
+
+# -- re-probe: export-trace never replaces what is not a regular file -----------------------------
+
+TRACE = REPO / "data" / "traces" / "embedded-batch4.jsonl"
+
+
+def test_export_trace_never_replaces_a_device_fifo_or_its_source(capsys, tmp_path):
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "dangling.npy"
+    dangling.symlink_to(tmp_path / "nowhere.npy")
+    src = tmp_path / "src.jsonl"
+    src.write_bytes(TRACE.read_bytes())
+    cases = []
+    null = tmp_path / "null"  # a device node of our own: a failing run must not replace /dev/null
+    try:
+        os.mknod(null, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        cases.append(((str(TRACE), "--out", str(null), "--format", "npy", "--overwrite"),
+                      f"trace file {str(null)!r} is a device, not a regular file"))
+    except (PermissionError, OSError):  # no CAP_MKNOD: the FIFO case stands for it
+        pass
+    cases += [
+        ((str(TRACE), "--out", str(fifo), "--overwrite"), f"trace file {str(fifo)!r} is a FIFO"),
+        ((str(TRACE), "--out", "", "--format", "npy"), "trace file path is blank ('')"),
+        ((str(TRACE), "--out", "  ", "--format", "npy", "--overwrite"), "trace file path is blank ('  ')"),
+        (("", "--out", str(tmp_path / "a.npy")), "trace path is blank ('')"),
+        ((str(TRACE), "--out", str(dangling)), f"trace file {str(dangling)!r} is a symlink to"),
+        ((str(src), "--out", str(src), "--overwrite"), "is the source"),
+    ]
+    for argv, fragment in cases:
+        rc, err = _cli(capsys, "export-trace", *argv)
+        assert rc == 2 and fragment in err and "Traceback" not in err, (argv, err)
+    assert not null.exists() or null.is_char_device()
+    assert fifo.is_fifo() and not (tmp_path / "nowhere.npy").exists() and not (tmp_path / "a.npy").exists()
+    assert src.read_bytes() == TRACE.read_bytes()
