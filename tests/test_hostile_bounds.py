@@ -486,3 +486,12 @@ def test_export_trace_never_replaces_a_device_fifo_or_its_source(capsys, tmp_pat
     assert not null.exists() or null.is_char_device()
     assert fifo.is_fifo() and not (tmp_path / "nowhere.npy").exists() and not (tmp_path / "a.npy").exists()
     assert src.read_bytes() == TRACE.read_bytes()
+
+
+@pytest.mark.parametrize("command", [["info"], ["run", "--prompt", "hi"], ["refactor", "--out", "x"],
+                                     ["calibrate", "--out", "x"], ["calibrate-macs", "--out", "x"]])
+def test_an_empty_model_is_refused_not_the_default(capsys, tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _cli(capsys, *command, "--model", "")
+    assert rc == 2 and "--model '' is blank" in err, err
+    assert list(tmp_path.iterdir()) == []

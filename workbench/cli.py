@@ -305,6 +305,10 @@ def _check_option_pairs(args) -> None:
     message names the option it needs. Defaults are then filled in."""
     from workbench.errors import InputError
 
+    model = getattr(args, "model", None)
+    if model is not None and model.strip() == "":  # "" was silently the default model
+        raise InputError(f"--model {model!r} is blank; give a model folder, or leave --model out "
+                         f"for the embedded model")
     for command, flag, attr, acts, needs in _NEEDS:
         if args.command == command and getattr(args, attr) is not None and not acts(args):
             raise InputError(f"{flag} {getattr(args, attr)!r} does nothing here: {needs}")
