@@ -495,3 +495,20 @@ def test_an_empty_model_is_refused_not_the_default(capsys, tmp_path, monkeypatch
     rc, err = _cli(capsys, *command, "--model", "")
     assert rc == 2 and "--model '' is blank" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, kind", [(["refactor"], "MoE-Prism refactoring"),
+                                           (["calibrate-macs"], "MACS calibration")])
+def test_refactor_and_macs_never_write_into_a_foreign_folder(capsys, tmp_path, command, kind):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    model = REPO / "data" / "qwen3-vl-moe-small"
+    for out in (mine, model, STORE):
+        before = sorted(p.name for p in out.iterdir())
+        for extra in ([], ["--overwrite"]):
+            rc, err = _cli(capsys, *command, "--out", str(out), *extra)
+            assert rc == 2 and f"is not a {kind} folder (it holds" in err, (out, extra, err)
+        assert sorted(p.name for p in out.iterdir()) == before
+    rc, err = _cli(capsys, *command, "--out", str(mine))
+    assert "(it holds 'notes.txt')" in err
