@@ -512,3 +512,15 @@ def test_refactor_and_macs_never_write_into_a_foreign_folder(capsys, tmp_path, c
         assert sorted(p.name for p in out.iterdir()) == before
     rc, err = _cli(capsys, *command, "--out", str(mine))
     assert "(it holds 'notes.txt')" in err
+
+
+def test_calibrate_inputs_are_checked_from_headers_not_all_decoded_up_front(tmp_path):
+    # 60 × 3000² images were decoded and held at once (2.6 GB); now only their headers are
+    # read, each is decoded when its request is served. A header-only PNG cannot be decoded,
+    # so a parse that decoded would fail here.
+    from workbench.predictor.calibrate import parse_inputs
+
+    img = _png_claiming(tmp_path / "a.png", 3000, 3000)
+    (tmp_path / "list.json").write_text(json.dumps([{"image": "a.png", "prompt": "p"}] * 30))
+    got = parse_inputs([str(img)] * 30 + [str(tmp_path / "list.json")], "what?")
+    assert len(got) == 60 and all(Path(i) == img for i, _ in got)
