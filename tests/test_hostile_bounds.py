@@ -524,3 +524,37 @@ def test_calibrate_inputs_are_checked_from_headers_not_all_decoded_up_front(tmp_
     (tmp_path / "list.json").write_text(json.dumps([{"image": "a.png", "prompt": "p"}] * 30))
     got = parse_inputs([str(img)] * 30 + [str(tmp_path / "list.json")], "what?")
     assert len(got) == 60 and all(Path(i) == img for i, _ in got)
+
+
+@pytest.mark.parametrize("value, ok", [('"x"', False), ("[1, \"2\"]", False), ("[]", False),
+                                       ("-1", False), ("128", False), ("true", False),
+                                       ("2", True), ("[2, 3]", True), ("null", True)])
+def test_generation_config_token_ids_are_checked_with_the_folder(tiny_ckpt, tmp_path, value, ok):
+    import shutil
+
+    from workbench.errors import ModelLoadError
+    from workbench.models.loading import check_model_dir
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt(), folder)
+    (folder / "generation_config.json").write_text('{"eos_token_id": %s}' % value)
+    if ok:
+        check_model_dir(folder)
+        return
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: eos_token_id = .* is not a "
+                                             r"token id: a whole number in 0 … 127"):
+        check_model_dir(folder)
+
+
+def test_a_tokenizer_that_cannot_encode_is_named_not_an_internal_error(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt(), folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["model"]["vocab"].pop(tok["model"]["unk_token"])  # a WordLevel vocab without its [UNK]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    rc, err = _cli(capsys, "run", "--model", str(folder), "--prompt", "hi é", "--no-record",
+                   "--set", "max_new_tokens=1")
+    assert rc == 2 and "the tokenizer of model" in err and "cannot encode the prompt" in err, err
+    assert str(folder) in err and "internal error" not in err
