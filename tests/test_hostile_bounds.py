@@ -558,3 +558,16 @@ def test_a_tokenizer_that_cannot_encode_is_named_not_an_internal_error(tiny_ckpt
                    "--set", "max_new_tokens=1")
     assert rc == 2 and "the tokenizer of model" in err and "cannot encode the prompt" in err, err
     assert str(folder) in err and "internal error" not in err
+
+
+def test_a_model_calibration_that_is_not_a_regular_file_is_named_not_skipped(tmp_path):
+    from workbench.errors import InputError
+    from workbench.macs.calibration import default_path, load
+
+    macs = tmp_path / "model" / "workbench" / "macs"
+    macs.mkdir(parents=True)
+    os.mkfifo(macs / "macs.json")
+    path = default_path(tmp_path / "model", "no-such-config-hash-0123456789")
+    assert path == macs
+    with pytest.raises(InputError, match=r"macs\.json.* not a regular file"):
+        load(path)
