@@ -537,7 +537,7 @@ def test_generation_config_token_ids_are_checked_with_the_folder(tiny_ckpt, tmp_
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_ckpt(), folder)
-    (folder / "generation_config.json").write_text('{"eos_token_id": %s}' % value)
+    (folder / "generation_config.json").write_text(f'{{"eos_token_id": {value}}}')
     if ok:
         check_model_dir(folder)
         return

@@ -433,7 +433,7 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
                 tensors = dict(tok(texts, return_tensors="pt", **pad))
         except (InputError, MemoryError):
             raise
-        except Exception as e:  # the tokenizer's own (Rust) errors: a broken tokenizer file
+        except Exception as e:  # noqa: BLE001 — the tokenizer's own (Rust) errors: a broken file
             raise ModelLoadError(
                 f"the tokenizer of model {lm.model_id!r} (in {str(lm.path)!r}: tokenizer.json "
                 f"/ tokenizer_config.json) cannot encode the prompt: {one_line(e)}; the model "
