@@ -450,3 +450,124 @@ def test_a_sweep_of_replay_only_knobs_is_refused_before_any_model_loads(capsys, 
                    "--out", str(tmp_path / "S"), "--grid", "prefetch=oracle")
     assert rc == 2 and "only trace replay can run it" in err, err
     assert not (tmp_path / "S").exists()
+
+
+# -- re-probe: export-trace never replaces what is not a regular file -----------------------------
+
+TRACE = REPO / "data" / "traces" / "embedded-batch4.jsonl"
+
+
+def test_export_trace_never_replaces_a_device_fifo_or_its_source(capsys, tmp_path):
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "dangling.npy"
+    dangling.symlink_to(tmp_path / "nowhere.npy")
+    src = tmp_path / "src.jsonl"
+    src.write_bytes(TRACE.read_bytes())
+    cases = []
+    null = tmp_path / "null"  # a device node of our own: a failing run must not replace /dev/null
+    try:
+        os.mknod(null, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        cases.append(((str(TRACE), "--out", str(null), "--format", "npy", "--overwrite"),
+                      f"trace file {str(null)!r} is a device, not a regular file"))
+    except (PermissionError, OSError):  # no CAP_MKNOD: the FIFO case stands for it
+        pass
+    cases += [
+        ((str(TRACE), "--out", str(fifo), "--overwrite"), f"trace file {str(fifo)!r} is a FIFO"),
+        ((str(TRACE), "--out", "", "--format", "npy"), "trace file path is blank ('')"),
+        ((str(TRACE), "--out", "  ", "--format", "npy", "--overwrite"), "trace file path is blank ('  ')"),
+        (("", "--out", str(tmp_path / "a.npy")), "trace path is blank ('')"),
+        ((str(TRACE), "--out", str(dangling)), f"trace file {str(dangling)!r} is a symlink to"),
+        ((str(src), "--out", str(src), "--overwrite"), "is the source"),
+    ]
+    for argv, fragment in cases:
+        rc, err = _cli(capsys, "export-trace", *argv)
+        assert rc == 2 and fragment in err and "Traceback" not in err, (argv, err)
+    assert not null.exists() or null.is_char_device()
+    assert fifo.is_fifo() and not (tmp_path / "nowhere.npy").exists() and not (tmp_path / "a.npy").exists()
+    assert src.read_bytes() == TRACE.read_bytes()
+
+
+@pytest.mark.parametrize("command", [["info"], ["run", "--prompt", "hi"], ["refactor", "--out", "x"],
+                                     ["calibrate", "--out", "x"], ["calibrate-macs", "--out", "x"]])
+def test_an_empty_model_is_refused_not_the_default(capsys, tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _cli(capsys, *command, "--model", "")
+    assert rc == 2 and "--model '' is blank" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, kind", [(["refactor"], "MoE-Prism refactoring"),
+                                           (["calibrate-macs"], "MACS calibration")])
+def test_refactor_and_macs_never_write_into_a_foreign_folder(capsys, tmp_path, command, kind):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    model = REPO / "data" / "qwen3-vl-moe-small"
+    for out in (mine, model, STORE):
+        before = sorted(p.name for p in out.iterdir())
+        for extra in ([], ["--overwrite"]):
+            rc, err = _cli(capsys, *command, "--out", str(out), *extra)
+            assert rc == 2 and f"is not a {kind} folder (it holds" in err, (out, extra, err)
+        assert sorted(p.name for p in out.iterdir()) == before
+    rc, err = _cli(capsys, *command, "--out", str(mine))
+    assert "(it holds 'notes.txt')" in err
+
+
+def test_calibrate_inputs_are_checked_from_headers_not_all_decoded_up_front(tmp_path):
+    # 60 × 3000² images were decoded and held at once (2.6 GB); now only their headers are
+    # read, each is decoded when its request is served. A header-only PNG cannot be decoded,
+    # so a parse that decoded would fail here.
+    from workbench.predictor.calibrate import parse_inputs
+
+    img = _png_claiming(tmp_path / "a.png", 3000, 3000)
+    (tmp_path / "list.json").write_text(json.dumps([{"image": "a.png", "prompt": "p"}] * 30))
+    got = parse_inputs([str(img)] * 30 + [str(tmp_path / "list.json")], "what?")
+    assert len(got) == 60 and all(Path(i) == img for i, _ in got)
+
+
+@pytest.mark.parametrize("value, ok", [('"x"', False), ("[1, \"2\"]", False), ("[]", False),
+                                       ("-1", False), ("128", False), ("true", False),
+                                       ("2", True), ("[2, 3]", True), ("null", True)])
+def test_generation_config_token_ids_are_checked_with_the_folder(tiny_ckpt, tmp_path, value, ok):
+    import shutil
+
+    from workbench.errors import ModelLoadError
+    from workbench.models.loading import check_model_dir
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt(), folder)
+    (folder / "generation_config.json").write_text(f'{{"eos_token_id": {value}}}')
+    if ok:
+        check_model_dir(folder)
+        return
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: eos_token_id = .* is not a "
+                                             r"token id: a whole number in 0 … 127"):
+        check_model_dir(folder)
+
+
+def test_a_tokenizer_that_cannot_encode_is_named_not_an_internal_error(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_ckpt(), folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["model"]["vocab"].pop(tok["model"]["unk_token"])  # a WordLevel vocab without its [UNK]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    rc, err = _cli(capsys, "run", "--model", str(folder), "--prompt", "hi é", "--no-record",
+                   "--set", "max_new_tokens=1")
+    assert rc == 2 and "the tokenizer of model" in err and "cannot encode the prompt" in err, err
+    assert str(folder) in err and "internal error" not in err
+
+
+def test_a_model_calibration_that_is_not_a_regular_file_is_named_not_skipped(tmp_path):
+    from workbench.errors import InputError
+    from workbench.macs.calibration import default_path, load
+
+    macs = tmp_path / "model" / "workbench" / "macs"
+    macs.mkdir(parents=True)
+    os.mkfifo(macs / "macs.json")
+    path = default_path(tmp_path / "model", "no-such-config-hash-0123456789")
+    assert path == macs
+    with pytest.raises(InputError, match=r"macs\.json.* not a regular file"):
+        load(path)

@@ -113,6 +113,61 @@ def test_the_shipped_folders_need_overwrite_and_demo_files_go_beside_out(tmp_pat
     _refused(capsys, ["--preset", "smoke", "--out", str(REPO), "--overwrite"], "holds the repository")
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--out", ""], "argument --out: '' is not a folder path"),
+    (["--out", "   "], "argument --out: '   ' is not a folder path"),
+    (["--demo-dir", "", "--out", "m"], "argument --demo-dir: '' is not a folder path"),
+    (["--checkpoint-dir", " ", "--out", "m"], "argument --checkpoint-dir: ' ' is not a folder path"),
+    (["--out", "."], "is the current folder or holds it"),
+    (["--out", "../m", "--demo-dir", "."], "--demo-dir"),
+    (["--out", "../m", "--demo-dir", "sub/.."], "is the current folder or holds it"),
+    (["--out", "../m", "--checkpoint-dir", "."], "--checkpoint-dir '"),
+])
+def test_the_current_folder_or_a_blank_path_is_never_replaced(tmp_path, capsys, monkeypatch, argv, fragment):
+    # a blank --out was the current folder, replaced whole under --overwrite (the user's files gone)
+    here = tmp_path / "here"
+    (here / "sub").mkdir(parents=True)
+    (here / "precious.txt").write_text("p")
+    monkeypatch.chdir(here)
+    before = _tree(here)
+    _refused(capsys, ["--preset", "smoke", *argv, "--overwrite"], fragment)
+    _refused(capsys, ["--preset", "smoke", "--out", str(here.parent), "--overwrite"], "the current folder or holds it")
+    assert _tree(here) == before and sorted(p.name for p in here.iterdir()) == ["precious.txt", "sub"]
+    with pytest.raises(ownedfolder.FolderError, match="is the current folder"):  # Python callers too
+        from workbench.models.embedded.v2.train import check_paths
+        check_paths(make_args("smoke", out=Path(""), overwrite=True))
+
+
+def test_unusable_output_paths_are_one_line(tmp_path, capsys):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    long = str(tmp_path / ("a" * 5000))
+    m = str(tmp_path / "m")
+    _refused(capsys, ["--preset", "smoke", "--out", str(tmp_path / "loop1")], "--out", "symlink loop")
+    _refused(capsys, ["--preset", "smoke", "--out", str(tmp_path / "loop1" / "m")], "--out", "symlink loop")
+    err = _refused(capsys, ["--preset", "smoke", "--out", long], "--out", "File name too long")
+    assert len(err.splitlines()[-1]) < 400
+    for flag in ("--out", "--checkpoint-dir", "--demo-dir"):
+        argv = ["--out", m, flag, str(tmp_path / "dangling")] if flag != "--out" else ["--out", str(tmp_path / "dangling")]
+        _refused(capsys, ["--preset", "smoke", *argv], f"{flag} {str(tmp_path / 'dangling')!r} is a symlink to",
+                 "which does not exist")
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "m").exists()
+
+
+def test_a_foreign_checkpoint_dir_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "notes.txt").write_text("mine")
+    m = str(tmp_path / "m")
+    _refused(capsys, ["--preset", "smoke", "--out", m, "--checkpoint-dir", str(ckpt), "--overwrite"],
+             f"--checkpoint-dir {str(ckpt)!r} holds what this trainer did not write ('notes.txt')")
+    (ckpt / "notes.txt").unlink()
+    (ckpt / "step-0000003").mkdir()
+    (ckpt / ".step-0000004.partial").mkdir()
+    assert parse_args(["--preset", "smoke", "--out", m, "--checkpoint-dir", str(ckpt)]).checkpoint_dir == ckpt
+
+
 def test_overlapping_output_and_checkpoint_folders_are_refused(tmp_path, capsys):
     d = str(tmp_path / "d")
     cases = [
@@ -259,6 +314,8 @@ TAMPERING = {
     "rng not a mapping": (lambda f: _state(f, lambda s: s.update(rng=[1, 2])), "state.json entry 'rng' is [1, 2]"),
     "an empty optimizer state": (lambda f: save_file({}, f / "optimizer.safetensors"),
                                  "optimizer.safetensors is empty after step 2 of stage 'mixed'"),
+    "a 100 000-character stage name": (lambda f: _state(f, lambda s: s.update(stage_name="x" * 100_000)),
+                                       "'stage_name' = 'xxxx"),
     "stage 99": (lambda f: _state(f, lambda s: s.update(stage=99)), "'stage' = 99 is not a stage of this recipe"),
     "step -5": (lambda f: _state(f, lambda s: s.update(step=-5)), "'step' = -5 is not a step of stage 'mixed'"),
     "a global step off": (lambda f: _state(f, lambda s: s.update(global_step=4)), "'global_step' = 4 is not the 5"),
@@ -290,6 +347,15 @@ def test_every_tampering_of_a_checkpoint_is_refused_naming_the_entry(saved_check
         message = str(exc.value)
         assert message.startswith(f"checkpoint {str(folder)!r}"), (name, message)
         assert fragment in message, (name, message)
+        assert len(message) < 1000, (name, len(message))  # values read from the file are shortened
+
+
+def test_resume_with_stop_after_at_or_below_its_step_is_refused(saved_checkpoint, tmp_path, capsys):
+    for stop in ("5", "3"):
+        _refused(capsys, ["--preset", "smoke", "--out", str(tmp_path / "m"), "--resume", str(saved_checkpoint.parent),
+                          "--stop-after", stop], f"--stop-after {stop} is at or below", "(5)")
+    assert parse_args(["--preset", "smoke", "--out", str(tmp_path / "m"), "--resume", str(saved_checkpoint.parent),
+                       "--stop-after", "6"]).stop_after == 6
 
 
 def test_resuming_a_tampered_checkpoint_from_the_cli_is_one_line(saved_checkpoint, tmp_path, capsys, torch_settings):

@@ -305,6 +305,10 @@ def _check_option_pairs(args) -> None:
     message names the option it needs. Defaults are then filled in."""
     from workbench.errors import InputError
 
+    model = getattr(args, "model", None)
+    if model is not None and model.strip() == "":  # "" was silently the default model
+        raise InputError(f"--model {model!r} is blank; give a model folder, or leave --model out "
+                         f"for the embedded model")
     for command, flag, attr, acts, needs in _NEEDS:
         if args.command == command and getattr(args, attr) is not None and not acts(args):
             raise InputError(f"{flag} {getattr(args, attr)!r} does nothing here: {needs}")
@@ -357,7 +361,8 @@ def _bars(args):
 
 
 @contextlib.contextmanager
-def _claimed_out(args, default: "Path | None", config: str, holds: str):
+def _claimed_out(args, default: "Path | None", config: str, holds: str,
+                 files: tuple[str, ...] = ()):
     """The output folder (``--out``, else ``default``) of a command that writes one, checked
     before any work (the shared output-folder check: blank, dangling or looping links, a file
     in the way, ``config`` already there without ``--overwrite``, nowhere writable) and then
@@ -371,11 +376,12 @@ def _claimed_out(args, default: "Path | None", config: str, holds: str):
     if path is None:
         yield None
         return
-    out = check_output_folder(path, what, config=config, overwrite=args.overwrite, holds=holds)
+    out = check_output_folder(path, what, config=config, overwrite=args.overwrite, holds=holds,
+                              files=files)
     with writer_lock(out, f"{holds} folder"):
         # checked again under the lock: another writer may have finished in between
         yield check_output_folder(out, what, config=config, overwrite=args.overwrite,
-                                  holds=holds)
+                                  holds=holds, files=files)
 
 
 def _refactor(args) -> int:
@@ -398,12 +404,13 @@ def _refactor(args) -> int:
     with contextlib.ExitStack() as stack:
         # --out is claimed before the model loads (a bad or busy one costs nothing), the
         # default folder, named by the model, right after
-        out = stack.enter_context(_claimed_out(args, None, R.CONFIG, holds))
+        own = (R.CONFIG, R.WEIGHTS)
+        out = stack.enter_context(_claimed_out(args, None, R.CONFIG, holds, own))
         lm = load(Path(args.model) if args.model else None, device="cpu")
         if out is None:
             out = stack.enter_context(_claimed_out(
                 args, Path(get_options()["workspace"]) / "prism" / str(lm.config_hash),
-                R.CONFIG, holds))
+                R.CONFIG, holds, own))
         return _refactor_into(args, lm, reqs, out)
 
 
@@ -488,7 +495,7 @@ def _own_requests(inputs: list[str], input_file: str | None) -> list:
 
 def _calibrate_macs(args) -> int:
     from workbench.errors import InputError
-    from workbench.macs.calibration import (CALIBRATION_SEED, CONFIG, calibrate,
+    from workbench.macs.calibration import (CALIBRATION_SEED, CONFIG, WEIGHTS, calibrate,
                                             calibration_requests, save, workspace_path)
 
     if not 2 <= args.requests <= 4096:
@@ -502,7 +509,7 @@ def _calibrate_macs(args) -> int:
     holds = "MACS calibration"
     with contextlib.ExitStack() as stack:
         # --out claimed before the model loads, the default folder (the model's) after
-        out = stack.enter_context(_claimed_out(args, None, CONFIG, holds))
+        out = stack.enter_context(_claimed_out(args, None, CONFIG, holds, (CONFIG, WEIGHTS)))
         lm = load(Path(args.model) if args.model else None, device="cpu")
         if not lm.is_vision:
             raise InputError(f"MACS calibration classes experts by their visual and text "
@@ -510,7 +517,7 @@ def _calibrate_macs(args) -> int:
                              f"vision-language checkpoint)")
         if out is None:
             out = stack.enter_context(_claimed_out(args, workspace_path(lm.config_hash),
-                                                   CONFIG, holds))
+                                                   CONFIG, holds, (CONFIG, WEIGHTS)))
         reqs = calibration_requests(args.requests, CALIBRATION_SEED if args.seed is None
                                     else args.seed)
         with _bars(args) as bars:

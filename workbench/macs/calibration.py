@@ -82,10 +82,13 @@ def workspace_path(config_hash: str) -> Path:
 def default_path(model_dir: str | Path, config_hash: str) -> Path:
     """The calibration a run uses when ``macs_calibration`` is None: the workspace's, else one
     shipped beside the model (``<model dir>/workbench/macs``), else the workspace path (whose
-    "no calibration" error then says to calibrate into it)."""
+    "no calibration" error then says to calibrate into it). A ``macs.json`` that is there but
+    not a regular file is chosen all the same, so that loading it says what is wrong with it."""
     mine, shipped = workspace_path(config_hash), Path(model_dir) / "workbench" / "macs"
     for candidate in (mine, shipped):
-        if (candidate / CONFIG).is_file():
+        # anything named macs.json is that folder's calibration: a FIFO, a device or a broken
+        # link there is refused by :func:`load` naming it, never silently passed over
+        if os.path.lexists(candidate / CONFIG):
             return candidate
     return mine
 

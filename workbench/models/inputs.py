@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from workbench.errors import InputError, one_line
+from workbench.errors import InputError, ModelLoadError, one_line
 from workbench.models.chat_template import TemplateRenderError, render_chats
 from workbench.telemetry.events import IMAGE, TEXT, VIDEO
 
@@ -428,8 +428,16 @@ def build_batch_inputs(lm, requests: Sequence[Request], max_new_tokens: int = 0)
                 f"the image processor of model {lm.model_id!r} ({type(ip).__name__}) refused "
                 f"{', '.join(labels)}: {one_line(e)}") from None
     else:
-        with quiet_transformers():
-            tensors = dict(tok(texts, return_tensors="pt", **pad))
+        try:
+            with quiet_transformers():
+                tensors = dict(tok(texts, return_tensors="pt", **pad))
+        except (InputError, MemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 — the tokenizer's own (Rust) errors: a broken file
+            raise ModelLoadError(
+                f"the tokenizer of model {lm.model_id!r} (in {str(lm.path)!r}: tokenizer.json "
+                f"/ tokenizer_config.json) cannot encode the prompt: {one_line(e)}; the model "
+                f"folder's tokenizer is broken") from None
     _check_placeholders(lm, tensors, tok)
     tensors = {k: v.to(lm.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     if "pixel_values" in tensors:

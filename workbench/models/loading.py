@@ -221,6 +221,8 @@ def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
             read_text(f, limit, what, ModelLoadError)
         else:
             read_bytes_bounded(f, limit, what, ModelLoadError)
+    if "generation_config.json" in docs:
+        check_generation_tokens(docs["generation_config.json"], cfg, path)
     tokenizer = f"tokenizer in {str(path)!r}"
     if "tokenizer_config.json" not in docs:
         raise ModelLoadError(f"{tokenizer} is incomplete: it has no tokenizer_config.json "
@@ -238,6 +240,36 @@ def check_model_files(path: str | Path, cfg: dict[str, Any]) -> None:
             raise ModelLoadError(f"chat template in {str(path)!r} is missing: config.json has "
                                  f"a vision_config, whose requests need a chat template "
                                  f"(chat_template.jinja) to place the image tokens")
+
+
+#: token-id fields of generation_config.json that generation turns into tensors
+_GENERATION_TOKEN_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def check_generation_tokens(gen: Any, cfg: dict[str, Any], path: str | Path) -> None:
+    """Refuse a generation_config.json whose token ids are not token ids: each of
+    :data:`_GENERATION_TOKEN_KEYS` is absent, null, a whole number in 0 … vocab − 1 or a
+    non-empty list of them (``"eos_token_id": "x"`` failed inside generate with a TypeError).
+    :class:`ModelLoadError` naming the field, its value and what is allowed."""
+    where = f"generation config in {str(path)!r}: generation_config.json"
+    if not isinstance(gen, dict):
+        return  # read_json already insists on an object
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    vocab = text.get("vocab_size")
+    top = vocab - 1 if _whole(vocab) and vocab > 0 else None
+
+    def ok(i: Any) -> bool:
+        return _whole(i) and i >= 0 and (top is None or i <= top)
+
+    for key in _GENERATION_TOKEN_KEYS:
+        v = gen.get(key)
+        if v is None:
+            continue
+        if ok(v) or (isinstance(v, list) and v and len(v) <= 1024 and all(ok(i) for i in v)):
+            continue
+        ids = f"0 … {top} (the vocabulary has {vocab} tokens)" if top is not None else "≥ 0"
+        raise ModelLoadError(f"{where}: {key} = {shorten(v)} is not a token id: a whole "
+                             f"number in {ids}, a non-empty list of them, or null")
 
 
 def takes_images(path: str | Path | None) -> bool:

@@ -51,8 +51,15 @@ def scene_requests(seed: int, n: int) -> list[tuple[Any, str]]:
 
 def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
     """``--inputs``: image files (asked ``prompt``) or JSON files of
-    ``[{"image": PATH (relative to the JSON), "prompt": TEXT}, …]`` (like data/demo/prompts.json)."""
-    from workbench.models.inputs import open_image
+    ``[{"image": PATH (relative to the JSON), "prompt": TEXT}, …]`` (like data/demo/prompts.json).
+    Images are checked from their headers only (:func:`probe_image`) and returned as paths:
+    :func:`record` decodes each when its request is served, so memory holds one image at a
+    time, not all of up to :data:`MAX_CALIB_REQUESTS` at once."""
+    from workbench.models.inputs import probe_image
+
+    def checked(img: Path) -> Path:
+        probe_image(img)
+        return img
 
     out: list[tuple[Any, str]] = []
     for it in items:
@@ -76,9 +83,9 @@ def parse_inputs(items: Sequence[str], prompt: str) -> list[tuple[Any, str]]:
                                      f"object with a text \"prompt\" and an optional "
                                      f"\"image\" path")
                 img = r.get("image")
-                out.append((open_image(p.parent / img) if img else None, r["prompt"]))
+                out.append((checked(p.parent / img) if img else None, r["prompt"]))
         else:
-            out.append((open_image(p), prompt))
+            out.append((checked(p), prompt))
     return out
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 from workbench import jsonio
 from workbench.errors import (InputError, StoreBusyError, StoreError, StoreExistsError,
                               WorkbenchError)
-from workbench.fileio import read_bytes_bounded
+from workbench.fileio import read_bytes_bounded, shorten
 from workbench.ownedfolder import drop_lock, take_lock
 from workbench.ownedfolder import exchange as _exchange
 
@@ -301,14 +301,17 @@ def follow_link(p: Path, what: str, error: type[WorkbenchError] = InputError) ->
 
 
 def check_output_folder(path: Any, what: str, *, config: str | None = None,
-                        overwrite: bool = True, holds: str = "") -> Path:
+                        overwrite: bool = True, holds: str = "",
+                        files: Iterable[str] = ()) -> Path:
     """Check, before any work, that output folder ``path`` can be written; returns the folder to
     write (a symlink followed to its target). Refused with a :class:`WorkbenchError` naming
     ``what`` and the path: not a str/PathLike, blank or with a NUL byte; a symlink that leads
     nowhere (dangling, or a loop); a file in the way; ``config`` already there (it holds
     ``holds``) without ``overwrite``; no folder above it where this process can create files.
-    The one output-path check of every command that writes a folder (refactor, calibrate-macs,
-    calibrate, export)."""
+    With ``files`` (the names that kind of output holds), an existing folder holding anything
+    else (the user's files, a model folder, a run store) is refused whatever ``overwrite``:
+    the output would be written in among them. The one output-path check of every command
+    that writes a folder (refactor, calibrate-macs, calibrate, export)."""
     p = follow_link(store_path_arg(path, what, "out/folder").expanduser(), what)
     try:
         if p.exists() and not p.is_dir():
@@ -319,6 +322,22 @@ def check_output_folder(path: Any, what: str, *, config: str | None = None,
     if there and not overwrite:
         raise InputError(f"{str(p)!r} already holds a {holds or what}; pass --overwrite "
                          f"(overwrite=True) to replace it")
+    own = {n for f in files for n in (f, f + ".tmp")}
+    if own and p.is_dir():
+        try:
+            foreign = sorted(e.name + ("/" if e.is_dir() and not e.is_symlink() else "")
+                             for e in p.iterdir()
+                             if e.name not in own or e.is_symlink() or not e.is_file())
+        except OSError as e:
+            raise InputError(f"{what} {str(p)!r} cannot be read ({e.strerror or e})") from None
+        if foreign:
+            shown = ", ".join(shorten(n, 60) for n in foreign[:5]) + (
+                f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            kind = holds or what
+            raise InputError(f"{what} {str(p)!r} is not a {kind} folder (it holds {shown}); "
+                             f"the {kind} is written only into a new or empty folder or one "
+                             f"that holds a {kind} (even with --overwrite): choose another "
+                             f"path")
     check_creatable(p, what, InputError)
     return p
 

@@ -38,7 +38,8 @@ import numpy as np
 
 from workbench import jsonio
 from workbench.errors import InputError, StoreExistsError
-from workbench.fileio import open_regular
+from workbench.fileio import open_regular, shorten
+from workbench.telemetry.destination import follow_link
 from workbench.traces import limits
 from workbench.traces.limits import cut, show
 from workbench.traces.trace import Trace
@@ -81,6 +82,9 @@ def load_trace(path: str | Path, format: str = "auto", **options: Any) -> Trace:
 def _path(path: Any, what: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"{what} path must be a string or path, got {show(path)}")
+    text = os.fspath(path)
+    if isinstance(text, str) and text.strip() == "":  # Path("") would be the current folder
+        raise InputError(f"{what} path is blank ({text!r}); give a file path")
     return Path(path)
 
 
@@ -1068,9 +1072,23 @@ def _out_file(path: str | Path, overwrite: bool) -> Path:
     ``overwrite`` (:class:`StoreExistsError`), so a writer never replaces what it was not told
     to."""
     p = _path(path, "trace file")
-    if p.is_dir():
+    follow_link(p, "trace file")  # a link that leads nowhere is named as such, not "exists"
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return p
+    except (OSError, ValueError) as e:  # a name too long, a component not searchable, a NUL
+        raise InputError(f"trace file {shorten(str(p))} cannot be used "
+                         f"({getattr(e, 'strerror', None) or e})") from None
+    if stat.S_ISDIR(st.st_mode):
         raise InputError(f"trace file {str(p)!r} is a folder; give a file path")
-    if (p.exists() or p.is_symlink()) and not overwrite:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise InputError(f"trace file {str(p)!r} is {kind}, not a regular file; it is never "
+                         f"replaced (not even with --overwrite): give a file path")
+    if not overwrite:
         raise StoreExistsError(f"trace file {str(p)!r} already exists; pass overwrite=True "
                                f"(--overwrite) to replace it, or choose another path")
     return p
@@ -1297,6 +1315,15 @@ def export_trace(source: Any, path: str | Path, format: str | None = None,
                          f"suffix {p.suffix!r} means {by_suffix!r}; name the file "
                          f"{p.stem + EXPORT_FORMATS[format]!r} or give format {by_suffix!r}")
     _out_file(p, overwrite)   # before the store is read: an existing file costs nothing
+    if isinstance(source, (str, os.PathLike)):
+        src = _path(source, "trace")
+        try:
+            same = p.exists() and os.path.samefile(src, p)
+        except (OSError, ValueError):
+            same = False
+        if same:
+            raise InputError(f"trace file {str(p)!r} is the source {str(src)!r} itself; writing it "
+                             f"would destroy what is being read: give another --out")
     import xarray as xr
 
     tr = (source if isinstance(source, Trace) else from_store(source)

@@ -68,6 +68,8 @@ from transformers import Qwen2VLImageProcessorPil, Qwen3VLMoeForConditionalGener
 
 from workbench import ownedfolder
 from workbench.errors import WorkbenchError
+from workbench.fileio import shorten
+from workbench.telemetry.destination import follow_link
 
 from . import V2_DEMO_DIR, V2_MODEL_DIR, checkpoint
 from .card import render_model_card
@@ -595,7 +597,7 @@ class Trainer:
             bad("state.json 'stage'", f"= {index!r} is not a stage of this recipe (0..{n - 1})")
         stage = self.stages[index]
         if state.get("stage_name") != stage.name:
-            bad("state.json 'stage_name'", f"= {state.get('stage_name')!r} is not stage {index}'s name {stage.name!r}")
+            bad("state.json 'stage_name'", f"= {shorten(state.get('stage_name'))} is not stage {index}'s name {stage.name!r}")
         if not is_int(step) or not 1 <= step <= stage.steps:
             bad("state.json 'step'", f"= {step!r} is not a step of stage {stage.name!r} (1..{stage.steps})")
         implied = sum(s.steps for s in self.stages[:index]) + step
@@ -1078,17 +1080,23 @@ def check_paths(args: TrainArgs) -> TrainArgs:
     trainer before (:mod:`workbench.ownedfolder`), or ``--overwrite``; no two of the output and
     checkpoint folders may be one folder or nested (a swap would delete the other); checkpoints
     stay outside the repository."""
-    out = args.out.resolve()
-    demo = args.demo_dir.resolve() if args.demo_dir is not None else default_demo_dir(out)
-    resume = args.resume.resolve() if args.resume is not None else None
-    ckpt = args.checkpoint_dir.resolve() if args.checkpoint_dir is not None else resume
+    out = _folder_path("--out", args.out)
+    demo = _folder_path("--demo-dir", args.demo_dir) if args.demo_dir is not None else default_demo_dir(out)
+    resume = _folder_path("--resume", args.resume) if args.resume is not None else None
+    ckpt = _folder_path("--checkpoint-dir", args.checkpoint_dir) if args.checkpoint_dir is not None else resume
     args = replace(args, out=out, demo_dir=demo, resume=resume, checkpoint_dir=ckpt)
     if resume is not None:
         if not resume.is_dir():
             raise ValueError(f"--resume {str(resume)!r} is not a folder; give the --checkpoint-dir of the run to "
                              f"continue")
-        if checkpoint.latest(resume) is None:
+        newest = checkpoint.latest(resume)
+        if newest is None:
             raise ValueError(f"--resume {str(resume)!r} holds no checkpoint (step-NNNNNNN folders)")
+        done = int(newest.name[len("step-"):])
+        if args.stop_after is not None and args.stop_after <= done:
+            raise ownedfolder.FolderError(f"--stop-after {args.stop_after} is at or below the step of the newest checkpoint "
+                             f"{str(newest)!r} ({done}): the resumed run would have nothing to do; give a "
+                             f"--stop-after above {done}, or leave it out")
     if args.stop_after is not None and ckpt is None:
         raise ValueError("--stop-after needs --checkpoint-dir (or --resume): without a checkpoint the stopped run "
                          "could not be continued")
@@ -1098,17 +1106,83 @@ def check_paths(args: TrainArgs) -> TrainArgs:
             raise ValueError(f"--checkpoint-dir {str(ckpt)!r} is inside the repository; checkpoints (hundreds of MB "
                              f"over a run) go outside it, e.g. /tmp/v2-ckpt")
         ownedfolder.check_place(ckpt, "--checkpoint-dir")  # a file, or below one: found now, not at a checkpoint
+        _check_checkpoint_dir(ckpt)
     folders = {"--out": out, "--demo-dir": demo, "--checkpoint-dir": ckpt}
     if resume is not None and resume != ckpt:
         folders["--resume"] = resume
     clash = ownedfolder.overlapping({k: v for k, v in folders.items() if v is not None})
     if clash:
         raise ValueError(f"{clash}; they must be apart, since writing one would delete the other")
-    for flag, path in (("--out", out), ("--demo-dir", demo)):
+    try:
+        here = Path.cwd().resolve()
+    except OSError:  # the current folder was deleted: nothing to stand in
+        here = None
+    for flag, path in (("--out", out), ("--demo-dir", demo), ("--checkpoint-dir", ckpt)):
+        if path is None:
+            continue
         if path == root or path in root.parents:
             raise ValueError(f"{flag} {str(path)!r} holds the repository; give a folder of its own")
+        if here is not None and (path == here or path in here.parents):
+            raise ownedfolder.FolderError(f"{flag} {str(path)!r} is the current folder or holds it; it would be replaced "
+                             f"(even with --overwrite, never): give a folder of its own, e.g. {flag} new-folder")
+    for flag, path in (("--out", out), ("--demo-dir", demo)):
         ownedfolder.check(path, flag, TRAIN_MODULE, args.overwrite)  # found now, not after an hour of training
     return args
+
+
+def _folder_path(flag: str, path: Path) -> Path:
+    """``path`` made absolute (a symlink followed), or :class:`ownedfolder.FolderError` naming
+    ``flag``: blank, a NUL byte, a symlink that leads nowhere (dangling, a loop), or a path the
+    file system refuses (a name too long, a component that is not searchable)."""
+    text = str(path) if isinstance(path, Path) else path
+    if not isinstance(text, str) or text.strip() == "" or "\0" in text:
+        raise ownedfolder.FolderError(f"{flag} {shorten(text) if str(text).strip() else repr(text)} is not a folder path: give a non-blank path "
+                                      f"without NUL bytes")
+    path = Path(text).expanduser()
+    try:
+        path = follow_link(path, flag, ownedfolder.FolderError)
+        resolved = path.resolve()
+        try:
+            os.stat(resolved)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    except RuntimeError:  # Path.resolve on a symlink loop further up
+        raise ownedfolder.FolderError(f"{flag} {shorten(text)} leads through a symlink loop; give another "
+                                      f"folder") from None
+    except OSError as e:
+        raise ownedfolder.FolderError(f"{flag} {shorten(text)} cannot be used ({e.strerror or e}); give "
+                                      f"another folder") from None
+    return resolved
+
+
+#: what a checkpoint folder of this trainer holds: checkpoints and the staging folder of one
+_CHECKPOINT_ENTRY = re.compile(r"^\.?step-\d{7}(\.partial)?$")
+
+
+def _check_checkpoint_dir(ckpt: Path) -> None:
+    """:class:`ownedfolder.FolderError` unless ``--checkpoint-dir`` is absent, empty or holds only
+    this trainer's checkpoints (``step-NNNNNNN`` folders, a ``.step-NNNNNNN.partial`` left by a
+    crash): old checkpoints are deleted as new ones are written, so nothing else may be there."""
+    if not ckpt.is_dir():
+        return
+    try:
+        foreign = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in ckpt.iterdir()
+                         if not (_CHECKPOINT_ENTRY.match(p.name) and p.is_dir() and not p.is_symlink()))
+    except OSError as e:
+        raise ownedfolder.FolderError(f"--checkpoint-dir {str(ckpt)!r} cannot be read ({e.strerror or e})") from None
+    if foreign:
+        shown = ", ".join(shorten(n, 60) for n in foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                                                   if len(foreign) > 5 else "")
+        raise ownedfolder.FolderError(f"--checkpoint-dir {str(ckpt)!r} holds what this trainer did not write "
+                                      f"({shown}); give a new or empty folder, or one that holds only this "
+                                      f"trainer's checkpoints (step-NNNNNNN)")
+
+
+def _path_type(text: str) -> Path:
+    """argparse type of the folder flags: a blank path would mean the current folder."""
+    if text.strip() == "" or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{repr(text) if text.strip() == '' else shorten(text)} is not a folder path: give a non-blank path")
+    return Path(text)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -1117,9 +1191,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="full", help=f"one of {sorted(PRESETS)} (default full)")
     parser.add_argument("--recipe", default="staged", help=f"one of {sorted(RECIPES)} (default staged)")
-    parser.add_argument("--out", type=Path, help=f"model folder, replaced whole at the end (default {V2_MODEL_DIR}): "
+    parser.add_argument("--out", type=_path_type, help=f"model folder, replaced whole at the end (default {V2_MODEL_DIR}): "
                         f"new, empty or written by this trainer, else --overwrite")
-    parser.add_argument("--demo-dir", type=Path, help=f"where the demo requests go, replaced whole (default: <out>-demo "
+    parser.add_argument("--demo-dir", type=_path_type, help=f"where the demo requests go, replaced whole (default: <out>-demo "
                         f"beside --out; {V2_DEMO_DIR} for the default --out)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="replace --out and --demo-dir even though this trainer did not write them (e.g. the "
@@ -1138,9 +1212,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser.add_argument("--device", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--experts-implementation", help="transformers experts kernel for training: one of "
                         f"{', '.join(EXPERTS_IMPLEMENTATIONS)} (default grouped_mm)")
-    parser.add_argument("--checkpoint-dir", type=Path, help="where training checkpoints go (outside the repo; one "
+    parser.add_argument("--checkpoint-dir", type=_path_type, help="where training checkpoints go (outside the repo; one "
                         "run at a time)")
-    parser.add_argument("--resume", type=Path, help="checkpoint directory to continue from (its newest checkpoint)")
+    parser.add_argument("--resume", type=_path_type, help="checkpoint directory to continue from (its newest checkpoint)")
     ns = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(ns).items() if v is not None and k not in ("preset", "recipe")}
     try:
