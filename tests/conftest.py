@@ -28,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def torch_settings():
+    """The embedded model's trainer sets 2 threads and deterministic algorithms process-wide; put them back."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Factory: a loadable tiny checkpoint directory of a text MoE architecture."""

@@ -38,15 +38,6 @@ from workbench.models.embedded.v2.train import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def torch_settings():
-    """Training sets 2 threads and deterministic algorithms process-wide; put them back."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-
-
 def _refused(capsys, argv, *fragments, call=parse_args) -> str:
     with pytest.raises(SystemExit) as exc:
         call(argv)

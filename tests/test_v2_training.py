@@ -36,15 +36,6 @@ SMOKE = make_args("smoke")
 TRAIN_MODULE = "workbench.models.embedded.v2.train"
 
 
-@pytest.fixture
-def torch_settings():
-    """Training sets 2 threads and deterministic algorithms process-wide; put them back."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-
-
 def _digest(model) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):

@@ -51,7 +51,9 @@ def _sibling(path: Path, kind: str) -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _siblings(path: Path, kind: str) -> list[Path]:
+def siblings(path: Path, kind: str) -> list[Path]:
+    """The hidden siblings ``.<name>.<kind>-*`` of ``path`` (a writer's staging, old or partial
+    copies; [] when its folder cannot be listed)."""
     prefix = f".{path.name}.{kind}-"
     try:
         return [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
@@ -214,10 +216,10 @@ def write_manifest(folder: Path, writer: str) -> None:
 def recover(path: Path) -> None:
     """Undo what a killed writer of ``path`` left (call under the lock: that writer is dead): an
     old folder moved aside by an unfinished two-rename swap comes back; staging folders go."""
-    olds = sorted(_siblings(path, "old"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(siblings(path, "old"), key=lambda p: p.stat().st_mtime)
     if olds and not path.exists():
         os.rename(olds.pop(), path)
-    for p in [*olds, *_siblings(path, "partial")]:
+    for p in [*olds, *siblings(path, "partial")]:
         shutil.rmtree(p, ignore_errors=True)
 
 

@@ -40,7 +40,7 @@ from workbench import jsonio
 from workbench.errors import (InputError, StoreBusyError, StoreError, StoreExistsError,
                               WorkbenchError)
 from workbench.fileio import read_bytes_bounded, shorten
-from workbench.ownedfolder import drop_lock, take_lock
+from workbench.ownedfolder import drop_lock, siblings, take_lock
 from workbench.ownedfolder import exchange as _exchange
 
 #: test hook: called as ``FAULT_HOOK(op, path)`` before every file-system step of a store's
@@ -57,14 +57,6 @@ def io_step(op: str, path: Path) -> None:
 
 def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
-
-
-def _siblings(path: Path, kind: str) -> list[Path]:
-    prefix = f".{path.name}.{kind}-"
-    try:
-        return [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
-    except OSError:
-        return []
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -389,13 +381,13 @@ class Destination:
     # -- crash leftovers -----------------------------------------------------------------------
     def _recover(self) -> None:
         """Undo what a killed writer of this path left (we hold the lock, so it is dead)."""
-        olds = sorted(_siblings(self.path, "old"), key=lambda p: p.stat().st_mtime)
+        olds = sorted(siblings(self.path, "old"), key=lambda p: p.stat().st_mtime)
         if olds and (not self.path.exists() or _is_empty_dir(self.path)):
             # killed between the two renames of a non-atomic replace: the old store comes back
             if _is_empty_dir(self.path):
                 self.path.rmdir()
             os.rename(olds.pop(), self.path)
-        for p in [*olds, *_siblings(self.path, "staging")]:
+        for p in [*olds, *siblings(self.path, "staging")]:
             shutil.rmtree(p, ignore_errors=True)
         if self.path.is_dir() and not self.path.is_symlink():
             _remove_temp_files(self.path)
