@@ -685,8 +685,9 @@ def test_browser_corrupt_store_and_oversize_upload(source, tmp_path, embedded_di
     is garbage (the issue's blank page): the page renders the good run and names the bad one;
     opening it shows the reason; a 50 MB upload is refused in the page with the limit, nothing
     is sent, and the session still works afterwards."""
-    from test_dashboard_browser import (CHROMIUM, CHROMIUM_ARGS, _free_port, app_tracebacks,
-                                        plots, start_server, stop_server, wait_for)
+    from test_dashboard_browser import (CHROMIUM, CHROMIUM_ARGS, PAGE_TIMEOUT_MS, _free_port,
+                                        app_tracebacks, plots, start_server, stop_server,
+                                        wait_for)
 
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium); the browser test needs it")
@@ -707,6 +708,7 @@ def test_browser_corrupt_store_and_oversize_upload(source, tmp_path, embedded_di
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1300})
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             closed: list[str] = []
