@@ -38,6 +38,35 @@ def torch_settings():
 
 
 @pytest.fixture(scope="session")
+def no_hang():
+    """``call(fn, within_s)``: ``fn()``'s value (or its exception, re-raised here), failing the
+    test if it has not returned after ``within_s`` — a hang catcher for inputs that could block
+    for ever (a FIFO read), never a speed check: ``within_s`` is far above any busy machine's
+    time, and speed goals live in benchmarks/."""
+    import threading
+
+    def call(fn, within_s: float = 120.0):
+        out: dict = {}
+
+        def go():
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # re-raised in the test's thread
+                out["error"] = e
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        t.join(within_s)
+        if t.is_alive():
+            pytest.fail(f"still running after {within_s} s: it hangs")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    return call
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Factory: a loadable tiny checkpoint directory of a text MoE architecture."""
     from transformers.utils import logging as hf_logging

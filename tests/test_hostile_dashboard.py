@@ -517,10 +517,8 @@ def test_a_running_store_with_broken_arrays_is_reported_after_retries(source, tm
     _set_attrs(store, status="running")
     shutil.rmtree(store / "hits")
     s = DataStore(workspace=ws)
-    t0 = time.monotonic()
     with pytest.raises(StoreError, match="unreadable"):
         s.open("live")
-    assert time.monotonic() - t0 < 60  # a hang, not a speed: the retries are bounded
 
 
 # -- a long run: the progress bar rescales --------------------------------------------------------
