@@ -95,16 +95,23 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, to
         assert _curves(trainer) == whole_curves, stop
 
 
-def test_an_interrupted_and_resumed_cli_run_writes_the_same_model(tmp_path, torch_settings):
+def test_an_interrupted_and_resumed_cli_run_writes_the_same_model(tmp_path, torch_settings, capsys):
     def cli(name: str, *extra: str) -> dict:
         return main(["--preset", "smoke", "--out", str(tmp_path / name), "--demo-dir", str(tmp_path / f"{name}-demo"),
                      *extra])
 
-    whole = cli("whole")
+    total = sum(s.steps for s in stages(make_args("smoke")))
+    whole = cli("whole")  # stderr is no terminal here: no bar unless asked
+    assert "training steps" not in capsys.readouterr().err
     ckpt = str(tmp_path / "ckpt")
-    assert cli("resumed", "--checkpoint-dir", ckpt, "--stop-after", "5") == {"interrupted": True}
+    assert cli("resumed", "--checkpoint-dir", ckpt, "--stop-after", "5", "--progress") == {"interrupted": True}
     assert not (tmp_path / "resumed").exists()  # nothing published by an interrupted run
-    resumed = cli("resumed", "--resume", ckpt)
+    out, err = capsys.readouterr()
+    assert "training steps:" in err and f"| 5/{total} [" in err, err[-400:]  # stopped after 5
+    assert "training steps" not in out  # the log stays on stdout, the bar on stderr
+    resumed = cli("resumed", "--resume", ckpt, "--progress")
+    err = capsys.readouterr().err
+    assert "training steps: 100%" in err and f"{total}/{total} [" in err, err[-400:]  # resumed at step 5
     assert resumed["resumed"] and not whole["resumed"]
     weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("whole", "resumed")]
     assert weights[0] == weights[1]

@@ -7,8 +7,9 @@
 ``workbench knobs`` every knob with its default, bounds and doc.
 ``workbench export-trace`` a run store's routing as a .jsonl, .npy or .wbtrace trace file.
 
-Long commands (refactor, calibrate, calibrate-macs, sweep) draw progress bars with an ETA on
-stderr when it is a terminal (``--progress`` forces them, ``--no-progress`` hides them).
+Long commands (refactor, calibrate, calibrate-macs, sweep; the trainer too) draw progress bars
+with an ETA on stderr when it is a terminal (``--progress`` forces them, ``--no-progress`` hides
+them).
 
 Bad input (unknown knob, bad value, missing image or model, empty or too long prompt, an existing
 store without ``--overwrite``) prints one ``workbench: error: …`` line and exits with status 2;

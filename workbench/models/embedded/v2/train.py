@@ -69,6 +69,7 @@ from transformers import Qwen2VLImageProcessorPil, Qwen3VLMoeForConditionalGener
 from workbench import ownedfolder
 from workbench.errors import WorkbenchError
 from workbench.fileio import shorten
+from workbench.progress import bar, wanted
 from workbench.telemetry.destination import follow_link
 
 from . import V2_DEMO_DIR, V2_MODEL_DIR, checkpoint
@@ -202,10 +203,11 @@ class TrainArgs:
     eval_every: int = 0  # held-out evaluation of eval_n requests every N steps (0: only at the end)
     eval_n: int = 400
     overwrite: bool = False  # replace out / demo_dir even when this trainer did not write them
+    progress: bool | None = None  # a bar on stderr: None = only when stderr is a terminal (workbench.progress)
 
 
 RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n",
-               "overwrite")
+               "overwrite", "progress")
 """TrainArgs fields that do not change the weights (a resumed run may differ in them)."""
 
 RECIPES: dict[str, dict] = {
@@ -728,11 +730,15 @@ class Trainer:
 
     # ---------------------------------------------------------------- running
     def run(self, resume: dict | None = None) -> None:
-        """Run every stage from the start or from ``resume`` (:meth:`load`'s state)."""
+        """Run every stage from the start or from ``resume`` (:meth:`load`'s state). A bar over
+        all optimizer steps (rate, ETA) goes to stderr when ``args.progress`` asks for it
+        (:func:`workbench.progress.wanted`); the log lines stay on stdout."""
         start = resume["stage"] if resume else 0
-        for index, stage in enumerate(self.stages):
-            if index >= start:
-                self._run_stage(index, stage, resume if resume and index == start else None)
+        with bar(self.total_steps, "training steps", enabled=wanted(self.args.progress),
+                 initial=self.global_step, unit="step") as self.bar:
+            for index, stage in enumerate(self.stages):
+                if index >= start:
+                    self._run_stage(index, stage, resume if resume and index == start else None)
         self.model.eval()
 
     def _optimizer(self, stage: Stage) -> tuple[torch.optim.Optimizer, list]:
@@ -791,6 +797,7 @@ class Trainer:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
+                self.bar.update(1)
                 spent = time.perf_counter() - tick
                 self.elapsed += spent
                 self.rates[stage.kind] = spent if stage.kind not in self.rates else 0.9 * self.rates[stage.kind] + 0.1 * spent
@@ -1198,6 +1205,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="replace --out and --demo-dir even though this trainer did not write them (e.g. the "
                              "shipped model, which also holds workbench/macs)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar with an ETA on stderr (default: only when stderr is a terminal; "
+                             "--no-progress never); the log stays on stdout")
     for flag, kind, what in (("--steps", int, "mixed-stage optimizer steps"),
                              ("--vision-steps", int, "vision warm-up steps"),
                              ("--seed", int, "init + training-data seed"),
