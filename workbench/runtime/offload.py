@@ -52,7 +52,6 @@ is back in place, whatever happened inside.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
@@ -62,36 +61,17 @@ from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.models.hooks import Hooks
 from workbench.policies.active_evict import ActiveEvict, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
+from workbench.runtime.executor import Executor, LayerCall, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
-from workbench.runtime.transfer import Transfer, TransferEngine
+from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
 from workbench.sim.placement import Placement
 from workbench.sim.profiles import get_profile
 from workbench.sim.step import Access, Outcome, Simulator
-from workbench.telemetry.events import CLOCKS, LANES, LayerEvent, Span
+from workbench.telemetry.events import CLOCKS, LayerEvent, Span
 
-_STALL, _HOST = LANES.index("stall"), LANES.index("host")
 _MODELED = CLOCKS.index("modeled")
-
-
-class StepProbe:
-    """What the step in progress produced: its layer events, measured stall/host spans and
-    the modeled clock's spans and totals."""
-
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0  # run start (perf_counter)
-        self.step = -1
-        self.begin(-1)
-
-    def begin(self, step: int, modeled_now: float = 0.0) -> None:
-        self.step = step
-        self.layers: list[LayerEvent] = []
-        self.stalls: list[Span] = []
-        self.modeled: list[Span] = []
-        self.modeled_start = modeled_now  # the compute lane when the step began
-        self.stall_modeled_s = 0.0
-        self.moved = 0  # experts copied (modeled: every load and prefetch)
 
 
 class Offloader:
@@ -165,14 +145,11 @@ class Offloader:
         self.rank_of_expert = rank_of_expert
         self.low_precision = low_precision
         self._low: set[int] = set()  # this layer call's low-precision experts
-        #: (layer call, expert) computations run in low precision
-        self.low_precision_runs = 0
         #: (token, expert) assignments the router made, and those the dispatch dropped
         self.dispatch_assigned = 0
         self.dispatch_dropped = 0
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
-        self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         #: the real tokens of the step in progress (bool [B·T] on the device, row-major like
         #: the experts' flattened input; None: every token is real): a batch's left padding
@@ -212,7 +189,8 @@ class Offloader:
 
             shapes = subexpert_shapes(shapes, part)
         self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
-        self.engine: TransferEngine | None = None
+        self.executor = Executor(self.slots, self.store, probe, part=part,
+                                 low_precision=low_precision, prism=prism is not None)
         self._saved: list[tuple[MoEBlock, dict]] = []
         self._hooks = Hooks()  # each experts module's forward override
 
@@ -233,6 +211,16 @@ class Offloader:
         return self.dispatch is not None or self.token_mask is not None
 
     @property
+    def engine(self) -> TransferEngine | None:
+        """The transfers from the host store (None: not installed, or nothing offloaded)."""
+        return self.executor.engine
+
+    @property
+    def low_precision_runs(self) -> int:
+        """(layer call, expert) computations run in low precision."""
+        return self.executor.low_precision_runs
+
+    @property
     def cache(self):
         """The expert cache's bookkeeping (one pool on one device)."""
         return self.sim.pools[0]
@@ -241,7 +229,7 @@ class Offloader:
     def __enter__(self) -> "Offloader":
         try:
             if self.offloaded:
-                self.engine = TransferEngine(self.device)
+                self.executor.engine = TransferEngine(self.device)
             for b in self.layout.blocks:
                 self._install(b)
         except BaseException:
@@ -323,9 +311,9 @@ class Offloader:
                 p.data = self.store.layer(b.index)[name].to(self.device).reshape(p.shape)
             if b.index in self._relaid:
                 self._to_subexperts(b, back=True)
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        if self.executor.engine is not None:
+            self.executor.engine.close()
+            self.executor.engine = None
 
     # -- the interception point ------------------------------------------------------------
     def _layer(self, b: MoEBlock, original: Callable, view: ExpertsView,
@@ -408,8 +396,9 @@ class Offloader:
                     else None),
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, keys, out)
-        result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
-                               top_k_weights, args, kwargs)
+        result = self.executor.execute(LayerCall(
+            b, original, view, hidden_states, top_k_index, top_k_weights, args, kwargs, ev,
+            routed, self._low, self._sentinels), out)
         if self.prism is not None:  # which sub-experts each slot ran, for the store
             ev.sub_chosen = view.take()
         return result
@@ -427,159 +416,6 @@ class Offloader:
         probe.moved += out.moved
         probe.modeled.extend(Span(_MODELED, lane, probe.step, layer, expert, start, end)
                              for lane, layer, expert, start, end in out.spans)
-
-    # -- execution of the core's schedule ----------------------------------------------------
-    def _execute(self, b: MoEBlock, original: Callable, view: ExpertsView, ev: LayerEvent,
-                 out: Outcome, routed: torch.Tensor, hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                 kwargs: dict) -> torch.Tensor:
-        layer = b.index
-        result = None
-        loading: dict[int, Transfer] = {}  # this layer's misses in flight
-        schedule, i = out.schedule, 0
-        while i < len(schedule):
-            action = schedule[i]
-            i += 1
-            kind = action[0]
-            if kind == "load":
-                _, e, slot, victim = action
-                self._pf_inflight.pop(victim, None)
-                loading[e] = self._submit((layer, e), slot)
-            elif kind == "prefetch":
-                _, key, slot, victim = action
-                self._pf_inflight.pop(victim, None)
-                self._pf_inflight[key] = self._submit(key, slot)
-            elif kind == "pre_evict":
-                self._pf_inflight.pop(action[1], None)
-            elif kind == "hits":
-                if out.pinned and self.prism is not None and not view.whole:
-                    ids = routed.tolist()  # the routed experts' resident weights, as slices
-                    at = routed.long()
-                    own = {n: getattr(b.experts, n)[at] for n in b.expert_params}
-                    if self._low:  # ReaLB: those experts' sub-experts in low precision
-                        result = self._run_split(b, view, ids, own, hidden_states,
-                                                 top_k_index, top_k_weights, args, kwargs)
-                        continue
-                    result = view(own, ids, b.num_experts, hidden_states, top_k_index,
-                                  top_k_weights, *args, all_routed=routed, **kwargs)
-                    continue
-                if out.pinned:
-                    idx, w = top_k_index, top_k_weights
-                    low = sorted(self._low)
-                    if low:  # those experts run below, in low precision
-                        mine = torch.isin(idx, torch.as_tensor(low, device=idx.device))
-                        idx = idx.masked_fill(mine, b.num_experts)
-                    if self._sentinels or low:  # the model's own forward: no sentinel ids
-                        gone = idx >= b.num_experts
-                        idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
-                    result = original(hidden_states, idx, w, *args, **kwargs)
-                    if self.prism is not None:  # the shortcut: every routed slot ran all
-                        view.record_all()
-                    if low:
-                        own = {n: getattr(b.experts, n)[low] for n in b.expert_params}
-                        result = result + self._run_low(b, view, low, own, hidden_states,
-                                                        top_k_index, top_k_weights, args,
-                                                        kwargs)
-                    continue
-                for e in out.hits:  # a prefetched expert computes once its copy has landed
-                    self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
-                if out.hits:  # every routed expert a hit: no token needs masking
-                    every = routed if len(out.hits) == len(routed) and self.part == 1 else None
-                    result = self._run_slots(b, view, out.hits, action[1], hidden_states,
-                                             top_k_index, top_k_weights, args, kwargs, every)
-            elif kind == "host":
-                t = time.perf_counter()
-                part = self._run_on_host(b, view, action[1], hidden_states, top_k_index,
-                                         top_k_weights, args, kwargs)
-                self._span(_HOST, layer, action[1], t)
-                result = part if result is None else result + part
-            elif kind == "miss":
-                e = action[1]
-                tr = loading.pop(e)
-                self._wait(ev, layer, e, tr)
-                batch, slots = [e], [tr.slot]
-                # the next misses whose copies have already landed compute in the same call
-                # (nothing waits for them, so no miss blocks on another's transfer)
-                while i < len(schedule) and schedule[i][0] == "miss" \
-                        and loading[schedule[i][1]].done:
-                    nxt = loading.pop(schedule[i][1])
-                    self._wait(ev, layer, schedule[i][1], nxt)  # collects a copy error
-                    batch.append(schedule[i][1])
-                    slots.append(nxt.slot)
-                    i += 1
-                part = self._run_slots(b, view, batch, slots, hidden_states, top_k_index,
-                                       top_k_weights, args, kwargs)
-                result = part if result is None else result + part
-        if result is None:  # no token routed here (empty input)
-            result = torch.zeros_like(hidden_states)
-        return result
-
-    def _submit(self, key: tuple[int, int], slot: int) -> Transfer:
-        assert self.engine is not None
-        return self.engine.submit(key, slot, self.slots.view(slot), self.store.expert(*key))
-
-    def _wait(self, ev: LayerEvent, layer: int, e: int, tr: Transfer | None) -> None:
-        if tr is None:
-            return
-        t = time.perf_counter()
-        waited = tr.wait()
-        if waited > 0:
-            ev.stall_s += waited
-            self._span(_STALL, layer, e, t)
-
-    def _run_slots(self, b: MoEBlock, view: ExpertsView, experts: list[int], slots: list[int],
-                   hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor, args: tuple, kwargs: dict,
-                   all_routed: torch.Tensor | None = None) -> torch.Tensor:
-        """``experts``' share of the layer output, over their ``slots`` gathered compactly
-        (``all_routed``: see :meth:`ExpertsView.__call__`); the ones ReaLB put in low
-        precision this call run apart (:meth:`_run_low`)."""
-        weights = self.slots.gather(slots)
-        if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
-            return view.run_subexperts(weights, experts, b.num_experts, hidden_states,
-                                       top_k_index, top_k_weights, *args, **kwargs)
-        if not any(e in self._low for e in experts):
-            return view(weights, experts, b.num_experts, hidden_states, top_k_index,
-                        top_k_weights, *args, all_routed=all_routed, **kwargs)
-        return self._run_split(b, view, experts, weights, hidden_states, top_k_index,
-                               top_k_weights, args, kwargs)
-
-    def _run_split(self, b: MoEBlock, view: ExpertsView, experts: list[int],
-                   weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                   kwargs: dict) -> torch.Tensor:
-        """``experts``' share of the layer output (``weights`` theirs), those ReaLB put in low
-        precision this call apart (:meth:`_run_low`), the others natively."""
-        low = [i for i, e in enumerate(experts) if e in self._low]
-        nat = [i for i in range(len(experts)) if i not in set(low)]
-        out = self._run_low(b, view, [experts[i] for i in low],
-                            {n: t[low] for n, t in weights.items()}, hidden_states,
-                            top_k_index, top_k_weights, args, kwargs)
-        if nat:
-            out = out + view({n: t[nat] for n, t in weights.items()},
-                             [experts[i] for i in nat], b.num_experts, hidden_states,
-                             top_k_index, top_k_weights, *args, **kwargs)
-        return out
-
-    def _run_low(self, b: MoEBlock, view: ExpertsView, experts: list[int],
-                 weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                 kwargs: dict) -> torch.Tensor:
-        """``experts``' share in ``low_precision``: each expert's weight tensors and the
-        layer's input quantised → dequantised (W4A4 for NVFP4, W8A8 for FP8), then the model's
-        own experts forward."""
-        from workbench.precision import fake_quant
-
-        p = self.low_precision
-        if self.prism is not None and not getattr(view, "whole", True):
-            # sub-expert layout: quantised in the model's own (block groups of its matrices)
-            q = view.fake_quant(weights, experts, p)
-        else:
-            q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
-                 for n, t in weights.items()}
-        self.low_precision_runs += len(experts)
-        return view(q, experts, b.num_experts, fake_quant(hidden_states, p), top_k_index,
-                    top_k_weights, *args, **kwargs)
 
     def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int],
                  ev: LayerEvent) -> set[int]:
@@ -599,32 +435,6 @@ class Offloader:
         visual = np.bincount(owner[vis_tok[t]], minlength=R).astype(np.float64)
         d = ev.realb = self.balance.decide(b.index, load, visual)
         return {e for e in experts if d.low[self.rank_of_expert[e]]}
-
-    def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,
-                     hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Expert ``expert``'s share of the layer output, computed by the model's own experts
-        forward on the host over the host store's copy (a one-expert view, no copy of the
-        weights); with sub-expert offloading ``expert`` is a sub-expert key, its host rows a
-        sub-expert block."""
-        cpu = torch.device("cpu")
-        host = self.store.layer(b.index)
-        if self.part > 1:
-            out = view.run_subexperts({n: host[n][expert:expert + 1] for n in b.expert_params},
-                                      [expert], b.num_experts, hidden_states.to(cpu),
-                                      top_k_index.to(cpu), top_k_weights.to(cpu), *args,
-                                      **kwargs)
-            return out.to(hidden_states.device)
-        out = view({n: host[n][expert:expert + 1] for n in b.expert_params}, [expert],
-                   b.num_experts, hidden_states.to(cpu), top_k_index.to(cpu),
-                   top_k_weights.to(cpu), *args, **kwargs)
-        return out.to(hidden_states.device)
-
-    def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:
-        t_end = time.perf_counter()
-        self.probe.stalls.append(Span(
-            clock=0, lane=lane, step=self.probe.step, layer=layer, expert=expert,
-            start=t_start - self.probe.t0, end=t_end - self.probe.t0))
 
     # -- features before the step -------------------------------------------------------------
     def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

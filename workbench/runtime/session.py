@@ -41,7 +41,8 @@ from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import measured_spans
-from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.executor import StepProbe
+from workbench.runtime.offload import Offloader
 from workbench.runtime.result import RunResult
 from workbench.sim.costs import Prices
 from workbench.sim.dispatch import DISPATCH
