@@ -58,7 +58,7 @@ class StepProbe:
 
 
 @dataclass(slots=True)
-class LayerCall:
+class ComputeCall:
     """One MoE layer call as the executor runs it: the block, the model's own experts forward
     (``original``), the view that runs it over other weights, the call's (rewritten) routing
     and passthrough arguments, its event, its distinct routed experts (ascending, a tensor),
@@ -102,7 +102,7 @@ class Executor:
         #: (layer call, expert) computations run in low precision
         self.low_precision_runs = 0
 
-    def execute(self, call: LayerCall, out: Outcome) -> torch.Tensor:
+    def execute(self, call: ComputeCall, out: Outcome) -> torch.Tensor:
         """Run ``out``'s schedule for ``call``; returns the layer output."""
         layer = call.block.index
         result = None
@@ -158,7 +158,7 @@ class Executor:
             start=t_start - self.probe.t0, end=t_end - self.probe.t0))
 
     # -- the computations -----------------------------------------------------------------------
-    def run_hits(self, c: LayerCall, hits: list[int], slots: list[int]
+    def run_hits(self, c: ComputeCall, hits: list[int], slots: list[int]
                  ) -> torch.Tensor | None:
         """The hits' share (None: no hits); a prefetched hit computes once its copy landed."""
         layer = c.block.index
@@ -170,7 +170,7 @@ class Executor:
         every = c.routed if len(hits) == len(c.routed) and self.part == 1 else None
         return self.run_slots(c, hits, slots, every)
 
-    def run_misses(self, c: LayerCall, schedule: list, i: int, loading: dict[int, Transfer]
+    def run_misses(self, c: ComputeCall, schedule: list, i: int, loading: dict[int, Transfer]
                    ) -> tuple[torch.Tensor, int]:
         """The miss at ``schedule[i]`` once its copy landed, with the next misses whose copies
         have already landed (nothing waits for them, so no miss blocks on another's
@@ -190,7 +190,7 @@ class Executor:
             i += 1
         return self.run_slots(c, batch, slots), i
 
-    def run_pinned(self, c: LayerCall) -> torch.Tensor:
+    def run_pinned(self, c: ComputeCall) -> torch.Tensor:
         """A pinned layer: every routed expert over its resident weights — the model's own
         forward, the low-precision experts apart; MoE-Prism's sub-experts as slices."""
         b, view = c.block, c.view
@@ -217,7 +217,7 @@ class Executor:
             result = result + self.run_low(c, low, own)
         return result
 
-    def run_slots(self, c: LayerCall, experts: list[int], slots: list[int],
+    def run_slots(self, c: ComputeCall, experts: list[int], slots: list[int],
                   all_routed: torch.Tensor | None = None) -> torch.Tensor:
         """``experts``' share of the layer output, over their ``slots`` gathered compactly
         (``all_routed``: see :meth:`ExpertsView.__call__`); the ones in low precision this
@@ -231,7 +231,7 @@ class Executor:
             return c.run(weights, experts, all_routed=all_routed)
         return self.run_split(c, experts, weights)
 
-    def run_split(self, c: LayerCall, experts: list[int], weights: dict[str, torch.Tensor]
+    def run_split(self, c: ComputeCall, experts: list[int], weights: dict[str, torch.Tensor]
                   ) -> torch.Tensor:
         """``experts``' share of the layer output (``weights`` theirs), those in low precision
         this call apart (:meth:`run_low`), the others natively."""
@@ -244,7 +244,7 @@ class Executor:
                               [experts[i] for i in nat])
         return out
 
-    def run_low(self, c: LayerCall, experts: list[int], weights: dict[str, torch.Tensor]
+    def run_low(self, c: ComputeCall, experts: list[int], weights: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
         """``experts``' share in ``low_precision``: each expert's weight tensors and the
         layer's input quantised → dequantised (W4A4 for NVFP4, W8A8 for FP8), then the model's
@@ -262,7 +262,7 @@ class Executor:
         return c.view(q, experts, c.block.num_experts, fake_quant(c.hidden_states, p),
                       c.top_k_index, c.top_k_weights, *c.args, **c.kwargs)
 
-    def run_on_host(self, c: LayerCall, expert: int) -> torch.Tensor:
+    def run_on_host(self, c: ComputeCall, expert: int) -> torch.Tensor:
         """Expert ``expert``'s share of the layer output, computed by the model's own experts
         forward on the host over the host store's copy (a one-expert view, no copy of the
         weights); with sub-expert offloading ``expert`` is a sub-expert key, its host rows a

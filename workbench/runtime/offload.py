@@ -61,9 +61,12 @@ from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.models.hooks import Hooks
 from workbench.policies.active_evict import ActiveEvict, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
-from workbench.runtime.executor import Executor, LayerCall, StepProbe
+from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
+from workbench.runtime.stages import (HOOKS, STAGES, TOKEN_CONTEXT, LayerCall, StageSetup,
+                                      hooked)
+from workbench.runtime.stages import build as build_stages
 from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
 from workbench.sim.placement import Placement
@@ -72,6 +75,8 @@ from workbench.sim.step import Access, Outcome, Simulator
 from workbench.telemetry.events import CLOCKS, LayerEvent, Span
 
 _MODELED = CLOCKS.index("modeled")
+#: every stage's run-result counters
+STAGE_COUNTS = tuple(name for cls in STAGES for name in cls.COUNTS)
 
 
 class Offloader:
@@ -109,11 +114,24 @@ class Offloader:
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
                  hybrid: bool | Callable[[int], bool] = False, dispatch=None,
                  balance=None, rank_of_expert: np.ndarray | None = None,
-                 low_precision: str = "nvfp4", prism=None, prism_offload: bool = False
-                 ) -> None:
+                 low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
+                 macs_centroids: torch.Tensor | None = None) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
+        self.stages = build_stages(StageSetup(
+            layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
+            active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
+            pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
+            prism_offload, macs_centroids))
+        self._hooked = {h: hooked(self.stages, h) for h in HOOKS}
+        self._before_mask = [s for s in self._hooked["route"] if s.before_mask]
+        self._after_mask = [s for s in self._hooked["route"] if not s.before_mask]
+        self._routes_nowhere = any(s.routes_nowhere for s in self.stages)
+        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
+        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in self.stages))
+        if balance is not None:  # ReaLB reads the tokens' modality
+            self.needs |= {TOKEN_CONTEXT}
         self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
@@ -124,7 +142,6 @@ class Offloader:
         self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
-        self.dispatch = dispatch if dispatch is not None and dispatch.name != "topk" else None
         #: ReaLB (``workbench.sim.realb.ReaLB``; None: every expert native): per layer call it
         #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
         #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
@@ -145,9 +162,6 @@ class Offloader:
         self.rank_of_expert = rank_of_expert
         self.low_precision = low_precision
         self._low: set[int] = set()  # this layer call's low-precision experts
-        #: (token, expert) assignments the router made, and those the dispatch dropped
-        self.dispatch_assigned = 0
-        self.dispatch_dropped = 0
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
@@ -159,17 +173,9 @@ class Offloader:
         self.token_mask: torch.Tensor | None = None
         self._mask_np: np.ndarray | None = None
         #: per flattened position of the step in progress: modality code and request (for
-        #: a dispatch that reads them, MACS; None: unknown — all text, one request)
+        #: the stages that need the token context; None: unknown — all text, one request)
         self._step_modality: np.ndarray | None = None
         self._step_request: np.ndarray | None = None
-        #: MACS: the calibrated centroids μ [L, E, D] (a torch tensor on the device; None:
-        #: none, η acts as 0) and the assignments it rerouted
-        self.macs_centroids: torch.Tensor | None = None
-        self.dispatch_rerouted = 0
-        #: Expanded Drop: (token, expert) pairs it added beyond the router's top-k
-        self.dispatch_added = 0
-        #: MACS: this layer call's semantic weights w(x) [tokens] (None: every token 1)
-        self._token_weights: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
         first = layout.blocks[0]
@@ -208,17 +214,28 @@ class Offloader:
     @property
     def _sentinels(self) -> bool:
         """Whether routing may hold the "routed nowhere" id E (dispatch drops, masked rows)."""
-        return self.dispatch is not None or self.token_mask is not None
+        return self._routes_nowhere or self.token_mask is not None
+
+    def counts(self) -> dict[str, int]:
+        """The run's counters: the core's, the executor's and every stage's (0 when off)."""
+        out = dict.fromkeys(STAGE_COUNTS, 0)
+        for st in self.stages:
+            out.update(st.counts())
+        out["redundant_prefetches"] = self.redundant_prefetches
+        out["low_precision_runs"] = self.executor.low_precision_runs
+        return out
+
+    def __getattr__(self, name: str):
+        # a stage's counter by its name (e.g. ``dispatch_dropped``): 0 while the stage is off
+        if name in STAGE_COUNTS:
+            return next((getattr(st, name) for st in self.__dict__.get("stages", ())
+                         if name in st.COUNTS), 0)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def engine(self) -> TransferEngine | None:
         """The transfers from the host store (None: not installed, or nothing offloaded)."""
         return self.executor.engine
-
-    @property
-    def low_precision_runs(self) -> int:
-        """(layer call, expert) computations run in low precision."""
-        return self.executor.low_precision_runs
 
     @property
     def cache(self):
@@ -333,13 +350,14 @@ class Offloader:
         if mask is not None:  # padding and finished requests: routed nowhere
             top_k_index = top_k_index.masked_fill(~mask[:, None], b.num_experts)
             top_k_weights = top_k_weights.masked_fill(~mask[:, None], 0)
-        dropped = rerouted = None
-        if self.dispatch is not None:
-            top_k_index, top_k_weights, dropped, rerouted = self._dispatch_routing(
-                b, hidden_states, top_k_index, top_k_weights)
+        call = LayerCall(b, hidden_states, top_k_index, top_k_weights, self.probe.step, pinned,
+                         mask, self._mask_np, self._step_modality, self._step_request)
+        for st in self._after_mask:
+            st.route(call)
+        top_k_index, top_k_weights = call.ids, call.weights
         ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
-        ev.dropped_ids, ev.rerouted_ids = dropped, rerouted
-        ev.token_weights, self._token_weights = self._token_weights, None
+        ev.dropped_ids, ev.rerouted_ids = call.dropped, call.rerouted
+        ev.token_weights = call.token_weights
         pred, p_next = self._lookahead(b, hidden_states)
         if self.lookahead_depth > 0:
             ev.pred_ids = pred
@@ -396,7 +414,7 @@ class Offloader:
                     else None),
             pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
         self._note_outcome(ev, keys, out)
-        result = self.executor.execute(LayerCall(
+        result = self.executor.execute(ComputeCall(
             b, original, view, hidden_states, top_k_index, top_k_weights, args, kwargs, ev,
             routed, self._low, self._sentinels), out)
         if self.prism is not None:  # which sub-experts each slot ran, for the store
@@ -555,123 +573,6 @@ class Offloader:
             return ae.pre_evict(cache, nxt, demand, p_next, protected)
 
         return hook
-
-    def _dispatch_routing(self, b: MoEBlock, hidden_states: torch.Tensor,
-                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
-                                     np.ndarray | None]:
-        """Capacity-aware dispatch of this layer call's tokens (one step, one layer) by the
-        core's rule (:meth:`workbench.sim.dispatch.Dispatch.apply`, the one replay runs): a
-        dropped assignment gets id E — the experts forward's "not here" sentinel, which
-        :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
-        theirs, not renormalised: CAI-MoE's default); MACS may move an assignment to another
-        expert instead (new id and weight). Returns the routing, the dropped experts ``[T, k]``
-        (int16, -1 = kept; None: nothing dropped) and the experts rerouted away from (same
-        form) for the layer event."""
-        if self.token_mask is not None:  # on the real tokens only: padding takes no capacity
-            rows = self.token_mask.nonzero().squeeze(1)
-            idx, w, sub, rer = self._dispatch_rows(b, hidden_states[rows], top_k_index[rows],
-                                                   top_k_weights[rows], self._mask_np)
-            if sub is None and rer is None and idx.shape[1] == top_k_index.shape[1]:
-                return top_k_index, top_k_weights, None, None
-            if idx.shape[1] > top_k_index.shape[1]:  # Expanded Drop widened the routing
-                extra = idx.shape[1] - top_k_index.shape[1]
-                n_all = top_k_index.shape[0]
-                top_k_index = torch.cat([top_k_index, top_k_index.new_full(
-                    (n_all, extra), b.num_experts)], 1)
-                top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(
-                    (n_all, extra))], 1)
-            full = []
-            for part in (sub, rer):
-                f = None
-                if part is not None:
-                    f = np.full((top_k_index.shape[0], part.shape[1]), -1, np.int16)
-                    f[self._mask_np] = part
-                full.append(f)
-            return (top_k_index.index_copy(0, rows, idx), top_k_weights.index_copy(0, rows, w),
-                    *full)
-        return self._dispatch_rows(b, hidden_states, top_k_index, top_k_weights, None)
-
-    def _dispatch_rows(self, b: MoEBlock, hidden_states: torch.Tensor,
-                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       real: np.ndarray | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
-                                  np.ndarray | None]:
-        """:meth:`_dispatch_routing` of rows that are all real tokens (``real``: which of the
-        step's positions they are; None: all)."""
-        T, K = top_k_index.shape
-        E = b.num_experts
-        # most layer calls overflow nothing (a decode step's one token never does): one
-        # bincount on the device decides it, without the copy and sort of apply()
-        top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
-        if self.dispatch.fits(top, T, K, E):
-            self.dispatch_assigned += T * K
-            return top_k_index, top_k_weights, None, None
-        ids = top_k_index.detach().to("cpu").numpy()
-        w = top_k_weights.detach().float().to("cpu").numpy()
-        ctx = (self._dispatch_context(b, hidden_states, real)
-               if self.dispatch.name in ("macs", "capacity-expanded") else None)
-        new, new_w, rer = self.dispatch.apply_weighted(
-            ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64),
-            b.num_experts, ctx)
-        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :K]
-        sw = getattr(self.dispatch, "last_weights", None)
-        if sw is not None:  # MACS: the effective load's weights, per position of the step
-            full = np.ones(len(real) if real is not None else T, np.float32)
-            full[real if real is not None else slice(None)] = sw[:, 0]
-            self._token_weights = full
-        dropped = (new[:, :K] < 0) & (ids >= 0)
-        self.dispatch_assigned += int((ids >= 0).sum())
-        n, n_rer = int(dropped.sum()), int(rer.sum())
-        n_add = int((new[:, K:] >= 0).sum())
-        if not n and not n_rer and new.shape[1] == K and np.array_equal(new, ids) \
-                and np.array_equal(new_w, w):
-            return top_k_index, top_k_weights, None, None
-        self.dispatch_dropped += n
-        self.dispatch_rerouted += n_rer
-        self.dispatch_added += n_add
-        dev = top_k_index.device
-        out_ids = torch.as_tensor(np.where(new < 0, b.num_experts, new), dtype=top_k_index.dtype,
-                                  device=dev)
-        out_w = torch.as_tensor(new_w, device=dev).to(top_k_weights.dtype)
-        return (out_ids, out_w,
-                np.where(dropped, ids, -1).astype(np.int16) if n else None,
-                np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
-
-    def _dispatch_context(self, b: MoEBlock, hidden_states: torch.Tensor,
-                          real: np.ndarray | None):
-        """What MACS or Expanded Drop reads of this layer call's tokens
-        (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
-        of softmax over its MoE input's features (MACS semantic load), every expert's router
-        probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
-        centroids (MACS rerouting) — each only when the policy asks for it."""
-        from workbench.sim.macs import DispatchContext, image_runs
-
-        pol = self.dispatch
-        T = hidden_states.shape[0]
-        mod = self._step_modality
-        req = self._step_request
-        if mod is None or len(mod) != (len(real) if real is not None else T):
-            mod, req = np.zeros(T, np.int8), None
-        elif real is not None:
-            mod, req = mod[real], None if req is None else req[real]
-        ent = gates = aff = None
-        with torch.no_grad():
-            z = hidden_states.float()
-            if getattr(pol, "semantic_load", False):
-                logp = torch.log_softmax(z, dim=-1)
-                ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
-            if getattr(pol, "reroute", False) or "router" in pol.needs:
-                logits, _, _ = b.route(hidden_states)
-                gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
-                if self.macs_centroids is not None and getattr(pol, "eta", 0) > 0:
-                    mu = self.macs_centroids[b.index].float()
-                    cos = torch.nn.functional.normalize(z, dim=-1) @ \
-                        torch.nn.functional.normalize(mu, dim=-1).T
-                    aff = cos.cpu().numpy()[:, None, :]
-        return DispatchContext(modality=np.asarray(mod, np.int8), layers=np.array([b.index]),
-                               features_entropy=ent, image_of=image_runs(mod, req),
-                               gates=gates, affinity=aff)
 
     def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

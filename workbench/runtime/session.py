@@ -43,6 +43,7 @@ from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import measured_spans
 from workbench.runtime.executor import StepProbe
 from workbench.runtime.offload import Offloader
+from workbench.runtime.stages import TOKEN_CONTEXT
 from workbench.runtime.result import RunResult
 from workbench.sim.costs import Prices
 from workbench.sim.dispatch import DISPATCH
@@ -141,6 +142,11 @@ class RunSession:
         if comp.prunes and bool((self.inputs.modality != 0).any()):  # text only: no pruning
             check_supported(rt.lm.model, self.inputs.input_ids)
             self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
+        dispatch = self._dispatch()
+        cal, centroids = self.macs_calibration, None
+        if cal is not None and k.macs_reroute and k.macs_eta > 0:
+            centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
+                                        device=rt.lm.device)
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
             self.prices, lookahead_depth=k.lookahead_depth,
@@ -149,12 +155,8 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=self._dispatch(), **self._balance(), prism=self._prism(),
-            prism_offload=bool(k.prism and k.prism_offload))
-        cal = self.macs_calibration
-        if cal is not None and k.macs_reroute and k.macs_eta > 0:
-            self.offloader.macs_centroids = torch.as_tensor(
-                np.asarray(cal.centroids, np.float32), device=rt.lm.device)
+            dispatch=dispatch, **self._balance(), prism=self._prism(),
+            prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
@@ -289,8 +291,7 @@ class RunSession:
         self.valid = self._real_tokens(kwargs, args)
         ids = kwargs.get("input_ids", args[0] if args else None)
         lm = self.runtime.lm
-        if ids is not None and (self.offloader.dispatch is not None
-                                or self.offloader.balance is not None):  # MACS, ReaLB read them
+        if ids is not None and TOKEN_CONTEXT in self.offloader.needs:
             self.offloader.set_token_mask(
                 self.valid, modality_of(ids, lm.image_token_id, lm.video_token_id),
                 np.repeat(np.arange(ids.shape[0]), ids.shape[-1]) if ids.dim() > 1 else None)
@@ -391,14 +392,9 @@ class RunSession:
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
             host_runs=sum(len(le.host) for e in events for le in e.layers),
             prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
-            redundant_prefetches=self.offloader.redundant_prefetches,
-            dispatch_assigned=self.offloader.dispatch_assigned,
-            dispatch_dropped=self.offloader.dispatch_dropped,
-            dispatch_rerouted=self.offloader.dispatch_rerouted,
-            dispatch_added=self.offloader.dispatch_added,
-            low_precision_runs=self.offloader.low_precision_runs,
             subexperts_asked=sum(v.asked for v in self.offloader.prism_views),
-            subexperts_ran=sum(v.ran for v in self.offloader.prism_views))
+            subexperts_ran=sum(v.ran for v in self.offloader.prism_views),
+            **self.offloader.counts())
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": image_labels(r), "text": t, "token_ids": a,
