@@ -64,8 +64,7 @@ from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
 from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
-from workbench.runtime.stages import (HOOKS, STAGES, TOKEN_CONTEXT, LayerCall, StageSetup,
-                                      hooked)
+from workbench.runtime.stages import HOOKS, STAGES, LayerCall, StageSetup, hooked
 from workbench.runtime.stages import build as build_stages
 from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
@@ -130,8 +129,6 @@ class Offloader:
         self._routes_nowhere = any(s.routes_nowhere for s in self.stages)
         #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
         self.needs: frozenset[str] = frozenset().union(*(s.needs for s in self.stages))
-        if balance is not None:  # ReaLB reads the tokens' modality
-            self.needs |= {TOKEN_CONTEXT}
         self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
@@ -142,10 +139,6 @@ class Offloader:
         self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
-        #: ReaLB (``workbench.sim.realb.ReaLB``; None: every expert native): per layer call it
-        #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
-        #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
-        self.balance = balance
         #: MoE-Prism (a :class:`~workbench.prism.execute.PrismSetup`): every expert runs through
         #: a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts, or the
         #: token's K best of its routed experts'); None: off
@@ -159,9 +152,6 @@ class Offloader:
             self.prices.part(self.part).on_host if hybrid is True else (hybrid or None))
         self.prism_views: list = []
         self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
-        self.rank_of_expert = rank_of_expert
-        self.low_precision = low_precision
-        self._low: set[int] = set()  # this layer call's low-precision experts
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
@@ -370,20 +360,21 @@ class Offloader:
             self.active_evict.observe(b.index, real_ids)
         p = self.prices
         tokens = [ev.expert_tokens[e] for e in experts]
-        self._low = (self._balance(b, real_ids, experts, ev) if self.balance is not None
-                     else set())
-        low_price = p.expert_in(self.low_precision) if self._low else p.expert
+        call.event, call.experts, call.real_ids = ev, experts, real_ids
+        for st in self._hooked["observe"]:
+            st.observe(call)
+        low_price = p.expert_in(call.low_precision) if call.low else p.expert
         keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
-        low_mask = np.array([e in self._low for e in experts], bool)  # ReaLB's, this call
+        low_mask = np.array([e in call.low for e in experts], bool)  # this call's
         if self.prism is not None and view.whole:  # the shortcut: each routed slot runs all
             view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
-            compute_s = [p.subexpert_op(N * n, N, N, self.low_precision if lo else "native")
+            compute_s = [p.subexpert_op(N * n, N, N, call.low_precision if lo else "native")
                          for n, lo in zip(tokens, low_mask)]
         elif self.prism is not None:  # router-side: the sub-experts each slot runs, priced
             view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
             per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
-            compute_s = p.subexperts(per_sub, low_mask, self.low_precision)
+            compute_s = p.subexperts(per_sub, low_mask, call.low_precision)
             if self.part > 1:  # each sub-expert carries its share of its expert's op
                 sub_ids = view.subexpert_ids(top_k_index)
                 self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
@@ -395,15 +386,15 @@ class Offloader:
                 ran = per_sub.sum(1) > 0
                 keys = [e for e, r in zip(experts, ran) if r]
                 compute_s = compute_s[ran]
-                self._low &= set(keys)  # an idle expert runs in no precision
+                call.low &= set(keys)  # an idle expert runs in no precision
                 # hybrid's rule, per key: the tokens that run some sub-expert of it
                 per_expert = view.tokens_per_expert(top_k_index, b.num_experts)
                 tokens = [int(per_expert[e]) for e in keys]
             compute_s = compute_s.tolist()
         else:
-            compute_s = [(low_price if e in self._low else p.expert)(n)
+            compute_s = [(low_price if e in call.low else p.expert)(n)
                          for e, n in zip(experts, tokens)]
-        ev.low_precision = sorted(self._low)
+        ev.low_precision = sorted(call.low)
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=keys,
             compute_s=compute_s,
@@ -416,7 +407,7 @@ class Offloader:
         self._note_outcome(ev, keys, out)
         result = self.executor.execute(ComputeCall(
             b, original, view, hidden_states, top_k_index, top_k_weights, args, kwargs, ev,
-            routed, self._low, self._sentinels), out)
+            routed, call.low, self._sentinels), out)
         if self.prism is not None:  # which sub-experts each slot ran, for the store
             ev.sub_chosen = view.take()
         return result
@@ -434,25 +425,6 @@ class Offloader:
         probe.moved += out.moved
         probe.modeled.extend(Span(_MODELED, lane, probe.step, layer, expert, start, end)
                              for lane, layer, expert, start, end in out.spans)
-
-    def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int],
-                 ev: LayerEvent) -> set[int]:
-        """ReaLB's decision for this layer call (kept in ``ev.realb`` for the store): per-rank
-        loads and visual assignments of the real tokens → the experts of the ranks it puts in
-        low precision."""
-        R = int(self.rank_of_expert.max()) + 1
-        ids = np.asarray(real_ids, np.int64)
-        mod = self._step_modality
-        if mod is not None and self._mask_np is not None:
-            mod = mod[self._mask_np]
-        vis_tok = (np.zeros(len(ids), bool) if mod is None or len(mod) != len(ids)
-                   else np.asarray(mod) != 0)
-        t, r = np.nonzero((ids >= 0) & (ids < len(self.rank_of_expert)))
-        owner = self.rank_of_expert[ids[t, r]]
-        load = np.bincount(owner, minlength=R).astype(np.float64)
-        visual = np.bincount(owner[vis_tok[t]], minlength=R).astype(np.float64)
-        d = ev.realb = self.balance.decide(b.index, load, visual)
-        return {e for e in experts if d.low[self.rank_of_expert[e]]}
 
     # -- features before the step -------------------------------------------------------------
     def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

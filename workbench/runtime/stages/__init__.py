@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, Stage, StageSetup,
                                            hooked)
+from workbench.runtime.stages.balance import BalanceStage
 from workbench.runtime.stages.dispatch import DispatchStage
 
 #: every stage class, in the order their hooks run within each phase
-STAGES: tuple[type[Stage], ...] = (DispatchStage,)
+STAGES: tuple[type[Stage], ...] = (DispatchStage, BalanceStage)
 
 __all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "Stage", "StageSetup", "build",
            "hooked"]

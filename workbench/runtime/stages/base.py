@@ -90,6 +90,7 @@ class LayerCall:
     experts: list[int] = field(default_factory=list)
     real_ids: np.ndarray | None = None  # the real tokens' recorded routing [T', k]
     low: set[int] = field(default_factory=set)  # experts run in low precision
+    low_precision: str = "native"  # theirs
 
 
 class Stage:
