@@ -139,19 +139,14 @@ class Offloader:
         self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
         self.prefetch_lead = int(prefetch_lead)
         self.prefetch_budget = prefetch_budget
-        #: MoE-Prism (a :class:`~workbench.prism.execute.PrismSetup`): every expert runs through
-        #: a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts, or the
-        #: token's K best of its routed experts'); None: off
-        self.prism = prism
-        #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
-        #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
-        self.part = prism.subexperts if prism is not None and prism_offload else 1
+        #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
+        #: e·part + s, slots of 1/part, only the ones run fetched)
+        self._split = next((st for st in self.stages if st.part > 1), None)
+        self.part = self._split.part if self._split is not None else 1
         # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide,
         # of a cache key: an expert, or a sub-expert with 1/part of its bytes and FLOPs)
         self.hybrid: Callable[[int], bool] | None = (
             self.prices.part(self.part).on_host if hybrid is True else (hybrid or None))
-        self.prism_views: list = []
-        self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
@@ -180,13 +175,12 @@ class Offloader:
             lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
         shapes = first.expert_shapes if self.offloaded else {}
-        if part > 1:  # a sub-expert's block of the sub-expert layout
-            from workbench.prism.execute import subexpert_shapes
-
-            shapes = subexpert_shapes(shapes, part)
+        if self._split is not None:  # one key's block
+            shapes = self._split.slot_shapes(shapes)
         self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
         self.executor = Executor(self.slots, self.store, probe, part=part,
-                                 low_precision=low_precision, prism=prism is not None)
+                                 low_precision=low_precision,
+                                 prism=bool(self._hooked["runner"]))
         self._saved: list[tuple[MoEBlock, dict]] = []
         self._hooks = Hooks()  # each experts module's forward override
 
@@ -256,27 +250,14 @@ class Offloader:
         moved: list = []
         self._saved.append((b, moved))
         view = ExpertsView(ex, b.expert_params)
-        if self.prism is not None:  # every path below calls the view: all run sub-experts
-            from workbench.prism.execute import PrismView
-
-            ps = self.prism
-            # every sub-expert of every routed expert runs: whole experts, layout unchanged
-            whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
-                     and self.part == 1)
-            view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
-                             ex.act_fn, ps.global_k, ps.router, whole=whole)
-            self.prism_views.append(view)
-            if not whole:
-                self._to_subexperts(b)
-                view.capture_gates(ex.gate_up_proj.data, self.device)
+        for st in self._hooked["runner"]:  # every path below calls the view
+            view = st.runner(b, view)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
             host = {n: p.data for n, p in params.items()}
-            if self.part > 1:  # the store's rows are the sub-experts (views: no copy)
-                from workbench.prism.execute import subexpert_rows
-
-                host = subexpert_rows(host, self.part)
+            if self._split is not None:  # the store's rows are the keys (views: no copy)
+                host = self._split.host_rows(host)
             self.store.add_layer(b.index, host)
             for name, p in params.items():
                 if p.device.type != "cpu":  # a CPU tensor is the host store's copy itself
@@ -297,27 +278,14 @@ class Offloader:
             r = r.reshape(r.shape[0], -1, self.part).any(-1)
         return r
 
-    def _to_subexperts(self, b: MoEBlock, back: bool = False) -> None:
-        """MoE-Prism: ``b``'s fused expert tensors into the sub-expert layout (``back``: out
-        of it, exactly) — in place of the module's parameters, so every copy made from them
-        (host store, slots, pinned prefix) is in the layout the views slice without copying."""
-        from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
-
-        perm, N = self.prism.perm, self.prism.subexperts
-        gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
-        with torch.no_grad():
-            gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
-                gu.data, down.data, perm[b.index], N)
-        (self._relaid.discard if back else self._relaid.add)(b.index)
-
     def _remove(self) -> None:
         self._hooks.remove()  # the model's own experts forwards first, then their tensors
         while self._saved:
             b, moved = self._saved.pop()
             for name, p in moved:  # bring the device copy back from the host store
                 p.data = self.store.layer(b.index)[name].to(self.device).reshape(p.shape)
-            if b.index in self._relaid:
-                self._to_subexperts(b, back=True)
+            for st in self._hooked["uninstall"]:
+                st.uninstall(b)
         if self.executor.engine is not None:
             self.executor.engine.close()
             self.executor.engine = None
@@ -354,8 +322,6 @@ class Offloader:
         real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
         # what the next routers say of the real tokens only (padding must not prefetch)
         pred_real = pred if mask is None or pred is None else pred[self._mask_np]
-        if self.part == 1:  # sub-expert keys are noted once the view has chosen them
-            self._note_routing(b.index, real_ids)
         if not pinned and self.active_evict is not None:
             self.active_evict.observe(b.index, real_ids)
         p = self.prices
@@ -363,37 +329,15 @@ class Offloader:
         call.event, call.experts, call.real_ids = ev, experts, real_ids
         for st in self._hooked["observe"]:
             st.observe(call)
-        low_price = p.expert_in(call.low_precision) if call.low else p.expert
-        keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
-        low_mask = np.array([e in call.low for e in experts], bool)  # this call's
-        if self.prism is not None and view.whole:  # the shortcut: each routed slot runs all
-            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
-            N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
-            compute_s = [p.subexpert_op(N * n, N, N, call.low_precision if lo else "native")
-                         for n, lo in zip(tokens, low_mask)]
-        elif self.prism is not None:  # router-side: the sub-experts each slot runs, priced
-            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
-            per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
-            compute_s = p.subexperts(per_sub, low_mask, call.low_precision)
-            if self.part > 1:  # each sub-expert carries its share of its expert's op
-                sub_ids = view.subexpert_ids(top_k_index)
-                self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
-                e_at, s_at = np.nonzero(per_sub)
-                keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
-                tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
-                compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
-            else:  # an expert a global K left idle is not looked up (nothing of it runs)
-                ran = per_sub.sum(1) > 0
-                keys = [e for e, r in zip(experts, ran) if r]
-                compute_s = compute_s[ran]
-                call.low &= set(keys)  # an idle expert runs in no precision
-                # hybrid's rule, per key: the tokens that run some sub-expert of it
-                per_expert = view.tokens_per_expert(top_k_index, b.num_experts)
-                tokens = [int(per_expert[e]) for e in keys]
-            compute_s = compute_s.tolist()
-        else:
+        call.keys, call.tokens, call.key_ids = experts, tokens, real_ids
+        for st in self._hooked["price"]:
+            st.price(call)
+        keys, tokens, compute_s = call.keys, call.tokens, call.compute_s
+        if compute_s is None:
+            low_price = p.expert_in(call.low_precision) if call.low else p.expert
             compute_s = [(low_price if e in call.low else p.expert)(n)
                          for e, n in zip(experts, tokens)]
+        self._note_routing(b.index, call.key_ids)
         ev.low_precision = sorted(call.low)
         out = self.sim.step(Access(
             step=self.probe.step, layer=b.index, experts=keys,
@@ -408,8 +352,8 @@ class Offloader:
         result = self.executor.execute(ComputeCall(
             b, original, view, hidden_states, top_k_index, top_k_weights, args, kwargs, ev,
             routed, call.low, self._sentinels), out)
-        if self.prism is not None:  # which sub-experts each slot ran, for the store
-            ev.sub_chosen = view.take()
+        for st in self._hooked["finish"]:
+            st.finish(call)
         return result
 
     def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:

@@ -128,6 +128,7 @@ class RunSession:
         self.offloader: Offloader | None = None
         self.placement: PrunedPlacement | None = None
         self.predictor = None
+        self.prism = None  # MoE-Prism's setup (prism=True)
 
     # -- install ---------------------------------------------------------------------------
     def _install(self) -> None:
@@ -143,6 +144,7 @@ class RunSession:
             check_supported(rt.lm.model, self.inputs.input_ids)
             self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
         dispatch = self._dispatch()
+        self.prism = self._prism()
         cal, centroids = self.macs_calibration, None
         if cal is not None and k.macs_reroute and k.macs_eta > 0:
             centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
@@ -155,7 +157,7 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=dispatch, **self._balance(), prism=self._prism(),
+            dispatch=dispatch, **self._balance(), prism=self.prism,
             prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
@@ -234,8 +236,7 @@ class RunSession:
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
             ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1,
-            subexperts=(self.offloader.prism.subexperts if self.offloader.prism is not None
-                        else 1))
+            subexperts=self.prism.subexperts if self.prism is not None else 1)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -392,8 +393,6 @@ class RunSession:
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
             host_runs=sum(len(le.host) for e in events for le in e.layers),
             prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
-            subexperts_asked=sum(v.asked for v in self.offloader.prism_views),
-            subexperts_ran=sum(v.ran for v in self.offloader.prism_views),
             **self.offloader.counts())
         if len(self.requests) > 1:
             result.batch = [

@@ -17,6 +17,9 @@ only the hooks it needs; the runtime calls each hook of every stage in the order
    (prefetches, a pre-eviction hook, host runs);
 5. ``finish(call)`` — after the schedule ran: what the stage records of the call.
 
+At install, ``runner(block, view)`` may wrap the view a layer's experts run through (and
+``uninstall(block)`` undo what it changed of the model).
+
 A stage *declares* what it needs (:attr:`Stage.needs`); the runtime provides it and nothing
 else. Per-run state (counters, a controller) lives in the stage; per-call state in the
 :class:`LayerCall` handed to its hooks.
@@ -91,6 +94,12 @@ class LayerCall:
     real_ids: np.ndarray | None = None  # the real tokens' recorded routing [T', k]
     low: set[int] = field(default_factory=set)  # experts run in low precision
     low_precision: str = "native"  # theirs
+    # what the cache looks up: keys (experts, or sub-experts e·part + s), the tokens of each
+    # (the hybrid rule's input), their modeled compute (None: the core prices the experts)
+    keys: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    compute_s: list[float] | None = None
+    key_ids: np.ndarray | None = None  # the real tokens' routing in keys (prefetch history)
 
 
 class Stage:
@@ -105,6 +114,9 @@ class Stage:
     routes_nowhere: bool = False
     #: the run-result counters it keeps (attributes of the stage; 0 when it is off)
     COUNTS: tuple[str, ...] = ()
+    #: cache keys per expert (> 1: the stage splits experts, and lays out the slots and the
+    #: host store's rows: ``slot_shapes``, ``host_rows``)
+    part: int = 1
 
     @classmethod
     def from_knobs(cls, setup: StageSetup) -> "Stage | None":
@@ -113,6 +125,13 @@ class Stage:
 
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.COUNTS}
+
+    def runner(self, block: MoEBlock, view):
+        """At install: the view ``block``'s experts run through (wrapping ``view``)."""
+        return view
+
+    def uninstall(self, block: MoEBlock) -> None:
+        """At removal: undo what :meth:`runner` changed of ``block``."""
 
     def route(self, call: LayerCall) -> None: ...
 
@@ -125,7 +144,7 @@ class Stage:
     def finish(self, call: LayerCall) -> None: ...
 
 
-HOOKS = ("route", "observe", "price", "access", "finish")
+HOOKS = ("runner", "uninstall", "route", "observe", "price", "access", "finish")
 
 
 def hooked(stages, hook: str) -> list[Stage]:
