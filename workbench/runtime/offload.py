@@ -59,8 +59,7 @@ import torch
 
 from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.models.hooks import Hooks
-from workbench.policies.active_evict import ActiveEvict, budget_topk
-from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
+from workbench.policies.active_evict import ActiveEvict
 from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
@@ -129,27 +128,14 @@ class Offloader:
         self._routes_nowhere = any(s.routes_nowhere for s in self.stages)
         #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
         self.needs: frozenset[str] = frozenset().union(*(s.needs for s in self.stages))
-        self.pruning = pruning
         self.pinned_layers = pinned_layers
         self.probe = probe
-        self.lookahead_depth = int(lookahead_depth)
-        self.active_evict = active_evict
-        self.dynamic_topk = bool(dynamic_topk)
-        self.k_max = k_max
-        self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
-        self.prefetch_lead = int(prefetch_lead)
-        self.prefetch_budget = prefetch_budget
         #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
         #: e·part + s, slots of 1/part, only the ones run fetched)
         self._split = next((st for st in self.stages if st.part > 1), None)
         self.part = self._split.part if self._split is not None else 1
-        # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide,
-        # of a cache key: an expert, or a sub-expert with 1/part of its bytes and FLOPs)
-        self.hybrid: Callable[[int], bool] | None = (
-            self.prices.part(self.part).on_host if hybrid is True else (hybrid or None))
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
-        self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         #: the real tokens of the step in progress (bool [B·T] on the device, row-major like
         #: the experts' flattened input; None: every token is real): a batch's left padding
         #: and the rows of requests that have finished are routed to no expert (the sentinel
@@ -294,67 +280,64 @@ class Offloader:
     def _layer(self, b: MoEBlock, original: Callable, view: ExpertsView,
                hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """One MoE layer call; the features run in this order (each reads what the previous
-        ones produced): dynamic top-k → layer event → lookahead → step inputs (ActiveEvict
-        hotness, prefetch candidates, hybrid picks) → the core's step → its schedule."""
-        pinned = b.index < self.pinned_layers
+        """One MoE layer call; each phase runs every stage's hook in :data:`STAGES` order and
+        reads what the previous phases produced: route (raw) → mask → route → layer event →
+        observe → price → access → the core's step → its schedule → finish."""
         mask = self.token_mask
         if mask is not None and mask.shape[0] != top_k_index.shape[0]:
             raise RuntimeError(f"MoE layer {b.index} got {top_k_index.shape[0]} tokens, the "
                                f"step's token mask {mask.shape[0]}")
-        if not pinned and self.dynamic_topk and self.probe.step > 0:
-            top_k_index, top_k_weights = self._budget_topk(
-                b, hidden_states, top_k_index, top_k_weights)
+        call = LayerCall(b, hidden_states, top_k_index, top_k_weights, self.probe.step,
+                         b.index < self.pinned_layers, mask, self._mask_np, self._step_modality,
+                         self._step_request, self.cache, self.part)
+        for st in self._before_mask:
+            st.route(call)
         if mask is not None:  # padding and finished requests: routed nowhere
-            top_k_index = top_k_index.masked_fill(~mask[:, None], b.num_experts)
-            top_k_weights = top_k_weights.masked_fill(~mask[:, None], 0)
-        call = LayerCall(b, hidden_states, top_k_index, top_k_weights, self.probe.step, pinned,
-                         mask, self._mask_np, self._step_modality, self._step_request)
+            call.ids = call.ids.masked_fill(~mask[:, None], b.num_experts)
+            call.weights = call.weights.masked_fill(~mask[:, None], 0)
         for st in self._after_mask:
             st.route(call)
-        top_k_index, top_k_weights = call.ids, call.weights
-        ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
-        ev.dropped_ids, ev.rerouted_ids = call.dropped, call.rerouted
-        ev.token_weights = call.token_weights
-        pred, p_next = self._lookahead(b, hidden_states)
-        if self.lookahead_depth > 0:
-            ev.pred_ids = pred
-        real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
-        # what the next routers say of the real tokens only (padding must not prefetch)
-        pred_real = pred if mask is None or pred is None else pred[self._mask_np]
-        if not pinned and self.active_evict is not None:
-            self.active_evict.observe(b.index, real_ids)
-        p = self.prices
-        tokens = [ev.expert_tokens[e] for e in experts]
-        call.event, call.experts, call.real_ids = ev, experts, real_ids
-        for st in self._hooked["observe"]:
-            st.observe(call)
-        call.keys, call.tokens, call.key_ids = experts, tokens, real_ids
-        for st in self._hooked["price"]:
-            st.price(call)
-        keys, tokens, compute_s = call.keys, call.tokens, call.compute_s
-        if compute_s is None:
-            low_price = p.expert_in(call.low_precision) if call.low else p.expert
-            compute_s = [(low_price if e in call.low else p.expert)(n)
-                         for e, n in zip(experts, tokens)]
-        self._note_routing(b.index, call.key_ids)
-        ev.low_precision = sorted(call.low)
-        out = self.sim.step(Access(
-            step=self.probe.step, layer=b.index, experts=keys,
-            compute_s=compute_s,
-            dense_s=p.dense(int(real_ids.shape[0])),
-            prefetch=self._prefetch_candidates(b, pred_real),
-            on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
-            host_s=([p.part(self.part).host(n) for n in tokens] if self.hybrid and not pinned
-                    else None),
-            pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
-        self._note_outcome(ev, keys, out)
+        ev, routed = self._observe(call)
+        out = self.sim.step(self._access(call))
+        self._note_outcome(ev, call.keys, out)
         result = self.executor.execute(ComputeCall(
-            b, original, view, hidden_states, top_k_index, top_k_weights, args, kwargs, ev,
+            b, original, view, hidden_states, call.ids, call.weights, args, kwargs, ev,
             routed, call.low, self._sentinels), out)
         for st in self._hooked["finish"]:
             st.finish(call)
         return result
+
+    def _observe(self, call: LayerCall) -> tuple[LayerEvent, torch.Tensor]:
+        """The layer event of ``call``'s routing, then the stages' observe hooks; returns the
+        event and the distinct routed experts (ascending, a tensor)."""
+        ev, experts, routed = self._layer_event(call.block, call.ids, call.weights)
+        ev.dropped_ids, ev.rerouted_ids = call.dropped, call.rerouted
+        ev.token_weights = call.token_weights
+        call.event, call.experts = ev, experts
+        call.real_ids = ev.topk_ids if call.real is None else ev.topk_ids[call.real]
+        for st in self._hooked["observe"]:
+            st.observe(call)
+        return ev, routed
+
+    def _access(self, call: LayerCall) -> Access:
+        """What the cache looks up and its modeled prices (the stages' price hooks; by default
+        each expert in its precision), then the stages' additions (access hooks)."""
+        p, experts = self.prices, call.experts
+        call.keys, call.key_ids = experts, call.real_ids
+        call.tokens = [call.event.expert_tokens[e] for e in experts]
+        for st in self._hooked["price"]:
+            st.price(call)
+        compute_s = call.compute_s
+        if compute_s is None:
+            low_price = p.expert_in(call.low_precision) if call.low else p.expert
+            compute_s = [(low_price if e in call.low else p.expert)(n)
+                         for e, n in zip(experts, call.tokens)]
+        call.event.low_precision = sorted(call.low)
+        acc = Access(step=call.step, layer=call.block.index, experts=call.keys,
+                     compute_s=compute_s, dense_s=p.dense(int(call.real_ids.shape[0])))
+        for st in self._hooked["access"]:
+            st.access(call, acc)
+        return acc
 
     def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:
         """The core's decisions into the layer event, its modeled spans into the probe."""
@@ -389,125 +372,3 @@ class Offloader:
                         expert_tokens=dict(zip(experts.tolist(), counts.tolist())))
         self.probe.layers.append(ev)
         return ev, experts.tolist(), experts
-
-    def _lookahead(self, b: MoEBlock, hidden_states: torch.Tensor
-                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Routers of the next layers on this layer's MoE input.
-
-        Returns ``(pred [T, D', k] int16 or None, p̂ of layer l+1 [E] or None)``: D' = the
-        recorded depth (``lookahead_depth``; one layer when only ActiveEvict needs it), -1
-        past the last layer; p̂ only when ActiveEvict is on and layer l+1 exists.
-        """
-        blocks = self.layout.blocks
-        ae = self.active_evict
-        depth = max(self.lookahead_depth, 1 if ae is not None else 0)
-        if depth <= 0:
-            return None, None
-        k = self.layout.top_k
-        T = hidden_states.shape[0]
-        avail = min(depth, len(blocks) - 1 - b.index)
-        if avail <= 0:
-            return np.full((T, depth, k), -1, np.int16), None
-        # token compression: tokens that will not reach the layers behind the pinned prefix
-        keep, first_pruned = None, len(blocks)
-        if self.pruning is not None and b.index < self.pinned_layers:
-            keep = self.pruning.prefill_keep_mask(b.index)
-            if keep is not None and len(keep) != T:
-                keep = None
-            if keep is not None:
-                first_pruned = self.pruning.pinned
-        preds = []
-        p_next = None
-        with torch.no_grad():
-            for d in range(1, avail + 1):
-                logits, _, idx = blocks[b.index + d].route(hidden_states)
-                if idx.shape[-1] < k:
-                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
-                preds.append(idx)
-                if d == 1 and ae is not None:
-                    prob = torch.softmax(logits.float(), dim=-1)
-                    if keep is not None and b.index + 1 >= first_pruned:
-                        prob = prob[torch.as_tensor(keep, device=prob.device)]
-                    if self.token_mask is not None:  # real tokens only
-                        prob = prob[self.token_mask]
-                    p_next = prob.mean(0)
-            pred = torch.stack(preds, 1).to(device="cpu", dtype=torch.int16).numpy()
-        if keep is not None:
-            d0 = max(first_pruned - b.index, 1)  # first lookahead distance behind the prefix
-            if d0 <= avail:
-                pred[~keep, d0 - 1:] = -1
-        if avail < depth:
-            pred = np.concatenate([pred, np.full((T, depth - avail, k), -1, np.int16)], 1)
-        return pred, (p_next.cpu().double().numpy() if p_next is not None else None)
-
-    def _note_routing(self, layer: int, topk_ids: np.ndarray) -> None:
-        r = self._routing
-        if r["step"] != self.probe.step:
-            r["step"], r["prev"], r["cur"] = self.probe.step, r["cur"], {}
-        if self.prefetch is not None:
-            r["cur"][layer] = ranked_ids(topk_ids)
-
-
-    def _prefetch_candidates(self, b: MoEBlock, pred: np.ndarray | None) -> list:
-        """The prefetch policy's picks after ``b``'s router ran, as ``(layer, expert)`` (the
-        same context, order and filters as trace replay's ``plan_prefetch``); the core admits
-        them when every miss of the layer has a slot."""
-        if self.prefetch is None or self.engine is None:
-            return []
-        lay = self.layout
-
-        def pred_at(d: int) -> list[int]:
-            # the routers' lookahead names experts: none for sub-expert keys (as in replay,
-            # whose sub-expert trace drops it)
-            if pred is None or d - 1 >= pred.shape[1] or self.part > 1:
-                return []
-            return ranked_ids(pred[:, d - 1])
-
-        def no_future(d: int) -> list[int]:
-            raise RuntimeError("the live runtime cannot see the future (oracle is replay-only)")
-
-        prev = self._routing["prev"]
-        ctx = PrefetchContext(step=self.probe.step, layer=b.index, num_layers=lay.num_layers,
-                              lead=self.prefetch_lead, pred=pred_at,
-                              previous=lambda l: prev.get(l, []), future=no_future)
-        pinned = [blk.index < self.pinned_layers for blk in lay.blocks]
-        E = lay.num_experts * self.part  # the cache's keys: experts or sub-experts
-        return [divmod(k, E) for k in select(self.prefetch.candidates(ctx), pinned,
-                                             lay.num_layers, E, self.prefetch_budget)]
-
-    def _pre_evict_hook(self, b: MoEBlock, pred: np.ndarray | None, p_next: np.ndarray | None):
-        """ActiveEvict before layer l+1, for the core to call once layer l's misses have
-        slots (None when it does not apply: off, no lookahead, or l+1 not offloaded)."""
-        nxt = b.index + 1
-        ae = self.active_evict
-        if ae is None or pred is None or p_next is None \
-                or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
-            return None
-        demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
-
-        def hook(cache, protected: set) -> list:
-            return ae.pre_evict(cache, nxt, demand, p_next, protected)
-
-        return hook
-
-    def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Budget-aware dynamic top-k (ActiveEvict eq. 18–21) for offloaded layer ``b``."""
-        cache, layer = self.cache, b.index
-        kmax = min(self.k_max or b.top_k, b.num_experts)
-        with torch.no_grad():
-            _, w_max, ids_max = b.route(hidden_states, top_k=kmax)
-            # rank by the router's weights (monotone in its probabilities for every supported
-            # router, including DeepSeek's unsorted top-k)
-            order = torch.argsort(w_max.float(), dim=-1, descending=True, stable=True)
-            ranked = torch.gather(ids_max, -1, order).cpu().numpy()
-        if self._mask_np is not None:  # the real tokens decide
-            ranked = ranked[self._mask_np]
-        k = budget_topk(ranked, lambda e: (layer, e) in cache, cache.free_slots())
-        if k == top_k_index.shape[-1]:
-            return top_k_index, top_k_weights
-        if k == kmax:
-            return ids_max, w_max
-        with torch.no_grad():
-            _, w, ids = b.route(hidden_states, top_k=k)
-        return ids, w

@@ -11,10 +11,13 @@ from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, Stag
                                            hooked)
 from workbench.runtime.stages.balance import BalanceStage
 from workbench.runtime.stages.dispatch import DispatchStage
+from workbench.runtime.stages.hybrid import HostRuns
+from workbench.runtime.stages.lookahead import DynamicTopK, Lookahead
 from workbench.runtime.stages.subexperts import SubExpertStage
 
 #: every stage class, in the order their hooks run within each phase
-STAGES: tuple[type[Stage], ...] = (DispatchStage, BalanceStage, SubExpertStage)
+STAGES: tuple[type[Stage], ...] = (DynamicTopK, DispatchStage, Lookahead, BalanceStage,
+                                    SubExpertStage, HostRuns)
 
 __all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "Stage", "StageSetup", "build",
            "hooked"]

@@ -84,6 +84,8 @@ class LayerCall:
     real: np.ndarray | None = None  # the same on the host
     modality: np.ndarray | None = None  # per position of the step (TOKEN_CONTEXT; None: unknown)
     request: np.ndarray | None = None
+    cache: Any = None  # the expert cache's bookkeeping (workbench.sim.cache.ExpertCache)
+    part: int = 1  # cache keys per expert
     # what the route hooks found, for the layer event
     dropped: np.ndarray | None = None  # [T, k] int16 experts the dispatch dropped (-1: kept)
     rerouted: np.ndarray | None = None  # [T, k] int16 experts rerouted away from
@@ -92,6 +94,10 @@ class LayerCall:
     event: LayerEvent | None = None
     experts: list[int] = field(default_factory=list)
     real_ids: np.ndarray | None = None  # the real tokens' recorded routing [T', k]
+    # the next layers' routers on this input, real tokens only: top-k [T', D, k] int16 and
+    # layer l+1's mean probabilities [E] (None: not asked for)
+    pred: np.ndarray | None = None
+    p_next: np.ndarray | None = None
     low: set[int] = field(default_factory=set)  # experts run in low precision
     low_precision: str = "native"  # theirs
     # what the cache looks up: keys (experts, or sub-experts e·part + s), the tokens of each
