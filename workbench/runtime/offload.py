@@ -10,40 +10,22 @@ For each MoE block found by the adapter:
   (:class:`~workbench.runtime.slots.ExpertsView`), so its cost follows the experts the layer
   routed to, not the size of the cache.
 
-Every MoE block has **one interception point** (:meth:`Offloader._layer`) that runs the
-features in a declared order: routing (dynamic top-k) → the layer event → router lookahead →
-the step's feature inputs (ActiveEvict hotness, prefetch candidates, hybrid picks) →
+Every MoE block has **one interception point** (:meth:`Offloader._layer`). It names no
+mechanism: it runs the hooks of the run's layer stages (:mod:`workbench.runtime.stages`, one
+module per mechanism family, in the order of :data:`~workbench.runtime.stages.STAGES`) in
+phases — route (dynamic top-k, on the router's raw output) → mask padding → route (dispatch) →
+the layer event → observe (router lookahead, ActiveEvict hotness, ReaLB's decision) → price
+(sub-experts) → access (prefetch candidates, pre-eviction, hybrid picks) →
 :meth:`workbench.sim.step.Simulator.step`, the torch-free core that decides hits, misses,
 admissions, prefetches, evictions and host runs and prices them on the modeled clock → the
-execution of its schedule on real tensors. Trace replay calls the same core, so live runs and
-replay cannot drift apart.
+execution of its typed schedule on real tensors (:mod:`workbench.runtime.executor`) → finish.
+Trace replay calls the same core, so live runs and replay cannot drift apart.
 
 Order of work in an offloaded layer (VisMMOE §3.4: a miss blocks only on that expert), as
 the core schedules it: look up all routed experts → submit transfers for misses into
 free/evictable slots → compute the hits while transfers run → for each miss in submission order
 wait for it (a *stall*), compute it, and let its slot be reused. The output is the sum of the
 group outputs, which equals the plain model's output up to floating-point summation order.
-
-Optional, per MoE layer l (ActiveEvict, :mod:`workbench.policies.active_evict`):
-
-- **router lookahead** (``lookahead_depth`` D ≥ 1): the routers of layers l+1 … l+D are applied
-  to layer l's MoE input (the tensor layer l's router saw) and their top-k ids go into
-  :attr:`LayerEvent.pred_ids`. The routers' ``forward`` is called directly (no module hooks), on
-  the same input, with no state: the model's outputs do not change. With visual-token
-  compression (``pruning``), a pinned layer's predictions for layers behind the pinned prefix
-  are restricted to the tokens that will reach them: a pruned token's are -1 (and ActiveEvict's
-  p̂ averages the kept tokens only), as soon as the selection is known (at the last pinned layer;
-  earlier for policies that need no prefix routing).
-- **ActiveEvict** (``active_evict``): layer l's routing feeds the hotness windows; once all of
-  layer l's misses have a slot, experts are pre-evicted so that layer l+1 finds Δ free slots
-  (never one of layer l's routed experts, nor one predicted for l+1). Loads stay on demand.
-- **dynamic top-k** (``dynamic_topk``, decode steps, offloaded layers): before the lookup, the
-  layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
-  slots, and the experts receive the model's own router output for that k.
-- **GPU–CPU hybrid** (``hybrid``, VisMMOE §3.4): a miss the rule picks (a function of the
-  expert's token count, :func:`workbench.sim.costs.runs_on_host`) is not loaded: the model's
-  own experts forward runs over the host store's copy of that one expert, on the host, after
-  the hits were launched (on CUDA the device keeps computing meanwhile); the cache is unchanged.
 
 :class:`Offloader` is a context manager: on exit every wrapper is removed and every expert tensor
 is back in place, whatever happened inside.
@@ -103,6 +85,14 @@ class Offloader:
             :meth:`Prices.on_host` picks; a callable ``tokens -> bool`` is another rule.
         dispatch: a capacity-aware dispatch policy (:mod:`workbench.sim.dispatch`; None or
             ``topk``: the router's choice). Its dropped assignments are computed by no expert.
+        balance, rank_of_expert, low_precision: ReaLB's controller (None: off), the EP rank of
+            each expert and the precision of the ranks it picks.
+        prism, prism_offload: MoE-Prism's :class:`~workbench.prism.execute.PrismSetup` (None:
+            off) and whether the cache's keys are sub-experts.
+        macs_centroids: MACS's calibrated centroids μ [L, E, D] on the device (None: η acts
+            as 0).
+
+    Each feature is a layer stage (:mod:`workbench.runtime.stages`) built from these.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
@@ -117,23 +107,13 @@ class Offloader:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
-        self.stages = build_stages(StageSetup(
+        self._use_stages(build_stages(StageSetup(
             layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
             active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
             pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
-            prism_offload, macs_centroids))
-        self._hooked = {h: hooked(self.stages, h) for h in HOOKS}
-        self._before_mask = [s for s in self._hooked["route"] if s.before_mask]
-        self._after_mask = [s for s in self._hooked["route"] if not s.before_mask]
-        self._routes_nowhere = any(s.routes_nowhere for s in self.stages)
-        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
-        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in self.stages))
+            prism_offload, macs_centroids)))
         self.pinned_layers = pinned_layers
         self.probe = probe
-        #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
-        #: e·part + s, slots of 1/part, only the ones run fetched)
-        self._split = next((st for st in self.stages if st.part > 1), None)
-        self.part = self._split.part if self._split is not None else 1
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
         #: the real tokens of the step in progress (bool [B·T] on the device, row-major like
@@ -149,26 +129,45 @@ class Offloader:
         self._step_request: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
+        self._use_cache(num_slots, policy)
+        self.executor = Executor(self.slots, self.store, probe, part=self.part,
+                                 low_precision=low_precision,
+                                 prism=bool(self._hooked["runner"]))
+        self._saved: list[tuple[MoEBlock, dict]] = []
+        self._hooks = Hooks()  # each experts module's forward override
+
+    def _use_stages(self, stages: list) -> None:
+        """The run's stages, and what the layer call takes from them once."""
+        self.stages = stages
+        self._hooked = {h: hooked(stages, h) for h in HOOKS}
+        self._before_mask = [s for s in self._hooked["route"] if s.before_mask]
+        self._after_mask = [s for s in self._hooked["route"] if not s.before_mask]
+        self._routes_nowhere = any(s.routes_nowhere for s in stages)
+        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
+        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in stages))
+        #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
+        #: e·part + s, slots of 1/part, only the ones run fetched)
+        self._split = next((st for st in stages if st.part > 1), None)
+        self.part = self._split.part if self._split is not None else 1
+
+    def _use_cache(self, num_slots: int, policy) -> None:
+        """The core (one cache of the offloaded layers' keys), the host store and the slots.
+        ``num_slots`` is memory in expert-sized slots: part × as many slots of 1/part."""
+        layout, part = self.layout, self.part
         first = layout.blocks[0]
         dtype = getattr(first.experts, first.expert_params[0]).dtype
-        part = self.part
         n_offloaded = sum(b.num_experts for b in self.offloaded) * part
-        # ``num_slots`` is memory in expert-sized slots: part × as many slots of 1/part
         self.num_slots = min(num_slots * part, n_offloaded) if self.offloaded else 0
         self.sim = Simulator(
             Placement.single_device(layout.num_layers, layout.num_experts * part,
-                                    layout.top_k * part, pinned_layers, max(self.num_slots, 1)),
+                                    layout.top_k * part, self.pinned_layers,
+                                    max(self.num_slots, 1)),
             lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
         shapes = first.expert_shapes if self.offloaded else {}
         if self._split is not None:  # one key's block
             shapes = self._split.slot_shapes(shapes)
         self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
-        self.executor = Executor(self.slots, self.store, probe, part=part,
-                                 low_precision=low_precision,
-                                 prism=bool(self._hooked["runner"]))
-        self._saved: list[tuple[MoEBlock, dict]] = []
-        self._hooks = Hooks()  # each experts module's forward override
 
     def set_token_mask(self, valid: np.ndarray | None, modality: np.ndarray | None = None,
                        request: np.ndarray | None = None) -> None:
