@@ -194,6 +194,11 @@ class Offloader:
         out["low_precision_runs"] = self.executor.low_precision_runs
         return out
 
+    def max_k(self, top_k: int) -> int:
+        """The widest routing a token may get of a layer whose router picks ``top_k``: the
+        stages may add assignments (the store's k dimension holds them)."""
+        return top_k + sum(st.max_added(self.layout.num_experts) for st in self.stages)
+
     def __getattr__(self, name: str):
         # a stage's counter by its name (e.g. ``dispatch_dropped``): 0 while the stage is off
         if name in STAGE_COUNTS:

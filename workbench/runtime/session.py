@@ -224,9 +224,8 @@ class RunSession:
         k, rt = self.knobs, self.runtime
         lay = rt.lm.layout
         # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
-        store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
-        if k.dispatch == "capacity-expanded":  # a token may gain every expert of its rank
-            store_k += -(-lay.num_experts // k.ep_ranks)
+        store_k = self.offloader.max_k(max(lay.top_k, k.k_max or 0) if k.dynamic_topk
+                                       else lay.top_k)
         self.recorder = Recorder(
             self.store_path, lay.num_layers, lay.num_experts, store_k,
             attrs=rt.run_attrs(k, self.requests, self.inputs, self.live_plan,

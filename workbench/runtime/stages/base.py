@@ -132,6 +132,10 @@ class Stage:
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.COUNTS}
 
+    def max_added(self, num_experts: int) -> int:
+        """The most assignments ``route`` may add to a token beyond its top-k (0: none)."""
+        return 0
+
     def runner(self, block: MoEBlock, view):
         """At install: the view ``block``'s experts run through (wrapping ``view``)."""
         return view

@@ -44,6 +44,9 @@ class DispatchStage(Stage):
             return None
         return cls(pol, setup.macs_centroids)
 
+    def max_added(self, num_experts: int) -> int:
+        return self.policy.max_added(num_experts)
+
     def route(self, call: LayerCall) -> None:
         """Dispatch the call's real tokens; the dropped and rerouted experts go to ``call``
         for the layer event."""
