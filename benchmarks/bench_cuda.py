@@ -365,7 +365,8 @@ def tiny_architectures(dev: torch.device) -> dict:
     from workbench.models.adapter import find_moe_blocks
     from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
     from workbench.policies.eviction import EVICTION
-    from workbench.runtime.offload import Offloader, StepProbe
+    from workbench.runtime.executor import StepProbe
+    from workbench.runtime.offload import Offloader
 
     out: dict = {}
     for arch in TINY_ARCHITECTURES:
@@ -433,7 +434,8 @@ def install_cost(dev: torch.device, lm, rounds: int = 3) -> dict:
     ``Runtime.run`` pays besides its steps (on CUDA: every offloaded expert copied to a pinned
     host store, the slot pool allocated, the experts copied back at the end)."""
     from workbench.policies.eviction import EVICTION
-    from workbench.runtime.offload import Offloader, StepProbe
+    from workbench.runtime.executor import StepProbe
+    from workbench.runtime.offload import Offloader
 
     lay = lm.layout
     enter, leave = [], []

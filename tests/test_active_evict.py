@@ -16,7 +16,8 @@ from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_input
 from workbench.policies.active_evict import (ActiveEvict, Hotness, budget_topk, release_target)
 from workbench.policies.eviction import EVICTION
 from workbench.sim.cache import ExpertCache
-from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.executor import StepProbe
+from workbench.runtime.offload import Offloader
 
 
 def _ae(layout):

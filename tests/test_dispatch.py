@@ -155,7 +155,8 @@ from workbench.models.adapter import find_moe_blocks  # noqa: E402
 from workbench.models.tiny import (TINY_ARCHITECTURES, greedy_outputs, tiny_inputs,  # noqa: E402
                                    tiny_model)
 from workbench.policies.eviction import EVICTION  # noqa: E402
-from workbench.runtime.offload import Offloader, StepProbe  # noqa: E402
+from workbench.runtime.executor import StepProbe  # noqa: E402
+from workbench.runtime.offload import Offloader  # noqa: E402
 
 
 def _offloader(layout, slots, pinned, dispatch, probe=None):

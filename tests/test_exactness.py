@@ -12,7 +12,8 @@ import torch
 from workbench.models.adapter import find_moe_blocks
 from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
 from workbench.policies.eviction import EVICTION
-from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.executor import StepProbe
+from workbench.runtime.offload import Offloader
 
 CASES = [(2, 0), (3, 1), (5, 2), (4, 3), (24, 0)]  # (cache_slots, pinned_layers); top-k = 2
 

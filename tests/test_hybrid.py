@@ -16,7 +16,8 @@ from workbench.models.adapter import find_moe_blocks
 from workbench.models.tiny import TINY_ARCHITECTURES, greedy_outputs, tiny_inputs, tiny_model
 from workbench.policies.eviction import EVICTION
 from workbench.sim.costs import CostSpec, host_expert_time, runs_on_host
-from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.executor import StepProbe
+from workbench.runtime.offload import Offloader
 from workbench.sim.profiles import get_profile, get_target_model
 from workbench.telemetry.events import LANES
 from workbench.viz.heatmap import timeline_figure

@@ -15,6 +15,7 @@ from workbench.policies.eviction import EVICTION
 from workbench.replay.engine import replay
 from workbench.sim.cache import ExpertCache
 from workbench.sim.placement import Placement
+from workbench.sim.schedule import Hits, Load, Miss, Prefetch
 from workbench.sim.step import Access, Simulator
 from workbench.traces.trace import Trace
 
@@ -102,22 +103,22 @@ def test_the_schedule_is_what_the_live_runtime_can_execute(data):
                                   prefetch=prefetch))
             computed, loaded = [], set()
             for action in out.schedule:
-                if action[0] in ("load", "prefetch"):
-                    key = (layer, action[1]) if action[0] == "load" else action[1]
-                    slot, victim = action[2], action[3]
+                if isinstance(action, (Load, Prefetch)):
+                    key = (layer, action.expert) if isinstance(action, Load) else action.key
+                    slot, victim = action.slot, action.victim
                     assert held.get(slot) == victim  # the slot held the victim (or nothing)
                     if victim is not None:
                         assert victim[0] != layer or victim[1] not in experts \
                             or victim[1] in computed  # never an expert still needed
                     held[slot] = key
-                    if action[0] == "load":
-                        loaded.add(action[1])
-                elif action[0] == "hits":
-                    assert [held[s] for s in action[1]] == [(layer, e) for e in out.hits]
+                    if isinstance(action, Load):
+                        loaded.add(action.expert)
+                elif isinstance(action, Hits):
+                    assert [held[s] for s in action.slots] == [(layer, e) for e in out.hits]
                     computed.extend(out.hits)
-                elif action[0] == "miss":
-                    assert action[1] in loaded
-                    computed.append(action[1])
+                elif isinstance(action, Miss):
+                    assert action.expert in loaded
+                    computed.append(action.expert)
             assert sorted(computed) == experts
             cache = sim.pool(layer)
             assert {s: key for s, key in held.items() if cache.slot(key) == s} == \

@@ -10,40 +10,22 @@ For each MoE block found by the adapter:
   (:class:`~workbench.runtime.slots.ExpertsView`), so its cost follows the experts the layer
   routed to, not the size of the cache.
 
-Every MoE block has **one interception point** (:meth:`Offloader._layer`) that runs the
-features in a declared order: routing (dynamic top-k) → the layer event → router lookahead →
-the step's feature inputs (ActiveEvict hotness, prefetch candidates, hybrid picks) →
+Every MoE block has **one interception point** (:meth:`Offloader._layer`). It names no
+mechanism: it runs the hooks of the run's layer stages (:mod:`workbench.runtime.stages`, one
+module per mechanism family, in the order of :data:`~workbench.runtime.stages.STAGES`) in
+phases — route (dynamic top-k, on the router's raw output) → mask padding → route (dispatch) →
+the layer event → observe (router lookahead, ActiveEvict hotness, ReaLB's decision) → price
+(sub-experts) → access (prefetch candidates, pre-eviction, hybrid picks) →
 :meth:`workbench.sim.step.Simulator.step`, the torch-free core that decides hits, misses,
 admissions, prefetches, evictions and host runs and prices them on the modeled clock → the
-execution of its schedule on real tensors. Trace replay calls the same core, so live runs and
-replay cannot drift apart.
+execution of its typed schedule on real tensors (:mod:`workbench.runtime.executor`) → finish.
+Trace replay calls the same core, so live runs and replay cannot drift apart.
 
 Order of work in an offloaded layer (VisMMOE §3.4: a miss blocks only on that expert), as
 the core schedules it: look up all routed experts → submit transfers for misses into
 free/evictable slots → compute the hits while transfers run → for each miss in submission order
 wait for it (a *stall*), compute it, and let its slot be reused. The output is the sum of the
 group outputs, which equals the plain model's output up to floating-point summation order.
-
-Optional, per MoE layer l (ActiveEvict, :mod:`workbench.policies.active_evict`):
-
-- **router lookahead** (``lookahead_depth`` D ≥ 1): the routers of layers l+1 … l+D are applied
-  to layer l's MoE input (the tensor layer l's router saw) and their top-k ids go into
-  :attr:`LayerEvent.pred_ids`. The routers' ``forward`` is called directly (no module hooks), on
-  the same input, with no state: the model's outputs do not change. With visual-token
-  compression (``pruning``), a pinned layer's predictions for layers behind the pinned prefix
-  are restricted to the tokens that will reach them: a pruned token's are -1 (and ActiveEvict's
-  p̂ averages the kept tokens only), as soon as the selection is known (at the last pinned layer;
-  earlier for policies that need no prefix routing).
-- **ActiveEvict** (``active_evict``): layer l's routing feeds the hotness windows; once all of
-  layer l's misses have a slot, experts are pre-evicted so that layer l+1 finds Δ free slots
-  (never one of layer l's routed experts, nor one predicted for l+1). Loads stay on demand.
-- **dynamic top-k** (``dynamic_topk``, decode steps, offloaded layers): before the lookup, the
-  layer's k is narrowed (or widened up to ``k_max``) to the largest k whose misses fit the free
-  slots, and the experts receive the model's own router output for that k.
-- **GPU–CPU hybrid** (``hybrid``, VisMMOE §3.4): a miss the rule picks (a function of the
-  expert's token count, :func:`workbench.sim.costs.runs_on_host`) is not loaded: the model's
-  own experts forward runs over the host store's copy of that one expert, on the host, after
-  the hits were launched (on CUDA the device keeps computing meanwhile); the cache is unchanged.
 
 :class:`Offloader` is a context manager: on exit every wrapper is removed and every expert tensor
 is back in place, whatever happened inside.
@@ -52,7 +34,6 @@ is back in place, whatever happened inside.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
@@ -60,38 +41,22 @@ import torch
 
 from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.models.hooks import Hooks
-from workbench.policies.active_evict import ActiveEvict, budget_topk
-from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
+from workbench.policies.active_evict import ActiveEvict
+from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
-from workbench.runtime.transfer import Transfer, TransferEngine
+from workbench.runtime.stages import HOOKS, STAGES, LayerCall, StageSetup, hooked
+from workbench.runtime.stages import build as build_stages
+from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
 from workbench.sim.placement import Placement
 from workbench.sim.profiles import get_profile
 from workbench.sim.step import Access, Outcome, Simulator
-from workbench.telemetry.events import CLOCKS, LANES, LayerEvent, Span
+from workbench.telemetry.events import CLOCKS, LayerEvent, Span
 
-_STALL, _HOST = LANES.index("stall"), LANES.index("host")
 _MODELED = CLOCKS.index("modeled")
-
-
-class StepProbe:
-    """What the step in progress produced: its layer events, measured stall/host spans and
-    the modeled clock's spans and totals."""
-
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0  # run start (perf_counter)
-        self.step = -1
-        self.begin(-1)
-
-    def begin(self, step: int, modeled_now: float = 0.0) -> None:
-        self.step = step
-        self.layers: list[LayerEvent] = []
-        self.stalls: list[Span] = []
-        self.modeled: list[Span] = []
-        self.modeled_start = modeled_now  # the compute lane when the step began
-        self.stall_modeled_s = 0.0
-        self.moved = 0  # experts copied (modeled: every load and prefetch)
+#: every stage's run-result counters
+STAGE_COUNTS = tuple(name for cls in STAGES for name in cls.COUNTS)
 
 
 class Offloader:
@@ -120,6 +85,14 @@ class Offloader:
             :meth:`Prices.on_host` picks; a callable ``tokens -> bool`` is another rule.
         dispatch: a capacity-aware dispatch policy (:mod:`workbench.sim.dispatch`; None or
             ``topk``: the router's choice). Its dropped assignments are computed by no expert.
+        balance, rank_of_expert, low_precision: ReaLB's controller (None: off), the EP rank of
+            each expert and the precision of the ranks it picks.
+        prism, prism_offload: MoE-Prism's :class:`~workbench.prism.execute.PrismSetup` (None:
+            off) and whether the cache's keys are sub-experts.
+        macs_centroids: MACS's calibrated centroids μ [L, E, D] on the device (None: η acts
+            as 0).
+
+    Each feature is a layer stage (:mod:`workbench.runtime.stages`) built from these.
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
@@ -129,51 +102,20 @@ class Offloader:
                  prefetch_lead: int = 1, prefetch_budget: int | None = None, pruning=None,
                  hybrid: bool | Callable[[int], bool] = False, dispatch=None,
                  balance=None, rank_of_expert: np.ndarray | None = None,
-                 low_precision: str = "nvfp4", prism=None, prism_offload: bool = False
-                 ) -> None:
+                 low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
+                 macs_centroids: torch.Tensor | None = None) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
-        self.pruning = pruning
+        self._use_stages(build_stages(StageSetup(
+            layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
+            active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
+            pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
+            prism_offload, macs_centroids)))
         self.pinned_layers = pinned_layers
         self.probe = probe
-        self.lookahead_depth = int(lookahead_depth)
-        self.active_evict = active_evict
-        self.dynamic_topk = bool(dynamic_topk)
-        self.k_max = k_max
-        self.prefetch = prefetch if prefetch is not None and prefetch.name != "none" else None
-        self.prefetch_lead = int(prefetch_lead)
-        self.prefetch_budget = prefetch_budget
-        self.dispatch = dispatch if dispatch is not None and dispatch.name != "topk" else None
-        #: ReaLB (``workbench.sim.realb.ReaLB``; None: every expert native): per layer call it
-        #: picks the ranks (``rank_of_expert``) whose experts run in ``low_precision``
-        #: (weights and activations quantised → dequantised by ``workbench.fake_quant``)
-        self.balance = balance
-        #: MoE-Prism (a :class:`~workbench.prism.execute.PrismSetup`): every expert runs through
-        #: a :class:`~workbench.prism.execute.PrismView` (k_active of its sub-experts, or the
-        #: token's K best of its routed experts'); None: off
-        self.prism = prism
-        #: the cache's keys are 1/part of an expert: MoE-Prism's sub-expert offloading
-        #: (``prism_offload``) keys sub-expert e·N + s, slots of 1/N, only the ones run fetched
-        self.part = prism.subexperts if prism is not None and prism_offload else 1
-        # hybrid rule: tokens → run this miss on the host? (True: the modeled prices decide,
-        # of a cache key: an expert, or a sub-expert with 1/part of its bytes and FLOPs)
-        self.hybrid: Callable[[int], bool] | None = (
-            self.prices.part(self.part).on_host if hybrid is True else (hybrid or None))
-        self.prism_views: list = []
-        self._relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
-        self.rank_of_expert = rank_of_expert
-        self.low_precision = low_precision
-        self._low: set[int] = set()  # this layer call's low-precision experts
-        #: (layer call, expert) computations run in low precision
-        self.low_precision_runs = 0
-        #: (token, expert) assignments the router made, and those the dispatch dropped
-        self.dispatch_assigned = 0
-        self.dispatch_dropped = 0
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
         self.redundant_prefetches = 0
-        self._pf_inflight: dict[tuple[int, int], Transfer] = {}  # prefetched, not yet computed
-        self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked experts per layer
         #: the real tokens of the step in progress (bool [B·T] on the device, row-major like
         #: the experts' flattened input; None: every token is real): a batch's left padding
         #: and the rows of requests that have finished are routed to no expert (the sentinel
@@ -182,39 +124,50 @@ class Offloader:
         self.token_mask: torch.Tensor | None = None
         self._mask_np: np.ndarray | None = None
         #: per flattened position of the step in progress: modality code and request (for
-        #: a dispatch that reads them, MACS; None: unknown — all text, one request)
+        #: the stages that need the token context; None: unknown — all text, one request)
         self._step_modality: np.ndarray | None = None
         self._step_request: np.ndarray | None = None
-        #: MACS: the calibrated centroids μ [L, E, D] (a torch tensor on the device; None:
-        #: none, η acts as 0) and the assignments it rerouted
-        self.macs_centroids: torch.Tensor | None = None
-        self.dispatch_rerouted = 0
-        #: Expanded Drop: (token, expert) pairs it added beyond the router's top-k
-        self.dispatch_added = 0
-        #: MACS: this layer call's semantic weights w(x) [tokens] (None: every token 1)
-        self._token_weights: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
+        self._use_cache(num_slots, policy)
+        self.executor = Executor(self.slots, self.store, probe, part=self.part,
+                                 low_precision=low_precision,
+                                 prism=bool(self._hooked["runner"]))
+        self._saved: list[tuple[MoEBlock, dict]] = []
+        self._hooks = Hooks()  # each experts module's forward override
+
+    def _use_stages(self, stages: list) -> None:
+        """The run's stages, and what the layer call takes from them once."""
+        self.stages = stages
+        self._hooked = {h: hooked(stages, h) for h in HOOKS}
+        self._before_mask = [s for s in self._hooked["route"] if s.before_mask]
+        self._after_mask = [s for s in self._hooked["route"] if not s.before_mask]
+        self._routes_nowhere = any(s.routes_nowhere for s in stages)
+        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
+        self.needs: frozenset[str] = frozenset().union(*(s.needs for s in stages))
+        #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
+        #: e·part + s, slots of 1/part, only the ones run fetched)
+        self._split = next((st for st in stages if st.part > 1), None)
+        self.part = self._split.part if self._split is not None else 1
+
+    def _use_cache(self, num_slots: int, policy) -> None:
+        """The core (one cache of the offloaded layers' keys), the host store and the slots.
+        ``num_slots`` is memory in expert-sized slots: part × as many slots of 1/part."""
+        layout, part = self.layout, self.part
         first = layout.blocks[0]
         dtype = getattr(first.experts, first.expert_params[0]).dtype
-        part = self.part
         n_offloaded = sum(b.num_experts for b in self.offloaded) * part
-        # ``num_slots`` is memory in expert-sized slots: part × as many slots of 1/part
         self.num_slots = min(num_slots * part, n_offloaded) if self.offloaded else 0
         self.sim = Simulator(
             Placement.single_device(layout.num_layers, layout.num_experts * part,
-                                    layout.top_k * part, pinned_layers, max(self.num_slots, 1)),
+                                    layout.top_k * part, self.pinned_layers,
+                                    max(self.num_slots, 1)),
             lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
         shapes = first.expert_shapes if self.offloaded else {}
-        if part > 1:  # a sub-expert's block of the sub-expert layout
-            from workbench.prism.execute import subexpert_shapes
-
-            shapes = subexpert_shapes(shapes, part)
+        if self._split is not None:  # one key's block
+            shapes = self._split.slot_shapes(shapes)
         self.slots = SlotPool(self.num_slots, shapes, dtype, self.device)
-        self.engine: TransferEngine | None = None
-        self._saved: list[tuple[MoEBlock, dict]] = []
-        self._hooks = Hooks()  # each experts module's forward override
 
     def set_token_mask(self, valid: np.ndarray | None, modality: np.ndarray | None = None,
                        request: np.ndarray | None = None) -> None:
@@ -230,7 +183,33 @@ class Offloader:
     @property
     def _sentinels(self) -> bool:
         """Whether routing may hold the "routed nowhere" id E (dispatch drops, masked rows)."""
-        return self.dispatch is not None or self.token_mask is not None
+        return self._routes_nowhere or self.token_mask is not None
+
+    def counts(self) -> dict[str, int]:
+        """The run's counters: the core's, the executor's and every stage's (0 when off)."""
+        out = dict.fromkeys(STAGE_COUNTS, 0)
+        for st in self.stages:
+            out.update(st.counts())
+        out["redundant_prefetches"] = self.redundant_prefetches
+        out["low_precision_runs"] = self.executor.low_precision_runs
+        return out
+
+    def max_k(self, top_k: int) -> int:
+        """The widest routing a token may get of a layer whose router picks ``top_k``: the
+        stages may add assignments (the store's k dimension holds them)."""
+        return top_k + sum(st.max_added(self.layout.num_experts) for st in self.stages)
+
+    def __getattr__(self, name: str):
+        # a stage's counter by its name (e.g. ``dispatch_dropped``): 0 while the stage is off
+        if name in STAGE_COUNTS:
+            return next((getattr(st, name) for st in self.__dict__.get("stages", ())
+                         if name in st.COUNTS), 0)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def engine(self) -> TransferEngine | None:
+        """The transfers from the host store (None: not installed, or nothing offloaded)."""
+        return self.executor.engine
 
     @property
     def cache(self):
@@ -241,7 +220,7 @@ class Offloader:
     def __enter__(self) -> "Offloader":
         try:
             if self.offloaded:
-                self.engine = TransferEngine(self.device)
+                self.executor.engine = TransferEngine(self.device)
             for b in self.layout.blocks:
                 self._install(b)
         except BaseException:
@@ -261,27 +240,14 @@ class Offloader:
         moved: list = []
         self._saved.append((b, moved))
         view = ExpertsView(ex, b.expert_params)
-        if self.prism is not None:  # every path below calls the view: all run sub-experts
-            from workbench.prism.execute import PrismView
-
-            ps = self.prism
-            # every sub-expert of every routed expert runs: whole experts, layout unchanged
-            whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
-                     and self.part == 1)
-            view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
-                             ex.act_fn, ps.global_k, ps.router, whole=whole)
-            self.prism_views.append(view)
-            if not whole:
-                self._to_subexperts(b)
-                view.capture_gates(ex.gate_up_proj.data, self.device)
+        for st in self._hooked["runner"]:  # every path below calls the view
+            view = st.runner(b, view)
         original = ex.forward
         if b.index >= self.pinned_layers:
             params = {n: ex._parameters[n] for n in b.expert_params}
             host = {n: p.data for n, p in params.items()}
-            if self.part > 1:  # the store's rows are the sub-experts (views: no copy)
-                from workbench.prism.execute import subexpert_rows
-
-                host = subexpert_rows(host, self.part)
+            if self._split is not None:  # the store's rows are the keys (views: no copy)
+                host = self._split.host_rows(host)
             self.store.add_layer(b.index, host)
             for name, p in params.items():
                 if p.device.type != "cpu":  # a CPU tensor is the host store's copy itself
@@ -302,117 +268,80 @@ class Offloader:
             r = r.reshape(r.shape[0], -1, self.part).any(-1)
         return r
 
-    def _to_subexperts(self, b: MoEBlock, back: bool = False) -> None:
-        """MoE-Prism: ``b``'s fused expert tensors into the sub-expert layout (``back``: out
-        of it, exactly) — in place of the module's parameters, so every copy made from them
-        (host store, slots, pinned prefix) is in the layout the views slice without copying."""
-        from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
-
-        perm, N = self.prism.perm, self.prism.subexperts
-        gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
-        with torch.no_grad():
-            gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
-                gu.data, down.data, perm[b.index], N)
-        (self._relaid.discard if back else self._relaid.add)(b.index)
-
     def _remove(self) -> None:
         self._hooks.remove()  # the model's own experts forwards first, then their tensors
         while self._saved:
             b, moved = self._saved.pop()
             for name, p in moved:  # bring the device copy back from the host store
                 p.data = self.store.layer(b.index)[name].to(self.device).reshape(p.shape)
-            if b.index in self._relaid:
-                self._to_subexperts(b, back=True)
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+            for st in self._hooked["uninstall"]:
+                st.uninstall(b)
+        if self.executor.engine is not None:
+            self.executor.engine.close()
+            self.executor.engine = None
 
     # -- the interception point ------------------------------------------------------------
     def _layer(self, b: MoEBlock, original: Callable, view: ExpertsView,
                hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """One MoE layer call; the features run in this order (each reads what the previous
-        ones produced): dynamic top-k → layer event → lookahead → step inputs (ActiveEvict
-        hotness, prefetch candidates, hybrid picks) → the core's step → its schedule."""
-        pinned = b.index < self.pinned_layers
+        """One MoE layer call; each phase runs every stage's hook in :data:`STAGES` order and
+        reads what the previous phases produced: route (raw) → mask → route → layer event →
+        observe → price → access → the core's step → its schedule → finish."""
         mask = self.token_mask
         if mask is not None and mask.shape[0] != top_k_index.shape[0]:
             raise RuntimeError(f"MoE layer {b.index} got {top_k_index.shape[0]} tokens, the "
                                f"step's token mask {mask.shape[0]}")
-        if not pinned and self.dynamic_topk and self.probe.step > 0:
-            top_k_index, top_k_weights = self._budget_topk(
-                b, hidden_states, top_k_index, top_k_weights)
+        call = LayerCall(b, hidden_states, top_k_index, top_k_weights, self.probe.step,
+                         b.index < self.pinned_layers, mask, self._mask_np, self._step_modality,
+                         self._step_request, self.cache, self.part)
+        for st in self._before_mask:
+            st.route(call)
         if mask is not None:  # padding and finished requests: routed nowhere
-            top_k_index = top_k_index.masked_fill(~mask[:, None], b.num_experts)
-            top_k_weights = top_k_weights.masked_fill(~mask[:, None], 0)
-        dropped = rerouted = None
-        if self.dispatch is not None:
-            top_k_index, top_k_weights, dropped, rerouted = self._dispatch_routing(
-                b, hidden_states, top_k_index, top_k_weights)
-        ev, experts, routed = self._layer_event(b, top_k_index, top_k_weights)
-        ev.dropped_ids, ev.rerouted_ids = dropped, rerouted
-        ev.token_weights, self._token_weights = self._token_weights, None
-        pred, p_next = self._lookahead(b, hidden_states)
-        if self.lookahead_depth > 0:
-            ev.pred_ids = pred
-        real_ids = ev.topk_ids if mask is None else ev.topk_ids[self._mask_np]
-        # what the next routers say of the real tokens only (padding must not prefetch)
-        pred_real = pred if mask is None or pred is None else pred[self._mask_np]
-        if self.part == 1:  # sub-expert keys are noted once the view has chosen them
-            self._note_routing(b.index, real_ids)
-        if not pinned and self.active_evict is not None:
-            self.active_evict.observe(b.index, real_ids)
-        p = self.prices
-        tokens = [ev.expert_tokens[e] for e in experts]
-        self._low = (self._balance(b, real_ids, experts, ev) if self.balance is not None
-                     else set())
-        low_price = p.expert_in(self.low_precision) if self._low else p.expert
-        keys = experts  # the cache's keys: experts, or sub-experts (prism_offload)
-        low_mask = np.array([e in self._low for e in experts], bool)  # ReaLB's, this call
-        if self.prism is not None and view.whole:  # the shortcut: each routed slot runs all
-            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
-            N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
-            compute_s = [p.subexpert_op(N * n, N, N, self.low_precision if lo else "native")
-                         for n, lo in zip(tokens, low_mask)]
-        elif self.prism is not None:  # router-side: the sub-experts each slot runs, priced
-            view.choose(hidden_states, top_k_index, top_k_weights, b.num_experts)
-            per_sub = view.tokens_per_subexpert(top_k_index, b.num_experts)[experts]
-            compute_s = p.subexperts(per_sub, low_mask, self.low_precision)
-            if self.part > 1:  # each sub-expert carries its share of its expert's op
-                sub_ids = view.subexpert_ids(top_k_index)
-                self._note_routing(b.index, sub_ids if mask is None else sub_ids[self._mask_np])
-                e_at, s_at = np.nonzero(per_sub)
-                keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
-                tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
-                compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
-            else:  # an expert a global K left idle is not looked up (nothing of it runs)
-                ran = per_sub.sum(1) > 0
-                keys = [e for e, r in zip(experts, ran) if r]
-                compute_s = compute_s[ran]
-                self._low &= set(keys)  # an idle expert runs in no precision
-                # hybrid's rule, per key: the tokens that run some sub-expert of it
-                per_expert = view.tokens_per_expert(top_k_index, b.num_experts)
-                tokens = [int(per_expert[e]) for e in keys]
-            compute_s = compute_s.tolist()
-        else:
-            compute_s = [(low_price if e in self._low else p.expert)(n)
-                         for e, n in zip(experts, tokens)]
-        ev.low_precision = sorted(self._low)
-        out = self.sim.step(Access(
-            step=self.probe.step, layer=b.index, experts=keys,
-            compute_s=compute_s,
-            dense_s=p.dense(int(real_ids.shape[0])),
-            prefetch=self._prefetch_candidates(b, pred_real),
-            on_host=[self.hybrid(n) for n in tokens] if self.hybrid and not pinned else None,
-            host_s=([p.part(self.part).host(n) for n in tokens] if self.hybrid and not pinned
-                    else None),
-            pre_evict=self._pre_evict_hook(b, pred_real, p_next)))
-        self._note_outcome(ev, keys, out)
-        result = self._execute(b, original, view, ev, out, routed, hidden_states, top_k_index,
-                               top_k_weights, args, kwargs)
-        if self.prism is not None:  # which sub-experts each slot ran, for the store
-            ev.sub_chosen = view.take()
+            call.ids = call.ids.masked_fill(~mask[:, None], b.num_experts)
+            call.weights = call.weights.masked_fill(~mask[:, None], 0)
+        for st in self._after_mask:
+            st.route(call)
+        ev, routed = self._observe(call)
+        out = self.sim.step(self._access(call))
+        self._note_outcome(ev, call.keys, out)
+        result = self.executor.execute(ComputeCall(
+            b, original, view, hidden_states, call.ids, call.weights, args, kwargs, ev,
+            routed, call.low, self._sentinels), out)
+        for st in self._hooked["finish"]:
+            st.finish(call)
         return result
+
+    def _observe(self, call: LayerCall) -> tuple[LayerEvent, torch.Tensor]:
+        """The layer event of ``call``'s routing, then the stages' observe hooks; returns the
+        event and the distinct routed experts (ascending, a tensor)."""
+        ev, experts, routed = self._layer_event(call.block, call.ids, call.weights)
+        ev.dropped_ids, ev.rerouted_ids = call.dropped, call.rerouted
+        ev.token_weights = call.token_weights
+        call.event, call.experts = ev, experts
+        call.real_ids = ev.topk_ids if call.real is None else ev.topk_ids[call.real]
+        for st in self._hooked["observe"]:
+            st.observe(call)
+        return ev, routed
+
+    def _access(self, call: LayerCall) -> Access:
+        """What the cache looks up and its modeled prices (the stages' price hooks; by default
+        each expert in its precision), then the stages' additions (access hooks)."""
+        p, experts = self.prices, call.experts
+        call.keys, call.key_ids = experts, call.real_ids
+        call.tokens = [call.event.expert_tokens[e] for e in experts]
+        for st in self._hooked["price"]:
+            st.price(call)
+        compute_s = call.compute_s
+        if compute_s is None:
+            low_price = p.expert_in(call.low_precision) if call.low else p.expert
+            compute_s = [(low_price if e in call.low else p.expert)(n)
+                         for e, n in zip(experts, call.tokens)]
+        call.event.low_precision = sorted(call.low)
+        acc = Access(step=call.step, layer=call.block.index, experts=call.keys,
+                     compute_s=compute_s, dense_s=p.dense(int(call.real_ids.shape[0])))
+        for st in self._hooked["access"]:
+            st.access(call, acc)
+        return acc
 
     def _note_outcome(self, ev: LayerEvent, experts: list[int], out: Outcome) -> None:
         """The core's decisions into the layer event, its modeled spans into the probe."""
@@ -427,204 +356,6 @@ class Offloader:
         probe.moved += out.moved
         probe.modeled.extend(Span(_MODELED, lane, probe.step, layer, expert, start, end)
                              for lane, layer, expert, start, end in out.spans)
-
-    # -- execution of the core's schedule ----------------------------------------------------
-    def _execute(self, b: MoEBlock, original: Callable, view: ExpertsView, ev: LayerEvent,
-                 out: Outcome, routed: torch.Tensor, hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                 kwargs: dict) -> torch.Tensor:
-        layer = b.index
-        result = None
-        loading: dict[int, Transfer] = {}  # this layer's misses in flight
-        schedule, i = out.schedule, 0
-        while i < len(schedule):
-            action = schedule[i]
-            i += 1
-            kind = action[0]
-            if kind == "load":
-                _, e, slot, victim = action
-                self._pf_inflight.pop(victim, None)
-                loading[e] = self._submit((layer, e), slot)
-            elif kind == "prefetch":
-                _, key, slot, victim = action
-                self._pf_inflight.pop(victim, None)
-                self._pf_inflight[key] = self._submit(key, slot)
-            elif kind == "pre_evict":
-                self._pf_inflight.pop(action[1], None)
-            elif kind == "hits":
-                if out.pinned and self.prism is not None and not view.whole:
-                    ids = routed.tolist()  # the routed experts' resident weights, as slices
-                    at = routed.long()
-                    own = {n: getattr(b.experts, n)[at] for n in b.expert_params}
-                    if self._low:  # ReaLB: those experts' sub-experts in low precision
-                        result = self._run_split(b, view, ids, own, hidden_states,
-                                                 top_k_index, top_k_weights, args, kwargs)
-                        continue
-                    result = view(own, ids, b.num_experts, hidden_states, top_k_index,
-                                  top_k_weights, *args, all_routed=routed, **kwargs)
-                    continue
-                if out.pinned:
-                    idx, w = top_k_index, top_k_weights
-                    low = sorted(self._low)
-                    if low:  # those experts run below, in low precision
-                        mine = torch.isin(idx, torch.as_tensor(low, device=idx.device))
-                        idx = idx.masked_fill(mine, b.num_experts)
-                    if self._sentinels or low:  # the model's own forward: no sentinel ids
-                        gone = idx >= b.num_experts
-                        idx, w = idx.masked_fill(gone, 0), w.masked_fill(gone, 0)
-                    result = original(hidden_states, idx, w, *args, **kwargs)
-                    if self.prism is not None:  # the shortcut: every routed slot ran all
-                        view.record_all()
-                    if low:
-                        own = {n: getattr(b.experts, n)[low] for n in b.expert_params}
-                        result = result + self._run_low(b, view, low, own, hidden_states,
-                                                        top_k_index, top_k_weights, args,
-                                                        kwargs)
-                    continue
-                for e in out.hits:  # a prefetched expert computes once its copy has landed
-                    self._wait(ev, layer, e, self._pf_inflight.pop((layer, e), None))
-                if out.hits:  # every routed expert a hit: no token needs masking
-                    every = routed if len(out.hits) == len(routed) and self.part == 1 else None
-                    result = self._run_slots(b, view, out.hits, action[1], hidden_states,
-                                             top_k_index, top_k_weights, args, kwargs, every)
-            elif kind == "host":
-                t = time.perf_counter()
-                part = self._run_on_host(b, view, action[1], hidden_states, top_k_index,
-                                         top_k_weights, args, kwargs)
-                self._span(_HOST, layer, action[1], t)
-                result = part if result is None else result + part
-            elif kind == "miss":
-                e = action[1]
-                tr = loading.pop(e)
-                self._wait(ev, layer, e, tr)
-                batch, slots = [e], [tr.slot]
-                # the next misses whose copies have already landed compute in the same call
-                # (nothing waits for them, so no miss blocks on another's transfer)
-                while i < len(schedule) and schedule[i][0] == "miss" \
-                        and loading[schedule[i][1]].done:
-                    nxt = loading.pop(schedule[i][1])
-                    self._wait(ev, layer, schedule[i][1], nxt)  # collects a copy error
-                    batch.append(schedule[i][1])
-                    slots.append(nxt.slot)
-                    i += 1
-                part = self._run_slots(b, view, batch, slots, hidden_states, top_k_index,
-                                       top_k_weights, args, kwargs)
-                result = part if result is None else result + part
-        if result is None:  # no token routed here (empty input)
-            result = torch.zeros_like(hidden_states)
-        return result
-
-    def _submit(self, key: tuple[int, int], slot: int) -> Transfer:
-        assert self.engine is not None
-        return self.engine.submit(key, slot, self.slots.view(slot), self.store.expert(*key))
-
-    def _wait(self, ev: LayerEvent, layer: int, e: int, tr: Transfer | None) -> None:
-        if tr is None:
-            return
-        t = time.perf_counter()
-        waited = tr.wait()
-        if waited > 0:
-            ev.stall_s += waited
-            self._span(_STALL, layer, e, t)
-
-    def _run_slots(self, b: MoEBlock, view: ExpertsView, experts: list[int], slots: list[int],
-                   hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor, args: tuple, kwargs: dict,
-                   all_routed: torch.Tensor | None = None) -> torch.Tensor:
-        """``experts``' share of the layer output, over their ``slots`` gathered compactly
-        (``all_routed``: see :meth:`ExpertsView.__call__`); the ones ReaLB put in low
-        precision this call run apart (:meth:`_run_low`)."""
-        weights = self.slots.gather(slots)
-        if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
-            return view.run_subexperts(weights, experts, b.num_experts, hidden_states,
-                                       top_k_index, top_k_weights, *args, **kwargs)
-        if not any(e in self._low for e in experts):
-            return view(weights, experts, b.num_experts, hidden_states, top_k_index,
-                        top_k_weights, *args, all_routed=all_routed, **kwargs)
-        return self._run_split(b, view, experts, weights, hidden_states, top_k_index,
-                               top_k_weights, args, kwargs)
-
-    def _run_split(self, b: MoEBlock, view: ExpertsView, experts: list[int],
-                   weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                   kwargs: dict) -> torch.Tensor:
-        """``experts``' share of the layer output (``weights`` theirs), those ReaLB put in low
-        precision this call apart (:meth:`_run_low`), the others natively."""
-        low = [i for i, e in enumerate(experts) if e in self._low]
-        nat = [i for i in range(len(experts)) if i not in set(low)]
-        out = self._run_low(b, view, [experts[i] for i in low],
-                            {n: t[low] for n, t in weights.items()}, hidden_states,
-                            top_k_index, top_k_weights, args, kwargs)
-        if nat:
-            out = out + view({n: t[nat] for n, t in weights.items()},
-                             [experts[i] for i in nat], b.num_experts, hidden_states,
-                             top_k_index, top_k_weights, *args, **kwargs)
-        return out
-
-    def _run_low(self, b: MoEBlock, view: ExpertsView, experts: list[int],
-                 weights: dict[str, torch.Tensor], hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, args: tuple,
-                 kwargs: dict) -> torch.Tensor:
-        """``experts``' share in ``low_precision``: each expert's weight tensors and the
-        layer's input quantised → dequantised (W4A4 for NVFP4, W8A8 for FP8), then the model's
-        own experts forward."""
-        from workbench.precision import fake_quant
-
-        p = self.low_precision
-        if self.prism is not None and not getattr(view, "whole", True):
-            # sub-expert layout: quantised in the model's own (block groups of its matrices)
-            q = view.fake_quant(weights, experts, p)
-        else:
-            q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
-                 for n, t in weights.items()}
-        self.low_precision_runs += len(experts)
-        return view(q, experts, b.num_experts, fake_quant(hidden_states, p), top_k_index,
-                    top_k_weights, *args, **kwargs)
-
-    def _balance(self, b: MoEBlock, real_ids: np.ndarray, experts: list[int],
-                 ev: LayerEvent) -> set[int]:
-        """ReaLB's decision for this layer call (kept in ``ev.realb`` for the store): per-rank
-        loads and visual assignments of the real tokens → the experts of the ranks it puts in
-        low precision."""
-        R = int(self.rank_of_expert.max()) + 1
-        ids = np.asarray(real_ids, np.int64)
-        mod = self._step_modality
-        if mod is not None and self._mask_np is not None:
-            mod = mod[self._mask_np]
-        vis_tok = (np.zeros(len(ids), bool) if mod is None or len(mod) != len(ids)
-                   else np.asarray(mod) != 0)
-        t, r = np.nonzero((ids >= 0) & (ids < len(self.rank_of_expert)))
-        owner = self.rank_of_expert[ids[t, r]]
-        load = np.bincount(owner, minlength=R).astype(np.float64)
-        visual = np.bincount(owner[vis_tok[t]], minlength=R).astype(np.float64)
-        d = ev.realb = self.balance.decide(b.index, load, visual)
-        return {e for e in experts if d.low[self.rank_of_expert[e]]}
-
-    def _run_on_host(self, b: MoEBlock, view: ExpertsView, expert: int,
-                     hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Expert ``expert``'s share of the layer output, computed by the model's own experts
-        forward on the host over the host store's copy (a one-expert view, no copy of the
-        weights); with sub-expert offloading ``expert`` is a sub-expert key, its host rows a
-        sub-expert block."""
-        cpu = torch.device("cpu")
-        host = self.store.layer(b.index)
-        if self.part > 1:
-            out = view.run_subexperts({n: host[n][expert:expert + 1] for n in b.expert_params},
-                                      [expert], b.num_experts, hidden_states.to(cpu),
-                                      top_k_index.to(cpu), top_k_weights.to(cpu), *args,
-                                      **kwargs)
-            return out.to(hidden_states.device)
-        out = view({n: host[n][expert:expert + 1] for n in b.expert_params}, [expert],
-                   b.num_experts, hidden_states.to(cpu), top_k_index.to(cpu),
-                   top_k_weights.to(cpu), *args, **kwargs)
-        return out.to(hidden_states.device)
-
-    def _span(self, lane: int, layer: int, expert: int, t_start: float) -> None:
-        t_end = time.perf_counter()
-        self.probe.stalls.append(Span(
-            clock=0, lane=lane, step=self.probe.step, layer=layer, expert=expert,
-            start=t_start - self.probe.t0, end=t_end - self.probe.t0))
 
     # -- features before the step -------------------------------------------------------------
     def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -645,242 +376,3 @@ class Offloader:
                         expert_tokens=dict(zip(experts.tolist(), counts.tolist())))
         self.probe.layers.append(ev)
         return ev, experts.tolist(), experts
-
-    def _lookahead(self, b: MoEBlock, hidden_states: torch.Tensor
-                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Routers of the next layers on this layer's MoE input.
-
-        Returns ``(pred [T, D', k] int16 or None, p̂ of layer l+1 [E] or None)``: D' = the
-        recorded depth (``lookahead_depth``; one layer when only ActiveEvict needs it), -1
-        past the last layer; p̂ only when ActiveEvict is on and layer l+1 exists.
-        """
-        blocks = self.layout.blocks
-        ae = self.active_evict
-        depth = max(self.lookahead_depth, 1 if ae is not None else 0)
-        if depth <= 0:
-            return None, None
-        k = self.layout.top_k
-        T = hidden_states.shape[0]
-        avail = min(depth, len(blocks) - 1 - b.index)
-        if avail <= 0:
-            return np.full((T, depth, k), -1, np.int16), None
-        # token compression: tokens that will not reach the layers behind the pinned prefix
-        keep, first_pruned = None, len(blocks)
-        if self.pruning is not None and b.index < self.pinned_layers:
-            keep = self.pruning.prefill_keep_mask(b.index)
-            if keep is not None and len(keep) != T:
-                keep = None
-            if keep is not None:
-                first_pruned = self.pruning.pinned
-        preds = []
-        p_next = None
-        with torch.no_grad():
-            for d in range(1, avail + 1):
-                logits, _, idx = blocks[b.index + d].route(hidden_states)
-                if idx.shape[-1] < k:
-                    idx = torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
-                preds.append(idx)
-                if d == 1 and ae is not None:
-                    prob = torch.softmax(logits.float(), dim=-1)
-                    if keep is not None and b.index + 1 >= first_pruned:
-                        prob = prob[torch.as_tensor(keep, device=prob.device)]
-                    if self.token_mask is not None:  # real tokens only
-                        prob = prob[self.token_mask]
-                    p_next = prob.mean(0)
-            pred = torch.stack(preds, 1).to(device="cpu", dtype=torch.int16).numpy()
-        if keep is not None:
-            d0 = max(first_pruned - b.index, 1)  # first lookahead distance behind the prefix
-            if d0 <= avail:
-                pred[~keep, d0 - 1:] = -1
-        if avail < depth:
-            pred = np.concatenate([pred, np.full((T, depth - avail, k), -1, np.int16)], 1)
-        return pred, (p_next.cpu().double().numpy() if p_next is not None else None)
-
-    def _note_routing(self, layer: int, topk_ids: np.ndarray) -> None:
-        r = self._routing
-        if r["step"] != self.probe.step:
-            r["step"], r["prev"], r["cur"] = self.probe.step, r["cur"], {}
-        if self.prefetch is not None:
-            r["cur"][layer] = ranked_ids(topk_ids)
-
-
-    def _prefetch_candidates(self, b: MoEBlock, pred: np.ndarray | None) -> list:
-        """The prefetch policy's picks after ``b``'s router ran, as ``(layer, expert)`` (the
-        same context, order and filters as trace replay's ``plan_prefetch``); the core admits
-        them when every miss of the layer has a slot."""
-        if self.prefetch is None or self.engine is None:
-            return []
-        lay = self.layout
-
-        def pred_at(d: int) -> list[int]:
-            # the routers' lookahead names experts: none for sub-expert keys (as in replay,
-            # whose sub-expert trace drops it)
-            if pred is None or d - 1 >= pred.shape[1] or self.part > 1:
-                return []
-            return ranked_ids(pred[:, d - 1])
-
-        def no_future(d: int) -> list[int]:
-            raise RuntimeError("the live runtime cannot see the future (oracle is replay-only)")
-
-        prev = self._routing["prev"]
-        ctx = PrefetchContext(step=self.probe.step, layer=b.index, num_layers=lay.num_layers,
-                              lead=self.prefetch_lead, pred=pred_at,
-                              previous=lambda l: prev.get(l, []), future=no_future)
-        pinned = [blk.index < self.pinned_layers for blk in lay.blocks]
-        E = lay.num_experts * self.part  # the cache's keys: experts or sub-experts
-        return [divmod(k, E) for k in select(self.prefetch.candidates(ctx), pinned,
-                                             lay.num_layers, E, self.prefetch_budget)]
-
-    def _pre_evict_hook(self, b: MoEBlock, pred: np.ndarray | None, p_next: np.ndarray | None):
-        """ActiveEvict before layer l+1, for the core to call once layer l's misses have
-        slots (None when it does not apply: off, no lookahead, or l+1 not offloaded)."""
-        nxt = b.index + 1
-        ae = self.active_evict
-        if ae is None or pred is None or p_next is None \
-                or nxt < self.pinned_layers or nxt >= self.layout.num_layers:
-            return None
-        demand = {int(e) for e in np.unique(pred[:, 0, :]) if e >= 0}
-
-        def hook(cache, protected: set) -> list:
-            return ae.pre_evict(cache, nxt, demand, p_next, protected)
-
-        return hook
-
-    def _dispatch_routing(self, b: MoEBlock, hidden_states: torch.Tensor,
-                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
-                                     np.ndarray | None]:
-        """Capacity-aware dispatch of this layer call's tokens (one step, one layer) by the
-        core's rule (:meth:`workbench.sim.dispatch.Dispatch.apply`, the one replay runs): a
-        dropped assignment gets id E — the experts forward's "not here" sentinel, which
-        :class:`ExpertsView` maps past the layer's experts — and weight 0 (the others keep
-        theirs, not renormalised: CAI-MoE's default); MACS may move an assignment to another
-        expert instead (new id and weight). Returns the routing, the dropped experts ``[T, k]``
-        (int16, -1 = kept; None: nothing dropped) and the experts rerouted away from (same
-        form) for the layer event."""
-        if self.token_mask is not None:  # on the real tokens only: padding takes no capacity
-            rows = self.token_mask.nonzero().squeeze(1)
-            idx, w, sub, rer = self._dispatch_rows(b, hidden_states[rows], top_k_index[rows],
-                                                   top_k_weights[rows], self._mask_np)
-            if sub is None and rer is None and idx.shape[1] == top_k_index.shape[1]:
-                return top_k_index, top_k_weights, None, None
-            if idx.shape[1] > top_k_index.shape[1]:  # Expanded Drop widened the routing
-                extra = idx.shape[1] - top_k_index.shape[1]
-                n_all = top_k_index.shape[0]
-                top_k_index = torch.cat([top_k_index, top_k_index.new_full(
-                    (n_all, extra), b.num_experts)], 1)
-                top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(
-                    (n_all, extra))], 1)
-            full = []
-            for part in (sub, rer):
-                f = None
-                if part is not None:
-                    f = np.full((top_k_index.shape[0], part.shape[1]), -1, np.int16)
-                    f[self._mask_np] = part
-                full.append(f)
-            return (top_k_index.index_copy(0, rows, idx), top_k_weights.index_copy(0, rows, w),
-                    *full)
-        return self._dispatch_rows(b, hidden_states, top_k_index, top_k_weights, None)
-
-    def _dispatch_rows(self, b: MoEBlock, hidden_states: torch.Tensor,
-                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       real: np.ndarray | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
-                                  np.ndarray | None]:
-        """:meth:`_dispatch_routing` of rows that are all real tokens (``real``: which of the
-        step's positions they are; None: all)."""
-        T, K = top_k_index.shape
-        E = b.num_experts
-        # most layer calls overflow nothing (a decode step's one token never does): one
-        # bincount on the device decides it, without the copy and sort of apply()
-        top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
-        if self.dispatch.fits(top, T, K, E):
-            self.dispatch_assigned += T * K
-            return top_k_index, top_k_weights, None, None
-        ids = top_k_index.detach().to("cpu").numpy()
-        w = top_k_weights.detach().float().to("cpu").numpy()
-        ctx = (self._dispatch_context(b, hidden_states, real)
-               if self.dispatch.name in ("macs", "capacity-expanded") else None)
-        new, new_w, rer = self.dispatch.apply_weighted(
-            ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64),
-            b.num_experts, ctx)
-        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :K]
-        sw = getattr(self.dispatch, "last_weights", None)
-        if sw is not None:  # MACS: the effective load's weights, per position of the step
-            full = np.ones(len(real) if real is not None else T, np.float32)
-            full[real if real is not None else slice(None)] = sw[:, 0]
-            self._token_weights = full
-        dropped = (new[:, :K] < 0) & (ids >= 0)
-        self.dispatch_assigned += int((ids >= 0).sum())
-        n, n_rer = int(dropped.sum()), int(rer.sum())
-        n_add = int((new[:, K:] >= 0).sum())
-        if not n and not n_rer and new.shape[1] == K and np.array_equal(new, ids) \
-                and np.array_equal(new_w, w):
-            return top_k_index, top_k_weights, None, None
-        self.dispatch_dropped += n
-        self.dispatch_rerouted += n_rer
-        self.dispatch_added += n_add
-        dev = top_k_index.device
-        out_ids = torch.as_tensor(np.where(new < 0, b.num_experts, new), dtype=top_k_index.dtype,
-                                  device=dev)
-        out_w = torch.as_tensor(new_w, device=dev).to(top_k_weights.dtype)
-        return (out_ids, out_w,
-                np.where(dropped, ids, -1).astype(np.int16) if n else None,
-                np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
-
-    def _dispatch_context(self, b: MoEBlock, hidden_states: torch.Tensor,
-                          real: np.ndarray | None):
-        """What MACS or Expanded Drop reads of this layer call's tokens
-        (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
-        of softmax over its MoE input's features (MACS semantic load), every expert's router
-        probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
-        centroids (MACS rerouting) — each only when the policy asks for it."""
-        from workbench.sim.macs import DispatchContext, image_runs
-
-        pol = self.dispatch
-        T = hidden_states.shape[0]
-        mod = self._step_modality
-        req = self._step_request
-        if mod is None or len(mod) != (len(real) if real is not None else T):
-            mod, req = np.zeros(T, np.int8), None
-        elif real is not None:
-            mod, req = mod[real], None if req is None else req[real]
-        ent = gates = aff = None
-        with torch.no_grad():
-            z = hidden_states.float()
-            if getattr(pol, "semantic_load", False):
-                logp = torch.log_softmax(z, dim=-1)
-                ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
-            if getattr(pol, "reroute", False) or "router" in pol.needs:
-                logits, _, _ = b.route(hidden_states)
-                gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
-                if self.macs_centroids is not None and getattr(pol, "eta", 0) > 0:
-                    mu = self.macs_centroids[b.index].float()
-                    cos = torch.nn.functional.normalize(z, dim=-1) @ \
-                        torch.nn.functional.normalize(mu, dim=-1).T
-                    aff = cos.cpu().numpy()[:, None, :]
-        return DispatchContext(modality=np.asarray(mod, np.int8), layers=np.array([b.index]),
-                               features_entropy=ent, image_of=image_runs(mod, req),
-                               gates=gates, affinity=aff)
-
-    def _budget_topk(self, b: MoEBlock, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Budget-aware dynamic top-k (ActiveEvict eq. 18–21) for offloaded layer ``b``."""
-        cache, layer = self.cache, b.index
-        kmax = min(self.k_max or b.top_k, b.num_experts)
-        with torch.no_grad():
-            _, w_max, ids_max = b.route(hidden_states, top_k=kmax)
-            # rank by the router's weights (monotone in its probabilities for every supported
-            # router, including DeepSeek's unsorted top-k)
-            order = torch.argsort(w_max.float(), dim=-1, descending=True, stable=True)
-            ranked = torch.gather(ids_max, -1, order).cpu().numpy()
-        if self._mask_np is not None:  # the real tokens decide
-            ranked = ranked[self._mask_np]
-        k = budget_topk(ranked, lambda e: (layer, e) in cache, cache.free_slots())
-        if k == top_k_index.shape[-1]:
-            return top_k_index, top_k_weights
-        if k == kmax:
-            return ids_max, w_max
-        with torch.no_grad():
-            _, w, ids = b.route(hidden_states, top_k=k)
-        return ids, w

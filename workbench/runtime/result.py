@@ -143,6 +143,15 @@ class RunResult:
             f"{self.prefill_modeled_s * 1e3:.1f} ms), stall {self.stall_modeled_s * 1e3:.1f} ms, "
             f"{self.transfer_bytes_modeled / 1e6:.1f} MB moved",
         ]
+        lines += self._feature_lines(k)
+        if self.store:
+            lines.append(f"store: {self.store}")
+        return "\n".join(lines)
+
+    def _feature_lines(self, k: dict[str, Any]) -> list[str]:
+        """The summary's lines of the features that are on (hybrid, compression, dispatch,
+        balance)."""
+        lines: list[str] = []
         if k.get("hybrid"):
             # why a hybrid run's numbers look as they do (issue 13): host runs move no expert
             # but the device waits for their result, which the modeled stall counts
@@ -176,9 +185,7 @@ class RunResult:
                          f"fake_quant): {self.low_precision_runs} expert computations in low "
                          f"precision; priced at the {k.get('profile')} profile's rate where it "
                          f"has one (modeled)")
-        if self.store:
-            lines.append(f"store: {self.store}")
-        return "\n".join(lines)
+        return lines
 
 
 def _costs_of(knobs: dict[str, Any]) -> str:

@@ -41,7 +41,9 @@ from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import measured_spans
-from workbench.runtime.offload import Offloader, StepProbe
+from workbench.runtime.executor import StepProbe
+from workbench.runtime.offload import Offloader
+from workbench.runtime.stages import TOKEN_CONTEXT
 from workbench.runtime.result import RunResult
 from workbench.sim.costs import Prices
 from workbench.sim.dispatch import DISPATCH
@@ -126,6 +128,7 @@ class RunSession:
         self.offloader: Offloader | None = None
         self.placement: PrunedPlacement | None = None
         self.predictor = None
+        self.prism = None  # MoE-Prism's setup (prism=True)
 
     # -- install ---------------------------------------------------------------------------
     def _install(self) -> None:
@@ -140,6 +143,12 @@ class RunSession:
         if comp.prunes and bool((self.inputs.modality != 0).any()):  # text only: no pruning
             check_supported(rt.lm.model, self.inputs.input_ids)
             self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
+        dispatch = self._dispatch()
+        self.prism = self._prism()
+        cal, centroids = self.macs_calibration, None
+        if cal is not None and k.macs_reroute and k.macs_eta > 0:
+            centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
+                                        device=rt.lm.device)
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
             self.prices, lookahead_depth=k.lookahead_depth,
@@ -148,12 +157,8 @@ class RunSession:
             dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=self._dispatch(), **self._balance(), prism=self._prism(),
-            prism_offload=bool(k.prism and k.prism_offload))
-        cal = self.macs_calibration
-        if cal is not None and k.macs_reroute and k.macs_eta > 0:
-            self.offloader.macs_centroids = torch.as_tensor(
-                np.asarray(cal.centroids, np.float32), device=rt.lm.device)
+            dispatch=dispatch, **self._balance(), prism=self.prism,
+            prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
@@ -219,9 +224,8 @@ class RunSession:
         k, rt = self.knobs, self.runtime
         lay = rt.lm.layout
         # the store's k dim holds every k a layer may use (dynamic top-k may widen it)
-        store_k = max(lay.top_k, k.k_max or 0) if k.dynamic_topk else lay.top_k
-        if k.dispatch == "capacity-expanded":  # a token may gain every expert of its rank
-            store_k += -(-lay.num_experts // k.ep_ranks)
+        store_k = self.offloader.max_k(max(lay.top_k, k.k_max or 0) if k.dynamic_topk
+                                       else lay.top_k)
         self.recorder = Recorder(
             self.store_path, lay.num_layers, lay.num_experts, store_k,
             attrs=rt.run_attrs(k, self.requests, self.inputs, self.live_plan,
@@ -231,8 +235,7 @@ class RunSession:
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
             ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1,
-            subexperts=(self.offloader.prism.subexperts if self.offloader.prism is not None
-                        else 1))
+            subexperts=self.prism.subexperts if self.prism is not None else 1)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -288,8 +291,7 @@ class RunSession:
         self.valid = self._real_tokens(kwargs, args)
         ids = kwargs.get("input_ids", args[0] if args else None)
         lm = self.runtime.lm
-        if ids is not None and (self.offloader.dispatch is not None
-                                or self.offloader.balance is not None):  # MACS, ReaLB read them
+        if ids is not None and TOKEN_CONTEXT in self.offloader.needs:
             self.offloader.set_token_mask(
                 self.valid, modality_of(ids, lm.image_token_id, lm.video_token_id),
                 np.repeat(np.arange(ids.shape[0]), ids.shape[-1]) if ids.dim() > 1 else None)
@@ -390,14 +392,7 @@ class RunSession:
             pre_evictions=sum(len(le.pre_evicted) for e in events for le in e.layers),
             host_runs=sum(len(le.host) for e in events for le in e.layers),
             prefetches=sum(len(le.prefetched) for e in events for le in e.layers),
-            redundant_prefetches=self.offloader.redundant_prefetches,
-            dispatch_assigned=self.offloader.dispatch_assigned,
-            dispatch_dropped=self.offloader.dispatch_dropped,
-            dispatch_rerouted=self.offloader.dispatch_rerouted,
-            dispatch_added=self.offloader.dispatch_added,
-            low_precision_runs=self.offloader.low_precision_runs,
-            subexperts_asked=sum(v.asked for v in self.offloader.prism_views),
-            subexperts_ran=sum(v.ran for v in self.offloader.prism_views))
+            **self.offloader.counts())
         if len(self.requests) > 1:
             result.batch = [
                 {"prompt": r.prompt, "images": image_labels(r), "text": t, "token_ids": a,

@@ -89,6 +89,10 @@ class Dispatch:
         w = np.where(new >= 0, weights, 0).astype(np.float32)
         return new, w, np.zeros(ids.shape, bool)
 
+    def max_added(self, num_experts: int) -> int:
+        """The most assignments a token may gain beyond the router's top-k (0: none)."""
+        return 0
+
     def fits(self, max_load: int, tokens: int, top_k: int, num_experts: int) -> bool:
         """Whether a group of ``tokens`` tokens × ``top_k`` whose busiest expert has
         ``max_load`` assignments is kept whole (a shortcut the live path takes before
@@ -202,6 +206,9 @@ class CapacityExpanded(CapacityDrop):
         super().__init__(capacity_factor, min_capacity)
         self.ep_ranks, self.placement = int(ep_ranks), str(placement)
         self.added = 0
+
+    def max_added(self, num_experts):
+        return -(-num_experts // self.ep_ranks)  # every expert of the token's rank
 
     def fits(self, max_load, tokens, top_k, num_experts):
         return False  # under-loaded experts take extra tokens: every group changes

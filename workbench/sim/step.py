@@ -18,10 +18,10 @@ only on that expert):
    when its transfer is done; the layer ends when the host lane has delivered too.
 
 It returns an :class:`Outcome`: the counts, the modeled times, and a **schedule** — the
-ordered actions the live runtime executes on real tensors: ``("load", expert, slot, victim)``,
-``("prefetch", key, slot, victim)``, ``("pre_evict", key)``, ``("hits", slots of the hits)``,
-``("host", expert)``, ``("miss", expert)`` (computed from the slot its ``load`` named). Slots
-are those of the instant the action runs: later actions of the same step may reuse them. The live offloader and the Python replay engine
+ordered, typed actions the live runtime executes on real tensors (:mod:`workbench.sim.schedule`:
+:class:`Load`, :class:`Prefetch`, :class:`PreEvicted`, :class:`Hits`, :class:`HostRun`,
+:class:`Miss`). Slots are those of the instant the action runs: later actions of the same step
+may reuse them. The live offloader and the Python replay engine
 both call this function; the numba kernel (:mod:`workbench.replay.kernel`) is the checked fast
 path of the same semantics. A new mechanism (a rank, a precision, a sub-expert) extends this
 module once.
@@ -39,6 +39,7 @@ import numpy as np
 from workbench.policies.eviction import EvictionPolicy
 from workbench.sim.cache import ExpertCache, Key
 from workbench.sim.placement import Placement
+from workbench.sim.schedule import Action, Hits, HostRun, Load, Miss, PreEvicted, Prefetch
 
 # lanes of a modeled span (the same codes as workbench.telemetry.events.LANES)
 COMPUTE, TRANSFER, STALL, HOST = 0, 1, 2, 3
@@ -76,7 +77,7 @@ class Outcome:
     prefetched: list[Key] = field(default_factory=list)
     prefetch_hits: int = 0  # hits on experts a prefetch brought in
     pre_evicted: list[Key] = field(default_factory=list)
-    schedule: list[tuple] = field(default_factory=list)
+    schedule: list[Action] = field(default_factory=list)
     stall_s: float = 0.0  # modeled
     end_s: float = 0.0  # modeled: when the group's output is ready on the compute lane
     moved: int = 0  # experts copied over the link (loads + prefetches)
@@ -155,7 +156,7 @@ class Simulator:
             self.pinned_accesses[layer] += len(experts)
             out.hits = []
             self._after_fill(acc, out, now, set(), frozenset())
-            out.schedule.append(("hits", []))
+            out.schedule.append(Hits([]))
             for e, d in zip(experts, acc.compute_s):
                 now = self._compute(out, layer, e, now, d)
             return self._end(out, now)
@@ -227,7 +228,7 @@ class Simulator:
                 self._used[key] = True
                 self._prefetched.discard(key)
                 admitted.append(e)
-                out.schedule.append(("load", e, slot, victim))
+                out.schedule.append(Load(e, slot, victim))
             if not state["pre_done"] and not fill.pending:
                 # all of this layer's misses have a slot: make room for the next layers
                 # while this one still computes
@@ -235,13 +236,13 @@ class Simulator:
                 self._after_fill(acc, out, now, needed, fill.protected)
 
         issue()
-        out.schedule.append(("hits", [cache.slot((layer, e)) for e in hits]))
+        out.schedule.append(Hits([cache.slot((layer, e)) for e in hits]))
         fill.done(hits)
         issue()
-        out.schedule.extend(("host", e) for e in out.host)
+        out.schedule.extend(HostRun(e) for e in out.host)
         i = 0
         while i < len(admitted):
-            out.schedule.append(("miss", admitted[i]))
+            out.schedule.append(Miss(admitted[i]))
             fill.done((admitted[i],))
             i += 1
             issue()
@@ -258,7 +259,7 @@ class Simulator:
             for key in gone:
                 self._prefetched.discard(key)
                 out.pre_evicted.append(key)
-                out.schedule.append(("pre_evict", key))
+                out.schedule.append(PreEvicted(key))
         for key in acc.prefetch:
             key = (int(key[0]), int(key[1]))
             c = self.pool(key[0])
@@ -276,7 +277,7 @@ class Simulator:
             self._prefetched.add(key)
             self._queue_transfer(out, key, now)
             out.prefetched.append(key)
-            out.schedule.append(("prefetch", key, slot, victim))
+            out.schedule.append(Prefetch(key, slot, victim))
 
     def _evicted(self, out: Outcome, key: Key) -> None:
         out.evicted.append(key)

@@ -1,0 +1,162 @@
+"""What every layer stage is: its setup, the layer call it reads and rewrites, its hooks.
+
+A *stage* is one mechanism family's part of an MoE layer call
+(:meth:`workbench.runtime.offload.Offloader.layer`). It is built once per run by
+:meth:`Stage.from_knobs` (None: its feature is off, and the call never sees it) and defines
+only the hooks it needs; the runtime calls each hook of every stage in the order of
+:data:`workbench.runtime.stages.STAGES`:
+
+1. ``route(call)`` — rewrite the routing (``call.ids`` / ``call.weights``); a stage with
+   ``before_mask`` sees the router's raw output for every row, the others the real tokens'
+   (padding and finished requests already routed to the sentinel id E);
+2. ``observe(call)`` — read the layer event and the real tokens' routing (``call.event``,
+   ``call.real_ids``): lookahead, hotness, balance decisions;
+3. ``price(call)`` — set what the cache looks up and the modeled compute of each key
+   (``call.keys``, ``call.tokens``, ``call.compute_s``);
+4. ``access(call, access)`` — add to the core's :class:`~workbench.sim.step.Access`
+   (prefetches, a pre-eviction hook, host runs);
+5. ``finish(call)`` — after the schedule ran: what the stage records of the call.
+
+At install, ``runner(block, view)`` may wrap the view a layer's experts run through (and
+``uninstall(block)`` undo what it changed of the model).
+
+A stage *declares* what it needs (:attr:`Stage.needs`); the runtime provides it and nothing
+else. Per-run state (counters, a controller) lives in the stage; per-call state in the
+:class:`LayerCall` handed to its hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from workbench.models.adapter import MoEBlock, MoELayout
+from workbench.sim.costs import Prices
+from workbench.telemetry.events import LayerEvent
+
+#: what a stage may need of the runtime: each flattened position's modality and request
+#: (:meth:`~workbench.runtime.offload.Offloader.set_token_mask`)
+TOKEN_CONTEXT = "token_context"
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What a run gives its stages (the offloader's arguments; see
+    :class:`~workbench.runtime.offload.Offloader`)."""
+
+    layout: MoELayout
+    pinned_layers: int
+    prices: Prices
+    device: torch.device
+    lookahead_depth: int = 0
+    active_evict: Any = None
+    dynamic_topk: bool = False
+    k_max: int | None = None
+    prefetch: Any = None
+    prefetch_lead: int = 1
+    prefetch_budget: int | None = None
+    pruning: Any = None
+    hybrid: bool | Callable[[int], bool] = False
+    dispatch: Any = None
+    balance: Any = None
+    rank_of_expert: np.ndarray | None = None
+    low_precision: str = "nvfp4"
+    prism: Any = None
+    prism_offload: bool = False
+    macs_centroids: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class LayerCall:
+    """One MoE layer call as its stages see it. The runtime fills what it provides; the stages'
+    hooks rewrite the routing and add what they decide (see the module docstring)."""
+
+    block: MoEBlock
+    hidden_states: torch.Tensor  # the MoE input [T, D], one row per flattened position
+    ids: torch.Tensor  # routing [T, k] (id E: routed nowhere)
+    weights: torch.Tensor  # combine weights [T, k]
+    step: int
+    pinned: bool
+    mask: torch.Tensor | None = None  # real tokens, bool [T] on the device (None: all)
+    real: np.ndarray | None = None  # the same on the host
+    modality: np.ndarray | None = None  # per position of the step (TOKEN_CONTEXT; None: unknown)
+    request: np.ndarray | None = None
+    cache: Any = None  # the expert cache's bookkeeping (workbench.sim.cache.ExpertCache)
+    part: int = 1  # cache keys per expert
+    # what the route hooks found, for the layer event
+    dropped: np.ndarray | None = None  # [T, k] int16 experts the dispatch dropped (-1: kept)
+    rerouted: np.ndarray | None = None  # [T, k] int16 experts rerouted away from
+    token_weights: np.ndarray | None = None  # MACS semantic weights [T] (None: all 1)
+    # the layer event and its distinct routed experts (ascending)
+    event: LayerEvent | None = None
+    experts: list[int] = field(default_factory=list)
+    real_ids: np.ndarray | None = None  # the real tokens' recorded routing [T', k]
+    # the next layers' routers on this input, real tokens only: top-k [T', D, k] int16 and
+    # layer l+1's mean probabilities [E] (None: not asked for)
+    pred: np.ndarray | None = None
+    p_next: np.ndarray | None = None
+    low: set[int] = field(default_factory=set)  # experts run in low precision
+    low_precision: str = "native"  # theirs
+    # what the cache looks up: keys (experts, or sub-experts e·part + s), the tokens of each
+    # (the hybrid rule's input), their modeled compute (None: the core prices the experts)
+    keys: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    compute_s: list[float] | None = None
+    key_ids: np.ndarray | None = None  # the real tokens' routing in keys (prefetch history)
+
+
+class Stage:
+    """Base of the layer stages (see the module docstring). A hook a subclass does not define
+    is never called."""
+
+    #: what the runtime must provide (:data:`TOKEN_CONTEXT`)
+    needs: frozenset[str] = frozenset()
+    #: ``route`` runs on the router's raw output, before padding is masked
+    before_mask: bool = False
+    #: ``route`` may route an assignment nowhere (the sentinel id E)
+    routes_nowhere: bool = False
+    #: the run-result counters it keeps (attributes of the stage; 0 when it is off)
+    COUNTS: tuple[str, ...] = ()
+    #: cache keys per expert (> 1: the stage splits experts, and lays out the slots and the
+    #: host store's rows: ``slot_shapes``, ``host_rows``)
+    part: int = 1
+
+    @classmethod
+    def from_knobs(cls, setup: StageSetup) -> "Stage | None":
+        """The stage for a run, or None when its feature is off."""
+        return None
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.COUNTS}
+
+    def max_added(self, num_experts: int) -> int:
+        """The most assignments ``route`` may add to a token beyond its top-k (0: none)."""
+        return 0
+
+    def runner(self, block: MoEBlock, view):
+        """At install: the view ``block``'s experts run through (wrapping ``view``)."""
+        return view
+
+    def uninstall(self, block: MoEBlock) -> None:
+        """At removal: undo what :meth:`runner` changed of ``block``."""
+
+    def route(self, call: LayerCall) -> None: ...
+
+    def observe(self, call: LayerCall) -> None: ...
+
+    def price(self, call: LayerCall) -> None: ...
+
+    def access(self, call: LayerCall, access) -> None: ...
+
+    def finish(self, call: LayerCall) -> None: ...
+
+
+HOOKS = ("runner", "uninstall", "route", "observe", "price", "access", "finish")
+
+
+def hooked(stages, hook: str) -> list[Stage]:
+    """The stages that define ``hook``, in order."""
+    return [s for s in stages if getattr(type(s), hook) is not getattr(Stage, hook)]

@@ -1,0 +1,153 @@
+"""Capacity-aware dispatch on the live runtime (Token Drop, Expanded Drop, MACS).
+
+Each layer call's tokens (one step, one layer) are dispatched by the core's rule
+(:meth:`workbench.sim.dispatch.Dispatch.apply_weighted`, the one trace replay runs): a
+dropped assignment gets id E — the experts forward's "not here" sentinel, which
+:class:`~workbench.runtime.slots.ExpertsView` maps past the layer's experts — and weight 0
+(the others keep theirs, not renormalised: CAI-MoE's default); MACS may move an assignment to
+another expert instead (new id and weight); Expanded Drop may widen the routing. Only the real
+tokens are dispatched: padding takes no capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workbench.models.adapter import MoEBlock
+from workbench.runtime.stages.base import TOKEN_CONTEXT, LayerCall, Stage, StageSetup
+
+#: the policies that read the tokens' context (:class:`workbench.sim.macs.DispatchContext`)
+_READ_CONTEXT = ("macs", "capacity-expanded")
+
+
+class DispatchStage(Stage):
+    """The run's dispatch policy (``topk``: off) and what it did, over the run: (token,
+    expert) assignments the router made, those dropped, rerouted (MACS) and added beyond the
+    router's top-k (Expanded Drop). ``centroids``: MACS's calibrated μ [L, E, D] on the
+    device (None: η acts as 0)."""
+
+    needs = frozenset({TOKEN_CONTEXT})
+    routes_nowhere = True
+    COUNTS = ("dispatch_assigned", "dispatch_dropped", "dispatch_rerouted", "dispatch_added")
+
+    def __init__(self, policy, centroids: torch.Tensor | None = None) -> None:
+        self.policy = policy
+        self.centroids = centroids
+        self.dispatch_assigned = self.dispatch_dropped = 0
+        self.dispatch_rerouted = self.dispatch_added = 0
+
+    @classmethod
+    def from_knobs(cls, setup: StageSetup) -> "DispatchStage | None":
+        pol = setup.dispatch
+        if pol is None or pol.name == "topk":
+            return None
+        return cls(pol, setup.macs_centroids)
+
+    def max_added(self, num_experts: int) -> int:
+        return self.policy.max_added(num_experts)
+
+    def route(self, call: LayerCall) -> None:
+        """Dispatch the call's real tokens; the dropped and rerouted experts go to ``call``
+        for the layer event."""
+        if call.mask is None:
+            call.ids, call.weights, call.dropped, call.rerouted = self._rows(
+                call, call.hidden_states, call.ids, call.weights, None)
+            return
+        rows = call.mask.nonzero().squeeze(1)
+        ids, w = call.ids, call.weights
+        idx, new_w, sub, rer = self._rows(call, call.hidden_states[rows], ids[rows], w[rows],
+                                          call.real)
+        if sub is None and rer is None and idx.shape[1] == ids.shape[1]:
+            return
+        if idx.shape[1] > ids.shape[1]:  # Expanded Drop widened the routing
+            extra, n_all = idx.shape[1] - ids.shape[1], ids.shape[0]
+            ids = torch.cat([ids, ids.new_full((n_all, extra), call.block.num_experts)], 1)
+            w = torch.cat([w, w.new_zeros((n_all, extra))], 1)
+        full = []
+        for part in (sub, rer):
+            f = None
+            if part is not None:
+                f = np.full((ids.shape[0], part.shape[1]), -1, np.int16)
+                f[call.real] = part
+            full.append(f)
+        call.ids, call.weights = ids.index_copy(0, rows, idx), w.index_copy(0, rows, new_w)
+        call.dropped, call.rerouted = full
+
+    def _rows(self, call: LayerCall, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor, real: np.ndarray | None
+              ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None, np.ndarray | None]:
+        """The dispatch of rows that are all real tokens (``real``: which of the step's
+        positions they are; None: all): the routing, the dropped experts ``[T, k]`` (int16,
+        -1 = kept; None: nothing dropped) and the experts rerouted away from (same form)."""
+        b = call.block
+        T, K = top_k_index.shape
+        E = b.num_experts
+        # most layer calls overflow nothing (a decode step's one token never does): one
+        # bincount on the device decides it, without the copy and sort of apply()
+        top = int(torch.bincount(top_k_index.reshape(-1), minlength=E).max()) if T else 0
+        if self.policy.fits(top, T, K, E):
+            self.dispatch_assigned += T * K
+            return top_k_index, top_k_weights, None, None
+        ids = top_k_index.detach().to("cpu").numpy()
+        w = top_k_weights.detach().float().to("cpu").numpy()
+        ctx = (self._context(call, b, hidden_states, real)
+               if self.policy.name in _READ_CONTEXT else None)
+        new, new_w, rer = self.policy.apply_weighted(
+            ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64), E, ctx)
+        new, new_w, rer = new[:, 0, :], new_w[:, 0, :], rer[:, 0, :K]
+        sw = getattr(self.policy, "last_weights", None)
+        if sw is not None:  # MACS: the effective load's weights, per position of the step
+            full = np.ones(len(real) if real is not None else T, np.float32)
+            full[real if real is not None else slice(None)] = sw[:, 0]
+            call.token_weights = full
+        dropped = (new[:, :K] < 0) & (ids >= 0)
+        self.dispatch_assigned += int((ids >= 0).sum())
+        n, n_rer = int(dropped.sum()), int(rer.sum())
+        n_add = int((new[:, K:] >= 0).sum())
+        if not n and not n_rer and new.shape[1] == K and np.array_equal(new, ids) \
+                and np.array_equal(new_w, w):
+            return top_k_index, top_k_weights, None, None
+        self.dispatch_dropped += n
+        self.dispatch_rerouted += n_rer
+        self.dispatch_added += n_add
+        dev = top_k_index.device
+        out_ids = torch.as_tensor(np.where(new < 0, E, new), dtype=top_k_index.dtype, device=dev)
+        out_w = torch.as_tensor(new_w, device=dev).to(top_k_weights.dtype)
+        return (out_ids, out_w,
+                np.where(dropped, ids, -1).astype(np.int16) if n else None,
+                np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
+
+    def _context(self, call: LayerCall, b: MoEBlock, hidden_states: torch.Tensor,
+                 real: np.ndarray | None):
+        """What MACS or Expanded Drop reads of this layer call's tokens
+        (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
+        of softmax over its MoE input's features (MACS semantic load), every expert's router
+        probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
+        centroids (MACS rerouting) — each only when the policy asks for it."""
+        from workbench.sim.macs import DispatchContext, image_runs
+
+        pol = self.policy
+        T = hidden_states.shape[0]
+        mod, req = call.modality, call.request
+        if mod is None or len(mod) != (len(real) if real is not None else T):
+            mod, req = np.zeros(T, np.int8), None
+        elif real is not None:
+            mod, req = mod[real], None if req is None else req[real]
+        ent = gates = aff = None
+        with torch.no_grad():
+            z = hidden_states.float()
+            if getattr(pol, "semantic_load", False):
+                logp = torch.log_softmax(z, dim=-1)
+                ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
+            if getattr(pol, "reroute", False) or "router" in pol.needs:
+                logits, _, _ = b.route(hidden_states)
+                gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
+                if self.centroids is not None and getattr(pol, "eta", 0) > 0:
+                    mu = self.centroids[b.index].float()
+                    cos = torch.nn.functional.normalize(z, dim=-1) @ \
+                        torch.nn.functional.normalize(mu, dim=-1).T
+                    aff = cos.cpu().numpy()[:, None, :]
+        return DispatchContext(modality=np.asarray(mod, np.int8), layers=np.array([b.index]),
+                               features_entropy=ent, image_of=image_runs(mod, req),
+                               gates=gates, affinity=aff)

@@ -1,0 +1,138 @@
+"""Sub-experts on the live runtime (MoE-Prism).
+
+Every routed expert runs through a :class:`~workbench.prism.execute.PrismView`: k_active of
+its N sub-experts, or the token's K best of its routed experts' (``global_k``). The layer's
+fused expert tensors are put into the sub-expert layout in place (and back, exactly, when the
+offloader is removed), so every copy made from them — host store, slots, the pinned prefix —
+is in the layout the views slice without copying. With the shortcut (every sub-expert of every
+routed expert runs), the views run whole experts over the unchanged layout.
+
+With sub-expert offloading (``prism_offload``) the cache's keys are sub-experts
+e·N + s (:attr:`SubExpertStage.part` = N keys per expert, slots of 1/N): only the sub-experts
+a call runs are looked up, fetched and priced, each with its share of its expert's op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workbench.models.adapter import MoEBlock
+from workbench.runtime.stages.base import LayerCall, Stage, StageSetup
+
+
+class SubExpertStage(Stage):
+    """MoE-Prism's views (one per MoE layer), the layout change, and the per-call pricing of
+    the sub-experts each view chose; counts the sub-experts asked for and run, over the run."""
+
+    COUNTS = ("subexperts_asked", "subexperts_ran")
+
+    def __init__(self, prism, part: int, prices, device: torch.device) -> None:
+        self.prism = prism  # a workbench.prism.execute.PrismSetup
+        self.part = part
+        self.prices = prices
+        self.device = device
+        self.views: dict[int, object] = {}  # MoE layer → its PrismView
+        self.relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
+
+    @classmethod
+    def from_knobs(cls, setup: StageSetup) -> "SubExpertStage | None":
+        ps = setup.prism
+        if ps is None:
+            return None
+        return cls(ps, ps.subexperts if setup.prism_offload else 1, setup.prices, setup.device)
+
+    @property
+    def subexperts_asked(self) -> int:
+        return sum(v.asked for v in self.views.values())
+
+    @property
+    def subexperts_ran(self) -> int:
+        return sum(v.ran for v in self.views.values())
+
+    # -- install / remove ---------------------------------------------------------------------
+    def runner(self, b: MoEBlock, view):
+        """``b``'s experts run through a sub-expert view over ``view``."""
+        from workbench.prism.execute import PrismView
+
+        ps = self.prism
+        # every sub-expert of every routed expert runs: whole experts, layout unchanged
+        whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
+                 and self.part == 1)
+        view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
+                         b.experts.act_fn, ps.global_k, ps.router, whole=whole)
+        self.views[b.index] = view
+        if not whole:
+            self.relayout(b)
+            view.capture_gates(b.experts.gate_up_proj.data, self.device)
+        return view
+
+    def uninstall(self, b: MoEBlock) -> None:
+        if b.index in self.relaid:
+            self.relayout(b, back=True)
+
+    def slot_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """A cache slot's weight shapes: one key's (a sub-expert's block with offloading)."""
+        if self.part == 1:
+            return shapes
+        from workbench.prism.execute import subexpert_shapes
+
+        return subexpert_shapes(shapes, self.part)
+
+    def host_rows(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The host store's rows of one layer: one per key (views: no copy)."""
+        if self.part == 1:
+            return host
+        from workbench.prism.execute import subexpert_rows
+
+        return subexpert_rows(host, self.part)
+
+    def relayout(self, b: MoEBlock, back: bool = False) -> None:
+        """``b``'s fused expert tensors into the sub-expert layout (``back``: out of it,
+        exactly), in place of the module's parameters."""
+        from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
+
+        perm, N = self.prism.perm, self.prism.subexperts
+        gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
+        with torch.no_grad():
+            gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
+                gu.data, down.data, perm[b.index], N)
+        (self.relaid.discard if back else self.relaid.add)(b.index)
+
+    # -- per call -----------------------------------------------------------------------------
+    def price(self, call: LayerCall) -> None:
+        """The view chooses its sub-experts; the keys looked up and their modeled compute
+        follow what runs."""
+        b, p = call.block, self.prices
+        view = self.views[b.index]
+        view.choose(call.hidden_states, call.ids, call.weights, b.num_experts)
+        low_mask = np.array([e in call.low for e in call.experts], bool)
+        if view.whole:  # the shortcut: each routed slot runs all
+            N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
+            call.compute_s = [p.subexpert_op(N * n, N, N, call.low_precision if lo else "native")
+                              for n, lo in zip(call.tokens, low_mask)]
+            return
+        # router-side: the sub-experts each slot runs, priced
+        experts = call.experts
+        per_sub = view.tokens_per_subexpert(call.ids, b.num_experts)[experts]
+        compute_s = p.subexperts(per_sub, low_mask, call.low_precision)
+        if self.part > 1:  # each sub-expert carries its share of its expert's op
+            sub_ids = view.subexpert_ids(call.ids)
+            call.key_ids = sub_ids if call.real is None else sub_ids[call.real]
+            e_at, s_at = np.nonzero(per_sub)
+            call.keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
+            call.tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
+            compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
+        else:  # an expert a global K left idle is not looked up (nothing of it runs)
+            ran = per_sub.sum(1) > 0
+            call.keys = [e for e, r in zip(experts, ran) if r]
+            compute_s = compute_s[ran]
+            call.low &= set(call.keys)  # an idle expert runs in no precision
+            # hybrid's rule, per key: the tokens that run some sub-expert of it
+            per_expert = view.tokens_per_expert(call.ids, b.num_experts)
+            call.tokens = [int(per_expert[e]) for e in call.keys]
+        call.compute_s = compute_s.tolist()
+
+    def finish(self, call: LayerCall) -> None:
+        """Which sub-experts each slot ran, for the store."""
+        call.event.sub_chosen = self.views[call.block.index].take()
