@@ -106,6 +106,19 @@ def embedded(embedded_dir):
 
 
 @pytest.fixture(scope="session")
+def dask_scheduler():
+    """The address of a real Dask scheduler with two worker processes, shared by the sweeps whose
+    subject is not the cluster itself: starting a LocalCluster (workers spawned, each importing
+    torch and transformers) costs more than a small sweep. The sweeps that test the cluster's own
+    start, worker count or Ctrl-C start their own."""
+    from dask.distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        yield cluster.scheduler_address
+
+
+@pytest.fixture(scope="session")
 def demo_inputs():
     """The bundled demo requests ``[(image path | None, prompt, expected answer)]``, in file order."""
     from workbench.models.embedded.demo import read_demo

@@ -164,11 +164,11 @@ def test_with_json_an_error_is_json_too(tiny_ckpt, tmp_path, capsys):
         assert doc["error"]["message"] in err and doc["error"]["type"].endswith("Error")
 
 
-def test_a_sweep_with_failed_points_exits_1_naming_them(tiny_ckpt, tmp_path, capsys):
+def test_a_sweep_with_failed_points_exits_1_naming_them(tiny_ckpt, tmp_path, capsys, dask_scheduler):
     """Some points refused (Belady needs the future, a live run cannot have it), others run:
     the refused ones are named with their reason and the exit code says the sweep has holes."""
     rc = main(["sweep", "--model", str(tiny_ckpt()), "--grid", "eviction=belady,lru", "--input", "hello",
-               "--out", str(tmp_path / "s"), "--workers", "1", "--set", "max_new_tokens=2",
+               "--out", str(tmp_path / "s"), "--scheduler", dask_scheduler, "--set", "max_new_tokens=2",
                "--set", "device=cpu"])
     err = capsys.readouterr().err
     assert rc == 1 and "1 of 2 sweep points did not complete" in err

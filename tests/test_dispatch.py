@@ -247,7 +247,7 @@ def test_a_live_run_with_token_drop_records_the_dispatched_routing(embedded, dem
 import workbench  # noqa: E402
 
 
-def test_a_sweep_over_dispatch_and_capacity_factor(tiny_ckpt, tmp_path, capsys):
+def test_a_sweep_over_dispatch_and_capacity_factor(tiny_ckpt, tmp_path, capsys, dask_scheduler):
     """Issue 14 §5: a sweep over capacity_factor × dispatch works like any other knob grid."""
     from workbench.analysis.sweep import open_summary
     from workbench.cli import main
@@ -255,7 +255,7 @@ def test_a_sweep_over_dispatch_and_capacity_factor(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "sw"
     assert main(["sweep", "--model", str(tiny_ckpt("qwen3_moe")), "--input", "abcdefghij",
                  "--grid", "dispatch=topk,capacity-drop", "--grid", "capacity_factor=0.25,1",
-                 "--set", "max_new_tokens=2", "--out", str(out), "--workers", "1"]) == 0
+                 "--set", "max_new_tokens=2", "--out", str(out), "--scheduler", dask_scheduler]) == 0
     capsys.readouterr()
     df = open_summary(out).to_dataframe().reset_index()
     assert set(df["dispatch"]) == {"topk", "capacity-drop"} and len(df) == 4

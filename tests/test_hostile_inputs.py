@@ -972,7 +972,7 @@ def test_read_outcome_treats_corrupt_files_as_not_done(tmp_path, content):
     assert read_outcome(p) is None
 
 
-def test_corrupt_point_files_are_rerun_not_a_crash(tiny_ckpt, tmp_path):
+def test_corrupt_point_files_are_rerun_not_a_crash(tiny_ckpt, tmp_path, dask_scheduler):
     """A sweep whose earlier outcome files are garbage (or a folder) runs those points again
     and writes a correct summary."""
     from workbench.analysis.sweep import SweepInput, point_id, summarize, sweep
@@ -990,7 +990,7 @@ def test_corrupt_point_files_are_rerun_not_a_crash(tiny_ckpt, tmp_path):
     ds = summarize(out, grid, inputs, base)
     assert (ds.status.values == "failed").sum() == 3
     assert all("unreadable" in e for e in ds.error.values.ravel() if e)
-    ds = sweep(grid, inputs, out=out, model=tiny_ckpt(), knobs=base, workers=1,
+    ds = sweep(grid, inputs, out=out, model=tiny_ckpt(), knobs=base, scheduler=dask_scheduler,
                progress=False)
     assert (ds.status == "complete").all(), ds.error.values
     for pid in ids:

@@ -17,10 +17,10 @@ INPUTS = [SweepInput.parse("hello sweep"), SweepInput.parse("another prompt")]
 
 
 @pytest.fixture(scope="module")
-def swept(tiny_ckpt, tmp_path_factory):
+def swept(tiny_ckpt, tmp_path_factory, dask_scheduler):
     out = tmp_path_factory.mktemp("sweep")
     grid = {"cache_slots": [2, 6], "pinned_layers": [0, 1, 9]}  # 9 > 3 layers: those fail
-    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), workers=2, progress=False,
+    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), scheduler=dask_scheduler, progress=False,
                knobs=workbench.Knobs(max_new_tokens=3, device="cpu"))
     return out, grid, ds
 
@@ -52,11 +52,11 @@ def test_failed_points_are_recorded_and_do_not_stop_the_sweep(swept):
     assert np.isnan(bad.hit_rate).all()
 
 
-def test_rerun_skips_finished_points(swept, tiny_ckpt):
+def test_rerun_skips_finished_points(swept, tiny_ckpt, dask_scheduler):
     out, grid, _ = swept
     metas = {p: p.stat().st_mtime_ns for p in (out / "points").glob("*.json")}
     complete = [p for p in metas if json.loads(p.read_text())["status"] == "complete"]
-    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), workers=1, progress=False,
+    ds = sweep(grid, INPUTS, out=out, model=tiny_ckpt(), scheduler=dask_scheduler, progress=False,
                knobs=workbench.Knobs(max_new_tokens=3, device="cpu"))
     for p in complete:  # untouched
         assert p.stat().st_mtime_ns == metas[p]
@@ -129,12 +129,12 @@ def test_default_inputs_decode_real_answers():
     assert len(demo_inputs(5)) == 5 and len({i.name for i in demo_inputs(5)}) == 5
 
 
-def test_a_text_only_model_sweeps_the_text_only_demos(tiny_ckpt, tmp_path):
+def test_a_text_only_model_sweeps_the_text_only_demos(tiny_ckpt, tmp_path, dask_scheduler):
     """Without inputs, a sweep of a text-only model takes text-only demo requests (the image
     demos would fail every point), and every point completes."""
     from workbench.analysis.sweep import demo_inputs
 
     assert all(not i.images for i in demo_inputs(2, text_only=True))
-    ds = sweep({"cache_slots": [4]}, None, out=tmp_path / "s", model=tiny_ckpt(), workers=1,
+    ds = sweep({"cache_slots": [4]}, None, out=tmp_path / "s", model=tiny_ckpt(), scheduler=dask_scheduler,
                progress=False, knobs=workbench.Knobs(max_new_tokens=2, device="cpu"))
     assert ds.sizes["input"] == 2 and (ds.status == "complete").all()
