@@ -1,5 +1,6 @@
-"""The adaptive eviction policies of issue 40: ARC and S3-FIFO equal libCacheSim's on the
-same flat traces and keep the cache's invariants."""
+"""The adaptive and MoE-aware eviction policies of issue 40: ARC and S3-FIFO equal
+libCacheSim's on the same flat traces; Least-Stale and reuse-eta follow their layer-cyclic
+rules; all of them keep the cache's invariants."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from workbench.traces import Trace, read_jsonl
 
 SHARED = Path(os.environ.get("WORKBENCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 MIXTRAL = SHARED / "data" / "traces" / "mixtral-8x7b-vllm" / "humaneval_2_routing.jsonl"
-NEW = ("arc", "s3fifo")
+NEW = ("arc", "s3fifo", "least-stale", "reuse-eta")
 needs_mixtral = pytest.mark.skipif(not MIXTRAL.exists(),
                                    reason=f"real Mixtral trace not found at {MIXTRAL}")
 
@@ -100,6 +101,44 @@ def test_s3fifo_promotes_keys_used_twice_in_the_small_queue():
     assert len(pol.ghost) <= 18 and (0, 21) in pol.ghost
 
 
+def test_least_stale_evicts_the_layer_just_served_first():
+    pol = EVICTION.create("least-stale")
+    pol.bind_cache(8, 4, 4)
+    pol.begin_layer(2)
+    cands = [(0, 1), (1, 1), (2, 3), (3, 0)]
+    for i, k in enumerate(cands):
+        pol.on_insert(k, i)
+    # next turns: layer 3 in 1 group, 0 in 2, 1 in 3, 2 (the current one) in 4
+    assert [pol.ahead(k) for k in cands] == [2, 3, 4, 1]
+    assert pol.choose_victim(cands, 10) == (2, 3)
+    assert pol.choose_victim([(0, 1), (1, 1), (3, 0)], 10) == (1, 1)
+    pol.on_insert((1, 0), 20)  # same layer: the least recently used goes
+    assert pol.choose_victim([(1, 0), (1, 1)], 21) == (1, 1)
+
+
+def test_reuse_eta_waits_grow_with_age_where_routing_decays():
+    """Keys that ran at every turn of their layer have a short wait; keys that stopped a
+    while ago a long one; the victim is the longest expected wait."""
+    pol = EVICTION.create("reuse-eta")
+    pol.bind_cache(4, 2, 4)
+    t = 0
+    for step in range(30):
+        for layer in (0, 1):
+            pol.begin_layer(layer)
+            used = [0] if step % 2 == 0 else [0, 1]  # expert 0 every turn, 1 every other
+            if step < 5:
+                used = used + [2]  # expert 2 only early on
+            for e in used:
+                t += 1
+                pol.on_hit((layer, e), t)
+    w = pol.waits()
+    assert w[0] < w[1] < w[pol.AGE_CAP]
+    pol.begin_layer(0)
+    assert pol.age((1, 0)) == 0 and pol.age((1, 2)) > 5
+    assert pol.choose_victim([(1, 0), (1, 1), (1, 2)], t) == (1, 2)
+    assert pol.wait((0, 0)) > pol.wait((1, 0))  # layer 0 was just served: a turn farther
+
+
 @pytest.mark.parametrize("policy", NEW)
 def test_new_policies_are_in_the_registry_and_online(policy):
     assert policy in EVICTION.available()
@@ -121,3 +160,12 @@ def test_grouped_replay_of_new_policies_is_deterministic_and_below_belady(policy
     bel = replay(tr, eviction="belady", **kw)
     np.testing.assert_array_equal(a.hits, b.hits)
     assert 0 < int(a.hits.sum()) <= int(bel.hits.sum())
+
+
+def test_the_kernel_runs_the_layer_order_policies_with_the_policys_constants():
+    from workbench.policies.eviction import ReuseETA
+    from workbench.replay import kernel as K
+
+    assert K.AGE_CAP == ReuseETA.AGE_CAP
+    assert {"least-stale", "reuse-eta"} <= set(K.POLICY_CODES)
+    assert "arc" not in K.POLICY_CODES and "s3fifo" not in K.POLICY_CODES  # python engine

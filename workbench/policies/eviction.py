@@ -438,6 +438,129 @@ class S3FIFO(EvictionPolicy):
         self.main.pop(key, None)
 
 
+class _LayerCycle(EvictionPolicy):
+    """Shared bookkeeping of the layer-order policies: the layer being served
+    (:meth:`begin_layer`), the number of layers L (:meth:`bind_cache`, else the largest layer
+    seen + 1) and each key's last use on the access clock (LRU ties)."""
+
+    def reset(self) -> None:
+        self.layer = 0
+        self.seen_layers = 0
+        self.last_use: dict[Key, int] = {}
+
+    def begin_layer(self, layer: int) -> None:
+        self.layer = int(layer)
+        self.seen_layers = max(self.seen_layers, self.layer + 1)
+
+    def layers(self) -> int:
+        return max(self.num_layers or 0, self.seen_layers, 1)
+
+    def ahead(self, key: Key) -> int:
+        """Groups until ``key``'s layer is served again, counting the current layer's next
+        turn as L (1 … L): the layer-cyclic distance of a decode step."""
+        L = self.layers()
+        return (key[0] - self.layer - 1) % L + 1
+
+    def on_hit(self, key: Key, t: int) -> None:
+        self.last_use[key] = t
+
+    on_insert = on_hit
+
+    def on_evict(self, key: Key) -> None:
+        self.last_use.pop(key, None)
+
+
+@EVICTION.register("least-stale")
+class LeastStale(_LayerCycle):
+    """Least-Stale (SpecMD, arXiv 2602.03921), **as defined here from what could be verified**:
+    the paper's text was not available to this implementation, only its abstract (an eviction
+    policy built on MoE's layer-cyclic, predictable expert access). The rule implemented is the
+    layer-cyclic one that abstract names: every token walks the layers in order, so a resident
+    expert of layer j is next needed no sooner than j's next turn; evict the candidate whose
+    layer's next turn is farthest (:meth:`ahead`: the layer just served first, then the one
+    before it, …), ties to the least recently used, then the smallest key. Online: it needs
+    only the layer being served."""
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        return min(candidates, key=lambda k: (-self.ahead(k), self.last_use.get(k, -1), k))
+
+
+@EVICTION.register("reuse-eta")
+class ReuseETA(_LayerCycle):
+    """Expected time to the next use (this workbench's design, issue 40): Belady's rule —
+    evict the key needed farthest ahead — with the future replaced by what a decode trace
+    makes predictable: the layer order and how routing decays with age.
+
+    Every token walks the layers in order, so a resident key (j, e) is next needed at one of
+    layer j's turns: the next one is :meth:`ahead` groups away (1 … L), later ones L groups
+    apart. Whether the router picks e at a turn depends on e's *age* a — the turns of layer j
+    since e last ran there (0: it ran at the latest one) — through a hazard h(a), the share of
+    (key, turn) pairs at age a that ran, learned online from every offloaded layer's turns
+    (ages ≥ ``AGE_CAP`` pooled; smoothed by one pseudo-turn at the overall rate). With the
+    expected turns to wait W(a) = (1 − h(a))·(1 + W(a + 1)), W(cap) = (1 − h)/h, a key's
+    expected wait is ahead + L·W(a) groups; the candidate with the largest is evicted, ties to
+    the least recently used, then the smallest key. A key never used at its layer counts as
+    age ``AGE_CAP``. Online: the layer being served and past accesses only (no lookahead, no
+    future). Uses are the current layer's hits and loads (a prefetch is not a use).
+    """
+
+    AGE_CAP = 16
+
+    def reset(self) -> None:
+        super().reset()
+        self.turn: dict[int, int] = {}  # layer → turns served (the current one included)
+        self.last_turn: dict[int, dict[int, int]] = {}  # layer → expert → turn of last use
+        self.ran = [0] * (self.AGE_CAP + 1)  # per age: (key, turn) pairs that ran
+        self.seen = [0] * (self.AGE_CAP + 1)  # per age: (key, turn) pairs observed
+
+    def begin_layer(self, layer: int) -> None:
+        super().begin_layer(layer)
+        n = self.turn.get(layer, 0)
+        for u in self.last_turn.get(layer, {}).values():
+            self.seen[min(n - u - 1, self.AGE_CAP)] += 1
+        self.turn[layer] = n + 1
+
+    def on_hit(self, key: Key, t: int) -> None:
+        self.last_use[key] = t
+        j, e = key
+        if j != self.layer or j not in self.turn:
+            return
+        n = self.turn[j] - 1
+        known = self.last_turn.setdefault(j, {})
+        u = known.get(e)
+        if u is not None and u < n:
+            self.ran[min(n - u - 1, self.AGE_CAP)] += 1
+        known[e] = n
+
+    on_insert = on_hit
+
+    def waits(self) -> list[float]:
+        """W(a), a = 0 … ``AGE_CAP``: expected turns until a key of age a runs."""
+        A = self.AGE_CAP
+        h0 = (sum(self.ran) + 1) / (sum(self.seen) + 2)
+        h = [min(max((self.ran[a] + h0) / (self.seen[a] + 1), 1e-6), 1.0) for a in range(A + 1)]
+        w = [0.0] * (A + 1)
+        w[A] = (1.0 - h[A]) / h[A]
+        for a in range(A - 1, -1, -1):
+            w[a] = (1.0 - h[a]) * (1.0 + w[a + 1])
+        return w
+
+    def age(self, key: Key) -> int:
+        u = self.last_turn.get(key[0], {}).get(key[1])
+        if u is None:
+            return self.AGE_CAP
+        return min(max(self.turn.get(key[0], 0) - u - 1, 0), self.AGE_CAP)
+
+    def wait(self, key: Key, w: list[float] | None = None) -> float:
+        """Expected groups until ``key`` is next used."""
+        w = self.waits() if w is None else w
+        return self.ahead(key) + self.layers() * w[self.age(key)]
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        w = self.waits()
+        return min(candidates, key=lambda k: (-self.wait(k, w), self.last_use.get(k, -1), k))
+
+
 class SlabStates:
     """State bookkeeping of the VisMMOE slab cache (VisMMOE "Safety-guarded eviction").
 

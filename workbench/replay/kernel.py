@@ -12,11 +12,18 @@ line and the helpers take a handful of arrays (numba passes every array argument
 ~7 words; with ~40 of them a helper call cost more than the work it did):
 
 - ``ks`` int64 ``[key, 8]``: LRU list links, slot in its pool's resident list (LFU, hotness,
-  Belady), last use on the access clock ``t``, LFU use count, hotness ring fill, Belady's
-  pointer into the key's future groups and its next-use group;
+  Belady, least-stale, reuse-eta), last use on the access clock ``t``, LFU use count (reuse-eta:
+  the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
+  future groups and its next-use group;
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
   prefetched-unused flags;
-- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring.
+- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring;
+- ``aux`` int64: the layer being served and, for reuse-eta, each layer's turns and each pool's
+  age counts (see ``AUX_*``).
+
+**least-stale** and **reuse-eta** scan the pool as LFU does, with the scores of their policy
+classes (same float operations, so ties break alike). ARC and S3-FIFO have no kernel: their
+queues and ghosts run in the python engine (``engine="auto"`` picks it).
 
 **Belady** evicts the unprotected resident with the farthest next use, then the oldest last
 use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
@@ -39,8 +46,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-LRU, LFU, BELADY, HOTNESS = 0, 1, 2, 3
-POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS}
+LRU, LFU, BELADY, HOTNESS, LSTALE, RETA = 0, 1, 2, 3, 4, 5
+POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS,
+                "least-stale": LSTALE, "reuse-eta": RETA}
+AGE_CAP = 16  # reuse-eta's ages pooled at and beyond (ReuseETA.AGE_CAP; tested equal)
+# aux (int64, one per replay): [0] the layer being served, [1] layers L, [2] experts E,
+# [3 : 3 + L] turns served per layer (reuse-eta), then per pool reuse-eta's ran[AGE_CAP + 1]
+# and seen[AGE_CAP + 1] (ages 0 … AGE_CAP)
+AUX_LAYER, AUX_L, AUX_E, AUX_TURNS = 0, 1, 2, 3
 RING = 64  # most hotness window steps the kernel keeps per key
 NEVER = 1 << 62  # next use of a key with no future access (farther than any group index)
 PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay below it)
@@ -226,8 +239,81 @@ def _res_remove(k, pool, ks, pl, res):
         ks[last, POS] = i
 
 
+@njit(**_HOT)
+def _ahead(j, cur, L):
+    """Groups until layer ``j`` is served again when ``cur`` is (1 … L; LeastStale.ahead)."""
+    return ((j - cur - 1) % L + L) % L + 1
+
+
+@njit(**_HOT)
+def _hz(pool, aux):
+    """Offset of ``pool``'s reuse-eta counts in ``aux``: ran at +a, seen at +AGE_CAP+1+a."""
+    return AUX_TURNS + aux[AUX_L] + pool * 2 * (AGE_CAP + 1)
+
+
 @njit(**_JIT)
-def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step):
+def _reta_h0(pool, aux):
+    o = _hz(pool, aux)
+    r = 0
+    n = 0
+    for a in range(AGE_CAP + 1):
+        r += aux[o + a]
+        n += aux[o + AGE_CAP + 1 + a]
+    return (r + 1) / (n + 2)
+
+
+@njit(**_JIT)
+def _reta_wait(k, pool, cur, L, h0, ks, aux):
+    """ReuseETA.wait: ahead + L·W(age), W by the same recursion (and float operations)."""
+    E = aux[AUX_E]
+    j = k // E
+    u = ks[k, COUNT]  # the turn of its layer it last ran at (-1: never)
+    if u < 0:
+        age = AGE_CAP
+    else:
+        age = min(max(aux[AUX_TURNS + j] - u - 1, 0), AGE_CAP)
+    o = _hz(pool, aux)
+    w = 0.0
+    for a in range(AGE_CAP, age - 1, -1):
+        h = min(max((aux[o + a] + h0) / (aux[o + AGE_CAP + 1 + a] + 1), 1e-6), 1.0)
+        if a == AGE_CAP:
+            w = (1.0 - h) / h
+        else:
+            w = (1.0 - h) * (1.0 + w)
+    return _ahead(j, cur, L) + L * w
+
+
+@njit(**_JIT)
+def _reta_turn(layer, pool, ks, aux):
+    """ReuseETA.begin_layer: every key of ``layer`` that ran before is seen at its age; the
+    layer's turn count grows."""
+    E = aux[AUX_E]
+    n = aux[AUX_TURNS + layer]
+    if pool >= 0:
+        o = _hz(pool, aux) + AGE_CAP + 1
+        for e in range(E):
+            u = ks[layer * E + e, COUNT]
+            if u >= 0:
+                aux[o + min(n - u - 1, AGE_CAP)] += 1
+    aux[AUX_TURNS + layer] = n + 1
+
+
+@njit(**_JIT)
+def _reta_use(k, pool, ks, aux):
+    """ReuseETA.on_hit / on_insert of a key of the layer being served: it ran at this turn."""
+    E = aux[AUX_E]
+    j = k // E
+    if j != aux[AUX_LAYER]:
+        return
+    n = aux[AUX_TURNS + j] - 1
+    u = ks[k, COUNT]
+    if u >= 0 and u < n:
+        aux[_hz(pool, aux) + min(n - u - 1, AGE_CAP)] += 1
+    ks[k, COUNT] = n
+
+
+@njit(**_JIT)
+def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step, aux):
     """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
     ``choose_victim`` of the policy classes in workbench/policies/eviction.py, ties included."""
     if policy == LRU:
@@ -240,6 +326,11 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
     best = -1
     b1 = 0.0
     b2 = 0
+    L = aux[AUX_L]
+    cur = aux[AUX_LAYER]
+    h0 = 0.0
+    if policy == RETA:
+        h0 = _reta_h0(pool, aux)
     for j in range(pl[pool, OCC]):
         k = res[pool, j]
         if kf[k, PROT]:
@@ -248,6 +339,10 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
             s1 = float(ks[k, COUNT])
         elif policy == HOTNESS:
             s1 = _hot_score(k, step, ks, ring, hot_pow, window)
+        elif policy == LSTALE:  # the farthest next turn of the key's layer first
+            s1 = -float(_ahead(k // aux[AUX_E], cur, L))
+        elif policy == RETA:  # the longest expected wait first
+            s1 = -_reta_wait(k, pool, cur, L, h0, ks, aux)
         else:  # BELADY without its tree: farthest next use first (exact as a float: < 2^53)
             s1 = -float(ks[k, NU])
         s2 = ks[k, LAST]
@@ -284,7 +379,7 @@ def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
 # passing its ~20 arrays cost 2-3x the admission itself (measured), and this is the hottest path
 @njit(**_HOT)
 def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks, kf, pl, res,
-           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl):
+           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl, aux):
     """``ExpertCache.admit``: give ``k`` a slot in ``pool``, evicting the policy's victim
     among its unprotected residents if it is full (booked on the victim's layer in ``sl[0]``,
     and in ``sl[1]`` as redundant if it was never used). Returns the new access clock, or -1
@@ -303,7 +398,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
         elif policy == BELADY and tree.shape[1] > 1:
             x = _tree_victim(pool, g, res, tree)
         else:
-            x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
+            x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step,
+                        aux)
         if x == -1:
             return -1
         slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
@@ -329,6 +425,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
                 ks[k, NU] = v
                 if tree.shape[1] > 1:
                     _tree_set(pool, slot, _pack(v, t), tree)
+        elif policy == RETA:
+            _reta_use(k, pool, ks, aux)
         else:
             _touch(k, step, policy, ks, ring)
     return t
@@ -337,7 +435,7 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
 @njit(**_JIT)
 def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer,
               num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr,
-              occ_grp, sl, ready, go, xfer_time):
+              occ_grp, sl, ready, go, xfer_time, aux):
     """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
     unprotected slot can take), queue their transfers behind the demand misses at ``now``.
     ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns
@@ -348,7 +446,7 @@ def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_o
             continue
         t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], False,
                     num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window,
-                    occ_ptr, occ_grp, sl)
+                    occ_ptr, occ_grp, sl, aux)
         if t2 < 0:
             continue
         t = t2
@@ -383,6 +481,8 @@ class KernelState:
         ks[:, PREV] = ks[:, NEXT] = ks[:, POS] = ks[:, LAST] = -1
         if occ_ptr is not None:
             ks[:, OPTR] = occ_ptr[:-1]
+        if policy == RETA:
+            ks[:, COUNT] = -1  # the turn each key last ran at: never
         self.kf = np.zeros((num_keys, 8), np.uint8)
         self.pl = np.zeros((P, 4), np.int64)
         self.pl[:, HEAD] = self.pl[:, TAIL] = -1
@@ -399,6 +499,10 @@ class KernelState:
             self.tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
         self.ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
         self.ready = np.zeros(num_keys, np.float64)
+        # the layer-order policies' state (see AUX_*): counts only for reuse-eta
+        self.aux = np.zeros(AUX_TURNS + (num_layers + P * 2 * (AGE_CAP + 1)
+                                         if policy == RETA else 0), np.int64)
+        self.aux[AUX_L], self.aux[AUX_E] = max(int(num_layers), 1), max(int(num_experts), 1)
         self.tick = np.zeros(1, np.int64)     # the access clock t
         self.lanes = np.zeros(2, np.float64)  # modeled compute lane, transfer lane free at
         # γ^age for age < window, computed by Python's float pow like the policy class does, so
@@ -423,7 +527,7 @@ class KernelState:
                   occ_ptr, occ_grp, pf_ptr, pf_key, np.float64(xfer_time),
                   np.int64(self.num_experts), np.int64(self.num_layers), self.ks, self.kf,
                   self.pl, self.res, self.tree, self.ring, self.ready, go, gf, sl, *self.bufs,
-                  np.int64(g0), np.int64(s0), self.tick, self.lanes)
+                  np.int64(g0), np.int64(s0), self.tick, self.lanes, self.aux)
         return go, gf, sl
 
     def unused_at_end(self) -> int:
@@ -466,7 +570,7 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
               policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, num_experts,
               num_layers, ks, kf, pl, res, tree, ring, ready, go, gf, sl, miss_buf, adm_buf,
-              miss_comp, g0, s0, tick, lanes):
+              miss_comp, g0, s0, tick, lanes, aux):
     G = g_layer.shape[0]
     t = tick[0]  # the cache's access clock (ExpertCache.t)
     now = lanes[0]  # modeled compute lane
@@ -478,13 +582,16 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         step = g_step[g]
         a, b = g_ptr[g], g_ptr[g + 1]
         now += g_dense[g]
+        aux[AUX_LAYER] = layer  # (the policies' begin_layer)
+        if policy == RETA:
+            _reta_turn(layer, -1 if layer_pinned[layer] else pool_of_layer[layer], ks, aux)
         if layer_pinned[layer]:
             go[G_HITS, g] = b - a
             if pf_ptr[g + 1] > pf_ptr[g]:
                 t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key,
                                          policy, pool_of_layer, num_experts, num_layers, ks, kf,
                                          pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
-                                         sl, ready, go, xfer_time)
+                                         sl, ready, go, xfer_time, aux)
             for i in range(a, b):
                 now += acc_comp[i]
                 if policy == BELADY and kf[acc_key[i], RES]:
@@ -508,7 +615,10 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                         _push_head(k, ks, pl, pool)
                 ks[k, LAST] = t
                 # (Belady: k keeps its priority, next use g, until it is unprotected)
-                _touch(k, step, policy, ks, ring)
+                if policy == RETA:
+                    _reta_use(k, pool, ks, aux)
+                else:
+                    _touch(k, step, policy, ks, ring)
                 if kf[k, PREF]:
                     go[G_PF_HITS, g] += 1
                     kf[k, PREF] = 0
@@ -538,7 +648,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             while nxt_miss < nm:
                 k = miss_buf[nxt_miss]
                 t2 = _admit(k, gg, step, s0, t, policy, pool, True, num_experts, num_layers, ks,
-                            kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl)
+                            kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
+                            aux)
                 if t2 < 0:
                     break  # every slot holds an expert this layer still needs
                 t = t2
@@ -554,7 +665,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                     t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr,
                                              pf_key, policy, pool_of_layer, num_experts,
                                              num_layers, ks, kf, pl, res, tree, ring, hot_pow,
-                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time)
+                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time,
+                                             aux)
             if not hits_done:
                 hits_done = True
                 if nh:
