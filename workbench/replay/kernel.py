@@ -14,10 +14,11 @@ line and the helpers take a handful of arrays (numba passes every array argument
 - ``ks`` int64 ``[key, 8]``: LRU list links, slot in its pool's resident list (LFU, hotness,
   Belady, least-stale, reuse-eta), last use on the access clock ``t``, LFU use count (reuse-eta:
   the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
-  future groups and its next-use group;
+  future groups and its next-use group (least-stale, reuse-eta: the key's layer);
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
   prefetched-unused flags;
-- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring;
+- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring
+  (``hot_pow`` its γ^age table; reuse-eta's W(age) table instead);
 - ``aux`` int64: the layer being served and, for reuse-eta, each layer's turns and each pool's
   age counts (see ``AUX_*``).
 
@@ -241,8 +242,12 @@ def _res_remove(k, pool, ks, pl, res):
 
 @njit(**_HOT)
 def _ahead(j, cur, L):
-    """Groups until layer ``j`` is served again when ``cur`` is (1 … L; LeastStale.ahead)."""
-    return ((j - cur - 1) % L + L) % L + 1
+    """Groups until layer ``j`` is served again when ``cur`` is (1 … L; LeastStale.ahead):
+    (j − cur − 1) mod L + 1 for layers 0 … L−1, without a division."""
+    d = j - cur - 1
+    if d < 0:
+        d += L
+    return d + 1
 
 
 @njit(**_HOT)
@@ -252,35 +257,21 @@ def _hz(pool, aux):
 
 
 @njit(**_JIT)
-def _reta_h0(pool, aux):
+def _reta_waits(pool, aux, w):
+    """ReuseETA.waits into ``w[0 … AGE_CAP]`` (the same float operations, in the same order)."""
     o = _hz(pool, aux)
     r = 0
     n = 0
     for a in range(AGE_CAP + 1):
         r += aux[o + a]
         n += aux[o + AGE_CAP + 1 + a]
-    return (r + 1) / (n + 2)
-
-
-@njit(**_JIT)
-def _reta_wait(k, pool, cur, L, h0, ks, aux):
-    """ReuseETA.wait: ahead + L·W(age), W by the same recursion (and float operations)."""
-    E = aux[AUX_E]
-    j = k // E
-    u = ks[k, COUNT]  # the turn of its layer it last ran at (-1: never)
-    if u < 0:
-        age = AGE_CAP
-    else:
-        age = min(max(aux[AUX_TURNS + j] - u - 1, 0), AGE_CAP)
-    o = _hz(pool, aux)
-    w = 0.0
-    for a in range(AGE_CAP, age - 1, -1):
+    h0 = (r + 1) / (n + 2)
+    for a in range(AGE_CAP, -1, -1):
         h = min(max((aux[o + a] + h0) / (aux[o + AGE_CAP + 1 + a] + 1), 1e-6), 1.0)
         if a == AGE_CAP:
-            w = (1.0 - h) / h
+            w[a] = (1.0 - h) / h
         else:
-            w = (1.0 - h) * (1.0 + w)
-    return _ahead(j, cur, L) + L * w
+            w[a] = (1.0 - h) * (1.0 + w[a + 1])
 
 
 @njit(**_JIT)
@@ -328,9 +319,8 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step,
     b2 = 0
     L = aux[AUX_L]
     cur = aux[AUX_LAYER]
-    h0 = 0.0
-    if policy == RETA:
-        h0 = _reta_h0(pool, aux)
+    if policy == RETA:  # its W table, in hot_pow (which only hotness reads)
+        _reta_waits(pool, aux, hot_pow)
     for j in range(pl[pool, OCC]):
         k = res[pool, j]
         if kf[k, PROT]:
@@ -340,9 +330,12 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step,
         elif policy == HOTNESS:
             s1 = _hot_score(k, step, ks, ring, hot_pow, window)
         elif policy == LSTALE:  # the farthest next turn of the key's layer first
-            s1 = -float(_ahead(k // aux[AUX_E], cur, L))
-        elif policy == RETA:  # the longest expected wait first
-            s1 = -_reta_wait(k, pool, cur, L, h0, ks, aux)
+            s1 = -float(_ahead(ks[k, NU], cur, L))  # (NU: the key's layer)
+        elif policy == RETA:  # the longest expected wait first: ReuseETA.wait
+            j = ks[k, NU]
+            u = ks[k, COUNT]  # the turn of its layer it last ran at (-1: never)
+            age = AGE_CAP if u < 0 else min(max(aux[AUX_TURNS + j] - u - 1, 0), AGE_CAP)
+            s1 = -(float(_ahead(j, cur, L)) + float(L) * hot_pow[age])
         else:  # BELADY without its tree: farthest next use first (exact as a float: < 2^53)
             s1 = -float(ks[k, NU])
         s2 = ks[k, LAST]
@@ -483,6 +476,8 @@ class KernelState:
             ks[:, OPTR] = occ_ptr[:-1]
         if policy == RETA:
             ks[:, COUNT] = -1  # the turn each key last ran at: never
+        if policy == LSTALE or policy == RETA:
+            ks[:, NU] = np.arange(num_keys) // max(int(num_experts), 1)  # the key's layer
         self.kf = np.zeros((num_keys, 8), np.uint8)
         self.pl = np.zeros((P, 4), np.int64)
         self.pl[:, HEAD] = self.pl[:, TAIL] = -1
@@ -508,6 +503,8 @@ class KernelState:
         # γ^age for age < window, computed by Python's float pow like the policy class does, so
         # that both sum identical terms in the same order (ties then break the same way)
         self.hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
+        if policy == RETA:  # hot_pow is unused: reuse-eta's W table (written per eviction)
+            self.hot_pow = np.zeros(AGE_CAP + 1, np.float64)
         n = max(1, num_experts)
         # a group holds distinct experts of one layer: at most num_experts misses
         self.bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
