@@ -141,7 +141,7 @@ def _traces():
 
 
 def _grouped_configs():
-    for ev in ("lru", "belady", "lfu", "hotness", "least-stale", "reuse-eta"):
+    for ev in ("lru", "belady", "lfu", "hotness", "least-stale", "reuse-eta", "arc"):
         for pf, scope, pinned, slots in (("none", "global", 0, 6), ("none", "per-layer", 1, 16),
                                          ("oracle", "global", 1, 10),
                                          ("previous-step", "per-layer", 0, 18)):

@@ -11,7 +11,7 @@ State per key (``layer · E + expert``), packed key-major so that one key's fiel
 line and the helpers take a handful of arrays (numba passes every array argument as a struct of
 ~7 words; with ~40 of them a helper call cost more than the work it did):
 
-- ``ks`` int64 ``[key, 8]``: LRU list links, slot in its pool's resident list (LFU, hotness,
+- ``ks`` int64 ``[key, 8]``: LRU (or ARC) list links, slot in its pool's resident list (LFU, hotness,
   Belady, least-stale, reuse-eta), last use on the access clock ``t``, LFU use count (reuse-eta:
   the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
   future groups and its next-use group (least-stale, reuse-eta: the key's layer);
@@ -23,8 +23,10 @@ line and the helpers take a handful of arrays (numba passes every array argument
   age counts (see ``AUX_*``).
 
 **least-stale** and **reuse-eta** scan the pool as LFU does, with the scores of their policy
-classes (same float operations, so ties break alike). ARC and S3-FIFO have no kernel: their
-queues and ghosts run in the python engine (``engine="auto"`` picks it).
+classes (same float operations, so ties break alike). **ARC** keeps its four lists (T1, T2 and
+the ghosts B1, B2) as linked lists over the keys (``ks`` PREV/NEXT, ``kf`` LIST), their ends
+and lengths per pool in ``aux``, its target p per pool in ``hot_pow``. S3-FIFO has no kernel:
+it runs in the python engine (``engine="auto"`` picks it).
 
 **Belady** evicts the unprotected resident with the farthest next use, then the oldest last
 use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
@@ -47,9 +49,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-LRU, LFU, BELADY, HOTNESS, LSTALE, RETA = 0, 1, 2, 3, 4, 5
+LRU, LFU, BELADY, HOTNESS, LSTALE, RETA, ARC = 0, 1, 2, 3, 4, 5, 6
 POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS,
-                "least-stale": LSTALE, "reuse-eta": RETA}
+                "least-stale": LSTALE, "reuse-eta": RETA, "arc": ARC}
 AGE_CAP = 16  # reuse-eta's ages pooled at and beyond (ReuseETA.AGE_CAP; tested equal)
 # aux (int64, one per replay): [0] the layer being served, [1] layers L, [2] experts E,
 # [3 : 3 + L] turns served per layer (reuse-eta), then per pool reuse-eta's ran[AGE_CAP + 1]
@@ -61,8 +63,13 @@ PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay 
 
 # ks columns
 PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
-# kf columns
-RES, PROT, MISS, USED, PREF = 0, 1, 2, 3, 4
+# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2)
+RES, PROT, MISS, USED, PREF, LIST = 0, 1, 2, 3, 4, 5
+T1, T2, B1, B2 = 1, 2, 3, 4
+# ARC's per-pool state in aux, from _arc(pool): MRU ends of T1 … B2 (+0 … +3), LRU ends
+# (+4 … +7), lengths (+8 … +11), the incoming key's ghost list (+12: 0, 1 for B1, 2 for B2) and
+# the victim that leaves without a ghost entry (+13); its target p per pool in hot_pow
+ARC_W = 14
 # pl (per pool) columns: LRU list ends, residents, slots
 HEAD, TAIL, OCC, CAP = 0, 1, 2, 3
 # go (per group, int) rows
@@ -303,6 +310,139 @@ def _reta_use(k, pool, ks, aux):
     ks[k, COUNT] = n
 
 
+# -- ARC (workbench.policies.eviction.ARC, as libCacheSim's ARC.c) -------------------------------
+@njit(**_HOT)
+def _arc(pool, aux):
+    return AUX_TURNS + aux[AUX_L] + pool * ARC_W
+
+
+@njit(**_JIT)
+def _arc_unlink(k, ks, kf, aux, o):
+    lst = kf[k, LIST]
+    p, n = ks[k, PREV], ks[k, NEXT]
+    if p != -1:
+        ks[p, NEXT] = n
+    else:
+        aux[o + lst - 1] = n
+    if n != -1:
+        ks[n, PREV] = p
+    else:
+        aux[o + 4 + lst - 1] = p
+    ks[k, PREV] = -1
+    ks[k, NEXT] = -1
+    aux[o + 8 + lst - 1] -= 1
+    kf[k, LIST] = 0
+
+
+@njit(**_JIT)
+def _arc_push(k, lst, ks, kf, aux, o):
+    """``k`` at the MRU end of list ``lst``."""
+    h = aux[o + lst - 1]
+    ks[k, PREV] = -1
+    ks[k, NEXT] = h
+    if h != -1:
+        ks[h, PREV] = k
+    aux[o + lst - 1] = k
+    if aux[o + 4 + lst - 1] == -1:
+        aux[o + 4 + lst - 1] = k
+    aux[o + 8 + lst - 1] += 1
+    kf[k, LIST] = lst
+
+
+@njit(**_JIT)
+def _arc_oldest(lst, ks, kf, aux, o):
+    """The least recently used unprotected key of list ``lst`` (-1: none)."""
+    x = aux[o + 4 + lst - 1]
+    while x != -1 and kf[x, PROT]:
+        x = ks[x, PREV]
+    return x
+
+
+@njit(**_JIT)
+def _arc_before(k, pool, ks, kf, pl, aux, pp):
+    """ARC.before_admit: a key found in a ghost list adapts p and leaves the ghost."""
+    o = _arc(pool, aux)
+    aux[o + 12] = 0
+    lst = kf[k, LIST]
+    nb1, nb2 = aux[o + 8 + B1 - 1], aux[o + 8 + B2 - 1]
+    if lst == B1:
+        pp[pool] = min(pp[pool] + max(nb2 / nb1, 1.0), float(pl[pool, CAP]))
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 1
+    elif lst == B2:
+        pp[pool] = max(pp[pool] - max(nb1 / nb2, 1.0), 0.0)
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 2
+
+
+@njit(**_JIT)
+def _arc_replace(pool, in_b2, ks, kf, aux, pp, o):
+    n1 = aux[o + 8 + T1 - 1]
+    first, second = T1, T2
+    if not ((n1 > 0 and (n1 > pp[pool] or (n1 == pp[pool] and in_b2)))
+            or aux[o + 8 + T2 - 1] == 0):
+        first, second = T2, T1
+    x = _arc_oldest(first, ks, kf, aux, o)
+    if x == -1:
+        x = _arc_oldest(second, ks, kf, aux, o)
+    return x
+
+
+@njit(**_JIT)
+def _arc_victim(k, pool, ks, kf, pl, aux, pp):
+    """ARC.before_admit then ARC.choose_victim for ``k`` (-1, nothing changed: every resident
+    is protected)."""
+    o = _arc(pool, aux)
+    if _arc_oldest(T1, ks, kf, aux, o) == -1 and _arc_oldest(T2, ks, kf, aux, o) == -1:
+        return -1
+    _arc_before(k, pool, ks, kf, pl, aux, pp)
+    aux[o + 13] = -1
+    ghost = aux[o + 12]
+    if ghost != 0:  # cases II and III
+        return _arc_replace(pool, ghost == 2, ks, kf, aux, pp, o)
+    c = pl[pool, CAP]
+    n1, n2 = aux[o + 8 + T1 - 1], aux[o + 8 + T2 - 1]
+    nb1, nb2 = aux[o + 8 + B1 - 1], aux[o + 8 + B2 - 1]
+    if n1 + nb1 + 1 > c:  # case IV A
+        if nb1 > 0:
+            _arc_unlink(aux[o + 4 + B1 - 1], ks, kf, aux, o)
+            return _arc_replace(pool, False, ks, kf, aux, pp, o)
+        x = _arc_oldest(T1, ks, kf, aux, o)
+        if x != -1:
+            aux[o + 13] = x
+            return x
+        return _arc_replace(pool, False, ks, kf, aux, pp, o)
+    if n1 + nb1 + n2 + nb2 >= 2 * c and nb2 > 0:  # case IV B
+        _arc_unlink(aux[o + 4 + B2 - 1], ks, kf, aux, o)
+    return _arc_replace(pool, False, ks, kf, aux, pp, o)
+
+
+@njit(**_JIT)
+def _arc_gone(x, pool, ks, kf, aux):
+    """ARC.on_evict: the victim's ghost entry (none for case IV A's T1 victim)."""
+    o = _arc(pool, aux)
+    lst = kf[x, LIST]
+    ghost = x != aux[o + 13]
+    aux[o + 13] = -1
+    _arc_unlink(x, ks, kf, aux, o)
+    if ghost:
+        _arc_push(x, B1 if lst == T1 else B2, ks, kf, aux, o)
+
+
+@njit(**_JIT)
+def _arc_insert(k, pool, ks, kf, aux):
+    o = _arc(pool, aux)
+    _arc_push(k, T2 if aux[o + 12] != 0 else T1, ks, kf, aux, o)
+    aux[o + 12] = 0
+
+
+@njit(**_JIT)
+def _arc_hit(k, pool, ks, kf, aux):
+    o = _arc(pool, aux)
+    _arc_unlink(k, ks, kf, aux, o)
+    _arc_push(k, T2, ks, kf, aux, o)
+
+
 @njit(**_JIT)
 def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step, aux):
     """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
@@ -381,7 +521,17 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
     its transfer is done (Belady: next use 0 until :func:`_bel_fix`); else a prefetch, not
     protected (Belady gives it its real next use at once)."""
     slot = -1  # Belady: the victim's slot, which k takes
-    if pl[pool, OCC] >= pl[pool, CAP]:
+    if policy == ARC:
+        if pl[pool, OCC] >= pl[pool, CAP]:
+            x = _arc_victim(k, pool, ks, kf, pl, aux, hot_pow)
+            if x == -1:
+                return -1
+            slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
+                          sl)
+            _arc_gone(x, pool, ks, kf, aux)
+        else:
+            _arc_before(k, pool, ks, kf, pl, aux, hot_pow)
+    elif pl[pool, OCC] >= pl[pool, CAP]:
         # _victim's LRU and Belady-tree branches, written out: calling _victim for them (or
         # inlining all of it) measured slower on the demand path
         if policy == LRU:
@@ -420,6 +570,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
                     _tree_set(pool, slot, _pack(v, t), tree)
         elif policy == RETA:
             _reta_use(k, pool, ks, aux)
+        elif policy == ARC:
+            _arc_insert(k, pool, ks, kf, aux)
         else:
             _touch(k, step, policy, ks, ring)
     return t
@@ -495,9 +647,14 @@ class KernelState:
         self.ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
         self.ready = np.zeros(num_keys, np.float64)
         # the layer-order policies' state (see AUX_*): counts only for reuse-eta
-        self.aux = np.zeros(AUX_TURNS + (num_layers + P * 2 * (AGE_CAP + 1)
-                                         if policy == RETA else 0), np.int64)
-        self.aux[AUX_L], self.aux[AUX_E] = max(int(num_layers), 1), max(int(num_experts), 1)
+        L = max(int(num_layers), 1)
+        per_pool = {RETA: 2 * (AGE_CAP + 1), ARC: ARC_W}.get(policy)
+        self.aux = np.zeros(AUX_TURNS + (L + P * per_pool if per_pool else 0), np.int64)
+        self.aux[AUX_L], self.aux[AUX_E] = L, max(int(num_experts), 1)
+        if policy == ARC:  # empty lists; p = 0 per pool (in hot_pow, which only hotness reads)
+            for pool in range(P):
+                o = AUX_TURNS + L + pool * ARC_W
+                self.aux[o:o + 8] = -1
         self.tick = np.zeros(1, np.int64)     # the access clock t
         self.lanes = np.zeros(2, np.float64)  # modeled compute lane, transfer lane free at
         # γ^age for age < window, computed by Python's float pow like the policy class does, so
@@ -505,6 +662,8 @@ class KernelState:
         self.hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
         if policy == RETA:  # hot_pow is unused: reuse-eta's W table (written per eviction)
             self.hot_pow = np.zeros(AGE_CAP + 1, np.float64)
+        if policy == ARC:  # hot_pow is unused: ARC's target p per pool
+            self.hot_pow = np.zeros(max(P, 1), np.float64)
         n = max(1, num_experts)
         # a group holds distinct experts of one layer: at most num_experts misses
         self.bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
@@ -614,6 +773,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 # (Belady: k keeps its priority, next use g, until it is unprotected)
                 if policy == RETA:
                     _reta_use(k, pool, ks, aux)
+                elif policy == ARC:
+                    _arc_hit(k, pool, ks, kf, aux)
                 else:
                     _touch(k, step, policy, ks, ring)
                 if kf[k, PREF]:
@@ -947,3 +1108,44 @@ def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     residents in a max-heap of next access, O(log slots) per access."""
     return int(_flat_belady(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
                             int(cache_slots)))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_arc(ids, n_keys, cap):
+    ks = np.full((n_keys, 8), -1, np.int64)
+    kf = np.zeros((n_keys, 8), np.uint8)
+    pl = np.zeros((1, 4), np.int64)
+    pl[0, CAP] = cap
+    aux = np.zeros(AUX_TURNS + 1 + ARC_W, np.int64)
+    aux[AUX_L] = 1
+    aux[AUX_E] = max(n_keys, 1)
+    o = AUX_TURNS + 1
+    for j in range(8):
+        aux[o + j] = -1
+    pp = np.zeros(1, np.float64)
+    occ = 0
+    hits = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if kf[k, RES]:
+            hits += 1
+            _arc_hit(k, 0, ks, kf, aux)
+            continue
+        if occ >= cap:
+            x = _arc_victim(k, 0, ks, kf, pl, aux, pp)
+            kf[x, RES] = 0
+            _arc_gone(x, 0, ks, kf, aux)
+        else:
+            _arc_before(k, 0, ks, kf, pl, aux, pp)
+            occ += 1
+        kf[k, RES] = 1
+        _arc_insert(k, 0, ks, kf, aux)
+    return hits
+
+
+def flat_arc_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of ARC (as :class:`workbench.policies.eviction.ARC` and libCacheSim's) with
+    ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access): the grouped
+    kernel's ARC helpers with nothing protected, O(1) per access."""
+    return int(_flat_arc(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                         int(cache_slots)))
