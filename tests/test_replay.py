@@ -57,7 +57,7 @@ def test_replay_reproduces_the_live_run(live_runs, assert_replays_live):
 
 
 def _configs():
-    for ev in ("lru", "lfu", "belady", "hotness", "least-stale", "reuse-eta", "arc"):
+    for ev in ("lru", "lfu", "belady", "hotness", "least-stale", "reuse-eta", "arc", "s3fifo"):
         for pf, scope in (("none", "global"), ("oracle", "per-layer"),
                           ("previous-step", "global")):
             yield ev, pf, scope

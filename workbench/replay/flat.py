@@ -3,10 +3,11 @@
 Each access is its own group and nothing is pinned, so the hit counts are directly comparable
 with other cache simulators on the same key sequence.
 
-``engine="fast"`` runs LRU, Belady and ARC through dedicated kernels
+``engine="fast"`` runs LRU, Belady, ARC and S3-FIFO through dedicated kernels
 (:func:`~workbench.replay.kernel.flat_lru_hits`, :func:`~workbench.replay.kernel.flat_belady_hits`,
-:func:`~workbench.replay.kernel.flat_arc_hits`: O(1), O(log slots) and O(1) per access after an
-O(n) relabelling of the keys); the other compiled
+:func:`~workbench.replay.kernel.flat_arc_hits`, :func:`~workbench.replay.kernel.flat_s3fifo_hits`:
+O(1), O(log slots), O(1) and amortised O(1) per access after an O(n) relabelling of the keys);
+the other compiled
 policies, and ``engine="python"`` (the reference: the real cache and policy objects), go
 through the grouped replay with one access per group. Tests hold all of them equal.
 """
@@ -23,7 +24,8 @@ from workbench.replay.engine import make_policy, run_fast, run_python
 from workbench.sim.placement import Placement
 from workbench.traces.trace import Groups
 
-_FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits, "arc": K.flat_arc_hits}
+_FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits, "arc": K.flat_arc_hits,
+                 "s3fifo": K.flat_s3fifo_hits}
 
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",

@@ -11,12 +11,12 @@ State per key (``layer · E + expert``), packed key-major so that one key's fiel
 line and the helpers take a handful of arrays (numba passes every array argument as a struct of
 ~7 words; with ~40 of them a helper call cost more than the work it did):
 
-- ``ks`` int64 ``[key, 8]``: LRU (or ARC) list links, slot in its pool's resident list (LFU, hotness,
-  Belady, least-stale, reuse-eta), last use on the access clock ``t``, LFU use count (reuse-eta:
+- ``ks`` int64 ``[key, 8]``: LRU (ARC, S3-FIFO) list links, slot in its pool's resident list
+  (every policy but LRU), last use on the access clock ``t``, LFU use count (reuse-eta:
   the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
   future groups and its next-use group (least-stale, reuse-eta: the key's layer);
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
-  prefetched-unused flags;
+  prefetched-unused flags, the ARC / S3-FIFO list the key is in;
 - ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring
   (``hot_pow`` its γ^age table; reuse-eta's W(age) table instead);
 - ``aux`` int64: the layer being served and, for reuse-eta, each layer's turns and each pool's
@@ -25,8 +25,9 @@ line and the helpers take a handful of arrays (numba passes every array argument
 **least-stale** and **reuse-eta** scan the pool as LFU does, with the scores of their policy
 classes (same float operations, so ties break alike). **ARC** keeps its four lists (T1, T2 and
 the ghosts B1, B2) as linked lists over the keys (``ks`` PREV/NEXT, ``kf`` LIST), their ends
-and lengths per pool in ``aux``, its target p per pool in ``hot_pow``. S3-FIFO has no kernel:
-it runs in the python engine (``engine="auto"`` picks it).
+and lengths per pool in ``aux``, its target p per pool in ``hot_pow``; **S3-FIFO** its small,
+main and ghost FIFOs the same way (counts in ``ks`` COUNT). Both have flat kernels too
+(:func:`flat_arc_hits`, :func:`flat_s3fifo_hits`).
 
 **Belady** evicts the unprotected resident with the farthest next use, then the oldest last
 use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
@@ -49,9 +50,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-LRU, LFU, BELADY, HOTNESS, LSTALE, RETA, ARC = 0, 1, 2, 3, 4, 5, 6
+LRU, LFU, BELADY, HOTNESS, LSTALE, RETA, ARC, S3FIFO = 0, 1, 2, 3, 4, 5, 6, 7
 POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS,
-                "least-stale": LSTALE, "reuse-eta": RETA, "arc": ARC}
+                "least-stale": LSTALE, "reuse-eta": RETA, "arc": ARC, "s3fifo": S3FIFO}
 AGE_CAP = 16  # reuse-eta's ages pooled at and beyond (ReuseETA.AGE_CAP; tested equal)
 # aux (int64, one per replay): [0] the layer being served, [1] layers L, [2] experts E,
 # [3 : 3 + L] turns served per layer (reuse-eta), then per pool reuse-eta's ran[AGE_CAP + 1]
@@ -70,6 +71,10 @@ T1, T2, B1, B2 = 1, 2, 3, 4
 # (+4 … +7), lengths (+8 … +11), the incoming key's ghost list (+12: 0, 1 for B1, 2 for B2) and
 # the victim that leaves without a ghost entry (+13); its target p per pool in hot_pow
 ARC_W = 14
+# S3-FIFO's, the same list layout (lists SMALL, MAIN, GHOST = 1, 2, 3; counts in ks COUNT):
+# +12 the incoming key was in the ghost, +13 anything evicted yet, +14 the victim enters the ghost
+SMALL, MAIN, GHOST = 1, 2, 3
+S3_W = 16
 # pl (per pool) columns: LRU list ends, residents, slots
 HEAD, TAIL, OCC, CAP = 0, 1, 2, 3
 # go (per group, int) rows
@@ -443,6 +448,103 @@ def _arc_hit(k, pool, ks, kf, aux):
     _arc_push(k, T2, ks, kf, aux, o)
 
 
+# -- S3-FIFO (workbench.policies.eviction.S3FIFO, as libCacheSim's S3FIFO.c) -------------------
+@njit(**_HOT)
+def _s3(pool, aux):
+    return AUX_TURNS + aux[AUX_L] + pool * S3_W
+
+
+@njit(**_JIT)
+def _s3_before(k, pool, ks, kf, aux):
+    """S3FIFO.before_admit: a key found in the ghost leaves it (and will enter main)."""
+    o = _s3(pool, aux)
+    aux[o + 12] = 0
+    if kf[k, LIST] == GHOST:
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 1
+
+
+@njit(**_JIT)
+def _s3_main(ks, kf, aux, o):
+    """S3FIFO._evict_main: a CLOCK over main (-1: no unprotected key in it)."""
+    while True:
+        x = _arc_oldest(MAIN, ks, kf, aux, o)
+        if x == -1:
+            return -1
+        f = ks[x, COUNT]
+        if f < 1:
+            return x
+        _arc_unlink(x, ks, kf, aux, o)
+        _arc_push(x, MAIN, ks, kf, aux, o)
+        ks[x, COUNT] = min(f, 3) - 1
+
+
+@njit(**_JIT)
+def _s3_small(ks, kf, aux, o):
+    """S3FIFO._evict_small: keys used twice move to main; the first other one is the victim,
+    bound for the ghost (-1: no unprotected key in small)."""
+    while True:
+        x = _arc_oldest(SMALL, ks, kf, aux, o)
+        if x == -1:
+            return -1
+        if ks[x, COUNT] < 2:  # S3FIFO.THRESHOLD
+            aux[o + 14] = 1
+            return x
+        _arc_unlink(x, ks, kf, aux, o)
+        _arc_push(x, MAIN, ks, kf, aux, o)
+        ks[x, COUNT] = 0
+
+
+@njit(**_JIT)
+def _s3_victim(k, pool, ks, kf, pl, aux):
+    """S3FIFO.before_admit then S3FIFO.choose_victim for ``k`` (-1, nothing changed: every
+    resident is protected)."""
+    o = _s3(pool, aux)
+    if _arc_oldest(SMALL, ks, kf, aux, o) == -1 and _arc_oldest(MAIN, ks, kf, aux, o) == -1:
+        return -1
+    _s3_before(k, pool, ks, kf, aux)
+    aux[o + 13] = 1
+    aux[o + 14] = 0
+    c = pl[pool, CAP]
+    main = c - int(c * 0.10)
+    if aux[o + 8 + MAIN - 1] > main or aux[o + 8 + SMALL - 1] == 0:
+        x = _s3_main(ks, kf, aux, o)
+        if x == -1:
+            x = _s3_small(ks, kf, aux, o)
+    else:
+        x = _s3_small(ks, kf, aux, o)
+        if x == -1:
+            x = _s3_main(ks, kf, aux, o)
+    return x
+
+
+@njit(**_JIT)
+def _s3_gone(x, pool, ks, kf, pl, aux):
+    """The victim leaves its queue; from small it enters the ghost (its oldest key dropped when
+    the ghost holds ⌊0.9·c⌋)."""
+    o = _s3(pool, aux)
+    _arc_unlink(x, ks, kf, aux, o)
+    if aux[o + 14]:
+        aux[o + 14] = 0
+        gcap = int(pl[pool, CAP] * 0.90)
+        if gcap > 0:
+            if aux[o + 8 + GHOST - 1] >= gcap:
+                _arc_unlink(aux[o + 4 + GHOST - 1], ks, kf, aux, o)
+            _arc_push(x, GHOST, ks, kf, aux, o)
+
+
+@njit(**_JIT)
+def _s3_insert(k, pool, ks, kf, pl, aux):
+    o = _s3(pool, aux)
+    c = pl[pool, CAP]
+    if aux[o + 12] or (aux[o + 13] == 0 and aux[o + 8 + SMALL - 1] >= int(c * 0.10)):
+        _arc_push(k, MAIN, ks, kf, aux, o)
+    else:
+        _arc_push(k, SMALL, ks, kf, aux, o)
+    ks[k, COUNT] = 0
+    aux[o + 12] = 0
+
+
 @njit(**_JIT)
 def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step, aux):
     """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
@@ -531,6 +633,16 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
             _arc_gone(x, pool, ks, kf, aux)
         else:
             _arc_before(k, pool, ks, kf, pl, aux, hot_pow)
+    elif policy == S3FIFO:
+        if pl[pool, OCC] >= pl[pool, CAP]:
+            x = _s3_victim(k, pool, ks, kf, pl, aux)
+            if x == -1:
+                return -1
+            slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
+                          sl)
+            _s3_gone(x, pool, ks, kf, pl, aux)
+        else:
+            _s3_before(k, pool, ks, kf, aux)
     elif pl[pool, OCC] >= pl[pool, CAP]:
         # _victim's LRU and Belady-tree branches, written out: calling _victim for them (or
         # inlining all of it) measured slower on the demand path
@@ -572,6 +684,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
             _reta_use(k, pool, ks, aux)
         elif policy == ARC:
             _arc_insert(k, pool, ks, kf, aux)
+        elif policy == S3FIFO:
+            _s3_insert(k, pool, ks, kf, pl, aux)
         else:
             _touch(k, step, policy, ks, ring)
     return t
@@ -648,12 +762,12 @@ class KernelState:
         self.ready = np.zeros(num_keys, np.float64)
         # the layer-order policies' state (see AUX_*): counts only for reuse-eta
         L = max(int(num_layers), 1)
-        per_pool = {RETA: 2 * (AGE_CAP + 1), ARC: ARC_W}.get(policy)
+        per_pool = {RETA: 2 * (AGE_CAP + 1), ARC: ARC_W, S3FIFO: S3_W}.get(policy)
         self.aux = np.zeros(AUX_TURNS + (L + P * per_pool if per_pool else 0), np.int64)
         self.aux[AUX_L], self.aux[AUX_E] = L, max(int(num_experts), 1)
-        if policy == ARC:  # empty lists; p = 0 per pool (in hot_pow, which only hotness reads)
+        if policy == ARC or policy == S3FIFO:  # empty lists (ARC's p = 0: in hot_pow, below)
             for pool in range(P):
-                o = AUX_TURNS + L + pool * ARC_W
+                o = AUX_TURNS + L + pool * per_pool
                 self.aux[o:o + 8] = -1
         self.tick = np.zeros(1, np.int64)     # the access clock t
         self.lanes = np.zeros(2, np.float64)  # modeled compute lane, transfer lane free at
@@ -775,6 +889,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                     _reta_use(k, pool, ks, aux)
                 elif policy == ARC:
                     _arc_hit(k, pool, ks, kf, aux)
+                elif policy == S3FIFO:
+                    ks[k, COUNT] += 1
                 else:
                     _touch(k, step, policy, ks, ring)
                 if kf[k, PREF]:
@@ -1149,3 +1265,44 @@ def flat_arc_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     kernel's ARC helpers with nothing protected, O(1) per access."""
     return int(_flat_arc(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
                          int(cache_slots)))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_s3fifo(ids, n_keys, cap):
+    ks = np.full((n_keys, 8), -1, np.int64)
+    ks[:, COUNT] = 0
+    kf = np.zeros((n_keys, 8), np.uint8)
+    pl = np.zeros((1, 4), np.int64)
+    pl[0, CAP] = cap
+    aux = np.zeros(AUX_TURNS + 1 + S3_W, np.int64)
+    aux[AUX_L] = 1
+    aux[AUX_E] = max(n_keys, 1)
+    o = AUX_TURNS + 1
+    for j in range(8):
+        aux[o + j] = -1
+    occ = 0
+    hits = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if kf[k, RES]:
+            hits += 1
+            ks[k, COUNT] += 1
+            continue
+        if occ >= cap:
+            x = _s3_victim(k, 0, ks, kf, pl, aux)
+            kf[x, RES] = 0
+            _s3_gone(x, 0, ks, kf, pl, aux)
+        else:
+            _s3_before(k, 0, ks, kf, aux)
+            occ += 1
+        kf[k, RES] = 1
+        _s3_insert(k, 0, ks, kf, pl, aux)
+    return hits
+
+
+def flat_s3fifo_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of S3-FIFO (as :class:`workbench.policies.eviction.S3FIFO`; libCacheSim's from 20
+    slots on) with ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access): the
+    grouped kernel's S3-FIFO helpers with nothing protected."""
+    return int(_flat_s3fifo(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                            int(cache_slots)))
