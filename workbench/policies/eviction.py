@@ -250,8 +250,9 @@ class ARC(EvictionPolicy):
 
     With a whole layer protected (keys the current layer still needs are not candidates), a
     list's "LRU key" is its least recently used *candidate*; a list with none gives way to the
-    other. Flat traces (one key per access) have no protected keys: hits equal libCacheSim's
-    (``tests/test_eviction_zoo.py``).
+    other. A key freed without a victim choice (a pre-eviction, ActiveEvict's) enters its
+    list's ghost, as REPLACE would move it. Flat traces (one key per access) have no protected
+    keys: hits equal libCacheSim's (``tests/test_eviction_zoo.py``).
     """
 
     def reset(self) -> None:
@@ -350,8 +351,9 @@ class S3FIFO(EvictionPolicy):
 
     c = the cache's slots (:meth:`bind_cache`). With a whole layer protected, keys that are not
     candidates are passed over where they stand (a queue with no candidate gives way to the
-    other). libCacheSim admits nothing into an S of at most one key (c < 20): there this
-    policy still admits (into S), so hits equal libCacheSim's from 20 slots on
+    other); a key freed without a victim choice (a pre-eviction) leaves no ghost entry.
+    libCacheSim admits nothing into an S of at most one key (c < 20): there this policy still
+    admits (into S), so hits equal libCacheSim's from 20 slots on
     (``tests/test_eviction_zoo.py``).
     """
 
