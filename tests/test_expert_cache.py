@@ -35,7 +35,7 @@ access = st.tuples(st.integers(0, 3), st.sets(st.integers(0, 7), min_size=1, max
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(access, min_size=1, max_size=60), st.integers(4, 12),
-       st.sampled_from(["lru", "lfu"]))
+       st.sampled_from(["lru", "lfu", "arc", "s3fifo", "least-stale", "reuse-eta"]))
 def test_invariants_hold_for_any_sequence(seq, slots, policy):
     cache = ExpertCache(slots, EVICTION.create(policy), num_layers=4, num_experts=8)
     _drive(cache, [(l, sorted(es)) for l, es in seq], None)

@@ -37,7 +37,8 @@ def live_runs(embedded, demo_inputs, tmp_path_factory):
     image, prompt, _ = demo_inputs[1]
     rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=6, ignore_eos=True)
     out = {}
-    for policy, slots, pinned in (("lru", 48, 1), ("lfu", 80, 2), ("lru", 160, 0)):
+    for policy, slots, pinned in (("lru", 48, 1), ("lfu", 80, 2), ("lru", 160, 0),
+                                  ("arc", 48, 1), ("reuse-eta", 80, 0)):
         path = tmp_path_factory.mktemp("live") / f"{policy}-{slots}.zarr"
         rt.run(prompt, [image], store=path, eviction=policy, cache_slots=slots,
                pinned_layers=pinned)
@@ -56,7 +57,7 @@ def test_replay_reproduces_the_live_run(live_runs, assert_replays_live):
 
 
 def _configs():
-    for ev in ("lru", "lfu", "belady", "hotness"):
+    for ev in ("lru", "lfu", "belady", "hotness", "least-stale", "reuse-eta", "arc", "s3fifo"):
         for pf, scope in (("none", "global"), ("oracle", "per-layer"),
                           ("previous-step", "global")):
             yield ev, pf, scope

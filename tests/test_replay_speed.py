@@ -141,7 +141,8 @@ def _traces():
 
 
 def _grouped_configs():
-    for ev in ("lru", "belady", "lfu", "hotness"):
+    for ev in ("lru", "belady", "lfu", "hotness", "least-stale", "reuse-eta", "arc",
+               "s3fifo"):
         for pf, scope, pinned, slots in (("none", "global", 0, 6), ("none", "per-layer", 1, 16),
                                          ("oracle", "global", 1, 10),
                                          ("previous-step", "per-layer", 0, 18)):

@@ -43,7 +43,8 @@ def traces(draw):
 
 
 CONFIGS = st.fixed_dictionaries({
-    "eviction": st.sampled_from(["lru", "lfu", "belady", "hotness"]),
+    "eviction": st.sampled_from(["lru", "lfu", "belady", "hotness", "least-stale",
+                                  "reuse-eta", "arc", "s3fifo"]),
     "prefetch": st.sampled_from(["none", "oracle", "previous-step"]),
     "scope": st.sampled_from(["global", "per-layer"]),
     "extra_slots": st.integers(0, 10),

@@ -11,6 +11,7 @@ knob's menu, the dashboard and ``--set eviction=name``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from typing import Hashable, Iterable
 
 from workbench.knobs import CacheKnobs
@@ -33,6 +34,10 @@ class EvictionPolicy(ABC):
     needs: frozenset[str] = frozenset()
     needs_future = NeedsFlag("future")
     needs_predictor = NeedsFlag("predictor")
+    #: the cache's size and key space (:meth:`bind_cache`; None until a cache binds the policy)
+    num_slots: int | None = None
+    num_layers: int | None = None
+    num_experts: int | None = None
 
     def __init__(self) -> None:
         """The knobs a policy takes are its ``__init__``'s keyword parameters (see
@@ -45,6 +50,21 @@ class EvictionPolicy(ABC):
     def begin_group(self, group: int, step: int) -> None:
         """A layer's accesses of ``step`` are about to be looked up (``group`` counts the
         (step, layer) groups served so far). Policies that keep time in steps use it."""
+
+    def begin_layer(self, layer: int) -> None:
+        """The group about to be served is ``layer``'s (called right after
+        :meth:`begin_group`, pinned layers included). Policies that use the layer order use it."""
+
+    def bind_cache(self, num_slots: int, num_layers: int, num_experts: int) -> None:
+        """The cache this policy serves holds ``num_slots`` keys of ``num_layers`` ×
+        ``num_experts`` (called once, by :class:`~workbench.sim.cache.ExpertCache`; survives
+        :meth:`reset`). Policies whose queues are sized by the cache (ARC, S3-FIFO) use it."""
+        self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
+
+    def before_admit(self, key: Key, t: int) -> None:
+        """``key`` is about to be given a slot (a demand miss or a prefetch), before any
+        victim is chosen for it. Policies whose eviction depends on the incoming key (ARC's
+        ghost hits, S3-FIFO's ghost queue) use it."""
 
     @abstractmethod
     def on_hit(self, key: Key, t: int) -> None:
@@ -203,6 +223,344 @@ class Hotness(EvictionPolicy):
 
     def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
         return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
+
+
+def _oldest(queue: "OrderedDict[Key, object]", allowed: set) -> Key | None:
+    """The oldest key of ``queue`` (insertion order) that is in ``allowed`` (None: none)."""
+    for k in queue:
+        if k in allowed:
+            return k
+    return None
+
+
+@EVICTION.register("arc")
+class ARC(EvictionPolicy):
+    """ARC, Adaptive Replacement Cache (Megiddo & Modha, FAST '03), as libCacheSim's
+    ``ARC.c`` runs it with unit-size objects: T1 (seen once recently) and T2 (seen at least
+    twice) are LRU lists of residents, B1 and B2 their ghosts (evicted keys, no slot), and the
+    target size ``p`` of T1 adapts — up by max(|B2|/|B1|, 1) on a hit in B1, down by
+    max(|B1|/|B2|, 1) on a hit in B2 (a float, as libCacheSim). A miss found in a ghost enters
+    T2, any other miss T1; a hit moves the key to T2's head.
+
+    REPLACE evicts T1's LRU key into B1 if T1 is non-empty and (|T1| > p, or |T1| = p and the
+    incoming key was in B2), or if T2 is empty; else T2's LRU key into B2. A miss in no list
+    (case IV) first trims: if |T1| + |B1| would exceed c, drop B1's LRU key and REPLACE (or, B1
+    empty, evict T1's LRU key with no ghost); else if all four lists hold 2c keys, drop B2's
+    LRU key; then REPLACE. c = the cache's slots (:meth:`bind_cache`).
+
+    With a whole layer protected (keys the current layer still needs are not candidates), a
+    list's "LRU key" is its least recently used *candidate*; a list with none gives way to the
+    other. A key freed without a victim choice (a pre-eviction, ActiveEvict's) enters its
+    list's ghost, as REPLACE would move it. Flat traces (one key per access) have no protected
+    keys: hits equal libCacheSim's (``tests/test_eviction_zoo.py``).
+    """
+
+    def reset(self) -> None:
+        self.t1: OrderedDict[Key, None] = OrderedDict()  # LRU first, MRU last
+        self.t2: OrderedDict[Key, None] = OrderedDict()
+        self.b1: OrderedDict[Key, None] = OrderedDict()
+        self.b2: OrderedDict[Key, None] = OrderedDict()
+        self.p = 0.0
+        self._ghost = 0  # 1 / 2: the key being admitted was found in B1 / B2
+        self._no_ghost: Key | None = None  # the victim leaves without a ghost entry
+
+    def _c(self) -> int:
+        return self.num_slots if self.num_slots else len(self.t1) + len(self.t2)
+
+    def on_hit(self, key: Key, t: int) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def before_admit(self, key: Key, t: int) -> None:
+        self._ghost = 0
+        if key in self.b1:
+            self.p = min(self.p + max(len(self.b2) / len(self.b1), 1.0), float(self._c()))
+            del self.b1[key]
+            self._ghost = 1
+        elif key in self.b2:
+            self.p = max(self.p - max(len(self.b1) / len(self.b2), 1.0), 0.0)
+            del self.b2[key]
+            self._ghost = 2
+
+    def on_insert(self, key: Key, t: int) -> None:
+        (self.t2 if self._ghost else self.t1)[key] = None
+        self._ghost = 0
+
+    def _replace(self, allowed: set, in_b2: bool) -> Key:
+        n1 = len(self.t1)
+        first, second = self.t1, self.t2
+        if not ((n1 > 0 and (n1 > self.p or (n1 == self.p and in_b2))) or not self.t2):
+            first, second = second, first
+        k = _oldest(first, allowed)
+        if k is None:
+            k = _oldest(second, allowed)
+        if k is None:
+            raise ValueError("no candidate to evict")
+        return k
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        allowed = set(candidates)
+        self._no_ghost = None
+        if self._ghost:  # cases II and III
+            return self._replace(allowed, self._ghost == 2)
+        c = self._c()
+        if len(self.t1) + len(self.b1) + 1 > c:  # case IV A: L1 = T1 ∪ B1 has c keys
+            if self.b1:
+                self.b1.popitem(last=False)
+                return self._replace(allowed, False)
+            k = _oldest(self.t1, allowed)
+            if k is not None:
+                self._no_ghost = k
+                return k
+            return self._replace(allowed, False)
+        if len(self.t1) + len(self.b1) + len(self.t2) + len(self.b2) >= 2 * c and self.b2:
+            self.b2.popitem(last=False)  # case IV B
+        return self._replace(allowed, False)
+
+    def on_evict(self, key: Key) -> None:
+        ghost = key != self._no_ghost
+        self._no_ghost = None
+        if key in self.t1:
+            del self.t1[key]
+            if ghost:
+                self.b1[key] = None
+        elif key in self.t2:
+            del self.t2[key]
+            if ghost:
+                self.b2[key] = None
+
+
+@EVICTION.register("s3fifo")
+class S3FIFO(EvictionPolicy):
+    """S3-FIFO (Yang et al., SOSP '23), as libCacheSim's ``S3FIFO.c`` (Dec 2024 version) runs
+    it with unit-size objects: a small FIFO S of ⌊0.1·c⌋ keys, a main FIFO M of the rest
+    (a CLOCK with a 2-bit counter) and a ghost FIFO G of ⌊0.9·c⌋ evicted keys (no slots).
+
+    - a hit adds 1 to the key's count;
+    - a miss found in G enters M; any other miss enters S — or M while nothing has been
+      evicted yet and S is full; a new key's count is 0;
+    - eviction takes from M if M holds more than its share or S is empty, else from S;
+    - from S: its oldest key moves to M (count 0) if its count is ≥ 2
+      (``move-to-main-threshold``), and the next oldest is examined; the first with a
+      smaller count is evicted into G (G drops its oldest when full);
+    - from M: its oldest key, if its count is ≥ 1, goes back to M's head with
+      count min(count, 3) − 1; the first with count 0 is evicted.
+
+    c = the cache's slots (:meth:`bind_cache`). With a whole layer protected, keys that are not
+    candidates are passed over where they stand (a queue with no candidate gives way to the
+    other); a key freed without a victim choice (a pre-eviction) leaves no ghost entry.
+    libCacheSim admits nothing into an S of at most one key (c < 20): there this policy still
+    admits (into S), so hits equal libCacheSim's from 20 slots on
+    (``tests/test_eviction_zoo.py``).
+    """
+
+    SMALL, GHOST, THRESHOLD = 0.10, 0.90, 2
+
+    def reset(self) -> None:
+        self.small: OrderedDict[Key, int] = OrderedDict()  # oldest first → count
+        self.main: OrderedDict[Key, int] = OrderedDict()
+        self.ghost: OrderedDict[Key, None] = OrderedDict()
+        self.evicted_any = False
+        self._from_ghost = False
+
+    def _sizes(self) -> tuple[float, float, int]:
+        """(S's size, M's size, G's size); before a cache binds the policy: unbounded S."""
+        if not self.num_slots:
+            return float("inf"), float("inf"), 0
+        c = self.num_slots
+        small = int(c * self.SMALL)
+        return small, c - small, int(c * self.GHOST)
+
+    def on_hit(self, key: Key, t: int) -> None:
+        if key in self.small:
+            self.small[key] += 1
+        elif key in self.main:
+            self.main[key] += 1
+
+    def before_admit(self, key: Key, t: int) -> None:
+        self._from_ghost = key in self.ghost
+        if self._from_ghost:
+            del self.ghost[key]
+
+    def on_insert(self, key: Key, t: int) -> None:
+        small, _, _ = self._sizes()
+        if self._from_ghost or (not self.evicted_any and len(self.small) >= small):
+            self.main[key] = 0
+        else:
+            self.small[key] = 0
+        self._from_ghost = False
+
+    def _evict_main(self, allowed: set) -> Key | None:
+        while True:
+            k = _oldest(self.main, allowed)
+            if k is None:
+                return None
+            f = self.main[k]
+            if f < 1:
+                return k
+            self.main.move_to_end(k)
+            self.main[k] = min(f, 3) - 1
+
+    def _evict_small(self, allowed: set) -> Key | None:
+        while True:
+            k = _oldest(self.small, allowed)
+            if k is None:
+                return None
+            if self.small[k] < self.THRESHOLD:
+                _, _, g = self._sizes()
+                if g > 0:
+                    if len(self.ghost) >= g:
+                        self.ghost.popitem(last=False)
+                    self.ghost[k] = None
+                return k
+            del self.small[k]
+            self.main[k] = 0
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        allowed = set(candidates)
+        self.evicted_any = True
+        _, main, _ = self._sizes()
+        if len(self.main) > main or not self.small:
+            k = self._evict_main(allowed)
+            if k is None:
+                k = self._evict_small(allowed)
+        else:
+            k = self._evict_small(allowed)
+            if k is None:
+                k = self._evict_main(allowed)
+        if k is None:
+            raise ValueError("no candidate to evict")
+        return k
+
+    def on_evict(self, key: Key) -> None:
+        self.small.pop(key, None)
+        self.main.pop(key, None)
+
+
+class _LayerCycle(EvictionPolicy):
+    """Shared bookkeeping of the layer-order policies: the layer being served
+    (:meth:`begin_layer`), the number of layers L (:meth:`bind_cache`, else the largest layer
+    seen + 1) and each key's last use on the access clock (LRU ties)."""
+
+    def reset(self) -> None:
+        self.layer = 0
+        self.seen_layers = 0
+        self.last_use: dict[Key, int] = {}
+
+    def begin_layer(self, layer: int) -> None:
+        self.layer = int(layer)
+        self.seen_layers = max(self.seen_layers, self.layer + 1)
+
+    def layers(self) -> int:
+        return max(self.num_layers or 0, self.seen_layers, 1)
+
+    def ahead(self, key: Key) -> int:
+        """Groups until ``key``'s layer is served again, counting the current layer's next
+        turn as L (1 … L): the layer-cyclic distance of a decode step."""
+        L = self.layers()
+        return (key[0] - self.layer - 1) % L + 1
+
+    def on_hit(self, key: Key, t: int) -> None:
+        self.last_use[key] = t
+
+    on_insert = on_hit
+
+    def on_evict(self, key: Key) -> None:
+        self.last_use.pop(key, None)
+
+
+@EVICTION.register("least-stale")
+class LeastStale(_LayerCycle):
+    """Least-Stale (SpecMD, arXiv 2602.03921), **as defined here from what could be verified**:
+    the paper's text was not available to this implementation, only its abstract (an eviction
+    policy built on MoE's layer-cyclic, predictable expert access). The rule implemented is the
+    layer-cyclic one that abstract names: every token walks the layers in order, so a resident
+    expert of layer j is next needed no sooner than j's next turn; evict the candidate whose
+    layer's next turn is farthest (:meth:`ahead`: the layer just served first, then the one
+    before it, …), ties to the least recently used, then the smallest key. Online: it needs
+    only the layer being served."""
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        return min(candidates, key=lambda k: (-self.ahead(k), self.last_use.get(k, -1), k))
+
+
+@EVICTION.register("reuse-eta")
+class ReuseETA(_LayerCycle):
+    """Expected time to the next use (this workbench's design, issue 40): Belady's rule —
+    evict the key needed farthest ahead — with the future replaced by what a decode trace
+    makes predictable: the layer order and how routing decays with age.
+
+    Every token walks the layers in order, so a resident key (j, e) is next needed at one of
+    layer j's turns: the next one is :meth:`ahead` groups away (1 … L), later ones L groups
+    apart. Whether the router picks e at a turn depends on e's *age* a — the turns of layer j
+    since e last ran there (0: it ran at the latest one) — through a hazard h(a), the share of
+    (key, turn) pairs at age a that ran, learned online from every offloaded layer's turns
+    (ages ≥ ``AGE_CAP`` pooled; smoothed by one pseudo-turn at the overall rate). With the
+    expected turns to wait W(a) = (1 − h(a))·(1 + W(a + 1)), W(cap) = (1 − h)/h, a key's
+    expected wait is ahead + L·W(a) groups; the candidate with the largest is evicted, ties to
+    the least recently used, then the smallest key. A key never used at its layer counts as
+    age ``AGE_CAP``. Online: the layer being served and past accesses only (no lookahead, no
+    future). Uses are the current layer's hits and loads (a prefetch is not a use).
+    """
+
+    AGE_CAP = 16
+
+    def reset(self) -> None:
+        super().reset()
+        self.turn: dict[int, int] = {}  # layer → turns served (the current one included)
+        self.last_turn: dict[int, dict[int, int]] = {}  # layer → expert → turn of last use
+        self.ran = [0] * (self.AGE_CAP + 1)  # per age: (key, turn) pairs that ran
+        self.seen = [0] * (self.AGE_CAP + 1)  # per age: (key, turn) pairs observed
+
+    def begin_layer(self, layer: int) -> None:
+        super().begin_layer(layer)
+        n = self.turn.get(layer, 0)
+        for u in self.last_turn.get(layer, {}).values():
+            self.seen[min(n - u - 1, self.AGE_CAP)] += 1
+        self.turn[layer] = n + 1
+
+    def on_hit(self, key: Key, t: int) -> None:
+        self.last_use[key] = t
+        j, e = key
+        if j != self.layer or j not in self.turn:
+            return
+        n = self.turn[j] - 1
+        known = self.last_turn.setdefault(j, {})
+        u = known.get(e)
+        if u is not None and u < n:
+            self.ran[min(n - u - 1, self.AGE_CAP)] += 1
+        known[e] = n
+
+    on_insert = on_hit
+
+    def waits(self) -> list[float]:
+        """W(a), a = 0 … ``AGE_CAP``: expected turns until a key of age a runs."""
+        A = self.AGE_CAP
+        h0 = (sum(self.ran) + 1) / (sum(self.seen) + 2)
+        h = [min(max((self.ran[a] + h0) / (self.seen[a] + 1), 1e-6), 1.0) for a in range(A + 1)]
+        w = [0.0] * (A + 1)
+        w[A] = (1.0 - h[A]) / h[A]
+        for a in range(A - 1, -1, -1):
+            w[a] = (1.0 - h[a]) * (1.0 + w[a + 1])
+        return w
+
+    def age(self, key: Key) -> int:
+        u = self.last_turn.get(key[0], {}).get(key[1])
+        if u is None:
+            return self.AGE_CAP
+        return min(max(self.turn.get(key[0], 0) - u - 1, 0), self.AGE_CAP)
+
+    def wait(self, key: Key, w: list[float] | None = None) -> float:
+        """Expected groups until ``key`` is next used."""
+        w = self.waits() if w is None else w
+        return self.ahead(key) + self.layers() * w[self.age(key)]
+
+    def choose_victim(self, candidates: Iterable[Key], t: int) -> Key:
+        w = self.waits()
+        return min(candidates, key=lambda k: (-self.wait(k, w), self.last_use.get(k, -1), k))
 
 
 class SlabStates:

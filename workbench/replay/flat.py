@@ -3,9 +3,11 @@
 Each access is its own group and nothing is pinned, so the hit counts are directly comparable
 with other cache simulators on the same key sequence.
 
-``engine="fast"`` runs LRU and Belady through dedicated kernels
-(:func:`~workbench.replay.kernel.flat_lru_hits`, :func:`~workbench.replay.kernel.flat_belady_hits`:
-O(1) and O(log slots) per access after an O(n) relabelling of the keys); the other compiled
+``engine="fast"`` runs LRU, Belady, ARC and S3-FIFO through dedicated kernels
+(:func:`~workbench.replay.kernel.flat_lru_hits`, :func:`~workbench.replay.kernel.flat_belady_hits`,
+:func:`~workbench.replay.kernel.flat_arc_hits`, :func:`~workbench.replay.kernel.flat_s3fifo_hits`:
+O(1), O(log slots), O(1) and amortised O(1) per access after an O(n) relabelling of the keys);
+the other compiled
 policies, and ``engine="python"`` (the reference: the real cache and policy objects), go
 through the grouped replay with one access per group. Tests hold all of them equal.
 """
@@ -22,7 +24,8 @@ from workbench.replay.engine import make_policy, run_fast, run_python
 from workbench.sim.placement import Placement
 from workbench.traces.trace import Groups
 
-_FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits}
+_FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits, "arc": K.flat_arc_hits,
+                 "s3fifo": K.flat_s3fifo_hits}
 
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
@@ -34,7 +37,7 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     keys = np.asarray(keys, np.int64)
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
-    pol_cls = EVICTION.get(eviction)
+    EVICTION.get(eviction)  # an unknown name is refused here
     if engine == "fast" and eviction in _FLAT_KERNELS:
         ids, n_keys = K.dense_keys(keys)
         # more slots than keys change nothing

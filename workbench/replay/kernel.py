@@ -11,12 +11,23 @@ State per key (``layer · E + expert``), packed key-major so that one key's fiel
 line and the helpers take a handful of arrays (numba passes every array argument as a struct of
 ~7 words; with ~40 of them a helper call cost more than the work it did):
 
-- ``ks`` int64 ``[key, 8]``: LRU list links, slot in its pool's resident list (LFU, hotness,
-  Belady), last use on the access clock ``t``, LFU use count, hotness ring fill, Belady's
-  pointer into the key's future groups and its next-use group;
+- ``ks`` int64 ``[key, 8]``: LRU (ARC, S3-FIFO) list links, slot in its pool's resident list
+  (every policy but LRU), last use on the access clock ``t``, LFU use count (reuse-eta:
+  the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
+  future groups and its next-use group (least-stale, reuse-eta: the key's layer);
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
-  prefetched-unused flags;
-- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring.
+  prefetched-unused flags, the ARC / S3-FIFO list the key is in;
+- ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring
+  (``hot_pow`` its γ^age table; reuse-eta's W(age) table instead);
+- ``aux`` int64: the layer being served and, for reuse-eta, each layer's turns and each pool's
+  age counts (see ``AUX_*``).
+
+**least-stale** and **reuse-eta** scan the pool as LFU does, with the scores of their policy
+classes (same float operations, so ties break alike). **ARC** keeps its four lists (T1, T2 and
+the ghosts B1, B2) as linked lists over the keys (``ks`` PREV/NEXT, ``kf`` LIST), their ends
+and lengths per pool in ``aux``, its target p per pool in ``hot_pow``; **S3-FIFO** its small,
+main and ghost FIFOs the same way (counts in ``ks`` COUNT). Both have flat kernels too
+(:func:`flat_arc_hits`, :func:`flat_s3fifo_hits`).
 
 **Belady** evicts the unprotected resident with the farthest next use, then the oldest last
 use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
@@ -39,16 +50,31 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-LRU, LFU, BELADY, HOTNESS = 0, 1, 2, 3
-POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS}
+LRU, LFU, BELADY, HOTNESS, LSTALE, RETA, ARC, S3FIFO = 0, 1, 2, 3, 4, 5, 6, 7
+POLICY_CODES = {"lru": LRU, "lfu": LFU, "belady": BELADY, "hotness": HOTNESS,
+                "least-stale": LSTALE, "reuse-eta": RETA, "arc": ARC, "s3fifo": S3FIFO}
+AGE_CAP = 16  # reuse-eta's ages pooled at and beyond (ReuseETA.AGE_CAP; tested equal)
+# aux (int64, one per replay): [0] the layer being served, [1] layers L, [2] experts E,
+# [3 : 3 + L] turns served per layer (reuse-eta), then per pool reuse-eta's ran[AGE_CAP + 1]
+# and seen[AGE_CAP + 1] (ages 0 … AGE_CAP)
+AUX_LAYER, AUX_L, AUX_E, AUX_TURNS = 0, 1, 2, 3
 RING = 64  # most hotness window steps the kernel keeps per key
 NEVER = 1 << 62  # next use of a key with no future access (farther than any group index)
 PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay below it)
 
 # ks columns
 PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
-# kf columns
-RES, PROT, MISS, USED, PREF = 0, 1, 2, 3, 4
+# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2)
+RES, PROT, MISS, USED, PREF, LIST = 0, 1, 2, 3, 4, 5
+T1, T2, B1, B2 = 1, 2, 3, 4
+# ARC's per-pool state in aux, from _arc(pool): MRU ends of T1 … B2 (+0 … +3), LRU ends
+# (+4 … +7), lengths (+8 … +11), the incoming key's ghost list (+12: 0, 1 for B1, 2 for B2) and
+# the victim that leaves without a ghost entry (+13); its target p per pool in hot_pow
+ARC_W = 14
+# S3-FIFO's, the same list layout (lists SMALL, MAIN, GHOST = 1, 2, 3; counts in ks COUNT):
+# +12 the incoming key was in the ghost, +13 anything evicted yet, +14 the victim enters the ghost
+SMALL, MAIN, GHOST = 1, 2, 3
+S3_W = 16
 # pl (per pool) columns: LRU list ends, residents, slots
 HEAD, TAIL, OCC, CAP = 0, 1, 2, 3
 # go (per group, int) rows
@@ -226,8 +252,301 @@ def _res_remove(k, pool, ks, pl, res):
         ks[last, POS] = i
 
 
+@njit(**_HOT)
+def _ahead(j, cur, L):
+    """Groups until layer ``j`` is served again when ``cur`` is (1 … L; LeastStale.ahead):
+    (j − cur − 1) mod L + 1 for layers 0 … L−1, without a division."""
+    d = j - cur - 1
+    if d < 0:
+        d += L
+    return d + 1
+
+
+@njit(**_HOT)
+def _hz(pool, aux):
+    """Offset of ``pool``'s reuse-eta counts in ``aux``: ran at +a, seen at +AGE_CAP+1+a."""
+    return AUX_TURNS + aux[AUX_L] + pool * 2 * (AGE_CAP + 1)
+
+
 @njit(**_JIT)
-def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step):
+def _reta_waits(pool, aux, w):
+    """ReuseETA.waits into ``w[0 … AGE_CAP]`` (the same float operations, in the same order)."""
+    o = _hz(pool, aux)
+    r = 0
+    n = 0
+    for a in range(AGE_CAP + 1):
+        r += aux[o + a]
+        n += aux[o + AGE_CAP + 1 + a]
+    h0 = (r + 1) / (n + 2)
+    for a in range(AGE_CAP, -1, -1):
+        h = min(max((aux[o + a] + h0) / (aux[o + AGE_CAP + 1 + a] + 1), 1e-6), 1.0)
+        if a == AGE_CAP:
+            w[a] = (1.0 - h) / h
+        else:
+            w[a] = (1.0 - h) * (1.0 + w[a + 1])
+
+
+@njit(**_JIT)
+def _reta_turn(layer, pool, ks, aux):
+    """ReuseETA.begin_layer: every key of ``layer`` that ran before is seen at its age; the
+    layer's turn count grows."""
+    E = aux[AUX_E]
+    n = aux[AUX_TURNS + layer]
+    if pool >= 0:
+        o = _hz(pool, aux) + AGE_CAP + 1
+        for e in range(E):
+            u = ks[layer * E + e, COUNT]
+            if u >= 0:
+                aux[o + min(n - u - 1, AGE_CAP)] += 1
+    aux[AUX_TURNS + layer] = n + 1
+
+
+@njit(**_JIT)
+def _reta_use(k, pool, ks, aux):
+    """ReuseETA.on_hit / on_insert of a key of the layer being served: it ran at this turn."""
+    E = aux[AUX_E]
+    j = k // E
+    if j != aux[AUX_LAYER]:
+        return
+    n = aux[AUX_TURNS + j] - 1
+    u = ks[k, COUNT]
+    if u >= 0 and u < n:
+        aux[_hz(pool, aux) + min(n - u - 1, AGE_CAP)] += 1
+    ks[k, COUNT] = n
+
+
+# -- ARC (workbench.policies.eviction.ARC, as libCacheSim's ARC.c) -------------------------------
+@njit(**_HOT)
+def _arc(pool, aux):
+    return AUX_TURNS + aux[AUX_L] + pool * ARC_W
+
+
+@njit(**_JIT)
+def _arc_unlink(k, ks, kf, aux, o):
+    lst = kf[k, LIST]
+    p, n = ks[k, PREV], ks[k, NEXT]
+    if p != -1:
+        ks[p, NEXT] = n
+    else:
+        aux[o + lst - 1] = n
+    if n != -1:
+        ks[n, PREV] = p
+    else:
+        aux[o + 4 + lst - 1] = p
+    ks[k, PREV] = -1
+    ks[k, NEXT] = -1
+    aux[o + 8 + lst - 1] -= 1
+    kf[k, LIST] = 0
+
+
+@njit(**_JIT)
+def _arc_push(k, lst, ks, kf, aux, o):
+    """``k`` at the MRU end of list ``lst``."""
+    h = aux[o + lst - 1]
+    ks[k, PREV] = -1
+    ks[k, NEXT] = h
+    if h != -1:
+        ks[h, PREV] = k
+    aux[o + lst - 1] = k
+    if aux[o + 4 + lst - 1] == -1:
+        aux[o + 4 + lst - 1] = k
+    aux[o + 8 + lst - 1] += 1
+    kf[k, LIST] = lst
+
+
+@njit(**_JIT)
+def _arc_oldest(lst, ks, kf, aux, o):
+    """The least recently used unprotected key of list ``lst`` (-1: none)."""
+    x = aux[o + 4 + lst - 1]
+    while x != -1 and kf[x, PROT]:
+        x = ks[x, PREV]
+    return x
+
+
+@njit(**_JIT)
+def _arc_before(k, pool, ks, kf, pl, aux, pp):
+    """ARC.before_admit: a key found in a ghost list adapts p and leaves the ghost."""
+    o = _arc(pool, aux)
+    aux[o + 12] = 0
+    lst = kf[k, LIST]
+    nb1, nb2 = aux[o + 8 + B1 - 1], aux[o + 8 + B2 - 1]
+    if lst == B1:
+        pp[pool] = min(pp[pool] + max(nb2 / nb1, 1.0), float(pl[pool, CAP]))
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 1
+    elif lst == B2:
+        pp[pool] = max(pp[pool] - max(nb1 / nb2, 1.0), 0.0)
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 2
+
+
+@njit(**_JIT)
+def _arc_replace(pool, in_b2, ks, kf, aux, pp, o):
+    n1 = aux[o + 8 + T1 - 1]
+    first, second = T1, T2
+    if not ((n1 > 0 and (n1 > pp[pool] or (n1 == pp[pool] and in_b2)))
+            or aux[o + 8 + T2 - 1] == 0):
+        first, second = T2, T1
+    x = _arc_oldest(first, ks, kf, aux, o)
+    if x == -1:
+        x = _arc_oldest(second, ks, kf, aux, o)
+    return x
+
+
+@njit(**_JIT)
+def _arc_victim(k, pool, ks, kf, pl, aux, pp):
+    """ARC.before_admit then ARC.choose_victim for ``k`` (-1, nothing changed: every resident
+    is protected)."""
+    o = _arc(pool, aux)
+    if _arc_oldest(T1, ks, kf, aux, o) == -1 and _arc_oldest(T2, ks, kf, aux, o) == -1:
+        return -1
+    _arc_before(k, pool, ks, kf, pl, aux, pp)
+    aux[o + 13] = -1
+    ghost = aux[o + 12]
+    if ghost != 0:  # cases II and III
+        return _arc_replace(pool, ghost == 2, ks, kf, aux, pp, o)
+    c = pl[pool, CAP]
+    n1, n2 = aux[o + 8 + T1 - 1], aux[o + 8 + T2 - 1]
+    nb1, nb2 = aux[o + 8 + B1 - 1], aux[o + 8 + B2 - 1]
+    if n1 + nb1 + 1 > c:  # case IV A
+        if nb1 > 0:
+            _arc_unlink(aux[o + 4 + B1 - 1], ks, kf, aux, o)
+            return _arc_replace(pool, False, ks, kf, aux, pp, o)
+        x = _arc_oldest(T1, ks, kf, aux, o)
+        if x != -1:
+            aux[o + 13] = x
+            return x
+        return _arc_replace(pool, False, ks, kf, aux, pp, o)
+    if n1 + nb1 + n2 + nb2 >= 2 * c and nb2 > 0:  # case IV B
+        _arc_unlink(aux[o + 4 + B2 - 1], ks, kf, aux, o)
+    return _arc_replace(pool, False, ks, kf, aux, pp, o)
+
+
+@njit(**_JIT)
+def _arc_gone(x, pool, ks, kf, aux):
+    """ARC.on_evict: the victim's ghost entry (none for case IV A's T1 victim)."""
+    o = _arc(pool, aux)
+    lst = kf[x, LIST]
+    ghost = x != aux[o + 13]
+    aux[o + 13] = -1
+    _arc_unlink(x, ks, kf, aux, o)
+    if ghost:
+        _arc_push(x, B1 if lst == T1 else B2, ks, kf, aux, o)
+
+
+@njit(**_JIT)
+def _arc_insert(k, pool, ks, kf, aux):
+    o = _arc(pool, aux)
+    _arc_push(k, T2 if aux[o + 12] != 0 else T1, ks, kf, aux, o)
+    aux[o + 12] = 0
+
+
+@njit(**_JIT)
+def _arc_hit(k, pool, ks, kf, aux):
+    o = _arc(pool, aux)
+    _arc_unlink(k, ks, kf, aux, o)
+    _arc_push(k, T2, ks, kf, aux, o)
+
+
+# -- S3-FIFO (workbench.policies.eviction.S3FIFO, as libCacheSim's S3FIFO.c) -------------------
+@njit(**_HOT)
+def _s3(pool, aux):
+    return AUX_TURNS + aux[AUX_L] + pool * S3_W
+
+
+@njit(**_JIT)
+def _s3_before(k, pool, ks, kf, aux):
+    """S3FIFO.before_admit: a key found in the ghost leaves it (and will enter main)."""
+    o = _s3(pool, aux)
+    aux[o + 12] = 0
+    if kf[k, LIST] == GHOST:
+        _arc_unlink(k, ks, kf, aux, o)
+        aux[o + 12] = 1
+
+
+@njit(**_JIT)
+def _s3_main(ks, kf, aux, o):
+    """S3FIFO._evict_main: a CLOCK over main (-1: no unprotected key in it)."""
+    while True:
+        x = _arc_oldest(MAIN, ks, kf, aux, o)
+        if x == -1:
+            return -1
+        f = ks[x, COUNT]
+        if f < 1:
+            return x
+        _arc_unlink(x, ks, kf, aux, o)
+        _arc_push(x, MAIN, ks, kf, aux, o)
+        ks[x, COUNT] = min(f, 3) - 1
+
+
+@njit(**_JIT)
+def _s3_small(ks, kf, aux, o):
+    """S3FIFO._evict_small: keys used twice move to main; the first other one is the victim,
+    bound for the ghost (-1: no unprotected key in small)."""
+    while True:
+        x = _arc_oldest(SMALL, ks, kf, aux, o)
+        if x == -1:
+            return -1
+        if ks[x, COUNT] < 2:  # S3FIFO.THRESHOLD
+            aux[o + 14] = 1
+            return x
+        _arc_unlink(x, ks, kf, aux, o)
+        _arc_push(x, MAIN, ks, kf, aux, o)
+        ks[x, COUNT] = 0
+
+
+@njit(**_JIT)
+def _s3_victim(k, pool, ks, kf, pl, aux):
+    """S3FIFO.before_admit then S3FIFO.choose_victim for ``k`` (-1, nothing changed: every
+    resident is protected)."""
+    o = _s3(pool, aux)
+    if _arc_oldest(SMALL, ks, kf, aux, o) == -1 and _arc_oldest(MAIN, ks, kf, aux, o) == -1:
+        return -1
+    _s3_before(k, pool, ks, kf, aux)
+    aux[o + 13] = 1
+    aux[o + 14] = 0
+    c = pl[pool, CAP]
+    main = c - int(c * 0.10)
+    if aux[o + 8 + MAIN - 1] > main or aux[o + 8 + SMALL - 1] == 0:
+        x = _s3_main(ks, kf, aux, o)
+        if x == -1:
+            x = _s3_small(ks, kf, aux, o)
+    else:
+        x = _s3_small(ks, kf, aux, o)
+        if x == -1:
+            x = _s3_main(ks, kf, aux, o)
+    return x
+
+
+@njit(**_JIT)
+def _s3_gone(x, pool, ks, kf, pl, aux):
+    """The victim leaves its queue; from small it enters the ghost (its oldest key dropped when
+    the ghost holds ⌊0.9·c⌋)."""
+    o = _s3(pool, aux)
+    _arc_unlink(x, ks, kf, aux, o)
+    if aux[o + 14]:
+        aux[o + 14] = 0
+        gcap = int(pl[pool, CAP] * 0.90)
+        if gcap > 0:
+            if aux[o + 8 + GHOST - 1] >= gcap:
+                _arc_unlink(aux[o + 4 + GHOST - 1], ks, kf, aux, o)
+            _arc_push(x, GHOST, ks, kf, aux, o)
+
+
+@njit(**_JIT)
+def _s3_insert(k, pool, ks, kf, pl, aux):
+    o = _s3(pool, aux)
+    c = pl[pool, CAP]
+    if aux[o + 12] or (aux[o + 13] == 0 and aux[o + 8 + SMALL - 1] >= int(c * 0.10)):
+        _arc_push(k, MAIN, ks, kf, aux, o)
+    else:
+        _arc_push(k, SMALL, ks, kf, aux, o)
+    ks[k, COUNT] = 0
+    aux[o + 12] = 0
+
+
+@njit(**_JIT)
+def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step, aux):
     """The key to evict from ``pool`` (-1: every resident is protected). Mirrors the
     ``choose_victim`` of the policy classes in workbench/policies/eviction.py, ties included."""
     if policy == LRU:
@@ -240,6 +559,10 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
     best = -1
     b1 = 0.0
     b2 = 0
+    L = aux[AUX_L]
+    cur = aux[AUX_LAYER]
+    if policy == RETA:  # its W table, in hot_pow (which only hotness reads)
+        _reta_waits(pool, aux, hot_pow)
     for j in range(pl[pool, OCC]):
         k = res[pool, j]
         if kf[k, PROT]:
@@ -248,6 +571,13 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
             s1 = float(ks[k, COUNT])
         elif policy == HOTNESS:
             s1 = _hot_score(k, step, ks, ring, hot_pow, window)
+        elif policy == LSTALE:  # the farthest next turn of the key's layer first
+            s1 = -float(_ahead(ks[k, NU], cur, L))  # (NU: the key's layer)
+        elif policy == RETA:  # the longest expected wait first: ReuseETA.wait
+            j = ks[k, NU]
+            u = ks[k, COUNT]  # the turn of its layer it last ran at (-1: never)
+            age = AGE_CAP if u < 0 else min(max(aux[AUX_TURNS + j] - u - 1, 0), AGE_CAP)
+            s1 = -(float(_ahead(j, cur, L)) + float(L) * hot_pow[age])
         else:  # BELADY without its tree: farthest next use first (exact as a float: < 2^53)
             s1 = -float(ks[k, NU])
         s2 = ks[k, LAST]
@@ -284,7 +614,7 @@ def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
 # passing its ~20 arrays cost 2-3x the admission itself (measured), and this is the hottest path
 @njit(**_HOT)
 def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks, kf, pl, res,
-           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl):
+           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl, aux):
     """``ExpertCache.admit``: give ``k`` a slot in ``pool``, evicting the policy's victim
     among its unprotected residents if it is full (booked on the victim's layer in ``sl[0]``,
     and in ``sl[1]`` as redundant if it was never used). Returns the new access clock, or -1
@@ -293,7 +623,27 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
     its transfer is done (Belady: next use 0 until :func:`_bel_fix`); else a prefetch, not
     protected (Belady gives it its real next use at once)."""
     slot = -1  # Belady: the victim's slot, which k takes
-    if pl[pool, OCC] >= pl[pool, CAP]:
+    if policy == ARC:
+        if pl[pool, OCC] >= pl[pool, CAP]:
+            x = _arc_victim(k, pool, ks, kf, pl, aux, hot_pow)
+            if x == -1:
+                return -1
+            slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
+                          sl)
+            _arc_gone(x, pool, ks, kf, aux)
+        else:
+            _arc_before(k, pool, ks, kf, pl, aux, hot_pow)
+    elif policy == S3FIFO:
+        if pl[pool, OCC] >= pl[pool, CAP]:
+            x = _s3_victim(k, pool, ks, kf, pl, aux)
+            if x == -1:
+                return -1
+            slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
+                          sl)
+            _s3_gone(x, pool, ks, kf, pl, aux)
+        else:
+            _s3_before(k, pool, ks, kf, aux)
+    elif pl[pool, OCC] >= pl[pool, CAP]:
         # _victim's LRU and Belady-tree branches, written out: calling _victim for them (or
         # inlining all of it) measured slower on the demand path
         if policy == LRU:
@@ -303,7 +653,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
         elif policy == BELADY and tree.shape[1] > 1:
             x = _tree_victim(pool, g, res, tree)
         else:
-            x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step)
+            x = _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step,
+                        aux)
         if x == -1:
             return -1
         slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
@@ -329,6 +680,12 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
                 ks[k, NU] = v
                 if tree.shape[1] > 1:
                     _tree_set(pool, slot, _pack(v, t), tree)
+        elif policy == RETA:
+            _reta_use(k, pool, ks, aux)
+        elif policy == ARC:
+            _arc_insert(k, pool, ks, kf, aux)
+        elif policy == S3FIFO:
+            _s3_insert(k, pool, ks, kf, pl, aux)
         else:
             _touch(k, step, policy, ks, ring)
     return t
@@ -337,7 +694,7 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
 @njit(**_JIT)
 def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer,
               num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr,
-              occ_grp, sl, ready, go, xfer_time):
+              occ_grp, sl, ready, go, xfer_time, aux):
     """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
     unprotected slot can take), queue their transfers behind the demand misses at ``now``.
     ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns
@@ -348,7 +705,7 @@ def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_o
             continue
         t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], False,
                     num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window,
-                    occ_ptr, occ_grp, sl)
+                    occ_ptr, occ_grp, sl, aux)
         if t2 < 0:
             continue
         t = t2
@@ -383,6 +740,10 @@ class KernelState:
         ks[:, PREV] = ks[:, NEXT] = ks[:, POS] = ks[:, LAST] = -1
         if occ_ptr is not None:
             ks[:, OPTR] = occ_ptr[:-1]
+        if policy == RETA:
+            ks[:, COUNT] = -1  # the turn each key last ran at: never
+        if policy == LSTALE or policy == RETA:
+            ks[:, NU] = np.arange(num_keys) // max(int(num_experts), 1)  # the key's layer
         self.kf = np.zeros((num_keys, 8), np.uint8)
         self.pl = np.zeros((P, 4), np.int64)
         self.pl[:, HEAD] = self.pl[:, TAIL] = -1
@@ -399,11 +760,24 @@ class KernelState:
             self.tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
         self.ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
         self.ready = np.zeros(num_keys, np.float64)
+        # the layer-order policies' state (see AUX_*): counts only for reuse-eta
+        L = max(int(num_layers), 1)
+        per_pool = {RETA: 2 * (AGE_CAP + 1), ARC: ARC_W, S3FIFO: S3_W}.get(policy)
+        self.aux = np.zeros(AUX_TURNS + (L + P * per_pool if per_pool else 0), np.int64)
+        self.aux[AUX_L], self.aux[AUX_E] = L, max(int(num_experts), 1)
+        if policy == ARC or policy == S3FIFO:  # empty lists (ARC's p = 0: in hot_pow, below)
+            for pool in range(P):
+                o = AUX_TURNS + L + pool * per_pool
+                self.aux[o:o + 8] = -1
         self.tick = np.zeros(1, np.int64)     # the access clock t
         self.lanes = np.zeros(2, np.float64)  # modeled compute lane, transfer lane free at
         # γ^age for age < window, computed by Python's float pow like the policy class does, so
         # that both sum identical terms in the same order (ties then break the same way)
         self.hot_pow = np.array([hot_pow ** a for a in range(max(int(window), 1))], np.float64)
+        if policy == RETA:  # hot_pow is unused: reuse-eta's W table (written per eviction)
+            self.hot_pow = np.zeros(AGE_CAP + 1, np.float64)
+        if policy == ARC:  # hot_pow is unused: ARC's target p per pool
+            self.hot_pow = np.zeros(max(P, 1), np.float64)
         n = max(1, num_experts)
         # a group holds distinct experts of one layer: at most num_experts misses
         self.bufs = (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64))
@@ -423,7 +797,7 @@ class KernelState:
                   occ_ptr, occ_grp, pf_ptr, pf_key, np.float64(xfer_time),
                   np.int64(self.num_experts), np.int64(self.num_layers), self.ks, self.kf,
                   self.pl, self.res, self.tree, self.ring, self.ready, go, gf, sl, *self.bufs,
-                  np.int64(g0), np.int64(s0), self.tick, self.lanes)
+                  np.int64(g0), np.int64(s0), self.tick, self.lanes, self.aux)
         return go, gf, sl
 
     def unused_at_end(self) -> int:
@@ -466,7 +840,7 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
               policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, num_experts,
               num_layers, ks, kf, pl, res, tree, ring, ready, go, gf, sl, miss_buf, adm_buf,
-              miss_comp, g0, s0, tick, lanes):
+              miss_comp, g0, s0, tick, lanes, aux):
     G = g_layer.shape[0]
     t = tick[0]  # the cache's access clock (ExpertCache.t)
     now = lanes[0]  # modeled compute lane
@@ -478,13 +852,16 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         step = g_step[g]
         a, b = g_ptr[g], g_ptr[g + 1]
         now += g_dense[g]
+        aux[AUX_LAYER] = layer  # (the policies' begin_layer)
+        if policy == RETA:
+            _reta_turn(layer, -1 if layer_pinned[layer] else pool_of_layer[layer], ks, aux)
         if layer_pinned[layer]:
             go[G_HITS, g] = b - a
             if pf_ptr[g + 1] > pf_ptr[g]:
                 t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key,
                                          policy, pool_of_layer, num_experts, num_layers, ks, kf,
                                          pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
-                                         sl, ready, go, xfer_time)
+                                         sl, ready, go, xfer_time, aux)
             for i in range(a, b):
                 now += acc_comp[i]
                 if policy == BELADY and kf[acc_key[i], RES]:
@@ -508,7 +885,14 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                         _push_head(k, ks, pl, pool)
                 ks[k, LAST] = t
                 # (Belady: k keeps its priority, next use g, until it is unprotected)
-                _touch(k, step, policy, ks, ring)
+                if policy == RETA:
+                    _reta_use(k, pool, ks, aux)
+                elif policy == ARC:
+                    _arc_hit(k, pool, ks, kf, aux)
+                elif policy == S3FIFO:
+                    ks[k, COUNT] += 1
+                else:
+                    _touch(k, step, policy, ks, ring)
                 if kf[k, PREF]:
                     go[G_PF_HITS, g] += 1
                     kf[k, PREF] = 0
@@ -538,7 +922,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             while nxt_miss < nm:
                 k = miss_buf[nxt_miss]
                 t2 = _admit(k, gg, step, s0, t, policy, pool, True, num_experts, num_layers, ks,
-                            kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl)
+                            kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
+                            aux)
                 if t2 < 0:
                     break  # every slot holds an expert this layer still needs
                 t = t2
@@ -554,7 +939,8 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                     t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr,
                                              pf_key, policy, pool_of_layer, num_experts,
                                              num_layers, ks, kf, pl, res, tree, ring, hot_pow,
-                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time)
+                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time,
+                                             aux)
             if not hits_done:
                 hits_done = True
                 if nh:
@@ -837,4 +1223,86 @@ def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     slots over ``ids`` (keys 0..n_keys-1, one per access): next accesses by one backward pass,
     residents in a max-heap of next access, O(log slots) per access."""
     return int(_flat_belady(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                            int(cache_slots)))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_arc(ids, n_keys, cap):
+    ks = np.full((n_keys, 8), -1, np.int64)
+    kf = np.zeros((n_keys, 8), np.uint8)
+    pl = np.zeros((1, 4), np.int64)
+    pl[0, CAP] = cap
+    aux = np.zeros(AUX_TURNS + 1 + ARC_W, np.int64)
+    aux[AUX_L] = 1
+    aux[AUX_E] = max(n_keys, 1)
+    o = AUX_TURNS + 1
+    for j in range(8):
+        aux[o + j] = -1
+    pp = np.zeros(1, np.float64)
+    occ = 0
+    hits = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if kf[k, RES]:
+            hits += 1
+            _arc_hit(k, 0, ks, kf, aux)
+            continue
+        if occ >= cap:
+            x = _arc_victim(k, 0, ks, kf, pl, aux, pp)
+            kf[x, RES] = 0
+            _arc_gone(x, 0, ks, kf, aux)
+        else:
+            _arc_before(k, 0, ks, kf, pl, aux, pp)
+            occ += 1
+        kf[k, RES] = 1
+        _arc_insert(k, 0, ks, kf, aux)
+    return hits
+
+
+def flat_arc_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of ARC (as :class:`workbench.policies.eviction.ARC` and libCacheSim's) with
+    ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access): the grouped
+    kernel's ARC helpers with nothing protected, O(1) per access."""
+    return int(_flat_arc(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+                         int(cache_slots)))
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_s3fifo(ids, n_keys, cap):
+    ks = np.full((n_keys, 8), -1, np.int64)
+    ks[:, COUNT] = 0
+    kf = np.zeros((n_keys, 8), np.uint8)
+    pl = np.zeros((1, 4), np.int64)
+    pl[0, CAP] = cap
+    aux = np.zeros(AUX_TURNS + 1 + S3_W, np.int64)
+    aux[AUX_L] = 1
+    aux[AUX_E] = max(n_keys, 1)
+    o = AUX_TURNS + 1
+    for j in range(8):
+        aux[o + j] = -1
+    occ = 0
+    hits = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if kf[k, RES]:
+            hits += 1
+            ks[k, COUNT] += 1
+            continue
+        if occ >= cap:
+            x = _s3_victim(k, 0, ks, kf, pl, aux)
+            kf[x, RES] = 0
+            _s3_gone(x, 0, ks, kf, pl, aux)
+        else:
+            _s3_before(k, 0, ks, kf, aux)
+            occ += 1
+        kf[k, RES] = 1
+        _s3_insert(k, 0, ks, kf, pl, aux)
+    return hits
+
+
+def flat_s3fifo_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
+    """Hits of S3-FIFO (as :class:`workbench.policies.eviction.S3FIFO`; libCacheSim's from 20
+    slots on) with ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access): the
+    grouped kernel's S3-FIFO helpers with nothing protected."""
+    return int(_flat_s3fifo(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
                             int(cache_slots)))

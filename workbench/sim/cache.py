@@ -38,6 +38,7 @@ class ExpertCache:
         self.key_in: list[Key | None] = [None] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self.t = 0  # logical access clock handed to the policy
+        policy.bind_cache(num_slots, num_layers, num_experts)
         z = lambda: np.zeros(num_layers, dtype=np.int64)  # noqa: E731
         self.hits, self.misses, self.loads, self.evictions = z(), z(), z(), z()
 
@@ -90,11 +91,13 @@ class ExpertCache:
             raise ValueError(f"expert {key} is already resident")
         evicted = None
         if self._free:
+            self.policy.before_admit(key, self.t)
             slot = self._free.pop()
         else:
             candidates = [k for k in self.slot_of if k not in protected]
             if not candidates:
                 return None
+            self.policy.before_admit(key, self.t)
             evicted = self.policy.choose_victim(candidates, self.t)
             slot = self.slot_of.pop(evicted)
             self.policy.on_evict(evicted)

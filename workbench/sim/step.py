@@ -150,6 +150,7 @@ class Simulator:
         out = Outcome(pinned=pinned)
         for c in self.pools:
             c.policy.begin_group(acc.group, acc.step)
+            c.policy.begin_layer(layer)
         now = self._dense(acc, out)
         experts = list(acc.experts)
         if pinned:
