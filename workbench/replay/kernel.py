@@ -1227,17 +1227,25 @@ def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
 
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
-def _flat_arc(ids, n_keys, cap):
+def _flat_state(n_keys, cap, width):
+    """The grouped kernel's state for one flat pool of ``cap`` slots over ``n_keys`` keys (one
+    layer of ``n_keys`` experts): key slots, key flags, pool, and ``width`` policy words."""
     ks = np.full((n_keys, 8), -1, np.int64)
     kf = np.zeros((n_keys, 8), np.uint8)
     pl = np.zeros((1, 4), np.int64)
     pl[0, CAP] = cap
-    aux = np.zeros(AUX_TURNS + 1 + ARC_W, np.int64)
+    aux = np.zeros(AUX_TURNS + 1 + width, np.int64)
     aux[AUX_L] = 1
     aux[AUX_E] = max(n_keys, 1)
     o = AUX_TURNS + 1
     for j in range(8):
         aux[o + j] = -1
+    return ks, kf, pl, aux
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _flat_arc(ids, n_keys, cap):
+    ks, kf, pl, aux = _flat_state(n_keys, cap, ARC_W)
     pp = np.zeros(1, np.float64)
     occ = 0
     hits = 0
@@ -1269,17 +1277,8 @@ def flat_arc_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
 def _flat_s3fifo(ids, n_keys, cap):
-    ks = np.full((n_keys, 8), -1, np.int64)
+    ks, kf, pl, aux = _flat_state(n_keys, cap, S3_W)
     ks[:, COUNT] = 0
-    kf = np.zeros((n_keys, 8), np.uint8)
-    pl = np.zeros((1, 4), np.int64)
-    pl[0, CAP] = cap
-    aux = np.zeros(AUX_TURNS + 1 + S3_W, np.int64)
-    aux[AUX_L] = 1
-    aux[AUX_E] = max(n_keys, 1)
-    o = AUX_TURNS + 1
-    for j in range(8):
-        aux[o + j] = -1
     occ = 0
     hits = 0
     for i in range(ids.shape[0]):
