@@ -102,6 +102,37 @@ def test_flat_fast_kernels_equal_the_reference_engine(slots):
                                                                       engine="python")
 
 
+@pytest.mark.parametrize("extra", [0, 1, 1000])
+def test_where_every_key_fits_each_policy_misses_only_first_accesses(extra):
+    """With at least as many slots as keys no policy evicts (the cache asks for a victim only
+    when full), so the fast path answers accesses − distinct keys without a kernel: equal to
+    the reference engine's policy objects and to the compiled kernels given the same slots."""
+    from workbench.policies.eviction import EVICTION
+    from workbench.replay.flat import FLAT_KERNELS
+
+    rng = np.random.default_rng(extra)
+    keys = rng.zipf(1.2, 500) % 40 * 7 - 100
+    n = len(np.unique(keys))
+    for ev in EVICTION.available():
+        if EVICTION.get(ev).needs - {"future"}:
+            continue  # a predictor's policy needs recorded predictions, not a flat trace
+        fast = flat_hits(keys, n + extra, ev)
+        assert fast == len(keys) - n
+        assert fast == flat_hits(keys, n + extra, ev, engine="python"), ev
+        if ev in FLAT_KERNELS:
+            ids, n_ids = K.dense_keys(keys)
+            assert fast == FLAT_KERNELS[ev](ids, n_ids, n + extra), ev
+
+
+def test_distinct_at_most_stops_past_its_limit():
+    keys = np.array([3, 3, 9, 4, 9, 3, 11], np.int64)
+    assert K.distinct_at_most(keys, 4) == 4 and K.distinct_at_most(keys, 10) == 4
+    assert K.distinct_at_most(keys, 3) is None
+    sparse = keys * 10**15
+    assert K.distinct_at_most(sparse, 4) == 4 and K.distinct_at_most(sparse, 3) is None
+    assert K.distinct_at_most(np.zeros(0, np.int64), 1) == 0
+
+
 def test_dense_keys_relabels_in_order_of_first_appearance():
     rng = np.random.default_rng(3)
     for keys in (rng.integers(0, 50, 1000), rng.integers(-2**63, 2**63 - 1, 5000),

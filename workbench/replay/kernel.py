@@ -1107,6 +1107,39 @@ def dense_keys(keys: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
+def _distinct_span(keys, lo, span, limit):
+    """Distinct keys of ``keys`` (``key - lo`` indexes a table of ``span``), or -1 as soon as
+    there are more than ``limit``."""
+    seen = np.zeros(span, np.bool_)
+    n = 0
+    for i in range(keys.shape[0]):
+        j = keys[i] - lo
+        if not seen[j]:
+            seen[j] = True
+            n += 1
+            if n > limit:
+                return -1
+    return n
+
+
+def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
+    """How many distinct keys ``keys`` holds, when at most ``limit``; else None. Stops at the
+    first key past ``limit`` (a cache smaller than the key space learns it within its first
+    misses); O(len(keys)) with a direct table (keys dense enough, as :func:`dense_keys`), else
+    through :func:`dense_keys`'s hash table."""
+    keys = np.ascontiguousarray(keys, np.int64)
+    if not keys.size:
+        return 0
+    lo, hi = int(keys.min()), int(keys.max())
+    span = hi - lo + 1
+    if span <= 2 * keys.size + (1 << 16):
+        n = int(_distinct_span(keys, np.int64(lo), span, int(limit)))
+        return None if n < 0 else n
+    n = int(_dense_hash(keys)[1])
+    return n if n <= limit else None
+
+
+@njit(cache=True, error_model="numpy", boundscheck=False)
 def _flat_lru(ids, n_keys, cap):
     prev = np.full(n_keys, -1, np.int64)
     nxt = np.full(n_keys, -1, np.int64)
