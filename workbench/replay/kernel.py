@@ -1092,6 +1092,19 @@ def _dense_hash(keys):
     return out, n
 
 
+@njit(cache=True, error_model="numpy", boundscheck=False)
+def _min_max(keys):
+    """The least and the greatest of non-empty ``keys`` in one pass (numpy's min and max are
+    two)."""
+    lo = keys[0]
+    hi = keys[0]
+    for i in range(1, keys.shape[0]):  # branch-free: the loop vectorises
+        k = keys[i]
+        lo = min(lo, k)
+        hi = max(hi, k)
+    return lo, hi
+
+
 def dense_keys(keys: np.ndarray) -> tuple[np.ndarray, int]:
     """``(ids, n)``: ``keys`` (int64, any values) relabelled 0..n-1 in order of first
     appearance, n distinct keys; O(len(keys)) (a direct table when the key range is at most
@@ -1099,7 +1112,7 @@ def dense_keys(keys: np.ndarray) -> tuple[np.ndarray, int]:
     keys = np.ascontiguousarray(keys, np.int64)
     if not keys.size:
         return np.zeros(0, np.int64), 0
-    lo, hi = int(keys.min()), int(keys.max())
+    lo, hi = (int(x) for x in _min_max(keys))
     span = hi - lo + 1  # Python ints: no overflow for any int64 range
     if span <= 2 * keys.size + (1 << 16):
         return _dense_span(keys, np.int64(lo), span)
@@ -1130,7 +1143,7 @@ def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
     keys = np.ascontiguousarray(keys, np.int64)
     if not keys.size:
         return 0
-    lo, hi = int(keys.min()), int(keys.max())
+    lo, hi = (int(x) for x in _min_max(keys))
     span = hi - lo + 1
     if span <= 2 * keys.size + (1 << 16):
         n = int(_distinct_span(keys, np.int64(lo), span, int(limit)))
