@@ -79,6 +79,13 @@ class Dispatch:
         the policies that use one."""
         return ids.copy()
 
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "Dispatch":
+        """The policy of a run: ``ep`` is its expert-parallel knob group
+        (:class:`workbench.sim.knobs.ExpertParallelKnobs`, the dispatch's fields), ``seed``
+        the run's. The base takes none of them."""
+        return cls()
+
     def apply_weighted(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
                        num_experts: int, context: Any = None
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,6 +126,10 @@ class CapacityDrop(Dispatch):
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1) -> None:
         self.capacity_factor = float(capacity_factor)
         self.min_capacity = int(min_capacity)
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "CapacityDrop":
+        return cls(ep.capacity_factor, ep.min_capacity)
 
     def capacity(self, tokens: np.ndarray, top_k: Any, num_experts: int) -> np.ndarray:
         """Capacity of every expert for groups of ``tokens`` routed tokens of ``top_k``
@@ -206,6 +217,10 @@ class CapacityExpanded(CapacityDrop):
         super().__init__(capacity_factor, min_capacity)
         self.ep_ranks, self.placement = int(ep_ranks), str(placement)
         self.added = 0
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "CapacityExpanded":
+        return cls(ep.capacity_factor, ep.min_capacity, ep.ep_ranks, ep.placement)
 
     def max_added(self, num_experts):
         return -(-num_experts // self.ep_ranks)  # every expert of the token's rank
@@ -325,6 +340,12 @@ class Macs(CapacityDrop):
         self.rerouted = 0
         self.dropped = 0
         self.last_weights: np.ndarray | None = None
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "Macs":
+        return cls(ep.capacity_factor, ep.min_capacity, ep.macs_delta, ep.macs_rho, ep.macs_eta,
+                   ep.macs_semantic_load, ep.macs_dynamic_capacity, ep.macs_reroute,
+                   ep.macs_selection, seed, ep.ep_ranks, ep.placement)
 
     def fits(self, max_load, tokens, top_k, num_experts):
         # semantic weights are ≤ 1 (effective load ≤ count); the smallest capacity a dynamic

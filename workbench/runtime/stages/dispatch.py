@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from workbench.models.adapter import MoEBlock
-from workbench.runtime.stages.base import TOKEN_CONTEXT, LayerCall, Stage, StageSetup
+from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
+                                           StageSetup)
+from workbench.sim.dispatch import DISPATCH
 
 #: the policies that read the tokens' context (:class:`workbench.sim.macs.DispatchContext`)
 _READ_CONTEXT = ("macs", "capacity-expanded")
@@ -38,7 +40,21 @@ class DispatchStage(Stage):
         self.dispatch_rerouted = self.dispatch_added = 0
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "DispatchStage | None":
+    def from_knobs(cls, knobs, run: RunContext) -> "DispatchStage | None":
+        """The ``dispatch`` knob's policy; MACS gets the model's calibration (expert classes
+        for its dynamic capacity, centroids for its rerouting) when a switch needs it."""
+        ep = knobs.group("ep")  # ExpertParallelKnobs: the dispatch's and MACS's fields
+        pol = DISPATCH.get(ep.dispatch).from_knobs(ep, knobs.group("generation").seed)
+        cal, centroids = run.runtime.macs_calibration(knobs), None
+        if cal is not None:
+            pol.classes = cal.classes
+            if ep.macs_reroute and ep.macs_eta > 0:
+                centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
+                                            device=run.device)
+        return None if pol.name == "topk" else cls(pol, centroids)
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "DispatchStage | None":
         pol = setup.dispatch
         if pol is None or pol.name == "topk":
             return None
