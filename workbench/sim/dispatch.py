@@ -69,6 +69,9 @@ class Dispatch:
 
     name = ""
     needs: frozenset[str] = frozenset()
+    #: decides per EP rank (reads ``ep_ranks`` and ``placement``): live, not with a placement
+    #: that changes over the run (EPLB)
+    per_rank = False
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
               num_experts: int, context: Any = None) -> np.ndarray:
@@ -211,6 +214,7 @@ class CapacityExpanded(CapacityDrop):
     live only."""
 
     needs = frozenset({"router"})
+    per_rank = True
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1, ep_ranks: int = 1,
                  placement: str = "contiguous") -> None:
@@ -321,6 +325,8 @@ class Macs(CapacityDrop):
     token selection one of seed Table 3's strategies. Groups are (step, layer) as for Token
     Drop. ``classes`` int8 [layers, E] (m_j; None: the context's, else every expert shared).
     ``rerouted``/``dropped`` count what :meth:`apply_weighted` did, over its calls."""
+
+    per_rank = True
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1,
                  macs_delta: float = 1.5, macs_rho: float = 0.6, macs_eta: float = 0.5,
