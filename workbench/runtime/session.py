@@ -24,7 +24,7 @@ import contextlib
 import json
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from workbench.sim.costs import Prices
 from workbench.sim.profiles import get_profile
 from workbench.telemetry.events import StepEvent
 from workbench.telemetry.store import Recorder
+
+if TYPE_CHECKING:  # the Runtime imports this module: for the annotation only
+    from workbench.runtime.runtime import Runtime
 
 
 class _Streamer:
@@ -82,10 +85,12 @@ class _StopOnEvent:
 
 class RunSession:
     """The state of one run (see the module docstring). ``runtime`` is the
-    :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; not
-    imported here: the Runtime imports this module)."""
+    :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; read,
+    never changed: the one state runs share, ReaLB's carried M_d, is handed to its stage)."""
 
-    def __init__(self, runtime: Any, knobs: Knobs, requests: list[Request], *,
+    runtime: "Runtime"
+
+    def __init__(self, runtime: "Runtime", knobs: Knobs, requests: list[Request], *,
                  store_path=None, overwrite: bool = False,
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,

@@ -72,6 +72,12 @@ class Dispatch:
     #: decides per EP rank (reads ``ep_ranks`` and ``placement``): live, not with a placement
     #: that changes over the run (EPLB)
     per_rank = False
+    #: changes the router's routing (False: the router's choice, :data:`ROUTER_CHOICE`)
+    changes_routing = True
+    #: may move an assignment to another expert (the run result counts reroutes)
+    reroutes = False
+    #: may add assignments beyond the router's top-k (the run result counts them)
+    widens = False
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
               num_experts: int, context: Any = None) -> np.ndarray:
@@ -103,6 +109,11 @@ class Dispatch:
         """The most assignments a token may gain beyond the router's top-k (0: none)."""
         return 0
 
+    def calibration_needed(self) -> bool:
+        """Whether the policy, as set, reads a calibration of the model's experts (MACS's
+        classes and centroids, :mod:`workbench.macs.calibration`)."""
+        return False
+
     def fits(self, max_load: int, tokens: int, top_k: int, num_experts: int) -> bool:
         """Whether a group of ``tokens`` tokens × ``top_k`` whose busiest expert has
         ``max_load`` assignments is kept whole (a shortcut the live path takes before
@@ -111,11 +122,15 @@ class Dispatch:
 
 
 DISPATCH: Registry[Dispatch] = Registry("dispatch", knob="dispatch")
+#: the policy that keeps the router's choice (the ``dispatch`` knob's default)
+ROUTER_CHOICE = "topk"
 
 
 @DISPATCH.register("topk")
 class TopK(Dispatch):
     """The router's top-k unchanged: no capacity, nothing dropped."""
+
+    changes_routing = False
 
     def fits(self, max_load, tokens, top_k, num_experts):
         return True
@@ -215,6 +230,7 @@ class CapacityExpanded(CapacityDrop):
 
     needs = frozenset({"router"})
     per_rank = True
+    widens = True
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1, ep_ranks: int = 1,
                  placement: str = "contiguous") -> None:
@@ -327,6 +343,7 @@ class Macs(CapacityDrop):
     ``rerouted``/``dropped`` count what :meth:`apply_weighted` did, over its calls."""
 
     per_rank = True
+    reroutes = True
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1,
                  macs_delta: float = 1.5, macs_rho: float = 0.6, macs_eta: float = 0.5,
@@ -346,6 +363,11 @@ class Macs(CapacityDrop):
         self.rerouted = 0
         self.dropped = 0
         self.last_weights: np.ndarray | None = None
+
+    def calibration_needed(self) -> bool:
+        """Dynamic capacity reads the calibrated expert classes, rerouting (η > 0) their
+        centroids."""
+        return self.dynamic_capacity or (self.reroute and self.eta > 0)
 
     @classmethod
     def from_knobs(cls, ep: Any, seed: int = 0) -> "Macs":

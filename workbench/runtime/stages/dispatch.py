@@ -45,18 +45,18 @@ class DispatchStage(Stage):
         for its dynamic capacity, centroids for its rerouting) when a switch needs it."""
         ep = knobs.group("ep")  # ExpertParallelKnobs: the dispatch's and MACS's fields
         pol = DISPATCH.get(ep.dispatch).from_knobs(ep, knobs.group("generation").seed)
-        cal, centroids = run.runtime.macs_calibration(knobs), None
+        cal, centroids = run.runtime.macs_calibration(knobs, pol), None
         if cal is not None:
             pol.classes = cal.classes
             if ep.macs_reroute and ep.macs_eta > 0:
                 centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
                                             device=run.device)
-        return None if pol.name == "topk" else cls(pol, centroids)
+        return cls(pol, centroids) if pol.changes_routing else None
 
     @classmethod
     def from_setup(cls, setup: StageSetup) -> "DispatchStage | None":
         pol = setup.dispatch
-        if pol is None or pol.name == "topk":
+        if pol is None or not pol.changes_routing:
             return None
         return cls(pol, setup.macs_centroids)
 
