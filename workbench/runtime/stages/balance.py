@@ -14,6 +14,8 @@ import numpy as np
 
 from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
                                            StageSetup)
+from workbench.knobs import Knobs
+from workbench.sim.knobs import ExpertParallelKnobs
 from workbench.sim.placement import rank_of_expert
 from workbench.sim.realb import ReaLB, balances
 
@@ -32,10 +34,10 @@ class BalanceStage(Stage):
         self.ranks = int(self.rank_of_expert.max()) + 1 if ranks is None else int(ranks)
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "BalanceStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "BalanceStage | None":
         """ReaLB's controller of the ``balance`` knob (None: 'none'), over the EP placement;
         under ``realb_carry`` its M_d is the one the Runtime carries from run to run."""
-        ep = knobs.group("ep")  # ExpertParallelKnobs: the EP and ReaLB fields
+        ep: ExpertParallelKnobs = knobs.group("ep")  # the EP and ReaLB fields
         if not balances(ep.balance):
             return None
         lay, ranks = run.layout, int(ep.ep_ranks)

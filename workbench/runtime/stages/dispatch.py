@@ -17,7 +17,9 @@ import torch
 from workbench.models.adapter import MoEBlock
 from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
                                            StageSetup)
+from workbench.knobs import Knobs
 from workbench.sim.dispatch import DISPATCH
+from workbench.sim.knobs import ExpertParallelKnobs
 
 #: the policies that read the tokens' context (:class:`workbench.sim.macs.DispatchContext`)
 _READ_CONTEXT = ("macs", "capacity-expanded")
@@ -40,10 +42,10 @@ class DispatchStage(Stage):
         self.dispatch_rerouted = self.dispatch_added = 0
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "DispatchStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "DispatchStage | None":
         """The ``dispatch`` knob's policy; MACS gets the model's calibration (expert classes
         for its dynamic capacity, centroids for its rerouting) when a switch needs it."""
-        ep = knobs.group("ep")  # ExpertParallelKnobs: the dispatch's and MACS's fields
+        ep: ExpertParallelKnobs = knobs.group("ep")  # the dispatch's and MACS's fields
         pol = DISPATCH.get(ep.dispatch).from_knobs(ep, knobs.group("generation").seed)
         cal, centroids = run.runtime.macs_calibration(knobs, pol), None
         if cal is not None:

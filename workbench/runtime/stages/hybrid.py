@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from workbench.knobs import CacheKnobs, Knobs
 from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 from workbench.sim.step import Access
 
@@ -23,9 +24,10 @@ class HostRuns(Stage):
         self.prices = prices
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "HostRuns | None":
-        """The ``hybrid`` knob (CacheKnobs): the modeled prices decide."""
-        return cls(None, run.prices) if knobs.group("cache").hybrid else None
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "HostRuns | None":
+        """The ``hybrid`` knob: the modeled prices decide."""
+        cache: CacheKnobs = knobs.group("cache")
+        return cls(None, run.prices) if cache.hybrid else None
 
     @classmethod
     def from_setup(cls, setup: StageSetup) -> "HostRuns | None":

@@ -26,8 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from workbench.knobs import CacheKnobs, Knobs, PrefetchKnobs
 from workbench.models.adapter import MoEBlock
-from workbench.policies.active_evict import ActiveEvict, budget_topk
+from workbench.policies.active_evict import ActiveEvict, ActiveEvictKnobs, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
 from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 from workbench.sim.step import Access
@@ -43,8 +44,8 @@ class DynamicTopK(Stage):
         self.k_max = k_max
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "DynamicTopK | None":
-        ae = knobs.group("active_evict")  # ActiveEvictKnobs
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "DynamicTopK | None":
+        ae: ActiveEvictKnobs = knobs.group("active_evict")
         return cls(ae.k_max) if ae.dynamic_topk else None
 
     @classmethod
@@ -91,11 +92,13 @@ class Lookahead(Stage):
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked keys per layer
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "Lookahead | None":
-        """Router lookahead and ActiveEvict (ActiveEvictKnobs), the run's prefetch policy
-        (PrefetchKnobs; the policy object is the session's: the predictor attaches to it)."""
-        ae, pf = knobs.group("active_evict"), knobs.group("prefetch")
-        lay, pinned = run.layout, knobs.group("cache").pinned_layers
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "Lookahead | None":
+        """Router lookahead and ActiveEvict, the run's prefetch policy (the policy object is
+        the session's: the predictor attaches to it)."""
+        ae: ActiveEvictKnobs = knobs.group("active_evict")
+        pf: PrefetchKnobs = knobs.group("prefetch")
+        cache: CacheKnobs = knobs.group("cache")
+        lay, pinned = run.layout, cache.pinned_layers
         return cls.from_setup(StageSetup(
             lay, pinned, run.prices, run.device, lookahead_depth=ae.lookahead_depth,
             active_evict=(ActiveEvict.from_knobs(ae, lay.num_layers, lay.num_experts)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from workbench.knobs import Knobs
 from workbench.models.adapter import MoEBlock
+from workbench.prism.knobs import PrismKnobs
 from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 
 
@@ -36,10 +38,10 @@ class SubExpertStage(Stage):
         self.relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
 
     @classmethod
-    def from_knobs(cls, knobs, run: RunContext) -> "SubExpertStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "SubExpertStage | None":
         """MoE-Prism (``prism=True``): the :class:`~workbench.prism.execute.PrismSetup` of the
         run's refactoring (and trained gate, ``prism_router``); None when off."""
-        pk = knobs.group("prism")  # PrismKnobs
+        pk: PrismKnobs = knobs.group("prism")
         if not pk.prism:
             return None
         from workbench.prism.execute import PrismSetup
