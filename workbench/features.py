@@ -15,8 +15,8 @@ its package and add one line to :data:`GROUPS`.
 from __future__ import annotations
 
 from workbench.compression.policies import COMPRESSION, CompressionKnobs
-from workbench.knobs import (CacheKnobs, CostKnobs, ExecKnobs, ExpertParallelKnobs,
-                             GenerationKnobs, PrefetchKnobs, register_group)
+from workbench.knobs import (CacheKnobs, CostKnobs, ExecKnobs, GenerationKnobs, PrefetchKnobs,
+                             register_group)
 from workbench.policies.active_evict import ActiveEvictKnobs
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
@@ -24,6 +24,7 @@ from workbench.predictor import policy as _predictor_policy  # noqa: F401  (pref
 from workbench.predictor.knobs import PredictorKnobs
 from workbench.prism.knobs import PrismKnobs
 from workbench.sim.dispatch import DISPATCH
+from workbench.sim.knobs import ExpertParallelKnobs
 from workbench.sim.placement import EP_PLACEMENT
 from workbench.sim.profiles import (available_interconnects, available_profiles,
                                     available_target_models)

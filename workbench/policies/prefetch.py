@@ -52,6 +52,8 @@ class PrefetchPolicy(ABC):
     #: predictor outputs; live: the predictor) or "future" (trace replay only)
     needs: frozenset[str] = frozenset()
     needs_future = NeedsFlag("future")
+    #: False: the policy never fetches ahead (on demand only)
+    fetches = True
 
     def __init__(self) -> None:
         """The knobs a policy takes are its ``__init__``'s keyword parameters (see
@@ -74,6 +76,8 @@ def _ahead(ctx: PrefetchContext, depths: range, source: Callable[[int], list[int
 @PREFETCH.register("none")
 class NoPrefetch(PrefetchPolicy):
     """On demand only: an expert is copied when a layer routes to it and finds it missing."""
+
+    fetches = False
 
     def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
         return []

@@ -18,6 +18,7 @@ from typing import Any
 from workbench.replay.engine import SCOPES, ReplayResult
 from workbench.replay.engine import replay as _replay
 from workbench.replay.flat import flat_hits
+from workbench.sim.dispatch import DISPATCH, ROUTER_CHOICE
 
 
 #: knob groups whose every knob a replay reads (the rest change what the model computes)
@@ -80,14 +81,15 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         knobs = knobs.copy(**knob_values)
     dispatched = None
     knobs, recorded = _recorded_dispatch(trace, knobs)
-    if knobs.dispatch != "topk":  # capacity-aware dispatch: replay what it leaves routed
-        from workbench.sim.dispatch import DISPATCH, dispatch_trace
+    if DISPATCH.get(knobs.dispatch).changes_routing:  # capacity-aware: replay what it leaves
+        from workbench.sim.dispatch import dispatch_trace
         from workbench.knobs import ModelShape
 
         knobs.check(ModelShape.of(trace), live=False)
-        policy = DISPATCH.create(knobs.dispatch, **knobs.to_dict())
+        policy = DISPATCH.get(knobs.dispatch).from_knobs(knobs.group("ep"), knobs.seed)
         classes_from = None
-        if knobs.dispatch == "macs" and knobs.macs_dynamic_capacity:
+        # the calibrated expert classes (dynamic capacity; replay takes no rerouting)
+        if policy.calibration_needed():
             if knobs.macs_calibration:
                 from workbench.macs.calibration import load
 
@@ -146,16 +148,16 @@ def _recorded_dispatch(trace, knobs):
         rec = Knobs.from_attrs(trace.attrs)
     except Exception:  # unreadable knobs: the replay's own checks say so
         return knobs, None
-    if rec.dispatch == "topk":
+    if not DISPATCH.get(rec.dispatch).changes_routing:
         return knobs, None
     same = all(getattr(rec, n) == getattr(knobs, n) for n in _DISPATCH_KNOBS)
-    if not same and knobs.dispatch != "topk":
+    if not same and DISPATCH.get(knobs.dispatch).changes_routing:
         raise KnobError(
             f"this run was recorded with dispatch={rec.dispatch} (capacity_factor "
             f"{rec.capacity_factor:g}): its stored routing is what that dispatch left, so "
             f"another dispatch cannot be replayed on it; replay it with dispatch=topk (the "
             f"routing as recorded), or record a run with dispatch=topk and replay that")
-    return knobs.copy(dispatch="topk"), {
+    return knobs.copy(dispatch=ROUTER_CHOICE), {
         "policy": rec.dispatch, "capacity_factor": rec.capacity_factor, "recorded": True,
         "note": "applied live when the run was recorded: the stored routing is what it left "
                 "(-1 = dropped), replayed as it is"}

@@ -45,7 +45,7 @@ from workbench.policies.active_evict import ActiveEvict
 from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
-from workbench.runtime.stages import HOOKS, STAGES, LayerCall, StageSetup, hooked
+from workbench.runtime.stages import HOOKS, STAGES, LayerCall, Stage, StageSetup, hooked
 from workbench.runtime.stages import build as build_stages
 from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
@@ -91,8 +91,10 @@ class Offloader:
             off) and whether the cache's keys are sub-experts.
         macs_centroids: MACS's calibrated centroids μ [L, E, D] on the device (None: η acts
             as 0).
+        stages: the run's layer stages, built already (a session builds them from its knobs:
+            :func:`workbench.runtime.stages.from_knobs`); None: built from the arguments above.
 
-    Each feature is a layer stage (:mod:`workbench.runtime.stages`) built from these.
+    Each feature is a layer stage (:mod:`workbench.runtime.stages`).
     """
 
     def __init__(self, layout: MoELayout, num_slots: int, pinned_layers: int, policy,
@@ -103,11 +105,12 @@ class Offloader:
                  hybrid: bool | Callable[[int], bool] = False, dispatch=None,
                  balance=None, rank_of_expert: np.ndarray | None = None,
                  low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
-                 macs_centroids: torch.Tensor | None = None) -> None:
+                 macs_centroids: torch.Tensor | None = None,
+                 stages: list[Stage] | None = None) -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
-        self._use_stages(build_stages(StageSetup(
+        self._use_stages(stages if stages is not None else build_stages(StageSetup(
             layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
             active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
             pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
@@ -192,6 +195,13 @@ class Offloader:
             out.update(st.counts())
         out["redundant_prefetches"] = self.redundant_prefetches
         out["low_precision_runs"] = self.executor.low_precision_runs
+        return out
+
+    def store_dims(self) -> dict[str, int]:
+        """The run store's dimensions the stages record along (``ep_ranks``, ``subexperts``)."""
+        out: dict[str, int] = {}
+        for st in self.stages:
+            out.update(st.store_dims())
         return out
 
     def max_k(self, top_k: int) -> int:

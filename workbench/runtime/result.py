@@ -7,6 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from workbench.compression.policies import COMPRESSION
+from workbench.policies.prefetch import PREFETCH
+from workbench.sim.dispatch import DISPATCH
+from workbench.sim.realb import balances
+
 
 @dataclass
 class RunResult:
@@ -131,7 +136,7 @@ class RunResult:
                   f"{k.get('prefetch')}, beyond the demand loads of the misses; "
                   f"{self.redundant_prefetches} evicted unused = {self.redundant_share:.1%} of "
                   f"the loads)"
-                  if k.get("prefetch", "none") != "none" else ""))
+                  if _is(PREFETCH, k.get("prefetch"), "fetches") else ""))
             + (f" ({self.pre_evictions} ahead of demand)" if self.pre_evictions else "")
             + (f" · {self.host_runs} misses run on the host copy (hybrid)"
                if self.host_runs else ""),
@@ -163,29 +168,38 @@ class RunResult:
                 f"of {_costs_of(k)}) loading each missed expert ended sooner than running it "
                 f"on the host; host runs pay off for large experts (e.g. target_model=qwen3-vl-30b-a3b) "
                 f"with few tokens per miss (decode)")
-        if k.get("compression", "none") != "none" and self.visual_tokens:
+        if _is(COMPRESSION, k.get("compression"), "prunes") and self.visual_tokens:
             lines.append(
                 f"compression {k.get('compression')} (beta={k.get('beta')}, lam={k.get('lam')}): "
                 f"kept {self.kept_visual_tokens}/{self.visual_tokens} visual tokens after "
                 f"{k.get('pinned_layers')} pinned layers; selection "
                 f"{self.compression_select_s * 1e3:.2f} ms, saliency "
                 f"{self.compression_saliency_s * 1e3:.2f} ms (measured)")
-        if k.get("dispatch", "topk") != "topk":
+        if _is(DISPATCH, k.get("dispatch"), "changes_routing"):
             share = self.dispatch_dropped / self.dispatch_assigned if self.dispatch_assigned else 0
             lines.append(f"dispatch {k.get('dispatch')} (capacity_factor "
                          f"{k.get('capacity_factor')}): dropped {self.dispatch_dropped} of "
                          f"{self.dispatch_assigned} expert assignments ({share:.1%})"
                          + (f", rerouted {self.dispatch_rerouted} "
                             f"({self.dispatch_rerouted / max(self.dispatch_assigned, 1):.1%})"
-                            if k.get("dispatch") == "macs" else "")
+                            if _is(DISPATCH, k.get("dispatch"), "reroutes", False) else "")
                          + (f", added {self.dispatch_added} beyond the top-k (expanded "
-                            f"candidates)" if k.get("dispatch") == "capacity-expanded" else ""))
-        if k.get("balance", "none") != "none":
+                            f"candidates)" if _is(DISPATCH, k.get("dispatch"), "widens", False)
+                            else ""))
+        if "balance" in k and balances(k["balance"]):
             lines.append(f"balance {k.get('balance')} ({k.get('low_precision')}, emulated by "
                          f"fake_quant): {self.low_precision_runs} expert computations in low "
                          f"precision; priced at the {k.get('profile')} profile's rate where it "
                          f"has one (modeled)")
         return lines
+
+
+def _is(registry, name: str | None, flag: str, unknown: bool = True) -> bool:
+    """Whether the policy ``name`` of ``registry`` declares ``flag``; None (no such knob in the
+    result): False; a name this version does not know: ``unknown``."""
+    if name is None:
+        return False
+    return bool(getattr(registry.get(name), flag)) if name in registry else unknown
 
 
 def _costs_of(knobs: dict[str, Any]) -> str:

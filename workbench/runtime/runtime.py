@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from workbench.compression.placement import check_supported
+from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError, KnobError, ModelLoadError
 from workbench.knobs import Knobs, ModelShape, show_value
 from workbench.models.inputs import ModelInputs, Request
@@ -40,6 +41,7 @@ from workbench.runtime.threads import threads_for_run
 from workbench.runtime.result import RunResult
 from workbench.runtime.session import RunSession
 from workbench.sim.costs import CostSpec
+from workbench.sim.dispatch import DISPATCH, Dispatch
 from workbench.sim.plan import MemoryPlan
 from workbench.sim.profiles import get_profile, get_target_model
 from workbench.sim.realb import RealbCarry
@@ -93,7 +95,7 @@ class Runtime:
         knobs = knobs if knobs is not None else self.knobs
         lay = self.lm.layout
         knobs.check(ModelShape.of(lay))  # every group's rules (knobs.py and the features')
-        if knobs.compression != "none":
+        if COMPRESSION.get(knobs.compression).prunes:
             check_supported(self.lm.model)
         self._check_vision(knobs)
         if self.uses_predictor(knobs):
@@ -120,19 +122,24 @@ class Runtime:
             raise KnobError(f"the lookahead predictor (VisMMOE) is calibrated on visual tokens; "
                             f"model {name!r} is text-only: set predictor=none and a prefetch "
                             f"other than vismmoe")
-        if knobs.dispatch == "macs" and (knobs.macs_dynamic_capacity
-                                         or (knobs.macs_reroute and knobs.macs_eta > 0)):
+        if self.dispatch(knobs).calibration_needed():
             raise KnobError(f"MACS's dynamic capacity and rerouting read a calibration of visual "
                             f"and text experts; model {name!r} is text-only: set "
                             f"macs_dynamic_capacity=false and macs_reroute=false, or another "
                             f"dispatch")
 
-    def macs_calibration(self, knobs: Knobs) -> Any:
-        """The MACS calibration a run of ``knobs`` reads (``dispatch=macs`` with dynamic
-        capacity or rerouting: the ``macs_calibration`` folder, else the model's default),
-        checked against this model; None when the run needs none."""
-        if not (knobs.dispatch == "macs" and (knobs.macs_dynamic_capacity
-                                              or (knobs.macs_reroute and knobs.macs_eta > 0))):
+    @staticmethod
+    def dispatch(knobs: Knobs) -> Dispatch:
+        """The dispatch policy of a run of ``knobs`` (its Expert parallel group's fields)."""
+        return DISPATCH.get(knobs.dispatch).from_knobs(knobs.group("ep"), knobs.seed)
+
+    def macs_calibration(self, knobs: Knobs, policy: Dispatch | None = None) -> Any:
+        """The MACS calibration a run of ``knobs`` reads (a dispatch policy that asks for
+        one, :meth:`~workbench.sim.dispatch.Dispatch.calibration_needed`: MACS with dynamic
+        capacity or rerouting; the ``macs_calibration`` folder, else the model's default),
+        checked against this model; None when the run needs none. ``policy``: the run's, when
+        made already."""
+        if not (policy or self.dispatch(knobs)).calibration_needed():
             return None
         from workbench.macs.calibration import default_path, load
 

@@ -24,7 +24,7 @@ import contextlib
 import json
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -37,19 +37,21 @@ from workbench.knobs import Knobs
 from workbench.models.hooks import Hooks
 from workbench.models.inputs import Request, build_batch_inputs, modality_of
 from workbench.options import get_options
-from workbench.policies.active_evict import ActiveEvict
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import measured_spans
 from workbench.runtime.executor import StepProbe
 from workbench.runtime.offload import Offloader
-from workbench.runtime.stages import TOKEN_CONTEXT
+from workbench.runtime.stages import TOKEN_CONTEXT, RunContext
+from workbench.runtime.stages import from_knobs as stages_from_knobs
 from workbench.runtime.result import RunResult
 from workbench.sim.costs import Prices
-from workbench.sim.dispatch import DISPATCH
 from workbench.sim.profiles import get_profile
 from workbench.telemetry.events import StepEvent
 from workbench.telemetry.store import Recorder
+
+if TYPE_CHECKING:  # the Runtime imports this module: for the annotation only
+    from workbench.runtime.runtime import Runtime
 
 
 class _Streamer:
@@ -83,10 +85,12 @@ class _StopOnEvent:
 
 class RunSession:
     """The state of one run (see the module docstring). ``runtime`` is the
-    :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; not
-    imported here: the Runtime imports this module)."""
+    :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; read,
+    never changed: the one state runs share, ReaLB's carried M_d, is handed to its stage)."""
 
-    def __init__(self, runtime: Any, knobs: Knobs, requests: list[Request], *,
+    runtime: "Runtime"
+
+    def __init__(self, runtime: "Runtime", knobs: Knobs, requests: list[Request], *,
                  store_path=None, overwrite: bool = False,
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,
@@ -128,7 +132,6 @@ class RunSession:
         self.offloader: Offloader | None = None
         self.placement: PrunedPlacement | None = None
         self.predictor = None
-        self.prism = None  # MoE-Prism's setup (prism=True)
 
     # -- install ---------------------------------------------------------------------------
     def _install(self) -> None:
@@ -143,22 +146,11 @@ class RunSession:
         if comp.prunes and bool((self.inputs.modality != 0).any()):  # text only: no pruning
             check_supported(rt.lm.model, self.inputs.input_ids)
             self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
-        dispatch = self._dispatch()
-        self.prism = self._prism()
-        cal, centroids = self.macs_calibration, None
-        if cal is not None and k.macs_reroute and k.macs_eta > 0:
-            centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
-                                        device=rt.lm.device)
+        run = RunContext(rt, self.prices, rt.lm.device, prefetch=prefetcher,
+                         prefetch_budget=rt.prefetch_budget(k), pruning=self.placement)
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
-            self.prices, lookahead_depth=k.lookahead_depth,
-            active_evict=(ActiveEvict.from_knobs(k, lay.num_layers, lay.num_experts)
-                          if k.active_evict else None),
-            dynamic_topk=k.dynamic_topk, k_max=k.k_max, prefetch=prefetcher,
-            prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
-            pruning=self.placement, hybrid=bool(k.hybrid),
-            dispatch=dispatch, **self._balance(), prism=self.prism,
-            prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids)
+            self.prices, low_precision=k.low_precision, stages=stages_from_knobs(k, run))
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
@@ -168,55 +160,6 @@ class RunSession:
                 prefetcher.attach(self.predictor)
             if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
                 self.policy.attach(self.predictor)
-
-    def _prism(self):
-        """MoE-Prism (``prism=True``): the :class:`~workbench.prism.execute.PrismSetup` for the
-        offloader's sub-expert views; None when off."""
-        k = self.knobs
-        if not k.prism:
-            return None
-        from workbench.prism.refactor import for_run
-
-        ref, k_active = for_run(self.runtime.lm, k)  # checked there (prism_k too)
-        N, K = ref.subexperts, k.prism_k
-        from workbench.prism.execute import PrismSetup
-
-        router = None
-        if k.prism_router:  # a trained sub-expert gate (seed §4.3.2) instead of the proxy's
-            from workbench.prism.finetune import load as load_router
-
-            router = torch.as_tensor(load_router(k.prism_router, self.runtime.lm, ref).weight)
-        return PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active, K,
-                          router, bool(k.prism_shortcut))
-
-    def _balance(self) -> dict[str, Any]:
-        """ReaLB's controller for the offloader (``balance`` ≠ none), with the EP placement."""
-        k, lay = self.knobs, self.runtime.lm.layout
-        if k.balance == "none":
-            return {}
-        from workbench.sim.placement import rank_of_expert
-        from workbench.sim.realb import ReaLB
-
-        ctl = ReaLB.for_balance(k.balance, lay.num_layers, int(k.ep_ranks), c=k.realb_c,
-                                tau=k.realb_tau, gate=k.realb_gate)
-        if k.realb_carry:  # the previous run's M_d (a controller that lives across batches)
-            # shared: this run's updates are the next run's start
-            ctl.m = self.runtime.realb_carry.share((k.balance, int(k.ep_ranks), k.placement),
-                                                   ctl.m)
-        return {"balance": ctl,
-                "rank_of_expert": rank_of_expert(k.placement, lay.num_experts, int(k.ep_ranks)),
-                "low_precision": k.low_precision}
-
-    def _dispatch(self):
-        """The run's dispatch policy; MACS gets the model's calibration (expert classes for
-        its dynamic capacity, centroids for its rerouting) when a switch needs it."""
-        k, rt = self.knobs, self.runtime
-        pol = DISPATCH.create(k.dispatch, **k.to_dict())
-        self.macs_calibration = cal = rt.macs_calibration(k)
-        if cal is not None:
-            pol.classes = cal.classes
-            self.macs_calibration = cal
-        return pol
 
     def _open_store(self) -> None:
         if self.store_path is None:
@@ -234,8 +177,7 @@ class RunSession:
             flush_every=get_options()["flush_every"],
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
-            ep_ranks=int(k.ep_ranks) if k.balance != "none" else 1,
-            subexperts=self.prism.subexperts if self.prism is not None else 1)
+            **{"ep_ranks": 1, "subexperts": 1, **self.offloader.store_dims()})
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:

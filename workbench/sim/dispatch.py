@@ -69,6 +69,15 @@ class Dispatch:
 
     name = ""
     needs: frozenset[str] = frozenset()
+    #: decides per EP rank (reads ``ep_ranks`` and ``placement``): live, not with a placement
+    #: that changes over the run (EPLB)
+    per_rank = False
+    #: changes the router's routing (False: the router's choice, :data:`ROUTER_CHOICE`)
+    changes_routing = True
+    #: may move an assignment to another expert (the run result counts reroutes)
+    reroutes = False
+    #: may add assignments beyond the router's top-k (the run result counts them)
+    widens = False
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
               num_experts: int, context: Any = None) -> np.ndarray:
@@ -78,6 +87,13 @@ class Dispatch:
         :class:`workbench.sim.macs.DispatchContext` (what else is known of the tokens), for
         the policies that use one."""
         return ids.copy()
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "Dispatch":
+        """The policy of a run: ``ep`` is its expert-parallel knob group
+        (:class:`workbench.sim.knobs.ExpertParallelKnobs`, the dispatch's fields), ``seed``
+        the run's. The base takes none of them."""
+        return cls()
 
     def apply_weighted(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
                        num_experts: int, context: Any = None
@@ -93,6 +109,11 @@ class Dispatch:
         """The most assignments a token may gain beyond the router's top-k (0: none)."""
         return 0
 
+    def calibration_needed(self) -> bool:
+        """Whether the policy, as set, reads a calibration of the model's experts (MACS's
+        classes and centroids, :mod:`workbench.macs.calibration`)."""
+        return False
+
     def fits(self, max_load: int, tokens: int, top_k: int, num_experts: int) -> bool:
         """Whether a group of ``tokens`` tokens × ``top_k`` whose busiest expert has
         ``max_load`` assignments is kept whole (a shortcut the live path takes before
@@ -101,11 +122,15 @@ class Dispatch:
 
 
 DISPATCH: Registry[Dispatch] = Registry("dispatch", knob="dispatch")
+#: the policy that keeps the router's choice (the ``dispatch`` knob's default)
+ROUTER_CHOICE = "topk"
 
 
 @DISPATCH.register("topk")
 class TopK(Dispatch):
     """The router's top-k unchanged: no capacity, nothing dropped."""
+
+    changes_routing = False
 
     def fits(self, max_load, tokens, top_k, num_experts):
         return True
@@ -119,6 +144,10 @@ class CapacityDrop(Dispatch):
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1) -> None:
         self.capacity_factor = float(capacity_factor)
         self.min_capacity = int(min_capacity)
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "CapacityDrop":
+        return cls(ep.capacity_factor, ep.min_capacity)
 
     def capacity(self, tokens: np.ndarray, top_k: Any, num_experts: int) -> np.ndarray:
         """Capacity of every expert for groups of ``tokens`` routed tokens of ``top_k``
@@ -200,12 +229,18 @@ class CapacityExpanded(CapacityDrop):
     live only."""
 
     needs = frozenset({"router"})
+    per_rank = True
+    widens = True
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1, ep_ranks: int = 1,
                  placement: str = "contiguous") -> None:
         super().__init__(capacity_factor, min_capacity)
         self.ep_ranks, self.placement = int(ep_ranks), str(placement)
         self.added = 0
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "CapacityExpanded":
+        return cls(ep.capacity_factor, ep.min_capacity, ep.ep_ranks, ep.placement)
 
     def max_added(self, num_experts):
         return -(-num_experts // self.ep_ranks)  # every expert of the token's rank
@@ -307,6 +342,9 @@ class Macs(CapacityDrop):
     Drop. ``classes`` int8 [layers, E] (m_j; None: the context's, else every expert shared).
     ``rerouted``/``dropped`` count what :meth:`apply_weighted` did, over its calls."""
 
+    per_rank = True
+    reroutes = True
+
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1,
                  macs_delta: float = 1.5, macs_rho: float = 0.6, macs_eta: float = 0.5,
                  macs_semantic_load: bool = True, macs_dynamic_capacity: bool = True,
@@ -325,6 +363,17 @@ class Macs(CapacityDrop):
         self.rerouted = 0
         self.dropped = 0
         self.last_weights: np.ndarray | None = None
+
+    def calibration_needed(self) -> bool:
+        """Dynamic capacity reads the calibrated expert classes, rerouting (η > 0) their
+        centroids."""
+        return self.dynamic_capacity or (self.reroute and self.eta > 0)
+
+    @classmethod
+    def from_knobs(cls, ep: Any, seed: int = 0) -> "Macs":
+        return cls(ep.capacity_factor, ep.min_capacity, ep.macs_delta, ep.macs_rho, ep.macs_eta,
+                   ep.macs_semantic_load, ep.macs_dynamic_capacity, ep.macs_reroute,
+                   ep.macs_selection, seed, ep.ep_ranks, ep.placement)
 
     def fits(self, max_load, tokens, top_k, num_experts):
         # semantic weights are ≤ 1 (effective load ≤ count); the smallest capacity a dynamic

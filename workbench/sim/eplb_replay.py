@@ -75,9 +75,9 @@ class EPLBResult:
 
 
 def check_sizes(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
-    """:class:`KnobError` unless EPLB can serve these sizes (:func:`workbench.knobs.check_eplb`:
-    the knob check and this are one rule)."""
-    from workbench.knobs import check_eplb
+    """:class:`KnobError` unless EPLB can serve these sizes
+    (:func:`workbench.sim.knobs.check_eplb`: the knob check and this are one rule)."""
+    from workbench.sim.knobs import check_eplb
 
     check_eplb(experts, ranks, redundant, window, interval)
 

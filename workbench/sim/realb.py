@@ -34,6 +34,11 @@ BALANCES = {"none": ("none", 0.0), "fp4-all": ("all", 0.0), "realb": ("realb", 0
 ONLINE_SWITCH = ("realb", "realb-seq", "realb-m1", "realb-m2")
 
 
+def balances(balance: str) -> bool:
+    """Whether a ``balance`` setting runs any expert in low precision (every one but 'none')."""
+    return BALANCES.get(balance, (balance,))[0] != "none"  # unknown: for_balance refuses it
+
+
 def switch_s(profile, expert_bytes: float, low_experts: np.ndarray, precision: str,
              metadata_s: float = 0.0) -> np.ndarray:
     """Modeled seconds of ReaLB's online precision transformation (seed 004 §4.3: the
@@ -210,4 +215,4 @@ def _priced(price, counts: np.ndarray) -> np.ndarray:
     return np.where(counts > 0, Prices.many(price, counts).reshape(counts.shape), 0.0)
 
 
-__all__ = ["BALANCES", "MODES", "ONLINE_SWITCH", "ReaLB", "RealbCarry", "switch_s", "ReaLBDecision", "realb_over_time"]
+__all__ = ["BALANCES", "balances", "MODES", "ONLINE_SWITCH", "ReaLB", "RealbCarry", "switch_s", "ReaLBDecision", "realb_over_time"]

@@ -7,8 +7,8 @@ mechanism.
 
 from __future__ import annotations
 
-from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, Stage, StageSetup,
-                                           hooked)
+from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, RunContext, Stage,
+                                           StageSetup, hooked)
 from workbench.runtime.stages.balance import BalanceStage
 from workbench.runtime.stages.dispatch import DispatchStage
 from workbench.runtime.stages.hybrid import HostRuns
@@ -19,10 +19,17 @@ from workbench.runtime.stages.subexperts import SubExpertStage
 STAGES: tuple[type[Stage], ...] = (DynamicTopK, DispatchStage, Lookahead, BalanceStage,
                                     SubExpertStage, HostRuns)
 
-__all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "Stage", "StageSetup", "build",
-           "hooked"]
+__all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "RunContext", "Stage", "StageSetup",
+           "build", "from_knobs", "hooked"]
 
 
 def build(setup: StageSetup) -> list[Stage]:
-    """The run's stages: those of :data:`STAGES` whose feature is on, in order."""
-    return [s for s in (cls.from_knobs(setup) for cls in STAGES) if s is not None]
+    """The stages over mechanism objects made elsewhere (the offloader's arguments): those of
+    :data:`STAGES` whose feature is on, in order."""
+    return [s for s in (cls.from_setup(setup) for cls in STAGES) if s is not None]
+
+
+def from_knobs(knobs, run: RunContext) -> list[Stage]:
+    """A run's stages, each built from its knob group: those of :data:`STAGES` whose feature
+    is on, in order."""
+    return [s for s in (cls.from_knobs(knobs, run) for cls in STAGES) if s is not None]

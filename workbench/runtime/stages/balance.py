@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.runtime.stages.base import TOKEN_CONTEXT, LayerCall, Stage, StageSetup
+from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
+                                           StageSetup)
+from workbench.knobs import Knobs
+from workbench.sim.knobs import ExpertParallelKnobs
+from workbench.sim.placement import rank_of_expert
+from workbench.sim.realb import ReaLB, balances
 
 
 class BalanceStage(Stage):
@@ -21,17 +26,37 @@ class BalanceStage(Stage):
 
     needs = frozenset({TOKEN_CONTEXT})
 
-    def __init__(self, controller, rank_of_expert: np.ndarray, low_precision: str) -> None:
+    def __init__(self, controller, rank_of_expert: np.ndarray, low_precision: str,
+                 ranks: int | None = None) -> None:
         self.controller = controller
         self.rank_of_expert = np.asarray(rank_of_expert)
         self.low_precision = low_precision
-        self.ranks = int(self.rank_of_expert.max()) + 1
+        self.ranks = int(self.rank_of_expert.max()) + 1 if ranks is None else int(ranks)
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "BalanceStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "BalanceStage | None":
+        """ReaLB's controller of the ``balance`` knob (None: 'none'), over the EP placement;
+        under ``realb_carry`` its M_d is the one the Runtime carries from run to run."""
+        ep: ExpertParallelKnobs = knobs.group("ep")  # the EP and ReaLB fields
+        if not balances(ep.balance):
+            return None
+        lay, ranks = run.layout, int(ep.ep_ranks)
+        ctl = ReaLB.for_balance(ep.balance, lay.num_layers, ranks, c=ep.realb_c,
+                                tau=ep.realb_tau, gate=ep.realb_gate)
+        if ep.realb_carry:  # the previous run's M_d (a controller that lives across batches)
+            # shared: this run's updates are the next run's start
+            ctl.m = run.runtime.realb_carry.share((ep.balance, ranks, ep.placement), ctl.m)
+        return cls(ctl, rank_of_expert(ep.placement, lay.num_experts, ranks), ep.low_precision,
+                   ranks)
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "BalanceStage | None":
         if setup.balance is None:
             return None
         return cls(setup.balance, setup.rank_of_expert, setup.low_precision)
+
+    def store_dims(self) -> dict[str, int]:
+        return {"ep_ranks": self.ranks}
 
     def observe(self, call: LayerCall) -> None:
         """Per-rank loads and visual assignments of the real tokens → the experts of the

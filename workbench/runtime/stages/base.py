@@ -2,8 +2,11 @@
 
 A *stage* is one mechanism family's part of an MoE layer call
 (:meth:`workbench.runtime.offload.Offloader.layer`). It is built once per run by
-:meth:`Stage.from_knobs` (None: its feature is off, and the call never sees it) and defines
-only the hooks it needs; the runtime calls each hook of every stage in the order of
+:meth:`Stage.from_knobs` from the run's knob groups (each stage reads its own group's fields and
+builds its mechanism: the dispatch policy, ReaLB's controller, MoE-Prism's setup) and what the
+runtime gives it (:class:`RunContext`), or by :meth:`Stage.from_setup` from mechanism objects
+made elsewhere (:class:`StageSetup`, the offloader's keyword arguments); None: its feature is
+off, and the call never sees it. A stage defines only the hooks it needs; the runtime calls each hook of every stage in the order of
 :data:`workbench.runtime.stages.STAGES`:
 
 1. ``route(call)`` — rewrite the routing (``call.ids`` / ``call.weights``); a stage with
@@ -28,7 +31,7 @@ else. Per-run state (counters, a controller) lives in the stage; per-call state 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -36,6 +39,10 @@ import torch
 from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.sim.costs import Prices
 from workbench.telemetry.events import LayerEvent
+
+if TYPE_CHECKING:
+    from workbench.knobs import Knobs
+    from workbench.runtime.runtime import Runtime
 
 #: what a stage may need of the runtime: each flattened position's modality and request
 #: (:meth:`~workbench.runtime.offload.Offloader.set_token_mask`)
@@ -67,6 +74,26 @@ class StageSetup:
     prism: Any = None
     prism_offload: bool = False
     macs_centroids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a run gives the stages it builds from knobs (:meth:`Stage.from_knobs`) beside the
+    knobs: the :class:`~workbench.runtime.runtime.Runtime` (its model, the calibrations it
+    reads, ReaLB's carried M_d), the modeled prices, the device, and the objects the session
+    makes for other parts too (the prefetch policy, which the predictor attaches to; the token
+    compression's placement)."""
+
+    runtime: "Runtime"
+    prices: Prices
+    device: torch.device
+    prefetch: Any = None
+    prefetch_budget: int | None = None
+    pruning: Any = None
+
+    @property
+    def layout(self) -> MoELayout:
+        return self.runtime.lm.layout
 
 
 @dataclass(slots=True)
@@ -125,12 +152,22 @@ class Stage:
     part: int = 1
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "Stage | None":
-        """The stage for a run, or None when its feature is off."""
+    def from_knobs(cls, knobs: "Knobs", run: RunContext) -> "Stage | None":
+        """The stage of a run of ``knobs`` (its group's fields), or None when its feature is
+        off."""
+        return None
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "Stage | None":
+        """The stage over mechanism objects made elsewhere, or None when its feature is off."""
         return None
 
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.COUNTS}
+
+    def store_dims(self) -> dict[str, int]:
+        """The run store's dimensions the stage records along (e.g. ``ep_ranks``)."""
+        return {}
 
     def max_added(self, num_experts: int) -> int:
         """The most assignments ``route`` may add to a token beyond its top-k (0: none)."""

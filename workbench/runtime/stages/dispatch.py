@@ -15,7 +15,11 @@ import numpy as np
 import torch
 
 from workbench.models.adapter import MoEBlock
-from workbench.runtime.stages.base import TOKEN_CONTEXT, LayerCall, Stage, StageSetup
+from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
+                                           StageSetup)
+from workbench.knobs import Knobs
+from workbench.sim.dispatch import DISPATCH
+from workbench.sim.knobs import ExpertParallelKnobs
 
 #: the policies that read the tokens' context (:class:`workbench.sim.macs.DispatchContext`)
 _READ_CONTEXT = ("macs", "capacity-expanded")
@@ -38,9 +42,23 @@ class DispatchStage(Stage):
         self.dispatch_rerouted = self.dispatch_added = 0
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "DispatchStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "DispatchStage | None":
+        """The ``dispatch`` knob's policy; MACS gets the model's calibration (expert classes
+        for its dynamic capacity, centroids for its rerouting) when a switch needs it."""
+        ep: ExpertParallelKnobs = knobs.group("ep")  # the dispatch's and MACS's fields
+        pol = DISPATCH.get(ep.dispatch).from_knobs(ep, knobs.group("generation").seed)
+        cal, centroids = run.runtime.macs_calibration(knobs, pol), None
+        if cal is not None:
+            pol.classes = cal.classes
+            if ep.macs_reroute and ep.macs_eta > 0:
+                centroids = torch.as_tensor(np.asarray(cal.centroids, np.float32),
+                                            device=run.device)
+        return cls(pol, centroids) if pol.changes_routing else None
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "DispatchStage | None":
         pol = setup.dispatch
-        if pol is None or pol.name == "topk":
+        if pol is None or not pol.changes_routing:
             return None
         return cls(pol, setup.macs_centroids)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from workbench.runtime.stages.base import LayerCall, Stage, StageSetup
+from workbench.knobs import CacheKnobs, Knobs
+from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 from workbench.sim.step import Access
 
 
@@ -23,7 +24,13 @@ class HostRuns(Stage):
         self.prices = prices
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "HostRuns | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "HostRuns | None":
+        """The ``hybrid`` knob: the modeled prices decide."""
+        cache: CacheKnobs = knobs.group("cache")
+        return cls(None, run.prices) if cache.hybrid else None
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "HostRuns | None":
         if not setup.hybrid:
             return None
         return cls(None if setup.hybrid is True else setup.hybrid, setup.prices)

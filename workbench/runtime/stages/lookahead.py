@@ -26,10 +26,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from workbench.knobs import CacheKnobs, Knobs, PrefetchKnobs
 from workbench.models.adapter import MoEBlock
-from workbench.policies.active_evict import budget_topk
+from workbench.policies.active_evict import ActiveEvict, ActiveEvictKnobs, budget_topk
 from workbench.policies.prefetch import PrefetchContext, ranked_ids, select
-from workbench.runtime.stages.base import LayerCall, Stage, StageSetup
+from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 from workbench.sim.step import Access
 
 
@@ -43,7 +44,12 @@ class DynamicTopK(Stage):
         self.k_max = k_max
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "DynamicTopK | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "DynamicTopK | None":
+        ae: ActiveEvictKnobs = knobs.group("active_evict")
+        return cls(ae.k_max) if ae.dynamic_topk else None
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "DynamicTopK | None":
         return cls(setup.k_max) if setup.dynamic_topk else None
 
     def route(self, call: LayerCall) -> None:
@@ -86,7 +92,22 @@ class Lookahead(Stage):
         self._routing: dict = {"step": -1, "prev": {}, "cur": {}}  # ranked keys per layer
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "Lookahead | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "Lookahead | None":
+        """Router lookahead and ActiveEvict, the run's prefetch policy (the policy object is
+        the session's: the predictor attaches to it)."""
+        ae: ActiveEvictKnobs = knobs.group("active_evict")
+        pf: PrefetchKnobs = knobs.group("prefetch")
+        cache: CacheKnobs = knobs.group("cache")
+        lay, pinned = run.layout, cache.pinned_layers
+        return cls.from_setup(StageSetup(
+            lay, pinned, run.prices, run.device, lookahead_depth=ae.lookahead_depth,
+            active_evict=(ActiveEvict.from_knobs(ae, lay.num_layers, lay.num_experts)
+                          if ae.active_evict else None),
+            prefetch=run.prefetch, prefetch_lead=pf.prefetch_lead,
+            prefetch_budget=run.prefetch_budget, pruning=run.pruning))
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "Lookahead | None":
         pf = setup.prefetch
         pf = pf if pf is not None and pf.name != "none" else None
         if setup.lookahead_depth <= 0 and setup.active_evict is None and pf is None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from workbench.knobs import Knobs
 from workbench.models.adapter import MoEBlock
-from workbench.runtime.stages.base import LayerCall, Stage, StageSetup
+from workbench.prism.knobs import PrismKnobs
+from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 
 
 class SubExpertStage(Stage):
@@ -36,11 +38,36 @@ class SubExpertStage(Stage):
         self.relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
 
     @classmethod
-    def from_knobs(cls, setup: StageSetup) -> "SubExpertStage | None":
+    def from_knobs(cls, knobs: Knobs, run: RunContext) -> "SubExpertStage | None":
+        """MoE-Prism (``prism=True``): the :class:`~workbench.prism.execute.PrismSetup` of the
+        run's refactoring (and trained gate, ``prism_router``); None when off."""
+        pk: PrismKnobs = knobs.group("prism")
+        if not pk.prism:
+            return None
+        from workbench.prism.execute import PrismSetup
+        from workbench.prism.refactor import for_run
+
+        lm = run.runtime.lm
+        ref, k_active = for_run(lm, knobs)  # checked there (prism_k too)
+        router = None
+        if pk.prism_router:  # a trained sub-expert gate (seed §4.3.2) instead of the proxy's
+            from workbench.prism.finetune import load as load_router
+
+            router = torch.as_tensor(load_router(pk.prism_router, lm, ref).weight)
+        N = ref.subexperts
+        ps = PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active,
+                        pk.prism_k, router, bool(pk.prism_shortcut))
+        return cls(ps, N if pk.prism_offload else 1, run.prices, run.device)
+
+    @classmethod
+    def from_setup(cls, setup: StageSetup) -> "SubExpertStage | None":
         ps = setup.prism
         if ps is None:
             return None
         return cls(ps, ps.subexperts if setup.prism_offload else 1, setup.prices, setup.device)
+
+    def store_dims(self) -> dict[str, int]:
+        return {"subexperts": self.prism.subexperts}
 
     @property
     def subexperts_asked(self) -> int:
