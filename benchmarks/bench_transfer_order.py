@@ -12,13 +12,15 @@ Traces:
 Every row is a trace replay (``workbench.replay.engine.replay``; demand-first with prefetch runs
 on the python engine, the others on the compiled one). Each trace is priced as
 ``--target-model`` experts on ``--profile`` (times are **modeled**, not measured). Columns:
-transfers (copies made: demand loads + prefetches − cancelled), demand loads, demand stalls
+transfers (copies made: demand loads + prefetches − cancelled), demand loads, stalled groups
 (offloaded (step, layer) groups whose compute waited on the transfer lane), blocking I/O and
 latency (modeled seconds), prefetches issued, and prefetches cancelled (demand-first: not
 started when their layer had run).
 
     python benchmarks/bench_transfer_order.py [--slots-mixtral 64] [--slots-embedded 24]
         [--new-tokens 8] [--json PATH]
+
+(``--slots-mixtral`` takes several sizes: 24 and 64 by default.)
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def embedded_traces(new_tokens: int, root: Path) -> list:
     out = []
     for i, p in enumerate(read_demo()):
         path = root / f"demo{i}.zarr"
-        rt.run(p["prompt"], [p["image"]] if p["image"] else None, store=path,
+        rt.run(p["prompt"], [p["image"]] if p["image"] else [], store=path,
                lookahead_depth=2)
         out.append(from_store(path))
     return out
@@ -74,7 +76,7 @@ def row(trace_name: str, traces: list, prefetch: str, order: str, **kw) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots-mixtral", type=int, default=64)
+    ap.add_argument("--slots-mixtral", type=int, nargs="+", default=[24, 64])
     ap.add_argument("--slots-embedded", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--lead", type=int, default=2)
@@ -86,21 +88,23 @@ def main() -> None:
     rows = []
     if MIXTRAL.exists():
         mix = [read_jsonl(MIXTRAL)]
-        for pf in ("none", "previous-step", "oracle"):
-            for order in TRANSFER_ORDERS:
-                rows.append(row("mixtral-8x7b (shared)", mix, pf, order,
-                                cache_slots=a.slots_mixtral, **common))
+        for slots in a.slots_mixtral:
+            for pf in ("none", "previous-step", "oracle"):
+                for order in TRANSFER_ORDERS:
+                    rows.append(row(f"mixtral-8x7b (shared), {slots} slots", mix, pf, order,
+                                    cache_slots=slots, **common))
     else:
         print(f"(shared trace absent at {MIXTRAL}: Mixtral rows skipped)")
     with tempfile.TemporaryDirectory() as d:
         emb = embedded_traces(a.new_tokens, Path(d))
         for pf in ("none", "speculative", "previous-step", "oracle"):
             for order in TRANSFER_ORDERS:
-                rows.append(row(f"embedded ({len(emb)} demo runs)", emb, pf, order,
+                rows.append(row(f"embedded ({len(emb)} demo runs), {a.slots_embedded} slots",
+                                emb, pf, order,
                                 cache_slots=a.slots_embedded, **common))
-    print(f"cache slots: Mixtral {a.slots_mixtral}, embedded {a.slots_embedded}; lead "
-          f"{a.lead}; priced as {a.target_model} on {a.profile} (times modeled)\n")
-    print("| trace | prefetch | order | transfers | demand loads | demand stalls | "
+    print(f"prefetch lead {a.lead}; pinned layers 1 (the default); priced as "
+          f"{a.target_model} on {a.profile} (times modeled)\n")
+    print("| trace | prefetch | order | transfers | demand loads | stalled groups | "
           "blocking I/O (modeled s) | latency (modeled s) | prefetches | cancelled |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

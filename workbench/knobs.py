@@ -247,7 +247,7 @@ class PrefetchKnobs(KnobGroup):
         doc="Most experts prefetched per layer step (None: no limit); with prism_offload, "
             "sub-experts (1/N of an expert each).")
     transfer_order = param.Selector(
-        default="fifo", objects=["fifo", "demand-first"],  # workbench.sim.lane.TRANSFER_ORDERS
+        default="demand-first", objects=["fifo", "demand-first"],  # sim.lane.TRANSFER_ORDERS
         doc="Order of the modeled transfer lane. 'fifo': a demand miss waits behind every "
             "queued prefetch. 'demand-first' (VisMMOE §3.4's orchestrator, MoE-Infinity, "
             "KTransformers): a demand load goes before every queued prefetch not yet "
