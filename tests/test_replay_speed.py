@@ -186,7 +186,8 @@ def _grouped_configs():
 def test_grouped_kernel_equals_the_python_engine(trace_name, trace, eviction, prefetch, scope,
                                                  pinned, slots):
     kw = dict(eviction=eviction, cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
-              prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b")
+              prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b",
+              transfer_order="fifo")  # the kernel's lane (demand-first: python engine only)
     a, b = replay(trace, engine="fast", **kw), replay(trace, engine="python", **kw)
     assert int(a.evictions.sum()) > 0  # the cache really evicts
     for name in ("hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant"):
@@ -211,7 +212,8 @@ def test_a_replay_streamed_in_chunks_equals_one_pass(monkeypatch, eviction, pref
 
     _, trace = list(_traces())[1]  # multi-token steps, unrouted slots
     kw = dict(eviction=eviction, cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
-              prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b", engine="fast")
+              prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b", engine="fast",
+              transfer_order="fifo")  # the kernel's lane
     whole = replay(trace, **kw)
     for chunk, narrow in ((1, False), (7, True), (50, False)):
         monkeypatch.setattr(engine, "CHUNK_ACCESSES", chunk)
@@ -248,7 +250,7 @@ def test_belady_without_its_tree_equals_the_python_engine(monkeypatch, scope, pi
     of keeping its tree: forced here by lowering the limit."""
     _, trace = list(_traces())[1]
     kw = dict(eviction="belady", cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
-              scope=scope, target_model="qwen3-vl-30b-a3b")
+              scope=scope, target_model="qwen3-vl-30b-a3b", transfer_order="fifo")
     b = replay(trace, engine="python", **kw)
     monkeypatch.setattr(K, "PACK_NEVER", 0)
     a = replay(trace, engine="fast", **kw)
@@ -347,7 +349,7 @@ def test_a_streamed_replay_asks_a_stateful_policy_each_group_once_at_its_global_
     EvenSteps.name = "even-steps-test"
     _, trace = list(_traces())[1]
     kw = dict(eviction="lru", cache_slots=8, pinned_layers=0, prefetch="even-steps-test",
-              target_model="qwen3-vl-30b-a3b", engine="fast")
+              target_model="qwen3-vl-30b-a3b", engine="fast", transfer_order="fifo")
     whole = replay(trace, **kw)
     asked_whole = list(asked)
     asked.clear()

@@ -64,7 +64,8 @@ def test_kernel_equals_the_core_on_generated_traces(trace, cfg):
     slots = per_pool * (n_off if cfg["scope"] == "per-layer" else 1)
     kw = dict(eviction=cfg["eviction"], cache_slots=slots, pinned_layers=pinned,
               scope=cfg["scope"], prefetch=cfg["prefetch"], prefetch_lead=cfg["prefetch_lead"],
-              prefetch_budget=cfg["prefetch_budget"], target_model="qwen3-vl-30b-a3b")
+              prefetch_budget=cfg["prefetch_budget"], target_model="qwen3-vl-30b-a3b",
+              transfer_order="fifo")  # the kernel's lane (demand-first: tests/test_transfer_order)
     fast, core = replay(trace, engine="fast", **kw), replay(trace, engine="python", **kw)
     for name in ("hits", "misses", "pinned_accesses", "prefetch_loads", "prefetch_hits",
                  "evictions", "redundant"):

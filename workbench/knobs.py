@@ -246,6 +246,13 @@ class PrefetchKnobs(KnobGroup):
         default=None, allow_None=True, bounds=(1, None),
         doc="Most experts prefetched per layer step (None: no limit); with prism_offload, "
             "sub-experts (1/N of an expert each).")
+    transfer_order = param.Selector(
+        default="demand-first", objects=["fifo", "demand-first"],  # sim.lane.TRANSFER_ORDERS
+        doc="Order of the modeled transfer lane. 'fifo': a demand miss waits behind every "
+            "queued prefetch. 'demand-first' (VisMMOE §3.4's orchestrator, MoE-Infinity, "
+            "KTransformers): a demand load goes before every queued prefetch not yet "
+            "started (copies in flight finish); a prefetch not started when its layer has "
+            "run is cancelled, its slot freed. Without prefetch both are the same.")
 
     def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
         """Live runs take no prefetch policy that needs the future, and one that reads the
@@ -572,6 +579,10 @@ def parse_text(p: param.Parameter, name: str, text: str) -> Any:
 
 _MISSING = object()
 
+#: knobs whose default is not what a store written before the knob existed ran with: that
+#: store (no ``knob.<name>`` attribute) reads back with this value, so its replay stays exact
+PREDATING: dict[str, Any] = {"transfer_order": "fifo"}
+
 
 class Knobs:
     """All knob groups of one run, addressed by flat, unique knob names.
@@ -744,6 +755,8 @@ class Knobs:
                 vals[name] = check_value(p, name, value)
             except KnobError as e:
                 raise KnobError(f"store attribute {key!r}: {e}") from None
+        for name, value in PREDATING.items():  # a store older than the knob ran this
+            vals.setdefault(name, value)
         return k.set(**vals)
 
     def copy(self, **changes: Any) -> "Knobs":

@@ -13,6 +13,10 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
 :func:`~workbench.sim.costs.runs_on_host` picks on the modeled host lane instead of loading
 it, as the live runtime does (python engine only).
 
+``transfer_order="demand-first"`` with a prefetch policy runs on the python engine (the numba
+kernel models the FIFO lane only; ``engine="auto"`` falls back, ``engine="fast"`` is refused);
+without prefetch both orders are the same lane and the fast engine serves both.
+
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
 
@@ -60,6 +64,7 @@ class ReplayResult:
     evictions: np.ndarray
     redundant: np.ndarray
     host_runs: np.ndarray  # misses run on the host (hybrid mode), not loaded
+    cancelled: np.ndarray  # demand-first: prefetches cancelled before their copy started
     stall_s: np.ndarray  # float [steps, layers], modeled
     step_latency_s: np.ndarray  # float [steps], modeled
     pinned: np.ndarray
@@ -85,9 +90,10 @@ class ReplayResult:
 
     @property
     def loads(self) -> int:
-        """Transfers: demand loads (one per miss not run on the host) plus prefetches."""
+        """Transfers: demand loads (one per miss not run on the host) plus prefetches, less
+        the prefetches cancelled before their copy started (demand-first)."""
         return (self._off(self.misses) - int(self.host_runs.sum())
-                + int(self.prefetch_loads.sum()))
+                + int(self.prefetch_loads.sum()) - int(self.cancelled.sum()))
 
     @property
     def priced(self) -> bool:
@@ -107,6 +113,7 @@ class ReplayResult:
             "hit_rate": self.hit_rate,
             "demand_loads": misses - int(self.host_runs.sum()), "prefetch_loads": pf,
             "prefetch_hits": pf_hits, "host_runs": int(self.host_runs.sum()),
+            "cancelled_prefetches": int(self.cancelled.sum()),
             "transfers": loads, "evictions": int(self.evictions.sum()),
             "transfer_bytes": int(loads * self.expert_bytes) if self.priced else None,
             "transfer_bytes_per_token": loads * self.expert_bytes / max(self.num_tokens, 1),
@@ -262,11 +269,11 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     out = run_python(groups, dense, comp, st.placement,
                       lambda: make_policy(k.eviction, policy_knobs, groups, trace),
                       pf_ptr, pf_key, st.transfer_s, trace.num_steps,
-                      stats=policy_stats, host=host)
-    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs = out
+                      stats=policy_stats, host=host, transfer_order=k.transfer_order)
+    hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs, canc = out
     acc = _Outputs(trace.num_steps, trace.num_layers, keep_stall=st.prices.available)
     acc.add(groups.step, groups.layer, (hits, misses, pf_loads, pf_hits, host_runs), stall,
-            g_end, (ev_sl, red_sl), 0, trace.num_steps)
+            g_end, (ev_sl, red_sl, canc), 0, trace.num_steps)
     return acc.result(trace, st, int(unused), time.perf_counter() - t0, policy_stats)
 
 
@@ -350,7 +357,7 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
             comp[a0:], placement.pinned, placement.pool_of_layer, occ_ptr, occ_grp,
             pf_ptr[skip:] - p0, pf_key[p0:], float(st.transfer_s), g0, s0, s1 - s0)
         out.add(g_step, g_layer, (go[K.G_HITS], go[K.G_MISSES], go[K.G_PF_LOADS],
-                                  go[K.G_PF_HITS], None), gf[0], gf[1], sl, s0, s1)
+                                  go[K.G_PF_HITS], None), gf[0], gf[1], (*sl, None), s0, s1)
         g0 += len(g_layer)
     return out.result(trace, st, state.unused_at_end(), time.perf_counter() - t0, {})
 
@@ -402,7 +409,7 @@ class _Outputs:
     sums small unsigned ints in 64 bits); do not add two such arrays elementwise."""
 
     COUNTS = ("hits", "misses", "prefetch_loads", "prefetch_hits", "host_runs", "evictions",
-              "redundant")
+              "redundant", "cancelled")
 
     def __init__(self, S: int, L: int, keep_stall: bool):
         self.S, self.L = S, L
@@ -425,12 +432,15 @@ class _Outputs:
 
     def add(self, g_step, g_layer, per_group, stall, g_end, per_sl, s0: int, s1: int) -> None:
         """One chunk: per-group ``(hits, misses, pf_loads, pf_hits, host_runs or None)``,
-        stall and end times; ``per_sl`` (evictions, redundant) over steps ``s0 .. s1-1``."""
+        stall and end times; ``per_sl`` (evictions, redundant, cancelled or None) over steps
+        ``s0 .. s1-1`` (on the layer of the key)."""
         flat = g_step.astype(np.int64) * self.L + g_layer  # at most one group per cell
         for name, v in zip(self.COUNTS[:5], per_group):
             if v is not None:
                 self._put(name, flat, v)
         for name, v in zip(self.COUNTS[5:], per_sl):
+            if v is None:
+                continue
             self._put(name, slice(s0 * self.L, s1 * self.L), v[:(s1 - s0) * self.L])
         if self.stall is not None:
             self.stall[flat] = stall
@@ -460,6 +470,7 @@ class _Outputs:
             config=st.config, hits=hits, misses=c["misses"], pinned_accesses=pinned_acc,
             prefetch_loads=c["prefetch_loads"], prefetch_hits=c["prefetch_hits"],
             evictions=c["evictions"], redundant=c["redundant"], host_runs=c["host_runs"],
+            cancelled=c["cancelled"],
             stall_s=stall, step_latency_s=latency, pinned=pinned, unused_at_end=int(unused),
             num_tokens=trace.num_tokens,
             expert_bytes=st.prices.cost.expert_bytes / st.part if priced else float("nan"),
@@ -521,17 +532,23 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
     except ValueError as e:
         raise KnobError(str(e)) from None
     has_kernel = eviction in K.POLICY_CODES
+    # the kernel's transfer lane is FIFO; without prefetch demand-first is the same lane
+    reorders = knobs.transfer_order != "fifo" and knobs.prefetch != "none"
     if engine == "auto":
-        engine = "fast" if has_kernel and not hybrid else "python"
+        engine = "fast" if has_kernel and not hybrid and not reorders else "python"
     if engine not in ("fast", "python"):
         raise KnobError(f"engine must be one of auto, fast, python, not {engine!r}")
+    if engine == "fast" and reorders:
+        raise KnobError(f"transfer_order={knobs.transfer_order!r} with a prefetch policy has no "
+                        f"compiled replay; use engine='python' (or 'auto')")
     if engine == "fast" and not has_kernel:
         raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
     if engine == "fast" and hybrid:
         raise KnobError("hybrid=True has no compiled replay; use engine='python' (or 'auto')")
     config = dict(eviction=eviction, cache_slots=cache_slots, pinned_layers=knobs.pinned_layers,
                   scope=scope, prefetch=knobs.prefetch, prefetch_lead=knobs.prefetch_lead,
-                  prefetch_budget=knobs.prefetch_budget, profile=prof.name,
+                  prefetch_budget=knobs.prefetch_budget, transfer_order=knobs.transfer_order,
+                  profile=prof.name,
                   cost_source=cost.source if cost is not None else "none",
                   engine=engine, hybrid=hybrid, **EVICTION.kwargs_for(eviction, values))
     return _Settings(knobs, values, prices, placement, engine, config)
@@ -589,18 +606,19 @@ def run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_
 
 
 def run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr, pf_key,
-                xfer, S, stats=None, host=None):
+                xfer, S, stats=None, host=None, transfer_order: str = "fifo"):
     """Every group through :meth:`workbench.sim.step.Simulator.step` — the same function the
     live offloader calls. ``stats``, when a dict, receives the summed ``policy.stats()`` of the
     pools. ``host`` (hybrid mode): per access, (runs on the host if missed, modeled host
     seconds). Returns per-group arrays in the numba kernel's layout (pinned accesses counted
-    as hits there, as the kernel does)."""
+    as hits there, as the kernel does), then per (step, layer of the key) the cancelled
+    prefetches (``transfer_order``: :mod:`workbench.sim.lane`)."""
     L, E = groups.num_layers, groups.num_experts
     G = groups.num_groups
-    sim = Simulator(placement, policy_factory, transfer_s=xfer)
+    sim = Simulator(placement, policy_factory, transfer_s=xfer, transfer_order=transfer_order)
     out_h, out_m, out_pl, out_ph, out_host = (np.zeros(G, np.int64) for _ in range(5))
     stall, g_end = np.zeros(G), np.zeros(G)
-    ev_sl, red_sl = np.zeros(S * L, np.int64), np.zeros(S * L, np.int64)
+    ev_sl, red_sl, canc_sl = (np.zeros(S * L, np.int64) for _ in range(3))
     expert_list = groups.expert.tolist()
     comp_list = comp.tolist()
     pf_list = pf_key.tolist()
@@ -621,9 +639,11 @@ def run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr
             ev_sl[step * L + key[0]] += 1
         for key in o.redundant:
             red_sl[step * L + key[0]] += 1
+        for key in o.cancelled:
+            canc_sl[step * L + key[0]] += 1
     if stats is not None:
         for c in sim.pools:
             for k, v in (c.policy.stats() if hasattr(c.policy, "stats") else {}).items():
                 stats[k] = stats.get(k, 0) + v
     return (out_h, out_m, out_pl, out_ph, stall, g_end, ev_sl, red_sl, sim.unused_resident(),
-            out_host)
+            out_host, canc_sl)

@@ -7,6 +7,9 @@ prefetches, pre-evictions, host runs, misses) and returns its schedule as typed 
 - :class:`~workbench.sim.schedule.Load` / :class:`~workbench.sim.schedule.Prefetch` submit a
   copy from the host store into a slot (:class:`~workbench.runtime.transfer.TransferEngine`);
   the victim's prefetch still in flight is forgotten (its slot is being reused);
+- :class:`~workbench.sim.schedule.PreEvicted` / :class:`~workbench.sim.schedule.Cancelled`
+  forget the key's copy in flight (its slot is free again; the modeled lane never started a
+  cancelled prefetch, the live copy may have run: the slot's next copy overwrites it);
 - :class:`~workbench.sim.schedule.Hits` compute the hits over their slots (a prefetched one
   waits for its copy first) — or, in a pinned layer, the model's own experts forward;
 - :class:`~workbench.sim.schedule.HostRun` computes one miss on the host;
@@ -31,7 +34,7 @@ from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import SlotPool
 from workbench.runtime.transfer import Transfer, TransferEngine
 from workbench.sim.cache import Key
-from workbench.sim.schedule import Hits, HostRun, Load, Miss, PreEvicted, Prefetch
+from workbench.sim.schedule import Cancelled, Hits, HostRun, Load, Miss, PreEvicted, Prefetch
 from workbench.sim.step import Outcome
 from workbench.telemetry.events import LANES, LayerEvent, Span
 
@@ -118,7 +121,7 @@ class Executor:
             elif kind is Prefetch:
                 self.inflight.pop(action.victim, None)
                 self.inflight[action.key] = self.submit(action.key, action.slot)
-            elif kind is PreEvicted:
+            elif kind is PreEvicted or kind is Cancelled:  # the slot is free again
                 self.inflight.pop(action.key, None)
             elif kind is Hits:  # the first computation of the layer
                 result = (self.run_pinned(call) if out.pinned

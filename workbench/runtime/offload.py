@@ -93,6 +93,8 @@ class Offloader:
             as 0).
         stages: the run's layer stages, built already (a session builds them from its knobs:
             :func:`workbench.runtime.stages.from_knobs`); None: built from the arguments above.
+        transfer_order: the modeled transfer lane's order, ``fifo`` or ``demand-first``
+            (:mod:`workbench.sim.lane`; the core decides, the executor runs its schedule).
 
     Each feature is a layer stage (:mod:`workbench.runtime.stages`).
     """
@@ -106,7 +108,7 @@ class Offloader:
                  balance=None, rank_of_expert: np.ndarray | None = None,
                  low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
                  macs_centroids: torch.Tensor | None = None,
-                 stages: list[Stage] | None = None) -> None:
+                 stages: list[Stage] | None = None, transfer_order: str = "fifo") -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -132,6 +134,7 @@ class Offloader:
         self._step_request: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
+        self.transfer_order = transfer_order
         self._use_cache(num_slots, policy)
         self.executor = Executor(self.slots, self.store, probe, part=self.part,
                                  low_precision=low_precision,
@@ -165,7 +168,8 @@ class Offloader:
             Placement.single_device(layout.num_layers, layout.num_experts * part,
                                     layout.top_k * part, self.pinned_layers,
                                     max(self.num_slots, 1)),
-            lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True)
+            lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True,
+            transfer_order=self.transfer_order)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
         shapes = first.expert_shapes if self.offloaded else {}
         if self._split is not None:  # one key's block
@@ -194,6 +198,7 @@ class Offloader:
         for st in self.stages:
             out.update(st.counts())
         out["redundant_prefetches"] = self.redundant_prefetches
+        out["cancelled_prefetches"] = int(self.sim.counters()["cancelled"].sum())
         out["low_precision_runs"] = self.executor.low_precision_runs
         return out
 

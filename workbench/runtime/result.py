@@ -46,6 +46,9 @@ class RunResult:
     # prefetched experts evicted before any access used them: transfers that bought nothing
     # (the replay's ``redundant_transfers``; ones still resident at the end are not counted)
     redundant_prefetches: int = 0
+    #: demand-first transfer order: prefetches cancelled before their copy started (their
+    #: layer had run, or they were evicted first); issued in ``prefetches``, not in ``loads``
+    cancelled_prefetches: int = 0
     #: capacity-aware dispatch (``dispatch`` ≠ topk): the router's (token, expert)
     #: assignments, and those the dispatch dropped (computed by no expert)
     dispatch_assigned: int = 0

@@ -150,7 +150,8 @@ class RunSession:
                          prefetch_budget=rt.prefetch_budget(k), pruning=self.placement)
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
-            self.prices, low_precision=k.low_precision, stages=stages_from_knobs(k, run))
+            self.prices, low_precision=k.low_precision, stages=stages_from_knobs(k, run),
+            transfer_order=k.transfer_order)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 

@@ -5,8 +5,10 @@ runtime (:class:`workbench.runtime.slots.SlotPool`); this module never imports t
 Invariants (checked by tests):
 - ``slot_of[key] == s``  ⇔  ``key_in[s] == key``; at most ``num_slots`` experts are resident.
 - An expert the current layer still needs (``protected``) is never evicted.
-- Counters live here, per MoE layer: ``hits``, ``misses``, ``loads``, ``evictions`` (cumulative
-  since the run started); telemetry reads them, it does not count on its own.
+- Counters live here, per MoE layer: ``hits``, ``misses``, ``loads`` (admissions),
+  ``evictions``, ``cancelled`` (admitted prefetches whose copy never started: demand-first
+  transfer order, :mod:`workbench.sim.lane`) (cumulative since the run started); telemetry
+  reads them, it does not count on its own.
 
 The cache knows nothing about models or transfers: it maps keys to slots and asks its eviction
 policy for victims, so trace replay can drive the very same object.
@@ -41,6 +43,7 @@ class ExpertCache:
         policy.bind_cache(num_slots, num_layers, num_experts)
         z = lambda: np.zeros(num_layers, dtype=np.int64)  # noqa: E731
         self.hits, self.misses, self.loads, self.evictions = z(), z(), z(), z()
+        self.cancelled = z()
 
     # -- queries ---------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -120,6 +123,17 @@ class ExpertCache:
         self.evictions[key[0]] += 1
         return slot
 
+    def cancel(self, key: Key) -> int:
+        """Free the slot of ``key``, a prefetch whose copy never started (demand-first
+        transfer order): the policy is told as for an eviction, the layer's ``cancelled``
+        counter grows (not ``evictions``). Returns the freed slot."""
+        slot = self.slot_of.pop(key)
+        self.key_in[slot] = None
+        self._free.append(slot)
+        self.policy.on_evict(key)
+        self.cancelled[key[0]] += 1
+        return slot
+
     def fill(self, layer: int, experts: Iterable[int], misses: Iterable[int]) -> "LayerFill":
         """Start admitting ``misses`` of ``layer`` (see :class:`LayerFill`)."""
         return LayerFill(self, layer, experts, misses)
@@ -127,7 +141,8 @@ class ExpertCache:
     def counters(self) -> dict[str, np.ndarray]:
         """Copies of the cumulative per-layer counters."""
         return {"hits": self.hits.copy(), "misses": self.misses.copy(),
-                "loads": self.loads.copy(), "evictions": self.evictions.copy()}
+                "loads": self.loads.copy(), "evictions": self.evictions.copy(),
+                "cancelled": self.cancelled.copy()}
 
 
 class LayerFill:

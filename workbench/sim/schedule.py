@@ -56,4 +56,11 @@ class Miss(NamedTuple):
     expert: int
 
 
-Action = Union[Load, Prefetch, PreEvicted, Hits, HostRun, Miss]
+class Cancelled(NamedTuple):
+    """``key``'s prefetch never started and its layer has run: its slot is free again
+    (demand-first transfer order, :mod:`workbench.sim.lane`)."""
+
+    key: Key
+
+
+Action = Union[Load, Prefetch, PreEvicted, Hits, HostRun, Miss, Cancelled]

@@ -10,17 +10,21 @@ only on that expert):
    pre-eviction hook and the prefetch candidates run at once; the experts compute;
 3. **offloaded** layer: look up every routed expert (hits, misses); misses the hybrid rule
    picks run on the host lane and are not loaded; the other misses are queued on the transfer
-   lane (FIFO) and admitted into slots in order (:class:`~workbench.sim.cache.LayerFill`:
+   lane (:mod:`workbench.sim.lane`, in the order of ``transfer_order``) and admitted into slots in order (:class:`~workbench.sim.cache.LayerFill`:
    issue → hits computed → issue → per admitted miss: computed → issue); as soon as every
    miss has a slot, the pre-eviction hook (ActiveEvict) and then the prefetch candidates run,
    the prefetches queued on the transfer lane behind the misses; hits compute first (a
    prefetched expert still in flight stalls until it lands), then the misses in order, each
-   when its transfer is done; the layer ends when the host lane has delivered too.
+   when its transfer is done; the layer ends when the host lane has delivered too;
+4. ``demand-first`` transfer order: at the layer's end, prefetches for this layer (or an
+   earlier one) that have not started are cancelled (:class:`Cancelled`: the slot is freed,
+   no copy is made; ``Outcome.cancelled``); so is a pending prefetch evicted before it
+   started. Under ``fifo`` nothing is ever cancelled.
 
 It returns an :class:`Outcome`: the counts, the modeled times, and a **schedule** — the
 ordered, typed actions the live runtime executes on real tensors (:mod:`workbench.sim.schedule`:
 :class:`Load`, :class:`Prefetch`, :class:`PreEvicted`, :class:`Hits`, :class:`HostRun`,
-:class:`Miss`). Slots are those of the instant the action runs: later actions of the same step
+:class:`Miss`, :class:`Cancelled`). Slots are those of the instant the action runs: later actions of the same step
 may reuse them. The live offloader and the Python replay engine
 both call this function; the numba kernel (:mod:`workbench.replay.kernel`) is the checked fast
 path of the same semantics. A new mechanism (a rank, a precision, a sub-expert) extends this
@@ -38,8 +42,10 @@ import numpy as np
 
 from workbench.policies.eviction import EvictionPolicy
 from workbench.sim.cache import ExpertCache, Key
+from workbench.sim.lane import TransferLane
 from workbench.sim.placement import Placement
-from workbench.sim.schedule import Action, Hits, HostRun, Load, Miss, PreEvicted, Prefetch
+from workbench.sim.schedule import (Action, Cancelled, Hits, HostRun, Load, Miss, PreEvicted,
+                                    Prefetch)
 
 # lanes of a modeled span (the same codes as workbench.telemetry.events.LANES)
 COMPUTE, TRANSFER, STALL, HOST = 0, 1, 2, 3
@@ -75,12 +81,15 @@ class Outcome:
     evicted: list[Key] = field(default_factory=list)  # by admissions and prefetches, in order
     redundant: list[Key] = field(default_factory=list)  # evicted, prefetched, never used
     prefetched: list[Key] = field(default_factory=list)
+    #: demand-first: prefetches dropped before their copy started (issued by this group or
+    #: an earlier one; their slot freed, not in ``evicted``)
+    cancelled: list[Key] = field(default_factory=list)
     prefetch_hits: int = 0  # hits on experts a prefetch brought in
     pre_evicted: list[Key] = field(default_factory=list)
     schedule: list[Action] = field(default_factory=list)
     stall_s: float = 0.0  # modeled
     end_s: float = 0.0  # modeled: when the group's output is ready on the compute lane
-    moved: int = 0  # experts copied over the link (loads + prefetches)
+    moved: int = 0  # copies started over the link in this group (loads + prefetches)
     spans: list[tuple] = field(default_factory=list)  # (lane, layer, expert, start, end)
 
 
@@ -89,8 +98,7 @@ class Lanes:
     """Modeled timeline of one device: when each lane is next free (seconds)."""
 
     compute: float = 0.0
-    transfer: float = 0.0
-    host: float = 0.0
+    host: float = 0.0  # (the transfer lane is Simulator.lane, a TransferLane)
 
 
 class Simulator:
@@ -100,21 +108,22 @@ class Simulator:
 
     ``policy_factory()`` makes one eviction policy per pool. ``record_spans`` keeps the modeled
     spans of each group in its :class:`Outcome` (the live runtime stores them; replay does not
-    need them)."""
+    need them). ``transfer_order``: ``fifo`` or ``demand-first`` (:mod:`workbench.sim.lane`)."""
 
     def __init__(self, placement: Placement, policy_factory: Callable[[], EvictionPolicy], *,
-                 transfer_s: float = 0.0, record_spans: bool = False) -> None:
+                 transfer_s: float = 0.0, record_spans: bool = False,
+                 transfer_order: str = "fifo") -> None:
         self.placement = placement
         L, E = placement.num_layers, placement.num_experts
         self.pools = [ExpertCache(int(n), policy_factory(), L, E) for n in placement.pool_slots]
         self.transfer_s = float(transfer_s)
         self.record_spans = record_spans
         self.lanes = Lanes()
+        self.lane = TransferLane(self.transfer_s, transfer_order)
         self.clock = 0  # the pools' shared logical access clock
         self.pinned_accesses = np.zeros(L, np.int64)
         self._used: dict[Key, bool] = {}  # resident key → used since it was loaded
         self._prefetched: set[Key] = set()  # resident by a prefetch, not yet hit
-        self._ready: dict[Key, float] = {}  # modeled time each loaded expert lands
 
     # -- queries ------------------------------------------------------------------------------
     def pool(self, layer: int) -> ExpertCache:
@@ -136,9 +145,11 @@ class Simulator:
         return sum(1 for c in self.pools for key in c.slot_of if not self._used.get(key, True))
 
     def counters(self) -> dict[str, np.ndarray]:
-        """Cumulative per-layer counters summed over the pools, plus ``pinned_accesses``."""
+        """Cumulative per-layer counters summed over the pools, plus ``pinned_accesses``;
+        ``loads`` are the copies made: admissions less the ``cancelled`` prefetches."""
         out = {k: sum(c.counters()[k] for c in self.pools)
-               for k in ("hits", "misses", "loads", "evictions")}
+               for k in ("hits", "misses", "loads", "evictions", "cancelled")}
+        out["loads"] = out["loads"] - out["cancelled"]  # copies made (admissions less cancelled)
         out["pinned_accesses"] = self.pinned_accesses.copy()
         return out
 
@@ -148,6 +159,7 @@ class Simulator:
         layer = int(acc.layer)
         pinned = bool(self.placement.pinned[layer])
         out = Outcome(pinned=pinned)
+        self._out = out  # the group whose outcome the lane's copies are booked on
         for c in self.pools:
             c.policy.begin_group(acc.group, acc.step)
             c.policy.begin_layer(layer)
@@ -160,7 +172,7 @@ class Simulator:
             out.schedule.append(Hits([]))
             for e, d in zip(experts, acc.compute_s):
                 now = self._compute(out, layer, e, now, d)
-            return self._end(out, now)
+            return self._end(out, now, layer)
         cache = self.pool(layer)
         cache.t = self.clock
         hits, misses = cache.lookup(layer, experts)
@@ -199,7 +211,7 @@ class Simulator:
             self._span(out, STALL, layer, out.host[-1], now, host_done)
             out.stall_s += host_done - now
             now = host_done
-        return self._end(out, now)
+        return self._end(out, now, layer)
 
     # -- pieces of the step ---------------------------------------------------------------------
     def _dense(self, acc: Access, out: Outcome) -> float:
@@ -224,7 +236,7 @@ class Simulator:
             self.clock = cache.t
             for e, slot, victim in got:
                 if victim is not None:
-                    self._evicted(out, victim)
+                    self._evicted(out, victim, now)
                 key = (layer, e)
                 self._used[key] = True
                 self._prefetched.discard(key)
@@ -261,6 +273,7 @@ class Simulator:
                 self._prefetched.discard(key)
                 out.pre_evicted.append(key)
                 out.schedule.append(PreEvicted(key))
+                self._unqueue(out, key, now)
         for key in acc.prefetch:
             key = (int(key[0]), int(key[1]))
             c = self.pool(key[0])
@@ -273,28 +286,39 @@ class Simulator:
                 continue
             slot, victim = got
             if victim is not None:
-                self._evicted(out, victim)
+                self._evicted(out, victim, now)
             self._used[key] = False
             self._prefetched.add(key)
-            self._queue_transfer(out, key, now)
+            self.lane.prefetch(key, now, key[0], self._started)
             out.prefetched.append(key)
             out.schedule.append(Prefetch(key, slot, victim))
 
-    def _evicted(self, out: Outcome, key: Key) -> None:
+    def _evicted(self, out: Outcome, key: Key, now: float) -> None:
         out.evicted.append(key)
-        if not self._used.get(key, True):
+        if not self._unqueue(out, key, now) and not self._used.get(key, True):
             out.redundant.append(key)
         self._prefetched.discard(key)
 
+    def _unqueue(self, out: Outcome, key: Key, now: float) -> bool:
+        """Demand-first: ``key`` left the cache at ``now``; a prefetch of it that has not
+        started is cancelled (no copy; counted in ``cancelled``, not redundant)."""
+        if not self.lane.pending or not self.lane.cancel(now, None, key, self._started):
+            return False
+        self.pool(key[0]).cancelled[key[0]] += 1
+        out.cancelled.append(key)
+        return True
+
     def _queue_transfer(self, out: Outcome, key: Key, now: float) -> None:
-        start = max(self.lanes.transfer, now)
-        self.lanes.transfer = end = start + self.transfer_s
-        self._ready[key] = end
+        self.lane.demand(key, now, self._started)
+
+    def _started(self, key: Key, start: float, end: float) -> None:
+        """A copy started on the transfer lane: booked on the group in progress."""
+        out = self._out
         out.moved += 1
         self._span(out, TRANSFER, key[0], key[1], start, end)
 
     def _compute(self, out: Outcome, layer: int, e: int, now: float, d: float) -> float:
-        r = self._ready.pop((layer, e), None)
+        r = self.lane.land((layer, e), self._started)
         if r is not None and r > now:
             self._span(out, STALL, layer, e, now, r)
             out.stall_s += r - now
@@ -302,7 +326,14 @@ class Simulator:
         self._span(out, COMPUTE, layer, e, now, now + float(d))
         return now + float(d)
 
-    def _end(self, out: Outcome, now: float) -> Outcome:
+    def _end(self, out: Outcome, now: float, layer: int) -> Outcome:
+        if self.lane.pending:  # demand-first: prefetches for a layer that has run
+            for key in self.lane.cancel(now, layer, None, self._started):
+                self.pool(key[0]).cancel(key)
+                self._used.pop(key, None)
+                self._prefetched.discard(key)
+                out.cancelled.append(key)
+                out.schedule.append(Cancelled(key))
         self.lanes.compute = out.end_s = now
         return out
 
