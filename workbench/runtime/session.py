@@ -158,7 +158,8 @@ class RunSession:
             prefetch_lead=k.prefetch_lead, prefetch_budget=rt.prefetch_budget(k),
             pruning=self.placement, hybrid=bool(k.hybrid),
             dispatch=dispatch, **self._balance(), prism=self.prism,
-            prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids)
+            prism_offload=bool(k.prism and k.prism_offload), macs_centroids=centroids,
+            cache_routing=k.cache_routing_strength if k.cache_routing else None)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
