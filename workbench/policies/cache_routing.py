@@ -60,9 +60,11 @@ class CacheRoutingKnobs(KnobGroup):
             "running mean logit range); the weights stay the router's own. Live only: a replay "
             "replays the routing as recorded.")
     cache_routing_strength = param.Number(
-        default=0.5, bounds=(0.0, 1.0), softbounds=(0.0, 1.0),
+        default=0.2, bounds=(0.0, 1.0), softbounds=(0.0, 1.0),
         doc="λ of Cache-Prior, in [0, 1]: 0 = the model's own routing; 1 = a resident expert "
-            "displaces any non-resident one whose logit is within one typical logit range.")
+            "displaces any non-resident one whose logit is within one typical logit range. "
+            "Default 0.2: the largest λ with no measured accuracy cost on the embedded model "
+            "(BENCHMARKS.md, cache-aware routing).")
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Live cache-aware routing reads whole experts' residency: not with sub-expert
