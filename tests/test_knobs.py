@@ -217,7 +217,7 @@ def test_knobs_alone_has_every_group_and_groups_register_once():
 
     keys = list(knob_groups())
     assert keys == ["cache", "prefetch", "cost", "ep", "exec", "generation", "active_evict",
-                    "compression", "predictor", "prism"]
+                    "cache_routing", "compression", "predictor", "prism"]
     assert list(Knobs().groups) == keys
     # registering a group's class again is harmless; another class under its names is not
     register_group("cache", CacheKnobs)

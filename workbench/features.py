@@ -18,6 +18,7 @@ from workbench.compression.policies import COMPRESSION, CompressionKnobs
 from workbench.knobs import (CacheKnobs, CostKnobs, ExecKnobs, GenerationKnobs, PrefetchKnobs,
                              register_group)
 from workbench.policies.active_evict import ActiveEvictKnobs
+from workbench.policies.cache_routing import CacheRoutingKnobs
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.predictor import policy as _predictor_policy  # noqa: F401  (prefetch "vismmoe")
@@ -45,6 +46,7 @@ GROUPS = (
     ("exec", ExecKnobs, {}),
     ("generation", GenerationKnobs, {}),
     ("active_evict", ActiveEvictKnobs, {}),
+    ("cache_routing", CacheRoutingKnobs, {}),
     ("compression", CompressionKnobs, {"compression": COMPRESSION}),
     ("predictor", PredictorKnobs, {}),
     ("prism", PrismKnobs, {}),

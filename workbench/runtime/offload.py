@@ -91,6 +91,7 @@ class Offloader:
             off) and whether the cache's keys are sub-experts.
         macs_centroids: MACS's calibrated centroids μ [L, E, D] on the device (None: η acts
             as 0).
+        cache_routing: cache-aware routing's strength λ (Cache-Prior; None: off).
         stages: the run's layer stages, built already (a session builds them from its knobs:
             :func:`workbench.runtime.stages.from_knobs`); None: built from the arguments above.
         transfer_order: the modeled transfer lane's order, ``fifo`` or ``demand-first``
@@ -108,7 +109,8 @@ class Offloader:
                  balance=None, rank_of_expert: np.ndarray | None = None,
                  low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
                  macs_centroids: torch.Tensor | None = None,
-                 stages: list[Stage] | None = None, transfer_order: str = "fifo") -> None:
+                 cache_routing: float | None = None, stages: list[Stage] | None = None,
+                 transfer_order: str = "fifo") -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -116,7 +118,7 @@ class Offloader:
             layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
             active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
             pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
-            prism_offload, macs_centroids)))
+            prism_offload, macs_centroids, cache_routing)))
         self.pinned_layers = pinned_layers
         self.probe = probe
         #: prefetched experts evicted before any access used them (the core's ``redundant``)

@@ -57,6 +57,8 @@ class RunResult:
     dispatch_rerouted: int = 0
     #: Expanded Drop: (token, expert) pairs added beyond the router's top-k
     dispatch_added: int = 0
+    #: cache-aware routing (``cache_routing``): assignments moved to a resident expert
+    cache_rerouted: int = 0
     #: ReaLB (``balance`` ≠ none): (layer call, expert) computations run in low precision
     low_precision_runs: int = 0
     #: MoE-Prism (prism=True): (token, sub-expert) runs the routed experts asked for (N per

@@ -10,14 +10,17 @@ from __future__ import annotations
 from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, RunContext, Stage,
                                            StageSetup, hooked)
 from workbench.runtime.stages.balance import BalanceStage
+from workbench.runtime.stages.cache_routing import CacheRouting
 from workbench.runtime.stages.dispatch import DispatchStage
 from workbench.runtime.stages.hybrid import HostRuns
 from workbench.runtime.stages.lookahead import DynamicTopK, Lookahead
 from workbench.runtime.stages.subexperts import SubExpertStage
 
-#: every stage class, in the order their hooks run within each phase
-STAGES: tuple[type[Stage], ...] = (DynamicTopK, DispatchStage, Lookahead, BalanceStage,
-                                    SubExpertStage, HostRuns)
+#: every stage class, in the order their hooks run within each phase (cache-aware routing
+#: after dynamic top-k, whose k it keeps, and before the dispatch, which must see the routing
+#: the tokens ask for)
+STAGES: tuple[type[Stage], ...] = (DynamicTopK, CacheRouting, DispatchStage, Lookahead,
+                                    BalanceStage, SubExpertStage, HostRuns)
 
 __all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "RunContext", "Stage", "StageSetup",
            "build", "from_knobs", "hooked"]

@@ -74,6 +74,7 @@ class StageSetup:
     prism: Any = None
     prism_offload: bool = False
     macs_centroids: torch.Tensor | None = None
+    cache_routing: float | None = None  # Cache-Prior's λ (None: off)
 
 
 @dataclass(frozen=True)
