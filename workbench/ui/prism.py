@@ -23,7 +23,7 @@ import html
 import importlib.resources
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,7 @@ class SubexpertView(PlotView):
 
     view = "subexperts"
     watches = ("dataset", "modality")
+    live = False  # below the first screen: drawn when a streaming run ends
 
     def __init__(self, store: DataStore, height: int = 300) -> None:
         self._layer: int | None = None  # the user's choice; None: the run's first offloaded
@@ -237,6 +238,10 @@ class SubexpertView(PlotView):
 
     def redraw(self, *events: Any) -> None:
         super().redraw(*events)
+        self._sync()
+
+    def _draw_waiting(self) -> None:
+        super()._draw_waiting()
         self._sync()
 
     def _sync(self) -> None:
@@ -268,6 +273,7 @@ class OperatingPointsView(PlotView):
 
     view = "prism_points"
     watches = ("dataset",)
+    live = False  # below the first screen: drawn when a streaming run ends
 
     def __init__(self, store: DataStore, height: int = 340,
                  points: dict[str, Any] | None = None) -> None:
@@ -463,10 +469,38 @@ class SchedulerStudy:
     elapsed_s: float
 
 
+#: studies already simulated in this process: (table, knob values, policies) → study; every
+#: new page simulated the same defaults again, 0.3 s idle and 2–5 s under load, on the event
+#: loop (issue 37: page load)
+_STUDIES: dict[tuple, SchedulerStudy] = {}
+
+
+def _study_key(table: Any, knobs: Any, policies: list[str]) -> tuple:
+    """What a study depends on: the table's contents, every knob value, the policies."""
+    values = tuple(sorted((k, repr(v)) for k, v in knobs.param.values().items() if k != "name"))
+    priced = (table.clock, tuple(table.sizes), int(table.prompt_tokens),
+              np.asarray(table.decode_s).tobytes(), np.asarray(table.prefill_s).tobytes())
+    return priced, values, tuple(policies)
+
+
 def scheduler_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStudy:
     """Simulate each of ``policies`` priced by ``table`` at ``knobs.rate`` and at
     :data:`RATE_FACTORS` × μ_full, ``knobs.requests`` Poisson requests a point, one seed (the
-    arrivals of two rates are one draw scaled)."""
+    arrivals of two rates are one draw scaled). Deterministic: a study of the same table,
+    knob values and policies is simulated once per process (the study returned then carries
+    the caller's ``table`` and ``knobs``)."""
+    key = _study_key(table, knobs, policies)
+    done = _STUDIES.get(key)
+    if done is not None:
+        return replace(done, table=table, knobs=knobs)
+    study = _simulate_study(table, knobs, policies)
+    if len(_STUDIES) > 32:
+        _STUDIES.clear()
+    _STUDIES[key] = study
+    return study
+
+
+def _simulate_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStudy:
     from workbench.prism import scheduler as S
 
     t0 = time.perf_counter()

@@ -116,8 +116,28 @@ def finish_figure(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
     return fig
 
 
+#: placeholder figures already built, as dicts: (view, title, message) → figure dict
+_PLACEHOLDERS: dict[tuple[str, str, str], dict] = {}
+
+
 def placeholder_figure(view: str, title: str, message: str) -> go.Figure:
-    """An empty figure with ``message`` in the middle (no run yet, empty selection, …)."""
+    """An empty figure with ``message`` in the middle (no run yet, empty selection, …).
+
+    A new figure each call (a pane may hold it), rebuilt from the dict of the first one built
+    for the same arguments: one validation instead of five (≈ 5× cheaper, and views show
+    placeholders at every run's start)."""
+    key = (view, title, message)
+    done = _PLACEHOLDERS.get(key)
+    if done is not None:
+        return go.Figure(done)
+    fig = _placeholder(view, title, message)
+    if len(_PLACEHOLDERS) > 256:
+        _PLACEHOLDERS.clear()
+    _PLACEHOLDERS[key] = fig.to_dict()
+    return fig
+
+
+def _placeholder(view: str, title: str, message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=wrap_title(message, WIDE_TITLE_CHARS if view in WIDE_VIEWS
                                        else TITLE_CHARS), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
@@ -508,7 +528,13 @@ class TickQueue:
     kept it busy: the next redraw waits :data:`REST` × the last one's duration, and after a
     burst :meth:`ready` is False for as long as the burst took — the poll reads the store's new
     steps only when ready (:meth:`DataStore.poll`), so under load frames are dropped (the
-    newest state wins) instead of queueing, and clicks are read in the idle time."""
+    newest state wins) instead of queueing, and clicks are read in the idle time.
+
+    The rests are for a stream of new data only (``rest_while``: the app's says whether the
+    shown run is being written): a filter's or a knob's redraws are finite, and resting between
+    them only made the user wait (the step-range filter's hit rate waited behind the heatmap and
+    its rest). ``urgent`` redraws (the first screen's views) go before the others queued (the
+    views below it), so a filter or a new run's first plot never waits behind those."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
@@ -516,6 +542,9 @@ class TickQueue:
     def __init__(self, doc: Any) -> None:
         self.doc = doc
         self.pending: dict[int, Callable[[], None]] = {}  # insertion order = redraw order
+        self.urgent: set[int] = set()  # keys of pending redraws that go first
+        #: whether redraws rest now (None: always; the app: while the shown run streams)
+        self.rest_while: Callable[[], bool] | None = None
         self.scheduled = False
         self.burst_s = 0.0  # seconds of redraws since the queue was last empty
         self.rest_until = 0.0  # time.monotonic() before which the session should not redraw
@@ -539,8 +568,16 @@ class TickQueue:
 
         return not self.pending and time.monotonic() >= self.rest_until
 
-    def add(self, key: int, fn: Callable[[], None]) -> None:
+    def _resting(self) -> bool:
+        try:
+            return self.rest_while is None or bool(self.rest_while())
+        except Exception:  # a predicate that fails: rest, as before there was one
+            return True
+
+    def add(self, key: int, fn: Callable[[], None], urgent: bool = False) -> None:
         self.pending[key] = fn
+        if urgent:
+            self.urgent.add(key)
         if not self.scheduled:
             self.scheduled = True
             self.doc.add_next_tick_callback(self._one)
@@ -551,43 +588,82 @@ class TickQueue:
         self.scheduled = False
         if not self.pending:
             return
-        fn = self.pending.pop(next(iter(self.pending)))
+        key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
+        self.urgent.discard(key)
+        fn = self.pending.pop(key)
         t0 = time.monotonic()
         try:
             fn()
         finally:
             took = time.monotonic() - t0
             self.burst_s += took
+            rest = self._resting()
             if self.pending:
                 if not self.scheduled:
                     self.scheduled = True
-                    self.doc.add_timeout_callback(self._one, max(1, int(took * self.REST * 1e3)))
+                    if rest:
+                        self.doc.add_timeout_callback(self._one,
+                                                      max(1, int(took * self.REST * 1e3)))
+                    else:  # the next tick: clicks are read between two redraws all the same
+                        self.doc.add_next_tick_callback(self._one)
             else:
-                self.rest_until = time.monotonic() + self.burst_s * self.REST
+                self.rest_until = time.monotonic() + self.burst_s * self.REST if rest else 0.0
                 self.burst_s = 0.0
+
+
+#: what a view below the first screen says while this session's run streams (``PlotView.live``)
+WAITING_FOR_END = ("drawn when the run ends: the four plots above follow it live (under load "
+                   "every view redrawn at each commit kept the page from answering)")
 
 
 class PlotView:
     """A plotly pane redrawn from the DataStore when one of ``watches`` changes (served: on
-    the session's :class:`TickQueue`, one view per tick)."""
+    the session's :class:`TickQueue`, one view per tick).
+
+    ``live`` False (the views below the first screen): while a run of this session streams
+    (:attr:`DataStore.streaming`) the view does not follow its commits; it says so once
+    (:data:`WAITING_FOR_END`) and draws the run when its last steps are read. Changes of
+    anything but the run (filters, knobs) still redraw it at once. Served, such a view starts
+    as a placeholder (``first_pending``) and the app draws it once the page has rendered: a new
+    page's first screen does not wait for the views below it."""
 
     view = "plot"
     watches: tuple[str, ...] = ()
+    #: follows every commit of a streaming run (the first screen's views); False: waits for
+    #: its end
+    live = True
+    #: events that only bring a streaming run's next commit
+    _RUN_EVENTS = frozenset({"dataset", "running"})
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
         self.store = store
         self.redraws = 0
+        self._waiting = False  # the WAITING_FOR_END placeholder is shown
         self._ticks = TickQueue.of_session()
-        self.pane = pn.pane.Plotly(self._safe_figure(), height=height,
+        #: not drawn yet: the app queues the first redraw once the page has rendered
+        self.first_pending = not self.live and self._ticks is not None
+        first = placeholder_figure(self.view, self.view, "drawing …") if self.first_pending \
+            else self._safe_figure()
+        self.pane = pn.pane.Plotly(first, height=height,
                                    sizing_mode="stretch_width",
                                    config={"displaylogo": False, "responsive": True})
         store.param.watch(self._changed, list(self.watches))
 
     def _changed(self, *events: Any) -> None:
+        fn = self.redraw
+        if not self.live and getattr(self.store, "streaming", False) and events \
+                and all(getattr(e, "name", None) in self._RUN_EVENTS for e in events):
+            if self._waiting:
+                return  # said already: the run is drawn when it ends
+            fn = self._draw_waiting
         if self._ticks is None:
-            self.redraw()
+            fn()
         else:
-            self._ticks.add(id(self), self.redraw)
+            self._ticks.add(id(self), fn, urgent=self.live)
+
+    def _draw_waiting(self) -> None:
+        self._waiting = True
+        self.pane.object = placeholder_figure(self.view, self.view, WAITING_FOR_END)
 
     def figure(self) -> go.Figure:
         raise NotImplementedError
@@ -604,6 +680,7 @@ class PlotView:
                                       f"could not draw: {type(e).__name__}: {e}")
 
     def redraw(self, *events: Any) -> None:
+        self._waiting = self.first_pending = False
         self.pane.object = self._safe_figure()
         self.redraws += 1
 
@@ -625,6 +702,7 @@ class HeatmapView(PlotView):
 
 class DiffHeatmapView(PlotView):
     view = "heatmap_diff"
+    live = False
     watches = ("dataset", "baseline", "modality", "step_range", "phase")
 
     def figure(self) -> go.Figure:
@@ -667,6 +745,7 @@ class TokenOverlayView(PlotView):
     """Kept vs pruned visual tokens over the shown run's image (token compression)."""
 
     view = "tokens"
+    live = False
     watches = ("dataset",)
 
     def figure(self) -> go.Figure:
@@ -677,6 +756,7 @@ class HotRecallView(PlotView):
     """Hot Recall per layer of the shown run's lookahead predictor, with the random baseline."""
 
     view = "hot_recall"
+    live = False
     watches = ("dataset", "step_range", "phase")
 
     def figure(self) -> go.Figure:
@@ -691,6 +771,7 @@ class EPView(PlotView):
     every commit of a run being written)."""
 
     view = "ep"
+    live = False
     watches = ("dataset", "baseline", "step_range", "phase")
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
@@ -851,13 +932,33 @@ class ReaLBView(EPView):
                                  f"{ep.balance}")
 
 
+#: the replays of served sessions, one at a time, off the event loop (``ReplayView``)
+_REPLAYS: Any = None
+
+
+def _replay_pool() -> Any:
+    global _REPLAYS
+    if _REPLAYS is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _REPLAYS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-replay")
+    return _REPLAYS
+
+
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
     Watches the shown run, the ``replay_*`` settings and the replay knobs (``replay_revision``)
-    only; replays, never re-runs."""
+    only; replays, never re-runs.
+
+    Served, the replay runs in a worker thread (:func:`_replay_pool`), not on the event loop:
+    after each run every policy is replayed at every size (0.3 s idle, 4-12 s measured under
+    load), and the page's clicks (the next Run) waited behind it. The curves shown stay until
+    the new ones are drawn; a replay asked while one is under way supersedes it (the newest
+    settings win; results of older ones are dropped). Unserved (tests, notebooks): at once."""
 
     view = "replay"
+    live = False
     watches = ("dataset", "running", "replay_evictions", "replay_scope", "replay_slots",
                "replay_at", "replay_revision")
 
@@ -867,6 +968,7 @@ class ReplayView(PlotView):
         replay kernel)."""
         self.study: ReplayStudy | None = None
         self.message = ""
+        self._asked = 0  # replays asked of the worker; a result is drawn only if the newest
         self._deferred = defer
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         super().__init__(store, height)
@@ -896,8 +998,53 @@ class ReplayView(PlotView):
                                       "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
 
     def redraw(self, *events: Any) -> None:
-        super().redraw(*events)
-        self.table.object = replay_table_html(self.study, self.message)
+        s = self.store
+        if self._ticks is None or s.dataset is None or s.running or s.live:
+            self._asked += 1  # (a replay under way is no longer wanted)
+            super().redraw(*events)  # a placeholder, or unserved: the replay at once
+            self.table.object = replay_table_html(self.study, self.message)
+            return
+        self._asked += 1
+        asked, revision, doc = self._asked, self._revision(), self._ticks.doc
+        if self.first_pending or self._waiting:
+            self._waiting = self.first_pending = False
+            self.pane.object = placeholder_figure(self.view, REPLAY_TITLE, "replaying …")
+
+        def work() -> tuple[Any, go.Figure, str]:
+            if asked != self._asked:
+                return None, None, ""  # superseded before it started
+            try:
+                study = s.replay_study()
+                return study, replay_view_figure(study, revision), ""
+            except Exception as e:
+                if not isinstance(e, WorkbenchError):
+                    log.exception("replay of %s failed", s.run_name)
+                msg = str(e) if isinstance(e, WorkbenchError) else \
+                    f"could not replay: {type(e).__name__}: {str(e)[:200]}"
+                return None, placeholder_figure(self.view, REPLAY_TITLE, "<br>".join(
+                    textwrap.wrap(html.escape(msg), 90))), msg
+
+        def done(future: Any) -> None:
+            def draw() -> None:
+                if asked != self._asked:
+                    return  # a newer replay is on its way
+                study, fig, msg = future.result()
+                if fig is None:
+                    return
+                from panel.io.state import set_curdoc
+
+                with set_curdoc(doc):  # Panel sends the change at once
+                    self.study, self.message = study, msg
+                    self.pane.object = fig
+                    self.table.object = replay_table_html(study, msg)
+                    self.redraws += 1
+
+            try:
+                doc.add_next_tick_callback(draw)
+            except Exception:  # the session is gone
+                log.debug("replay drawn after its session ended", exc_info=True)
+
+        _replay_pool().submit(work).add_done_callback(done)
 
 
 #: +1: higher is better, -1: lower is better, 0: neutral (colours the A/B deltas)
@@ -1009,7 +1156,26 @@ class DeltasView:
 
 def answer_view(store: DataStore) -> pn.viewable.Viewable:
     """The prompt and the answer as it streams; for a demo request, its expected answer beside
-    it once the run is done (marked right or wrong: exact match, as the model card counts)."""
+    it once the run is done (marked right or wrong: exact match, as the model card counts).
+
+    The parts read from the run's attributes (thumbnail, batch answers) are computed once per
+    shown dataset and baseline: the answer changes at every token, and parsing the attributes
+    each time held the event loop (py-spy, issue 37)."""
+    memo: dict[str, Any] = {"thumb": (None, ""), "rows": (None, "")}
+
+    def thumb_of(ds: xr.Dataset | None) -> str:
+        if memo["thumb"][0] is not ds:
+            memo["thumb"] = (ds, _thumbnail(ds))
+        return memo["thumb"][1]
+
+    def rows_of(ds: xr.Dataset | None) -> str:
+        key = (ds, store.baseline, store.baseline_name)
+        old = memo["rows"][0]
+        if old is None or any(a is not b for a, b in zip(old, key)):
+            memo["rows"] = (key, _batch_table(DataStore.batch_answers(ds),
+                                              DataStore.batch_answers(store.baseline),
+                                              store.baseline_name))
+        return memo["rows"][1]
 
     def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None,
                expected: str, baseline: xr.Dataset | None = None) -> str:
@@ -1027,10 +1193,8 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
         if len(prompt) > MAX_PROMPT_CHARS:  # a store may hold any prompt
             prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
-        thumb = _thumbnail(ds)
-        rows = "" if running else _batch_table(DataStore.batch_answers(ds),
-                                               DataStore.batch_answers(store.baseline),
-                                               store.baseline_name)
+        thumb = thumb_of(ds)
+        rows = "" if running else rows_of(ds)
         return (f"<div class='wb-answer'>{thumb}<div class='wb-muted'>{prompt}</div>"
                 f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}{rows}</div>")
 
@@ -1144,17 +1308,15 @@ class CompareView:
                                   sizing_mode="stretch_width")
         self.pane = pn.pane.Plotly(go.Figure(), height=320, sizing_mode="stretch_width", visible=False)
         self.choice.param.watch(self.redraw, "value")
-        store.param.watch(self.refresh, ["run_name", "running"])
+        # the store's list of runs (re-listed every refresh_s and when a run's store is
+        # written, which may come after ``running`` turned False: the end is shown first)
+        store.param.watch(self.refresh, ["run_name", "running", "runs"])
         self.refresh()
 
     def refresh(self, *events: Any) -> None:
-        from workbench.ui.datastore import list_runs
-
-        try:
-            names = [r.name for r in list_runs(self.store.workspace_path) if r.readable and r.status != "running"]
-        except WorkbenchError:
-            names = []
-        self.choice.options = names
+        names = [r.name for r in self.store.runs if r.readable and r.status != "running"]
+        if names != list(self.choice.options):
+            self.choice.options = names
         kept = [v for v in self.choice.value if v in names]
         if kept != list(self.choice.value):
             self.choice.value = kept
