@@ -248,6 +248,7 @@ def test_own_run_streams_while_it_goes(tiny_ckpt, tmp_path, monkeypatch):
             steps = s.dataset.sizes["step"] if s.dataset is not None else 0
             seen.append((s.progress, steps, s.answer, s.running))
             time.sleep(0.05)
+        s.wait()  # the end is shown before the store's final write: its last steps after it
     assert not s.running and s.dataset.sizes["step"] == 30
     mid = [x for x in seen if x[3] and 0 < x[1] < 30]
     assert mid, seen  # the plots' dataset grew while the run was going

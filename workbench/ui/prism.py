@@ -35,7 +35,7 @@ import xarray as xr
 
 from workbench.errors import InputError, WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui.views import PlotView, finish_figure, placeholder_figure
+from workbench.ui.views import PlotView, figure_from_dict, finish_figure, placeholder_figure
 from workbench.ui.widgets import knob_widget_specs, knob_param, make, names
 from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
 
@@ -500,6 +500,25 @@ def scheduler_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStu
     return study
 
 
+#: the scheduler figures of :data:`_STUDIES`, as dicts (a figure of subplots takes 0.5 s to
+#: build under load; rebuilt from its dict, ≈ 20× less)
+_STUDY_FIGURES: dict[tuple, dict] = {}
+
+
+def _scheduler_figure(study: SchedulerStudy, policies: list[str]) -> go.Figure:
+    """``scheduler_view_figure(study)``, built once per study (a new figure object each
+    call: a pane may hold it)."""
+    key = _study_key(study.table, study.knobs, policies)
+    done = _STUDY_FIGURES.get(key)
+    if done is not None:
+        return figure_from_dict(done)
+    fig = scheduler_view_figure(study)
+    if len(_STUDY_FIGURES) > 32:
+        _STUDY_FIGURES.clear()
+    _STUDY_FIGURES[key] = fig.to_dict()
+    return fig
+
+
 def _simulate_study(table: Any, knobs: Any, policies: list[str]) -> SchedulerStudy:
     from workbench.prism import scheduler as S
 
@@ -725,8 +744,9 @@ class SchedulerView:
             if self.cost is None:
                 raise InputError(self.cost_error)
             self.study = scheduler_study(self.cost, self.knobs, list(self.settings.policies))
-            fig = scheduler_view_figure(self.study) if self.study.at else placeholder_figure(
-                self.view, "QoS batch scheduler", "pick a policy to simulate")
+            fig = _scheduler_figure(self.study, list(self.settings.policies)) \
+                if self.study.at else placeholder_figure(
+                    self.view, "QoS batch scheduler", "pick a policy to simulate")
         except WorkbenchError as e:
             self.study, self.message = None, str(e)
             fig = placeholder_figure(self.view, "QoS batch scheduler", html.escape(str(e)))
