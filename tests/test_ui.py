@@ -372,6 +372,22 @@ def test_views_below_the_first_screen_wait_for_a_streaming_run(two_runs, monkeyp
     assert ep.redraws == n_ep + 3
 
 
+def test_sessions_showing_one_finished_run_share_its_routing_and_replays(two_runs):
+    """A new page showing the newest run replayed it all again (seconds under load): the
+    routing of a finished store and the replays made on it are shared by the sessions of the
+    process (``_SHARED_TRACES``), keyed by the store's identity."""
+    s = two_runs
+    s.open("a")
+    first = s.replay_study()
+    other = DataStore(workspace=s.workspace_path)
+    other.open("a")
+    assert other.replay_trace() is s.replay_trace() and other._replay_memo is s._replay_memo
+    again = other.replay_study()
+    assert again.curves.equals(first.curves) and again.table.equals(first.table)
+    other.open("b")
+    assert other.replay_trace() is not s.replay_trace()
+
+
 # -- views ----------------------------------------------------------------------------------------
 def test_filter_changes_redraw_only_the_views_that_use_them(two_runs):
     s = two_runs

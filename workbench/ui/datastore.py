@@ -275,6 +275,11 @@ def _os_reason(e: OSError) -> str:
 
 #: stores by path: (key of their zarr.json, repeat_key, measured metrics) for DataStore.repeats
 _REPEATS: dict[Path, tuple[Any, Any, dict[str, float]]] = {}
+#: finished runs' routing shared by the sessions of the process, oldest first:
+#: (path, (committed, status), key of the zarr.json) → (trace, the replays made on it)
+_SHARED_TRACES: dict[tuple, tuple[Any, dict]] = {}
+#: stores whose routing is kept there
+SHARED_TRACES = 4
 #: listed stores by path (the workspace resolved): (key of their zarr.json, RunInfo); a store
 #: that failed to open keeps its reason here until its zarr.json changes
 _LIST_CACHE: dict[Path, tuple[Any, RunInfo]] = {}
@@ -1501,7 +1506,10 @@ class DataStore(param.Parameterized):
     # -- replay (what-if) ----------------------------------------------------------------------
     def replay_trace(self):
         """The routing of the shown run as a :class:`~workbench.traces.Trace`, read from its
-        store once per committed state. :class:`InputError` without a finished run shown."""
+        store once per committed state, and shared with the other sessions of the process that
+        show the same store (:data:`_SHARED_TRACES`, with the replays made on it: a new page
+        showing the newest run replayed it all again, seconds under load).
+        :class:`InputError` without a finished run shown."""
         if self._path is None or self.dataset is None:
             raise InputError("no run is shown; open or run one to replay it")
         if self.live:
@@ -1511,6 +1519,12 @@ class DataStore(param.Parameterized):
         if key != self._trace_key:
             from workbench.traces import from_store
 
+            shared_key = (*key, self._meta)  # the same store file, not just the same lengths
+            shared = _SHARED_TRACES.get(shared_key)
+            if shared is not None:
+                self._trace, self._trace_key = shared[0], key
+                self._replay_memo = shared[1]
+                return self._trace
             try:
                 trace = from_store(self._path)
             except WorkbenchError:
@@ -1520,6 +1534,9 @@ class DataStore(param.Parameterized):
                 raise StoreError(f"the routing of {self.run_name} cannot be read: "
                                  f"{type(e).__name__}: {str(e)[:200]}") from None
             self._trace, self._trace_key, self._replay_memo = trace, key, {}
+            if len(_SHARED_TRACES) >= SHARED_TRACES:
+                _SHARED_TRACES.pop(next(iter(_SHARED_TRACES)))
+            _SHARED_TRACES[shared_key] = (trace, self._replay_memo)
         return self._trace
 
     def replay_bounds(self) -> tuple[int, int] | None:

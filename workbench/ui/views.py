@@ -993,30 +993,14 @@ class ReaLBView(EPView):
                                  f"{ep.balance}")
 
 
-#: the replays of served sessions, one at a time, off the event loop (``ReplayView``)
-_REPLAYS: Any = None
-
-
-def _replay_pool() -> Any:
-    global _REPLAYS
-    if _REPLAYS is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _REPLAYS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-replay")
-    return _REPLAYS
-
-
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
     Watches the shown run, the ``replay_*`` settings and the replay knobs (``replay_revision``)
-    only; replays, never re-runs.
-
-    Served, the replay runs in a worker thread (:func:`_replay_pool`), not on the event loop:
-    after each run every policy is replayed at every size (0.3 s idle, 4-12 s measured under
-    load), and the page's clicks (the next Run) waited behind it. The curves shown stay until
-    the new ones are drawn; a replay asked while one is under way supersedes it (the newest
-    settings win; results of older ones are dropped). Unserved (tests, notebooks): at once."""
+    only; replays, never re-runs. A finished run's routing and the replays made on it are
+    shared by the sessions that show it (``DataStore.replay_trace``): a new page replays
+    nothing again. It replays on the event loop: in a worker thread (tried, issue 37) the
+    replay, holding the GIL, slowed every callback of the page while it ran."""
 
     view = "replay"
     live = False
@@ -1029,7 +1013,6 @@ class ReplayView(PlotView):
         replay kernel)."""
         self.study: ReplayStudy | None = None
         self.message = ""
-        self._asked = 0  # replays asked of the worker; a result is drawn only if the newest
         self._deferred = defer
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         super().__init__(store, height)
@@ -1059,53 +1042,8 @@ class ReplayView(PlotView):
                                       "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
 
     def redraw(self, *events: Any) -> None:
-        s = self.store
-        if self._ticks is None or s.dataset is None or s.running or s.live:
-            self._asked += 1  # (a replay under way is no longer wanted)
-            super().redraw(*events)  # a placeholder, or unserved: the replay at once
-            self.table.object = replay_table_html(self.study, self.message)
-            return
-        self._asked += 1
-        asked, revision, doc = self._asked, self._revision(), self._ticks.doc
-        if self.first_pending or self._waiting:
-            self._waiting = self.first_pending = False
-            self.pane.object = placeholder_figure(self.view, REPLAY_TITLE, "replaying …")
-
-        def work() -> tuple[Any, go.Figure, str]:
-            if asked != self._asked:
-                return None, None, ""  # superseded before it started
-            try:
-                study = s.replay_study()
-                return study, replay_view_figure(study, revision), ""
-            except Exception as e:
-                if not isinstance(e, WorkbenchError):
-                    log.exception("replay of %s failed", s.run_name)
-                msg = str(e) if isinstance(e, WorkbenchError) else \
-                    f"could not replay: {type(e).__name__}: {str(e)[:200]}"
-                return None, placeholder_figure(self.view, REPLAY_TITLE, "<br>".join(
-                    textwrap.wrap(html.escape(msg), 90))), msg
-
-        def done(future: Any) -> None:
-            def draw() -> None:
-                if asked != self._asked:
-                    return  # a newer replay is on its way
-                study, fig, msg = future.result()
-                if fig is None:
-                    return
-                from panel.io.state import set_curdoc
-
-                with set_curdoc(doc):  # Panel sends the change at once
-                    self.study, self.message = study, msg
-                    self.pane.object = fig
-                    self.table.object = replay_table_html(study, msg)
-                    self.redraws += 1
-
-            try:
-                doc.add_next_tick_callback(draw)
-            except Exception:  # the session is gone
-                log.debug("replay drawn after its session ended", exc_info=True)
-
-        _replay_pool().submit(work).add_done_callback(done)
+        super().redraw(*events)
+        self.table.object = replay_table_html(self.study, self.message)
 
 
 #: +1: higher is better, -1: lower is better, 0: neutral (colours the A/B deltas)
