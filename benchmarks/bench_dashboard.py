@@ -97,6 +97,11 @@ HARNESS_JS = """
 """
 
 
+#: Playwright's waits, ms: a hang catcher, not a goal (a first page under load took > 30 s,
+#: Playwright's default, and the bench died before measuring anything)
+PAGE_TIMEOUT_MS = 180_000
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,12 +186,13 @@ def main() -> None:
             out["load"] = a.load
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1300})
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
             t = time.perf_counter()
             page.goto(f"http://127.0.0.1:{port}/dashboard")
             page.evaluate(HARNESS_JS)
             page.wait_for_function(
                 "() => window.__wb.plotsOf().filter(e => (e.layout.meta || {}).view).length >= 5",
-                timeout=60_000)
+                timeout=PAGE_TIMEOUT_MS)
             out["page_load_ms"] = (time.perf_counter() - t) * 1e3
             _set_number(page, ".wb-knob-max_new_tokens", a.max_new_tokens)
 
@@ -225,7 +231,7 @@ def main() -> None:
             for i in range(a.repeats):
                 btn = page.locator(".wb-filter-modality button",
                                    has_text=mods[i % len(mods)]).first
-                filt_ms.append(_timed(page, "view", "heatmap", btn.click, 10))
+                filt_ms.append(_timed(page, "view", "heatmap", btn.click, 180))
                 page.wait_for_timeout(200)
             out["modality_filter_to_plot"] = _stats(filt_ms)
 
@@ -236,7 +242,7 @@ def main() -> None:
                     handle.focus()
                     key = "ArrowLeft" if i % 2 == 0 else "ArrowRight"
                     step_ms.append(_timed(page, "view", "hit_rate",
-                                          lambda: handle.press(key), 10))
+                                          lambda: handle.press(key), 180))
                     page.wait_for_timeout(200)
                 out["step_range_filter_to_plot"] = _stats(step_ms)
 
@@ -245,11 +251,11 @@ def main() -> None:
             page.locator(".wb-replay-table").first.scroll_into_view_if_needed()
             page.wait_for_function(
                 "() => window.__wb.plotsOf().some(e => (e.layout.meta || {}).view === 'replay'"
-                " && (e.data || []).length > 1)", timeout=60_000)
+                " && (e.data || []).length > 1)", timeout=PAGE_TIMEOUT_MS)
             tog_ms = []
             btn = page.locator(".wb-replay-evictions button", has_text="lfu").first
             for i in range(2 * a.repeats):
-                tog_ms.append(_timed(page, "view", "replay", btn.click, 10))
+                tog_ms.append(_timed(page, "view", "replay", btn.click, 180))
                 page.wait_for_timeout(200)
             out["replay_policy_toggle_to_plot"] = _stats(tog_ms)
             rng_ms = []
@@ -258,7 +264,7 @@ def main() -> None:
                 for i in range(a.repeats):
                     handle.focus()
                     rng_ms.append(_timed(page, "view", "replay",
-                                         lambda: handle.press("ArrowLeft"), 10))
+                                         lambda: handle.press("ArrowLeft"), 180))
                     page.wait_for_timeout(200)
                     out["replay_range_to_plot"] = _stats(rng_ms)
 
@@ -269,13 +275,14 @@ def main() -> None:
                 page.close()
                 time.sleep(3)  # the previous session's replay and redraws settle
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
+                page.set_default_timeout(PAGE_TIMEOUT_MS)
                 t = time.perf_counter()
                 page.goto(f"http://127.0.0.1:{port}/dashboard")
                 page.evaluate(HARNESS_JS)
                 page.wait_for_function(
                     "() => ['heatmap', 'hit_rate', 'latency', 'timeline'].every(v => "
                     "window.__wb.plotsOf().some(e => (e.layout.meta || {}).view === v && "
-                    "(e.data || []).length))", timeout=60_000)
+                    "(e.data || []).length))", timeout=PAGE_TIMEOUT_MS)
                 load_ms.append((time.perf_counter() - t) * 1e3)
             out["page_load_last_run"] = _stats(load_ms)
             browser.close()

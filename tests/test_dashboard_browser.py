@@ -194,6 +194,10 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         assert after["heatmap"]["run"] and after["heatmap"]["run"].startswith("run-")
         wait_for(lambda: page.locator(".wb-stop button").first.is_disabled(), 30,
                  "the run to finish")
+        # the end is shown before the store's final write; the status line says when it is on
+        # disk (the note goes)
+        wait_for(lambda: "writing the store" not in
+                 page.locator(".wb-status").first.inner_text(), 30, "the store written")
         answer = page.locator("[data-testid=answer]").first.inner_text().strip()
         assert answer and answer not in ("…", "—")
 
@@ -564,8 +568,8 @@ def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, 
     status = page.locator(".wb-status").first
 
     def finished(what: str) -> None:
-        wait_for(lambda: run.is_enabled() and page.locator(".wb-stop button").first.is_disabled(),
-                 120, what)
+        wait_for(lambda: run.is_enabled() and page.locator(".wb-stop button").first.is_disabled()
+                 and "writing the store" not in status.inner_text(), 120, what)
 
     try:
         page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")

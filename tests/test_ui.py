@@ -248,6 +248,7 @@ def test_own_run_streams_while_it_goes(tiny_ckpt, tmp_path, monkeypatch):
             steps = s.dataset.sizes["step"] if s.dataset is not None else 0
             seen.append((s.progress, steps, s.answer, s.running))
             time.sleep(0.05)
+        s.wait()  # the end is shown before the store's final write: its last steps after it
     assert not s.running and s.dataset.sizes["step"] == 30
     mid = [x for x in seen if x[3] and 0 < x[1] < 30]
     assert mid, seen  # the plots' dataset grew while the run was going
@@ -302,6 +303,89 @@ def test_stop_ends_the_run_early(tiny_ckpt, tmp_path):
     assert s.status.startswith("stopped") and s.dataset.sizes["step"] < 200
     # the Runs list says so too (issue 37 §8: it said "complete · N steps")
     assert [r.label for r in list_runs(s.workspace_path)][0].split(" · ")[1] == "stopped"
+
+
+def test_the_end_is_shown_before_the_store_is_written(tiny_ckpt, tmp_path, monkeypatch):
+    """Issue 37 §1: the page shows a run ended (Run enabled, the status line) as soon as
+    generation has ended (``Runtime.run``'s ``on_result``), with a note while the store's
+    final write goes on; a second Run may start then (a store of its own: the model pool
+    starts it once the first store is written). Once written, the note goes and the store's
+    last steps are shown. The store's write is held here by a gate on ``Recorder.close``."""
+    import threading
+
+    from workbench.telemetry.store import Recorder
+
+    gate, closing = threading.Event(), threading.Event()
+    close = Recorder.close
+
+    def held_close(self, *a, **kw):
+        closing.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return close(self, *a, **kw)
+
+    monkeypatch.setattr(Recorder, "close", held_close)
+    woken = []
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), max_new_tokens=4)
+    s.wake = lambda: woken.append(time.monotonic())
+    first = s.start_run(prompt="first", name="first")
+    try:
+        assert closing.wait(60), "the run never reached its store's final write"
+        assert woken, "the run's thread did not ask for a poll when generation ended"
+        assert s.streaming
+        s.poll()
+        assert not s.running and s.status.endswith("· writing the store …"), s.status
+        assert s.status.startswith("complete: first.zarr · 4 tokens")
+        assert s.streaming  # the views below the first screen wait for the last steps
+        s.poll()  # nothing new until the store is written
+        assert s.status.endswith("· writing the store …")
+        second = s.start_run(prompt="second", name="second")  # refused before: in progress
+        assert second != first
+    finally:
+        gate.set()
+    s.wait()
+    assert not s.running and not s.error and s.run_name == "second.zarr"
+    assert workbench.open_run(first).attrs["status"] == "complete"
+    assert "writing the store" not in s.status and s.dataset.attrs["status"] == "complete"
+    assert not s.streaming
+
+
+def test_views_below_the_first_screen_wait_for_a_streaming_run(two_runs, monkeypatch):
+    """While this session's run streams, a view below the first screen (``live`` False) says
+    once that it is drawn at the run's end instead of redrawing at every commit; the first
+    screen's views follow each commit; anything but the run (a filter) still redraws it."""
+    from workbench.ui.views import WAITING_FOR_END, EPView
+
+    s = two_runs
+    s.open("a")
+    heat, ep = HeatmapView(s), EPView(s)
+    monkeypatch.setattr(DataStore, "streaming", property(lambda self: True))
+    n_heat, n_ep = heat.redraws, ep.redraws
+    for _ in range(2):  # two commits of a streaming run (as the tail sets them)
+        s.dataset = s.dataset.copy()
+    assert heat.redraws == n_heat + 2 and ep.redraws == n_ep
+    assert WAITING_FOR_END[:30] in ep.pane.object.layout.annotations[0].text.replace("<br>", " ")
+    s.step_range = (1, 3)  # a filter: drawn with what is there
+    assert ep.redraws == n_ep + 1
+    s.step_range = None
+    monkeypatch.undo()
+    s.dataset = s.dataset.copy()  # the last steps, read once the store is written
+    assert ep.redraws == n_ep + 3
+
+
+def test_sessions_showing_one_finished_run_share_its_routing_and_replays(two_runs):
+    """A new page showing the newest run replayed it all again (seconds under load): the
+    routing of a finished store and the replays made on it are shared by the sessions of the
+    process (``_SHARED_TRACES``), keyed by the store's identity."""
+    s = two_runs
+    s.open("a")
+    first = s.replay_study()
+    other = DataStore(workspace=s.workspace_path)
+    other.open("a")
+    assert other.replay_trace() is s.replay_trace() and other._replay_memo is s._replay_memo
+    again = other.replay_study()
+    assert again.curves.equals(first.curves) and again.table.equals(first.table)
+    other.open("b")
+    assert other.replay_trace() is not s.replay_trace()
 
 
 # -- views ----------------------------------------------------------------------------------------

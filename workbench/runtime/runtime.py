@@ -241,12 +241,15 @@ class Runtime:
             store: str | Path | None = None, overwrite: bool = False, record: bool = True,
             on_token: Callable[[int, str], None] | None = None,
             stop: threading.Event | None = None, logits_processor: Sequence[Any] = (),
+            on_result: Callable[[RunResult], None] | None = None,
             **knob_values: Any) -> RunResult:
         """Serve one request, or a batch of them run together: ``prompt`` a list of
         :class:`Request` (``images`` then empty; see :func:`workbench.batch` for batches of the
         demo and generated scenes). ``store`` defaults to a fresh folder in the workspace option;
         ``record=False`` skips telemetry (for overhead benchmarks). ``on_token(id, text_so_far)``
-        streams tokens. ``logits_processor``: extra transformers logits processors for
+        streams tokens; ``on_result(result)`` gets the result as soon as generation has ended,
+        before the store's final write (the store is complete only when ``run`` returns).
+        ``logits_processor``: extra transformers logits processors for
         ``generate`` (e.g. teacher forcing, see :meth:`quality`). Knob values given here apply
         to this run only.
 
@@ -278,7 +281,8 @@ class Runtime:
         with threads_for_run(self.lm.device):
             return RunSession(self, knobs, requests, store_path=store_path,
                               overwrite=overwrite, on_token=on_token, stop=stop,
-                              logits_processor=list(logits_processor)).run()
+                              logits_processor=list(logits_processor),
+                              on_result=on_result).run()
 
     def quality(self, prompt: str | Request, images: Sequence[Any] = (), *,
                 dynamic_topk: bool = True, **knob_values: Any):

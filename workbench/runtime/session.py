@@ -94,10 +94,14 @@ class RunSession:
                  store_path=None, overwrite: bool = False,
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,
-                 logits_processor: list | None = None) -> None:
+                 logits_processor: list | None = None,
+                 on_result: Callable[[RunResult], None] | None = None) -> None:
         self.runtime, self.knobs, self.requests = runtime, knobs, list(requests)
         self.store_path, self.overwrite = store_path, overwrite
         self.on_token, self.stop = on_token, stop
+        #: called with the result once generation has ended, before the store's final write
+        #: (a UI shows the end then; :meth:`run` still raises if that write fails)
+        self.on_result = on_result
         self.logits_processor = list(logits_processor or [])
         lm = runtime.lm
         if len(self.requests) > 1 and runtime.uses_predictor(knobs):
@@ -353,6 +357,8 @@ class RunSession:
             result.predictor_cost = self.predictor.cost_summary()
         if hasattr(self.policy, "stats"):
             result.eviction_stats = self.policy.stats()
+        if self.on_result is not None:
+            self.on_result(result)
         if self.recorder is not None:
             self.recorder.close("complete", summary=json.dumps(result.to_json()),
                                 compression_visual_tokens=result.visual_tokens,

@@ -304,10 +304,13 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     if served:
         def show_below() -> None:
             later.objects = below
-            # the first replay imports torch, the first simulation its compiled kernel: on
-            # later ticks, once the views below are sent
+            # the views below the first screen are drawn on later ticks, once they are sent
+            # (PlotView.first_pending), the slow ones last: the first replay imports torch,
+            # the first simulation its compiled kernel
             ticks = TickQueue.of_session()
-            for view in (rep, sched):
+            first = [v for v in views.values() if getattr(v, "first_pending", False)
+                     and v is not rep]
+            for view in (*first, rep, sched):
                 ticks.add(id(view), view.redraw) if ticks is not None else view.redraw()
 
         pn.state.onload(show_below)
@@ -323,9 +326,22 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     # the store's new steps are read only when the session's redraws have rested (TickQueue):
     # under load frames are dropped, and clicks are read in the idle time
     ticks = TickQueue.of_session()
-    poll = pn.state.add_periodic_callback(
-        store.poll if ticks is None else lambda: store.poll(tail=ticks.ready()),
-        period=poll_ms) if poll_ms else None
+    poll_now = store.poll if ticks is None else lambda: store.poll(tail=ticks.ready())
+    poll = pn.state.add_periodic_callback(poll_now, period=poll_ms) if poll_ms else None
+    if ticks is not None:
+        # redraws rest only while the shown run streams (TickQueue): new data keeps coming
+        ticks.rest_while = lambda: store.live or store.streaming
+        # the run's end is shown on the next tick of the loop, not up to a period later: the
+        # run's thread schedules a poll (add_next_tick_callback: Bokeh's thread-safe entry)
+        from panel.io.state import set_curdoc
+
+        doc = ticks.doc
+
+        def poll_in_session() -> None:
+            with set_curdoc(doc):  # Panel sends the changes at once, as in its own callbacks
+                poll_now()
+
+        store.wake = lambda: doc.add_next_tick_callback(poll_in_session)
 
     if template:
         # Bootstrap, not Fast: the Fast design fetches a Google font (no third-party requests)

@@ -117,6 +117,8 @@ UPLOAD_FORMATS = ("PNG", "JPEG")
 TAIL_REREAD_S = 1.0
 #: failed re-reads of a store being written before it is reported unreadable
 TAIL_RETRIES = 10
+#: idle time after a progress update of a run in flight, in units of the update's own duration
+PROGRESS_REST = 1.0
 #: longest answer shown (characters)
 MAX_ANSWER_CHARS = 20_000
 
@@ -273,6 +275,11 @@ def _os_reason(e: OSError) -> str:
 
 #: stores by path: (key of their zarr.json, repeat_key, measured metrics) for DataStore.repeats
 _REPEATS: dict[Path, tuple[Any, Any, dict[str, float]]] = {}
+#: finished runs' routing shared by the sessions of the process, oldest first:
+#: (path, (committed, status), key of the zarr.json) → (trace, the replays made on it)
+_SHARED_TRACES: dict[tuple, tuple[Any, dict]] = {}
+#: stores whose routing is kept there
+SHARED_TRACES = 4
 #: listed stores by path (the workspace resolved): (key of their zarr.json, RunInfo); a store
 #: that failed to open keeps its reason here until its zarr.json changes
 _LIST_CACHE: dict[Path, tuple[Any, RunInfo]] = {}
@@ -719,13 +726,20 @@ class _Job:
     tokens: int = 0
     done: bool = False
     error: str = ""
+    #: the run's result, set when generation has ended: from then on only the store's final
+    #: write (every array flushed, the summary written) is left, until ``done``
     result: Any = None
     thread: threading.Thread | None = None
     #: tokens generated when Stop reached this process (None: not stopped); the run ends
     #: after at most one more token, which the status line shows
     stop_token: int | None = None
-    #: the end was shown (buttons, status); the next poll reads the store's last steps
+    #: the end was shown (buttons, status); the first poll once ``done`` reads the store's
+    #: last steps
     reported: bool = False
+    #: the status line of the end, without the note that the store is still being written
+    end_status: str = ""
+    #: the store is written; its last steps are being read (the views all draw them)
+    final: bool = False
     #: the run shown when this one started: (path, sig, meta, run name, dataset); shown again
     #: when this one fails before its store exists (a refusal the run found, not _precheck)
     previous: tuple | None = None
@@ -839,6 +853,11 @@ class DataStore(param.Parameterized):
         self._upload_ended: tuple[str, float] | None = None  # (name, when it was had whole)
         self._refused = ""  # the message of the last Run refused before it started
         self._refused_prompt: str | None = None  # and the prompt it was given
+        self._progress_rest = 0.0  # time.monotonic() before which progress is not updated
+        #: called from the run's thread when it has news for :meth:`poll` (its end); must be
+        #: thread-safe. The app sets it to schedule a poll on the session's event loop at once
+        #: instead of at the next period (None: the periodic poll only)
+        self.wake: Any = None
         self.refresh()
 
     # -- workspace ---------------------------------------------------------------------------
@@ -1054,8 +1073,11 @@ class DataStore(param.Parameterized):
         ``prompt``/``images`` default to :attr:`prompt` / :attr:`image`; ``name`` to a fresh
         ``run-<time>-NNN``. Bad input raises :class:`InputError` before any thread starts.
         """
-        if self._job is not None and not self._job.done:
+        job = self._job
+        if job is not None and not job.done and job.result is None:
             raise InputError("a run is already in progress; stop it or wait for it to finish")
+        # (a run whose generation has ended may still be writing its store: the new run has
+        # a store of its own, and the model pool starts it once that write is done)
         self._refused_prompt = prompt  # None: the prompt box's, whatever it then holds
         prompt = self.prompt if prompt is None else prompt
         try:
@@ -1183,6 +1205,10 @@ class DataStore(param.Parameterized):
                 rt = Runtime(lm, knobs=Knobs(**knobs))
                 job.phase = "running"
 
+                def on_result(result: Any) -> None:  # generation ended; the store's last
+                    job.text, job.result = result.text, result  # write follows: show the end
+                    self._wake_poll()
+
                 def on_token(token: int, text: str) -> None:
                     job.tokens += 1
                     job.text = text
@@ -1191,11 +1217,11 @@ class DataStore(param.Parameterized):
                     from workbench.models.inputs import Request
 
                     job.result = rt.run([Request(prompt, images, expected=expected), *extra],
-                                        store=job.path,
-                                        on_token=on_token, stop=job.stop)
+                                        store=job.path, on_token=on_token, stop=job.stop,
+                                        on_result=on_result)
                 else:
                     job.result = rt.run(prompt, images=images, store=job.path,
-                                        on_token=on_token, stop=job.stop)
+                                        on_token=on_token, stop=job.stop, on_result=on_result)
             job.text = job.result.text
         except WorkbenchError as e:
             job.error = str(e)
@@ -1205,6 +1231,19 @@ class DataStore(param.Parameterized):
         finally:
             job.phase = "done"
             job.done = True
+            if job.error and job.result is not None:  # the end was shown; its store failed
+                log.error("run %s: its store's final write failed: %s", job.path.name, job.error)
+            self._wake_poll()
+
+    def _wake_poll(self) -> None:
+        """Ask for a :meth:`poll` soon (:attr:`wake`; the run's thread calls this). Never
+        raises: a closed session's loop is not the run's problem."""
+        wake = self.wake
+        if wake is not None:
+            try:
+                wake()
+            except Exception:
+                log.debug("wake failed", exc_info=True)
 
     def stop(self) -> None:
         """Ask the run in flight to stop after the current token (its store stays valid)."""
@@ -1227,6 +1266,14 @@ class DataStore(param.Parameterized):
             self.poll()
 
     @property
+    def streaming(self) -> bool:
+        """The shown store is this session's run in flight, from :meth:`start_run` until its
+        last steps are read once it is written: views below the first screen wait for them
+        (``PlotView.live``)."""
+        job = self._job
+        return job is not None and not job.final and self._path == job.path
+
+    @property
     def live(self) -> bool:
         """The shown store is still being written (by this session or anyone else)."""
         return self.running or (self.dataset is not None
@@ -1236,14 +1283,17 @@ class DataStore(param.Parameterized):
     def poll(self, tail: bool = True) -> None:
         """Bring parameters up to date: the run thread's progress, the shown store's new steps
         (unless ``tail`` is False: the page is still drawing the last ones, see
-        ``views.TickQueue``), the run list (every ``refresh_s``). Cheap when nothing changed
-        (one ``stat``). Never raises: it runs on the event loop, where an exception would only
-        be logged over and over; an unexpected one is logged once and shown in :attr:`error`."""
+        ``views.TickQueue``; a run's first steps are read all the same), the run list (every
+        ``refresh_s``). Cheap when nothing changed (one ``stat``). Never raises: it runs on the
+        event loop, where an exception would only be logged over and over; an unexpected one
+        is logged once and shown in :attr:`error`."""
         try:
             job = self._job
             if job is not None:
                 self._apply(job)
-            if tail:
+            # a run's first steps are read even while the page rests: they replace the
+            # placeholders the user is waiting on (Run → first plot), and nothing is dropped
+            if tail or (self.dataset is None and self.streaming):
                 self._tail()
             self._clear_fixed_refusal()
             if time.monotonic() - self._last_refresh >= self.refresh_s:
@@ -1255,17 +1305,29 @@ class DataStore(param.Parameterized):
                 self.error = msg
 
     def _apply(self, job: _Job) -> None:
+        """Copy the run thread's fields into parameters. Its end is shown (buttons, status) as
+        soon as generation has ended (``job.result``), in a callback of its own, before the
+        store's final write is done; once it is done, the next call reads the store's last
+        steps (views redraw) and lets the job go."""
         n, m = job.tokens, job.max_new_tokens
-        if job.reported:  # the poll after the end: the store's last steps (views redraw)
+        if job.reported:  # the end is shown
+            if not job.done:
+                return  # the store's final write is under way
+            job.final = True  # the views below the first screen draw these last steps
+            if job.error:  # shown as ended; then its store failed
+                if self.error != job.error:
+                    self.param.update(error=job.error, status=f"failed: {job.path.name}")
+            elif job.end_status and self.status != job.end_status:
+                self.status = job.end_status  # the store is written now
             self._tail(force=True)
             self._job = None
             self.refresh()
             return
         upd: dict[str, Any] = {"progress": min(n, m), "answer": job.text}
-        if job.done:
+        if job.done or job.result is not None:
             upd["running"] = False
             res = job.result
-            if job.error:
+            if job.error:  # (with a result: generation ended, then the store failed)
                 upd["error"] = job.error
                 upd["status"] = f"failed: {job.path.name}"
             elif res is not None:
@@ -1273,13 +1335,15 @@ class DataStore(param.Parameterized):
                 if res.stopped:
                     how = "stopped" + ("" if job.stop_token is None else
                                        f" (Stop arrived at token {job.stop_token})")
-                upd["status"] = (f"{how}: {job.path.name} · {len(res.token_ids)} tokens, "
-                                 f"{res.steps} steps · {res.latency_measured_s:.2f} s measured, "
-                                 f"{res.latency_modeled_s * 1e3:.1f} ms modeled")
+                job.end_status = (f"{how}: {job.path.name} · {len(res.token_ids)} tokens, "
+                                  f"{res.steps} steps · {res.latency_measured_s:.2f} s measured, "
+                                  f"{res.latency_modeled_s * 1e3:.1f} ms modeled")
+                upd["status"] = job.end_status + ("" if job.done else
+                                                  " · writing the store …")
                 upd["progress"] = m if not res.stopped else min(n, m)
             else:
                 upd["status"] = f"stopped before start: {job.path.name}"
-            if job.path == self._path and not (job.path / "zarr.json").is_file():
+            if job.done and job.path == self._path and not (job.path / "zarr.json").is_file():
                 # failed before its store was created (e.g. a refusal only the loaded model
                 # could find): the run shown before comes back, as after a _precheck refusal
                 path, sig, meta, name, ds = job.previous or (None, None, None, None, None)
@@ -1293,11 +1357,14 @@ class DataStore(param.Parameterized):
                 self._track_refusal(job.error)
             # the buttons and the status now, in a callback of their own (Bokeh sends a
             # callback's changes when it returns: what the user waits for after Stop); the
-            # store's last steps at the next poll (the job still set, so the tail keeps this
+            # store's last steps once it is written (the job still set, so the tail keeps this
             # status)
             self.param.update(**upd)
             job.reported = True
             return
+        now = time.monotonic()
+        if now < self._progress_rest:
+            return  # the last update's rest (see below): this frame is dropped
         upd["status"] = {
             "queued": "starting …",
             "loading": "loading the model …",
@@ -1307,6 +1374,10 @@ class DataStore(param.Parameterized):
                        f"steps stored",
         }.get(job.phase, job.phase)
         self.param.update(**upd)
+        # the progress (bar, answer, status line) rests as long as its update took: idle it
+        # takes milliseconds and every poll shows a token; under load one took 0.1-0.35 s,
+        # every poll, which kept the event loop (and, by the GIL, the run) busy (issue 37)
+        self._progress_rest = time.monotonic() + (time.monotonic() - now) * PROGRESS_REST
 
     def _tail(self, force: bool = False) -> None:
         """Re-open the shown store if its ``committed`` lengths or ``status`` changed (its
@@ -1435,7 +1506,10 @@ class DataStore(param.Parameterized):
     # -- replay (what-if) ----------------------------------------------------------------------
     def replay_trace(self):
         """The routing of the shown run as a :class:`~workbench.traces.Trace`, read from its
-        store once per committed state. :class:`InputError` without a finished run shown."""
+        store once per committed state, and shared with the other sessions of the process that
+        show the same store (:data:`_SHARED_TRACES`, with the replays made on it: a new page
+        showing the newest run replayed it all again, seconds under load).
+        :class:`InputError` without a finished run shown."""
         if self._path is None or self.dataset is None:
             raise InputError("no run is shown; open or run one to replay it")
         if self.live:
@@ -1445,6 +1519,12 @@ class DataStore(param.Parameterized):
         if key != self._trace_key:
             from workbench.traces import from_store
 
+            shared_key = (*key, self._meta)  # the same store file, not just the same lengths
+            shared = _SHARED_TRACES.get(shared_key)
+            if shared is not None:
+                self._trace, self._trace_key = shared[0], key
+                self._replay_memo = shared[1]
+                return self._trace
             try:
                 trace = from_store(self._path)
             except WorkbenchError:
@@ -1454,6 +1534,9 @@ class DataStore(param.Parameterized):
                 raise StoreError(f"the routing of {self.run_name} cannot be read: "
                                  f"{type(e).__name__}: {str(e)[:200]}") from None
             self._trace, self._trace_key, self._replay_memo = trace, key, {}
+            if len(_SHARED_TRACES) >= SHARED_TRACES:
+                _SHARED_TRACES.pop(next(iter(_SHARED_TRACES)))
+            _SHARED_TRACES[shared_key] = (trace, self._replay_memo)
         return self._trace
 
     def replay_bounds(self) -> tuple[int, int] | None:

@@ -116,8 +116,52 @@ def finish_figure(fig: go.Figure, view: str, revision: Any = None) -> go.Figure:
     return fig
 
 
+#: placeholder figures already built, as dicts: (view, title, message) → figure dict
+_PLACEHOLDERS: dict[tuple[str, str, str], dict] = {}
+
+
+def _arrays(value: Any) -> Any:
+    """``value`` (a figure's ``to_dict()``) with plotly's typed-array specs (``{"dtype",
+    "bdata"[, "shape"]}``, how plotly ≥ 6 writes numpy arrays) decoded back into numpy arrays."""
+    if isinstance(value, dict):
+        if "bdata" in value and "dtype" in value and set(value) <= {"bdata", "dtype", "shape"}:
+            import base64
+
+            a = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+            shape = value.get("shape")
+            if isinstance(shape, str):
+                shape = [int(x) for x in shape.split(",")]
+            return a.reshape(shape).copy() if shape else a.copy()
+        return {k: _arrays(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_arrays(v) for v in value]
+    return value
+
+
+def figure_from_dict(d: dict) -> go.Figure:
+    """A new figure from a figure's ``to_dict()``, its arrays numpy arrays again (one
+    validation: ≈ 5-20× cheaper than building a figure call by call)."""
+    return go.Figure(_arrays(d))
+
+
 def placeholder_figure(view: str, title: str, message: str) -> go.Figure:
-    """An empty figure with ``message`` in the middle (no run yet, empty selection, …)."""
+    """An empty figure with ``message`` in the middle (no run yet, empty selection, …).
+
+    A new figure each call (a pane may hold it), rebuilt from the dict of the first one built
+    for the same arguments: one validation instead of five (≈ 5× cheaper, and views show
+    placeholders at every run's start)."""
+    key = (view, title, message)
+    done = _PLACEHOLDERS.get(key)
+    if done is not None:
+        return figure_from_dict(done)
+    fig = _placeholder(view, title, message)
+    if len(_PLACEHOLDERS) > 256:
+        _PLACEHOLDERS.clear()
+    _PLACEHOLDERS[key] = fig.to_dict()
+    return fig
+
+
+def _placeholder(view: str, title: str, message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=wrap_title(message, WIDE_TITLE_CHARS if view in WIDE_VIEWS
                                        else TITLE_CHARS), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
@@ -508,7 +552,13 @@ class TickQueue:
     kept it busy: the next redraw waits :data:`REST` × the last one's duration, and after a
     burst :meth:`ready` is False for as long as the burst took — the poll reads the store's new
     steps only when ready (:meth:`DataStore.poll`), so under load frames are dropped (the
-    newest state wins) instead of queueing, and clicks are read in the idle time."""
+    newest state wins) instead of queueing, and clicks are read in the idle time.
+
+    The rests are for a stream of new data only (``rest_while``: the app's says whether the
+    shown run is being written): a filter's or a knob's redraws are finite, and resting between
+    them only made the user wait (the step-range filter's hit rate waited behind the heatmap and
+    its rest). ``urgent`` redraws (the first screen's views) go before the others queued (the
+    views below it), so a filter or a new run's first plot never waits behind those."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
@@ -516,6 +566,9 @@ class TickQueue:
     def __init__(self, doc: Any) -> None:
         self.doc = doc
         self.pending: dict[int, Callable[[], None]] = {}  # insertion order = redraw order
+        self.urgent: set[int] = set()  # keys of pending redraws that go first
+        #: whether redraws rest now (None: always; the app: while the shown run streams)
+        self.rest_while: Callable[[], bool] | None = None
         self.scheduled = False
         self.burst_s = 0.0  # seconds of redraws since the queue was last empty
         self.rest_until = 0.0  # time.monotonic() before which the session should not redraw
@@ -539,8 +592,16 @@ class TickQueue:
 
         return not self.pending and time.monotonic() >= self.rest_until
 
-    def add(self, key: int, fn: Callable[[], None]) -> None:
+    def _resting(self) -> bool:
+        try:
+            return self.rest_while is None or bool(self.rest_while())
+        except Exception:  # a predicate that fails: rest, as before there was one
+            return True
+
+    def add(self, key: int, fn: Callable[[], None], urgent: bool = False) -> None:
         self.pending[key] = fn
+        if urgent:
+            self.urgent.add(key)
         if not self.scheduled:
             self.scheduled = True
             self.doc.add_next_tick_callback(self._one)
@@ -551,49 +612,121 @@ class TickQueue:
         self.scheduled = False
         if not self.pending:
             return
-        fn = self.pending.pop(next(iter(self.pending)))
+        key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
+        self.urgent.discard(key)
+        fn = self.pending.pop(key)
         t0 = time.monotonic()
         try:
             fn()
         finally:
             took = time.monotonic() - t0
             self.burst_s += took
+            rest = self._resting()
             if self.pending:
                 if not self.scheduled:
                     self.scheduled = True
-                    self.doc.add_timeout_callback(self._one, max(1, int(took * self.REST * 1e3)))
+                    if rest:
+                        self.doc.add_timeout_callback(self._one,
+                                                      max(1, int(took * self.REST * 1e3)))
+                    else:  # the next tick: clicks are read between two redraws all the same
+                        self.doc.add_next_tick_callback(self._one)
             else:
-                self.rest_until = time.monotonic() + self.burst_s * self.REST
+                self.rest_until = time.monotonic() + self.burst_s * self.REST if rest else 0.0
                 self.burst_s = 0.0
+
+
+#: figures of finished runs shared by sessions (``PlotView._safe_figure``): key → figure dict
+_FIGURES: dict[tuple, dict] = {}
+
+#: what a view below the first screen says while this session's run streams (``PlotView.live``)
+WAITING_FOR_END = ("drawn when the run ends: the four plots above follow it live (under load "
+                   "every view redrawn at each commit kept the page from answering)")
 
 
 class PlotView:
     """A plotly pane redrawn from the DataStore when one of ``watches`` changes (served: on
-    the session's :class:`TickQueue`, one view per tick)."""
+    the session's :class:`TickQueue`, one view per tick).
+
+    ``live`` False (the views below the first screen): while a run of this session streams
+    (:attr:`DataStore.streaming`) the view does not follow its commits; it says so once
+    (:data:`WAITING_FOR_END`) and draws the run when its last steps are read. Changes of
+    anything but the run (filters, knobs) still redraw it at once. Served, such a view starts
+    as a placeholder (``first_pending``) and the app draws it once the page has rendered: a new
+    page's first screen does not wait for the views below it."""
 
     view = "plot"
     watches: tuple[str, ...] = ()
+    #: follows every commit of a streaming run (the first screen's views); False: waits for
+    #: its end
+    live = True
+    #: events that only bring a streaming run's next commit
+    _RUN_EVENTS = frozenset({"dataset", "running"})
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
         self.store = store
         self.redraws = 0
+        self._waiting = False  # the WAITING_FOR_END placeholder is shown
         self._ticks = TickQueue.of_session()
-        self.pane = pn.pane.Plotly(self._safe_figure(), height=height,
+        #: not drawn yet: the app queues the first redraw once the page has rendered
+        self.first_pending = not self.live and self._ticks is not None
+        first = placeholder_figure(self.view, self.view, "drawing …") if self.first_pending \
+            else self._safe_figure()
+        self.pane = pn.pane.Plotly(first, height=height,
                                    sizing_mode="stretch_width",
                                    config={"displaylogo": False, "responsive": True})
         store.param.watch(self._changed, list(self.watches))
 
     def _changed(self, *events: Any) -> None:
+        fn = self.redraw
+        if not self.live and getattr(self.store, "streaming", False) and events \
+                and all(getattr(e, "name", None) in self._RUN_EVENTS for e in events):
+            if self._waiting:
+                return  # said already: the run is drawn when it ends
+            fn = self._draw_waiting
         if self._ticks is None:
-            self.redraw()
+            fn()
         else:
-            self._ticks.add(id(self), self.redraw)
+            self._ticks.add(id(self), fn, urgent=self.live)
+
+    def _draw_waiting(self) -> None:
+        self._waiting = True
+        self.pane.object = placeholder_figure(self.view, self.view, WAITING_FOR_END)
 
     def figure(self) -> go.Figure:
         raise NotImplementedError
 
+    #: store parameters the figure depends on besides the dataset; a view that names them
+    #: (and depends on nothing else) shares its figures of a finished run between sessions
+    memo_params: tuple[str, ...] | None = None
+
+    def _memo_key(self) -> tuple | None:
+        """The key of this view's figure in :data:`_FIGURES`: the view, the shown store's
+        identity (path, committed lengths and status, its ``zarr.json``'s mtime, size and
+        inode) and :attr:`memo_params`; None when it is not shared (a run still written, a
+        baseline pinned, a view without ``memo_params``)."""
+        s = self.store
+        if self.memo_params is None or s.dataset is None or s.baseline is not None \
+                or s.live or getattr(s, "_sig", None) is None:
+            return None
+        return (type(self).__name__, str(s._path), s._sig, s._meta, str(s.run_name),
+                *(repr(getattr(s, n)) for n in self.memo_params))
+
     def _safe_figure(self) -> go.Figure:
-        """The figure, or a placeholder saying why not (a view never breaks the page)."""
+        """The figure, or a placeholder saying why not (a view never breaks the page). The
+        first screen's figures of a finished run are built once per process (:data:`_FIGURES`):
+        every new page showed the newest run and built the same four figures again (0.1-0.5 s
+        each under load)."""
+        key = self._memo_key()
+        if key is not None and key in _FIGURES:
+            return figure_from_dict(_FIGURES[key])
+        fig = self._figure_or_why()
+        if key is not None:
+            if len(_FIGURES) > 64:
+                _FIGURES.clear()
+            _FIGURES[key] = fig.to_dict()
+        return fig
+
+    def _figure_or_why(self) -> go.Figure:
         try:
             return self.figure()
         except WorkbenchError as e:
@@ -604,6 +737,7 @@ class PlotView:
                                       f"could not draw: {type(e).__name__}: {e}")
 
     def redraw(self, *events: Any) -> None:
+        self._waiting = self.first_pending = False
         self.pane.object = self._safe_figure()
         self.redraws += 1
 
@@ -617,6 +751,7 @@ class PlotView:
 class HeatmapView(PlotView):
     view = "heatmap"
     watches = ("dataset", "modality", "step_range", "phase")
+    memo_params = ("modality", "step_range", "phase")
 
     def figure(self) -> go.Figure:
         s = self.store
@@ -625,6 +760,7 @@ class HeatmapView(PlotView):
 
 class DiffHeatmapView(PlotView):
     view = "heatmap_diff"
+    live = False
     watches = ("dataset", "baseline", "modality", "step_range", "phase")
 
     def figure(self) -> go.Figure:
@@ -636,6 +772,7 @@ class DiffHeatmapView(PlotView):
 class HitRateView(PlotView):
     view = "hit_rate"
     watches = ("dataset", "baseline", "step_range", "phase")
+    memo_params = ("step_range", "phase")
 
     def figure(self) -> go.Figure:
         s = self.store
@@ -646,6 +783,7 @@ class HitRateView(PlotView):
 class LatencyView(PlotView):
     view = "latency"
     watches = ("dataset", "baseline", "step_range", "phase")
+    memo_params = ("step_range", "phase")
 
     def figure(self) -> go.Figure:
         s = self.store
@@ -656,6 +794,7 @@ class LatencyView(PlotView):
 class TimelineView(PlotView):
     view = "timeline"
     watches = ("dataset", "clock", "step_range", "phase")
+    memo_params = ("clock", "step_range", "phase")
 
     def figure(self) -> go.Figure:
         s = self.store
@@ -667,6 +806,7 @@ class TokenOverlayView(PlotView):
     """Kept vs pruned visual tokens over the shown run's image (token compression)."""
 
     view = "tokens"
+    live = False
     watches = ("dataset",)
 
     def figure(self) -> go.Figure:
@@ -677,6 +817,7 @@ class HotRecallView(PlotView):
     """Hot Recall per layer of the shown run's lookahead predictor, with the random baseline."""
 
     view = "hot_recall"
+    live = False
     watches = ("dataset", "step_range", "phase")
 
     def figure(self) -> go.Figure:
@@ -691,6 +832,7 @@ class EPView(PlotView):
     every commit of a run being written)."""
 
     view = "ep"
+    live = False
     watches = ("dataset", "baseline", "step_range", "phase")
 
     def __init__(self, store: DataStore, height: int = 380) -> None:
@@ -855,9 +997,13 @@ class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
     Watches the shown run, the ``replay_*`` settings and the replay knobs (``replay_revision``)
-    only; replays, never re-runs."""
+    only; replays, never re-runs. A finished run's routing and the replays made on it are
+    shared by the sessions that show it (``DataStore.replay_trace``): a new page replays
+    nothing again. It replays on the event loop: in a worker thread (tried, issue 37) the
+    replay, holding the GIL, slowed every callback of the page while it ran."""
 
     view = "replay"
+    live = False
     watches = ("dataset", "running", "replay_evictions", "replay_scope", "replay_slots",
                "replay_at", "replay_revision")
 
@@ -1009,7 +1155,26 @@ class DeltasView:
 
 def answer_view(store: DataStore) -> pn.viewable.Viewable:
     """The prompt and the answer as it streams; for a demo request, its expected answer beside
-    it once the run is done (marked right or wrong: exact match, as the model card counts)."""
+    it once the run is done (marked right or wrong: exact match, as the model card counts).
+
+    The parts read from the run's attributes (thumbnail, batch answers) are computed once per
+    shown dataset and baseline: the answer changes at every token, and parsing the attributes
+    each time held the event loop (py-spy, issue 37)."""
+    memo: dict[str, Any] = {"thumb": (None, ""), "rows": (None, "")}
+
+    def thumb_of(ds: xr.Dataset | None) -> str:
+        if memo["thumb"][0] is not ds:
+            memo["thumb"] = (ds, _thumbnail(ds))
+        return memo["thumb"][1]
+
+    def rows_of(ds: xr.Dataset | None) -> str:
+        key = (ds, store.baseline, store.baseline_name)
+        old = memo["rows"][0]
+        if old is None or any(a is not b for a, b in zip(old, key)):
+            memo["rows"] = (key, _batch_table(DataStore.batch_answers(ds),
+                                              DataStore.batch_answers(store.baseline),
+                                              store.baseline_name))
+        return memo["rows"][1]
 
     def render(answer: str, running: bool, run_name: str | None, ds: xr.Dataset | None,
                expected: str, baseline: xr.Dataset | None = None) -> str:
@@ -1027,10 +1192,8 @@ def answer_view(store: DataStore) -> pn.viewable.Viewable:
         if len(prompt) > MAX_PROMPT_CHARS:  # a store may hold any prompt
             prompt = prompt[:MAX_PROMPT_CHARS] + " …"
         prompt = html.escape(prompt)
-        thumb = _thumbnail(ds)
-        rows = "" if running else _batch_table(DataStore.batch_answers(ds),
-                                               DataStore.batch_answers(store.baseline),
-                                               store.baseline_name)
+        thumb = thumb_of(ds)
+        rows = "" if running else rows_of(ds)
         return (f"<div class='wb-answer'>{thumb}<div class='wb-muted'>{prompt}</div>"
                 f"<div class='wb-answer-text' data-testid='answer'>{esc}</div>{check}{rows}</div>")
 
@@ -1144,17 +1307,15 @@ class CompareView:
                                   sizing_mode="stretch_width")
         self.pane = pn.pane.Plotly(go.Figure(), height=320, sizing_mode="stretch_width", visible=False)
         self.choice.param.watch(self.redraw, "value")
-        store.param.watch(self.refresh, ["run_name", "running"])
+        # the store's list of runs (re-listed every refresh_s and when a run's store is
+        # written, which may come after ``running`` turned False: the end is shown first)
+        store.param.watch(self.refresh, ["run_name", "running", "runs"])
         self.refresh()
 
     def refresh(self, *events: Any) -> None:
-        from workbench.ui.datastore import list_runs
-
-        try:
-            names = [r.name for r in list_runs(self.store.workspace_path) if r.readable and r.status != "running"]
-        except WorkbenchError:
-            names = []
-        self.choice.options = names
+        names = [r.name for r in self.store.runs if r.readable and r.status != "running"]
+        if names != list(self.choice.options):
+            self.choice.options = names
         kept = [v for v in self.choice.value if v in names]
         if kept != list(self.choice.value):
             self.choice.value = kept
