@@ -4,7 +4,6 @@ run end to end."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import plotly.graph_objects as go

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from workbench.errors import UnsupportedArchitectureError
 from workbench.models.adapter import SUPPORTED_ARCHITECTURES, find_moe_blocks

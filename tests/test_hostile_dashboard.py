@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 from PIL import Image
 

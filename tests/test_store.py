@@ -2,7 +2,6 @@
 what was never flushed."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

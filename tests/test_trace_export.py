@@ -20,7 +20,7 @@ import pytest
 import workbench
 from workbench.errors import InputError, StoreExistsError
 from workbench.traces import (EXPORT_FORMATS, Trace, export_trace, from_store, load_trace,
-                              read_jsonl, read_npy, write_jsonl, write_npy)
+                              read_jsonl, read_npy, write_jsonl)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "traces" / "embedded-batch4.jsonl"

@@ -938,7 +938,7 @@ def test_hot_recall_view_with_random_baseline(vismmoe_run, two_runs):
 
 
 def test_vismmoe_card_holds_the_four_knobs_and_drives_them(tmp_path):
-    from workbench.ui.widgets import VISMMOE_KNOBS, knob_cards, knob_panels, vismmoe_panel
+    from workbench.ui.widgets import VISMMOE_KNOBS, knob_cards, vismmoe_panel
 
     s = DataStore(workspace=tmp_path / "ws")
     panel = vismmoe_panel(s.knobs)

@@ -74,7 +74,6 @@ from workbench.policies.eviction import EVICTION
 from workbench.replay import SCOPES
 from workbench.runtime.pool import ModelPool, default_pool
 from workbench.telemetry.metadata import RunMetadata
-from workbench.telemetry.schema import GROWING
 from workbench.ui.replay import ReplayStudy, study
 
 log = logging.getLogger(__name__)
