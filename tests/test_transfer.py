@@ -127,7 +127,10 @@ def test_runtime_transfer_spans_are_valid_and_unique(tiny_ckpt, monkeypatch):
     t_after = time.perf_counter()
     assert res.loads > 0 and drained
     assert len({id(t) for t in drained}) == len(drained)
-    assert len(drained) <= res.loads
+    # every copy made is a load the core counted or a prefetch it cancelled (demand-first: a
+    # prefetch whose layer ran before its modeled start is cancelled in the core, while the
+    # real copy engine here may have made it already)
+    assert len(drained) <= res.loads + res.cancelled_prefetches
     for t in drained:
         _check_span(t, t_before)
         assert t.end <= t_after
