@@ -24,7 +24,7 @@ import contextlib
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,13 +45,12 @@ from workbench.runtime.offload import Offloader
 from workbench.runtime.stages import TOKEN_CONTEXT, RunContext
 from workbench.runtime.stages import from_knobs as stages_from_knobs
 from workbench.runtime.result import RunResult
+from workbench.runtime.view import RuntimeView
 from workbench.sim.costs import Prices
 from workbench.sim.profiles import get_profile
 from workbench.telemetry.events import StepEvent
 from workbench.telemetry.store import Recorder
 
-if TYPE_CHECKING:  # the Runtime imports this module: for the annotation only
-    from workbench.runtime.runtime import Runtime
 
 
 class _Streamer:
@@ -88,9 +87,9 @@ class RunSession:
     :class:`~workbench.runtime.runtime.Runtime` that serves it (model, plans, prices; read,
     never changed: the one state runs share, ReaLB's carried M_d, is handed to its stage)."""
 
-    runtime: "Runtime"
+    runtime: RuntimeView
 
-    def __init__(self, runtime: "Runtime", knobs: Knobs, requests: list[Request], *,
+    def __init__(self, runtime: RuntimeView, knobs: Knobs, requests: list[Request], *,
                  store_path=None, overwrite: bool = False,
                  on_token: Callable[[int, str], None] | None = None,
                  stop: threading.Event | None = None,

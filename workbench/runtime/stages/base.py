@@ -38,11 +38,11 @@ import torch
 
 from workbench.models.adapter import MoEBlock, MoELayout
 from workbench.sim.costs import Prices
+from workbench.runtime.view import RuntimeView
 from workbench.telemetry.events import LayerEvent
 
 if TYPE_CHECKING:
     from workbench.knobs import Knobs
-    from workbench.runtime.runtime import Runtime
 
 #: what a stage may need of the runtime: each flattened position's modality and request
 #: (:meth:`~workbench.runtime.offload.Offloader.set_token_mask`)
@@ -85,7 +85,7 @@ class RunContext:
     makes for other parts too (the prefetch policy, which the predictor attaches to; the token
     compression's placement)."""
 
-    runtime: "Runtime"
+    runtime: RuntimeView
     prices: Prices
     device: torch.device
     prefetch: Any = None
