@@ -611,6 +611,62 @@ def test_replay_view_draws_policy_curves_under_the_belady_ceiling(two_runs):
     assert "speculative" in s.replay_knobs.group("prefetch").param["prefetch"].objects
 
 
+def test_a_served_replay_view_replays_in_slices_and_draws_the_same(two_runs):
+    """Served, the replay view makes its study in slices of ``SLICE_S`` seconds, one per
+    event-loop tick (a whole study held the loop for 2-11 s after a run ended, and a value
+    typed then waited that long): each slice says how far it got, a change meanwhile starts
+    the study over, and the finished figure and table are those of a study made at once."""
+    from bokeh.document import Document
+
+    from workbench.ui import replay as R
+    from workbench.ui.views import TickQueue
+
+    s = DataStore(workspace=two_runs.workspace)
+    s.open("a")
+    whole = s.replay_study()  # at once (no deadline): the reference
+    s._replay_memo.clear()
+    with pytest.raises(R.Unfinished) as u:  # a deadline already passed: one replay per call
+        s.replay_study(deadline=0.0)
+    assert u.value.done == 1 and u.value.total == len(whole.curves)
+    with pytest.raises(ValueError, match="memo"):
+        R.replay_curves(s.replay_trace(), deadline=0.0)
+
+    v = ReplayView(s)
+    v._ticks = ticks = TickQueue(Document())  # as served: its redraws go on the session's queue
+    s._replay_memo.clear()
+    v.SLICE_S = 0.0  # one point per slice, whatever this machine's speed
+    v.redraw()
+    said, slices = [v.message], 1
+    while ticks.pending:
+        ticks._one()  # the event loop's next tick
+        said.append(v.message)
+        slices += 1
+    assert slices == len(whole.curves) and said[0].startswith("replaying … 1 of ")
+    assert [int(m.split()[2]) for m in said[:-1]] == sorted(int(m.split()[2]) for m in said[:-1])
+    assert v.study is not None and v.study.curves.equals(whole.curves)
+    assert v.study.table.equals(whole.table) and "<table" in v.table.object
+    assert len(v.pane.object.data) > 1
+
+    s._replay_memo.clear()  # the shared memo started over between two slices (another
+    v.redraw()              # session's trace): a slice without progress, then one to the end
+    ticks._one()
+    s._replay_memo.clear()
+    ticks._one()
+    assert v._stalled and ticks.pending
+    ticks._one()
+    assert not ticks.pending and v.study.curves.equals(whole.curves)
+
+    s._replay_memo.clear()  # a change between two slices: the study starts over, for it
+    v.redraw()
+    assert ticks.pending and v.message.startswith("replaying")
+    s.replay_evictions = ["lru"]
+    ticks.pending.clear()
+    v.redraw()  # (the watcher's redraw: what a change queues)
+    while ticks.pending:
+        ticks._one()
+    assert set(v.study.curves.eviction) == {"lru", R.CEILING}
+
+
 def test_replay_waits_for_a_live_run(two_runs):
     s = DataStore(workspace=two_runs.workspace)
     s.open("b")

@@ -12,8 +12,10 @@ live runtime runs, over the trace instead of a model; the numba kernel is its fa
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from workbench.replay.engine import SCOPES, ReplayResult
 from workbench.replay.engine import replay as _replay
@@ -132,6 +134,35 @@ _DISPATCH_KNOBS = ("dispatch", "capacity_factor", "min_capacity", "macs_delta", 
                    "macs_selection", "macs_calibration")
 
 
+def _recorded_dispatch_knobs(attrs) -> Mapping[str, Any] | None:
+    """The recorded :data:`_DISPATCH_KNOBS` of a store's ``attrs`` (None: unreadable knobs; the
+    replay's own checks say so). Every point of a replay study reads the same attrs, and
+    building the knobs cost more than the replay itself: the answer is kept per distinct
+    ``knob.*`` text (bounded)."""
+    items = tuple(sorted((k, v) for k, v in attrs.items()
+                         if isinstance(k, str) and k.startswith("knob.")))
+    try:
+        hash(items)
+    except TypeError:  # a knob written as a JSON list or object, not text: not kept
+        return _read_dispatch_knobs(attrs)
+    return _dispatch_knobs_of(items)
+
+
+def _read_dispatch_knobs(attrs) -> Mapping[str, Any] | None:
+    from workbench.knobs import Knobs
+
+    try:
+        rec = Knobs.from_attrs(attrs)
+    except Exception:  # unreadable knobs: the replay's own checks say so
+        return None
+    return MappingProxyType({n: getattr(rec, n) for n in _DISPATCH_KNOBS})
+
+
+@functools.lru_cache(maxsize=64)
+def _dispatch_knobs_of(items: tuple) -> Mapping[str, Any] | None:
+    return _read_dispatch_knobs(dict(items))
+
+
 def _recorded_dispatch(trace, knobs):
     """A run store recorded with a dispatch holds its routing *after* it (-1 = dropped):
     replaying it with that dispatch again would apply the capacity twice (a token that lost
@@ -140,25 +171,21 @@ def _recorded_dispatch(trace, knobs):
     dispatch on such a store is refused, since the routing it would need was not recorded.
     Returns ``(knobs to replay with, the replay's "dispatch" section or None)``."""
     from workbench.errors import KnobError
-    from workbench.knobs import Knobs
 
     if trace.attrs.get("source") != "store":
         return knobs, None
-    try:
-        rec = Knobs.from_attrs(trace.attrs)
-    except Exception:  # unreadable knobs: the replay's own checks say so
+    rec = _recorded_dispatch_knobs(trace.attrs)
+    if rec is None or not DISPATCH.get(rec["dispatch"]).changes_routing:
         return knobs, None
-    if not DISPATCH.get(rec.dispatch).changes_routing:
-        return knobs, None
-    same = all(getattr(rec, n) == getattr(knobs, n) for n in _DISPATCH_KNOBS)
+    same = all(rec[n] == getattr(knobs, n) for n in _DISPATCH_KNOBS)
     if not same and DISPATCH.get(knobs.dispatch).changes_routing:
         raise KnobError(
-            f"this run was recorded with dispatch={rec.dispatch} (capacity_factor "
-            f"{rec.capacity_factor:g}): its stored routing is what that dispatch left, so "
+            f"this run was recorded with dispatch={rec['dispatch']} (capacity_factor "
+            f"{rec['capacity_factor']:g}): its stored routing is what that dispatch left, so "
             f"another dispatch cannot be replayed on it; replay it with dispatch=topk (the "
             f"routing as recorded), or record a run with dispatch=topk and replay that")
     return knobs.copy(dispatch=ROUTER_CHOICE), {
-        "policy": rec.dispatch, "capacity_factor": rec.capacity_factor, "recorded": True,
+        "policy": rec["dispatch"], "capacity_factor": rec["capacity_factor"], "recorded": True,
         "note": "applied live when the run was recorded: the stored routing is what it left "
                 "(-1 = dropped), replayed as it is"}
 

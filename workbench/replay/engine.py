@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.errors import InputError, KnobError
+from workbench.errors import InputError, KnobError, StoreError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
@@ -215,13 +215,15 @@ def _recorded_cost(trace: Trace, spec) -> CostSpec:
     metadata reader (its fields are the :class:`CostSpec` fields, sizes finite and ≥ 0)."""
     from workbench.telemetry.metadata import RunMetadata
 
-    md = RunMetadata.from_attrs({"cost_spec": spec}, strict=False)
-    problem = md.problems.get("cost_spec")
-    if problem is not None or md.cost_spec is None:
+    try:
+        cost, problem = RunMetadata.field({"cost_spec": spec}, "cost_spec"), None
+    except StoreError as e:
+        cost, problem = None, e
+    if cost is None:
         raise InputError(f"{_where(trace)}: attribute 'cost_spec' is unusable "
                          f"({str(problem)[:160]}); "
                          f"replay with --set target_model=NAME to price it instead")
-    return md.cost_spec
+    return cost
 
 
 def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: str = "auto",

@@ -291,6 +291,17 @@ class RunMetadata:
         return cls(knob_values=knob_values, recorded_knobs=recorded, **values,
                    problems=MappingProxyType(problems))
 
+    @staticmethod
+    def field(attrs: Mapping[str, Any], name: str) -> Any:
+        """The one field ``name`` of ``attrs`` (None when absent), checked as :meth:`from_attrs`
+        checks it, without reading the knobs (a replay prices each point by the recorded cost
+        spec: building the knobs for it cost more than the replay). Raises :class:`StoreError`
+        when the attribute is malformed."""
+        attr, is_json, check = _FIELDS[name]
+        if attrs.get(attr) is None:
+            return None
+        return check(attr, attr_json(attrs, attr) if is_json else attrs[attr])
+
     def check(self, *attrs: str) -> "RunMetadata":
         """Raise the :class:`StoreError` of the first malformed attribute among ``attrs``
         (every attribute when none is named; ``"knob.*"`` stands for the knobs); returns

@@ -1575,7 +1575,7 @@ class DataStore(param.Parameterized):
         if not self._syncing_replay:
             self.replay_revision += 1
 
-    def replay_study(self, points: int = 12) -> ReplayStudy:
+    def replay_study(self, points: int = 12, deadline: float | None = None) -> ReplayStudy:
         """Replay the shown run (see :func:`workbench.ui.replay.study`): hit-rate curves of the
         ``replay_evictions`` policies and Belady over the ``replay_slots`` range under
         ``replay_scope``, the metrics table at ``replay_at``, and the run's own point; every
@@ -1583,7 +1583,8 @@ class DataStore(param.Parameterized):
         them) — each point is ``workbench.replay_trace`` of the run's store. Replays already
         made on this run are reused. Raises :class:`WorkbenchError` with a message for the
         user (no run, a live run, knobs that cannot be read, a prefetch policy the run cannot
-        serve, …)."""
+        serve, …). ``deadline``: see :func:`workbench.ui.replay.replay_curves` (raises
+        :class:`~workbench.ui.replay.Unfinished`; the next call goes on)."""
         trace = self.replay_trace()
         if self._replay_problem:
             raise StoreError(self._replay_problem)
@@ -1597,4 +1598,4 @@ class DataStore(param.Parameterized):
         return study(trace, self.replay_evictions, slot_range=self.replay_slots,
                      at_slots=self.replay_at, points=points, own=own, knobs=self.replay_knobs,
                      scope=self.replay_scope, memo=self._replay_memo,
-                     ep=(int(ep.ep_ranks), ep.placement))
+                     ep=(int(ep.ep_ranks), ep.placement), deadline=deadline)

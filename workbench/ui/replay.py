@@ -47,7 +47,7 @@ from workbench.replay import SCOPES, replay_trace
 __all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "REPLAY_GROUPS", "CURVE_KNOBS",
            "replay_knob_names", "pinned_prefix", "slot_bounds", "cache_sizes", "recorded_knobs",
            "replay_curves", "belady_share", "curves_figure", "prefetch_comparison",
-           "ReplayStudy", "study"]
+           "ReplayStudy", "study", "Unfinished"]
 
 #: the eviction policy drawn as the ceiling (Belady's offline optimum)
 CEILING = "belady"
@@ -86,6 +86,15 @@ MEMO_MAX = 20_000
 _SYMBOLS = ("circle", "square-open", "diamond-open", "triangle-up-open", "x-thin-open",
             "star-open", "hexagon-open", "cross-open", "circle-open")
 CEILING_COLOR = "#111827"
+
+
+class Unfinished(Exception):
+    """A study given a ``deadline`` stopped before making all its replays: ``done`` of
+    ``total`` points are in its memo, and the same call made again goes on from there."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"{done} of {total} replays made")
+        self.done, self.total = done, total
 
 
 def replay_knob_names() -> list[str]:
@@ -159,11 +168,18 @@ def _effective(trace, knobs, prefetch, prefetch_lead, target_model, profile):
     return base.copy(**changes) if changes else base.copy()
 
 
+def _knobs_key(knobs) -> str:
+    """The part of a memo key that the knobs make (computed once per curve set: a point
+    read from the memo must cost next to nothing, a sliced study walks them again)."""
+    return json.dumps(knobs.to_dict(), sort_keys=True, default=str)
+
+
 def _replay_one(trace, eviction: str, slots: int, *, knobs, scope: str, pinned_layers: int,
-                memo: dict | None) -> dict[str, Any]:
-    """Metrics of ``replay_trace`` at one point of a curve (memoised in ``memo``)."""
+                memo: dict | None, knobs_key: str | None = None) -> dict[str, Any]:
+    """Metrics of ``replay_trace`` at one point of a curve (memoised in ``memo``; ``knobs_key``:
+    :func:`_knobs_key` of ``knobs`` when the caller has it)."""
     key = (eviction, int(slots), scope, int(pinned_layers),
-           json.dumps(knobs.to_dict(), sort_keys=True, default=str))
+           _knobs_key(knobs) if knobs_key is None else knobs_key)
     if memo is not None:
         if memo.get("trace") is not trace or len(memo) > MEMO_MAX:  # one trace, bounded
             memo.clear()
@@ -190,7 +206,7 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
                   prefetch: str | None = None, prefetch_lead: int | None = None,
                   scope: str = "global", pinned_layers: int | None = None,
                   target_model: str | None = None, profile: str | None = None,
-                  memo: dict | None = None) -> pd.DataFrame:
+                  memo: dict | None = None, deadline: float | None = None) -> pd.DataFrame:
     """Hit rate (and the other replay metrics) of each eviction policy at each cache size.
 
     ``evictions``: registered names (default: every one); :data:`CEILING` is always added.
@@ -202,6 +218,10 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
     ``profile`` change them when given.
     ``pinned_layers``: default the run's pinned prefix. ``memo``: a dict reused across calls
     to skip replays already made (it serves one trace: given another, it is cleared).
+    ``deadline`` (``time.monotonic()``, with a ``memo``): no replay but a call's first is
+    started after it; the call raises :class:`Unfinished` when points are left, and the next
+    call goes on from the memo (the dashboard replays a run in slices, so that clicks are read
+    between them).
 
     Returns a long DataFrame: ``eviction``, ``cache_slots``, the metrics of
     :meth:`ReplayResult.metrics` (times *modeled*) and ``belady_share`` = hit rate / Belady's
@@ -223,10 +243,18 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
         raise KnobError(f"cache sizes must reach at least {lo} slots with scope={scope} "
                         f"(top-k {'per offloaded layer' if scope != 'global' else ''}); "
                         f"allowed: {lo} … {hi}")
-    rows = []
+    if deadline is not None and memo is None:
+        raise ValueError("a deadline needs a memo to go on from")
+    rows, total, kk, made = [], len(names) * len(sizes), _knobs_key(k), 0
     for ev in names:
         for s in sizes:
-            row = _replay_one(trace, ev, s, knobs=k, scope=scope, pinned_layers=pin, memo=memo)
+            if deadline is not None and not (memo.get("trace") is trace
+                                             and (ev, int(s), scope, pin, kk) in memo):
+                if made and time.monotonic() > deadline:  # (each call makes one: progress)
+                    raise Unfinished(len(rows), total)
+                made += 1
+            row = _replay_one(trace, ev, s, knobs=k, scope=scope, pinned_layers=pin, memo=memo,
+                              knobs_key=kk)
             rows.append({"eviction": ev, "cache_slots": int(s), **row})
     df = pd.DataFrame(rows)
     if CEILING in names:
@@ -340,14 +368,16 @@ def study(trace, evictions: Iterable[str] | None = None, *,
           slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
           points: int = 12, own: tuple[int, float, str] | None = None, knobs=None,
           scope: str = "global", memo: dict | None = None,
-          ep: tuple[int, str] | None = None, **changes: Any) -> ReplayStudy:
+          ep: tuple[int, str] | None = None, deadline: float | None = None,
+          **changes: Any) -> ReplayStudy:
     """:class:`ReplayStudy` of ``trace``: curves over ``points`` sizes of ``slot_range``
     (clipped to :func:`slot_bounds`; None = all of it) plus ``own[0]`` and ``at_slots`` when
     inside it, and the metrics table at ``at_slots`` (default ``own[0]``, else the middle of
     the range; clipped to the range). ``knobs`` and ``changes`` (``prefetch``,
     ``prefetch_lead``, ``target_model``, ``profile``) as :func:`replay_curves` takes them.
     ``ep`` ``(ranks, placement)``: also the trace's EP load over that many virtual ranks
-    (after the replay knobs' dispatch, priced by their target model), when ranks > 1."""
+    (after the replay knobs' dispatch, priced by their target model), when ranks > 1.
+    ``deadline``: as :func:`replay_curves` takes it (raises :class:`Unfinished`)."""
     t0 = time.perf_counter()
     pin = pinned_prefix(trace)
     lo, hi = slot_bounds(trace, scope, pin)
@@ -361,7 +391,7 @@ def study(trace, evictions: Iterable[str] | None = None, *,
         own = None  # outside the range drawn
     sizes = sorted(set(sizes) | {at_slots} | ({own[0]} if own is not None else set()))
     curves = replay_curves(trace, evictions, sizes, knobs=knobs, scope=scope, pinned_layers=pin,
-                           memo=memo, **changes)
+                           memo=memo, deadline=deadline, **changes)
     table = curves[curves.cache_slots == at_slots]
     table = pd.concat([table[table.eviction != CEILING], table[table.eviction == CEILING]],
                       ignore_index=True)  # the ceiling last

@@ -29,7 +29,7 @@ from workbench.sim.ep import imbalance
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
-from workbench.ui.replay import CEILING, METRICS, ReplayStudy, curves_figure
+from workbench.ui.replay import CEILING, METRICS, ReplayStudy, Unfinished, curves_figure
 from workbench.viz.ep import ep_load_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 from workbench.viz.predictor import hot_recall_figure
@@ -737,8 +737,11 @@ class PlotView:
                                       f"could not draw: {type(e).__name__}: {e}")
 
     def redraw(self, *events: Any) -> None:
+        self._show(self._safe_figure())
+
+    def _show(self, fig: go.Figure) -> None:
         self._waiting = self.first_pending = False
-        self.pane.object = self._safe_figure()
+        self.pane.object = fig
         self.redraws += 1
 
     def _revision(self) -> str:
@@ -1007,6 +1010,11 @@ class ReplayView(PlotView):
     watches = ("dataset", "running", "replay_evictions", "replay_scope", "replay_slots",
                "replay_at", "replay_revision")
 
+    #: seconds of replays per event-loop tick when served: a run's study (9 policies × 13
+    #: sizes) held the loop 2-11 s in one callback, and a value typed right after a run ended
+    #: waited that long to be answered (``bench_dashboard.py``'s refused value)
+    SLICE_S = 0.15
+
     def __init__(self, store: DataStore, height: int = 420, defer: bool = False) -> None:
         """``defer``: start with a placeholder and replay on the first :meth:`redraw` (the app
         calls it once the page has rendered: the first replay imports torch and the compiled
@@ -1014,10 +1022,16 @@ class ReplayView(PlotView):
         self.study: ReplayStudy | None = None
         self.message = ""
         self._deferred = defer
+        self._more = False  # served: the study stopped at its slice's deadline; go on next tick
+        self._done = -1  # points of the study made when the last slice stopped (-1: none yet)
+        self._stalled = False  # the last slice made no point: the next one goes to the end
+        self._said_at = 0.0  # time.monotonic() of the last progress message shown
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         super().__init__(store, height)
         self.table.object = replay_table_html(self.study, self.message)
         self._deferred = False
+        if self._more:  # served and drawn at once: the rest of the study on the next ticks
+            self._ticks.add(id(self), self._slice)
 
     def figure(self) -> go.Figure:
         self.study, self.message = None, ""
@@ -1030,8 +1044,12 @@ class ReplayView(PlotView):
             self.message = "the run is in flight: it is replayed when it ends"
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
-            self.study = self.store.replay_study()
+            self.study = self.store.replay_study(deadline=self._deadline())
             return replay_view_figure(self.study, self._revision())
+        except Unfinished as u:  # the next slice goes on from the replays made (the memo)
+            self._more, self._done = True, u.done
+            self.message = f"replaying … {u.done} of {u.total} points"
+            return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         except Exception as e:  # e.g. a prefetch policy this run cannot serve, a bad store
             if not isinstance(e, WorkbenchError):
                 log.exception("replay of %s failed", self.store.run_name)
@@ -1041,8 +1059,37 @@ class ReplayView(PlotView):
             return placeholder_figure(self.view, REPLAY_TITLE,
                                       "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
 
+    def _deadline(self) -> float | None:
+        """The end of this slice of replays: served only (a notebook replays at once), and
+        not after a slice that made no replay (under load the study's set-up alone can take
+        a slice; or the shared memo was started over meanwhile): then it goes to the end."""
+        import time
+
+        if self._ticks is None or self._stalled:
+            return None
+        return time.monotonic() + self.SLICE_S
+
     def redraw(self, *events: Any) -> None:
-        super().redraw(*events)
+        self._done, self._stalled = -1, False  # a new study (a change, not a continuation)
+        self._slice()
+
+    #: seconds between two progress messages of a sliced study: each new figure costs the
+    #: browser a plotly render, and under load a page redrawing a placeholder at every
+    #: slice answered a typed value 35 s late (measured)
+    PROGRESS_EVERY_S = 2.0
+
+    def _slice(self) -> None:
+        import time
+
+        before, self._more = self._done, False
+        fig = self._safe_figure()
+        if self._more:
+            self._stalled = self._done <= before
+            self._ticks.add(id(self), self._slice)  # a change meanwhile replaces it (same key)
+            if before >= 0 and time.monotonic() < self._said_at + self.PROGRESS_EVERY_S:
+                return  # said recently: the page is left alone
+            self._said_at = time.monotonic()
+        self._show(fig)
         self.table.object = replay_table_html(self.study, self.message)
 
 
