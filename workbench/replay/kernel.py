@@ -16,7 +16,7 @@ line and the helpers take a handful of arrays (numba passes every array argument
   the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
   future groups and its next-use group (least-stale, reuse-eta: the key's layer);
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
-  prefetched-unused flags, the ARC / S3-FIFO list the key is in;
+  prefetched-unused flags, the ARC / S3-FIFO list the key is in, pending on the transfer lane;
 - ``lq`` int64 ``[key + 1, 2]``, ``lat`` float64 ``[key]``: demand-first's pending prefetches
   on the transfer lane, in issue order, and when each was issued (see "the transfer lane");
 - ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring
@@ -67,8 +67,9 @@ PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay 
 
 # ks columns
 PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
-# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2)
-RES, PROT, MISS, USED, PREF, LIST = 0, 1, 2, 3, 4, 5
+# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2; PEND: a pending prefetch on
+# the transfer lane, in its list ``lq``: the flag sits in the row the hot loops read anyway)
+RES, PROT, MISS, USED, PREF, LIST, PEND = 0, 1, 2, 3, 4, 5, 6
 T1, T2, B1, B2 = 1, 2, 3, 4
 # ARC's per-pool state in aux, from _arc(pool): MRU ends of T1 … B2 (+0 … +3), LRU ends
 # (+4 … +7), lengths (+8 … +11), the incoming key's ghost list (+12: 0, 1 for B1, 2 for B2) and
@@ -245,8 +246,7 @@ def _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp):
 # ``ready[key]``. FIFO starts every copy when it is issued. Demand-first keeps its *pending*
 # prefetches (issued, not started) in issue order in a circular doubly linked list over the
 # keys: ``lq[k] = (prev, next)``, the sentinel row ``lq[num_keys]`` holding (newest, oldest);
-# a key that is not pending has ``lq[k] = (-1, -1)``; ``lat[k]`` is when pending ``k`` was
-# issued. Invariants: a pending key is resident (a cancelled one leaves the cache at once),
+# ``kf[k, PEND]`` says whether ``k`` is in it; ``lat[k]`` is when pending ``k`` was issued. Invariants: a pending key is resident (a cancelled one leaves the cache at once),
 # so it is pending at most once (a second prefetch of a resident key is skipped); issue times
 # grow along the list. The helpers are TransferLane's methods one by one (same float
 # operations, same order); under FIFO the list stays empty and every one of them but
@@ -268,43 +268,42 @@ def _lane_start(k, at, xfer_time, ready, lanes):
 
 
 @njit(**_HOT)
-def _lane_unlink(k, lq):
+def _lane_unlink(k, lq, kf):
     """Take pending ``k`` off the list (it starts, or is cancelled)."""
     p, n = lq[k, 0], lq[k, 1]
     lq[p, 1] = n
     lq[n, 0] = p
-    lq[k, 0] = -1
-    lq[k, 1] = -1
+    kf[k, PEND] = 0
 
 
 @njit(**_HOT)
-def _lane_pop_start(xfer_time, lq, lat, ready, lanes):
+def _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes):
     """Start the oldest pending prefetch."""
     k = lq[lq.shape[0] - 1, 1]
-    _lane_unlink(k, lq)
+    _lane_unlink(k, lq, kf)
     _lane_start(k, lat[k], xfer_time, ready, lanes)
 
 
 @njit(**_HOT)
-def _lane_advance(until, xfer_time, lq, lat, ready, lanes):
+def _lane_advance(until, xfer_time, lq, lat, kf, ready, lanes):
     """TransferLane.advance: start, oldest first, the pending prefetches that begin before
     ``until`` (a demand issued at ``until`` goes before them and the rest); the first that
     begins at or after ``until`` stops it."""
     s = lq.shape[0] - 1
     while lq[s, 1] != s and max(lanes[1], lat[lq[s, 1]]) < until:
-        _lane_pop_start(xfer_time, lq, lat, ready, lanes)
+        _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes)
 
 
 @njit(**_HOT)
-def _lane_demand(k, now, xfer_time, lq, lat, ready, lanes):
+def _lane_demand(k, now, xfer_time, lq, lat, kf, ready, lanes):
     """TransferLane.demand: a demand load of ``k`` issued at ``now``, behind the copies started
     by then (FIFO: every copy is started when issued)."""
-    _lane_advance(now, xfer_time, lq, lat, ready, lanes)
+    _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
     _lane_start(k, now, xfer_time, ready, lanes)
 
 
 @njit(**_HOT)
-def _lane_prefetch(k, now, order, xfer_time, lq, lat, ready, lanes):
+def _lane_prefetch(k, now, order, xfer_time, lq, lat, kf, ready, lanes):
     """TransferLane.prefetch: FIFO starts ``k``'s copy now; demand-first queues it, pending."""
     if order == FIFO:
         _lane_start(k, now, xfer_time, ready, lanes)
@@ -315,15 +314,16 @@ def _lane_prefetch(k, now, order, xfer_time, lq, lat, ready, lanes):
     lq[k, 1] = s
     lq[last, 1] = k
     lq[s, 0] = k
+    kf[k, PEND] = 1
     lat[k] = now
 
 
 @njit(**_HOT)
-def _lane_land(k, xfer_time, lq, lat, ready, lanes):
+def _lane_land(k, xfer_time, lq, lat, kf, ready, lanes):
     """TransferLane.land: when ``k``'s copy lands; pending ``k`` and every prefetch ahead of it
     start first (the compute lane waits for ``k``: no demand comes between)."""
-    while lq[k, 1] != -1:
-        _lane_pop_start(xfer_time, lq, lat, ready, lanes)
+    while kf[k, PEND]:
+        _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes)
     return ready[k]
 
 
@@ -689,10 +689,10 @@ def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl, n
     kf[x, RES] = 0
     c = row * num_layers + x // num_experts
     sl[0, c] += 1
-    if lq[x, 1] != -1:  # pending: the copies that begin before now start first (cancel's advance)
-        _lane_advance(now, xfer_time, lq, lat, ready, lanes)
-    if lq[x, 1] != -1:
-        _lane_unlink(x, lq)
+    if kf[x, PEND]:  # pending: the copies that begin before now start first (cancel's advance)
+        _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
+    if kf[x, PEND]:
+        _lane_unlink(x, lq, kf)
         sl[2, c] += 1
     elif kf[x, USED] == 0:
         sl[1, c] += 1
@@ -741,14 +741,14 @@ def _cancel_ran(layer, row, now, policy, pool_of_layer, num_experts, num_layers,
     the pending prefetches that have not started by ``now`` and are for ``layer`` or an earlier
     one are cancelled, oldest first (the policy sees them leave in that order), each booked in
     ``sl[2]`` row ``row`` on its layer."""
-    _lane_advance(now, xfer_time, lq, lat, ready, lanes)
+    _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
     s = lq.shape[0] - 1
     k = lq[s, 1]
     while k != s:
         nxt = lq[k, 1]
         j = k // num_experts
         if j <= layer:
-            _lane_unlink(k, lq)
+            _lane_unlink(k, lq, kf)
             _drop(k, pool_of_layer[j], policy, ks, kf, pl, res, tree, aux)
             sl[2, row * num_layers + j] += 1
         k = nxt
@@ -858,7 +858,7 @@ def _prefetch(g, gg, step, s0, now, t, pf_ptr, pf_key, policy, pool_of_layer, nu
         t = t2
         kf[k, USED] = 0
         kf[k, PREF] = 1
-        _lane_prefetch(k, now, order, xfer_time, lq, lat, ready, lanes)
+        _lane_prefetch(k, now, order, xfer_time, lq, lat, kf, ready, lanes)
         go[G_PF_LOADS, g] += 1
     return t
 
@@ -1068,7 +1068,7 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         go[G_MISSES, g] = nm
         # -- demand transfers are issued at the end of the dense work, in order ----------
         for j in range(nm):
-            _lane_demand(miss_buf[j], now, xfer_time, lq, lat, ready, lanes)
+            _lane_demand(miss_buf[j], now, xfer_time, lq, lat, kf, ready, lanes)
         # -- admissions: issue → done(hits) → issue → per admitted miss: done → issue ------
         na = 0
         nxt_miss = 0
@@ -1122,7 +1122,7 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             k = acc_key[i]
             kf[k, PROT] = 0
             if kf[k, MISS] == 0:
-                r = _lane_land(k, xfer_time, lq, lat, ready, lanes)
+                r = _lane_land(k, xfer_time, lq, lat, kf, ready, lanes)
                 if r > now:  # a prefetch still in flight (or still pending: started now)
                     stall += r - now
                     now = r
