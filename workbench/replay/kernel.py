@@ -246,9 +246,10 @@ def _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp):
 # ``ready[key]``. FIFO starts every copy when it is issued. Demand-first keeps its *pending*
 # prefetches (issued, not started) in issue order in a circular doubly linked list over the
 # keys: ``lq[k] = (prev, next)``, the sentinel row ``lq[num_keys]`` holding (newest, oldest);
-# ``kf[k, PEND]`` says whether ``k`` is in it; ``lat[k]`` is when pending ``k`` was issued. Invariants: a pending key is resident (a cancelled one leaves the cache at once),
-# so it is pending at most once (a second prefetch of a resident key is skipped); issue times
-# grow along the list. The helpers are TransferLane's methods one by one (same float
+# ``kf[k, PEND]`` says whether ``k`` is in it; ``lat[k]`` is when pending ``k`` was issued.
+# Invariants: a pending key is resident (a cancelled one leaves the cache at once), so it is
+# pending at most once (a second prefetch of a resident key is skipped); issue times grow
+# along the list. The helpers are TransferLane's methods one by one (same float
 # operations, same order); under FIFO the list stays empty and every one of them but
 # :func:`_lane_prefetch` does nothing. One liberty: TransferLane.cancel advances the lane at
 # every eviction while anything is pending, :func:`_evict` only when the victim is pending.
@@ -321,7 +322,8 @@ def _lane_prefetch(k, now, order, xfer_time, lq, lat, kf, ready, lanes):
 @njit(**_HOT)
 def _lane_land(k, xfer_time, lq, lat, kf, ready, lanes):
     """TransferLane.land: when ``k``'s copy lands; pending ``k`` and every prefetch ahead of it
-    start first (the compute lane waits for ``k``: no demand comes between)."""
+    start first (the compute lane waits for ``k``: no demand comes between). A copy computed
+    before reads a time ≤ the compute lane's (TransferLane popped it: None), so no stall."""
     while kf[k, PEND]:
         _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes)
     return ready[k]
