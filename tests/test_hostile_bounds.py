@@ -335,10 +335,10 @@ def test_replay_memory_estimate_is_close_to_what_is_allocated(tmp_path):
 
     for shape, lead in (((40, 4, 16, 2), 256), ((3000, 12, 64, 4), 100)):
         trace = as_trace(_routing_npy(tmp_path / f"{shape[0]}.npy", *shape))
-        # the estimate is the fast engine's, which runs the FIFO lane (demand-first with
-        # prefetch replays on the Python engine)
-        knobs = Knobs().set(prefetch="oracle", prefetch_lead=lead, cache_slots=8,
-                            transfer_order="fifo")
+        # the default lane (demand-first) on the fast engine, whose estimate this is: its
+        # pending-prefetch list and cancelled counts are allocated too
+        knobs = Knobs().set(prefetch="oracle", prefetch_lead=lead, cache_slots=8)
+        assert knobs.transfer_order == "demand-first"
         replay_trace(trace, knobs, belady=False)  # compiled before it is measured
         tracemalloc.start()
         try:

@@ -182,10 +182,8 @@ def test_live_sub_expert_offloading_with_previous_step_prefetch(embedded, tmp_pa
     the store replays exactly, prefetches included, in both engines."""
     import workbench
 
-    # fifo: both engines replay it (the kernel's lane; demand-first live = replay is
-    # tests/test_transfer_order.py's)
     _sub_expert_runs(embedded, tmp_path, 13, prefetch="previous-step", prefetch_lead=2,
-                     prefetch_budget=budget, transfer_order="fifo")
+                     prefetch_budget=budget)  # demand-first, the default: both engines too
     ds = workbench.open_run(tmp_path / "with.zarr")
     assert int(ds["prefetches"].sum()) > 0
     if budget is not None:  # at most the budget per layer call

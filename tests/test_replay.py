@@ -68,7 +68,7 @@ def _configs():
 def test_fast_engine_equals_the_policy_objects(mixtral, eviction, prefetch, scope):
     kw = dict(eviction=eviction, cache_slots=96, pinned_layers=2, prefetch=prefetch,
               prefetch_lead=2, scope=scope, target_model="qwen3-vl-30b-a3b",
-              transfer_order="fifo")  # the kernel's lane (demand-first: python engine only)
+              transfer_order="fifo")  # (demand-first, both engines: tests/test_transfer_order.py)
     a, b = replay(mixtral, engine="fast", **kw), replay(mixtral, engine="python", **kw)
     for name in ("hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)

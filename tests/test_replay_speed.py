@@ -187,7 +187,7 @@ def test_grouped_kernel_equals_the_python_engine(trace_name, trace, eviction, pr
                                                  pinned, slots):
     kw = dict(eviction=eviction, cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
               prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b",
-              transfer_order="fifo")  # the kernel's lane (demand-first: python engine only)
+              transfer_order="fifo")  # (demand-first, both engines: tests/test_transfer_order.py)
     a, b = replay(trace, engine="fast", **kw), replay(trace, engine="python", **kw)
     assert int(a.evictions.sum()) > 0  # the cache really evicts
     for name in ("hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant"):
@@ -213,7 +213,7 @@ def test_a_replay_streamed_in_chunks_equals_one_pass(monkeypatch, eviction, pref
     _, trace = list(_traces())[1]  # multi-token steps, unrouted slots
     kw = dict(eviction=eviction, cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
               prefetch_lead=1, scope=scope, target_model="qwen3-vl-30b-a3b", engine="fast",
-              transfer_order="fifo")  # the kernel's lane
+              transfer_order="fifo")  # (demand-first in chunks: tests/test_transfer_order.py)
     whole = replay(trace, **kw)
     for chunk, narrow in ((1, False), (7, True), (50, False)):
         monkeypatch.setattr(engine, "CHUNK_ACCESSES", chunk)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from workbench.policies.eviction import EVICTION
 from workbench.replay.engine import replay
 from workbench.sim.cache import ExpertCache
+from workbench.sim.lane import TRANSFER_ORDERS
 from workbench.sim.placement import Placement
 from workbench.sim.schedule import Hits, Load, Miss, Prefetch
 from workbench.sim.step import Access, Simulator
@@ -51,6 +52,7 @@ CONFIGS = st.fixed_dictionaries({
     "pinned_layers": st.integers(0, 2),
     "prefetch_lead": st.integers(1, 2),
     "prefetch_budget": st.sampled_from([None, 1, 3]),
+    "transfer_order": st.sampled_from(TRANSFER_ORDERS),
 })
 
 
@@ -65,10 +67,10 @@ def test_kernel_equals_the_core_on_generated_traces(trace, cfg):
     kw = dict(eviction=cfg["eviction"], cache_slots=slots, pinned_layers=pinned,
               scope=cfg["scope"], prefetch=cfg["prefetch"], prefetch_lead=cfg["prefetch_lead"],
               prefetch_budget=cfg["prefetch_budget"], target_model="qwen3-vl-30b-a3b",
-              transfer_order="fifo")  # the kernel's lane (demand-first: tests/test_transfer_order)
+              transfer_order=cfg["transfer_order"])
     fast, core = replay(trace, engine="fast", **kw), replay(trace, engine="python", **kw)
     for name in ("hits", "misses", "pinned_accesses", "prefetch_loads", "prefetch_hits",
-                 "evictions", "redundant"):
+                 "evictions", "redundant", "cancelled"):
         np.testing.assert_array_equal(getattr(fast, name), getattr(core, name), err_msg=name)
     np.testing.assert_allclose(fast.stall_s, core.stall_s, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(fast.step_latency_s, core.step_latency_s, rtol=1e-12,

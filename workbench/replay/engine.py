@@ -13,9 +13,8 @@ prefetching ``prefetch_lead`` layers ahead, and prices it on the modeled timelin
 :func:`~workbench.sim.costs.runs_on_host` picks on the modeled host lane instead of loading
 it, as the live runtime does (python engine only).
 
-``transfer_order="demand-first"`` with a prefetch policy runs on the python engine (the numba
-kernel models the FIFO lane only; ``engine="auto"`` falls back, ``engine="fast"`` is refused);
-without prefetch both orders are the same lane and the fast engine serves both.
+``transfer_order`` (``fifo`` or ``demand-first``, :mod:`workbench.sim.lane`) is modeled by both
+engines, cancelled prefetches included; without prefetch both orders are the same lane.
 
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
@@ -40,7 +39,7 @@ from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
 from workbench.sim.costs import CostSpec, Prices
-from workbench.sim.placement import SCOPES, Placement
+from workbench.sim.placement import SCOPES, Placement  # noqa: F401 (re-exported)
 from workbench.sim.profiles import get_profile, get_target_model
 from workbench.sim.step import Access, Simulator
 from workbench.traces.trace import COMPACT_KEYS, Groups, Trace
@@ -149,7 +148,8 @@ def _where(trace: Trace) -> str:
 
 
 #: replay memory per (layer, expert) key, bytes: the kernel's per-key state (8 int64 + 8 uint8
-#: + ready), the hotness policy's ring of recent uses and Belady's per-key offsets
+#: + ready, and the transfer lane's pending list: 2 int64 links + an issue time), the hotness
+#: policy's ring of recent uses (512) and Belady's per-key offsets (8): 624 at most
 REPLAY_BYTES_PER_KEY = 640
 #: the python engine's memory per (step, layer), bytes (measured 213 before streaming: its
 #: per-group outputs and per-(step, layer) results; ``bench_trace_memory.py --replay``)
@@ -340,7 +340,9 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
     window = st.values["hotness_window"]  # ≤ K.RING: the knob's bound
     state = K.KernelState(nk, placement.pool_slots, code, float(st.values["hotness_decay"]),
                           window, E, L, G, 2 * A + G * pf_bound + 1,
-                          occ_ptr if code == K.BELADY else None)
+                          occ_ptr if code == K.BELADY else None, K.ORDER_CODES[k.transfer_order])
+    # only demand-first with prefetch cancels: otherwise the count stays unwritten (zero pages)
+    cancels = k.transfer_order != "fifo" and k.prefetch != "none"
     out = _Outputs(S, L, keep_stall=prices.available and not hits_only)
     g0 = 0
     for s0, s1 in chunks:
@@ -359,7 +361,8 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
             comp[a0:], placement.pinned, placement.pool_of_layer, occ_ptr, occ_grp,
             pf_ptr[skip:] - p0, pf_key[p0:], float(st.transfer_s), g0, s0, s1 - s0)
         out.add(g_step, g_layer, (go[K.G_HITS], go[K.G_MISSES], go[K.G_PF_LOADS],
-                                  go[K.G_PF_HITS], None), gf[0], gf[1], (*sl, None), s0, s1)
+                                  go[K.G_PF_HITS], None), gf[0], gf[1],
+                (sl[0], sl[1], sl[2] if cancels else None), s0, s1)
         g0 += len(g_layer)
     return out.result(trace, st, state.unused_at_end(), time.perf_counter() - t0, {})
 
@@ -534,15 +537,10 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
     except ValueError as e:
         raise KnobError(str(e)) from None
     has_kernel = eviction in K.POLICY_CODES
-    # the kernel's transfer lane is FIFO; without prefetch demand-first is the same lane
-    reorders = knobs.transfer_order != "fifo" and knobs.prefetch != "none"
     if engine == "auto":
-        engine = "fast" if has_kernel and not hybrid and not reorders else "python"
+        engine = "fast" if has_kernel and not hybrid else "python"
     if engine not in ("fast", "python"):
         raise KnobError(f"engine must be one of auto, fast, python, not {engine!r}")
-    if engine == "fast" and reorders:
-        raise KnobError(f"transfer_order={knobs.transfer_order!r} with a prefetch policy has no "
-                        f"compiled replay; use engine='python' (or 'auto')")
     if engine == "fast" and not has_kernel:
         raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
     if engine == "fast" and hybrid:

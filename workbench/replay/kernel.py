@@ -5,7 +5,7 @@ admissions → prefetch) and prices them the way the modeled clock does, for the
 eviction policies, with array state instead of Python objects. ``engine.replay(...,
 engine="python")`` runs the same sequence through the real policy objects; tests hold the two
 equal (``tests/test_replay.py`` on the real Mixtral trace, ``tests/test_replay_speed.py`` on
-generated ones).
+generated ones, ``tests/test_transfer_order.py`` under both transfer orders on both).
 
 State per key (``layer · E + expert``), packed key-major so that one key's fields share a cache
 line and the helpers take a handful of arrays (numba passes every array argument as a struct of
@@ -16,7 +16,9 @@ line and the helpers take a handful of arrays (numba passes every array argument
   the turn of its layer it last ran at), hotness ring fill, Belady's pointer into the key's
   future groups and its next-use group (least-stale, reuse-eta: the key's layer);
 - ``kf`` uint8 ``[key, 8]``: resident / protected / missed-this-group / used-since-load /
-  prefetched-unused flags, the ARC / S3-FIFO list the key is in;
+  prefetched-unused flags, the ARC / S3-FIFO list the key is in, pending on the transfer lane;
+- ``lq`` int64 ``[key + 1, 2]``, ``lat`` float64 ``[key]``: demand-first's pending prefetches
+  on the transfer lane, in issue order, and when each was issued (see "the transfer lane");
 - ``ready`` float64 ``[key]``: modeled time its transfer completes; ``ring`` the hotness ring
   (``hot_pow`` its γ^age table; reuse-eta's W(age) table instead);
 - ``aux`` int64: the layer being served and, for reuse-eta, each layer's turns and each pool's
@@ -31,7 +33,8 @@ main and ghost FIFOs the same way (counts in ``ks`` COUNT). Both have flat kerne
 
 **Belady** evicts the unprotected resident with the farthest next use, then the oldest last
 use, then the smallest key. Residents keep a fixed slot in their pool (``res``; a victim's slot
-goes to the key that replaces it), each key its next-use group ``ks[k, NU]``. A resident's next
+goes to the key that replaces it, a cancelled prefetch's to the pool's last resident), each
+key its next-use group ``ks[k, NU]``. A resident's next
 use only changes when it is used, and every use of an offloaded key is a lookup of this loop,
 so the order is known without searching the future at every eviction; each pool keeps a
 *winner tree* over its slots (``tree``, see "Belady's winner tree" below) whose root is the
@@ -64,8 +67,9 @@ PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay 
 
 # ks columns
 PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
-# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2)
-RES, PROT, MISS, USED, PREF, LIST = 0, 1, 2, 3, 4, 5
+# kf columns (LIST: ARC's list of the key, 0 none, T1, T2, B1, B2; PEND: a pending prefetch on
+# the transfer lane, in its list ``lq``: the flag sits in the row the hot loops read anyway)
+RES, PROT, MISS, USED, PREF, LIST, PEND = 0, 1, 2, 3, 4, 5, 6
 T1, T2, B1, B2 = 1, 2, 3, 4
 # ARC's per-pool state in aux, from _arc(pool): MRU ends of T1 … B2 (+0 … +3), LRU ends
 # (+4 … +7), lengths (+8 … +11), the incoming key's ghost list (+12: 0, 1 for B1, 2 for B2) and
@@ -234,6 +238,95 @@ def _bel_fix(k, g, pool, ks, tree, occ_ptr, occ_grp):
     ks[k, NU] = v
     if tree.shape[1] > 1:
         _tree_raise(pool, ks[k, POS], _pack(v, ks[k, LAST]), tree)
+
+
+# -- the transfer lane (workbench.sim.lane.TransferLane) -------------------------------------
+# ``lanes[1]`` is TransferLane.free: when the copies started so far are all done (modeled
+# seconds). A copy starts at max(free, its issue time) and lands ``xfer_time`` later, in
+# ``ready[key]``. FIFO starts every copy when it is issued. Demand-first keeps its *pending*
+# prefetches (issued, not started) in issue order in a circular doubly linked list over the
+# keys: ``lq[k] = (prev, next)``, the sentinel row ``lq[num_keys]`` holding (newest, oldest);
+# ``kf[k, PEND]`` says whether ``k`` is in it; ``lat[k]`` is when pending ``k`` was issued.
+# Invariants: a pending key is resident (a cancelled one leaves the cache at once), so it is
+# pending at most once (a second prefetch of a resident key is skipped); issue times grow
+# along the list. The helpers are TransferLane's methods one by one (same float
+# operations, same order); under FIFO the list stays empty and every one of them but
+# :func:`_lane_prefetch` does nothing. One liberty: TransferLane.cancel advances the lane at
+# every eviction while anything is pending, :func:`_evict` only when the victim is pending.
+# The copies it leaves pending start at the same times later: the lane's times only grow from
+# call to call (a group's issue time, then its end), and every later demand, land or
+# cancellation starts the oldest pending copies first, before anything else moves ``free``.
+FIFO, DEMAND_FIRST = 0, 1
+ORDER_CODES = {"fifo": FIFO, "demand-first": DEMAND_FIRST}
+
+
+@njit(**_HOT)
+def _lane_start(k, at, xfer_time, ready, lanes):
+    """TransferLane._start: ``k``'s copy starts at max(free, ``at``), lands one transfer later."""
+    end = max(lanes[1], at) + xfer_time
+    lanes[1] = end
+    ready[k] = end
+
+
+@njit(**_HOT)
+def _lane_unlink(k, lq, kf):
+    """Take pending ``k`` off the list (it starts, or is cancelled)."""
+    p, n = lq[k, 0], lq[k, 1]
+    lq[p, 1] = n
+    lq[n, 0] = p
+    kf[k, PEND] = 0
+
+
+@njit(**_HOT)
+def _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes):
+    """Start the oldest pending prefetch."""
+    k = lq[lq.shape[0] - 1, 1]
+    _lane_unlink(k, lq, kf)
+    _lane_start(k, lat[k], xfer_time, ready, lanes)
+
+
+@njit(**_HOT)
+def _lane_advance(until, xfer_time, lq, lat, kf, ready, lanes):
+    """TransferLane.advance: start, oldest first, the pending prefetches that begin before
+    ``until`` (a demand issued at ``until`` goes before them and the rest); the first that
+    begins at or after ``until`` stops it."""
+    s = lq.shape[0] - 1
+    while lq[s, 1] != s and max(lanes[1], lat[lq[s, 1]]) < until:
+        _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes)
+
+
+@njit(**_HOT)
+def _lane_demand(k, now, xfer_time, lq, lat, kf, ready, lanes):
+    """TransferLane.demand: a demand load of ``k`` issued at ``now``, behind the copies started
+    by then (FIFO: every copy is started when issued)."""
+    _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
+    _lane_start(k, now, xfer_time, ready, lanes)
+
+
+@njit(**_HOT)
+def _lane_prefetch(k, now, order, xfer_time, lq, lat, kf, ready, lanes):
+    """TransferLane.prefetch: FIFO starts ``k``'s copy now; demand-first queues it, pending."""
+    if order == FIFO:
+        _lane_start(k, now, xfer_time, ready, lanes)
+        return
+    s = lq.shape[0] - 1
+    last = lq[s, 0]
+    lq[k, 0] = last
+    lq[k, 1] = s
+    lq[last, 1] = k
+    lq[s, 0] = k
+    kf[k, PEND] = 1
+    lat[k] = now
+
+
+@njit(**_HOT)
+def _lane_land(k, xfer_time, lq, lat, kf, ready, lanes):
+    """TransferLane.land: when ``k``'s copy lands; pending ``k`` and every prefetch ahead of it
+    start first (the compute lane waits for ``k``: no demand comes between). A copy computed
+    before reads a time ≤ the compute lane's (TransferLane popped it: None), so no stall."""
+    while kf[k, PEND]:
+        _lane_pop_start(xfer_time, lq, lat, kf, ready, lanes)
+    return ready[k]
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -587,15 +680,23 @@ def _victim(pool, g, policy, ks, kf, pl, res, tree, ring, hot_pow, window, step,
 
 
 @njit(**_HOT)
-def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
-    """Take victim ``x`` out of ``pool``: booked on its layer of ``sl`` row ``row`` (the step
-    less the chunk's first step) in ``sl[0]`` (and in ``sl[1]`` as
-    redundant if never used); returns the slot it frees for Belady (-1 for the other policies,
-    whose slot bookkeeping is the LRU list or the resident array)."""
+def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl, now, xfer_time,
+           lq, lat, ready, lanes):
+    """Take victim ``x`` out of ``pool`` at ``now``: booked on its layer of ``sl`` row ``row``
+    (the step less the chunk's first step) in ``sl[0]``, and in ``sl[1]`` as redundant if never
+    used — unless it is a pending prefetch that has not started by ``now`` (demand-first): that
+    one is cancelled, in ``sl[2]`` (Simulator._unqueue: no copy is made, so none is wasted).
+    Returns the slot it frees for Belady (-1 for the other policies, whose slot bookkeeping is
+    the LRU list or the resident array)."""
     kf[x, RES] = 0
     c = row * num_layers + x // num_experts
     sl[0, c] += 1
-    if kf[x, USED] == 0:
+    if kf[x, PEND]:  # pending: the copies that begin before now start first (cancel's advance)
+        _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
+    if kf[x, PEND]:
+        _lane_unlink(x, lq, kf)
+        sl[2, c] += 1
+    elif kf[x, USED] == 0:
         sl[1, c] += 1
     kf[x, PREF] = 0
     slot = -1
@@ -610,14 +711,61 @@ def _evict(x, row, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl):
     return slot
 
 
+@njit(**_JIT)
+def _drop(k, pool, policy, ks, kf, pl, res, tree, aux):
+    """ExpertCache.cancel: ``k`` (a prefetch cancelled before its copy started) leaves ``pool``
+    with no victim choice: its slot is freed and the policy told as for an eviction (ARC: into
+    its list's ghost; S3-FIFO: no ghost), nothing counted here."""
+    kf[k, RES] = 0
+    kf[k, PREF] = 0
+    if policy == LRU:
+        _unlink(k, ks, pl, pool)
+        pl[pool, OCC] -= 1
+        return
+    hole = ks[k, POS]
+    last = pl[pool, OCC] - 1
+    _res_remove(k, pool, ks, pl, res)  # the last resident moves into k's slot
+    if policy == BELADY and tree.shape[1] > 1:  # and its leaf with it: slots stay 0 … OCC-1
+        leaves = (tree.shape[1] - 1) >> 3
+        if hole < last:
+            _tree_set(pool, hole, tree[pool, leaves + last], tree)
+        _tree_set(pool, last, -1, tree)
+    elif policy == ARC:
+        _arc_gone(k, pool, ks, kf, aux)
+    elif policy == S3FIFO:
+        _s3_gone(k, pool, ks, kf, pl, aux)
+
+
+@njit(**_JIT)
+def _cancel_ran(layer, row, now, policy, pool_of_layer, num_experts, num_layers, ks, kf, pl,
+                res, tree, aux, sl, xfer_time, lq, lat, ready, lanes):
+    """TransferLane.cancel then Simulator._end, at the end (``now``) of a group of ``layer``:
+    the pending prefetches that have not started by ``now`` and are for ``layer`` or an earlier
+    one are cancelled, oldest first (the policy sees them leave in that order), each booked in
+    ``sl[2]`` row ``row`` on its layer."""
+    _lane_advance(now, xfer_time, lq, lat, kf, ready, lanes)
+    s = lq.shape[0] - 1
+    k = lq[s, 1]
+    while k != s:
+        nxt = lq[k, 1]
+        j = k // num_experts
+        if j <= layer:
+            _lane_unlink(k, lq, kf)
+            _drop(k, pool_of_layer[j], policy, ks, kf, pl, res, tree, aux)
+            sl[2, row * num_layers + j] += 1
+        k = nxt
+
+
 # inlined into both admission paths (a demand miss in _simulate, a prefetch in _prefetch): a call
 # passing its ~20 arrays cost 2-3x the admission itself (measured), and this is the hottest path
 @njit(**_HOT)
 def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks, kf, pl, res,
-           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl, aux):
+           tree, ring, hot_pow, window, occ_ptr, occ_grp, sl, aux, now, xfer_time, lq, lat,
+           ready, lanes):
     """``ExpertCache.admit``: give ``k`` a slot in ``pool``, evicting the policy's victim
-    among its unprotected residents if it is full (booked on the victim's layer in ``sl[0]``,
-    and in ``sl[1]`` as redundant if it was never used). Returns the new access clock, or -1
+    among its unprotected residents if it is full (:func:`_evict` at ``now``: booked on the
+    victim's layer in ``sl[0]``, and in ``sl[1]`` as redundant if it was never used, or in
+    ``sl[2]`` if it was a pending prefetch, cancelled). Returns the new access clock, or -1
     when every resident is protected (nothing changed). ``g``, ``step``: global group and
     step; ``s0`` the first step of ``sl``'s rows. ``pending``: a demand miss, protected until
     its transfer is done (Belady: next use 0 until :func:`_bel_fix`); else a prefetch, not
@@ -629,7 +777,7 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
             if x == -1:
                 return -1
             slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
-                          sl)
+                          sl, now, xfer_time, lq, lat, ready, lanes)
             _arc_gone(x, pool, ks, kf, aux)
         else:
             _arc_before(k, pool, ks, kf, pl, aux, hot_pow)
@@ -639,7 +787,7 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
             if x == -1:
                 return -1
             slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res,
-                          sl)
+                          sl, now, xfer_time, lq, lat, ready, lanes)
             _s3_gone(x, pool, ks, kf, pl, aux)
         else:
             _s3_before(k, pool, ks, kf, aux)
@@ -657,7 +805,8 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
                         aux)
         if x == -1:
             return -1
-        slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl)
+        slot = _evict(x, step - s0, pool, policy, num_experts, num_layers, ks, kf, pl, res, sl,
+                      now, xfer_time, lq, lat, ready, lanes)
     t += 1
     ks[k, LAST] = t
     kf[k, RES] = 1
@@ -692,35 +841,36 @@ def _admit(k, g, step, s0, t, policy, pool, pending, num_experts, num_layers, ks
 
 
 @njit(**_JIT)
-def _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key, policy, pool_of_layer,
-              num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr,
-              occ_grp, sl, ready, go, xfer_time, aux):
+def _prefetch(g, gg, step, s0, now, t, pf_ptr, pf_key, policy, pool_of_layer, num_experts,
+              num_layers, ks, kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
+              ready, go, xfer_time, aux, order, lq, lat, lanes):
     """Admit group ``g``'s prefetch candidates in order (skipping resident ones and those no
-    unprotected slot can take), queue their transfers behind the demand misses at ``now``.
-    ``g`` indexes the chunk's arrays, ``gg`` is its global index (Belady's future). Returns
-    the new (access clock, transfer-lane free time)."""
+    unprotected slot can take), queue their transfers at ``now`` behind the demand misses
+    (:func:`_lane_prefetch`, in ``order``). ``g`` indexes the chunk's arrays, ``gg`` is its
+    global index (Belady's future). Returns the new access clock."""
     for j in range(pf_ptr[g], pf_ptr[g + 1]):
         k = pf_key[j]
         if kf[k, RES]:
             continue
         t2 = _admit(k, gg, step, s0, t, policy, pool_of_layer[k // num_experts], False,
                     num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow, window,
-                    occ_ptr, occ_grp, sl, aux)
+                    occ_ptr, occ_grp, sl, aux, now, xfer_time, lq, lat, ready, lanes)
         if t2 < 0:
             continue
         t = t2
         kf[k, USED] = 0
         kf[k, PREF] = 1
-        xfer_free = max(xfer_free, now) + xfer_time
-        ready[k] = xfer_free
+        _lane_prefetch(k, now, order, xfer_time, lq, lat, kf, ready, lanes)
         go[G_PF_LOADS, g] += 1
-    return t, xfer_free
+    return t
 
 
 class KernelState:
     """The replay's state between chunks of groups: per key (``ks``, ``kf``, ``ready``, the
-    hotness ``ring``), per pool (``pl``, ``res``, Belady's ``tree``) and the clocks (access
-    clock ``t``; modeled compute and transfer lanes). A replay allocates it once and runs its
+    hotness ``ring``, the transfer lane's pending list ``lq`` and issue times ``lat``), per
+    pool (``pl``, ``res``, Belady's ``tree``) and the clocks (access clock ``t``; modeled
+    compute and transfer lanes). ``order``: the transfer lane's, :data:`FIFO` or
+    :data:`DEMAND_FIRST` (:data:`ORDER_CODES`). A replay allocates it once and runs its
     groups through :meth:`run` in one call or in consecutive chunks — the same result, since
     every group only reads state the groups before it left (tested).
 
@@ -730,10 +880,10 @@ class KernelState:
 
     def __init__(self, num_keys: int, pool_cap: np.ndarray, policy: int, hot_pow: float,
                  window: int, num_experts: int, num_layers: int, num_groups: int,
-                 clock_max: int, occ_ptr: np.ndarray | None = None):
+                 clock_max: int, occ_ptr: np.ndarray | None = None, order: int = FIFO):
         P = pool_cap.shape[0]
         maxcap = max(1, int(pool_cap.max())) if P else 1
-        self.policy, self.window = policy, int(window)
+        self.policy, self.window, self.order = policy, int(window), int(order)
         self.num_experts, self.num_layers = int(num_experts), int(num_layers)
         self.ks = np.zeros((num_keys, 8), np.int64)
         ks = self.ks
@@ -760,6 +910,11 @@ class KernelState:
             self.tree = np.zeros((1, 1), np.int64)  # no tree (shape[1] == 1)
         self.ring = np.zeros((num_keys if policy == HOTNESS else 1, RING), np.int64)
         self.ready = np.zeros(num_keys, np.float64)
+        # the lane's pending prefetches ("the transfer lane" above): none, the sentinel
+        # linked to itself
+        self.lq = np.full((num_keys + 1, 2), -1, np.int64)
+        self.lq[num_keys] = num_keys
+        self.lat = np.zeros(num_keys, np.float64)
         # the layer-order policies' state (see AUX_*): counts only for reuse-eta
         L = max(int(num_layers), 1)
         per_pool = {RETA: 2 * (AGE_CAP + 1), ARC: ARC_W, S3FIFO: S3_W}.get(policy)
@@ -787,17 +942,20 @@ class KernelState:
             num_steps: int):
         """Run the groups of one chunk (arrays as in :func:`simulate`; ``g_step`` global steps,
         ``g0`` the global index of its first group, ``s0`` its first step, ``num_steps`` the
-        steps it spans). Returns ``(go [4, G], gf [2, G], sl [2, num_steps × layers])``."""
+        steps it spans). Returns ``(go [4, G], gf [2, G], sl [3, num_steps × layers])``: per
+        group hits, misses, prefetches, prefetch hits; stall and end time (modeled s); per
+        (step, layer of the key) evictions, redundant prefetches, cancelled prefetches."""
         G = g_layer.shape[0]
         go = np.zeros((4, G), np.int64)
         gf = np.zeros((2, G), np.float64)  # stall, end time
-        sl = np.zeros((2, num_steps * self.num_layers), np.int64)  # evictions, redundant
+        sl = np.zeros((3, num_steps * self.num_layers), np.int64)
         _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned,
                   pool_of_layer, np.int64(self.policy), self.hot_pow, np.int64(self.window),
                   occ_ptr, occ_grp, pf_ptr, pf_key, np.float64(xfer_time),
                   np.int64(self.num_experts), np.int64(self.num_layers), self.ks, self.kf,
                   self.pl, self.res, self.tree, self.ring, self.ready, go, gf, sl, *self.bufs,
-                  np.int64(g0), np.int64(s0), self.tick, self.lanes, self.aux)
+                  np.int64(g0), np.int64(s0), self.tick, self.lanes, self.aux,
+                  np.int64(self.order), self.lq, self.lat)
         return go, gf, sl
 
     def unused_at_end(self) -> int:
@@ -824,7 +982,7 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
     key occurs in, ascending (read by Belady only); ``pf_ptr``/``pf_key``: each group's prefetch
     candidates in order. Returns ``(hits, misses, pf_loads, pf_hits, stall_s, g_end_s)`` per
     group, ``(evictions, redundant)`` per ``step · num_layers + layer`` and the count of
-    resident keys never used at the end: one :class:`KernelState`, one chunk."""
+    resident keys never used at the end: one :class:`KernelState` (the FIFO lane), one chunk."""
     G = g_layer.shape[0]
     state = KernelState(num_keys, pool_cap, policy, hot_pow, window, num_experts, num_layers, G,
                         2 * acc_key.shape[0] + pf_key.shape[0] + 1,
@@ -840,11 +998,12 @@ def simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, p
 def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, pool_of_layer,
               policy, hot_pow, window, occ_ptr, occ_grp, pf_ptr, pf_key, xfer_time, num_experts,
               num_layers, ks, kf, pl, res, tree, ring, ready, go, gf, sl, miss_buf, adm_buf,
-              miss_comp, g0, s0, tick, lanes, aux):
+              miss_comp, g0, s0, tick, lanes, aux, order, lq, lat):
     G = g_layer.shape[0]
     t = tick[0]  # the cache's access clock (ExpertCache.t)
-    now = lanes[0]  # modeled compute lane
-    xfer_free = lanes[1]  # modeled transfer lane
+    now = lanes[0]  # modeled compute lane (the transfer lane's free time stays in lanes[1]:
+    # an eviction may start pending prefetches, see _evict)
+    q = lq.shape[0] - 1  # the sentinel of demand-first's pending prefetches (q: none pending)
 
     for g in range(G):  # g indexes this chunk's arrays; gg is the group's global index
         gg = g0 + g
@@ -858,16 +1017,20 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
         if layer_pinned[layer]:
             go[G_HITS, g] = b - a
             if pf_ptr[g + 1] > pf_ptr[g]:
-                t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr, pf_key,
-                                         policy, pool_of_layer, num_experts, num_layers, ks, kf,
-                                         pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp,
-                                         sl, ready, go, xfer_time, aux)
+                t = _prefetch(g, gg, step, s0, now, t, pf_ptr, pf_key, policy, pool_of_layer,
+                              num_experts, num_layers, ks, kf, pl, res, tree, ring, hot_pow,
+                              window, occ_ptr, occ_grp, sl, ready, go, xfer_time, aux, order, lq,
+                              lat, lanes)
             for i in range(a, b):
                 now += acc_comp[i]
                 if policy == BELADY and kf[acc_key[i], RES]:
                     # a pinned layer's key is never admitted (prefetch plans leave pinned layers
                     # out); should one be resident, its next use still moves on here
                     _bel_fix(acc_key[i], gg, pool_of_layer[layer], ks, tree, occ_ptr, occ_grp)
+            if lq[q, 1] != q:  # the group's end (Simulator._end), as below
+                _cancel_ran(layer, step - s0, now, policy, pool_of_layer, num_experts,
+                            num_layers, ks, kf, pl, res, tree, aux, sl, xfer_time, lq, lat,
+                            ready, lanes)
             gf[1, g] = now
             continue
         pool = pool_of_layer[layer]  # every key of the group is on this layer
@@ -905,12 +1068,9 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             kf[k, PROT] = 1
         go[G_HITS, g] = nh
         go[G_MISSES, g] = nm
-        # -- demand transfers are queued FIFO at the end of the dense work ---------------
+        # -- demand transfers are issued at the end of the dense work, in order ----------
         for j in range(nm):
-            k = miss_buf[j]
-            start = max(xfer_free, now)
-            xfer_free = start + xfer_time
-            ready[k] = xfer_free
+            _lane_demand(miss_buf[j], now, xfer_time, lq, lat, kf, ready, lanes)
         # -- admissions: issue → done(hits) → issue → per admitted miss: done → issue ------
         na = 0
         nxt_miss = 0
@@ -923,7 +1083,7 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 k = miss_buf[nxt_miss]
                 t2 = _admit(k, gg, step, s0, t, policy, pool, True, num_experts, num_layers, ks,
                             kf, pl, res, tree, ring, hot_pow, window, occ_ptr, occ_grp, sl,
-                            aux)
+                            aux, now, xfer_time, lq, lat, ready, lanes)
                 if t2 < 0:
                     break  # every slot holds an expert this layer still needs
                 t = t2
@@ -936,11 +1096,10 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
                 # every miss has a slot: prefetch for the layers ahead (as the live offloader)
                 pf_done = True
                 if pf_ptr[g + 1] > pf_ptr[g]:
-                    t, xfer_free = _prefetch(g, gg, step, s0, now, t, xfer_free, pf_ptr,
-                                             pf_key, policy, pool_of_layer, num_experts,
-                                             num_layers, ks, kf, pl, res, tree, ring, hot_pow,
-                                             window, occ_ptr, occ_grp, sl, ready, go, xfer_time,
-                                             aux)
+                    t = _prefetch(g, gg, step, s0, now, t, pf_ptr, pf_key, policy,
+                                  pool_of_layer, num_experts, num_layers, ks, kf, pl, res, tree,
+                                  ring, hot_pow, window, occ_ptr, occ_grp, sl, ready, go,
+                                  xfer_time, aux, order, lq, lat, lanes)
             if not hits_done:
                 hits_done = True
                 if nh:
@@ -965,24 +1124,26 @@ def _simulate(g_layer, g_step, g_ptr, acc_key, g_dense, acc_comp, layer_pinned, 
             k = acc_key[i]
             kf[k, PROT] = 0
             if kf[k, MISS] == 0:
-                r = ready[k]
-                if r > now:  # a prefetch still in flight
+                r = _lane_land(k, xfer_time, lq, lat, kf, ready, lanes)
+                if r > now:  # a prefetch still in flight (or still pending: started now)
                     stall += r - now
                     now = r
                 now += acc_comp[i]
         for j in range(nm):
             k = miss_buf[j]
             kf[k, MISS] = 0
-            r = ready[k]
+            r = ready[k]  # (a demand load: started when issued, never pending)
             if r > now:
                 stall += r - now
                 now = r
             now += miss_comp[j]
+        if lq[q, 1] != q:  # the group's end: cancel what its layer no longer needs
+            _cancel_ran(layer, step - s0, now, policy, pool_of_layer, num_experts, num_layers,
+                        ks, kf, pl, res, tree, aux, sl, xfer_time, lq, lat, ready, lanes)
         gf[0, g] = stall
         gf[1, g] = now
     tick[0] = t
     lanes[0] = now
-    lanes[1] = xfer_free
 
 
 # -- Belady's future, built in O(accesses) ----------------------------------------------------
