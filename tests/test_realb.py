@@ -426,7 +426,8 @@ def test_the_down_input_switch_restores_the_w4a16_run_and_old_stores_read_it(emb
                                                                              monkeypatch):
     """low_precision_down_input: 'native' is the run of the workbench before the knob (the
     down projection's input unquantised: the same run as 'quantised' with its down-input
-    quantiser made a no-op, to the runtime's run-to-run spread), 'quantised' changes what the layers compute; a store records the
+    quantiser made a no-op, to the runtime's run-to-run spread), 'quantised' changes what
+    the layers compute; a store records the
     knob, and one older than it reads 'native'. A bad value is one KnobError line."""
     import workbench
     import workbench.precision as precision
