@@ -62,8 +62,13 @@ def test_images_and_grids_of_a_vision_run():
 
 def test_missing_attributes_read_as_none_and_knob_defaults():
     m = RunMetadata.from_attrs({})
-    # a store without knob.transfer_order predates it: it ran the FIFO lane (Knobs.PREDATING)
-    assert m.knobs.to_dict() == Knobs(transfer_order="fifo").to_dict()
+    # a store without knob.transfer_order predates it: it ran the FIFO lane (Knobs.PREDATING;
+    # likewise W4A16 at the down projection, low_precision_down_input 'native')
+    from workbench.knobs import PREDATING
+
+    assert PREDATING["transfer_order"] == "fifo"
+    assert PREDATING["low_precision_down_input"] == "native"
+    assert m.knobs.to_dict() == Knobs(**PREDATING).to_dict()
     assert m.recorded_knobs == ()
     for name in _FIELDS:
         want = () if name in ("images", "image_grid_thw", "requests") else None

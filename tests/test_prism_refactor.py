@@ -249,26 +249,35 @@ def test_realb_low_precision_on_sub_experts(embedded, tmp_path, monkeypatch):
     R.save(R.random_refactoring(embedded, seed=21), tmp_path / "p")
     rt = workbench.Runtime(embedded, max_new_tokens=5, ignore_eos=True)
     reqs = workbench.mixed_batch(4, text_share=0.5, seed=3)
-    realb = dict(ep_ranks=4, balance="realb-m1", low_precision="nvfp4")
+    # the down projection's input unquantised (W4A16 there): a sub-expert's own down GEMM
+    # would group its input by the sub-expert's neurons, not the expert's (below: W4A4)
+    realb = dict(ep_ranks=4, balance="realb-m1", low_precision="nvfp4",
+                 low_precision_down_input="native")
     prism = dict(prism=True, prism_refactoring=str(tmp_path / "p"))
     outs, res = {}, {}
     blk = embedded.layout.blocks[5]
     for name, kw in (("base", {}), ("prism", dict(prism, prism_shortcut=False)),
-                     ("shortcut", prism)):
+                     ("shortcut", prism), ("base4", dict(low_precision_down_input="quantised")),
+                     ("prism4", dict(prism, prism_shortcut=False,
+                                     low_precision_down_input="quantised")),
+                     ("shortcut4", dict(prism, low_precision_down_input="quantised"))):
         h = blk.block.register_forward_hook(
             lambda m, a, o, name=name: outs.setdefault(name, []).append(
                 (o[0] if isinstance(o, tuple) else o).detach().clone()))
         try:
-            res[name] = rt.run(reqs, record=False, **realb, **kw)
+            res[name] = rt.run(reqs, record=False, **{**realb, **kw})
         finally:
             h.remove()
     assert res["base"].low_precision_runs > 0
-    for name in ("prism", "shortcut"):
-        assert res[name].low_precision_runs == res["base"].low_precision_runs
+    for base, name in (("base", "prism"), ("base", "shortcut"), ("base4", "shortcut4")):
+        assert res[name].low_precision_runs == res[base].low_precision_runs
         assert [r["token_ids"] for r in res[name].batch] == [r["token_ids"]
-                                                            for r in res["base"].batch]
-        for a, b in zip(outs["base"], outs[name]):
+                                                            for r in res[base].batch]
+        for a, b in zip(outs[base], outs[name]):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    # W4A4 on the sub-expert path: each sub-expert's down GEMM quantises its own input
+    assert res["prism4"].low_precision_runs > 0
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(outs["prism"], outs["prism4"]))
     half = rt.run(reqs, store=tmp_path / "h.zarr", prism_k_active=2, **realb, **prism)
     ds = workbench.open_run(half.store)
     assert half.low_precision_runs > 0 and bool(ds["low_precision"].any())

@@ -139,5 +139,86 @@ def fake_quant(x: Any, precision: str = "nvfp4", *, axis: int | None = None) -> 
     return out.reshape(xf.shape).to(dtype)
 
 
-__all__ = ["PRECISIONS", "fake_quant", "E2M1_VALUES", "FP8_MAX", "FP4_MAX", "NVFP4_GROUP",
-           "BITS"]
+#: the GEMMs a :func:`quantises_input` weight quantises the other operand of (by name: torch's
+#: functions and methods, and transformers' grouped-GEMM custom op on hosts without
+#: ``torch._grouped_mm``)
+_GEMMS = frozenset({"linear", "matmul", "mm", "bmm", "__matmul__", "__rmatmul__",
+                    "_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+
+
+class InputQuantisingWeight(torch.Tensor):
+    """A weight whose every GEMM takes its *activation* operand quantised → dequantised to
+    :attr:`precision` (:func:`fake_quant`, groups along the contraction axis; one global scale
+    per expert: a grouped GEMM's rows split by its offsets, a batched GEMM's entries apart; a
+    static calibrated input scale per expert's Linear is what a PTQ recipe ships). Ops that
+    derive a weight from it (an expert's slice, a transpose, a reshape) keep the type, so the
+    model's own experts forward (eager, batched or grouped GEMMs) quantises the input of every
+    GEMM this weight enters, unchanged. Made by :func:`quantises_input`."""
+
+    precision: str = "nvfp4"
+    gemms: int = 0  # GEMMs that quantised their input (all weights of this precision)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "") or ""
+        name = name.rsplit(".", 1)[-1]
+        if name not in _GEMMS:
+            return super().__torch_function__(func, types, args, kwargs)
+        import workbench.precision as here  # looked up per call: tests may patch fake_quant
+
+        if name == "__rmatmul__":  # W.__rmatmul__(x) is x @ W
+            name, args = "matmul", (args[1], args[0], *args[2:])
+        tagged = [i for i, a in enumerate(args) if isinstance(a, cls)]
+        if tagged not in ([0], [1]) or len(args) < 2 or \
+                any(isinstance(a, cls) for a in kwargs.values()) or \
+                (tagged == [0] and name == "linear"):
+            raise TypeError(f"{cls.__name__}: {name} with this weight as operand "
+                            f"{tagged or list(kwargs)}: no rule for which operand to quantise")
+        p = cls.precision
+        with torch._C.DisableTorchFunctionSubclass():
+            args = [a.as_subclass(torch.Tensor) if isinstance(a, cls) else a for a in args]
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            if name in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback") and tagged == [1]:
+                # rows grouped by expert (``offs``: each group's end): one global scale per
+                # expert, so the values do not depend on which experts share the call; rows
+                # past the last group (the EP sentinels) are no expert's and stay as they are
+                x, ends = args[0], [0, *offs.tolist()]
+                parts = [here.fake_quant(x[a:b], p) for a, b in zip(ends, ends[1:])]
+                args[0] = torch.cat([*parts, x[ends[-1]:]])
+            elif tagged == [1] and args[1].dim() == 3:  # batched x @ W: one GEMM per entry
+                args[0] = torch.stack([here.fake_quant(r, p) for r in args[0]]) \
+                    if len(args[0]) else args[0]
+            elif tagged == [1]:  # x @ W (linear: x @ Wᵀ), one expert: x's last axis
+                args[0] = here.fake_quant(args[0], p)
+            elif args[1].dim() < 2:  # W @ v
+                args[1] = here.fake_quant(args[1], p)
+            elif args[0].dim() == 3:  # batched W @ x: x's second-to-last axis, per entry
+                args[1] = torch.stack([here.fake_quant(r.transpose(-1, -2), p).transpose(-1, -2)
+                                       for r in args[1]]) if len(args[1]) else args[1]
+            else:  # W @ x: the contraction is x's second-to-last axis
+                args[1] = here.fake_quant(args[1].transpose(-1, -2), p).transpose(-1, -2)
+            cls.gemms += 1
+            return func(*args, **kwargs)
+
+
+_INPUT_QUANTISING: dict[str, type] = {}
+
+
+def quantises_input(weight: torch.Tensor, precision: str) -> torch.Tensor:
+    """``weight`` (no copy) as an :class:`InputQuantisingWeight` of ``precision``: every GEMM
+    it enters quantises its other operand (ReaLB's W4A4: activations in FP4 into every
+    expert GEMM, seed 004 App. "Quantization Details")."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                         f"{precision!r}")
+    cls = _INPUT_QUANTISING.get(precision)
+    if cls is None:
+        cls = _INPUT_QUANTISING[precision] = type(
+            f"InputQuantisingWeight_{precision}", (InputQuantisingWeight,),
+            {"precision": precision, "gemms": 0})
+    return weight.as_subclass(cls)
+
+
+__all__ = ["PRECISIONS", "fake_quant", "quantises_input", "InputQuantisingWeight", "E2M1_VALUES",
+           "FP8_MAX", "FP4_MAX", "NVFP4_GROUP", "BITS"]

@@ -80,6 +80,7 @@ class ComputeCall:
     routed: torch.Tensor
     low: set[int]
     sentinels: bool
+    low_down_input: str = "quantised"  # the low experts' down_proj input: or 'native'
 
     def run(self, weights: dict[str, torch.Tensor], experts, **extra) -> torch.Tensor:
         """``experts``' share of the layer output over ``weights`` (the view's call)."""
@@ -251,8 +252,12 @@ class Executor:
                 ) -> torch.Tensor:
         """``experts``' share in ``low_precision``: each expert's weight tensors and the
         layer's input quantised → dequantised (W4A4 for NVFP4, W8A8 for FP8), then the model's
-        own experts forward."""
-        from workbench.precision import fake_quant
+        own experts forward. With ``c.low_down_input`` 'quantised' the down projection's input
+        is quantised too, inside that forward (:func:`workbench.precision.quantises_input`:
+        every GEMM the ``down_proj`` weight enters quantises its activation operand, grouped
+        along the contraction axis, one global scale per GEMM call); 'native' leaves it in the
+        model's dtype (W4A16 there)."""
+        from workbench.precision import fake_quant, quantises_input
 
         p = self.low_precision
         if self.prism and not getattr(c.view, "whole", True):
@@ -261,6 +266,8 @@ class Executor:
         else:
             q = {n: torch.stack([fake_quant(t[i], p) for i in range(t.shape[0])])
                  for n, t in weights.items()}
+        if c.low_down_input == "quantised":
+            q["down_proj"] = quantises_input(q["down_proj"], p)
         self.low_precision_runs += len(experts)
         return c.view(q, experts, c.block.num_experts, fake_quant(c.hidden_states, p),
                       c.top_k_index, c.top_k_weights, *c.args, **c.kwargs)

@@ -87,6 +87,8 @@ class Offloader:
             ``topk``: the router's choice). Its dropped assignments are computed by no expert.
         balance, rank_of_expert, low_precision: ReaLB's controller (None: off), the EP rank of
             each expert and the precision of the ranks it picks.
+        low_down_input: whether those experts' down projection takes its input quantised
+            (``quantised``: W4A4, the paper's) or not (``native``: W4A16 there).
         prism, prism_offload: MoE-Prism's :class:`~workbench.prism.execute.PrismSetup` (None:
             off) and whether the cache's keys are sub-experts.
         macs_centroids: MACS's calibrated centroids μ [L, E, D] on the device (None: η acts
@@ -110,7 +112,7 @@ class Offloader:
                  low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
                  macs_centroids: torch.Tensor | None = None,
                  cache_routing: float | None = None, stages: list[Stage] | None = None,
-                 transfer_order: str = "fifo") -> None:
+                 transfer_order: str = "fifo", low_down_input: str = "quantised") -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -118,7 +120,7 @@ class Offloader:
             layout, pinned_layers, self.prices, torch.device(device), lookahead_depth,
             active_evict, dynamic_topk, k_max, prefetch, prefetch_lead, prefetch_budget,
             pruning, hybrid, dispatch, balance, rank_of_expert, low_precision, prism,
-            prism_offload, macs_centroids, cache_routing)))
+            prism_offload, macs_centroids, cache_routing, low_down_input)))
         self.pinned_layers = pinned_layers
         self.probe = probe
         #: prefetched experts evicted before any access used them (the core's ``redundant``)
@@ -323,7 +325,7 @@ class Offloader:
         self._note_outcome(ev, call.keys, out)
         result = self.executor.execute(ComputeCall(
             b, original, view, hidden_states, call.ids, call.weights, args, kwargs, ev,
-            routed, call.low, self._sentinels), out)
+            routed, call.low, self._sentinels, call.low_down_input), out)
         for st in self._hooked["finish"]:
             st.finish(call)
         return result

@@ -97,6 +97,13 @@ class ExpertParallelKnobs(KnobGroup):
         default="nvfp4", objects=["nvfp4", "fp8"],
         doc="The low precision of balance (workbench.fake_quant: weights and activations "
             "quantised → dequantised; priced with the profile's FP4/FP8 rate where it has one).")
+    low_precision_down_input = param.Selector(
+        default="quantised", objects=["quantised", "native"],
+        doc="The down projection's input in low precision: 'quantised' (W4A4 / W8A8: every "
+            "expert GEMM takes quantised activations, ReaLB's NVFP4 scheme, seed 004 App. "
+            "Quantization Details) or 'native' (W4A16 there: only the layer input quantised, "
+            "the workbench before this knob; kept for comparison). Numerics only: the clock "
+            "prices both alike.")
     realb_tau = param.Number(
         default=1.5, bounds=(1.0, 100.0),
         doc="ReaLB τ: M_d halves when the layer's IB_global exceeds it, else grows by 0.1.")

@@ -3,7 +3,8 @@
 Per layer call, ReaLB (:class:`workbench.sim.realb.ReaLB`) reads the per-rank loads and
 visual assignments of the real tokens (``rank_of_expert`` maps an expert to its EP rank) and
 picks the ranks whose experts run in ``low_precision`` this call: weights and activations
-quantised → dequantised (:mod:`workbench.precision`), by the executor's low-precision runner
+quantised → dequantised (:mod:`workbench.precision`; the down projection's input too unless
+``low_precision_down_input`` is 'native'), by the executor's low-precision runner
 (:meth:`workbench.runtime.executor.Executor.run_low`). The controller's carried state (M_d) is
 the controller's own; a run that carries it on gets it from ``realb_carry`` at setup.
 """
@@ -27,10 +28,11 @@ class BalanceStage(Stage):
     needs = frozenset({TOKEN_CONTEXT})
 
     def __init__(self, controller, rank_of_expert: np.ndarray, low_precision: str,
-                 ranks: int | None = None) -> None:
+                 ranks: int | None = None, down_input: str = "quantised") -> None:
         self.controller = controller
         self.rank_of_expert = np.asarray(rank_of_expert)
         self.low_precision = low_precision
+        self.down_input = down_input  # low_precision_down_input: 'quantised' (W4A4) or 'native'
         self.ranks = int(self.rank_of_expert.max()) + 1 if ranks is None else int(ranks)
 
     @classmethod
@@ -47,13 +49,14 @@ class BalanceStage(Stage):
             # shared: this run's updates are the next run's start
             ctl.m = run.runtime.realb_carry.share((ep.balance, ranks, ep.placement), ctl.m)
         return cls(ctl, rank_of_expert(ep.placement, lay.num_experts, ranks), ep.low_precision,
-                   ranks)
+                   ranks, ep.low_precision_down_input)
 
     @classmethod
     def from_setup(cls, setup: StageSetup) -> "BalanceStage | None":
         if setup.balance is None:
             return None
-        return cls(setup.balance, setup.rank_of_expert, setup.low_precision)
+        return cls(setup.balance, setup.rank_of_expert, setup.low_precision,
+                   down_input=setup.low_down_input)
 
     def store_dims(self) -> dict[str, int]:
         return {"ep_ranks": self.ranks}
@@ -75,3 +78,4 @@ class BalanceStage(Stage):
         d = call.event.realb = self.controller.decide(call.block.index, load, visual)
         call.low = {e for e in call.experts if d.low[roe[e]]}
         call.low_precision = self.low_precision
+        call.low_down_input = self.down_input

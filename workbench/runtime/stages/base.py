@@ -75,6 +75,7 @@ class StageSetup:
     prism_offload: bool = False
     macs_centroids: torch.Tensor | None = None
     cache_routing: float | None = None  # Cache-Prior's λ (None: off)
+    low_down_input: str = "quantised"  # the knob low_precision_down_input
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class LayerCall:
     p_next: np.ndarray | None = None
     low: set[int] = field(default_factory=set)  # experts run in low precision
     low_precision: str = "native"  # theirs
+    low_down_input: str = "quantised"  # their down projection's input: 'quantised' or 'native'
     # what the cache looks up: keys (experts, or sub-experts e·part + s), the tokens of each
     # (the hybrid rule's input), their modeled compute (None: the core prices the experts)
     keys: list[int] = field(default_factory=list)
