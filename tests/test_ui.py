@@ -614,8 +614,9 @@ def test_replay_view_draws_policy_curves_under_the_belady_ceiling(two_runs):
 def test_a_served_replay_view_replays_in_slices_and_draws_the_same(two_runs):
     """Served, the replay view makes its study in slices of ``SLICE_S`` seconds, one per
     event-loop tick (a whole study held the loop for 2-11 s after a run ended, and a value
-    typed then waited that long): each slice says how far it got, a change meanwhile starts
-    the study over, and the finished figure and table are those of a study made at once."""
+    typed then waited that long): the study is a generator advanced slice by slice, each slice
+    makes at least one point and says how far it got, a change meanwhile starts a new study,
+    and the finished figure and table are those of a study made at once."""
     from bokeh.document import Document
 
     from workbench.ui import replay as R
@@ -623,45 +624,43 @@ def test_a_served_replay_view_replays_in_slices_and_draws_the_same(two_runs):
 
     s = DataStore(workspace=two_runs.workspace)
     s.open("a")
-    whole = s.replay_study()  # at once (no deadline): the reference
+    whole = s.replay_study()  # at once: the reference
     s._replay_memo.clear()
-    with pytest.raises(R.Unfinished) as u:  # a deadline already passed: one replay per call
-        s.replay_study(deadline=0.0)
-    assert u.value.done == 1 and u.value.total == len(whole.curves)
-    with pytest.raises(ValueError, match="memo"):
-        R.replay_curves(s.replay_trace(), deadline=0.0)
+    steps = s.replay_study_steps()
+    assert R.advance(steps, deadline=0.0) == (1, len(whole.curves))  # one point per slice
+    assert R.advance(steps, deadline=0.0) == (2, len(whole.curves))  # the same study goes on
+    rest = R.advance(steps)
+    assert rest.curves.equals(whole.curves) and rest.table.equals(whole.table)
 
     v = ReplayView(s)
     v._ticks = ticks = TickQueue(Document())  # as served: its redraws go on the session's queue
     s._replay_memo.clear()
-    v.SLICE_S = 0.0  # one point per slice, whatever this machine's speed
+    v.SLICE_S, v.PROGRESS_EVERY_S = 0.0, 0.0  # one point per slice, each said
+    n = v.redraws
     v.redraw()
-    said, slices = [v.message], 1
+    said = [v.message]
     while ticks.pending:
         ticks._one()  # the event loop's next tick
         said.append(v.message)
-        slices += 1
-    assert slices == len(whole.curves) and said[0].startswith("replaying … 1 of ")
-    assert [int(m.split()[2]) for m in said[:-1]] == sorted(int(m.split()[2]) for m in said[:-1])
+    assert len(said) == len(whole.curves) + 1 and v.redraws == n + len(said)  # + the figure
+    assert said[0] == f"replaying … 1 of {len(whole.curves)} points"
+    assert [int(m.split()[2]) for m in said[:-1]] == list(range(1, len(said)))
     assert v.study is not None and v.study.curves.equals(whole.curves)
     assert v.study.table.equals(whole.table) and "<table" in v.table.object
     assert len(v.pane.object.data) > 1
 
-    s._replay_memo.clear()  # the shared memo started over between two slices (another
-    v.redraw()              # session's trace): a slice without progress, then one to the end
-    ticks._one()
+    v.PROGRESS_EVERY_S = 3600.0  # progress said once: the page is left alone after that
     s._replay_memo.clear()
-    ticks._one()
-    assert v._stalled and ticks.pending
-    ticks._one()
-    assert not ticks.pending and v.study.curves.equals(whole.curves)
+    n = v.redraws
+    v.redraw()
+    while ticks.pending:
+        ticks._one()
+    assert v.redraws == n + 2 and v.study.curves.equals(whole.curves)
 
-    s._replay_memo.clear()  # a change between two slices: the study starts over, for it
+    s._replay_memo.clear()  # a change between two slices: a new study, for it
     v.redraw()
     assert ticks.pending and v.message.startswith("replaying")
-    s.replay_evictions = ["lru"]
-    ticks.pending.clear()
-    v.redraw()  # (the watcher's redraw: what a change queues)
+    s.replay_evictions = ["lru"]  # the watcher queues a redraw under the view's key
     while ticks.pending:
         ticks._one()
     assert set(v.study.curves.eviction) == {"lru", R.CEILING}

@@ -59,7 +59,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
 import numpy as np
 import param
@@ -74,7 +74,7 @@ from workbench.policies.eviction import EVICTION
 from workbench.replay import SCOPES
 from workbench.runtime.pool import ModelPool, default_pool
 from workbench.telemetry.metadata import RunMetadata
-from workbench.ui.replay import ReplayStudy, study
+from workbench.ui.replay import Progress, ReplayStudy, advance, study_steps
 
 log = logging.getLogger(__name__)
 
@@ -1575,7 +1575,11 @@ class DataStore(param.Parameterized):
         if not self._syncing_replay:
             self.replay_revision += 1
 
-    def replay_study(self, points: int = 12, deadline: float | None = None) -> ReplayStudy:
+    def replay_study(self, points: int = 12) -> ReplayStudy:
+        """:meth:`replay_study_steps` run to its end."""
+        return advance(self.replay_study_steps(points))
+
+    def replay_study_steps(self, points: int = 12) -> Generator[Progress, None, ReplayStudy]:
         """Replay the shown run (see :func:`workbench.ui.replay.study`): hit-rate curves of the
         ``replay_evictions`` policies and Belady over the ``replay_slots`` range under
         ``replay_scope``, the metrics table at ``replay_at``, and the run's own point; every
@@ -1583,8 +1587,8 @@ class DataStore(param.Parameterized):
         them) — each point is ``workbench.replay_trace`` of the run's store. Replays already
         made on this run are reused. Raises :class:`WorkbenchError` with a message for the
         user (no run, a live run, knobs that cannot be read, a prefetch policy the run cannot
-        serve, …). ``deadline``: see :func:`workbench.ui.replay.replay_curves` (raises
-        :class:`~workbench.ui.replay.Unfinished`; the next call goes on)."""
+        serve, …), raised when the generator is advanced
+        (:func:`workbench.ui.replay.study_steps`; :func:`~workbench.ui.replay.advance`)."""
         trace = self.replay_trace()
         if self._replay_problem:
             raise StoreError(self._replay_problem)
@@ -1595,7 +1599,7 @@ class DataStore(param.Parameterized):
             own = (meta.cache_slots, float(ds.moe.hit_rate()),
                    f"this run, as recorded ({_policies_of(meta)})")
         ep = self.knobs.group("ep")  # the Expert parallel card's ranks, as the EP view's
-        return study(trace, self.replay_evictions, slot_range=self.replay_slots,
-                     at_slots=self.replay_at, points=points, own=own, knobs=self.replay_knobs,
-                     scope=self.replay_scope, memo=self._replay_memo,
-                     ep=(int(ep.ep_ranks), ep.placement), deadline=deadline)
+        return (yield from study_steps(
+            trace, self.replay_evictions, slot_range=self.replay_slots, at_slots=self.replay_at,
+            points=points, own=own, knobs=self.replay_knobs, scope=self.replay_scope,
+            memo=self._replay_memo, ep=(int(ep.ep_ranks), ep.placement)))

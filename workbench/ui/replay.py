@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -47,7 +47,7 @@ from workbench.replay import SCOPES, replay_trace
 __all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "REPLAY_GROUPS", "CURVE_KNOBS",
            "replay_knob_names", "pinned_prefix", "slot_bounds", "cache_sizes", "recorded_knobs",
            "replay_curves", "belady_share", "curves_figure", "prefetch_comparison",
-           "ReplayStudy", "study", "Unfinished"]
+           "ReplayStudy", "study", "study_steps", "curves_steps", "advance", "Progress"]
 
 #: the eviction policy drawn as the ceiling (Belady's offline optimum)
 CEILING = "belady"
@@ -88,13 +88,23 @@ _SYMBOLS = ("circle", "square-open", "diamond-open", "triangle-up-open", "x-thin
 CEILING_COLOR = "#111827"
 
 
-class Unfinished(Exception):
-    """A study given a ``deadline`` stopped before making all its replays: ``done`` of
-    ``total`` points are in its memo, and the same call made again goes on from there."""
+#: what a study's steps yield: (points made, points in all)
+Progress = tuple[int, int]
 
-    def __init__(self, done: int, total: int) -> None:
-        super().__init__(f"{done} of {total} replays made")
-        self.done, self.total = done, total
+
+def advance(steps: Generator[Progress, None, Any], deadline: float | None = None) -> Any:
+    """Run ``steps`` (:func:`curves_steps`, :func:`study_steps`) to its end and return its
+    value; with ``deadline`` (``time.monotonic()``) stop at the first step that ends after it
+    (at least one step is made) and return that step's :data:`Progress` instead — the same
+    generator, advanced again, goes on. The dashboard replays a run in such slices, one per
+    event-loop tick, so that clicks are read between them."""
+    while True:
+        try:
+            got = next(steps)
+        except StopIteration as end:
+            return end.value
+        if deadline is not None and time.monotonic() > deadline:
+            return got
 
 
 def replay_knob_names() -> list[str]:
@@ -202,11 +212,17 @@ def _settings(knobs, scope: str, pin: int) -> dict[str, Any]:
 
 
 def replay_curves(trace, evictions: Iterable[str] | None = None,
-                  sizes: Sequence[int] | None = None, *, knobs=None,
-                  prefetch: str | None = None, prefetch_lead: int | None = None,
-                  scope: str = "global", pinned_layers: int | None = None,
-                  target_model: str | None = None, profile: str | None = None,
-                  memo: dict | None = None, deadline: float | None = None) -> pd.DataFrame:
+                  sizes: Sequence[int] | None = None, **kw: Any) -> pd.DataFrame:
+    """:func:`curves_steps` run to its end (the arguments and the result are its)."""
+    return advance(curves_steps(trace, evictions, sizes, **kw))
+
+
+def curves_steps(trace, evictions: Iterable[str] | None = None,
+                 sizes: Sequence[int] | None = None, *, knobs=None,
+                 prefetch: str | None = None, prefetch_lead: int | None = None,
+                 scope: str = "global", pinned_layers: int | None = None,
+                 target_model: str | None = None, profile: str | None = None,
+                 memo: dict | None = None) -> Generator[Progress, None, pd.DataFrame]:
     """Hit rate (and the other replay metrics) of each eviction policy at each cache size.
 
     ``evictions``: registered names (default: every one); :data:`CEILING` is always added.
@@ -218,10 +234,8 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
     ``profile`` change them when given.
     ``pinned_layers``: default the run's pinned prefix. ``memo``: a dict reused across calls
     to skip replays already made (it serves one trace: given another, it is cleared).
-    ``deadline`` (``time.monotonic()``, with a ``memo``): no replay but a call's first is
-    started after it; the call raises :class:`Unfinished` when points are left, and the next
-    call goes on from the memo (the dashboard replays a run in slices, so that clicks are read
-    between them).
+    A generator: it yields :data:`Progress` after each point and returns the curves
+    (:func:`advance` runs it, in slices if asked; :func:`replay_curves` at once).
 
     Returns a long DataFrame: ``eviction``, ``cache_slots``, the metrics of
     :meth:`ReplayResult.metrics` (times *modeled*) and ``belady_share`` = hit rate / Belady's
@@ -243,19 +257,13 @@ def replay_curves(trace, evictions: Iterable[str] | None = None,
         raise KnobError(f"cache sizes must reach at least {lo} slots with scope={scope} "
                         f"(top-k {'per offloaded layer' if scope != 'global' else ''}); "
                         f"allowed: {lo} … {hi}")
-    if deadline is not None and memo is None:
-        raise ValueError("a deadline needs a memo to go on from")
-    rows, total, kk, made = [], len(names) * len(sizes), _knobs_key(k), 0
+    rows, total, kk = [], len(names) * len(sizes), _knobs_key(k)
     for ev in names:
         for s in sizes:
-            if deadline is not None and not (memo.get("trace") is trace
-                                             and (ev, int(s), scope, pin, kk) in memo):
-                if made and time.monotonic() > deadline:  # (each call makes one: progress)
-                    raise Unfinished(len(rows), total)
-                made += 1
             row = _replay_one(trace, ev, s, knobs=k, scope=scope, pinned_layers=pin, memo=memo,
                               knobs_key=kk)
             rows.append({"eviction": ev, "cache_slots": int(s), **row})
+            yield len(rows), total
     df = pd.DataFrame(rows)
     if CEILING in names:
         ceil = df[df.eviction == CEILING].set_index("cache_slots")["hit_rate"]
@@ -364,12 +372,17 @@ class ReplayStudy:
     ep: dict[str, Any] | str | None = None
 
 
-def study(trace, evictions: Iterable[str] | None = None, *,
-          slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
-          points: int = 12, own: tuple[int, float, str] | None = None, knobs=None,
-          scope: str = "global", memo: dict | None = None,
-          ep: tuple[int, str] | None = None, deadline: float | None = None,
-          **changes: Any) -> ReplayStudy:
+def study(trace, evictions: Iterable[str] | None = None, **kw: Any) -> ReplayStudy:
+    """:func:`study_steps` run to its end (the arguments and the result are its)."""
+    return advance(study_steps(trace, evictions, **kw))
+
+
+def study_steps(trace, evictions: Iterable[str] | None = None, *,
+                slot_range: tuple[int, int] | None = None, at_slots: int | None = None,
+                points: int = 12, own: tuple[int, float, str] | None = None, knobs=None,
+                scope: str = "global", memo: dict | None = None,
+                ep: tuple[int, str] | None = None,
+                **changes: Any) -> Generator[Progress, None, ReplayStudy]:
     """:class:`ReplayStudy` of ``trace``: curves over ``points`` sizes of ``slot_range``
     (clipped to :func:`slot_bounds`; None = all of it) plus ``own[0]`` and ``at_slots`` when
     inside it, and the metrics table at ``at_slots`` (default ``own[0]``, else the middle of
@@ -377,8 +390,10 @@ def study(trace, evictions: Iterable[str] | None = None, *,
     ``prefetch_lead``, ``target_model``, ``profile``) as :func:`replay_curves` takes them.
     ``ep`` ``(ranks, placement)``: also the trace's EP load over that many virtual ranks
     (after the replay knobs' dispatch, priced by their target model), when ranks > 1.
-    ``deadline``: as :func:`replay_curves` takes it (raises :class:`Unfinished`)."""
-    t0 = time.perf_counter()
+    A generator as :func:`curves_steps` is (:func:`study` runs it at once); the study's
+    ``elapsed_s`` counts its own steps' time only, not the pauses between slices."""
+    t = time.perf_counter()
+    busy = 0.0
     pin = pinned_prefix(trace)
     lo, hi = slot_bounds(trace, scope, pin)
     a, b = (lo, hi) if slot_range is None else (int(min(slot_range)), int(max(slot_range)))
@@ -390,8 +405,17 @@ def study(trace, evictions: Iterable[str] | None = None, *,
     if own is not None and (own[0] is None or not a <= own[0] <= b):
         own = None  # outside the range drawn
     sizes = sorted(set(sizes) | {at_slots} | ({own[0]} if own is not None else set()))
-    curves = replay_curves(trace, evictions, sizes, knobs=knobs, scope=scope, pinned_layers=pin,
-                           memo=memo, deadline=deadline, **changes)
+    steps = curves_steps(trace, evictions, sizes, knobs=knobs, scope=scope, pinned_layers=pin,
+                         memo=memo, **changes)
+    while True:
+        try:
+            got = next(steps)
+        except StopIteration as end:
+            curves = end.value
+            break
+        busy += time.perf_counter() - t
+        yield got
+        t = time.perf_counter()
     table = curves[curves.cache_slots == at_slots]
     table = pd.concat([table[table.eviction != CEILING], table[table.eviction == CEILING]],
                       ignore_index=True)  # the ceiling last
@@ -407,4 +431,4 @@ def study(trace, evictions: Iterable[str] | None = None, *,
             ep_figures = str(e)
     return ReplayStudy(curves=curves, table=table, sizes=sizes, at_slots=at_slots,
                        bounds=(lo, hi), own=own, settings=dict(curves.attrs),
-                       elapsed_s=time.perf_counter() - t0, ep=ep_figures)
+                       elapsed_s=busy + time.perf_counter() - t, ep=ep_figures)

@@ -29,7 +29,7 @@ from workbench.sim.ep import imbalance
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
-from workbench.ui.replay import CEILING, METRICS, ReplayStudy, Unfinished, curves_figure
+from workbench.ui.replay import CEILING, METRICS, ReplayStudy, advance, curves_figure
 from workbench.viz.ep import ep_load_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
 from workbench.viz.predictor import hot_recall_figure
@@ -1011,8 +1011,8 @@ class ReplayView(PlotView):
                "replay_at", "replay_revision")
 
     #: seconds of replays per event-loop tick when served: a run's study (9 policies × 13
-    #: sizes) held the loop 2-11 s in one callback, and a value typed right after a run ended
-    #: waited that long to be answered (``bench_dashboard.py``'s refused value)
+    #: sizes) held the loop 2-11 s in one callback (py-spy), and a value typed right after a
+    #: run ended waited behind it (``bench_dashboard.py``'s refused value)
     SLICE_S = 0.15
 
     def __init__(self, store: DataStore, height: int = 420, defer: bool = False) -> None:
@@ -1022,9 +1022,8 @@ class ReplayView(PlotView):
         self.study: ReplayStudy | None = None
         self.message = ""
         self._deferred = defer
+        self._steps = None  # the study in progress (a generator), advanced one slice a tick
         self._more = False  # served: the study stopped at its slice's deadline; go on next tick
-        self._done = -1  # points of the study made when the last slice stopped (-1: none yet)
-        self._stalled = False  # the last slice made no point: the next one goes to the end
         self._said_at = 0.0  # time.monotonic() of the last progress message shown
         self.table = pn.pane.HTML("", sizing_mode="stretch_width")
         super().__init__(store, height)
@@ -1044,13 +1043,17 @@ class ReplayView(PlotView):
             self.message = "the run is in flight: it is replayed when it ends"
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
-            self.study = self.store.replay_study(deadline=self._deadline())
+            if self._steps is None:
+                self._steps = self.store.replay_study_steps()
+            got = advance(self._steps, self._deadline())
+            if not isinstance(got, ReplayStudy):  # a slice's end: the next tick goes on
+                self._more = True
+                self.message = f"replaying … {got[0]} of {got[1]} points"
+                return placeholder_figure(self.view, REPLAY_TITLE, self.message)
+            self._steps, self.study = None, got
             return replay_view_figure(self.study, self._revision())
-        except Unfinished as u:  # the next slice goes on from the replays made (the memo)
-            self._more, self._done = True, u.done
-            self.message = f"replaying … {u.done} of {u.total} points"
-            return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         except Exception as e:  # e.g. a prefetch policy this run cannot serve, a bad store
+            self._steps = None
             if not isinstance(e, WorkbenchError):
                 log.exception("replay of %s failed", self.store.run_name)
             self.study = None
@@ -1060,33 +1063,27 @@ class ReplayView(PlotView):
                                       "<br>".join(textwrap.wrap(html.escape(self.message), 90)))
 
     def _deadline(self) -> float | None:
-        """The end of this slice of replays: served only (a notebook replays at once), and
-        not after a slice that made no replay (under load the study's set-up alone can take
-        a slice; or the shared memo was started over meanwhile): then it goes to the end."""
+        """The end of this slice of replays: served only (a notebook replays at once)."""
         import time
 
-        if self._ticks is None or self._stalled:
-            return None
-        return time.monotonic() + self.SLICE_S
+        return None if self._ticks is None else time.monotonic() + self.SLICE_S
 
     def redraw(self, *events: Any) -> None:
-        self._done, self._stalled = -1, False  # a new study (a change, not a continuation)
+        self._steps = None  # a change: a new study (the memo keeps the replays already made)
         self._slice()
 
     #: seconds between two progress messages of a sliced study: each new figure costs the
-    #: browser a plotly render, and under load a page redrawing a placeholder at every
-    #: slice answered a typed value 35 s late (measured)
+    #: browser a plotly render, and under load the page's own input waits behind renders
     PROGRESS_EVERY_S = 2.0
 
     def _slice(self) -> None:
         import time
 
-        before, self._more = self._done, False
+        going_on, self._more = self._steps is not None, False
         fig = self._safe_figure()
         if self._more:
-            self._stalled = self._done <= before
             self._ticks.add(id(self), self._slice)  # a change meanwhile replaces it (same key)
-            if before >= 0 and time.monotonic() < self._said_at + self.PROGRESS_EVERY_S:
+            if going_on and time.monotonic() < self._said_at + self.PROGRESS_EVERY_S:
                 return  # said recently: the page is left alone
             self._said_at = time.monotonic()
         self._show(fig)
