@@ -1262,8 +1262,12 @@ def test_json_read_from_disk_has_a_depth_limit():
     from workbench import jsonio
 
     assert jsonio.loads("[" * 64 + "]" * 64) is not None  # at the limit: fine
+    assert jsonio.loads(b"[" * 64 + b"]" * 64) is not None
+    # brackets inside strings count towards the cheap bound only, never towards the depth
+    assert jsonio.loads('["' + "[{" * 100 + '"]') == ["[{" * 100]
     for doc in ("[" * 65 + "]" * 65, '{"a":' * 100_000 + "1" + "}" * 100_000,
-                "[" * 100_000 + "]" * 100_000):
+                "[" * 100_000 + "]" * 100_000, b"[" * 65 + b"]" * 65,
+                bytearray(b'{"a":' * 65 + b"1" + b"}" * 65)):
         with pytest.raises(json.JSONDecodeError, match="nested deeper than 64"):
             jsonio.loads(doc)
 

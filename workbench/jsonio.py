@@ -35,6 +35,15 @@ def loads(raw: str | bytes | bytearray, **kwargs: Any) -> Any:
         doc = json.loads(raw, **kwargs)
     except RecursionError:
         raise _depth_error(raw) from None
+    # a value nests at most as deep as the document has opening brackets (those inside strings
+    # only add to the count): with no more than MAX_DEPTH of them it cannot be too deep, and
+    # the walk below (most of a small document's cost: every store open reads dozens) is skipped
+    if isinstance(raw, str):
+        openers = raw.count("[") + raw.count("{")
+    else:
+        openers = raw.count(b"[") + raw.count(b"{")
+    if openers <= MAX_DEPTH:
+        return doc
     # iterative walk: the value itself may be too deep for recursive code that reads it
     stack = [(doc, 1)]
     while stack:

@@ -476,8 +476,12 @@ def open_run(path: str | Path) -> xr.Dataset:
         data_vars["token_request"] = xr.Variable(
             v.dims, np.broadcast_to(np.int16(0), data_vars["token_id"].shape),
             attrs={"units": v.units, "description": v.doc})
-    ds = xr.Dataset(data_vars, coords=coords, attrs={**attrs, "status": status})
-    ds = ds.assign_coords(step=np.arange(ds.sizes.get("step", 0)))
+    # every run has a ``step`` coordinate (0 long where no array is indexed by step), given to
+    # the constructor: ``assign_coords`` afterwards would build the Dataset twice
+    steps = next((v.shape[v.dims.index("step")] for v in data_vars.values() if "step" in v.dims),
+                 0)
+    ds = xr.Dataset(data_vars, coords={**coords, "step": np.arange(steps)},
+                    attrs={**attrs, "status": status})
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
     _check_semantics(path, ds)
     return ds
@@ -498,36 +502,45 @@ def _check_semantics(path: Path, ds: xr.Dataset) -> None:
     gave a hit rate of 1.0015 (issue 26): counts ≥ 0; one layer's lookups in one step (hits +
     misses) at most its experts; times finite and ≥ 0; a step's tokens at most the tokens
     recorded; generated tokens ≥ -1 (-1: none)."""
+    # each array read once, through its Variable (``ds[name]`` would build a DataArray with
+    # its coordinates for every read)
+    variables, read = ds.variables, {}
+
+    def values(name: str) -> np.ndarray:
+        if name not in read:
+            read[name] = np.asarray(variables[name].values)
+        return read[name]
+
     def first_bad(name: str, bad: np.ndarray, values: np.ndarray, expected: str) -> None:
         if bad.any():
             at = tuple(int(x) for x in np.argwhere(bad)[0])
-            dims = ds[name].dims
+            dims = variables[name].dims
             where = ", ".join(f"{d} {i}" for d, i in zip(dims, at))
             raise _fail(path, f"array {name!r} holds {values[at].item()!r} at {where}; expected "
                               f"{expected}")
 
     for name in _COUNTS:
-        if name in ds:
-            v = np.asarray(ds[name].values)
+        if name in ds.data_vars:
+            v = values(name)
             first_bad(name, v < 0, v, "a count ≥ 0")
     for name in _TIMES:
-        if name in ds:
-            v = np.asarray(ds[name].values, np.float64)
+        if name in ds.data_vars:
+            v = np.asarray(values(name), np.float64)
             first_bad(name, ~np.isfinite(v) | (v < 0), v, "a finite number of seconds ≥ 0")
-    if "hits" in ds and "misses" in ds and "expert" in ds.sizes:
+    if "hits" in ds.data_vars and "misses" in ds.data_vars and "expert" in ds.sizes:
         e = int(ds.sizes["expert"])
         n = int(ds.sizes.get(SUBEXPERT, 1))  # sub-expert offloading looks up sub-experts
-        look = np.asarray(ds["hits"].values, np.int64) + np.asarray(ds["misses"].values, np.int64)
+        look = np.asarray(values("hits"), np.int64) + np.asarray(values("misses"), np.int64)
         first_bad("misses", look > e * n, look,
                   f"hits + misses at most the layer's {e} experts" + (f" × {n} sub-experts"
                                                                       if n > 1 else "")
                   + " (distinct lookups of one layer in one step)")
-    if "step_tokens" in ds and "token" in ds.sizes:
+    if "step_tokens" in ds.data_vars and "token" in ds.sizes:
         t = int(ds.sizes["token"])
-        v = np.asarray(ds["step_tokens"].values)
+        v = values("step_tokens")
         first_bad("step_tokens", v > max(t, 1), v, f"at most the {t} tokens the store holds")
-    if "generated_token" in ds:
-        v = np.asarray(ds["generated_token"].values)
+    if "generated_token" in ds.data_vars:
+        v = values("generated_token")
         first_bad("generated_token", v < -1, v, "a token id ≥ 0, or -1 (none)")
 
 
