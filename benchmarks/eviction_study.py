@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -106,8 +107,8 @@ def markdown(df, phase: str) -> str:
         cells = []
         for p in cols:
             v = row[p]
-            s = "—" if v != v else f"{v:.3f}"
-            if v == best and v == v:
+            s = "—" if math.isnan(v) else f"{v:.3f}"
+            if v == best:
                 s = f"**{s}**"
             if (trace, p) in tuned:
                 s += "ᵗ"

@@ -191,7 +191,7 @@ def verdict(df: pd.DataFrame, goal: float = 0.90, slots: Sequence[int] = (64, 12
         # a policy held out on only some traces is scored on those
         best = str(score.idxmax())
         out[part] = dict(best=best, score=float(score[best]), met=bool(score[best] >= goal),
-                         cells=int(len(sel[sel.policy == best])),
+                         cells=len(sel[sel.policy == best]),
                          scores={k: float(v) for k, v in score.items()})
     out["met"] = bool(out["all"] is not None and out["all"]["met"])
     return out
