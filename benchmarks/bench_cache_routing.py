@@ -84,20 +84,12 @@ def paired(a: list[bool], b: list[bool]) -> tuple[float, float]:
     return float(d.mean()), float(se)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=16, help="held-out questions")
-    ap.add_argument("--sizes", default="0.1,0.25", help="cache sizes, shares of all experts")
-    ap.add_argument("--strengths", default="0.1,0.25,0.5,1", help="λ values")
-    ap.add_argument("--json", help="write every number here")
-    a = ap.parse_args()
-    reqs, truth = _requests(a.n)
-    rt = workbench.Runtime()
+def measure(rt, reqs, truth, sizes: list[float], lams: list[float]) -> list[dict]:
+    """Every (size, λ) row: the unbiased run (λ 0, with Belady's misses on its trace) and each
+    λ's run, paired with it per question."""
     lay = rt.lm.layout
     total = lay.num_layers * lay.num_experts
-    sizes = [float(s) for s in a.sizes.split(",")]
-    lams = [float(s) for s in a.strengths.split(",")]
-    rows, t_start = [], time.perf_counter()
+    rows = []
     with tempfile.TemporaryDirectory() as d:
         for share in sizes:
             slots = max(lay.top_k, round(share * total))
@@ -111,6 +103,22 @@ def main() -> None:
                                  bel_decode_unbiased=base["bel_decode_misses"]))
                 print(f"size {share:.0%} λ={lam}: misses {r['misses']} (decode "
                       f"{r['decode_misses']}), acc {r['accuracy']:.3f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=16, help="held-out questions")
+    ap.add_argument("--sizes", default="0.1,0.25", help="cache sizes, shares of all experts")
+    ap.add_argument("--strengths", default="0.1,0.25,0.5,1", help="λ values")
+    ap.add_argument("--json", help="write every number here")
+    a = ap.parse_args()
+    reqs, truth = _requests(a.n)
+    rt = workbench.Runtime()
+    sizes = [float(s) for s in a.sizes.split(",")]
+    lams = [float(s) for s in a.strengths.split(",")]
+    t_start = time.perf_counter()
+    rows = measure(rt, reqs, truth, sizes, lams)
     print(report(rows, a.n, time.perf_counter() - t_start))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(n=a.n, rows=rows), indent=1, default=float))

@@ -14,6 +14,9 @@ Traces (Mixtral-8x7B served by vLLM, 32 layers × 8 experts, top-2; see the data
 (problem 0 again, recorded in emission order: the same request as ``he-p0``). reuse-eta's
 constants were chosen looking at ``he-p0`` (``tuned``); ``he-p1`` was printed alongside during
 that design, so no trace here is a clean held-out set (``seen``).
+
+The whole study (every size 5–50 %, prefill and decode apart, the embedded model's runs too,
+cache-aware routing): ``benchmarks/eviction_study.py``.
 """
 
 from __future__ import annotations

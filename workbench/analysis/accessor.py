@@ -695,6 +695,20 @@ class MoEAccessor:
                           attrs={"times": "modeled", **{f"config.{k}": str(v)
                                                          for k, v in res.config.items()}})
 
+    def eviction_share(self, sizes: Sequence[float] | None = None,
+                       policies: Sequence[str] | None = None, extra_slots: Sequence[int] = (),
+                       **knob_values: Any):
+        """Share of Belady's hits per online eviction policy × cache size, prefill and decode
+        apart, on this run's routing (:func:`workbench.analysis.eviction_study.share_study`: a
+        global pool, nothing pinned unless ``knob_values`` say; ``sizes`` shares of the experts,
+        default 5–50 %). One DataFrame row per (policy, size, phase); draw one phase with
+        :func:`~workbench.analysis.eviction_study.share_figure`."""
+        from workbench.analysis.eviction_study import DEFAULT_SIZES, share_study
+
+        return share_study({str(self._ds.attrs.get("run_id", "run")): self._ds}, policies,
+                           DEFAULT_SIZES if sizes is None else sizes, extra_slots,
+                           **knob_values)
+
     # -- expert parallelism (issue 14) ---------------------------------------------------------
     #: knobs an EP view may change beside ranks and placement (EPLB's schedule)
     EP_VIEW_KNOBS = ("eplb_window", "eplb_interval", "num_redundant_experts")
