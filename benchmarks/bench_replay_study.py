@@ -8,7 +8,7 @@ that introduced this script. Reported: the whole study with an empty memo (media
 ``--repeats``), the time per replay point, and how long one slice of ``ReplayView.SLICE_S``
 holds the loop (the longest), all wall-clock on this machine.
 
-    python benchmarks/bench_replay_study.py [--store RUN.zarr] [--repeats 3] [--json]
+    python benchmarks/bench_replay_study.py [--store RUN.zarr] [--repeats 3] [--load N] [--json]
 
 Without ``--store`` it records one run of the embedded model first (``workbench run`` on a
 demo scene, 8 new tokens) into a temporary folder.
@@ -41,8 +41,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", default=None, help="a run store (default: record one)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="busy-looping processes beside it (default 0)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from loadgen import busy
+
+    with busy(a.load):
+        out = _measure(a)
+    out["load"] = a.load
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            print(f"{k:>16}: {v}")
+
+
+def _measure(a) -> dict:
     from workbench.policies.eviction import EVICTION
     from workbench.replay import as_trace
     from workbench.telemetry.reader import open_run
@@ -74,11 +90,7 @@ def main() -> None:
         out.update(slice_s=ReplayView.SLICE_S, slices=len(holds),
                    longest_hold_s=max(holds), median_hold_s=statistics.median(holds),
                    sliced_total_s=sum(holds))
-    if a.json:
-        print(json.dumps(out, indent=1))
-    else:
-        for k, v in out.items():
-            print(f"{k:>16}: {v}")
+    return out
 
 
 if __name__ == "__main__":
