@@ -81,7 +81,7 @@ class CompressionKnobs(KnobGroup):
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Live, with compression on: the salient core is part of the kept tokens (α ≤ β)."""
-        if live and self.compression != "none" and self.alpha > self.beta:
+        if live and self.selected("compression").prunes and self.alpha > self.beta:
             raise KnobError(f"alpha must be at most beta (the salient core is part of the "
                             f"kept tokens), not alpha={self.alpha} > beta={self.beta}")
 
@@ -103,6 +103,12 @@ class CompressionPolicy:
 
     def __init__(self, beta: float = CompressionKnobs.param.beta.default) -> None:
         self.beta = float(beta)
+
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        """L_semantic the policy asks for under its knob group: how many pinned layers' routing
+        its selection reads (the base: none)."""
+        return 0
 
     def k_keep(self, n: int) -> int:
         """K_keep = ⌊βN⌋."""
@@ -159,6 +165,11 @@ class AffinityCompression(CompressionPolicy):
         self.alpha = float(alpha)
         self.lam = float(lam)
 
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        """The marginal expansion (λ > 0) reads the first pinned layer's routing at least."""
+        return 1 if group.lam > 0 else 0
+
     def select(self, inp: SelectionInput) -> torch.Tensor:
         if inp.saliency is None:
             raise RuntimeError(f"compression {self.name!r} needs the vision saliency, which "
@@ -174,6 +185,10 @@ class SaliencyCompression(AffinityCompression):
     def __init__(self, beta: float = CompressionKnobs.param.beta.default,
                  alpha: float = CompressionKnobs.param.alpha.default) -> None:
         super().__init__(beta, alpha, 0.0)
+
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        return 0  # λ = 0 whatever the knob: no prefix routing read
 
 
 def minmax(s: torch.Tensor) -> torch.Tensor:

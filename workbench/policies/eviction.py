@@ -83,6 +83,8 @@ class EvictionPolicy(ABC):
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", knob="eviction")
+#: the policy whose hit rate is the ceiling replay reports a run's share of (Belady's MIN)
+CEILING = "belady"
 
 
 @EVICTION.register("lru")

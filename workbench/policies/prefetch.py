@@ -191,7 +191,7 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
             f"one of: none, previous-step, oracle")
     E, L = groups.num_experts, groups.num_layers
     G = groups.num_groups
-    if G == 0 or policy.name == "none":
+    if G == 0 or not policy.fetches:
         return np.zeros(G + 1, np.int64), np.zeros(0, np.int64)
     if "source" in type(policy).__dict__:  # a built-in: the same plan, vectorised
         # depths past the step's last layer name nothing: not looped over (a lead of 256 on a
