@@ -33,7 +33,7 @@ import param
 
 from workbench.errors import KnobError
 from workbench.knobs import GenerationKnobs, KnobGroup
-from workbench.policies.registry import NeedsFlag, Registry
+from workbench.policies.registry import NeedsFlag, Registry, declared_kwargs
 
 if TYPE_CHECKING:
     # torch is imported inside the functions that compute: this module stays torch-free, since
@@ -105,6 +105,13 @@ class CompressionPolicy:
         self.beta = float(beta)
 
     @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "CompressionPolicy":
+        """The policy of a run of ``knobs``: a built-in reads its knob group's fields (and the
+        run's ``seed``); the base gives ``__init__`` the knobs it declares
+        (:func:`~workbench.policies.registry.declared_kwargs`: an outside policy's)."""
+        return cls(**declared_kwargs(cls, knobs))
+
+    @classmethod
     def semantic_floor(cls, group: "CompressionKnobs") -> int:
         """L_semantic the policy asks for under its knob group: how many pinned layers' routing
         its selection reads (the base: none)."""
@@ -126,6 +133,10 @@ class NoCompression(CompressionPolicy):
 
     prunes = False
 
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "NoCompression":
+        return cls(knobs.group("compression").beta)
+
     def select(self, inp: SelectionInput) -> torch.Tensor:
         import torch
 
@@ -142,6 +153,10 @@ class RandomCompression(CompressionPolicy):
                  seed: int = GenerationKnobs.param.seed.default) -> None:
         super().__init__(beta)
         self.seed = int(seed)
+
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "RandomCompression":
+        return cls(knobs.group("compression").beta, knobs.group("generation").seed)
 
     def select(self, inp: SelectionInput) -> torch.Tensor:
         import torch
@@ -166,6 +181,11 @@ class AffinityCompression(CompressionPolicy):
         self.lam = float(lam)
 
     @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "AffinityCompression":
+        group: CompressionKnobs = knobs.group("compression")
+        return cls(group.beta, group.alpha, group.lam)
+
+    @classmethod
     def semantic_floor(cls, group: "CompressionKnobs") -> int:
         """The marginal expansion (λ > 0) reads the first pinned layer's routing at least."""
         return 1 if group.lam > 0 else 0
@@ -185,6 +205,11 @@ class SaliencyCompression(AffinityCompression):
     def __init__(self, beta: float = CompressionKnobs.param.beta.default,
                  alpha: float = CompressionKnobs.param.alpha.default) -> None:
         super().__init__(beta, alpha, 0.0)
+
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "SaliencyCompression":
+        group: CompressionKnobs = knobs.group("compression")
+        return cls(group.beta, group.alpha)
 
     @classmethod
     def semantic_floor(cls, group: "CompressionKnobs") -> int:

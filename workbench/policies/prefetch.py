@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import KnobError
-from workbench.policies.registry import NeedsFlag, Registry
+from workbench.policies.registry import NeedsFlag, Registry, declared_kwargs
 
 
 @dataclass
@@ -58,6 +58,13 @@ class PrefetchPolicy(ABC):
     def __init__(self) -> None:
         """The knobs a policy takes are its ``__init__``'s keyword parameters (see
         :mod:`workbench.policies.registry`); the base takes none."""
+
+    @classmethod
+    def from_knobs(cls, knobs) -> "PrefetchPolicy":
+        """The policy of a run of ``knobs`` (a :class:`~workbench.knobs.Knobs`): a policy that
+        takes knobs reads its group's fields; the base gives ``__init__`` the knobs it declares
+        (:func:`~workbench.policies.registry.declared_kwargs`)."""
+        return cls(**declared_kwargs(cls, knobs))
 
     @abstractmethod
     def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:

@@ -138,9 +138,9 @@ class RunSession:
         (nothing enters the model yet: :meth:`run` enters them)."""
         k, rt = self.knobs, self.runtime
         lay = rt.lm.layout
-        kd = k.to_dict()
-        self.policy = EVICTION.create(k.eviction, **kd)
-        prefetcher = PREFETCH.create(k.prefetch, **kd)
+        # each policy from its knob group's fields (an outside one: the knobs it declares)
+        self.policy = EVICTION.get(k.eviction).from_knobs(k)
+        prefetcher = PREFETCH.get(k.prefetch).from_knobs(k)
         run = RunContext(rt, self.prices, rt.lm.device, prefetch=prefetcher,
                          prefetch_budget=rt.prefetch_budget(k), inputs=self.inputs)
         self.stages = stages_from_knobs(k, run)

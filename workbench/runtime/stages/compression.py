@@ -41,13 +41,6 @@ class TokenCompression(Stage):
     def __init__(self, placement: PrunedPlacement) -> None:
         self.placement = placement
 
-    @staticmethod
-    def _policy(knobs: "Knobs"):
-        """The compression policy of ``knobs``, built from its knob group's fields."""
-        group: CompressionKnobs = knobs.group("compression")
-        values = {**{n: getattr(group, n) for n in group.knob_names()}, "seed": knobs.seed}
-        return COMPRESSION.create(group.compression, **values)
-
     @classmethod
     def check_runtime(cls, knobs: "Knobs", lm) -> None:
         if COMPRESSION.get(knobs.compression).prunes:
@@ -62,13 +55,15 @@ class TokenCompression(Stage):
 
     @classmethod
     def from_knobs(cls, knobs: "Knobs", run: RunContext) -> "TokenCompression | None":
-        comp = cls._policy(knobs)
+        group: CompressionKnobs = knobs.group("compression")
+        comp = COMPRESSION.get(group.compression).from_knobs(knobs)  # from its group's fields
         inputs = run.inputs
         if not comp.prunes or inputs is None or not bool((inputs.modality != 0).any()):
             return None  # text only: no pruning
         model = run.runtime.lm.model
         check_supported(model, inputs.input_ids)
-        return cls(PrunedPlacement(model, run.layout, knobs.group("cache").pinned_layers, comp))
+        pinned = knobs.group("cache").pinned_layers
+        return cls(PrunedPlacement(model, run.layout, pinned, comp))
 
     def provides(self) -> dict[str, Any]:
         return {"pruning": self.placement}
