@@ -3,7 +3,7 @@
 :class:`RunSession` holds every piece of per-run state explicitly (the knobs of the run, the
 offloader and its core, the recorder, the step in progress, the events, the tokens), so a
 Runtime serves runs without changing itself: two sessions of one Runtime share the model and
-nothing else. Its life is ``install`` (policies, offloader, compression, predictor, store) →
+nothing else. Its life is ``install`` (policies, stages, offloader, predictor, store) →
 one ``step_started`` / ``step_ended`` pair per model forward (prefill, then one per decode
 token) → ``token`` per generated token → ``finish`` (the result; the store closed
 ``complete``), or ``fail`` on any error (the store closed ``failed``).
@@ -14,8 +14,9 @@ are the batch's rows flattened; the positions that are not real tokens — left 
 the rows of requests that have already finished (``generate`` keeps feeding them pad tokens)
 — are routed to no expert (:meth:`Offloader.set_token_mask`) and left out of every event, so
 the store, the cache and the load hold the real tokens only, each with its request index.
-Greedy answers equal each request run alone (tested). Visual-token compression needs a batch
-of one (its placement scatters one request's pruned tokens).
+Greedy answers equal each request run alone (tested). A stage may refuse a batch
+(:meth:`~workbench.runtime.stages.Stage.check_requests`): visual-token compression needs a
+batch of one (its placement scatters one request's pruned tokens).
 """
 
 from __future__ import annotations
