@@ -76,23 +76,31 @@ def main() -> None:
     for f in variants.values():  # warm-up
         f()
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     order = list(variants)
     rng = random.Random(0)
     for _ in range(a.repeats):
         rng.shuffle(order)  # no variant always follows the same one (cache/thread after-effects)
         for name in order:
             f = variants[name]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     steps = rt.run(req, record=False).steps
     out = {
         "model": lm.model_id, "moe_layers": L, "lookahead_depth": rt.knobs.lookahead_depth, "max_new_tokens": a.max_new_tokens,
         "ignore_eos": a.ignore_eos, "steps_per_run": steps,
         "repeats": a.repeats, "cache_slots": a.cache_slots,
         "median_s_measured": med,
+        # the process's CPU seconds (every thread's; the recorder's writer thread too): what
+        # a busy machine's waits for a core leave out of the wall times
+        "median_cpu_s_measured": med_cpu,
         "runtime_overhead_ratio": med["runtime_all_resident"] / med["plain_generate"],
+        "runtime_overhead_ratio_cpu": (med_cpu["runtime_all_resident"]
+                                       / med_cpu["plain_generate"]),
         "telemetry_overhead_ratio": med["offloaded_record"] / med["offloaded_no_record"],
         "offload_vs_plain_ratio": med["offloaded_no_record"] / med["plain_generate"],
     }
@@ -103,7 +111,7 @@ def main() -> None:
     for k, v in med.items():
         print(f"{k:<24} {v * 1e3:8.1f} ms (median of {a.repeats}, measured)")
     print(f"runtime overhead (all resident / plain generate): {out['runtime_overhead_ratio']:.3f}x"
-          f"  (goal <= 1.30x)")
+          f"  (goal <= 1.30x; in CPU time {out['runtime_overhead_ratio_cpu']:.3f}x)")
     print(f"telemetry overhead (record / no record):          {out['telemetry_overhead_ratio']:.3f}x"
           f"  (goal <= 1.10x)")
     print(f"offloaded (cache_slots={a.cache_slots}, pinned 1) / plain:      "

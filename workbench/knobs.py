@@ -791,12 +791,14 @@ class Knobs:
                               expert_bytes=expert_bytes), live=True)
 
     def semantic_floor(self) -> int:
-        """L_semantic: ``semantic_layers`` when set, else 1 for 'affinity' compression with
-        λ > 0 (it reads the prefix routing) and 0 otherwise."""
+        """L_semantic: ``semantic_layers`` when set, else what the compression policy reads of
+        the pinned prefix's routing (:meth:`CompressionPolicy.semantic_floor
+        <workbench.compression.policies.CompressionPolicy.semantic_floor>`: 1 for 'affinity'
+        with λ > 0, 0 otherwise)."""
         if self.semantic_layers is not None:
             return int(self.semantic_layers)
-        comp = getattr(self, "compression", "none")
-        return 1 if comp == "affinity" and getattr(self, "lam", 0.0) > 0 else 0
+        group = self._groups.get("compression")
+        return int(group.selected("compression").semantic_floor(group)) if group else 0
 
     def reserve_slots(self, top_k: int) -> int:
         """C_safe in slots: ``cache_reserve_slots`` when set, else the model's top-k."""

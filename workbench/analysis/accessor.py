@@ -787,7 +787,7 @@ class MoEAccessor:
     def _per_rank(self, var: str, ranks: int | None, placement: str | None,
                   modality: str | None, name: str, **eplb: Any) -> xr.DataArray:
         from workbench.sim.ep import counts_per_rank
-        from workbench.sim.placement import rank_of_expert
+        from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
 
         k = self._ep_knobs(ranks, placement, **eplb)
         if var not in self._ds:
@@ -796,7 +796,8 @@ class MoEAccessor:
         m = self._modality(modality)
         counts = counts.sel(modality=m) if m is not None else counts.sum("modality")
         E, R = counts.sizes["expert"], int(k.ep_ranks)
-        if k.placement == "eplb":  # the plans fitted on the whole traffic serve this view too
+        if EP_PLACEMENT.get(k.placement).dynamic:  # EPLB: the plans fitted on the whole
+            # traffic serve this view too
             sched, load, _ = self._eplb_schedule(k)
             out = (load.copy() if var == "routed_tokens" and m is None
                    else sched.served_under_plans(counts.values, 0))
@@ -873,9 +874,9 @@ class MoEAccessor:
         expert in memory)."""
         from workbench.sim.costs import Prices
         from workbench.sim.ep import counts_per_rank, phase_s
-        from workbench.sim.placement import rank_of_expert
+        from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
         from workbench.sim.profiles import get_interconnect, get_profile
-        from workbench.sim.realb import ONLINE_SWITCH, switch_s
+        from workbench.sim.realb import ONLINE_SWITCH, SEQUENTIAL, balances, switch_s
 
         k = self._ep_knobs(ranks, placement, **eplb)
         counts = np.asarray(self._ds["routed_tokens"].sum("modality").values, np.int64)
@@ -887,9 +888,10 @@ class MoEAccessor:
         prices = self._prices(k.profile, k.target_model)
         load = counts_per_rank(counts, owner, R).astype(np.float64)
         low = np.asarray(self._ds["low_precision"].values, bool) \
-            if k.balance != "none" else np.zeros(counts.shape, bool)
+            if balances(k.balance) else np.zeros(counts.shape, bool)
         rebalance = np.zeros(S)
-        if k.placement == "eplb":  # replicas: each on its share; rebalances on their own lane
+        if EP_PLACEMENT.get(k.placement).dynamic:  # replicas: each on its share;
+            # rebalances on their own lane
             sched, load, comp = self._eplb_schedule(
                 k, price=prices.expert if prices.available else None)
             if comp is None:
@@ -924,7 +926,7 @@ class MoEAccessor:
             raise InputError(f"overlap must be True, False or None (the run's own), not "
                              f"{overlap!r}")
         if overlap is None:
-            overlap = k.balance != "realb-seq"
+            overlap = k.balance not in SEQUENTIAL
         front = np.maximum(disp, switch) if overlap else disp + switch
         coords = {"step": self._ds["step"].values, "layer": np.arange(L), "rank": np.arange(R)}
         return xr.Dataset(

@@ -33,7 +33,7 @@ import param
 
 from workbench.errors import KnobError
 from workbench.knobs import GenerationKnobs, KnobGroup
-from workbench.policies.registry import NeedsFlag, Registry
+from workbench.policies.registry import NeedsFlag, Registry, declared_kwargs
 
 if TYPE_CHECKING:
     # torch is imported inside the functions that compute: this module stays torch-free, since
@@ -81,7 +81,7 @@ class CompressionKnobs(KnobGroup):
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Live, with compression on: the salient core is part of the kept tokens (α ≤ β)."""
-        if live and self.compression != "none" and self.alpha > self.beta:
+        if live and self.selected("compression").prunes and self.alpha > self.beta:
             raise KnobError(f"alpha must be at most beta (the salient core is part of the "
                             f"kept tokens), not alpha={self.alpha} > beta={self.beta}")
 
@@ -104,6 +104,19 @@ class CompressionPolicy:
     def __init__(self, beta: float = CompressionKnobs.param.beta.default) -> None:
         self.beta = float(beta)
 
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "CompressionPolicy":
+        """The policy of a run of ``knobs``: a built-in reads its knob group's fields (and the
+        run's ``seed``); the base gives ``__init__`` the knobs it declares
+        (:func:`~workbench.policies.registry.declared_kwargs`: an outside policy's)."""
+        return cls(**declared_kwargs(cls, knobs))
+
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        """L_semantic the policy asks for under its knob group: how many pinned layers' routing
+        its selection reads (the base: none)."""
+        return 0
+
     def k_keep(self, n: int) -> int:
         """K_keep = ⌊βN⌋."""
         return int(self.beta * n)
@@ -119,6 +132,10 @@ class NoCompression(CompressionPolicy):
     """Keep every visual token (the model runs unchanged)."""
 
     prunes = False
+
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "NoCompression":
+        return cls(knobs.group("compression").beta)
 
     def select(self, inp: SelectionInput) -> torch.Tensor:
         import torch
@@ -136,6 +153,10 @@ class RandomCompression(CompressionPolicy):
                  seed: int = GenerationKnobs.param.seed.default) -> None:
         super().__init__(beta)
         self.seed = int(seed)
+
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "RandomCompression":
+        return cls(knobs.group("compression").beta, knobs.group("generation").seed)
 
     def select(self, inp: SelectionInput) -> torch.Tensor:
         import torch
@@ -159,6 +180,16 @@ class AffinityCompression(CompressionPolicy):
         self.alpha = float(alpha)
         self.lam = float(lam)
 
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "AffinityCompression":
+        group: CompressionKnobs = knobs.group("compression")
+        return cls(group.beta, group.alpha, group.lam)
+
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        """The marginal expansion (λ > 0) reads the first pinned layer's routing at least."""
+        return 1 if group.lam > 0 else 0
+
     def select(self, inp: SelectionInput) -> torch.Tensor:
         if inp.saliency is None:
             raise RuntimeError(f"compression {self.name!r} needs the vision saliency, which "
@@ -174,6 +205,15 @@ class SaliencyCompression(AffinityCompression):
     def __init__(self, beta: float = CompressionKnobs.param.beta.default,
                  alpha: float = CompressionKnobs.param.alpha.default) -> None:
         super().__init__(beta, alpha, 0.0)
+
+    @classmethod
+    def from_knobs(cls, knobs: "Knobs") -> "SaliencyCompression":
+        group: CompressionKnobs = knobs.group("compression")
+        return cls(group.beta, group.alpha)
+
+    @classmethod
+    def semantic_floor(cls, group: "CompressionKnobs") -> int:
+        return 0  # λ = 0 whatever the knob: no prefix routing read
 
 
 def minmax(s: torch.Tensor) -> torch.Tensor:

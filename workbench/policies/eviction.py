@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Hashable, Iterable
 
 from workbench.knobs import CacheKnobs
-from workbench.policies.registry import NeedsFlag, Registry
+from workbench.policies.registry import NeedsFlag, Registry, declared_kwargs
 from workbench.predictor.knobs import PredictorKnobs
 
 Key = Hashable
@@ -43,6 +43,13 @@ class EvictionPolicy(ABC):
         """The knobs a policy takes are its ``__init__``'s keyword parameters (see
         :mod:`workbench.policies.registry`); the base takes none."""
         self.reset()
+
+    @classmethod
+    def from_knobs(cls, knobs) -> "EvictionPolicy":
+        """The policy of a run of ``knobs`` (a :class:`~workbench.knobs.Knobs`): a policy that
+        takes knobs reads its group's fields; the base gives ``__init__`` the knobs it declares
+        (:func:`~workbench.policies.registry.declared_kwargs`)."""
+        return cls(**declared_kwargs(cls, knobs))
 
     def reset(self) -> None:
         """Forget all history (a new run)."""
@@ -83,6 +90,8 @@ class EvictionPolicy(ABC):
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", knob="eviction")
+#: the policy whose hit rate is the ceiling replay reports a run's share of (Belady's MIN)
+CEILING = "belady"
 
 
 @EVICTION.register("lru")
@@ -199,6 +208,10 @@ class Hotness(EvictionPolicy):
         self.decay, self.window = float(hotness_decay), int(hotness_window)
         super().__init__()
 
+    @classmethod
+    def from_knobs(cls, knobs) -> "Hotness":
+        cache: CacheKnobs = knobs.group("cache")
+        return cls(cache.hotness_decay, cache.hotness_window)
     def reset(self) -> None:
         self.last_use: dict[Key, int] = {}
         self.uses: dict[Key, list[int]] = {}  # steps that used the key, newest last, ≤ window
@@ -687,6 +700,11 @@ class Slab(EvictionPolicy):
         self._predicted = None
         super().__init__()
 
+
+    @classmethod
+    def from_knobs(cls, knobs) -> "Slab":
+        pred: PredictorKnobs = knobs.group("predictor")
+        return cls(pred.window, pred.decay)
     def reset(self) -> None:
         self.states.reset()
 

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import KnobError
-from workbench.policies.registry import NeedsFlag, Registry
+from workbench.policies.registry import NeedsFlag, Registry, declared_kwargs
 
 
 @dataclass
@@ -58,6 +58,13 @@ class PrefetchPolicy(ABC):
     def __init__(self) -> None:
         """The knobs a policy takes are its ``__init__``'s keyword parameters (see
         :mod:`workbench.policies.registry`); the base takes none."""
+
+    @classmethod
+    def from_knobs(cls, knobs) -> "PrefetchPolicy":
+        """The policy of a run of ``knobs`` (a :class:`~workbench.knobs.Knobs`): a policy that
+        takes knobs reads its group's fields; the base gives ``__init__`` the knobs it declares
+        (:func:`~workbench.policies.registry.declared_kwargs`)."""
+        return cls(**declared_kwargs(cls, knobs))
 
     @abstractmethod
     def candidates(self, ctx: PrefetchContext) -> list[tuple[int, int]]:
@@ -191,7 +198,7 @@ def plan_prefetch(policy: PrefetchPolicy, trace, groups, pinned: np.ndarray, lea
             f"one of: none, previous-step, oracle")
     E, L = groups.num_experts, groups.num_layers
     G = groups.num_groups
-    if G == 0 or policy.name == "none":
+    if G == 0 or not policy.fetches:
         return np.zeros(G + 1, np.int64), np.zeros(0, np.int64)
     if "source" in type(policy).__dict__:  # a built-in: the same plan, vectorised
         # depths past the step's last layer name nothing: not looped over (a lead of 256 on a

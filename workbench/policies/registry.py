@@ -10,6 +10,9 @@ knob ``Selector`` menus, the dashboard and ``--set`` validation, without touchin
   so ``EVICTION.create(k.eviction, **knobs.to_dict())`` gives the ``hotness`` policy
   ``hotness_decay`` and ``hotness_window`` only. A class whose ``__init__`` takes ``**kwargs``
   gets every value it is given (the old convention; still accepted for outside policies);
+- how a run builds it, ``from_knobs(knobs)`` (a classmethod of the family's base): a built-in
+  that takes knobs reads its own knob group's fields, typed; the base falls back to the knobs its
+  ``__init__`` declares (:func:`declared_kwargs`), so an outside policy needs no more than them;
 - what it needs from its caller in one field, ``needs`` (a frozenset of words: ``"future"`` —
   the true future, trace replay only; ``"predictor"`` — the live lookahead predictor;
   ``"pred_ids"`` / ``"predicted_ids"`` — a trace's recorded router lookahead / predictor
@@ -59,6 +62,17 @@ def declared_params(cls: type) -> frozenset[str] | None:
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
             names.add(p.name)
     return frozenset(names)
+
+
+def declared_kwargs(cls: type, knobs: Any) -> dict[str, Any]:
+    """The knobs of ``knobs`` (a :class:`~workbench.knobs.Knobs`) that ``cls``'s ``__init__``
+    declares, by name (every one for ``**kwargs``): the fallback of a policy's ``from_knobs``
+    for a class that does not read its knob group itself (an outside policy)."""
+    params = declared_params(cls)
+    if params is not None and not params:
+        return {}
+    values = knobs.to_dict()
+    return values if params is None else {k: v for k, v in values.items() if k in params}
 
 
 class Registry(Generic[T]):

@@ -46,9 +46,11 @@ class PredictorKnobs(KnobGroup):
 
     @staticmethod
     def in_use(knobs: "Knobs") -> bool:
-        """Whether a live run of ``knobs`` runs the predictor (``predictor=vismmoe``, or
-        ``prefetch=vismmoe``, which turns it on)."""
-        return knobs.predictor == "vismmoe" or getattr(knobs, "prefetch", "none") == "vismmoe"
+        """Whether a live run of ``knobs`` runs the predictor (``predictor=vismmoe``, or a
+        prefetch policy that reads its outputs, ``needs`` "predicted_ids": vismmoe, which turns
+        it on)."""
+        pf = knobs.group("prefetch").selected("prefetch")
+        return knobs.predictor == "vismmoe" or "predicted_ids" in getattr(pf, "needs", ())
 
     def check(self, knobs: "Knobs", shape: "ModelShape", *, live: bool = True) -> None:
         """Live: an eviction policy that needs the predictor (``slab``) needs it on. (Replay

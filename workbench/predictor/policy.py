@@ -98,6 +98,11 @@ class VisMMoEPrefetch(PrefetchPolicy):
         self.decay = float(decay)
         self.live: "LivePredictor | None" = None
 
+    @classmethod
+    def from_knobs(cls, knobs) -> "VisMMoEPrefetch":
+        pred: PredictorKnobs = knobs.group("predictor")
+        return cls(pred.window, pred.decay)
+
     def attach(self, live: "LivePredictor") -> None:
         self.live = live
 

@@ -8,6 +8,7 @@ import param
 
 from workbench.errors import KnobError
 from workbench.knobs import KnobGroup
+from workbench.sim.realb import balances
 
 if TYPE_CHECKING:
     from workbench.knobs import Knobs, ModelShape
@@ -92,7 +93,7 @@ class PrismKnobs(KnobGroup):
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
             return
-        if getattr(knobs, "balance", "none") != "none" and self.prism_offload:
+        if self.prism_offload and balances(getattr(knobs, "balance", "none")):
             raise KnobError(f"prism_offload=True with balance={knobs.balance!r} is not built "
                             f"yet (ReaLB picks whole experts' precision per rank): set "
                             f"prism_offload=false, or balance='none'")

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from workbench.policies.eviction import CEILING
 from workbench.replay.engine import SCOPES, ReplayResult
 from workbench.replay.engine import replay as _replay
 from workbench.replay.flat import flat_hits
@@ -112,10 +113,10 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     elif recorded is not None:
         res.extra["dispatch"] = recorded
     if belady:
-        if knobs.eviction == "belady":
+        if knobs.eviction == CEILING:
             bound = res
         else:
-            bound = _replay(trace, knobs, scope=scope, hits_only=True, eviction="belady")
+            bound = _replay(trace, knobs, scope=scope, hits_only=True, eviction=CEILING)
         res.extra["belady_hit_rate"] = bound.hit_rate
         res.extra["share_of_belady"] = (res.hit_rate / bound.hit_rate
                                         if bound.hit_rate > 0 else None)  # NaN > 0 is False

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from workbench.sim.ep import EPSummary, layer_times, rank_compute_s, rank_load
-from workbench.sim.placement import rank_of_expert
+from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
 from workbench.sim.profiles import get_interconnect
 from workbench.sim.costs import Prices
 from workbench.telemetry.events import MODALITIES
@@ -71,7 +71,7 @@ def ep_replay(trace: Trace, knobs: Any, prices: Any = None) -> dict[str, Any]:
     when the trace holds more than one modality."""
     R, E = int(knobs.ep_ranks), trace.num_experts
     owner = rank_of_expert(knobs.placement, E, R)
-    dynamic = knobs.placement == "eplb"
+    dynamic = EP_PLACEMENT.get(knobs.placement).dynamic
     link = get_interconnect(knobs.interconnect)
     priced = prices is not None and prices.available
     # a token's hidden state on the wire: the cost spec's (the target model's, or the

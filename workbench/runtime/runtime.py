@@ -27,8 +27,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from workbench.compression.placement import check_supported
-from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError, KnobError, ModelLoadError
 from workbench.knobs import Knobs, ModelShape, show_value
 from workbench.models.inputs import ModelInputs, Request
@@ -40,6 +38,7 @@ from workbench.runtime.device import device_budget
 from workbench.runtime.threads import threads_for_run
 from workbench.runtime.result import RunResult
 from workbench.runtime.session import RunSession
+from workbench.runtime.stages import STAGES
 from workbench.sim.costs import CostSpec
 from workbench.sim.dispatch import DISPATCH, Dispatch
 from workbench.sim.plan import MemoryPlan
@@ -95,8 +94,8 @@ class Runtime:
         knobs = knobs if knobs is not None else self.knobs
         lay = self.lm.layout
         knobs.check(ModelShape.of(lay))  # every group's rules (knobs.py and the features')
-        if COMPRESSION.get(knobs.compression).prunes:
-            check_supported(self.lm.model)
+        for stage in STAGES:  # what a stage needs of the model (e.g. compression: Qwen3-VL)
+            stage.check_runtime(knobs, self.lm)
         self._check_vision(knobs)
         if self.uses_predictor(knobs):
             self.predictor(knobs)
@@ -157,9 +156,10 @@ class Runtime:
 
     @staticmethod
     def prefetch_budget(knobs: Knobs) -> int | None:
-        """``prefetch_budget``; for prefetch = vismmoe None means the predictor's B = 20."""
-        if knobs.prefetch_budget is None and knobs.prefetch == "vismmoe":
-            return DEFAULT_BUDGET
+        """``prefetch_budget``; None means the prefetch policy's own ``default_budget`` when it
+        declares one (vismmoe: the predictor's B = 20)."""
+        if knobs.prefetch_budget is None:
+            return getattr(knobs.group("prefetch").selected("prefetch"), "default_budget", None)
         return knobs.prefetch_budget
 
     @classmethod

@@ -3,7 +3,7 @@
 :class:`RunSession` holds every piece of per-run state explicitly (the knobs of the run, the
 offloader and its core, the recorder, the step in progress, the events, the tokens), so a
 Runtime serves runs without changing itself: two sessions of one Runtime share the model and
-nothing else. Its life is ``install`` (policies, offloader, compression, predictor, store) →
+nothing else. Its life is ``install`` (policies, stages, offloader, predictor, store) →
 one ``step_started`` / ``step_ended`` pair per model forward (prefill, then one per decode
 token) → ``token`` per generated token → ``finish`` (the result; the store closed
 ``complete``), or ``fail`` on any error (the store closed ``failed``).
@@ -14,8 +14,9 @@ are the batch's rows flattened; the positions that are not real tokens — left 
 the rows of requests that have already finished (``generate`` keeps feeding them pad tokens)
 — are routed to no expert (:meth:`Offloader.set_token_mask`) and left out of every event, so
 the store, the cache and the load hold the real tokens only, each with its request index.
-Greedy answers equal each request run alone (tested). Visual-token compression needs a batch
-of one (its placement scatters one request's pruned tokens).
+Greedy answers equal each request run alone (tested). A stage may refuse a batch
+(:meth:`~workbench.runtime.stages.Stage.check_requests`): visual-token compression needs a
+batch of one (its placement scatters one request's pruned tokens).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from workbench.compression.placement import PrunedPlacement, check_supported
-from workbench.compression.policies import COMPRESSION
 from workbench.errors import InputError
 from workbench.knobs import Knobs
 from workbench.models.hooks import Hooks
@@ -42,7 +41,7 @@ from workbench.policies.prefetch import PREFETCH
 from workbench.runtime.clocks import measured_spans
 from workbench.runtime.executor import StepProbe
 from workbench.runtime.offload import Offloader
-from workbench.runtime.stages import TOKEN_CONTEXT, RunContext
+from workbench.runtime.stages import STAGES, TOKEN_CONTEXT, RunContext, Stage, hooked, provided
 from workbench.runtime.stages import from_knobs as stages_from_knobs
 from workbench.runtime.result import RunResult
 from workbench.runtime.view import RuntimeView
@@ -107,10 +106,8 @@ class RunSession:
             raise InputError(f"the lookahead predictor (predictor / prefetch=vismmoe) reads one "
                              f"request's image summary; a batch of {len(self.requests)} "
                              f"requests needs it off (or run the requests one at a time)")
-        if len(self.requests) > 1 and COMPRESSION.create(knobs.compression).prunes:
-            raise InputError(f"compression={knobs.compression!r} prunes the visual tokens of "
-                             f"one request; a batch of {len(self.requests)} requests needs "
-                             f"compression='none' (or run the requests one at a time)")
+        for stage in STAGES:  # e.g. token compression prunes one request's visual tokens
+            stage.check_requests(knobs, len(self.requests))
         self.inputs = build_batch_inputs(lm, self.requests, knobs.max_new_tokens)
         B = self.inputs.batch_size
         eos = lm.model.generation_config.eos_token_id
@@ -133,33 +130,32 @@ class RunSession:
         self.pending: list[StepEvent] = []  # forwards whose token has not come yet
         self.recorder: Recorder | None = None
         self.offloader: Offloader | None = None
-        self.placement: PrunedPlacement | None = None
+        self.stages: list[Stage] = []  # the run's layer stages, in order (on ones only)
         self.predictor = None
 
     # -- install ---------------------------------------------------------------------------
     def _install(self) -> None:
-        """The run's policies, offloader, token compression and predictor (nothing enters
-        the model yet: :meth:`run` enters them)."""
+        """The run's policies, stages (token compression among them), offloader and predictor
+        (nothing enters the model yet: :meth:`run` enters them)."""
         k, rt = self.knobs, self.runtime
         lay = rt.lm.layout
-        kd = k.to_dict()
-        self.policy = EVICTION.create(k.eviction, **kd)
-        prefetcher = PREFETCH.create(k.prefetch, **kd)
-        comp = COMPRESSION.create(k.compression, **kd)
-        if comp.prunes and bool((self.inputs.modality != 0).any()):  # text only: no pruning
-            check_supported(rt.lm.model, self.inputs.input_ids)
-            self.placement = PrunedPlacement(rt.lm.model, lay, k.pinned_layers, comp)
+        # each policy from its knob group's fields (an outside one: the knobs it declares)
+        self.policy = EVICTION.get(k.eviction).from_knobs(k)
+        prefetcher = PREFETCH.get(k.prefetch).from_knobs(k)
         run = RunContext(rt, self.prices, rt.lm.device, prefetch=prefetcher,
-                         prefetch_budget=rt.prefetch_budget(k), pruning=self.placement)
+                         prefetch_budget=rt.prefetch_budget(k), inputs=self.inputs)
+        self.stages = stages_from_knobs(k, run)
+        self._on_step = hooked(self.stages, "step_ended")
+        run = provided(self.stages, run)
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
-            self.prices, low_precision=k.low_precision, stages=stages_from_knobs(k, run),
+            self.prices, low_precision=k.low_precision, stages=self.stages,
             transfer_order=k.transfer_order)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 
             self.predictor = LivePredictor(rt.lm.model, lay, rt.predictor(k),
-                                           rt.predictor_budget(k), placement=self.placement)
+                                           rt.predictor_budget(k), placement=run.pruning)
             if hasattr(prefetcher, "attach"):
                 prefetcher.attach(self.predictor)
             if hasattr(self.policy, "attach"):  # slab eviction: fed the window at every layer
@@ -191,8 +187,9 @@ class RunSession:
             self._open_store()  # inside the try: a failure from here on closes it
             model = self.runtime.lm.model
             # the declared order of the model's hooks (workbench.models.hooks): offloader,
-            # token compression, predictor, step boundaries; removed in reverse
-            with self.offloader, (self.placement or contextlib.nullcontext()), \
+            # the stages' own (token compression), predictor, step boundaries; removed in
+            # reverse
+            with self.offloader, self._stage_hooks(), \
                     (self.predictor or contextlib.nullcontext()), Hooks() as hooks:
                 hooks.pre(model, self._step_started, with_kwargs=True)
                 hooks.post(model, self._step_ended, with_kwargs=True)
@@ -209,6 +206,16 @@ class RunSession:
                 except Exception:  # never hide the original error
                     pass
             raise
+
+    def _stage_hooks(self) -> contextlib.ExitStack:
+        """The stages' own hooks on the model (:meth:`Stage.model_hooks`), entered in order."""
+        stack = contextlib.ExitStack()
+        with stack:  # a failing install removes what was installed before it
+            for stage in self.stages:
+                hooks = stage.model_hooks()
+                if hooks is not None:
+                    stack.enter_context(hooks)
+            return stack.pop_all()
 
     def _generate_kwargs(self) -> dict[str, Any]:
         k = self.knobs
@@ -263,8 +270,8 @@ class RunSession:
         if self.valid is not None and not self.valid.all():
             ev.keep_tokens(self.valid)  # padding and finished requests: not tokens of the run
         ev.residency = off.residency()
-        if self.placement is not None and step == 0:
-            self.placement.scatter_event(ev)
+        for stage in self._on_step:  # e.g. token compression: the prefill's pruned tokens
+            stage.step_ended(step, ev)
         if self.predictor is not None:  # what the predictor said, for replay
             ev.predicted_ids, ev.predicted_scores = self.predictor.step_predictions(step)
         transfers = off.engine.drain() if off.engine is not None else []
@@ -318,7 +325,7 @@ class RunSession:
         """The run's result from its events; the store is closed ``complete`` with it."""
         k, lm, events = self.knobs, self.runtime.lm, self.events
         counters = self.offloader.sim.counters()
-        placement, stop = self.placement, self.stop
+        stop = self.stop
         texts = [lm.tokenizer.decode(a, skip_special_tokens=True).strip() for a in self.answers]
         result = RunResult(
             text=texts[0], token_ids=self.answers[0], steps=len(events),
@@ -346,12 +353,8 @@ class RunSession:
                                         if getattr(r, "expected", None) is not None else {})}
                 for r, t, a, n in zip(self.requests, texts, self.answers,
                                       self.inputs.prompt_tokens())]
-        if placement is not None:
-            result.visual_tokens = placement.num_visual
-            result.kept_visual_tokens = (int(placement.kept_visual.numel())
-                                         if placement.kept_visual is not None else 0)
-            result.compression_select_s = placement.select_s
-            result.compression_saliency_s = placement.saliency_s
+        for stage in self.stages:  # e.g. token compression: visual and kept tokens
+            stage.record(result)
         if self.predictor is not None:
             result.predictor_cost = self.predictor.cost_summary()
         if hasattr(self.policy, "stats"):
@@ -360,10 +363,8 @@ class RunSession:
             self.on_result(result)
         if self.recorder is not None:
             self.recorder.close("complete", summary=json.dumps(result.to_json()),
-                                compression_visual_tokens=result.visual_tokens,
-                                compression_kept_visual_tokens=result.kept_visual_tokens,
-                                compression_select_s=result.compression_select_s,
-                                compression_saliency_s=result.compression_saliency_s,
+                                **{n: v for stage in STAGES
+                                   for n, v in stage.store_attrs(result).items()},
                                 **({"predictor_cost": json.dumps(result.predictor_cost)}
                                    if self.predictor is not None else {}))
         return result

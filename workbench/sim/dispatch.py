@@ -78,6 +78,8 @@ class Dispatch:
     reroutes = False
     #: may add assignments beyond the router's top-k (the run result counts them)
     widens = False
+    #: what the capacity the dashboard shows is, after "capacity per rank" ("": as set)
+    capacity_note = ""
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
               num_experts: int, context: Any = None) -> np.ndarray:
@@ -108,6 +110,12 @@ class Dispatch:
     def max_added(self, num_experts: int) -> int:
         """The most assignments a token may gain beyond the router's top-k (0: none)."""
         return 0
+
+    @classmethod
+    def live_only_knobs(cls, ep: Any) -> list[str]:
+        """The knobs of ``ep`` (the expert-parallel group) switched on that need the model's
+        features or router, which a trace does not record (trace replay refuses them)."""
+        return []
 
     def calibration_needed(self) -> bool:
         """Whether the policy, as set, reads a calibration of the model's experts (MACS's
@@ -344,6 +352,7 @@ class Macs(CapacityDrop):
 
     per_rank = True
     reroutes = True
+    capacity_note = " (base, before MACS's scaling)"
 
     def __init__(self, capacity_factor: float = 1.0, min_capacity: int = 1,
                  macs_delta: float = 1.5, macs_rho: float = 0.6, macs_eta: float = 0.5,
@@ -363,6 +372,11 @@ class Macs(CapacityDrop):
         self.rerouted = 0
         self.dropped = 0
         self.last_weights: np.ndarray | None = None
+
+    @classmethod
+    def live_only_knobs(cls, ep: Any) -> list[str]:
+        """+SL reads the model's features, +SR every expert's router probability."""
+        return [n for n in ("macs_semantic_load", "macs_reroute") if getattr(ep, n)]
 
     def calibration_needed(self) -> bool:
         """Dynamic capacity reads the calibrated expert classes, rerouting (η > 0) their

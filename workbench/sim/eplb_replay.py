@@ -37,6 +37,7 @@ import numpy as np
 from workbench.sim.costs import Prices
 from workbench.sim.ep import imbalance
 from workbench.sim.eplb import rebalance_experts, replica_share
+from workbench.sim.placement import check_eplb
 
 
 @dataclass
@@ -76,9 +77,7 @@ class EPLBResult:
 
 def check_sizes(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
     """:class:`KnobError` unless EPLB can serve these sizes
-    (:func:`workbench.sim.knobs.check_eplb`: the knob check and this are one rule)."""
-    from workbench.sim.knobs import check_eplb
-
+    (:func:`workbench.sim.placement.check_eplb`: the knob check and this are one rule)."""
     check_eplb(experts, ranks, redundant, window, interval)
 
 

@@ -12,32 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import param
 
 from workbench.errors import KnobError
 from workbench.knobs import KnobGroup
+from workbench.sim.placement import check_eplb
 from workbench.sim.realb import balances
 
 if TYPE_CHECKING:
     from workbench.knobs import Knobs, ModelShape
-
-
-def check_eplb(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
-    """:class:`KnobError` unless EPLB can serve these sizes: whole numbers, ``ranks``,
-    ``window``, ``interval`` ≥ 1, ``redundant`` in 0 … experts × ranks (a full copy on every
-    rank) and experts + redundant a multiple of ranks."""
-    for name, v, lo in (("ep_ranks", ranks, 1), ("eplb_window", window, 1),
-                        ("eplb_interval", interval, 1), ("num_redundant_experts", redundant, 0)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise KnobError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
-    if redundant > experts * ranks:
-        raise KnobError(f"num_redundant_experts ({redundant}) must be at most the {experts} "
-                        f"experts × {ranks} ranks = {experts * ranks} (a full copy on every "
-                        f"rank)")
-    if (experts + redundant) % ranks:
-        raise KnobError(f"placement 'eplb' needs the {experts} experts + num_redundant_experts "
-                        f"({redundant}) to be a multiple of ep_ranks ({ranks})")
 
 
 class ExpertParallelKnobs(KnobGroup):
@@ -160,17 +143,17 @@ class ExpertParallelKnobs(KnobGroup):
         if shape.num_experts is not None and self.ep_ranks > shape.num_experts:
             raise KnobError(f"ep_ranks must be at most the model's {shape.num_experts} experts "
                             f"per layer (each rank owns at least one), not {self.ep_ranks}")
-        if self.placement == "eplb" and shape.num_experts is not None:
-            check_eplb(shape.num_experts, self.ep_ranks, self.num_redundant_experts,
-                       self.eplb_window, self.eplb_interval)
+        placement = self.selected("placement")
+        if shape.num_experts is not None:
+            placement.check_sizes(self, shape.num_experts)
         dispatch = self.selected("dispatch")
-        if live and self.placement == "eplb" and (
+        if live and placement.dynamic and (
                 getattr(dispatch, "per_rank", False) or balances(self.balance)):
             what = (f"balance={self.balance}" if balances(self.balance)
                     else f"dispatch={self.dispatch}")
-            raise KnobError(f"placement 'eplb' replicates experts over the run's history; live "
-                            f"{what} decides per owning rank: use contiguous or round-robin "
-                            f"with it")
+            raise KnobError(f"placement {self.placement!r} replicates experts over the run's "
+                            f"history; live {what} decides per owning rank: use contiguous or "
+                            f"round-robin with it")
         needs = getattr(dispatch, "needs", frozenset())
         if live and "trace" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} runs in trace replay only "
@@ -181,12 +164,12 @@ class ExpertParallelKnobs(KnobGroup):
         if not live and "router" in needs:
             raise KnobError(f"dispatch {self.dispatch!r} needs every expert's router "
                             f"probability, which a trace does not record: live runs only")
-        if not live and self.dispatch == "macs" and (self.macs_semantic_load or
-                                                     self.macs_reroute):
-            on = [n for n in ("macs_semantic_load", "macs_reroute") if getattr(self, n)]
-            raise KnobError(f"dispatch 'macs' with {' and '.join(f'{n}=true' for n in on)} needs "
-                            f"the model's features and router (live runs only); a trace "
-                            f"replays MACS with {' '.join(f'--set {n}=false' for n in on)}")
+        on = [] if live else dispatch.live_only_knobs(self)
+        if on:
+            raise KnobError(f"dispatch {self.dispatch!r} with "
+                            f"{' and '.join(f'{n}=true' for n in on)} needs the model's "
+                            f"features and router (live runs only); a trace replays it with "
+                            f"{' '.join(f'--set {n}=false' for n in on)}")
 
 
 __all__ = ["ExpertParallelKnobs", "check_eplb"]

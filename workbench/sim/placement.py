@@ -89,11 +89,36 @@ class Placement:
         return cls(L, E, pinned, pool_of_layer, pool_slots, scope)
 
 
+def check_eplb(experts: int, ranks: int, redundant: int, window: int, interval: int) -> None:
+    """:class:`KnobError` unless EPLB can serve these sizes: whole numbers, ``ranks``,
+    ``window``, ``interval`` ≥ 1, ``redundant`` in 0 … experts × ranks (a full copy on every
+    rank) and experts + redundant a multiple of ranks."""
+    for name, v, lo in (("ep_ranks", ranks, 1), ("eplb_window", window, 1),
+                        ("eplb_interval", interval, 1), ("num_redundant_experts", redundant, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise KnobError(f"{name} must be a whole number ≥ {lo}, not {v!r}")
+    if redundant > experts * ranks:
+        raise KnobError(f"num_redundant_experts ({redundant}) must be at most the {experts} "
+                        f"experts × {ranks} ranks = {experts * ranks} (a full copy on every "
+                        f"rank)")
+    if (experts + redundant) % ranks:
+        raise KnobError(f"placement 'eplb' needs the {experts} experts + num_redundant_experts "
+                        f"({redundant}) to be a multiple of ep_ranks ({ranks})")
+
+
 class EPPlacement:
     """Base of expert-parallel placements: :meth:`rank_of_expert` maps a layer's experts to
     ranks. Every rank gets at least one expert when ``ranks ≤ num_experts`` (the knob's rule)."""
 
     name = ""
+    #: the placement changes over the run (replicas refitted on its history): live, a rule
+    #: that decides per owning rank refuses it; the EP views and replay follow its schedule
+    dynamic = False
+
+    @classmethod
+    def check_sizes(cls, ep, num_experts: int) -> None:
+        """:class:`KnobError` unless the placement can serve ``ep`` (the expert-parallel knob
+        group) on ``num_experts`` experts per layer. The base serves any."""
 
     def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
         raise NotImplementedError
@@ -128,6 +153,11 @@ class EPLBPlacement(EPPlacement):
     expert), which is why live MACS, Expanded Drop and ReaLB refuse it."""
 
     dynamic = True
+
+    @classmethod
+    def check_sizes(cls, ep, num_experts: int) -> None:
+        check_eplb(num_experts, ep.ep_ranks, ep.num_redundant_experts, ep.eplb_window,
+                   ep.eplb_interval)
 
     def rank_of_expert(self, num_experts: int, ranks: int) -> np.ndarray:
         return (np.arange(num_experts, dtype=np.int64) * ranks) // num_experts

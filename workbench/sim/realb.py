@@ -32,6 +32,8 @@ BALANCES = {"none": ("none", 0.0), "fp4-all": ("all", 0.0), "realb": ("realb", 0
             "realb-seq": ("realb", 0.0), "realb-m1": ("fixed", 0.0), "realb-m2": ("fixed", 0.7)}
 #: the settings that convert weights online (FP4-All keeps its experts quantised offline)
 ONLINE_SWITCH = ("realb", "realb-seq", "realb-m1", "realb-m2")
+#: the settings that convert after the dispatch all-to-all, not under it (ReaLB-seq)
+SEQUENTIAL = ("realb-seq",)
 
 
 def balances(balance: str) -> bool:

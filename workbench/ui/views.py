@@ -878,8 +878,7 @@ def _rank_capacity(ds: xr.Dataset, ranks: int, steps: np.ndarray) -> tuple[str, 
     top_k = int(ds.attrs.get("top_k", 1) or 1)
     tokens = ds["step_tokens"].sel(step=[int(x) for x in steps]).values
     cap = CapacityDrop(k.capacity_factor, k.min_capacity).capacity(tokens, top_k, E)
-    label = ("capacity per rank (base, before MACS's scaling)" if k.dispatch == "macs"
-             else "capacity per rank")
+    label = "capacity per rank" + k.group("ep").selected("dispatch").capacity_note
     return label, float(np.mean(cap)) * E / ranks
 
 

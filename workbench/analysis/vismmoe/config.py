@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workbench.errors import InputError
+from workbench.knobs import Knobs
+from workbench.predictor.knobs import PredictorKnobs
 from workbench.sim.plan import MemoryPlan
 from workbench.sim.profiles import get_target_model
 
@@ -163,7 +165,7 @@ def ladder_configs(layout, *, stages: Sequence[Stage] = LADDER, budget_slots: in
             raise InputError(f"stage {st.name!r}: pinned_layers={k['pinned_layers']} leaves "
                              f"{k['cache_slots']} of the {budget_slots} expert slots for the "
                              f"cache, fewer than top-k ({layout.top_k})")
-        if k.get("predictor") == "vismmoe" or k.get("prefetch") == "vismmoe":
+        if PredictorKnobs.in_use(Knobs(**k)):  # predictor=vismmoe, or a prefetch reading it
             if predictor_path is None:
                 raise InputError(f"stage {st.name!r} uses the lookahead predictor: pass "
                                  f"predictor_path (a workbench calibrate --out directory)")

@@ -7,23 +7,26 @@ mechanism.
 
 from __future__ import annotations
 
-from workbench.runtime.stages.base import (HOOKS, TOKEN_CONTEXT, LayerCall, RunContext, Stage,
-                                           StageSetup, hooked)
+from dataclasses import replace
+
+from workbench.runtime.stages.base import (HOOKS, RUN_HOOKS, TOKEN_CONTEXT, LayerCall, RunContext,
+                                           Stage, StageSetup, hooked)
 from workbench.runtime.stages.balance import BalanceStage
 from workbench.runtime.stages.cache_routing import CacheRouting
+from workbench.runtime.stages.compression import TokenCompression
 from workbench.runtime.stages.dispatch import DispatchStage
 from workbench.runtime.stages.hybrid import HostRuns
 from workbench.runtime.stages.lookahead import DynamicTopK, Lookahead
 from workbench.runtime.stages.subexperts import SubExpertStage
 
-#: every stage class, in the order their hooks run within each phase (cache-aware routing
-#: after dynamic top-k, whose k it keeps, and before the dispatch, which must see the routing
-#: the tokens ask for)
-STAGES: tuple[type[Stage], ...] = (DynamicTopK, CacheRouting, DispatchStage, Lookahead,
-                                    BalanceStage, SubExpertStage, HostRuns)
+#: every stage class, in the order their hooks run within each phase (token compression
+#: first: the stages after it read its placement; cache-aware routing after dynamic top-k,
+#: whose k it keeps, and before the dispatch, which must see the routing the tokens ask for)
+STAGES: tuple[type[Stage], ...] = (TokenCompression, DynamicTopK, CacheRouting, DispatchStage,
+                                    Lookahead, BalanceStage, SubExpertStage, HostRuns)
 
-__all__ = ["HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "RunContext", "Stage", "StageSetup",
-           "build", "from_knobs", "hooked"]
+__all__ = ["HOOKS", "RUN_HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "RunContext", "Stage",
+           "StageSetup", "build", "from_knobs", "hooked", "provided"]
 
 
 def build(setup: StageSetup) -> list[Stage]:
@@ -34,5 +37,20 @@ def build(setup: StageSetup) -> list[Stage]:
 
 def from_knobs(knobs, run: RunContext) -> list[Stage]:
     """A run's stages, each built from its knob group: those of :data:`STAGES` whose feature
-    is on, in order."""
-    return [s for s in (cls.from_knobs(knobs, run) for cls in STAGES) if s is not None]
+    is on, in order; each sees what the stages before it provide (:meth:`Stage.provides`)."""
+    stages: list[Stage] = []
+    for cls in STAGES:
+        stage = cls.from_knobs(knobs, run)
+        if stage is not None:
+            stages.append(stage)
+            run = provided([stage], run)
+    return stages
+
+
+def provided(stages, run: RunContext) -> RunContext:
+    """``run`` with what ``stages`` provide (:meth:`Stage.provides`)."""
+    for stage in stages:
+        given = stage.provides()
+        if given:
+            run = replace(run, **given)
+    return run

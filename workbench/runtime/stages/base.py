@@ -23,6 +23,13 @@ off, and the call never sees it. A stage defines only the hooks it needs; the ru
 At install, ``runner(block, view)`` may wrap the view a layer's experts run through (and
 ``uninstall(block)`` undo what it changed of the model).
 
+A stage may also take part in the run around the layer calls (:data:`RUN_HOOKS`, called by the
+session): ``check_runtime`` / ``check_requests`` (refuse a model or a batch it cannot serve),
+``provides`` (what the stages after it, and the session, read of it: :class:`RunContext`'s
+fields), ``model_hooks`` (hooks of its own on the model for the run), ``step_ended`` (what it
+changes of a step's event), ``record`` / ``store_attrs`` (what it writes into the result and the
+store).
+
 A stage *declares* what it needs (:attr:`Stage.needs`); the runtime provides it and nothing
 else. Per-run state (counters, a controller) lives in the stage; per-call state in the
 :class:`LayerCall` handed to its hooks.
@@ -84,14 +91,15 @@ class RunContext:
     knobs: the :class:`~workbench.runtime.runtime.Runtime` (its model, the calibrations it
     reads, ReaLB's carried M_d), the modeled prices, the device, and the objects the session
     makes for other parts too (the prefetch policy, which the predictor attaches to; the token
-    compression's placement)."""
+    compression's placement, which its stage provides: :meth:`Stage.provides`)."""
 
     runtime: RuntimeView
     prices: Prices
     device: torch.device
     prefetch: Any = None
     prefetch_budget: int | None = None
-    pruning: Any = None
+    pruning: Any = None  # provided by the token compression stage (its placement)
+    inputs: Any = None  # the run's ModelInputs (its tokens' modality, its input ids)
 
     @property
     def layout(self) -> MoELayout:
@@ -165,6 +173,39 @@ class Stage:
         """The stage over mechanism objects made elsewhere, or None when its feature is off."""
         return None
 
+    @classmethod
+    def check_runtime(cls, knobs: "Knobs", lm) -> None:
+        """Raise when a run of ``knobs`` cannot run on the loaded model ``lm`` (the Runtime
+        checks every run's knobs so). The base accepts any."""
+
+    @classmethod
+    def check_requests(cls, knobs: "Knobs", n: int) -> None:
+        """Raise :class:`~workbench.errors.InputError` when a run of ``knobs`` cannot serve a
+        batch of ``n`` requests. The base serves any."""
+
+    @classmethod
+    def store_attrs(cls, result) -> dict[str, Any]:
+        """What the run store's final attributes hold of the stage, from the run's result
+        (asked of every class of :data:`STAGES`, on or off: the attributes are written
+        either way)."""
+        return {}
+
+    def provides(self) -> dict[str, Any]:
+        """Fields of :class:`RunContext` the stage gives the stages after it (and the
+        session: the predictor reads ``pruning``)."""
+        return {}
+
+    def model_hooks(self):
+        """A context manager installing the stage's hooks on the model for the run (entered
+        after the offloader's, before the predictor's), or None."""
+        return None
+
+    def step_ended(self, step: int, ev) -> None:
+        """At the end of a step: what the stage changes of the step's event."""
+
+    def record(self, result) -> None:
+        """At the end of the run: what the stage writes into the run's result."""
+
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.COUNTS}
 
@@ -195,6 +236,9 @@ class Stage:
 
 
 HOOKS = ("runner", "uninstall", "route", "observe", "price", "access", "finish")
+#: the hooks the session calls around the layer calls (a stage's part in the run itself)
+RUN_HOOKS = ("check_runtime", "check_requests", "store_attrs", "provides", "model_hooks",
+             "step_ended", "record")
 
 
 def hooked(stages, hook: str) -> list[Stage]:

@@ -109,7 +109,7 @@ class Lookahead(Stage):
     @classmethod
     def from_setup(cls, setup: StageSetup) -> "Lookahead | None":
         pf = setup.prefetch
-        pf = pf if pf is not None and pf.name != "none" else None
+        pf = pf if pf is not None and getattr(pf, "fetches", True) else None
         if setup.lookahead_depth <= 0 and setup.active_evict is None and pf is None:
             return None
         return cls(setup, pf)
