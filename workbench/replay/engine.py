@@ -39,6 +39,7 @@ from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH, plan_prefetch
 from workbench.replay import kernel as K
 from workbench.sim.costs import CostSpec, Prices
+from workbench.sim.lane import CANCELLING_ORDERS
 from workbench.sim.placement import SCOPES, Placement  # noqa: F401 (re-exported)
 from workbench.sim.profiles import get_profile, get_target_model
 from workbench.sim.step import Access, Simulator
@@ -174,7 +175,7 @@ def replay_bytes(trace: Trace, engine: str = "fast", eviction: str = "lru",
     narrow = S * L > NARROW_CELLS
     cell = (7 if narrow else 56) + (0 if hits_only else 8)
     slots = trace.num_tokens * L * trace.top_k  # every routed (token, layer) slot
-    future = 4 * slots if eviction == "belady" else 0
+    future = 4 * slots if K.POLICY_CODES.get(eviction) == K.BELADY else 0  # its future list
     # what is allocated, not the knobs' reach: a chunk holds no more accesses than the trace,
     # and a plan looks ahead only to the step's last layer (depths l + d < L)
     lead = min(prefetch_lead, max(L - 1, 0))
@@ -248,7 +249,7 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
         if ran is not trace:
             trace, groups = ran, None
     _check_replay_memory(trace, st.engine, hits_only, st.knobs.eviction,
-                         0 if st.knobs.prefetch == "none" else st.knobs.prefetch_lead)
+                         st.knobs.prefetch_lead if PREFETCH.get(st.knobs.prefetch).fetches else 0)
     if hits_only and not st.knobs.hybrid:  # hybrid decides misses by price: keep them
         st.prices = Prices(st.prices.profile, None)
     if st.engine == "fast":  # builds its own groups, chunk by chunk (``groups`` unused)
@@ -342,7 +343,7 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
                           window, E, L, G, 2 * A + G * pf_bound + 1,
                           occ_ptr if code == K.BELADY else None, K.ORDER_CODES[k.transfer_order])
     # only demand-first with prefetch cancels: otherwise the count stays unwritten (zero pages)
-    cancels = k.transfer_order != "fifo" and k.prefetch != "none"
+    cancels = k.transfer_order in CANCELLING_ORDERS and PREFETCH.get(k.prefetch).fetches
     out = _Outputs(S, L, keep_stall=prices.available and not hits_only)
     g0 = 0
     for s0, s1 in chunks:
@@ -371,7 +372,7 @@ def _candidates_per_group(policy, k, E: int, nk: int) -> int:
     """An upper bound of one group's prefetch candidates (for the access clock's bound that
     decides Belady's tree): the budget (or the policy's default budget), else a built-in's
     depths × experts, else every key."""
-    if k.prefetch == "none":
+    if not policy.fetches:
         return 0
     budget = k.prefetch_budget if k.prefetch_budget is not None else getattr(
         policy, "default_budget", None)

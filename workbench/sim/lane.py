@@ -21,6 +21,8 @@ from workbench.sim.cache import Key
 
 #: the values of the ``transfer_order`` knob (the first is today's)
 TRANSFER_ORDERS = ("fifo", "demand-first")
+#: the orders under which a prefetch not yet started can be cancelled (its layer has run)
+CANCELLING_ORDERS = frozenset({"demand-first"})
 
 #: called for each copy that starts: (key, start, end)
 OnStart = Callable[[Key, float, float], None]

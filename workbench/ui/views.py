@@ -25,7 +25,13 @@ import plotly.graph_objects as go
 import xarray as xr
 
 from workbench.errors import WorkbenchError
+from workbench.compression.policies import COMPRESSION
+from workbench.policies.prefetch import PREFETCH
+from workbench.policies.registry import declared_params
+from workbench.sim.dispatch import DISPATCH
 from workbench.sim.ep import imbalance
+from workbench.sim.placement import EP_PLACEMENT
+from workbench.sim.realb import balances
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
@@ -336,7 +342,7 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     except WorkbenchError as e:  # a tampered or foreign store: say so, draw nothing
         return placeholder_figure("tokens", TOKENS_TITLE, f"this run's knobs cannot be read: "
                                                           f"{html.escape(str(e))[:200]}")
-    if k.compression == "none":
+    if not COMPRESSION.get(k.compression).prunes:
         return placeholder_figure(
             "tokens", TOKENS_TITLE, "this run has no token compression (compression = none):"
                                     "<br>every visual token reaches every layer. Choose a "
@@ -344,8 +350,8 @@ def token_overlay_view_figure(ds: xr.Dataset | None, revision: Any = None) -> go
     try:
         tokens = ds.moe.visual_tokens()
         n, kept = int(tokens.sizes["visual_token"]), int(tokens["kept"].sum())
-        how = f"{k.compression}, β = {k.beta:g}" + (f", λ = {k.lam:g}" if k.compression ==
-                                                     "affinity" else "")
+        reads = declared_params(COMPRESSION.get(k.compression)) or ()  # λ: where it is used
+        how = f"{k.compression}, β = {k.beta:g}" + (f", λ = {k.lam:g}" if "lam" in reads else "")
         fig = token_overlay_figure(
             tokens, run_images(ds.attrs),
             title=f"visual tokens past the pinned prefix: {kept} of {n} kept · {how}")
@@ -443,7 +449,7 @@ def ep_view_figure(ds: xr.Dataset | None, ranks: int, placement: str,
             b_ib = imbalance(b_load.values)
             if np.isfinite(b_ib).any():
                 vs = f" (baseline {float(np.nanmean(b_ib)):.2f})"
-    if placement == "eplb":  # its replicas and what the rebalances moved (modeled)
+    if EP_PLACEMENT.get(placement).dynamic:  # EPLB: its replicas and what rebalances moved
         reb = ds.moe.ep_times(ranks, placement, **eplb)["rebalance_s"].sel(sel)
         k = ds.moe._ep_knobs(ranks, placement, **eplb)
         drops += (f"; EPLB ({k.num_redundant_experts} replicas a layer, every "
@@ -469,7 +475,8 @@ def _rank_precision(ds: xr.Dataset, ranks: int, placement: str, steps: np.ndarra
         k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs
     except Exception:  # unreadable knobs: no marks
         return None
-    if k is None or k.balance == "none" or k.placement != placement or int(k.ep_ranks) != ranks:
+    if k is None or not balances(k.balance) or k.placement != placement \
+            or int(k.ep_ranks) != ranks:
         return None
     sel = {"step": [int(x) for x in steps]}
     decided = ~np.isnan(ds["realb_m"].sel(sel).values[..., 0])  # [step, layer] layer calls
@@ -487,7 +494,7 @@ def replay_view_figure(st: ReplayStudy, revision: Any = None) -> go.Figure:
     ceiling; a star: the run as recorded; a dotted line: the table's cache size)."""
     cfg = st.settings
     pf = cfg.get("prefetch", "none")
-    how = [f"{cfg.get('scope', 'global')} cache", "no prefetch" if pf == "none" else
+    how = [f"{cfg.get('scope', 'global')} cache", "no prefetch" if not PREFETCH.get(pf).fetches else
            f"prefetch {pf} (lead {cfg.get('prefetch_lead', 1)})"]
     if cfg.get("target_model") not in (None, "none"):
         how.append(f"priced as {cfg['target_model']}")
@@ -846,7 +853,8 @@ class EPView(PlotView):
     def _eplb(self) -> dict:
         """The card's EPLB schedule knobs when its placement is eplb (else none apply)."""
         ep = self.store.knobs.group("ep")
-        return {n: getattr(ep, n) for n in EPLB_KNOBS} if ep.placement == "eplb" else {}
+        return {n: getattr(ep, n) for n in EPLB_KNOBS} \
+            if EP_PLACEMENT.get(ep.placement).dynamic else {}
 
     def _key(self) -> str:
         ep = self.store.knobs.group("ep")
@@ -870,7 +878,7 @@ def _rank_capacity(ds: xr.Dataset, ranks: int, steps: np.ndarray) -> tuple[str, 
         k = RunMetadata.from_attrs(ds.attrs, strict=False).knobs
     except Exception:  # unreadable knobs: no line
         return None
-    if k is None or k.dispatch == "topk":
+    if k is None or not DISPATCH.get(k.dispatch).changes_routing:
         return None
     from workbench.sim.dispatch import CapacityDrop
 
@@ -964,7 +972,7 @@ def realb_view_figure(ds: xr.Dataset | None, ranks: int, placement: str, balance
         return placeholder_figure("realb", REALB_TITLE, "no run yet")
     recorded = "realb_m" in ds and not bool(np.isnan(ds["realb_m"].values).all())
     if not recorded:
-        if balance == "none":
+        if not balances(balance):
             return placeholder_figure(
                 "realb", REALB_TITLE, "the shown run had no ReaLB controller.<br>Set balance "
                 "in the Expert parallel card to see it over this run's routing (modeled)")
