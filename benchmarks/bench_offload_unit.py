@@ -79,7 +79,7 @@ def main() -> None:
     lad = V.ablation_ladder(rt, V.scenes(V.eval_seed(), a.scenes), stages=STAGES,
                             budget_slots=budget, pinned_full=a.pinned_full,
                             predictor_path=out / "predictor", max_new_tokens=a.tokens)
-    lad.to_netcdf(out / "ladder.nc")
+    (out / "ladder.json").write_text(json.dumps(lad.to_dict(), default=str))
     total = time.perf_counter() - t0
     m = lad.mean("request")
     lat = m["latency_modeled_s"].to_series()
