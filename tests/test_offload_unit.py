@@ -201,3 +201,36 @@ def test_cli_refuses_a_bad_combination_with_exit_2_and_one_line(tiny_ckpt, capsy
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("workbench: error:") and "Traceback" not in err
     assert "offload_unit='layerwise'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sweep_takes_the_unit_as_a_grid_axis_and_runs_its_points(tiny_ckpt, tmp_path):
+    """The grid parses the three values; a point runs the unit (a worker's ``run_point``, in
+    process: the cluster itself is test_sweep's); a point beside a prefetch policy is refused
+    before any cluster starts."""
+    import json
+
+    from workbench.analysis.sweep import check_points, parse_grid, run_point
+    from workbench.models.loading import load
+
+    assert parse_grid(["offload_unit=expert,layerwise,layerwise-prefetch"]) == {
+        "offload_unit": list(UNITS)}
+    ck = tiny_ckpt()
+    lay = load(ck, device="cpu").layout
+    base = dict(cache_slots=2 * lay.num_experts, pinned_layers=1, max_new_tokens=2,
+                ignore_eos=True, device="cpu")
+    out = {}
+    for u in UNITS:
+        k = Knobs(offload_unit=u, **base).to_dict()
+        out[u] = run_point(str(ck), k, "hello", [], str(tmp_path / f"{u}.zarr"),
+                           str(tmp_path / f"{u}.json"), {"grid": {"offload_unit": u}})
+        assert out[u]["status"] == "complete", out[u]
+    steps = out["layerwise"]["result"]["steps"]
+    assert out["layerwise"]["result"]["loads"] == \
+        lay.num_experts * (lay.num_layers - 1) * steps
+    assert out["layerwise"]["result"]["token_ids"] == out["expert"]["result"]["token_ids"]
+    bad = Knobs(offload_unit="layerwise", prefetch="speculative", lookahead_depth=1,
+                **base).to_dict()
+    refused = check_points(ck, [{"id": "p0", "knobs": bad, "grid": {}},
+                                {"id": "p1", "knobs": Knobs(**base).to_dict(), "grid": {}}])
+    assert list(refused) == ["p0"] and "offload_unit='layerwise'" in str(refused["p0"])
+    json.loads((tmp_path / "layerwise.json").read_text())
