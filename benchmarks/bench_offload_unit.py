@@ -93,9 +93,10 @@ def main() -> None:
           f"{budget - lay.num_experts} beside 1 pinned layer), at most {a.tokens} tokens; "
           f"calibration {t_cal / 60:.1f} min, total {total / 60:.1f} min (measured).\n")
     print("| rung | modeled ms | % of layerwise base (modeled) | % of expert base (modeled) "
-          "| paper HF % | paper KTransformers % | stall ms (modeled) | hit rate | loads / "
-          "request | measured ms (median) | accuracy |")
-    print("|" + " --- |" * 11)
+          "| paper HF % | paper KTransformers % | prefill ms (modeled) | ms / decode token "
+          "(modeled) | stall ms (modeled) | hit rate | loads / request | measured ms (median) "
+          "| accuracy |")
+    print("|" + " --- |" * 13)
     lw, ex = lat["base: layerwise"], lat["base: expert"]
     for st in lad["stage"].values:
         s = str(st)
@@ -104,7 +105,9 @@ def main() -> None:
         hf = f"{paper[row] / paper['base']:.1%}" if row else "—"
         kt = f"{KT[row] / KT['base']:.1%}" if row else "—"
         print(f"| {s} | {lat[s] * 1e3:.1f} | {lat[s] / lw:.1%} | {lat[s] / ex:.1%} | {hf} | "
-              f"{kt} | {float(m['stall_modeled_s'].sel(stage=s)) * 1e3:.1f} | "
+              f"{kt} | {float(m['prefill_modeled_s'].sel(stage=s)) * 1e3:.1f} | "
+              f"{float(m['decode_modeled_s'].sel(stage=s)) * 1e3:.1f} | "
+              f"{float(m['stall_modeled_s'].sel(stage=s)) * 1e3:.1f} | "
               f"{h / (h + mi) if h + mi else float('nan'):.1%} | "
               f"{float(m['loads'].sel(stage=s)):.0f} | "
               f"{float(lad['latency_measured_s'].sel(stage=s).median()) * 1e3:.0f} | "
