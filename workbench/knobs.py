@@ -201,9 +201,22 @@ class CacheKnobs(KnobGroup):
             "misses usually qualify, big prefill groups do not). Host runs have their own "
             "timeline lane.")
 
+    offload_unit = param.Selector(
+        default="expert", objects=["expert", "layerwise", "layerwise-prefetch"],
+        doc="What an offloaded layer copies in (issue 39 §2, the papers' bases). 'expert': "
+            "the per-expert cache (a miss copies one expert; experts stay across layers). "
+            "'layerwise' (Hugging Face accelerate's offload hooks, VisMMOE Table 4's base): "
+            "before an offloaded MoE layer runs all its E experts are copied in and the "
+            "layer waits for every copy; nothing is kept across layers. "
+            "'layerwise-prefetch': the next layer's E experts are copied while this one "
+            "computes. Needs cache_slots ≥ E (2E with prefetch); the eviction policy is "
+            "not consulted; no prefetch policy, hybrid, active_evict, dynamic_topk, "
+            "cache_routing or prism_offload with it.")
+
     def check(self, knobs: "Knobs", shape: ModelShape, *, live: bool = True) -> None:
         """Live runs take no eviction policy that needs the future; ``pinned_layers`` ≤ the
-        MoE layers; with any layer offloaded the cache holds at least top-k experts."""
+        MoE layers; with any layer offloaded the cache holds at least top-k experts; a
+        layer-wise ``offload_unit`` holds a whole layer (:meth:`_check_unit`)."""
         if live:
             registry = type(self)._registries.get("eviction")
             ev = self.selected("eviction")
@@ -228,6 +241,37 @@ class CacheKnobs(KnobGroup):
                 raise KnobError(
                     f"cache_bytes must hold at least {top_k} experts (top-k) = "
                     f"{top_k * shape.expert_bytes} bytes, not {self.cache_bytes}")
+        if self.offload_unit != "expert":
+            self._check_unit(knobs, shape)
+
+    def _check_unit(self, knobs: "Knobs", shape: ModelShape) -> None:
+        """A layer-wise unit: no per-expert mechanism beside it, and slots for one layer's
+        experts (two layers' with prefetch; one when one layer is offloaded)."""
+        unit = self.offload_unit
+        for name, off in (("prefetch", "none"), ("hybrid", False), ("active_evict", False),
+                          ("dynamic_topk", False), ("cache_routing", False),
+                          ("prism_offload", False)):
+            value = getattr(knobs, name, off)
+            if value != off:
+                raise KnobError(
+                    f"offload_unit={unit!r} copies whole layers: {name} must be "
+                    f"{off!r}, not {value!r} (per-expert mechanisms "
+                    f"need offload_unit='expert')")
+        E, L = shape.num_experts, shape.num_layers
+        n_off = L - self.pinned_layers
+        if E is None or n_off <= 0:
+            return
+        need = E * (min(2, n_off) if unit == "layerwise-prefetch" else 1)
+        if self.cache_bytes is not None and shape.expert_bytes is None:
+            return
+        slots = knobs.effective_slots(shape.expert_bytes or 1)
+        if slots < need:
+            what = "one layer's" if need == E else "two layers'"
+            given = (f"cache_slots={self.cache_slots}" if self.cache_bytes is None
+                     else f"cache_bytes={self.cache_bytes} ({slots} experts)")
+            raise KnobError(
+                f"offload_unit={unit!r} holds {what} experts at a time: it needs at least "
+                f"{need} slots, not {given}")
 
 
 class PrefetchKnobs(KnobGroup):
@@ -581,7 +625,8 @@ _MISSING = object()
 
 #: knobs whose default is not what a store written before the knob existed ran with: that
 #: store (no ``knob.<name>`` attribute) reads back with this value, so its replay stays exact
-PREDATING: dict[str, Any] = {"transfer_order": "fifo", "low_precision_down_input": "native"}
+PREDATING: dict[str, Any] = {"transfer_order": "fifo", "low_precision_down_input": "native",
+                             "offload_unit": "expert"}
 
 
 class Knobs:

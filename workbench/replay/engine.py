@@ -16,6 +16,10 @@ it, as the live runtime does (python engine only).
 ``transfer_order`` (``fifo`` or ``demand-first``, :mod:`workbench.sim.lane`) is modeled by both
 engines, cancelled prefetches included; without prefetch both orders are the same lane.
 
+``offload_unit`` (``expert``, ``layerwise``, ``layerwise-prefetch``: :mod:`workbench.sim.unit`)
+is modeled by the python engine only (the numba kernel is the per-expert cache): ``auto``
+chooses it for a layer-wise unit and ``fast`` is refused with one line.
+
 ``scope="per-layer"`` gives every offloaded layer its own ``cache_slots // offloaded layers`` slots
 instead of one shared pool. All times are *modeled* seconds.
 
@@ -272,7 +276,8 @@ def replay(trace: Trace, knobs: Any = None, *, scope: str = "global", engine: st
     out = run_python(groups, dense, comp, st.placement,
                       lambda: make_policy(k.eviction, policy_knobs, groups, trace),
                       pf_ptr, pf_key, st.transfer_s, trace.num_steps,
-                      stats=policy_stats, host=host, transfer_order=k.transfer_order)
+                      stats=policy_stats, host=host, transfer_order=k.transfer_order,
+                      offload_unit=k.offload_unit)
     hits, misses, pf_loads, pf_hits, stall, g_end, ev_sl, red_sl, unused, host_runs, canc = out
     acc = _Outputs(trace.num_steps, trace.num_layers, keep_stall=st.prices.available)
     acc.add(groups.step, groups.layer, (hits, misses, pf_loads, pf_hits, host_runs), stall,
@@ -538,17 +543,29 @@ def _settings(trace: Trace, knobs: Any, knob_values: dict, scope: str, engine: s
     except ValueError as e:
         raise KnobError(str(e)) from None
     has_kernel = eviction in K.POLICY_CODES
+    unit = knobs.offload_unit
+    if unit != "expert" and trace.attrs.get("experts_compacted"):
+        raise KnobError(f"offload_unit={unit!r} copies every expert of a layer, and this trace's "
+                        f"expert ids were renumbered to those it uses; replay it with "
+                        f"offload_unit='expert'")
+    if unit != "expert" and scope != "global":
+        raise KnobError(f"offload_unit={unit!r} holds whole layers in one pool: scope must be "
+                        f"'global', not {scope!r}")
     if engine == "auto":
-        engine = "fast" if has_kernel and not hybrid else "python"
+        engine = "fast" if has_kernel and not hybrid and unit == "expert" else "python"
     if engine not in ("fast", "python"):
         raise KnobError(f"engine must be one of auto, fast, python, not {engine!r}")
     if engine == "fast" and not has_kernel:
         raise KnobError(f"eviction {eviction!r} has no compiled replay; use engine='python'")
+    if engine == "fast" and unit != "expert":
+        raise KnobError(f"offload_unit={unit!r} has no compiled replay; use engine='python' "
+                        f"(or 'auto')")
     if engine == "fast" and hybrid:
         raise KnobError("hybrid=True has no compiled replay; use engine='python' (or 'auto')")
     config = dict(eviction=eviction, cache_slots=cache_slots, pinned_layers=knobs.pinned_layers,
                   scope=scope, prefetch=knobs.prefetch, prefetch_lead=knobs.prefetch_lead,
                   prefetch_budget=knobs.prefetch_budget, transfer_order=knobs.transfer_order,
+                  offload_unit=unit,
                   profile=prof.name,
                   cost_source=cost.source if cost is not None else "none",
                   engine=engine, hybrid=hybrid, **EVICTION.kwargs_for(eviction, values))
@@ -607,16 +624,19 @@ def run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_
 
 
 def run_python(groups, dense, comp, placement: Placement, policy_factory, pf_ptr, pf_key,
-                xfer, S, stats=None, host=None, transfer_order: str = "fifo"):
+                xfer, S, stats=None, host=None, transfer_order: str = "fifo",
+                offload_unit: str = "expert"):
     """Every group through :meth:`workbench.sim.step.Simulator.step` — the same function the
     live offloader calls. ``stats``, when a dict, receives the summed ``policy.stats()`` of the
     pools. ``host`` (hybrid mode): per access, (runs on the host if missed, modeled host
     seconds). Returns per-group arrays in the numba kernel's layout (pinned accesses counted
     as hits there, as the kernel does), then per (step, layer of the key) the cancelled
-    prefetches (``transfer_order``: :mod:`workbench.sim.lane`)."""
+    prefetches (``transfer_order``: :mod:`workbench.sim.lane`; ``offload_unit``:
+    :mod:`workbench.sim.unit`)."""
     L, E = groups.num_layers, groups.num_experts
     G = groups.num_groups
-    sim = Simulator(placement, policy_factory, transfer_s=xfer, transfer_order=transfer_order)
+    sim = Simulator(placement, policy_factory, transfer_s=xfer, transfer_order=transfer_order,
+                    offload_unit=offload_unit)
     out_h, out_m, out_pl, out_ph, out_host = (np.zeros(G, np.int64) for _ in range(5))
     stall, g_end = np.zeros(G), np.zeros(G)
     ev_sl, red_sl, canc_sl = (np.zeros(S * L, np.int64) for _ in range(3))

@@ -14,7 +14,10 @@ prefetches, pre-evictions, host runs, misses) and returns its schedule as typed 
   waits for its copy first) — or, in a pinned layer, the model's own experts forward;
 - :class:`~workbench.sim.schedule.HostRun` computes one miss on the host;
 - :class:`~workbench.sim.schedule.Miss` waits for that miss's copy (a *stall*, measured) and
-  computes it, together with the next misses whose copies have already landed.
+  computes it, together with the next misses whose copies have already landed;
+- :class:`~workbench.sim.schedule.LayerUnit` (a layer-wise ``offload_unit``) waits for every
+  copy of the layer and computes its routed experts at once; :class:`~workbench.sim.schedule.Freed`
+  forgets a key of the unit (its slot is free again).
 
 The layer output is the sum of the parts, equal to the plain model's up to floating-point
 summation order. Measured times are ``time.perf_counter`` seconds, spans relative to the run
@@ -34,7 +37,8 @@ from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import SlotPool
 from workbench.runtime.transfer import Transfer, TransferEngine
 from workbench.sim.cache import Key
-from workbench.sim.schedule import Cancelled, Hits, HostRun, Load, Miss, PreEvicted, Prefetch
+from workbench.sim.schedule import (Cancelled, Freed, Hits, HostRun, LayerUnit, Load, Miss,
+                                    PreEvicted, Prefetch)
 from workbench.sim.step import Outcome
 from workbench.telemetry.events import LANES, LayerEvent, Span
 
@@ -122,7 +126,7 @@ class Executor:
             elif kind is Prefetch:
                 self.inflight.pop(action.victim, None)
                 self.inflight[action.key] = self.submit(action.key, action.slot)
-            elif kind is PreEvicted or kind is Cancelled:  # the slot is free again
+            elif kind is PreEvicted or kind is Cancelled or kind is Freed:  # slot free again
                 self.inflight.pop(action.key, None)
             elif kind is Hits:  # the first computation of the layer
                 result = (self.run_pinned(call) if out.pinned
@@ -135,6 +139,8 @@ class Executor:
             elif kind is Miss:
                 part, i = self.run_misses(call, schedule, i - 1, loading)
                 result = part if result is None else result + part
+            elif kind is LayerUnit:
+                result = self.run_unit(call, action)
         if result is None:  # no token routed here (empty input)
             result = torch.zeros_like(call.hidden_states)
         return result
@@ -173,6 +179,17 @@ class Executor:
         # every routed expert a hit: no token needs masking
         every = c.routed if len(hits) == len(c.routed) and self.part == 1 else None
         return self.run_slots(c, hits, slots, every)
+
+    def run_unit(self, c: ComputeCall, unit: LayerUnit) -> torch.Tensor | None:
+        """A layer-wise unit: wait for every copy of the layer (the unit waits for all of its
+        experts, routed or not), then its routed experts over their slots, at once."""
+        layer = c.block.index
+        for key in [k for k in self.inflight if k[0] == layer]:
+            self.wait(c.event, layer, key[1], self.inflight.pop(key))
+        if not unit.experts:
+            return None
+        every = c.routed if self.part == 1 else None
+        return self.run_slots(c, list(unit.experts), list(unit.slots), every)
 
     def run_misses(self, c: ComputeCall, schedule: list, i: int, loading: dict[int, Transfer]
                    ) -> tuple[torch.Tensor, int]:

@@ -98,6 +98,8 @@ class Offloader:
             :func:`workbench.runtime.stages.from_knobs`); None: built from the arguments above.
         transfer_order: the modeled transfer lane's order, ``fifo`` or ``demand-first``
             (:mod:`workbench.sim.lane`; the core decides, the executor runs its schedule).
+        offload_unit: ``expert`` (the per-expert cache), ``layerwise`` or
+            ``layerwise-prefetch`` (whole layers copied in, :mod:`workbench.sim.unit`).
 
     Each feature is a layer stage (:mod:`workbench.runtime.stages`).
     """
@@ -112,7 +114,8 @@ class Offloader:
                  low_precision: str = "nvfp4", prism=None, prism_offload: bool = False,
                  macs_centroids: torch.Tensor | None = None,
                  cache_routing: float | None = None, stages: list[Stage] | None = None,
-                 transfer_order: str = "fifo", low_down_input: str = "quantised") -> None:
+                 transfer_order: str = "fifo", low_down_input: str = "quantised",
+                 offload_unit: str = "expert") -> None:
         self.layout = layout
         # no prices given: hit counts only, every modeled time 0
         self.prices = prices if prices is not None else Prices(get_profile("a100-40gb"), None)
@@ -138,7 +141,7 @@ class Offloader:
         self._step_request: np.ndarray | None = None
         self.device = torch.device(device)
         self.offloaded = [b for b in layout.blocks if b.index >= pinned_layers]
-        self.transfer_order = transfer_order
+        self.transfer_order, self.offload_unit = transfer_order, offload_unit
         self._use_cache(num_slots, policy)
         self.executor = Executor(self.slots, self.store, probe, part=self.part,
                                  low_precision=low_precision,
@@ -173,7 +176,7 @@ class Offloader:
                                     layout.top_k * part, self.pinned_layers,
                                     max(self.num_slots, 1)),
             lambda: policy, transfer_s=self.prices.part(part).transfer, record_spans=True,
-            transfer_order=self.transfer_order)
+            transfer_order=self.transfer_order, offload_unit=self.offload_unit)
         self.store = HostExpertStore(pin_memory=self.device.type == "cuda")
         shapes = first.expert_shapes if self.offloaded else {}
         if self._split is not None:  # one key's block

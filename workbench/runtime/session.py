@@ -150,7 +150,7 @@ class RunSession:
         self.offloader = Offloader(
             lay, rt.num_slots(k), k.pinned_layers, self.policy, rt.lm.device, self.probe,
             self.prices, low_precision=k.low_precision, stages=self.stages,
-            transfer_order=k.transfer_order)
+            transfer_order=k.transfer_order, offload_unit=k.offload_unit)
         if rt.uses_predictor(k):
             from workbench.predictor.policy import LivePredictor
 

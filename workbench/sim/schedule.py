@@ -63,4 +63,20 @@ class Cancelled(NamedTuple):
     key: Key
 
 
-Action = Union[Load, Prefetch, PreEvicted, Hits, HostRun, Miss, Cancelled]
+class LayerUnit(NamedTuple):
+    """Layer-wise offload unit (``offload_unit`` ≠ expert, :mod:`workbench.sim.unit`): wait
+    for every copy of the group's layer (scheduled as :class:`Prefetch` records), then compute
+    the routed ``experts`` over their ``slots``, all at once."""
+
+    experts: list[int]
+    slots: list[int]
+
+
+class Freed(NamedTuple):
+    """The layer-wise unit let ``key`` go at its layer's end (nothing is kept across layers):
+    its slot is free again."""
+
+    key: Key
+
+
+Action = Union[Load, Prefetch, PreEvicted, Hits, HostRun, Miss, Cancelled, LayerUnit, Freed]

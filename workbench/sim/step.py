@@ -21,6 +21,10 @@ only on that expert):
    no copy is made; ``Outcome.cancelled``); so is a pending prefetch evicted before it
    started. Under ``fifo`` nothing is ever cancelled.
 
+With a layer-wise ``offload_unit`` (:mod:`workbench.sim.unit`) an offloaded layer copies all
+its experts and waits for every copy, then computes its routed experts; the unit leaves at the
+layer's end (:meth:`Simulator._layerwise`).
+
 It returns an :class:`Outcome`: the counts, the modeled times, and a **schedule** — the
 ordered, typed actions the live runtime executes on real tensors (:mod:`workbench.sim.schedule`:
 :class:`Load`, :class:`Prefetch`, :class:`PreEvicted`, :class:`Hits`, :class:`HostRun`,
@@ -44,8 +48,9 @@ from workbench.policies.eviction import EvictionPolicy
 from workbench.sim.cache import ExpertCache, Key
 from workbench.sim.lane import TransferLane
 from workbench.sim.placement import Placement
-from workbench.sim.schedule import (Action, Cancelled, Hits, HostRun, Load, Miss, PreEvicted,
-                                    Prefetch)
+from workbench.sim.schedule import (Action, Cancelled, Freed, Hits, HostRun, LayerUnit, Load,
+                                    Miss, PreEvicted, Prefetch)
+from workbench.sim.unit import OFFLOAD_UNITS, slots_needed
 
 # lanes of a modeled span (the same codes as workbench.telemetry.events.LANES)
 COMPUTE, TRANSFER, STALL, HOST = 0, 1, 2, 3
@@ -108,11 +113,16 @@ class Simulator:
 
     ``policy_factory()`` makes one eviction policy per pool. ``record_spans`` keeps the modeled
     spans of each group in its :class:`Outcome` (the live runtime stores them; replay does not
-    need them). ``transfer_order``: ``fifo`` or ``demand-first`` (:mod:`workbench.sim.lane`)."""
+    need them). ``transfer_order``: ``fifo`` or ``demand-first`` (:mod:`workbench.sim.lane`).
+    ``offload_unit``: ``expert``, ``layerwise`` or ``layerwise-prefetch``
+    (:mod:`workbench.sim.unit`; every pool must hold the unit's slots)."""
 
     def __init__(self, placement: Placement, policy_factory: Callable[[], EvictionPolicy], *,
                  transfer_s: float = 0.0, record_spans: bool = False,
-                 transfer_order: str = "fifo") -> None:
+                 transfer_order: str = "fifo", offload_unit: str = "expert") -> None:
+        if offload_unit not in OFFLOAD_UNITS:
+            raise ValueError(f"offload_unit must be one of {', '.join(OFFLOAD_UNITS)}, "
+                             f"not {offload_unit!r}")
         self.placement = placement
         L, E = placement.num_layers, placement.num_experts
         self.pools = [ExpertCache(int(n), policy_factory(), L, E) for n in placement.pool_slots]
@@ -124,6 +134,17 @@ class Simulator:
         self.pinned_accesses = np.zeros(L, np.int64)
         self._used: dict[Key, bool] = {}  # resident key → used since it was loaded
         self._prefetched: set[Key] = set()  # resident by a prefetch, not yet hit
+        self.unit = offload_unit
+        if offload_unit != "expert":
+            off = ~placement.pinned
+            n_off = int(off.sum())
+            for p in set(placement.pool_of_layer[off].tolist()):
+                share = int((placement.pool_of_layer[off] == p).sum())
+                need = slots_needed(offload_unit, E, min(n_off, share) if
+                                    placement.num_pools == 1 else 1)
+                if int(placement.pool_slots[p]) < need:
+                    raise ValueError(f"offload_unit {offload_unit!r} needs {need} slots in "
+                                     f"pool {p}, which has {int(placement.pool_slots[p])}")
 
     # -- queries ------------------------------------------------------------------------------
     def pool(self, layer: int) -> ExpertCache:
@@ -165,6 +186,8 @@ class Simulator:
             c.policy.begin_layer(layer)
         now = self._dense(acc, out)
         experts = list(acc.experts)
+        if self.unit != "expert":
+            return self._layerwise(acc, out, now, pinned)
         if pinned:
             self.pinned_accesses[layer] += len(experts)
             out.hits = []
@@ -212,6 +235,97 @@ class Simulator:
             out.stall_s += host_done - now
             now = host_done
         return self._end(out, now, layer)
+
+    # -- the layer-wise unit (offload_unit ≠ expert, workbench.sim.unit) -----------------------
+    def _layerwise(self, acc: Access, out: Outcome, now: float, pinned: bool) -> Outcome:
+        """One group under a layer-wise unit: keys of other layers still resident leave (none
+        in a well-formed run); ``layerwise-prefetch`` issues the next layer's copies now; an
+        offloaded layer looks its routed experts up (hits only on a prefetched unit), copies
+        its unit if nobody prefetched it, waits for every copy, computes, and lets the unit
+        go."""
+        layer, E = int(acc.layer), self.placement.num_experts
+        experts = list(acc.experts)
+        nxt = layer + 1
+        ahead = (self.unit == "layerwise-prefetch" and nxt < self.placement.num_layers
+                 and not self.placement.pinned[nxt])
+        keep = {layer, nxt} if ahead else {layer}
+        for c in self.pools:  # stale units (a layer with no group): let them go
+            for key in [k for k in c.slot_of if k[0] not in keep]:
+                self._free(out, key, now)
+        if pinned:
+            self.pinned_accesses[layer] += len(experts)
+            if ahead:
+                self._copy_unit(out, nxt, now)
+            out.schedule.append(Hits([]))
+            for e, d in zip(experts, acc.compute_s):
+                now = self._compute(out, layer, e, now, d)
+            return self._end(out, now, layer)
+        cache = self.pool(layer)
+        staged = (layer, 0) in cache  # a unit is whole or absent
+        cache.t = self.clock
+        hits, misses = cache.lookup(layer, experts)
+        self.clock = cache.t
+        out.hits, out.misses = hits, misses
+        for e in hits:
+            key = (layer, e)
+            if key in self._prefetched:
+                out.prefetch_hits += 1
+                self._prefetched.discard(key)
+            self._used[key] = True
+        if not staged:  # copied now: the routed experts on demand, then the others
+            self._copy_unit(out, layer, now, demand=misses)
+        if ahead:  # the next layer's copies, behind this layer's on the lane
+            self._copy_unit(out, nxt, now)
+        ready = max((self.lane.land((layer, e), self._started) or 0.0) for e in range(E))
+        if ready > now:  # the layer waits for its whole unit
+            self._span(out, STALL, layer, experts[-1] if experts else -1, now, ready)
+            out.stall_s += ready - now
+            now = ready
+        out.schedule.append(LayerUnit(experts, [cache.slot((layer, e)) for e in experts]))
+        for e, d in zip(experts, acc.compute_s):
+            self._span(out, COMPUTE, layer, e, now, now + float(d))
+            now += float(d)
+        for e in range(E):
+            self._free(out, (layer, e), now)
+        return self._end(out, now, layer)
+
+    def _copy_unit(self, out: Outcome, layer: int, now: float, demand: Sequence[int] = ()
+                   ) -> None:
+        """Admit and queue all E experts of ``layer``: ``demand`` ones as demand loads (the
+        routed misses), the others as prefetches (booked in ``out.prefetched``); every copy
+        is a :class:`Prefetch` record for the executor (a :class:`LayerUnit` waits for
+        them)."""
+        c = self.pool(layer)
+        E = self.placement.num_experts
+        wanted = set(demand)
+        order = [*demand, *(e for e in range(E) if e not in wanted)]
+        protected = {(layer, e) for e in range(E)}
+        for e in order:
+            key = (layer, e)
+            c.t = self.clock
+            got = c.admit(key, protected)
+            self.clock = c.t
+            if got is None:  # cannot happen: the knob check gives every pool the unit's slots
+                raise RuntimeError(f"layer {layer}: no slot for expert {e} of its unit")
+            slot, victim = got
+            if victim is not None:
+                self._evicted(out, victim, now)
+            if e in wanted:
+                self._used[key] = True
+                self.lane.demand(key, now, self._started)
+            else:
+                self._used[key] = False
+                self._prefetched.add(key)
+                self.lane.prefetch(key, now, layer, self._started)
+                out.prefetched.append(key)
+            out.schedule.append(Prefetch(key, slot, victim))
+
+    def _free(self, out: Outcome, key: Key, now: float) -> None:
+        """The unit lets ``key`` go (an eviction; redundant when it was never used)."""
+        self.pool(key[0]).evict(key)
+        self._evicted(out, key, now)
+        self._used.pop(key, None)
+        out.schedule.append(Freed(key))
 
     # -- pieces of the step ---------------------------------------------------------------------
     def _dense(self, acc: Access, out: Outcome) -> float:
