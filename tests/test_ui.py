@@ -666,6 +666,23 @@ def test_a_served_replay_view_replays_in_slices_and_draws_the_same(two_runs):
     assert set(v.study.curves.eviction) == {"lru", R.CEILING}
 
 
+def test_replay_curves_of_a_layerwise_unit_start_at_a_whole_layer(two_runs):
+    """A layer-wise offload unit holds whole layers (issue 39 §2): the curves leave out the
+    caches that cannot hold one (they would refuse the whole study), and say so when none can."""
+    from workbench.sim.unit import slots_needed
+    from workbench.ui import replay as R
+
+    s = DataStore(workspace=two_runs.workspace)
+    s.open("a")
+    trace = s.replay_trace()
+    k = R.recorded_knobs(trace).copy(offload_unit="layerwise")
+    need = slots_needed("layerwise", trace.num_experts, trace.num_layers - R.pinned_prefix(trace))
+    df = R.replay_curves(trace, ["lru"], knobs=k)
+    assert need > 0 and df.cache_slots.min() >= need and df.transfers.gt(0).all()
+    with pytest.raises(workbench.WorkbenchError, match="holds whole layers"):
+        R.replay_curves(trace, ["lru"], sizes=[need - 1], knobs=k)
+
+
 def test_replay_waits_for_a_live_run(two_runs):
     s = DataStore(workspace=two_runs.workspace)
     s.open("b")

@@ -43,6 +43,7 @@ from workbench.errors import InputError, KnobError, WorkbenchError
 from workbench.policies.eviction import EVICTION
 from workbench.policies.prefetch import PREFETCH
 from workbench.replay import SCOPES, replay_trace
+from workbench.sim.unit import slots_needed
 
 __all__ = ["CEILING", "AS_RECORDED", "SCOPES", "METRICS", "REPLAY_GROUPS", "CURVE_KNOBS",
            "replay_knob_names", "pinned_prefix", "slot_bounds", "cache_sizes", "recorded_knobs",
@@ -253,10 +254,15 @@ def curves_steps(trace, evictions: Iterable[str] | None = None,
     pin = pinned_prefix(trace) if pinned_layers is None else int(pinned_layers)
     lo, hi = slot_bounds(trace, scope, pin)
     sizes = cache_sizes(lo, hi) if sizes is None else sorted({int(s) for s in sizes if s >= lo})
+    # a layer-wise offload unit holds whole layers: smaller caches are refused, not drawn
+    unit_lo = slots_needed(k.offload_unit, trace.num_experts, trace.num_layers - pin)
+    sizes = [s for s in sizes if s >= unit_lo]
     if not sizes:
-        raise KnobError(f"cache sizes must reach at least {lo} slots with scope={scope} "
-                        f"(top-k {'per offloaded layer' if scope != 'global' else ''}); "
-                        f"allowed: {lo} … {hi}")
+        why = (f"offload_unit={k.offload_unit} holds whole layers: at least {unit_lo} slots"
+               if unit_lo > lo else
+               f"at least {lo} slots with scope={scope} "
+               f"(top-k {'per offloaded layer' if scope != 'global' else ''})")
+        raise KnobError(f"cache sizes must reach {why}; allowed: {max(lo, unit_lo)} … {hi}")
     rows, total, kk = [], len(names) * len(sizes), _knobs_key(k)
     for ev in names:
         for s in sizes:
