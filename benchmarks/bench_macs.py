@@ -301,7 +301,9 @@ def report(out: dict) -> str:
     lines("Methods (Tables 1/4)", out["methods"].items())
     if "ablation" in out:
         lines("Ablation (Table 2)", out["ablation"].items())
+    if "selection" in out:
         lines("Token selection (Table 3)", out["selection"].items())
+    if "gamma" in out:
         lines("γ0 sweep, full MACS (Fig. 8)", [("", out["gamma"])])
     if "delta" in out:
         lines("δ at γ0 = 0.5 (Fig. 5)", [("0.5", out["delta"])])
