@@ -130,9 +130,9 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     return res
 
 
-_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "capacity_scope", "min_capacity", "macs_delta", "macs_rho",
-                   "macs_eta", "macs_semantic_load", "macs_dynamic_capacity", "macs_reroute",
-                   "macs_selection", "macs_calibration")
+_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "capacity_scope", "min_capacity", "macs_delta",
+                   "macs_rho", "macs_eta", "macs_semantic_load", "macs_dynamic_capacity",
+                   "macs_reroute", "macs_selection", "macs_calibration")
 
 
 def _recorded_dispatch_knobs(attrs) -> Mapping[str, Any] | None:

@@ -591,6 +591,7 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
                              f"expert {i % num_experts}: {c} assignments over capacity")
 
 
-__all__ = ["DISPATCH", "CAPACITY_SCOPES", "PREFILL", "DECODE", "check_scope", "Dispatch", "TopK", "CapacityDrop", "CapacityExpanded", "Macs",
+__all__ = ["DISPATCH", "CAPACITY_SCOPES", "PREFILL", "DECODE", "check_scope", "Dispatch", "TopK",
+           "CapacityDrop", "CapacityExpanded", "Macs",
            "expanded_group", "trace_expert_classes", "DispatchStats", "dispatch_trace",
            "check_capacity"]
