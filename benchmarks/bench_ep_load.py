@@ -74,7 +74,9 @@ def dispatch_table(trace) -> list[dict]:
     for b in (32, 128):
         tr = batched(trace, b)
         for gamma in (None, 0.25, 0.5, 1.0, 1.8, 5.0):
-            kw = {} if gamma is None else dict(dispatch="capacity-drop", capacity_factor=gamma)
+            # the Mixtral trace records decode tokens only (phase 1): capacity on every step
+            kw = {} if gamma is None else dict(dispatch="capacity-drop", capacity_factor=gamma,
+                                               capacity_scope="all")
             res = replay_trace(tr, belady=False, ep_ranks=8, **kw)
             d = res.extra.get("dispatch", {})
             ep = res.extra["ep"]

@@ -27,7 +27,11 @@ Verdicts are generated from the numbers: an effect of the paper "appears" when t
 has the paper's sign beyond two standard errors (paired over questions), "does not appear"
 when it has the opposite sign beyond two SE, else "not resolved at n".
 
+Capacity acts where ``--capacity-scope`` says (the knob ``capacity_scope``; default the knob's
+default, ``prefill``: decode steps keep the router's top-k, docs/macs.md *Where capacity acts*).
+
     python benchmarks/bench_macs.py [--n 48] [--batch 8] [--json OUT] [--quick]
+        [--capacity-scope prefill|all] [--no-sensitivity]
 """
 
 from __future__ import annotations
@@ -64,12 +68,15 @@ def _batches(n: int, size: int):
 class Runner:
     """Runs one configuration over every batch; keeps answers, counters and EP figures."""
 
-    def __init__(self, batches, truth, workdir: Path, max_new_tokens: int) -> None:
+    def __init__(self, batches, truth, workdir: Path, max_new_tokens: int,
+                 capacity_scope: str | None = None) -> None:
         self.rt = workbench.Runtime()
         lay = self.rt.lm.layout
         self.base = dict(max_new_tokens=max_new_tokens, pinned_layers=0,
                          cache_slots=lay.num_layers * lay.num_experts, ep_ranks=RANKS,
                          target_model=TARGET, lookahead_depth=0, prefetch="none")
+        if capacity_scope is not None:
+            self.base["capacity_scope"] = capacity_scope
         self.batches, self.truth, self.dir = batches, truth, workdir
         self.n_runs = 0
 
@@ -131,13 +138,20 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--quick", action="store_true", help="methods only (a smoke run)")
+    ap.add_argument("--capacity-scope", choices=("prefill", "all"), default=None,
+                    help="where capacity acts (the capacity_scope knob; default: its default)")
+    ap.add_argument("--no-sensitivity", action="store_true",
+                    help="skip the δ and ρ sweeps (Figs. 5–6)")
     a = ap.parse_args()
+    from workbench.knobs import Knobs
+
+    scope = a.capacity_scope or Knobs().capacity_scope
     batches, truth, ex = _batches(a.n, a.batch)
     out: dict = {"n": a.n, "batch": a.batch, "ranks": RANKS, "target_model": TARGET,
-                 "text_only": sum(img is None for img, _, _ in ex)}
+                 "text_only": sum(img is None for img, _, _ in ex), "capacity_scope": scope}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        R = Runner(batches, truth, Path(d), a.max_new_tokens)
+        R = Runner(batches, truth, Path(d), a.max_new_tokens, scope)
         van = R.run()
         out["vanilla"] = van
 
@@ -164,6 +178,14 @@ def main() -> None:
                                             macs_reroute=False),
                 "MACS": R.run(dispatch="macs", capacity_factor=g)}
         out["methods"] = {str(g): [row(k, v) for k, v in m.items()] for g, m in methods.items()}
+
+        def partial():  # what is done so far, in case the study is stopped before its end
+            if a.json:
+                done = {**out, "elapsed_s": time.perf_counter() - t_start, "partial": True}
+                done["verdicts"] = verdicts(done)
+                Path(a.json).write_text(json.dumps(done, indent=1, default=float))
+
+        partial()
         if not a.quick:
             abl = {}
             for g in (1.0, 0.5):
@@ -175,6 +197,7 @@ def main() -> None:
                 abl[str(g)] = [row("SC", sc), row("+SL", sl), row("+SL+DC", dc),
                                row("+SL+DC+SR", sr)]
             out["ablation"] = abl
+            partial()
             sel = {}
             for g in (1.5, 1.0, 0.5):
                 sel[str(g)] = [row(s, R.run(dispatch="macs", capacity_factor=g,
@@ -183,8 +206,11 @@ def main() -> None:
                                for s in ("random", "router", "modality-prior", "retention",
                                          "entropy")]
             out["selection"] = sel
+            partial()
             out["gamma"] = [row(f"γ0={g:g}", R.run(dispatch="macs", capacity_factor=g))
                             for g in (0.05, 0.25, 0.5, 1.0, 1.8, 3.0, 5.0)]
+            partial()
+        if not a.quick and not a.no_sensitivity:
             out["delta"] = [row(f"δ={x:g}", R.run(dispatch="macs", capacity_factor=0.5,
                                                   macs_delta=x)) for x in (0.5, 1.5, 3.0)]
             out["rho"] = [row(f"ρ={x:g}", R.run(dispatch="macs", capacity_factor=0.5,
@@ -254,7 +280,8 @@ def report(out: dict) -> str:
          f"text-only) in batches of {out['batch']}, {out['ranks']} virtual EP ranks, modeled "
          f"as {out['target_model']}; vanilla accuracy {van['accuracy']:.1%}, max expert load "
          f"{max(van['max_expert_load'])}, imbalance {van['imbalance']:.2f}, modeled MoE layers "
-         f"{van['moe_layer_s_modeled'] * 1e3:.1f} ms; {out['elapsed_s']:.0f} s measured\n"]
+         f"{van['moe_layer_s_modeled'] * 1e3:.1f} ms; capacity_scope "
+         f"{out.get('capacity_scope', 'all')}; {out['elapsed_s']:.0f} s measured\n"]
     head = ("| γ0 | method | accuracy | retained | Δ vs vanilla ± 2 SE | drop | reroute | max "
             "expert load | imbalance | modeled MoE ms (dispatch / compute / combine) | "
             "speedup (modeled) |\n|---|---|---|---|---|---|---|---|---|---|---|")
@@ -274,8 +301,11 @@ def report(out: dict) -> str:
     lines("Methods (Tables 1/4)", out["methods"].items())
     if "ablation" in out:
         lines("Ablation (Table 2)", out["ablation"].items())
+    if "selection" in out:
         lines("Token selection (Table 3)", out["selection"].items())
+    if "gamma" in out:
         lines("γ0 sweep, full MACS (Fig. 8)", [("", out["gamma"])])
+    if "delta" in out:
         lines("δ at γ0 = 0.5 (Fig. 5)", [("0.5", out["delta"])])
         lines("ρ at γ0 = 0.5 (Fig. 6)", [("0.5", out["rho"])])
     L.append("\n### Verdicts\n")

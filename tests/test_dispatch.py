@@ -128,10 +128,11 @@ def test_replay_with_token_drop_reports_drops_and_lowers_the_straggler(tmp_path,
     dispatched routing (fewer accesses, a smaller busiest rank)."""
     from workbench.cli import main
 
-    tr = _trace(T=600, L=4, E=8, K=2, seed=5, p_step=0.05)  # ~20 tokens a step
+    # ~20 tokens a step; a trace without phases is all decode: capacity on every step
+    tr = _trace(T=600, L=4, E=8, K=2, seed=5, p_step=0.05)
     base = replay_trace(tr, belady=False, ep_ranks=4, cache_slots=8, pinned_layers=0)
     drop = replay_trace(tr, belady=False, ep_ranks=4, cache_slots=8, pinned_layers=0,
-                        dispatch="capacity-drop", capacity_factor=0.5)
+                        dispatch="capacity-drop", capacity_factor=0.5, capacity_scope="all")
     d = drop.extra["dispatch"]
     assert 0 < d["drop_rate"] < 1 and d["max_expert_load_after"] < d["max_expert_load_before"]
     assert set(d["by_modality"]) == {"text", "image"}
@@ -140,7 +141,7 @@ def test_replay_with_token_drop_reports_drops_and_lowers_the_straggler(tmp_path,
     p = tmp_path / "t.npy"
     np.save(p, tr.topk_ids)
     assert main(["replay", str(p), "--set", "dispatch=capacity-drop", "--set",
-                 "capacity_factor=0.5", "--json"]) == 0
+                 "capacity_factor=0.5", "--set", "capacity_scope=all", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["dispatch"]["policy"] == "capacity-drop" and out["dispatch"]["dropped"] >= 0
 
@@ -318,7 +319,8 @@ def test_hostile_ep_and_dispatch_replays_stay_small(tmp_path):
     tr = load_trace(p, num_experts=4096)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ep = replay_trace(tr, belady=False, ep_ranks=4096).extra["ep"]
-    d = replay_trace(tr, belady=False, dispatch="capacity-drop").extra["dispatch"]
+    d = replay_trace(tr, belady=False, dispatch="capacity-drop",
+                     capacity_scope="all").extra["dispatch"]
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert ep["groups"] == T and ep["max_rank_load"] == 1
     assert d["dropped"] == 0 and d["max_expert_load_before"] == 1

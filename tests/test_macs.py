@@ -162,14 +162,16 @@ def test_replay_runs_sc_and_dc_and_refuses_what_needs_the_model():
     ids, w = _random_routing(rng, 60, 2, 2, 8)
     tr = Trace(topk_ids=ids, topk_weights=w, token_step=np.repeat(np.arange(6), 10),
                token_modality=(rng.random(60) < 0.5).astype(np.int8), num_experts=8)
-    off = dict(macs_semantic_load=False, macs_reroute=False)
+    # a trace without phases is all decode: capacity on every step
+    off = dict(macs_semantic_load=False, macs_reroute=False, capacity_scope="all")
     res = replay_trace(tr, dispatch="macs", capacity_factor=0.5, cache_slots=4, **off)
     d = res.extra["dispatch"]
     assert d["policy"] == "macs" and d["dropped"] > 0 and d["rerouted"] == 0
     assert d["classes"] == "this trace (in-sample)"
     sc = replay_trace(tr, dispatch="macs", capacity_factor=0.5, cache_slots=4,
                       macs_dynamic_capacity=False, macs_selection="router", **off)
-    drop = replay_trace(tr, dispatch="capacity-drop", capacity_factor=0.5, cache_slots=4)
+    drop = replay_trace(tr, dispatch="capacity-drop", capacity_factor=0.5, cache_slots=4,
+                        capacity_scope="all")
     assert sc.extra["dispatch"]["dropped"] == drop.extra["dispatch"]["dropped"]
     assert sc.hits.sum() == drop.hits.sum()
     with pytest.raises(KnobError, match="macs_semantic_load=true needs the model's features"):

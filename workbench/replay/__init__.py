@@ -89,7 +89,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         from workbench.knobs import ModelShape
 
         knobs.check(ModelShape.of(trace), live=False)
-        policy = DISPATCH.get(knobs.dispatch).from_knobs(knobs.group("ep"), knobs.seed)
+        policy = DISPATCH.get(knobs.dispatch).for_knobs(knobs.group("ep"), knobs.seed)
         classes_from = None
         # the calibrated expert classes (dynamic capacity; replay takes no rerouting)
         if policy.calibration_needed():
@@ -108,6 +108,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
 
         res.extra["dispatch"] = {"policy": knobs.dispatch,
                                  "capacity_factor": knobs.capacity_factor,
+                                 "capacity_scope": knobs.capacity_scope,
                                  **dispatched.result(MODALITIES),
                                  **({"classes": classes_from} if classes_from else {})}
     elif recorded is not None:
@@ -130,9 +131,9 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     return res
 
 
-_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "min_capacity", "macs_delta", "macs_rho",
-                   "macs_eta", "macs_semantic_load", "macs_dynamic_capacity", "macs_reroute",
-                   "macs_selection", "macs_calibration")
+_DISPATCH_KNOBS = ("dispatch", "capacity_factor", "capacity_scope", "min_capacity", "macs_delta",
+                   "macs_rho", "macs_eta", "macs_semantic_load", "macs_dynamic_capacity",
+                   "macs_reroute", "macs_selection", "macs_calibration")
 
 
 def _recorded_dispatch_knobs(attrs) -> Mapping[str, Any] | None:

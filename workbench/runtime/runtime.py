@@ -130,7 +130,7 @@ class Runtime:
     @staticmethod
     def dispatch(knobs: Knobs) -> Dispatch:
         """The dispatch policy of a run of ``knobs`` (its Expert parallel group's fields)."""
-        return DISPATCH.get(knobs.dispatch).from_knobs(knobs.group("ep"), knobs.seed)
+        return DISPATCH.get(knobs.dispatch).for_knobs(knobs.group("ep"), knobs.seed)
 
     def macs_calibration(self, knobs: Knobs, policy: Dispatch | None = None) -> Any:
         """The MACS calibration a run of ``knobs`` reads (a dispatch policy that asks for

@@ -18,6 +18,13 @@ weights is ordered by top-k rank, then token. Deterministic: same trace, same re
 
 Invariants (property-tested): kept + rerouted + dropped = assigned; no expert holds more than
 its capacity in any (step, layer); a capacity no expert reaches changes nothing.
+
+**Where capacity acts** (the ``capacity_scope`` knob, :data:`CAPACITY_SCOPES`; issue 39 §3):
+``prefill`` dispatches the prefill steps only (phase 0) and leaves every decode step's routing
+as the router chose it — CAI-MoE's released modeling files skip capacity when
+``sequence_length == 1`` (docs/macs.md, *Where capacity acts*); ``all`` dispatches every step
+(the workbench before the knob). One rule, :meth:`Dispatch.acts_on`, read by both the live stage
+(:mod:`workbench.runtime.stages.dispatch`) and :func:`dispatch_trace`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,19 @@ from typing import Any
 import numpy as np
 
 from workbench.policies.registry import Registry
+
+#: the values of the ``capacity_scope`` knob: the steps capacity-aware dispatch acts on
+CAPACITY_SCOPES = ("prefill", "all")
+#: a step's phase (the run store's and the trace's ``phase``): 0 prefill, 1 decode
+PREFILL, DECODE = 0, 1
+
+
+def check_scope(scope: str) -> str:
+    """``scope`` if it is one of :data:`CAPACITY_SCOPES`, else ValueError in one line."""
+    if scope not in CAPACITY_SCOPES:
+        raise ValueError(f"capacity_scope must be one of {', '.join(CAPACITY_SCOPES)}, "
+                         f"not {scope!r}")
+    return scope
 
 
 @dataclass
@@ -80,6 +100,22 @@ class Dispatch:
     widens = False
     #: what the capacity the dashboard shows is, after "capacity per rank" ("": as set)
     capacity_note = ""
+    #: the steps it acts on (:data:`CAPACITY_SCOPES`; set from the ``capacity_scope`` knob by
+    #: :meth:`for_knobs`); "all" for a policy made directly, the behaviour before the knob
+    capacity_scope = "all"
+
+    def acts_on(self, phase: int) -> bool:
+        """Whether the policy dispatches a step of ``phase`` (:data:`PREFILL` or
+        :data:`DECODE`): the one place the scope is decided, live and in replay. Under
+        ``prefill`` a decode step keeps the router's top-k."""
+        return self.capacity_scope == "all" or int(phase) == PREFILL
+
+    @classmethod
+    def for_knobs(cls, ep: Any, seed: int = 0) -> "Dispatch":
+        """:meth:`from_knobs` with the scope of ``ep`` (``capacity_scope``; absent: "all")."""
+        pol = cls.from_knobs(ep, seed)
+        pol.capacity_scope = check_scope(getattr(ep, "capacity_scope", "all"))
+        return pol
 
     def apply(self, ids: np.ndarray, weights: np.ndarray, token_step: np.ndarray,
               num_experts: int, context: Any = None) -> np.ndarray:
@@ -478,12 +514,20 @@ def dispatch_trace(trace: Any, policy: Dispatch, chunk_accesses: int = 1 << 20):
     ts = np.asarray(trace.token_step)
     mod = np.asarray(trace.token_modality)
     context = _replay_context(trace, policy)
+    phase = np.asarray(trace.phase)
     for s0, s1 in trace.step_chunks(chunk_accesses):
         a, b = (int(x) for x in np.searchsorted(ts, [s0, s1], "left"))
         ids = trace.topk_ids[a:b]
-        ctx = None if context is None else replace(context, modality=mod[a:b])
-        new, _, rer = policy.apply_weighted(ids, np.asarray(trace.topk_weights[a:b]), ts[a:b],
-                                            E, ctx)
+        # the steps the scope dispatches (Dispatch.acts_on); the others keep their routing
+        acts = np.array([policy.acts_on(p) for p in (0, 1)])[
+            np.clip(phase[ts[a:b]], 0, 1).astype(np.int64)]
+        new, rer = ids.copy(), np.zeros(ids.shape, bool)
+        rows = np.flatnonzero(acts)
+        if len(rows):
+            ctx = None if context is None else replace(context, modality=mod[a:b][rows])
+            sub, _, sub_rer = policy.apply_weighted(
+                ids[rows], np.asarray(trace.topk_weights[a:b])[rows], ts[a:b][rows], E, ctx)
+            new[rows], rer[rows] = sub[:, :, :ids.shape[2]], sub_rer[:, :, :ids.shape[2]]
         out_ids[a:b] = new
         before, after = ids >= 0, new >= 0
         n_before, n_after = int(before.sum()), int(after.sum())
@@ -561,6 +605,7 @@ def check_capacity(ids: np.ndarray, token_step: np.ndarray, num_experts: int,
                              f"expert {i % num_experts}: {c} assignments over capacity")
 
 
-__all__ = ["DISPATCH", "Dispatch", "TopK", "CapacityDrop", "CapacityExpanded", "Macs",
+__all__ = ["DISPATCH", "CAPACITY_SCOPES", "PREFILL", "DECODE", "check_scope", "Dispatch", "TopK",
+           "CapacityDrop", "CapacityExpanded", "Macs",
            "expanded_group", "trace_expert_classes", "DispatchStats", "dispatch_trace",
            "check_capacity"]

@@ -64,6 +64,12 @@ class ExpertParallelKnobs(KnobGroup):
     capacity_factor = param.Number(
         default=1.0, bounds=(0.0, 1000.0), inclusive_bounds=(False, True), softbounds=(0.05, 5.0),
         doc="γ0: each expert's capacity is ⌈γ0 · tokens · k / experts⌉ per (step, layer).")
+    capacity_scope = param.Selector(
+        default="prefill", objects=["prefill", "all"],  # workbench.sim.dispatch.CAPACITY_SCOPES
+        doc="Where capacity-aware dispatch acts: 'prefill' (the prefill step only; decode steps "
+            "keep the router's top-k, as CAI-MoE's released code skips capacity at sequence "
+            "length 1, docs/macs.md) or 'all' (every step, decode too: with a few tokens per "
+            "step C = min_capacity; the workbench before this knob).")
     min_capacity = param.Integer(
         default=1, bounds=(0, None), softbounds=(0, 16),
         doc="Smallest capacity of an expert, whatever the batch (DeepSpeed-MoE uses 4).")

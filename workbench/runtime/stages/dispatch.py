@@ -18,7 +18,7 @@ from workbench.models.adapter import MoEBlock
 from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
                                            StageSetup)
 from workbench.knobs import Knobs
-from workbench.sim.dispatch import DISPATCH
+from workbench.sim.dispatch import DECODE, DISPATCH, PREFILL
 from workbench.sim.knobs import ExpertParallelKnobs
 
 #: the policies that read the tokens' context (:class:`workbench.sim.macs.DispatchContext`)
@@ -46,7 +46,7 @@ class DispatchStage(Stage):
         """The ``dispatch`` knob's policy; MACS gets the model's calibration (expert classes
         for its dynamic capacity, centroids for its rerouting) when a switch needs it."""
         ep: ExpertParallelKnobs = knobs.group("ep")  # the dispatch's and MACS's fields
-        pol = DISPATCH.get(ep.dispatch).from_knobs(ep, knobs.group("generation").seed)
+        pol = DISPATCH.get(ep.dispatch).for_knobs(ep, knobs.group("generation").seed)
         cal, centroids = run.runtime.macs_calibration(knobs, pol), None
         if cal is not None:
             pol.classes = cal.classes
@@ -67,7 +67,13 @@ class DispatchStage(Stage):
 
     def route(self, call: LayerCall) -> None:
         """Dispatch the call's real tokens; the dropped and rerouted experts go to ``call``
-        for the layer event."""
+        for the layer event. A step outside the policy's ``capacity_scope``
+        (:meth:`~workbench.sim.dispatch.Dispatch.acts_on`; step 0 is the prefill, as the
+        store's ``phase`` records it) keeps the router's routing; its assignments count."""
+        if not self.policy.acts_on(PREFILL if call.step <= 0 else DECODE):
+            n = call.ids.shape[0] if call.real is None else int(np.count_nonzero(call.real))
+            self.dispatch_assigned += n * call.ids.shape[1]
+            return
         if call.mask is None:
             call.ids, call.weights, call.dropped, call.rerouted = self._rows(
                 call, call.hidden_states, call.ids, call.weights, None)
