@@ -213,12 +213,7 @@ class Simulator:
                     self._span(out, HOST, layer, e, start, host_done)
             out.host = [e for e in misses if e in on_host]
         device_misses = [e for e in misses if e not in on_host]
-        for e in hits:
-            key = (layer, e)
-            if key in self._prefetched:
-                out.prefetch_hits += 1
-                self._prefetched.discard(key)
-            self._used[key] = True
+        self._count_hits(out, layer, hits)
         for e in device_misses:
             self._queue_transfer(out, (layer, e), now)
         self._fill(acc, out, cache, experts, hits, device_misses, now)
@@ -266,12 +261,7 @@ class Simulator:
         hits, misses = cache.lookup(layer, experts)
         self.clock = cache.t
         out.hits, out.misses = hits, misses
-        for e in hits:
-            key = (layer, e)
-            if key in self._prefetched:
-                out.prefetch_hits += 1
-                self._prefetched.discard(key)
-            self._used[key] = True
+        self._count_hits(out, layer, hits)
         if not staged:  # copied now: the routed experts on demand, then the others
             self._copy_unit(out, layer, now, demand=misses)
         if ahead:  # the next layer's copies, behind this layer's on the lane
@@ -333,6 +323,15 @@ class Simulator:
         now = start + acc.dense_s
         self._span(out, COMPUTE, acc.layer, -1, start, now)
         return now
+
+    def _count_hits(self, out, layer: int, hits) -> None:
+        """Hits on a prefetched key count once as prefetch hits; every hit marks its key used."""
+        for e in hits:
+            key = (layer, e)
+            if key in self._prefetched:
+                out.prefetch_hits += 1
+                self._prefetched.discard(key)
+            self._used[key] = True
 
     def _fill(self, acc: Access, out: Outcome, cache: ExpertCache, experts: list[int],
               hits: list[int], misses: list[int], now: float) -> None:
