@@ -1841,3 +1841,71 @@ def test_the_tick_queue_leaves_the_loop_idle_as_long_as_it_redrew():
     assert not q.ready()  # resting: ≥ 0.6 s of redraws in the burst
     time.sleep(0.7)
     assert q.ready()
+
+
+def test_the_tick_queue_reads_the_page_before_its_next_redraw():
+    """Issue 37: a value typed as a run ended was said 1.7-4.6 s later and Run was heard 2.2 s
+    after the click (a traced served session): Tornado reads the page's messages one loop step
+    per fragment, and a redraw queued for the next tick ran before every step. Now two redraws
+    are a gap apart (a timeout, never the next tick, also when a redraw queues its own next
+    slice while it runs), and after a change from the page (a document event with a setter)
+    the next redraw waits until the page has been quiet, never longer than the bound."""
+    import time
+
+    from bokeh.document import Document
+    from bokeh.models import Div
+
+    from workbench.ui.views import TickQueue
+
+    class Doc(Document):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def add_next_tick_callback(self, fn):
+            self.calls.append((0, fn))
+
+        def add_timeout_callback(self, fn, ms):
+            self.calls.append((ms, fn))
+
+    doc = Doc()
+    div = Div()
+    doc.add_root(div)
+    q = TickQueue(doc)
+    q.rest_while = lambda: False  # a knob's or a run's end's redraws: no rests
+    drawn = []
+
+    def sliced():  # a redraw that queues its next slice while it runs (the replay view)
+        drawn.append(len(drawn))
+        if len(drawn) < 3:
+            q.add(7, sliced)
+
+    q.add(7, sliced)
+    ms, fn = doc.calls.pop()
+    assert ms == 0 and not doc.calls
+    fn()
+    assert drawn == [0] and doc.calls == [(TickQueue.GAP_MS, q._one)]  # a gap, not a tick
+    doc.calls.clear()
+    div.text = "a redraw's own change"  # no setter: not the page
+    q._one()
+    assert drawn == [0, 1] and doc.calls == [(TickQueue.GAP_MS, q._one)]
+    doc.calls.clear()
+
+    div.lookup("text").__set__(div, "typed", setter="page")  # the page speaks
+    q._one()
+    assert drawn == [0, 1]  # it waited for the page
+    assert doc.calls == [(int(TickQueue.INBOUND_QUIET_S * 1e3), q._one)]
+    doc.calls.clear()
+    time.sleep(TickQueue.INBOUND_QUIET_S * 1.5)  # quiet again
+    q._one()
+    assert drawn == [0, 1, 2] and not q.pending
+
+    q.INBOUND_MAX_WAIT_S = 0.05  # a page that keeps talking still sees its redraws
+    q.add(8, lambda: drawn.append("late"))
+    doc.calls.clear()
+    t0 = time.monotonic()
+    while "late" not in drawn:
+        div.lookup("text").__set__(div, f"typed {time.monotonic()}", setter="page")
+        q._one()
+        assert time.monotonic() - t0 < 60, "the redraw starved"  # a hang catcher
+        time.sleep(0.01)

@@ -565,10 +565,26 @@ class TickQueue:
     shown run is being written): a filter's or a knob's redraws are finite, and resting between
     them only made the user wait (the step-range filter's hit rate waited behind the heatmap and
     its rest). ``urgent`` redraws (the first screen's views) go before the others queued (the
-    views below it), so a filter or a new run's first plot never waits behind those."""
+    views below it), so a filter or a new run's first plot never waits behind those.
+
+    The page's own messages go before redraws (issue 37: a value typed as a run ended was said
+    1.7-4.6 s later, and Run was heard 2.2 s after the click). Tornado reads a websocket
+    message a fragment at a time, one event-loop step each, and a redraw queued for the next
+    tick ran before every such step: a typed value waited behind one redraw (0.1-0.4 s) per
+    step of the relayout chatter (dozens of fragments) that the end of a run's redraws make
+    the page send. So two redraws are :data:`GAP_MS` apart (the loop reads what has arrived),
+    and while the page's changes keep being applied (one within :data:`INBOUND_QUIET_S`) the
+    next redraw waits, at most :data:`INBOUND_MAX_WAIT_S` per redraw."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
+    #: ms between two redraws when not resting: the event loop reads the page's messages there
+    GAP_MS = 10
+    #: a redraw waits while a change from the page was applied less than this ago, s
+    INBOUND_QUIET_S = 0.05
+    #: ... but no redraw waits longer than this for the page, s (a page that keeps talking
+    #: still sees its plots change)
+    INBOUND_MAX_WAIT_S = 1.0
 
     def __init__(self, doc: Any) -> None:
         self.doc = doc
@@ -579,6 +595,19 @@ class TickQueue:
         self.scheduled = False
         self.burst_s = 0.0  # seconds of redraws since the queue was last empty
         self.rest_until = 0.0  # time.monotonic() before which the session should not redraw
+        self.heard_at = float("-inf")  # time.monotonic() of the last change from the page
+        self._waiting_since: float | None = None  # the next redraw waits for the page since
+        self._running = False  # a redraw of this queue is running now
+        on_change = getattr(doc, "on_change", None)
+        if on_change is not None:
+            on_change(self._heard)
+
+    def _heard(self, event: Any) -> None:
+        """A document change; those applied from the page carry their setter (the session)."""
+        if getattr(event, "setter", None) is not None:
+            import time
+
+            self.heard_at = time.monotonic()
 
     @classmethod
     def of_session(cls) -> "TickQueue | None":
@@ -609,7 +638,7 @@ class TickQueue:
         self.pending[key] = fn
         if urgent:
             self.urgent.add(key)
-        if not self.scheduled:
+        if not self.scheduled and not self._running:  # running: its end schedules the next
             self.scheduled = True
             self.doc.add_next_tick_callback(self._one)
 
@@ -619,13 +648,24 @@ class TickQueue:
         self.scheduled = False
         if not self.pending:
             return
+        now = time.monotonic()
+        if now - self.heard_at < self.INBOUND_QUIET_S:  # the page is talking: listen first
+            if self._waiting_since is None:
+                self._waiting_since = now
+            if now - self._waiting_since < self.INBOUND_MAX_WAIT_S:
+                self.scheduled = True
+                self.doc.add_timeout_callback(self._one, int(self.INBOUND_QUIET_S * 1e3))
+                return
+        self._waiting_since = None
         key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
         self.urgent.discard(key)
         fn = self.pending.pop(key)
         t0 = time.monotonic()
+        self._running = True
         try:
             fn()
         finally:
+            self._running = False
             took = time.monotonic() - t0
             self.burst_s += took
             rest = self._resting()
@@ -635,8 +675,8 @@ class TickQueue:
                     if rest:
                         self.doc.add_timeout_callback(self._one,
                                                       max(1, int(took * self.REST * 1e3)))
-                    else:  # the next tick: clicks are read between two redraws all the same
-                        self.doc.add_next_tick_callback(self._one)
+                    else:  # a gap, not the next tick: the page's messages are read in it
+                        self.doc.add_timeout_callback(self._one, self.GAP_MS)
             else:
                 self.rest_until = time.monotonic() + self.burst_s * self.REST if rest else 0.0
                 self.burst_s = 0.0
