@@ -109,6 +109,11 @@ def knob_widget_specs(group: param.Parameterized) -> dict[str, Any]:
 REFUSED_STYLE = [".alert { overflow-wrap: anywhere; font-size: 12px; padding: 4px 8px; "
                  "margin: 0; }"]
 
+#: widgets one types a value into: they can hold a value their knob refuses
+TYPED_WIDGETS = (pn.widgets.IntInput, pn.widgets.FloatInput, pn.widgets.TextInput,
+                 pn.widgets.EditableIntSlider, pn.widgets.EditableFloatSlider,
+                 pn.widgets.EditableRangeSlider)
+
 
 def knob_param(group: param.Parameterized, parameters: list[str],
                widgets: dict[str, Any] | None = None, **kw: Any) -> pn.Param:
@@ -146,18 +151,30 @@ def _check_widget(panel: pn.Param, group: param.Parameterized, name: str, widget
             setattr(widget, bound, None)
     if isinstance(widget, (pn.widgets.IntInput, pn.widgets.FloatInput)):
         widget.param.update(start=None, end=None)
-    shown: list[pn.pane.Alert] = []  # made at the first refusal: every pane is page weight
+    shown: list[pn.pane.Alert] = []
+
+    def make() -> None:
+        shown.append(pn.pane.Alert("", alert_type="danger", margin=(0, 10, 6, 10),
+                                   sizing_mode="stretch_width", stylesheets=REFUSED_STYLE,
+                                   css_classes=[f"wb-refused-{name}", "wb-refused"],
+                                   visible=False))
+        box = panel._widget_box
+        at = box.objects.index(widget) + 1 if widget in box.objects else len(box)
+        box.insert(at, shown[0])
+
+    # A box one types into gets its alert now, hidden, so that a refusal is one property
+    # change: made at the first refusal, the pane (a new model in the page's layout) cost
+    # 0.3 s on the server and 0.25 s of the page's layout, half of the time a first refusal
+    # took to be said (issue 37, a traced session). Other widgets (menus, switches) hold
+    # values their options allow and make theirs when first needed: every pane is page weight.
+    if isinstance(widget, TYPED_WIDGETS):
+        make()
 
     def say(text: str | None) -> None:
         if not shown and text is None:
             return
         if not shown:
-            shown.append(pn.pane.Alert("", alert_type="danger", margin=(0, 10, 6, 10),
-                                       sizing_mode="stretch_width", stylesheets=REFUSED_STYLE,
-                                       css_classes=[f"wb-refused-{name}", "wb-refused"]))
-            box = panel._widget_box
-            at = box.objects.index(widget) + 1 if widget in box.objects else len(box)
-            box.insert(at, shown[0])
+            make()
         if text is None:
             shown[0].visible = False
         else:
