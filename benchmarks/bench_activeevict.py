@@ -172,11 +172,21 @@ def fig79(st: Study, slots: list[int], alphas: list[float]) -> list[dict]:
 def verdicts(f8: list[dict], f79: list[dict]) -> dict:
     """The paper's claims against the numbers."""
     v: dict = {}
+    if f8:
+        v["fig8"] = fig8_verdict(f8)
+    if f79:
+        v.update(fig79_verdicts(f79))
+    return v
+
+
+def fig8_verdict(f8: list[dict]) -> dict:
+    """Fig. 8: −7…13 % blocking I/O (decode, where dynamic top-k acts) at < 1 % accuracy
+    loss (answers correct and top-1 agreement), at some budget where it narrows k."""
     acted = [r for r in f8 if r["on"]["narrowed_share"] > 0]
     ok = [r for r in acted if r["off"]["accuracy"] - r["on"]["accuracy"] < PAPER_ACC_LOSS
           and 1 - r["top1_agreement"] < PAPER_ACC_LOSS]
     hit = [r for r in ok if r["decode_blocking_io_cut"] >= PAPER_IO_CUT[0]]
-    v["fig8"] = {
+    return {
         "claim": "dynamic top-k cuts blocking I/O by 7–13 % at < 1 % accuracy loss",
         "budgets_where_it_acts": [(r["cache_slots"], r["ae_rmax"]) for r in acted],
         "best_decode_io_cut": max((r["decode_blocking_io_cut"] for r in f8), default=0.0),
@@ -185,7 +195,12 @@ def verdicts(f8: list[dict], f79: list[dict]) -> dict:
                     + (" (dynamic top-k never narrowed k)" if not acted else
                        " (it acts, but the I/O cut stays below 7 % or the accuracy loss "
                        "reaches 1 %)"))}
-    by = {}
+
+
+def fig79_verdicts(f79: list[dict]) -> dict:
+    """Fig. 7: full below both ablations; Fig. 9: the best α interior."""
+    v: dict = {}
+    by: dict = {}
     for r in f79:
         by.setdefault(r["cache_slots"], {})[r["alpha"]] = r
     f7, f9 = [], []
@@ -238,6 +253,8 @@ def main() -> None:
     ap.add_argument("--alphas", default="0,0.25,0.5,0.75,1")
     ap.add_argument("--pinned", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--figs", default="8,7", help="studies to run: 8 (dynamic top-k), "
+                                                   "7 (Figs. 7 and 9)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 request per kind, 8 tokens, one size per figure")
     ap.add_argument("--json", help="write every number here (nothing is written by default)")
@@ -253,10 +270,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-activeevict-"))
     try:
         st = Study(rt, reqs, truth, work, a.pinned)
+        figs = set(a.figs.split(","))
         f8 = fig8(st, [int(s) for s in a.fig8_slots.split(",")],
-                  [int(r) for r in a.fig8_rmax.split(",")])
+                  [int(r) for r in a.fig8_rmax.split(",")]) if "8" in figs else []
         f79 = fig79(st, [int(s) for s in a.slots.split(",")],
-                    [float(x) for x in a.alphas.split(",")])
+                    [float(x) for x in a.alphas.split(",")]) if "7" in figs else []
     finally:
         shutil.rmtree(work, ignore_errors=True)
     v = verdicts(f8, f79)
@@ -265,8 +283,9 @@ def main() -> None:
         for row in x.get("per_size", []):
             print("   ", {k: (round(val, 4) if isinstance(val, float) else val)
                           for k, val in row.items()})
-    print(f"fig8 budgets where dynamic top-k acts: {v['fig8']['budgets_where_it_acts']}; best "
-          f"decode blocking-I/O cut {v['fig8']['best_decode_io_cut']:.1%}")
+    if "fig8" in v:
+        print(f"fig8 budgets where dynamic top-k acts: {v['fig8']['budgets_where_it_acts']}; "
+              f"best decode blocking-I/O cut {v['fig8']['best_decode_io_cut']:.1%}")
     wall = time.perf_counter() - t0
     print(f"{len(reqs)} held-out requests ({a.per_kind} per kind), {st.runs} runs, "
           f"{wall:.0f} s wall (measured)")
