@@ -223,8 +223,13 @@ def fig79_verdicts(f79: list[dict]) -> dict:
                    and -0.32 <= full / hot - 1 <= -0.13})
         alphas = sorted(a for a in io if a is not None)
         best = min(alphas, key=lambda a: (io[a], a))
-        f9.append({"cache_slots": s, "best_alpha": best,
-                   "interior": 0.0 < best < 1.0,
+        interior = 0.0 < best < 1.0
+        f9.append({"cache_slots": s, "best_alpha": best, "interior": interior,
+                   "interior_beyond_2se": interior and beyond_2se(d[best], d[0.0])
+                   and beyond_2se(d[best], d[1.0]),
+                   "best_vs_hotness_only": io[best] / io[1.0] - 1,
+                   "best_vs_prediction_only": io[best] / io[0.0] - 1,
+                   "plateau_within_1pct": [a for a in alphas if io[a] <= 1.01 * io[best]],
                    "alphas_beating_lru": [a for a in alphas if io[a] < lru]})
     v["fig7"] = {"claim": "full importance beats prediction-only (−8…16 %) and hotness-only / "
                           "LRU (−13…32 %) at every cache size",
@@ -237,10 +242,24 @@ def fig79_verdicts(f79: list[dict]) -> dict:
                    f"in the paper's range at {sum(x['in_paper_range'] for x in f7)})"}
     v["fig9"] = {"claim": "an interior α is best, on a broad plateau below LRU",
                  "per_size": f9,
-                 "verdict": "appears" if all(x["interior"] for x in f9) else
-                 ("appears at some sizes" if any(x["interior"] for x in f9)
-                  else "does not appear")}
+                 "verdict": ("appears in sign" if all(x["interior"] for x in f9) else
+                             "appears in sign at some sizes" if any(x["interior"] for x in f9)
+                             else "does not appear")
+                 + f" (interior optimum beyond 2 SE of both ends at "
+                   f"{sum(x['interior_beyond_2se'] for x in f9)} of {len(f9)} sizes)"}
     return v
+
+
+def report(v: dict) -> None:
+    for name, x in v.items():
+        print(f"{name}: {x['verdict']} — {x['claim']}")
+        for row in x.get("per_size", []):
+            print("   ", {k: (round(val, 4) if isinstance(val, float) else val)
+                          for k, val in row.items()})
+    if "fig8" in v:
+        print(f"fig8 budgets where dynamic top-k acts: {v['fig8']['budgets_where_it_acts']}; "
+              f"best decode blocking-I/O cut {v['fig8']['best_decode_io_cut']:.1%}; budgets "
+              f"meeting the claim: {v['fig8']['budgets_meeting_claim']}")
 
 
 def main() -> None:
@@ -258,7 +277,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 request per kind, 8 tokens, one size per figure")
     ap.add_argument("--json", help="write every number here (nothing is written by default)")
+    ap.add_argument("--reverdict", metavar="JSON",
+                    help="recompute the verdicts of a saved --json output (runs nothing)")
     a = ap.parse_args()
+    if a.reverdict:
+        out = json.loads(Path(a.reverdict).read_text())
+        out["verdicts"] = verdicts(out["fig8"], out["fig7_9"])
+        report(out["verdicts"])
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1))
+        return
     if a.quick:
         a.per_kind, a.tokens, a.fig8_slots, a.slots, a.alphas = 1, 8, "64", "64", "0,0.5,1"
         a.fig8_rmax = "0"
@@ -278,14 +306,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     v = verdicts(f8, f79)
-    for name, x in v.items():
-        print(f"{name}: {x['verdict']} — {x['claim']}")
-        for row in x.get("per_size", []):
-            print("   ", {k: (round(val, 4) if isinstance(val, float) else val)
-                          for k, val in row.items()})
-    if "fig8" in v:
-        print(f"fig8 budgets where dynamic top-k acts: {v['fig8']['budgets_where_it_acts']}; "
-              f"best decode blocking-I/O cut {v['fig8']['best_decode_io_cut']:.1%}")
+    report(v)
     wall = time.perf_counter() - t0
     print(f"{len(reqs)} held-out requests ({a.per_kind} per kind), {st.runs} runs, "
           f"{wall:.0f} s wall (measured)")
