@@ -26,7 +26,8 @@ interior (Fig. 9).
 
     python benchmarks/bench_activeevict.py [--per-kind 6] [--tokens 32]
         [--fig8-slots 16,64,128,256] [--fig8-rmax 2,0] [--slots 64,128,256]
-        [--alphas 0,0.25,0.5,0.75,1] [--quick] [--json PATH]
+        [--alphas 0,0.25,0.5,0.75,1] [--figs 8,7] [--quick] [--json PATH]
+    python benchmarks/bench_activeevict.py --reverdict SAVED.json   # verdicts only, no runs
 """
 
 from __future__ import annotations
