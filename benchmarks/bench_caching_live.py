@@ -39,6 +39,25 @@ VARIANTS = {
 }
 
 
+def heldout(per_kind: int) -> tuple[list[Request], list[str]]:
+    """The held-out request set: ``per_kind`` generated requests of every task kind
+    (``make_demo(HELDOUT_SEED, per_kind)``, text-only kinds included) and their expected
+    answers (normalised as the accuracy checks compare them)."""
+    from workbench.analysis.vismmoe.accuracy import normalise_answer
+
+    demo = make_demo(HELDOUT_SEED, per_kind)
+    return ([Request(q, [img] if img is not None else []) for img, q, _ in demo],
+            [normalise_answer(a) for _, _, a in demo])
+
+
+def make_runtime(lm, tokens: int, *, ignore_eos: bool = False, pinned: int = 1):
+    """The runtime every live caching benchmark uses: costs *modeled* as Qwen3-VL-30B-A3B
+    experts on the A100-40GB profile, ``pinned`` layers resident, router lookahead depth 2."""
+    return workbench.Runtime(lm, device="cpu", max_new_tokens=tokens, ignore_eos=ignore_eos,
+                             target_model="qwen3-vl-30b-a3b", profile="a100-40gb",
+                             pinned_layers=pinned, lookahead_depth=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32, help="max decoded tokens per request")
@@ -50,12 +69,9 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(2)
     lm = workbench.load(None, device="cpu")
-    reqs = [Request(q, [img] if img is not None else [])
-            for img, q, _ in make_demo(HELDOUT_SEED, a.per_kind)]
+    reqs, _ = heldout(a.per_kind)
     work = Path(tempfile.mkdtemp(prefix="bench-caching-"))
-    rt = workbench.Runtime(lm, device="cpu", max_new_tokens=a.tokens, ignore_eos=a.ignore_eos,
-                           target_model="qwen3-vl-30b-a3b", profile="a100-40gb",
-                           pinned_layers=a.pinned, lookahead_depth=2)
+    rt = make_runtime(lm, a.tokens, ignore_eos=a.ignore_eos, pinned=a.pinned)
     rows = []
     for slots in (int(s) for s in a.slots.split(",")):
         for name, kv in VARIANTS.items():

@@ -164,6 +164,48 @@ def test_pre_evict_frees_delta_slots_lowest_importance_first_and_spares_protecte
     assert len(cache.slot_of) == 6
 
 
+def test_importance_reduces_to_hotness_at_alpha_1_and_to_prediction_at_alpha_0():
+    resident = [(2, 0), (2, 1), (2, 2), (1, 0)]
+    p = np.array([0.05, 0.6, 0.3, 0.05])
+    s = {}
+    for a in (0.0, 0.3, 1.0):
+        ae = ActiveEvict(3, 4, alpha=a, decay=1.0, window=4, tau=0.0, r_max=0)
+        ae.observe(2, np.array([[0, 1], [0, 2], [0, 1]]))  # layer 2: u = [3, 2, 1, 0]
+        ae.p_hat[2] = p
+        s[a] = ae.scores(resident[:3], resident)
+    # h normalised over layer 2's resident experts: u / (3 + 2 + 1)
+    h = {(2, e): u / 6 for e, u in enumerate([3, 2, 1])}
+    assert s[1.0] == pytest.approx(h)  # α = 1: hotness only
+    assert s[0.0] == pytest.approx({(2, e): p[e] for e in range(3)})  # α = 0: prediction only
+    assert s[0.3] == pytest.approx({k: 0.3 * h[k] + 0.7 * p[k[1]] for k in h})
+    # the two signals rank the experts oppositely here, so α decides who is evicted first
+    assert min(s[1.0], key=s[1.0].get) == (2, 2) and min(s[0.0], key=s[0.0].get) == (2, 0)
+
+
+def test_dynamic_topk_narrows_when_the_release_slack_misses_a_misprediction():
+    """The budget of dynamic top-k (free slots at the gate, B − H_l) is what pre-eviction
+    released: Δ = (k − Ĥ) + r_k. A misprediction of l+1 beyond r_k narrows k; r_k slots of
+    slack cover it."""
+    protected = {(1, e) for e in range(4)}  # layer 1 is computing its top-4
+    predicted = {0, 1, 2, 3}  # of layer 2; 0 and 1 resident → Ĥ = 2
+    actual = np.array([[0, 2, 3, 7]])  # layer 2's router: 1 mispredicted as 7
+
+    def gate_k(r_max: int, p_next: np.ndarray) -> tuple[int, int]:
+        cache = ExpertCache(10, EVICTION.create("lru"), num_layers=3, num_experts=8)
+        for key in [*sorted(protected), (2, 0), (2, 1), (2, 4), (2, 5), (2, 6), (0, 7)]:
+            cache.admit(key)
+        ae = ActiveEvict(3, 8, alpha=0.5, decay=1.0, window=4, tau=0.02, r_max=r_max)
+        ae.pre_evict(cache, 2, predicted, p_next, protected)
+        avail = cache.free_slots()
+        return budget_topk(actual, lambda e: (2, e) in cache, avail), avail
+
+    flat = np.full(8, 1 / 8)  # every boundary gap < τ: r_k = r_max
+    assert gate_k(0, flat) == (3, 2)  # Δ = 2 frees 2 slots; u(4) = 3 (2, 3, 7) → k = 3
+    assert gate_k(2, flat) == (4, 4)  # Δ = 2 + 2 covers the misprediction → full top-4
+    steep = np.array([0.35, 0.3, 0.15, 0.1, 0.06, 0.02, 0.01, 0.01])  # gaps at 4, 5 > τ
+    assert gate_k(2, steep)[0] == 3  # r_k = 0 at a confident boundary: narrows again
+
+
 def test_runtime_active_evict_protects_the_current_layer_and_books_pre_evictions(tiny_ckpt,
                                                                                  tmp_path):
     rt = workbench.Runtime(tiny_ckpt("qwen3_moe"), cache_slots=3, pinned_layers=0,

@@ -44,6 +44,20 @@ every offloaded layer** (VisMMOE §3.4 slab cache). So:
   budget. The chosen k is one per (step, layer); the experts then receive the model's own
   router output for top-k = k_l (so weights are renormalised exactly as that router does).
 
+The paper's B is a **per-layer** budget (eq. 5: |C_l| ≤ B_l; eq. 18: B − H_l with
+H_l = |C_l|, and pre-eviction frees slots among layer l+1's own residents). The reading above
+is the same formula applied to the pool the layer draws from; with one pool per layer (the
+replay's ``scope="per-layer"``) it would be the paper's exactly. The live runtime has the
+shared pool only, so per-layer budgets are not measured live (issue 39 §7).
+
+When dynamic top-k can act: pre-eviction has already released Δ = (k − Ĥ) + r_k slots before
+the gate, so u_l(k) > B − H_l only when the router misses more experts than the lookahead
+predicted plus the r_k slots of slack — a misprediction of more than r_k experts — or when too
+few candidates remain to release Δ (every other resident protected or predicted: pools of a
+few k slots; with per-layer budgets, B_l < k + r_max). With many experts per layer the sorted p̂ is
+flat at the top-k boundary, so r_k = r_max almost always and the slack covers nearly every
+misprediction (BENCHMARKS.md, "ActiveEvict: dynamic top-k, importance ablation and α").
+
 The paper gives no numbers for α, γ, T, τ, r_max or k_max; the defaults below are this
 workbench's choices (α = 0.5 sits on the paper's reported plateau, Fig. 9; k_max = the model's
 top-k, i.e. dynamic top-k only narrows routing, as in the paper's Fig. 8).
