@@ -128,8 +128,8 @@ def prefill_load(ds: Any) -> dict[str, float]:
     expert) pairs as kept by the run's dispatch): ``tokens`` (prefill tokens per step),
     ``tokens_per_expert`` (mean assignments per expert), ``busiest_expert`` (the most loaded
     expert's), ``tokens_per_rank`` (mean per rank), ``busiest_rank``, ``assignments`` (per
-    layer call, every rank's summed: what ReaLB's gate compares); ``calls``: the layer calls
-    averaged over."""
+    layer call, every rank's summed: what ReaLB's gate compares), ``low_share`` (ReaLB's
+    (layer call, rank) cells in low precision); ``calls``: the layer calls averaged over."""
     pre = _prefill(ds)
     counts = np.asarray(ds["routed_tokens"].sum("modality").values, np.int64)[pre]  # S L E
     rank = np.asarray(ds.moe.ep_load().values)[pre]  # S L R: the run's ranks and placement
@@ -140,7 +140,18 @@ def prefill_load(ds: Any) -> dict[str, float]:
             "busiest_expert": float(counts.max(-1).mean()) if counts.size else 0.0,
             "tokens_per_rank": float(rank.mean()) if rank.size else 0.0,
             "busiest_rank": float(rank.max(-1).mean()) if rank.size else 0.0,
+            "low_share": _low_share(ds, pre),
             "calls": int(counts.shape[0] * counts.shape[1])}
+
+
+def _low_share(ds: Any, pre: np.ndarray) -> float:
+    """Share of the prefill's (layer call, rank) cells a live ReaLB / FP4-All controller ran
+    in low precision (``realb_low``; 0 in a run without one)."""
+    if "realb_low" not in ds or ds.sizes.get("ep_rank", 1) <= 1:
+        return 0.0
+    decided = ~np.isnan(np.asarray(ds["realb_m"].values))[pre]
+    low = np.asarray(ds["realb_low"].values, bool)[pre]
+    return float(low[decided].mean()) if decided.any() else 0.0
 
 
 def record(batch: int, n: int, methods: Iterable[str], workdir: str | Path,
@@ -311,6 +322,7 @@ def regime_map(measured: dict[str, Any]) -> dict[str, Any]:
                 "ridge_tokens_low": ridge_tokens(prof, target, precision),
                 "regime": ("compute-bound" if v["load"]["busiest_expert"] >= ridge
                            else "memory-bound"),
+                "low_share": c["load"].get("low_share", 0.0),
                 "accuracy": c["accuracy"], "accuracy_vanilla": v["accuracy"], "delta": delta,
                 "se": se, "n": c["n"]})
     series = []
@@ -320,7 +332,11 @@ def regime_map(measured: dict[str, Any]) -> dict[str, Any]:
                          and r["interconnect"] == link), key=lambda r: r["batch"])
             if not rs:
                 continue
-            x = crossover([r["batch"] for r in rs], [r["speedup"] for r in rs])
+            # a precision the GPU lacks is priced native: any ratio off 1.0 there is the
+            # routing's noise or the conversion, not the effect — no crossover to report
+            lacks = rs[0]["precision"] != "native" and not rs[0]["supported"]
+            x = None if lacks else crossover([r["batch"] for r in rs],
+                                             [r["speedup"] for r in rs])
             point = PAPER_POINTS.get(rs[0]["family"])
             here = point is not None and (point["profile"], point["interconnect"]) == (prof, link)
             op = None
