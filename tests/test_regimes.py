@@ -114,3 +114,12 @@ def test_ep_times_prices_recorded_routing_on_another_profile():
         ds.moe.ep_times(profile="h100x")
     with pytest.raises(KnobError, match="interconnect 'nvlink9'"):
         ds.moe.ep_times(interconnect="nvlink9")
+
+
+def test_record_refuses_bad_input_in_one_line(tmp_path):
+    from workbench.errors import InputError
+
+    with pytest.raises(InputError, match="regime method 'MACS' is unknown; known: vanilla"):
+        G.record(8, 8, ["MACS"], tmp_path)
+    with pytest.raises(InputError, match="batch must be a whole number ≥ 1, not 0"):
+        G.record(0, 8, ["vanilla"], tmp_path)

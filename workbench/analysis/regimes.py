@@ -162,6 +162,15 @@ def record(batch: int, n: int, methods: Iterable[str], workdir: str | Path,
     ``normalise_answer``), ``wall_s`` (*measured*). Every expert resident, 8 virtual EP ranks,
     costs as :data:`TARGET`; ReaLB's controller carries M_d from batch to batch (a server's)
     and starts fresh per method; capacity acts on the prefill (the knob's default)."""
+    from workbench.errors import InputError
+
+    methods = list(methods)
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise InputError(f"regime method {bad[0]!r} is unknown; known: {', '.join(METHODS)}")
+    for name, v in (("batch", batch), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise InputError(f"{name} must be a whole number ≥ 1, not {v!r}")
     import workbench
     from workbench.analysis.vismmoe.accuracy import normalise_answer
     from workbench.analysis.vismmoe.config import eval_seed
