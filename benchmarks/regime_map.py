@@ -19,6 +19,7 @@ accuracy change vs vanilla paired per question (± 2 SE, n stated). Verdicts are
 from the numbers.
 
     python benchmarks/regime_map.py [--quick] [--json OUT] [--batches 8 16 …] [--n-min 64]
+        [--keep DIR] [--target-model NAME] [--reprice EARLIER_JSON --keep DIR]
 """
 
 from __future__ import annotations
@@ -198,7 +199,27 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--keep", help="keep the run stores in this folder")
+    ap.add_argument("--target-model", default=G.TARGET,
+                    help=f"price the routing as this model (default {G.TARGET})")
+    ap.add_argument("--reprice", metavar="JSON",
+                    help="rerun nothing: price the stores kept (--keep DIR) by the run that "
+                         "wrote JSON, with its answers, as --target-model")
     a = ap.parse_args()
+    if a.reprice:
+        if not a.keep:
+            raise SystemExit("--reprice needs --keep DIR: the folder of the kept stores")
+        t0 = time.perf_counter()
+        prev = json.loads(Path(a.reprice).read_text())
+        measured = G.reprice(prev["measured"], a.keep, a.target_model)
+        mp = G.regime_map(measured)
+        out = {**{k: prev[k] for k in ("batches", "n_per_batch", "max_new_tokens")},
+               "measured": measured, "map": mp, "repriced_from": a.reprice,
+               "elapsed_s": time.perf_counter() - t0}
+        out["verdicts"] = verdicts(mp, measured)
+        print(report(out))
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1, default=float))
+        return
     batches = tuple(a.batches or (QUICK_BATCHES if a.quick else FULL_BATCHES))
     n_min = a.n_min or (32 if a.quick else 64)
     for b in batches:
@@ -217,7 +238,7 @@ def main() -> None:
             runs[b] = G.record(b, n, G.METHODS, work, rt, a.max_new_tokens)
             print(f"B = {b}: {n} questions × {len(G.METHODS)} methods recorded "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        measured = G.measure(runs)
+        measured = G.measure(runs, target_model=a.target_model)
     mp = G.regime_map(measured)
     out = {"batches": list(batches), "n_per_batch": n_per, "max_new_tokens": a.max_new_tokens,
            "measured": measured, "map": mp, "elapsed_s": time.perf_counter() - t0}

@@ -193,7 +193,7 @@ def record(batch: int, n: int, methods: Iterable[str], workdir: str | Path,
         rt.realb_carry.clear()
         answers, stores, wall = [], [], 0.0
         for i in range(0, n, batch):
-            store = workdir / f"b{batch}-{len(out)}-{i // batch}.zarr"
+            store = store_path(workdir, batch, name, i // batch)
             t0 = time.perf_counter()
             res = rt.run(reqs[i:i + batch], store=store, **{**base, **knobs})
             wall += time.perf_counter() - t0
@@ -202,6 +202,31 @@ def record(batch: int, n: int, methods: Iterable[str], workdir: str | Path,
         out[name] = {"stores": stores, "wall_s": wall,
                      "correct": [a == t for a, t in zip(answers, truth)]}
     return out
+
+
+def store_path(workdir: str | Path, batch: int, method: str, index: int) -> Path:
+    """Where :func:`record` writes the ``index``-th batch of ``method`` at batch size
+    ``batch`` (methods numbered in :data:`METHODS` order): :func:`reprice` finds it again."""
+    return Path(workdir) / f"b{batch}-{list(METHODS).index(method)}-{index}.zarr"
+
+
+def reprice(previous: dict[str, Any], workdir: str | Path, target_model: str = TARGET,
+            hardware: Sequence[tuple[str, str, str]] = HARDWARE) -> dict[str, Any]:
+    """:func:`measure` again over the stores a :func:`record` kept in ``workdir``, with the
+    answers ``previous`` (an earlier :func:`measure`'s result) recorded — the same routing
+    priced as another ``target_model`` or on other ``hardware``; nothing reruns."""
+    runs: dict[int, dict[str, dict[str, Any]]] = {}
+    for c in previous["cells"]:
+        stores = [store_path(workdir, c["batch"], c["method"], i) for i in range(c["batches"])]
+        missing = [p for p in stores if not p.exists()]
+        if missing:
+            from workbench.errors import InputError
+
+            raise InputError(f"reprice: the store {missing[0]} is missing; record the runs "
+                             f"with a kept folder (benchmarks/regime_map.py --keep DIR)")
+        runs.setdefault(c["batch"], {})[c["method"]] = {
+            "stores": stores, "correct": c["correct"], "wall_s": c["wall_s"]}
+    return measure(runs, hardware, target_model)
 
 
 def paired(a: Sequence[bool], b: Sequence[bool]) -> tuple[float, float]:
