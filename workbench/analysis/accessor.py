@@ -713,18 +713,28 @@ class MoEAccessor:
     #: knobs an EP view may change beside ranks and placement (EPLB's schedule)
     EP_VIEW_KNOBS = ("eplb_window", "eplb_interval", "num_redundant_experts")
 
-    def _ep_knobs(self, ranks: int | None, placement: str | None, **eplb: Any) -> Any:
-        """The run's recorded EP knobs, changed by ``ranks`` / ``placement`` and EPLB's
-        ``eplb_window`` / ``eplb_interval`` / ``num_redundant_experts`` (checked)."""
+    def _ep_knobs(self, ranks: int | None, placement: str | None,
+                  pricing: dict[str, str | None] | None = None, **eplb: Any) -> Any:
+        """The run's recorded EP knobs, changed by ``ranks`` / ``placement``, EPLB's
+        ``eplb_window`` / ``eplb_interval`` / ``num_redundant_experts`` and ``pricing``
+        (``profile`` / ``interconnect`` / ``target_model``: what the clock prices the recorded
+        routing as; None keeps the run's), each checked (one line naming the bad value)."""
         from workbench.knobs import Knobs
+        from workbench.sim.profiles import get_interconnect, get_profile, get_target_model
 
         bad = sorted(set(eplb) - set(self.EP_VIEW_KNOBS))
         if bad:
             raise InputError(f"an EP view takes {', '.join(self.EP_VIEW_KNOBS)} beside ranks "
                              f"and placement, not {bad[0]!r}")
+        pricing = {n: v for n, v in (pricing or {}).items() if v is not None}
+        for name, get in (("profile", get_profile), ("interconnect", get_interconnect),
+                          ("target_model", get_target_model)):
+            if name in pricing:
+                get(pricing[name])  # KnobError: the value and the registered names
         k = Knobs.from_attrs(self._ds.attrs)
         values = {n: v for n, v in (("ep_ranks", ranks), ("placement", placement),
                                     *eplb.items()) if v is not None}
+        values.update(pricing)
         return k.copy(**values) if values else k
 
     def ep_load(self, ranks: int | None = None, placement: str | None = None,
@@ -853,7 +863,8 @@ class MoEAccessor:
 
     def ep_times(self, ranks: int | None = None, placement: str | None = None,
                  overlap: bool | None = None, convert: bool = True,
-                 **eplb: Any) -> xr.Dataset:
+                 profile: str | None = None, interconnect: str | None = None,
+                 target_model: str | None = None, **eplb: Any) -> xr.Dataset:
         """The modeled EP clock of every (step, layer) (MACS Fig. 3): ``dispatch_s`` and
         ``combine_s`` [step, layer] (the all-to-alls, the busiest receiver's bytes on the
         ``interconnect``), ``compute_s`` [step, layer, rank] (each rank's experts, priced
@@ -871,14 +882,20 @@ class MoEAccessor:
         True / False prices the same run either way (ReaLB vs ReaLB-seq: the same
         decisions); ``convert`` False: the low-precision copies were kept beside the native
         weights (no online conversion, only the metadata; a second, 4.5-bit copy of each
-        expert in memory)."""
+        expert in memory).
+
+        ``profile`` / ``interconnect`` / ``target_model``: price the recorded routing (and
+        its recorded low-precision experts) as on that GPU, link and model instead of the
+        run's own knobs — the same clock, e.g. one batch's routing over several hardware
+        profiles (``workbench.analysis.regimes``)."""
         from workbench.sim.costs import Prices
         from workbench.sim.ep import counts_per_rank, phase_s
         from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
         from workbench.sim.profiles import get_interconnect, get_profile
         from workbench.sim.realb import ONLINE_SWITCH, SEQUENTIAL, balances, switch_s
 
-        k = self._ep_knobs(ranks, placement, **eplb)
+        k = self._ep_knobs(ranks, placement, {"profile": profile, "interconnect": interconnect,
+                                              "target_model": target_model}, **eplb)
         counts = np.asarray(self._ds["routed_tokens"].sum("modality").values, np.int64)
         S, L, E = counts.shape
         R = int(k.ep_ranks)

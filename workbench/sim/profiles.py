@@ -707,6 +707,10 @@ INTERCONNECTS: dict[str, Interconnect] = {i.name: i for i in (
     _nvlink("nvlink-h200", "NVLink 4 (H200 SXM, NVSwitch)", 900,
             "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): "
             "NVLink 900 GB/s (SXM)"),
+    _nvlink("nvlink-b200", "NVLink 5 (HGX B200, NVSwitch)", 1800,
+            "NVIDIA Blackwell datasheet, HGX B200 column "
+            "(https://nvdam.widen.net/s/wwnsxrhm2w/blackwell-datasheet-3384703): NVLink 5 "
+            "1.8 TB/s per GPU"),
     Interconnect("pcie4", "PCIe 4.0 x16 (peer to peer)", _PCIE4_X16 * _PCIE_EFFICIENCY,
                  _A2A_LATENCY, ("PCI-SIG PCIe 4.0 base specification: 16 GT/s × 16 lanes, "
                                 "128b/130b → 31.5 GB/s per direction",),
