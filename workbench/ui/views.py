@@ -569,22 +569,24 @@ class TickQueue:
 
     The page's own messages go before redraws (issue 37: a value typed as a run ended was said
     1.7-4.6 s later, and Run was heard 2.2 s after the click). Tornado reads a websocket
-    message a fragment at a time, one event-loop step each, and a redraw queued for the next
-    tick ran before every such step: a typed value waited behind one redraw (0.1-0.4 s) per
-    step of the relayout chatter (dozens of fragments) that the end of a run's redraws make
-    the page send. So two redraws are :data:`GAP_MS` apart (the loop reads what has arrived),
-    and while the page's changes keep being applied (one within :data:`INBOUND_QUIET_S`) the
-    next redraw waits, at most :data:`INBOUND_MAX_WAIT_S` per redraw."""
+    message a frame at a time, several event-loop steps each, and a redraw queued for the next
+    tick ran before every step: a typed value waited behind one redraw (0.1-0.4 s) per step of
+    the relayout chatter (dozens of frames) that the end of a run's redraws make the page send.
+    So a redraw first asks :meth:`page_waiting` — bytes from the page not read yet, or a
+    message of it waiting for the document — and if so waits :data:`YIELD_MS` and asks again,
+    at most :data:`PAGE_MAX_WAIT_S` per redraw (a page that keeps talking still sees its plots
+    change); and two redraws are :data:`GAP_MS` apart, never the next tick. (A first version
+    waited while the page's changes had been applied in the last 50 ms: it delayed the redraw
+    a click asks for as well, and measured slower filters.)"""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
     #: ms between two redraws when not resting: the event loop reads the page's messages there
     GAP_MS = 10
-    #: a redraw waits while a change from the page was applied less than this ago, s
-    INBOUND_QUIET_S = 0.05
-    #: ... but no redraw waits longer than this for the page, s (a page that keeps talking
-    #: still sees its plots change)
-    INBOUND_MAX_WAIT_S = 1.0
+    #: ms a redraw waits before asking again whether the page is still being read
+    YIELD_MS = 3
+    #: no redraw waits longer than this for the page, s
+    PAGE_MAX_WAIT_S = 1.0
 
     def __init__(self, doc: Any) -> None:
         self.doc = doc
@@ -595,19 +597,33 @@ class TickQueue:
         self.scheduled = False
         self.burst_s = 0.0  # seconds of redraws since the queue was last empty
         self.rest_until = 0.0  # time.monotonic() before which the session should not redraw
-        self.heard_at = float("-inf")  # time.monotonic() of the last change from the page
         self._waiting_since: float | None = None  # the next redraw waits for the page since
         self._running = False  # a redraw of this queue is running now
-        on_change = getattr(doc, "on_change", None)
-        if on_change is not None:
-            on_change(self._heard)
 
-    def _heard(self, event: Any) -> None:
-        """A document change; those applied from the page carry their setter (the session)."""
-        if getattr(event, "setter", None) is not None:
-            import time
+    def page_waiting(self) -> bool:
+        """Whether the page has sent what the server has not handled yet: bytes in a
+        connection's websocket stream or socket, or a message waiting for the document lock
+        (which the redraw about to run would hold). Reads Bokeh's and Tornado's internals
+        (``ServerSession._lock``, ``_subscribed_connections``, the handler's IOStream), so any
+        surprise there answers False: the queue then only keeps :data:`GAP_MS` between
+        redraws, as outside a server."""
+        import select
 
-            self.heard_at = time.monotonic()
+        try:
+            session = self.doc.session_context._session
+            waiters = getattr(getattr(session._lock, "_block", None), "_waiters", None)
+            if waiters:
+                return True
+            for conn in list(session._subscribed_connections):
+                stream = conn._socket.ws_connection.stream
+                if stream._read_buffer_size:
+                    return True
+                sock = stream.socket
+                if sock is not None and select.select([sock], [], [], 0)[0]:
+                    return True
+        except Exception:
+            return False
+        return False
 
     @classmethod
     def of_session(cls) -> "TickQueue | None":
@@ -649,12 +665,12 @@ class TickQueue:
         if not self.pending:
             return
         now = time.monotonic()
-        if now - self.heard_at < self.INBOUND_QUIET_S:  # the page is talking: listen first
+        if self.page_waiting():  # the page first: its message is read while this waits
             if self._waiting_since is None:
                 self._waiting_since = now
-            if now - self._waiting_since < self.INBOUND_MAX_WAIT_S:
+            if now - self._waiting_since < self.PAGE_MAX_WAIT_S:
                 self.scheduled = True
-                self.doc.add_timeout_callback(self._one, int(self.INBOUND_QUIET_S * 1e3))
+                self.doc.add_timeout_callback(self._one, self.YIELD_MS)
                 return
         self._waiting_since = None
         key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
