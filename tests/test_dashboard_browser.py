@@ -9,6 +9,7 @@ without a new run, that there were no console errors, and saves ``test-artifacts
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -147,31 +149,115 @@ def set_number(page, css: str, value: int) -> None:
     box.press("Enter")
 
 
-@pytest.fixture()
-def browser_page():
+class Served:
+    """One ``panel serve`` (:func:`start_server`) for the tests of this file: each starts in an
+    empty workspace folder (:meth:`fresh`) and a fresh session (a new page), so a test sees only
+    its own stores, while the server's start, imports and model load are paid once. The log is
+    read as it comes; :meth:`log` is this test's part of it. A test may :meth:`stop` the server
+    (the disconnect banner); the next one starts another."""
+
+    def __init__(self, root: Path):
+        self.root, self.ws, self.port, self.proc = root, root / "ws", 0, None
+        self.lines: list[str] = []
+        self.mark = self.seen = self.tests = 0
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.decode(errors="replace"))
+
+    @contextlib.contextmanager
+    def workspace(self):
+        """``with served.workspace() as ws``: this test's empty workspace (:meth:`fresh`); a
+        test that fails stops the server (a run it started may still be writing)."""
+        ws = self.fresh()
+        try:
+            yield ws
+        except BaseException:
+            self.stop()
+            raise
+
+    def fresh(self) -> Path:
+        """An empty workspace (the last test's folder moved aside, a new one made at the
+        same path); the server started if it is not running. Returns the workspace."""
+        self.tests += 1
+        if self.ws.exists():
+            self.ws.rename(self.root / f"ws-{self.tests - 1}")
+        self.ws.mkdir()
+        if self.proc is None or self.proc.poll() is not None:
+            self.port = _free_port()
+            self.proc = start_server(self.ws, self.port)
+            self.lines, self.seen = [], 0
+            self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+            self.reader.start()
+        self.mark = self.seen  # from the last test's check on: nothing between tests is missed
+        return self.ws
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/dashboard"
+
+    def log(self) -> str:
+        """The server's log since the last test's check (all the rest of it once stopped)."""
+        self.seen = len(self.lines)
+        return "".join(self.lines[self.mark:self.seen])
+
+    def stop(self) -> str:
+        """Stop the server; its log since the last test's check."""
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(10)
+            self.proc = None
+        return self.log()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    s = Served(tmp_path_factory.mktemp("served"))
+    yield s
+    s.mark = s.seen
+    log = s.stop()  # the rest of the log: a traceback after the last test's end too
+    assert "Traceback" not in app_tracebacks(log), log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """One Chromium for the tests of this file; each test gets its own context (page)."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium); the browser test needs it")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1600, "height": 1300})
-        page.set_default_timeout(PAGE_TIMEOUT_MS)
         try:
-            yield page
+            yield browser
         finally:
             browser.close()
 
 
-def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
+@pytest.fixture()
+def browser_page(chromium):
+    """A page of a fresh browser context (no state from an earlier test), 1600 × 1300."""
+    context = chromium.new_context(viewport={"width": 1600, "height": 1300},
+                                   accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(PAGE_TIMEOUT_MS)
+    try:
+        yield page
+    finally:
+        context.close()
+
+
+def test_dashboard_runs_in_a_browser(browser_page, served, embedded_dir):
     page = browser_page
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
-    port = _free_port()
-    server = start_server(tmp_path / "ws", port)
-    log = ""
-    try:
-        page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+    with served.workspace() as ws:
+        page.goto(served.url, wait_until="domcontentloaded")
         before = wait_for(lambda: (lambda p: p if len(p) >= 5 else None)(plots(page)), 30,
                           "the plotly views to render")
         assert before["heatmap"]["data"] == []  # empty workspace: placeholders
@@ -202,7 +288,7 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         assert answer and answer not in ("…", "—")
 
         # the run used the knob that was changed in the page
-        store = tmp_path / "ws" / after["heatmap"]["run"]
+        store = ws / after["heatmap"]["run"]
         attrs = json.loads((store / "zarr.json").read_text())["attributes"]
         assert json.loads(attrs["knob.cache_slots"]) == 9
         assert json.loads(attrs["knob.max_new_tokens"]) == 6
@@ -282,8 +368,7 @@ def test_dashboard_runs_in_a_browser(browser_page, embedded_dir, tmp_path):
         out.mkdir(exist_ok=True)
         page.screenshot(path=str(out / "dashboard.png"), full_page=True)
         assert not errors, f"console errors: {errors}"
-    finally:
-        log = stop_server(server)
+    log = served.log()
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
 
 
@@ -307,7 +392,7 @@ BOXES_JS = """
 """
 
 
-def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
+def test_a_researchers_first_screen_at_1440x900(chromium, embedded_dir, tmp_path):
     """Issue 13 in a real browser at a laptop's 1440 × 900: the first screen shows the newest
     usable run with its own demo request selected (expected answer checked, input image shown),
     hit rate, latency and timeline above the fold; an abandoned store is listed as such; a knob
@@ -315,9 +400,6 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
     differs; Export downloads the run's tables; a dropped server connection is announced."""
     import zipfile
 
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium); the browser test needs it")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     from workbench.ui.datastore import DataStore, demo_inputs
 
     ws = tmp_path / "ws"
@@ -336,14 +418,14 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
                               committed={k: 0 for k in meta["attributes"]["committed"]})
     (dead / "zarr.json").write_text(json.dumps(meta))
 
+    # its own server (not the file's shared one): it stops it to see the disconnect banner
     port = _free_port()
     server = start_server(ws, port)
     log = ""
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1440, "height": 900},
-                                    accept_downloads=True)
+        with contextlib.closing(chromium.new_context(  # the file's Chromium, its own context
+                viewport={"width": 1440, "height": 900}, accept_downloads=True)) as context:
+            page = context.new_page()
             page.set_default_timeout(PAGE_TIMEOUT_MS)
             page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
             first = wait_for(lambda: (lambda p: p if p.get("heatmap", {}).get("data") else None)(
@@ -419,14 +501,14 @@ def test_a_researchers_first_screen_at_1440x900(embedded_dir, tmp_path):
             server = None
             wait_for(lambda: page.get_by_text("Connection to the workbench server lost").count(),
                      20, "the disconnect banner")
-            browser.close()
     finally:
         if server is not None:
             log = stop_server(server)
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
 
 
-def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, tmp_path):
+def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, served, embedded,
+                                                        tmp_path):
     """Issue 16 §5 in a real browser: the shown run ran sub-experts (k_active 2 of 4); the
     Elastic experts card draws its sub-expert heatmap and compute share, and the measured
     operating points with the next run's k_active starred — the card's slider moves the star,
@@ -438,16 +520,12 @@ def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, 
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
-    ws = tmp_path / "ws"
     R.save(R.random_refactoring(embedded), tmp_path / "prism")
-    workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True).run(
-        workbench.mixed_batch(2), store=ws / "p.zarr", prism=True, prism_k_active=2,
-        prism_refactoring=str(tmp_path / "prism"))
-    port = _free_port()
-    server = start_server(ws, port)
-    log = ""
-    try:
-        page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+    with served.workspace() as ws:
+        workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True).run(
+            workbench.mixed_batch(2), store=ws / "p.zarr", prism=True, prism_k_active=2,
+            prism_refactoring=str(tmp_path / "prism"))
+        page.goto(served.url, wait_until="domcontentloaded")
         heat = wait_for(lambda: (lambda h: h if h.get("data") and h["data"][0]["z"] else None)(
             plots(page).get("subexperts") or {}), 40, "the sub-expert heatmap of the shown run")
         assert heat["run"].startswith("p.zarr") and len(heat["data"][0]["z"]) == 4  # N rows
@@ -479,8 +557,7 @@ def test_elastic_experts_and_the_scheduler_in_a_browser(browser_page, embedded, 
         wait_for(lambda: 1.23 in (sweep() or {}).get("prism throughput", []), 20,
                  "the scheduler to re-simulate at 1.23 req/s", detail=sweep)
         assert not errors, f"console errors: {errors}"
-    finally:
-        log = stop_server(server)
+    log = served.log()
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
 #: what the page shows that could be cut off or covered, through shadow roots: per plotly view
 #: the boxes of the figure, its title, legend, toolbar, axis titles and annotations; per table
@@ -544,7 +621,8 @@ def _stores(ws: Path) -> set[str]:
     return {p.name for p in ws.glob("*.zarr")}
 
 
-def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, tmp_path):
+def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, served, embedded_dir,
+                                                    tmp_path):
     """Issue 37 §2–5 and §8 in one page at a laptop's 1440 × 900: a value a knob refuses is
     said under its widget, Run then says so and stores nothing, and the alert goes once the
     value is fixed; a batch lists every answer with its expected one; a run the loaded model
@@ -559,10 +637,6 @@ def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, 
     page.set_viewport_size({"width": 1440, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    ws = tmp_path / "ws"
-    port = _free_port()
-    server = start_server(ws, port)
-    log = ""
     error = page.locator(".wb-error").first
     run = page.locator(".wb-run button").first
     status = page.locator(".wb-status").first
@@ -571,8 +645,8 @@ def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, 
         wait_for(lambda: run.is_enabled() and page.locator(".wb-stop button").first.is_disabled()
                  and "writing the store" not in status.inner_text(), 120, what)
 
-    try:
-        page.goto(f"http://127.0.0.1:{port}/dashboard", wait_until="domcontentloaded")
+    with served.workspace() as ws:
+        page.goto(served.url, wait_until="domcontentloaded")
         wait_for(lambda: len(plots(page)) >= 5, 60, "the plotly views to render")
 
         # §2: a refused value stays in its box, said under it; Run says so and stores nothing
@@ -668,6 +742,5 @@ def test_refusals_a_batch_an_upload_and_a_tidy_page(browser_page, embedded_dir, 
         out.mkdir(exist_ok=True)
         page.screenshot(path=str(out / "dashboard-1440.png"))
         assert not errors, f"page errors: {errors}"
-    finally:
-        log = stop_server(server)
+    log = served.log()
     assert "Traceback" not in app_tracebacks(log), log[-3000:]
