@@ -32,13 +32,16 @@ from workbench.analysis.vismmoe.accuracy import normalise_answer
 from workbench.analysis.vismmoe.config import base_knobs, eval_seed
 
 
-def speed(repeats: int, batch: int = 1, only: set[str] | None = None) -> dict:
+def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
+          profile: str | None = None) -> dict:
     """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
     top-k, Token Drop with a capacity nobody reaches (the dispatch's own cost), Token Drop at
     γ0 = 1, and top-k with 8 virtual EP ranks plus the run's EP summary from its store (what
     ``workbench run --set ep_ranks=8`` adds). Interleaved, medians; measured: wall seconds and
     the process's CPU seconds (all its threads) per run. ``only``: the settings whose name
-    up to its first comma is one of these (None: all; ``topk`` is always run, the base)."""
+    up to its first comma is one of these (None: all; ``topk`` is always run, the base).
+    ``profile``: afterwards, one more run of that setting under cProfile; prints where the
+    dispatch's time goes (the functions of the dispatch stage, MACS and the router)."""
     import statistics
     import tempfile
 
@@ -91,6 +94,20 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None) -> dict:
         print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k wall; "
               f"CPU {c * 1e3:.0f} ms = {c / base_cpu:.3f}×")
     out["load_average"] = [load0[0], load1[0]]
+    if profile:
+        import cProfile
+        import pstats
+
+        name = next(k for k in configs if k.split(",")[0] == profile)
+        with tempfile.TemporaryDirectory() as d, cProfile.Profile() as pr:
+            if reqs is not None:
+                rt.run(reqs, store=f"{d}/p.zarr", **knobs, **configs[name])
+            else:
+                rt.run(demo["prompt"], images=[demo["image"]], store=f"{d}/p.zarr", **knobs,
+                       **configs[name])
+        print(f"\ncProfile of one more run of {name}:")
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(
+            r"_layer|stages/dispatch.py|sim/macs.py|sim/dispatch.py|adapter.py.*route", 14)
     return out
 
 
@@ -103,12 +120,14 @@ def main() -> None:
                     help="instead: the wall time of dispatch and EP bookkeeping (§6)")
     ap.add_argument("--batch", type=int, default=1,
                     help="--speed: run a mixed batch of this many requests (default: one)")
+    ap.add_argument("--profile", metavar="SETTING",
+                    help="--speed: then profile one run of this setting (e.g. macs)")
     ap.add_argument("--only", default="",
                     help="--speed: these settings (comma-separated names up to their first "
                          "comma, e.g. topk,macs; default: all)")
     a = ap.parse_args()
     if a.speed:
-        res = speed(a.speed, a.batch, set(filter(None, a.only.split(","))) or None)
+        res = speed(a.speed, a.batch, set(filter(None, a.only.split(","))) or None, a.profile)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
         return
