@@ -10,7 +10,10 @@ measured is the cost of dropping prompt tokens' expert assignments. Every expert
 cache (answers never depend on it). Everything is measured.
 
     python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
-    python benchmarks/bench_dispatch.py --speed 7 [--batch 8] [--json OUT]
+    python benchmarks/bench_dispatch.py --speed 7 [--batch 8] [--only topk,macs] [--json OUT]
+
+``--speed`` times whichever ``workbench`` is imported: run it with ``PYTHONPATH`` pointing at
+another tree to compare two versions of the code with the same harness.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -28,11 +32,16 @@ from workbench.analysis.vismmoe.accuracy import normalise_answer
 from workbench.analysis.vismmoe.config import base_knobs, eval_seed
 
 
-def speed(repeats: int, batch: int = 1) -> dict:
+def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
+          profile: str | None = None) -> dict:
     """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
     top-k, Token Drop with a capacity nobody reaches (the dispatch's own cost), Token Drop at
     γ0 = 1, and top-k with 8 virtual EP ranks plus the run's EP summary from its store (what
-    ``workbench run --set ep_ranks=8`` adds). Interleaved, medians; measured."""
+    ``workbench run --set ep_ranks=8`` adds). Interleaved, medians; measured: wall seconds and
+    the process's CPU seconds (all its threads) per run. ``only``: the settings whose name
+    up to its first comma is one of these (None: all; ``topk`` is always run, the base).
+    ``profile``: afterwards, one more run of that setting under cProfile; prints where the
+    dispatch's time goes (the functions of the dispatch stage, MACS and the router)."""
     import statistics
     import tempfile
 
@@ -52,11 +61,15 @@ def speed(repeats: int, batch: int = 1) -> dict:
                                                         ep_ranks=8),
         "capacity-expanded, γ0 = 1, 8 ranks": dict(dispatch="capacity-expanded",
                                                    capacity_factor=1.0, ep_ranks=8)}
+    if only:
+        configs = {k: v for k, v in configs.items() if k == "topk" or k.split(",")[0] in only}
     times: dict[str, list[float]] = {k: [] for k in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in configs}
+    load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         for r in range(repeats + 1):  # the first round warms up
             for name, extra in configs.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 store = f"{d}/{r}-{len(times[name])}-{hash(name) % 1000}.zarr"
                 if reqs is not None:
                     res = rt.run(reqs, store=store, **knobs, **extra)
@@ -67,14 +80,34 @@ def speed(repeats: int, batch: int = 1) -> dict:
                     workbench.open_run(res.store).moe.ep_summary()
                 if r:
                     times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["topk"])
+                    cpu[name].append(time.process_time() - c0)
+    base, base_cpu = statistics.median(times["topk"]), statistics.median(cpu["topk"])
     out = {}
     what = f"a mixed batch of {batch}" if reqs is not None else "the demo image request"
-    print(f"\none run of {what} (16 new tokens), median of {repeats}, interleaved (measured):")
+    load1 = os.getloadavg()
+    print(f"\none run of {what} (16 new tokens), median of {repeats}, interleaved (measured; "
+          f"workbench from {Path(workbench.__file__).parent.parent}; load average "
+          f"{load0[0]:.2f} → {load1[0]:.2f}):")
     for name, ts in times.items():
-        m = statistics.median(ts)
-        out[name] = {"median_s": m, "ratio": m / base}
-        print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k")
+        m, c = statistics.median(ts), statistics.median(cpu[name])
+        out[name] = {"median_s": m, "ratio": m / base, "cpu_s": c, "ratio_cpu": c / base_cpu}
+        print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k wall; "
+              f"CPU {c * 1e3:.0f} ms = {c / base_cpu:.3f}×")
+    out["load_average"] = [load0[0], load1[0]]
+    if profile:
+        import cProfile
+        import pstats
+
+        name = next(k for k in configs if k.split(",")[0] == profile)
+        with tempfile.TemporaryDirectory() as d, cProfile.Profile() as pr:
+            if reqs is not None:
+                rt.run(reqs, store=f"{d}/p.zarr", **knobs, **configs[name])
+            else:
+                rt.run(demo["prompt"], images=[demo["image"]], store=f"{d}/p.zarr", **knobs,
+                       **configs[name])
+        print(f"\ncProfile of one more run of {name}:")
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(
+            r"_layer|stages/dispatch.py|sim/macs.py|sim/dispatch.py|adapter.py.*route", 14)
     return out
 
 
@@ -87,9 +120,14 @@ def main() -> None:
                     help="instead: the wall time of dispatch and EP bookkeeping (§6)")
     ap.add_argument("--batch", type=int, default=1,
                     help="--speed: run a mixed batch of this many requests (default: one)")
+    ap.add_argument("--profile", metavar="SETTING",
+                    help="--speed: then profile one run of this setting (e.g. macs)")
+    ap.add_argument("--only", default="",
+                    help="--speed: these settings (comma-separated names up to their first "
+                         "comma, e.g. topk,macs; default: all)")
     a = ap.parse_args()
     if a.speed:
-        res = speed(a.speed, a.batch)
+        res = speed(a.speed, a.batch, set(filter(None, a.only.split(","))) or None, a.profile)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
         return

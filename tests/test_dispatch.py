@@ -225,6 +225,75 @@ def test_live_token_drop_obeys_capacity_and_is_the_cores_rule(arch):
         np.testing.assert_array_equal(first.topk_ids, core)
 
 
+def _live_gates(arch, pol, valid=None):
+    """One forward of the tiny ``arch`` with ``pol``, every layer offloaded: the router calls
+    of each layer (``forward`` counted on the instance, so the model's own call and
+    :meth:`MoEBlock.route`'s alike) and, per dispatch context built, ``(block, the rows it
+    saw, its gates)``. ``valid``: the offloader's token mask (None: every row real)."""
+    from workbench.models.hooks import Hooks
+    from workbench.runtime.stages.dispatch import DispatchStage
+
+    model = tiny_model(arch)
+    inputs = tiny_inputs(model, arch)
+    layout = find_moe_blocks(model)
+    calls = dict.fromkeys(range(layout.num_layers), 0)
+    seen = []
+
+    def counting(b):
+        forward = b.router.forward
+
+        def counted(*a, **kw):
+            calls[b.index] += 1
+            return forward(*a, **kw)
+        return counted
+
+    off = _offloader(layout, 64, 0, pol)
+    stage = next(s for s in off.stages if isinstance(s, DispatchStage))
+    context = stage._context
+
+    def spy(call, b, hidden_states, real):
+        ctx = context(call, b, hidden_states, real)
+        seen.append((b, hidden_states.clone(), ctx.gates))
+        return ctx
+
+    stage._context = spy
+    with Hooks() as hooks, torch.no_grad():
+        for b in layout.blocks:
+            hooks.override(b.router, "forward", counting(b))
+        with off:
+            if valid is not None:
+                off.set_token_mask(valid(inputs["input_ids"].numel()))
+            model(**inputs)
+    return layout, calls, seen
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_live_dispatch_gates_are_the_routers_own_logits(arch):
+    """Issue 41 §3: MACS rerouting and Expanded Drop read every expert's probability from the
+    logits the model's router computed for the layer call — each router runs once per layer
+    call — and the gates are bit for bit a second router run's on the same rows (what they
+    were before). With masked rows the router runs again on the real rows alone (a product
+    over fewer rows may round differently), the gates again equal to that run."""
+    from workbench.sim.dispatch import CapacityExpanded, Macs
+
+    for pol in (CapacityExpanded(capacity_factor=0.5, ep_ranks=2),
+                Macs(capacity_factor=0.25, macs_semantic_load=False,
+                     macs_dynamic_capacity=False, macs_eta=0.0, ep_ranks=2)):
+        for valid in (None, lambda n: np.arange(n) % 3 != 0):
+            layout, calls, seen = _live_gates(arch, pol, valid)
+            runs = 1 if valid is None else 2
+            assert seen, (arch, pol.name)  # a context was built (Expanded Drop: every call)
+            if pol.name == "capacity-expanded":
+                assert len(seen) == layout.num_layers
+            built = {b.index for b, _, _ in seen}
+            assert calls == {i: runs if i in built else 1 for i in calls}, (arch, pol.name)
+            for b, hs, gates in seen:
+                with torch.no_grad():
+                    want = torch.softmax(b.route(hs)[0].float(), dim=-1).numpy()
+                assert gates.dtype == np.float32 and gates.shape == (len(hs), 1, b.num_experts)
+                assert np.array_equal(gates[:, 0, :], want), (arch, pol.name, b.index)
+
+
 def test_a_live_run_with_token_drop_records_the_dispatched_routing(embedded, demo_inputs,
                                                                    tmp_path):
     """`workbench.Runtime.run(..., dispatch="capacity-drop")` on the embedded model with an

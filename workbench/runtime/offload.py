@@ -45,7 +45,8 @@ from workbench.policies.active_evict import ActiveEvict
 from workbench.runtime.executor import ComputeCall, Executor, StepProbe
 from workbench.runtime.expert_store import HostExpertStore
 from workbench.runtime.slots import ExpertsView, SlotPool
-from workbench.runtime.stages import HOOKS, STAGES, LayerCall, Stage, StageSetup, hooked
+from workbench.runtime.stages import (HOOKS, ROUTER_LOGITS, STAGES, LayerCall, Stage,
+                                      StageSetup, hooked)
 from workbench.runtime.stages import build as build_stages
 from workbench.runtime.transfer import TransferEngine
 from workbench.sim.costs import Prices
@@ -148,6 +149,10 @@ class Offloader:
                                  prism=bool(self._hooked["runner"]))
         self._saved: list[tuple[MoEBlock, dict]] = []
         self._hooks = Hooks()  # each experts module's forward override
+        #: per MoE layer, the last call of its router module: (its input, its logits), kept by
+        #: a forward hook when a stage needs :data:`ROUTER_LOGITS` and taken by the layer call
+        #: that follows it
+        self._router_out: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def _use_stages(self, stages: list) -> None:
         """The run's stages, and what the layer call takes from them once."""
@@ -156,7 +161,8 @@ class Offloader:
         self._before_mask = [s for s in self._hooked["route"] if s.before_mask]
         self._after_mask = [s for s in self._hooked["route"] if not s.before_mask]
         self._routes_nowhere = any(s.routes_nowhere for s in stages)
-        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`)
+        #: what the stages need of the runtime (:data:`~workbench.runtime.stages.TOKEN_CONTEXT`,
+        #: :data:`~workbench.runtime.stages.ROUTER_LOGITS`)
         self.needs: frozenset[str] = frozenset().union(*(s.needs for s in stages))
         #: the cache's keys are 1/part of an expert (a stage that splits experts: sub-expert
         #: e·part + s, slots of 1/part, only the ones run fetched)
@@ -281,6 +287,32 @@ class Offloader:
                                args, kwargs)
 
         self._hooks.override(ex, "forward", forward)
+        if ROUTER_LOGITS in self.needs:
+            self._hooks.post(b.router, self._keep_logits(b.index), with_kwargs=True)
+
+    def _keep_logits(self, index: int) -> Callable:
+        """The forward hook on layer ``index``'s router: keeps its input and its logits (the
+        first element of its output) for the layer call. Only the model's own call reaches
+        it: :meth:`MoEBlock.route` (the stages' extra router runs) calls ``forward``
+        directly, which runs no module hook."""
+        def post(module, args, kwargs, out):
+            x = args[0] if args else kwargs.get("hidden_states")
+            self._router_out[index] = (x, out[0])
+        return post
+
+    def _logits_of(self, b: MoEBlock, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The logits layer ``b``'s router computed on ``hidden_states`` (the experts' input),
+        or None when its last call was not on these very rows (another input, or none): the
+        same memory, as many elements, the same width — the router reshapes its input to
+        ``[-1, H]`` as the block does for its experts (DeepSeek-V2's gets ``[B, S, H]``)."""
+        x, logits = self._router_out.pop(b.index, (None, None))
+        if x is None or logits is None:
+            return None
+        same = (x.data_ptr() == hidden_states.data_ptr() and x.numel() == hidden_states.numel()
+                and x.shape[-1] == hidden_states.shape[-1] and x.dtype == hidden_states.dtype
+                and x.is_contiguous() and hidden_states.is_contiguous()
+                and logits.shape[0] == hidden_states.shape[0])
+        return logits if same else None
 
     def residency(self) -> np.ndarray:
         """bool [L, E]: experts resident now (pinned layers entirely); with sub-expert
@@ -292,6 +324,7 @@ class Offloader:
 
     def _remove(self) -> None:
         self._hooks.remove()  # the model's own experts forwards first, then their tensors
+        self._router_out.clear()
         while self._saved:
             b, moved = self._saved.pop()
             for name, p in moved:  # bring the device copy back from the host store
@@ -315,7 +348,8 @@ class Offloader:
                                f"step's token mask {mask.shape[0]}")
         call = LayerCall(b, hidden_states, top_k_index, top_k_weights, self.probe.step,
                          b.index < self.pinned_layers, mask, self._mask_np, self._step_modality,
-                         self._step_request, self.cache, self.part)
+                         self._step_request, self.cache, self.part,
+                         self._logits_of(b, hidden_states) if self._router_out else None)
         for st in self._before_mask:
             st.route(call)
         if mask is not None:  # padding and finished requests: routed nowhere

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from workbench.runtime.stages.base import (HOOKS, RUN_HOOKS, TOKEN_CONTEXT, LayerCall, RunContext,
-                                           Stage, StageSetup, hooked)
+from workbench.runtime.stages.base import (HOOKS, ROUTER_LOGITS, RUN_HOOKS, TOKEN_CONTEXT,
+                                           LayerCall, RunContext, Stage, StageSetup, hooked)
 from workbench.runtime.stages.balance import BalanceStage
 from workbench.runtime.stages.cache_routing import CacheRouting
 from workbench.runtime.stages.compression import TokenCompression
@@ -25,8 +25,8 @@ from workbench.runtime.stages.subexperts import SubExpertStage
 STAGES: tuple[type[Stage], ...] = (TokenCompression, DynamicTopK, CacheRouting, DispatchStage,
                                     Lookahead, BalanceStage, SubExpertStage, HostRuns)
 
-__all__ = ["HOOKS", "RUN_HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall", "RunContext", "Stage",
-           "StageSetup", "build", "from_knobs", "hooked", "provided"]
+__all__ = ["HOOKS", "ROUTER_LOGITS", "RUN_HOOKS", "STAGES", "TOKEN_CONTEXT", "LayerCall",
+           "RunContext", "Stage", "StageSetup", "build", "from_knobs", "hooked", "provided"]
 
 
 def build(setup: StageSetup) -> list[Stage]:

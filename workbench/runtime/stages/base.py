@@ -30,8 +30,10 @@ fields), ``model_hooks`` (hooks of its own on the model for the run), ``step_end
 changes of a step's event), ``record`` / ``store_attrs`` (what it writes into the result and the
 store).
 
-A stage *declares* what it needs (:attr:`Stage.needs`); the runtime provides it and nothing
-else. Per-run state (counters, a controller) lives in the stage; per-call state in the
+A stage *declares* what it needs (:attr:`Stage.needs`, on the class or, when it depends on
+the stage's setup, on the instance); the runtime provides it and nothing else:
+:data:`TOKEN_CONTEXT` (``call.modality`` / ``call.request``), :data:`ROUTER_LOGITS`
+(``call.logits``). Per-run state (counters, a controller) lives in the stage; per-call state in the
 :class:`LayerCall` handed to its hooks.
 """
 
@@ -54,6 +56,12 @@ if TYPE_CHECKING:
 #: what a stage may need of the runtime: each flattened position's modality and request
 #: (:meth:`~workbench.runtime.offload.Offloader.set_token_mask`)
 TOKEN_CONTEXT = "token_context"
+#: what a stage may need of the runtime: the logits [T, E] the model's own router computed for
+#: this layer call (``LayerCall.logits``), so that a stage reading every expert's probability
+#: does not run the router again. They are the first element of the router module's output —
+#: exactly what :meth:`~workbench.models.adapter.MoEBlock.route` returns on the experts'
+#: input, for every supported architecture — for all T rows, padding included.
+ROUTER_LOGITS = "router_logits"
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,9 @@ class LayerCall:
     request: np.ndarray | None = None
     cache: Any = None  # the expert cache's bookkeeping (workbench.sim.cache.ExpertCache)
     part: int = 1  # cache keys per expert
+    # the model's router's logits [T, E] for this call's T rows, as it computed them (its
+    # dtype; ROUTER_LOGITS; None: not asked for, or the router's call was not this input's)
+    logits: torch.Tensor | None = None
     # what the route hooks found, for the layer event
     dropped: np.ndarray | None = None  # [T, k] int16 experts the dispatch dropped (-1: kept)
     rerouted: np.ndarray | None = None  # [T, k] int16 experts rerouted away from
@@ -150,7 +161,7 @@ class Stage:
     """Base of the layer stages (see the module docstring). A hook a subclass does not define
     is never called."""
 
-    #: what the runtime must provide (:data:`TOKEN_CONTEXT`)
+    #: what the runtime must provide (:data:`TOKEN_CONTEXT`, :data:`ROUTER_LOGITS`)
     needs: frozenset[str] = frozenset()
     #: ``route`` runs on the router's raw output, before padding is masked
     before_mask: bool = False

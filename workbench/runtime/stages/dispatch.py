@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from workbench.models.adapter import MoEBlock
-from workbench.runtime.stages.base import (TOKEN_CONTEXT, LayerCall, RunContext, Stage,
-                                           StageSetup)
+from workbench.runtime.stages.base import (ROUTER_LOGITS, TOKEN_CONTEXT, LayerCall,
+                                           RunContext, Stage, StageSetup)
 from workbench.knobs import Knobs
 from workbench.sim.dispatch import DECODE, DISPATCH, PREFILL
 from workbench.sim.knobs import ExpertParallelKnobs
@@ -25,11 +25,22 @@ from workbench.sim.knobs import ExpertParallelKnobs
 _READ_CONTEXT = ("macs", "capacity-expanded")
 
 
+def _reads_gates(pol) -> bool:
+    """Whether ``pol`` reads every expert's router probability (MACS rerouting, Expanded
+    Drop)."""
+    return pol.name in _READ_CONTEXT and (getattr(pol, "reroute", False)
+                                          or "router" in pol.needs)
+
+
 class DispatchStage(Stage):
     """The run's dispatch policy (``topk``: off) and what it did, over the run: (token,
     expert) assignments the router made, those dropped, rerouted (MACS) and added beyond the
     router's top-k (Expanded Drop). ``centroids``: MACS's calibrated μ [L, E, D] on the
-    device (None: η acts as 0)."""
+    device (None: η acts as 0).
+
+    A policy that reads every expert's router probability also needs :data:`ROUTER_LOGITS`
+    (:attr:`needs` is per stage): its gates are the softmax of the logits the model's router
+    computed for the call, not of a second router run (see :meth:`_context`)."""
 
     needs = frozenset({TOKEN_CONTEXT})
     routes_nowhere = True
@@ -38,6 +49,8 @@ class DispatchStage(Stage):
     def __init__(self, policy, centroids: torch.Tensor | None = None) -> None:
         self.policy = policy
         self.centroids = centroids
+        if _reads_gates(policy):
+            self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
         self.dispatch_rerouted = self.dispatch_added = 0
 
@@ -148,7 +161,17 @@ class DispatchStage(Stage):
         (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
         of softmax over its MoE input's features (MACS semantic load), every expert's router
         probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
-        centroids (MACS rerouting) — each only when the policy asks for it."""
+        centroids (MACS rerouting) — each only when the policy asks for it.
+
+        The probabilities are ``softmax(logits.float())`` (float32 [T, E]). When the rows are
+        all the call's (``real`` None), the logits are those the model's router computed
+        (``call.logits``): the same module's forward on the same tensor as a second
+        :meth:`~workbench.models.adapter.MoEBlock.route` would be, so the same bits, with no
+        second router run. With padding or finished requests (``real`` given) the router
+        runs again on the real rows alone, as it always has: a matrix product over fewer
+        rows may round differently (measured on this CPU: 1–2 rows of 3 differ in the last
+        bits), and these probabilities become combine weights (a rerouted or added
+        assignment's), so rows of the full call's logits could change a run's output."""
         from workbench.sim.macs import DispatchContext, image_runs
 
         pol = self.policy
@@ -164,8 +187,10 @@ class DispatchStage(Stage):
             if getattr(pol, "semantic_load", False):
                 logp = torch.log_softmax(z, dim=-1)
                 ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
-            if getattr(pol, "reroute", False) or "router" in pol.needs:
-                logits, _, _ = b.route(hidden_states)
+            if _reads_gates(pol):
+                logits = call.logits if real is None else None
+                if logits is None:
+                    logits, _, _ = b.route(hidden_states)
                 gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
                 if self.centroids is not None and getattr(pol, "eta", 0) > 0:
                     mu = self.centroids[b.index].float()
