@@ -1848,8 +1848,8 @@ def test_the_tick_queue_reads_the_page_before_its_next_redraw():
     after the click (a traced served session): Tornado reads the page's messages a few loop
     steps per frame, and a redraw queued for the next tick ran before every step. Now two
     redraws are a gap apart (a timeout, never the next tick, also when a redraw queues its
-    own next slice while it runs), and a redraw waits while the page has sent what the server
-    has not handled (``page_waiting``), never longer than the bound. ``page_waiting`` is
+    own next slice while it runs), and a redraw that is not urgent waits while the page has
+    sent what the server has not handled (``page_waiting``), never longer than the bound. ``page_waiting`` is
     asked of a real Tornado lock with a waiter and a real socket with unread bytes, shaped as
     Bokeh's session holds them."""
     import socket
@@ -1928,6 +1928,12 @@ def test_the_tick_queue_reads_the_page_before_its_next_redraw():
             assert time.monotonic() - t0 < 60, "the redraw starved"  # a hang catcher
             time.sleep(0.01)
         assert drawn == [0, 1, 2] and not q.pending
+
+        q.PAGE_MAX_WAIT_S = 3600.0
+        q.add(9, lambda: drawn.append("urgent"), urgent=True)  # a first screen's view
+        assert q.page_waiting()
+        q._one()
+        assert drawn[-1] == "urgent"  # what a click or a run waits for does not wait
         del waiter
     finally:
         stream.close()

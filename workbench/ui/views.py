@@ -572,12 +572,13 @@ class TickQueue:
     message a frame at a time, several event-loop steps each, and a redraw queued for the next
     tick ran before every step: a typed value waited behind one redraw (0.1-0.4 s) per step of
     the relayout chatter (dozens of frames) that the end of a run's redraws make the page send.
-    So a redraw first asks :meth:`page_waiting` — bytes from the page not read yet, or a
-    message of it waiting for the document — and if so waits :data:`YIELD_MS` and asks again,
-    at most :data:`PAGE_MAX_WAIT_S` per redraw (a page that keeps talking still sees its plots
-    change); and two redraws are :data:`GAP_MS` apart, never the next tick. (A first version
-    waited while the page's changes had been applied in the last 50 ms: it delayed the redraw
-    a click asks for as well, and measured slower filters.)"""
+    So a redraw that is not urgent (the views below the first screen, the replay's slices)
+    first asks :meth:`page_waiting` — bytes from the page not read yet, or a message of it
+    waiting for the document — and if so waits :data:`YIELD_MS` and asks again, at most
+    :data:`PAGE_MAX_WAIT_S` per redraw (a page that keeps talking still sees its plots
+    change); and two redraws are :data:`GAP_MS` apart, never the next tick. Urgent redraws
+    (what a click or a new run waits for) do not wait: measured under ``--load 2``, making
+    every redraw wait for the page's relayout chatter slowed the filters 1.5-4×."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
@@ -586,7 +587,7 @@ class TickQueue:
     #: ms a redraw waits before asking again whether the page is still being read
     YIELD_MS = 3
     #: no redraw waits longer than this for the page, s
-    PAGE_MAX_WAIT_S = 1.0
+    PAGE_MAX_WAIT_S = 0.5
 
     def __init__(self, doc: Any) -> None:
         self.doc = doc
@@ -665,7 +666,10 @@ class TickQueue:
         if not self.pending:
             return
         now = time.monotonic()
-        if self.page_waiting():  # the page first: its message is read while this waits
+        key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
+        # the page first: its message is read while this waits (an urgent redraw, a first
+        # screen's view that a click or a run waits for, does not wait for the page's chatter)
+        if key not in self.urgent and self.page_waiting():
             if self._waiting_since is None:
                 self._waiting_since = now
             if now - self._waiting_since < self.PAGE_MAX_WAIT_S:
@@ -673,7 +677,6 @@ class TickQueue:
                 self.doc.add_timeout_callback(self._one, self.YIELD_MS)
                 return
         self._waiting_since = None
-        key = next((k for k in self.pending if k in self.urgent), next(iter(self.pending)))
         self.urgent.discard(key)
         fn = self.pending.pop(key)
         t0 = time.monotonic()
