@@ -1846,10 +1846,10 @@ def test_the_tick_queue_leaves_the_loop_idle_as_long_as_it_redrew():
 def test_the_tick_queue_reads_the_page_before_its_next_redraw():
     """Issue 37: a value typed as a run ended was said 1.2-4.6 s later and Run was heard 2.2 s
     after the click (a traced served session): Tornado reads the page's messages a few loop
-    steps per frame, and a redraw queued for the next tick ran before every step. Now two
-    redraws are a gap apart (a timeout, never the next tick, also when a redraw queues its
-    own next slice while it runs), and a redraw that is not urgent waits while the page has
-    sent what the server has not handled (``page_waiting``), never longer than the bound. ``page_waiting`` is
+    steps per frame, and a redraw queued for the next tick ran before every step. Now a
+    redraw that is not urgent waits while the page has sent what the server has not handled
+    (``page_waiting``), asking again at each loop step, never longer than the bound; a
+    redraw that queues its own next slice while it runs is scheduled once, when it ends. ``page_waiting`` is
     asked of a real Tornado lock with a waiter and a real socket with unread bytes, shaped as
     Bokeh's session holds them."""
     import socket
@@ -1889,7 +1889,7 @@ def test_the_tick_queue_reads_the_page_before_its_next_redraw():
     ms, fn = doc.calls.pop()
     assert ms == 0 and not doc.calls
     fn()
-    assert drawn == [0] and doc.calls == [(TickQueue.GAP_MS, q._one)]  # a gap, not a tick
+    assert drawn == [0] and doc.calls == [(0, q._one)]  # scheduled once, when it ended
     doc.calls.clear()
 
     # the session as Bokeh holds it: its document lock, and a connection's websocket stream
@@ -1911,11 +1911,11 @@ def test_the_tick_queue_reads_the_page_before_its_next_redraw():
         assert q.page_waiting()
         q._one()
         assert drawn == [0]  # it waited for the page
-        assert doc.calls == [(TickQueue.YIELD_MS, q._one)]
+        assert doc.calls == [(0, q._one)]  # asks again at the loop's next step
         doc.calls.clear()
         a.recv(64)  # read: nothing waits any more
         q._one()
-        assert drawn == [0, 1] and doc.calls == [(TickQueue.GAP_MS, q._one)]
+        assert drawn == [0, 1] and doc.calls == [(0, q._one)]
         doc.calls.clear()
 
         session._lock.acquire()  # held (by this redraw) ...

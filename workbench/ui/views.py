@@ -574,18 +574,18 @@ class TickQueue:
     the relayout chatter (dozens of frames) that the end of a run's redraws make the page send.
     So a redraw that is not urgent (the views below the first screen, the replay's slices)
     first asks :meth:`page_waiting` — bytes from the page not read yet, or a message of it
-    waiting for the document — and if so waits :data:`YIELD_MS` and asks again, at most
-    :data:`PAGE_MAX_WAIT_S` per redraw (a page that keeps talking still sees its plots
-    change); and two redraws are :data:`GAP_MS` apart, never the next tick. Urgent redraws
-    (what a click or a new run waits for) do not wait: measured under ``--load 2``, making
-    every redraw wait for the page's relayout chatter slowed the filters 1.5-4×."""
+    waiting for the document — and if so gives the loop its next step (a next-tick callback
+    that only asks again: the websocket advances a step each time, and the process keeps its
+    CPU) until the page is read, at most :data:`PAGE_MAX_WAIT_S` per redraw (a page that keeps
+    talking still sees its plots change). A redraw that re-queues itself while it runs (a
+    replay slice) is scheduled once, when it ends. Urgent redraws (what a click or a new run
+    waits for) do not wait. Two earlier versions measured slower filters under ``--load 2``
+    (1.5-4×, ``benchmarks/bench_dashboard.py``): one slept 10 ms between redraws and 3 ms at
+    each look at the page (a process that sleeps on a busy machine waits for the scheduler to
+    give its core back), the other made every redraw wait for the page's relayout chatter."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
-    #: ms between two redraws when not resting: the event loop reads the page's messages there
-    GAP_MS = 10
-    #: ms a redraw waits before asking again whether the page is still being read
-    YIELD_MS = 3
     #: no redraw waits longer than this for the page, s
     PAGE_MAX_WAIT_S = 0.5
 
@@ -606,8 +606,8 @@ class TickQueue:
         connection's websocket stream or socket, or a message waiting for the document lock
         (which the redraw about to run would hold). Reads Bokeh's and Tornado's internals
         (``ServerSession._lock``, ``_subscribed_connections``, the handler's IOStream), so any
-        surprise there answers False: the queue then only keeps :data:`GAP_MS` between
-        redraws, as outside a server."""
+        surprise there answers False: the queue then runs its redraws one per tick, as
+        outside a server."""
         import select
 
         try:
@@ -674,7 +674,7 @@ class TickQueue:
                 self._waiting_since = now
             if now - self._waiting_since < self.PAGE_MAX_WAIT_S:
                 self.scheduled = True
-                self.doc.add_timeout_callback(self._one, self.YIELD_MS)
+                self.doc.add_next_tick_callback(self._one)  # the loop's next step: no sleep
                 return
         self._waiting_since = None
         self.urgent.discard(key)
@@ -694,8 +694,8 @@ class TickQueue:
                     if rest:
                         self.doc.add_timeout_callback(self._one,
                                                       max(1, int(took * self.REST * 1e3)))
-                    else:  # a gap, not the next tick: the page's messages are read in it
-                        self.doc.add_timeout_callback(self._one, self.GAP_MS)
+                    else:  # the next tick, which first lets the page's messages be read
+                        self.doc.add_next_tick_callback(self._one)
             else:
                 self.rest_until = time.monotonic() + self.burst_s * self.REST if rest else 0.0
                 self.burst_s = 0.0
