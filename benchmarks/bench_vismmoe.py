@@ -51,6 +51,16 @@ def _scales(text: str) -> list[int]:
     return out
 
 
+def _betas(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0 < b <= 1 for b in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: keep ratios are comma-separated numbers in (0, 1]")
+    return out
+
+
 def _parts(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in out if x not in PARTS]
@@ -109,6 +119,9 @@ def main() -> None:
     ap.add_argument("--parts", type=_parts, default=list(PARTS),
                     help=f"which studies to run (default all: {','.join(PARTS)})")
     ap.add_argument("--model", help="model folder (default: the shipped embedded model)")
+    ap.add_argument("--betas", type=_betas, default=[1.0, 0.7, 0.5],
+                    help="keep ratios of the accuracy study, comma separated, in (0, 1] "
+                         "(default 1,0.7,0.5; β = 1 checks that no policy changes an answer)")
     a = ap.parse_args()
     torch.set_num_threads(2)
     t_all = time.perf_counter()
@@ -161,7 +174,8 @@ def main() -> None:
                                     workdir=out / f"stores-{sc}x")
             if "accuracy" in a.parts:
                 accs[sc] = step(f"accuracy{tag}", V.accuracy_vs_beta, rt,
-                                V.scenes(V.eval_seed(), a.accuracy_questions, sc))
+                                V.scenes(V.eval_seed(), a.accuracy_questions, sc),
+                                betas=a.betas)
     total = time.perf_counter() - t_all
 
     cmd = "python benchmarks/bench_vismmoe.py" + "".join(
@@ -248,7 +262,8 @@ def main() -> None:
             print(f"**Answer accuracy{at_scale}** ({at.attrs['questions']} held-out questions, "
                   f"exact match; compression after {acc.attrs['pinned_layers']} pinned layer; "
                   f"β = 1 answers equal no compression for every policy: "
-                  f"{all(at.attrs['same_as_none_at_beta_1'].values())}; accuracy per kind "
+                  f"{all(same.values()) if (same := at.attrs['same_as_none_at_beta_1']) else 'not run'}"
+                  f"; accuracy per kind "
                   f"without compression: " + ", ".join(f"{k} {v:.0%}" for k, v in
                                                        at.attrs['per_kind_none'].items()) + ")\n")
             print(markdown(at, {c: "%" for c in at.columns}))
