@@ -182,11 +182,15 @@ def main() -> None:
         " " + shlex.quote(x) for x in sys.argv[1:])
     print(f"```\n{cmd}\n```\n")
     print(f"{'Embedded model' if a.model is None else f'Model `{a.model}`'}, {lay.num_layers} MoE layers × {lay.num_experts} experts, top-"
-          f"{lay.top_k}; held-out scenes `make_split({V.eval_seed()}, n)`; predictor calibrated "
-          f"on `make_split({V.CALIB_SEED}, {a.calib_requests})`; pinned prefix of *full* "
-          f"profiled on `make_split({V.PROFILE_SEED}, {a.profile_scenes})`; {a.tokens} "
-          f"decoded tokens per request at most (stopping at the answer's end); B = "
-          f"{V.scaled_prefetch_budget(lay.num_experts)}; total {total / 60:.1f} min.\n")
+          f"{lay.top_k}; held-out scenes `make_split({V.eval_seed()}, n)`; "
+          + (f"predictor calibrated on `make_split({V.CALIB_SEED}, {a.calib_requests})`; "
+             if recall is not None else "")
+          + (f"pinned prefix of *full* profiled on `make_split({V.PROFILE_SEED}, "
+             f"{a.profile_scenes})`; " if ladders else "")
+          + f"{a.tokens} decoded tokens per request at most (stopping at the answer's end); "
+          + (f"B = {V.scaled_prefetch_budget(lay.num_experts)}; " if ladders or sweep is not None
+             else "")
+          + f"total {total / 60:.1f} min.\n")
 
     for b, lad in (ladders or {}).items():
         t = V.ladder_table(lad)
