@@ -232,9 +232,9 @@ RECIPES: dict[str, dict] = {
     # a short mixed-resolution fine-tune of a trained model (--init-from, issue 39 §8): no
     # vision warm-up, mixed chats whose images are drawn at 1x or 2x (128 or 256 px), then the
     # colour focus stage at both scales; the processor keeps every image between 1x and 2x whole.
-    # No per-patch probe loss: the probe head is not saved with a model, so a fresh one would
-    # push random gradients into the trained tower (measured: 'vision' 1.7 at step 25, image
-    # kinds' teacher-forced accuracy 0.3-0.6 with it); sized for ~25 min of a shared 2-core CPU
+    # No per-patch probe loss: the probe head is not saved with a model, so a fresh one starts
+    # random and would push its gradients into the trained tower (a precaution; BENCHMARKS.md,
+    # issue 39 §8). Sized for ~20 min of a shared 2-core CPU
     "hires": {"vision_steps": 0, "steps": 100, "batch_size": 16, "lr": 5e-4, "warmup": 10,
               "vision_aux_coef": 0.0, "scales": (1, 2),
               "finish": (replace(FINISH_COLOR, steps=30, lr=3e-4),)},
