@@ -210,6 +210,8 @@ class TrainArgs:
     scales: tuple[int, ...] = (1,)  # scene scales of the chats' images (tasks.SCALES); (1,): as always
 
 
+FINE_TUNE_DEFAULTS = {"init_from": None, "scales": (1,)}
+"""TrainArgs fields added for fine-tuning (issue 39 §8), with the values that train from scratch."""
 RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n",
                "overwrite", "progress")
 """TrainArgs fields that do not change the weights (a resumed run may differ in them)."""
@@ -473,6 +475,9 @@ def fingerprint(args: TrainArgs) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: every argument
     but the run options (:data:`RUN_OPTIONS`), as JSON values."""
     values = {k: v for k, v in asdict(args).items() if k not in RUN_OPTIONS}
+    for name, default in FINE_TUNE_DEFAULTS.items():  # absent at their defaults: older checkpoints and
+        if values.get(name) == default:  # training logs (which predate them) still match
+            values.pop(name)
     return json.loads(json.dumps(values, default=str))
 
 
