@@ -90,3 +90,36 @@ def test_chance_is_one_over_the_valid_answers():
     assert S.CHANCE["color"] == 1 / len(S.COLORS) and S.CHANCE["exists"] == 0.5
     assert S.CHANCE["describe"] == 1 / (3 * 4 * 5 + 3 * 12 * 20 + 1 * 24 * 60)
     assert S.CHANCE["sequence"] == 1 / 36  # (start, stop) with start 0-7, stop start+2..9
+
+
+def test_a_scaled_scene_is_the_same_request_with_four_times_the_visual_tokens():
+    """Issue 39 §8: ``scale=2`` draws the same scenes 2x larger (same questions, answers and
+    drawn shapes, 4x the merged visual tokens through the scaled processor); the default draws
+    exactly the shipped demo images; labels follow the enlargement; bad scales get one line."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from workbench.models.embedded.v2.model import TOKENS_PER_IMAGE, build_image_processor
+
+    one, two = S.make_split(11, 12, image_only=True), S.make_split(11, 12, image_only=True, scale=2)
+    for (i1, q1, a1), (i2, q2, a2) in zip(one, two):
+        assert (q1, a1) == (q2, a2) and i1.size == (S.SCENE_SIZE,) * 2 and i2.size == (2 * S.SCENE_SIZE,) * 2
+        a, b = np.asarray(i1, float), np.asarray(i2.reduce(2), float)
+        assert np.mean(np.abs(a - b).max(axis=2) < 24) > 0.97  # the same picture, every pixel drawn 2x2
+    grids = [build_image_processor(s)([im for im, _, _ in split], return_tensors="pt")["image_grid_thw"]
+             for s, split in ((1, one), (2, two))]
+    assert [int(g[0].prod()) // 4 for g in grids] == [TOKENS_PER_IMAGE, 4 * TOKENS_PER_IMAGE]
+    demo = Path(__file__).resolve().parents[1] / "data" / "demo"
+    for k, (im, _, _) in enumerate(S.make_demo(7777, 2)[:4]):  # the default scale is what shipped
+        assert np.array_equal(np.asarray(im), np.asarray(Image.open(demo / f"scene_{k}.png").convert("RGB")))
+    _, _, lab1 = S.make_scene(np.random.default_rng(3), with_labels=True)
+    _, _, lab2 = S.make_scene(np.random.default_rng(3), with_labels=True, scale=2)
+    assert lab2.shape[1:] == (2 * lab1.shape[1],) * 2 and np.array_equal(lab2[:, ::2, ::2], lab1) and lab1.any()
+    r1, r2 = np.random.default_rng(9), np.random.default_rng(9)
+    for _ in range(10):  # one scale: no extra draw, the training stream is what it was
+        assert S.make_conversation(r1)[1] == S.make_conversation(r2, scales=(1,))[1]
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match="scale must be a whole number from 1 to 4") as e:
+            S.make_split(1, 1, scale=bad)
+        assert "\n" not in str(e.value)

@@ -152,6 +152,35 @@ def test_a_frozen_vision_tower_is_left_untouched_by_the_chat_stages_and_thawed_a
         assert all(p.requires_grad for p in model.model.visual.parameters())  # thawed for whoever trains next
 
 
+
+def test_the_hires_recipe_starts_from_a_folder_and_trains_on_both_scales(tmp_path, torch_settings):
+    """Issue 39 §8: ``--recipe hires --init-from DIR`` starts from DIR's weights (not the seed's
+    init), its processor keeps 1x and 2x scenes at their size, and its chat steps train."""
+    from safetensors.torch import save_file
+
+    from workbench.models.embedded.v2.tasks import make_scene
+
+    donor, *_ = initial_model(make_args("smoke", seed=1))
+    save_file({k: v.contiguous() for k, v in donor.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    full = make_args("full", "hires")
+    assert full.scales == (1, 2) and [(s.name, s.kind) for s in stages(full) if s.steps] == [
+        ("mixed", "chat"), ("color", "chat")]  # no vision warm-up: the tower is trained
+    args = make_args("smoke", "hires", seed=3, init_from=tmp_path, vision_steps=0)  # smoke keeps its lengths
+    model, tokenizer, image_processor = initial_model(args)
+    assert all(torch.equal(p, donor.state_dict()[n]) for n, p in model.state_dict().items())
+    rng = np.random.default_rng(0)
+    grids = [image_processor([make_scene(rng, scale=s)[0]], return_tensors="pt")["image_grid_thw"][0].tolist()
+             for s in (1, 2)]
+    assert grids == [[1, 16, 16], [1, 32, 32]]
+    head = model.lm_head.weight.detach().clone()
+    fit(model, tokenizer, image_processor, args)
+    assert not torch.equal(model.lm_head.weight, head) and torch.isfinite(model.lm_head.weight).all()
+    for bad, fragment in (({"scales": (1, 9)}, "scales = (1, 9) is not allowed"),
+                          ({"init_from": tmp_path / "nowhere"}, "a model folder holding model.safetensors")):
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            validate(make_args("smoke", "hires", **bad))
+
+
 # --------------------------------------------------------------------------- data
 
 

@@ -217,3 +217,33 @@ def test_hot_recall_flow_equals_calibrate_and_drives_the_full_ladder(rt, embedde
     t = V.ladder_table(lad)
     assert t["norm. (modeled)"].iloc[0] == 1.0
     assert t["paper norm."]["full"] == pytest.approx(4.91 / 13.17)
+
+
+def test_scale_findings_pair_the_same_questions_across_scales():
+    """Issue 39 §8: compression that costs accuracy at 1× and none at 2× 'costs less at 2×';
+    an unchanged cost does not; scenes at a bad scale are one line."""
+    q = 8
+    def acc(lost_affinity: int) -> xr.Dataset:
+        correct = np.ones((2, 1, q), bool)
+        correct[0, 0, :lost_affinity] = False  # affinity loses the first questions
+        return xr.Dataset({"correct": (("policy", "beta", "question"), correct),
+                           "correct_none": ("question", np.ones(q, bool))},
+                          coords={"policy": ["affinity", "random"], "beta": [0.5]})
+    f = {e: ok for e, ok, _ in V.scale_findings(accuracy={1: acc(6), 2: acc(0)})}
+    assert f["affinity compression at β = 0.5 costs less accuracy at 2×"] is True
+    assert f["random compression at β = 0.5 costs less accuracy at 2×"] is False
+    assert f["affinity's accuracy lead over random at β = 0.5 grows at 2×"] is True
+    f = {e: ok for e, ok, _ in V.scale_findings(accuracy={1: acc(6), 2: acc(6)})}
+    assert f["affinity compression at β = 0.5 costs less accuracy at 2×"] is False
+    with pytest.raises(InputError, match="scale must be a whole number from 1 to 4"):
+        V.scenes(1, 1, scale=5)
+
+
+def test_scene_scale_keeps_2x_scenes_whole_and_restores_the_budget(embedded):
+    ip = embedded.image_processor
+    (img, _, _), = V.scenes(V.eval_seed(), 1, scale=2)
+    grid = lambda: ip([img], return_tensors="pt")["image_grid_thw"][0].tolist()  # noqa: E731
+    before = grid()
+    with V.scene_scale(embedded, 2):
+        assert grid() == [1, 32, 32]  # 256 merged visual tokens, 4x the default's
+    assert before == grid() == [1, 16, 16]  # the shipped budget: resized to 128 px

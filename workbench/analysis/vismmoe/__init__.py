@@ -61,12 +61,12 @@ from workbench.analysis.vismmoe.accuracy import accuracy_table, accuracy_vs_beta
 from workbench.analysis.vismmoe.config import (CALIB_SEED, LADDER, PAPER, PROFILE, PROFILE_SEED,
                                                RULE, TARGET, Stage, base_knobs, eval_seed,
                                                expert_budget_slots, ladder_configs, scaled_ks,
-                                               scaled_plan, scaled_prefetch_budget, scenes,
-                                               stage_knobs)
+                                               scaled_plan, scaled_prefetch_budget, scene_scale,
+                                               scenes, stage_knobs)
 from workbench.analysis.vismmoe.costs import modeled_costs, timed
 from workbench.analysis.vismmoe.figures import (heatmaps_figure, ladder_figure, per_layer_figure,
                                                 sweep_figure)
-from workbench.analysis.vismmoe.verdicts import findings, findings_markdown
+from workbench.analysis.vismmoe.verdicts import findings, findings_markdown, scale_findings
 from workbench.analysis.vismmoe.ladder import ablation_ladder, ladder_table
 from workbench.analysis.vismmoe.pinned import choose_pinned, pinned_sweep
 from workbench.analysis.vismmoe.recall import hot_recall_summary, hot_recall_table
@@ -76,7 +76,7 @@ from workbench.analysis.vismmoe.routing import (chance_jaccard, characterise_pru
 __all__ = [
     "Stage", "LADDER", "RULE", "PAPER", "TARGET", "PROFILE", "CALIB_SEED", "PROFILE_SEED",
     "eval_seed",
-    "scenes", "expert_budget_slots", "scaled_prefetch_budget", "scaled_ks", "scaled_plan",
+    "scenes", "scene_scale", "scale_findings", "expert_budget_slots", "scaled_prefetch_budget", "scaled_ks", "scaled_plan",
     "base_knobs", "ladder_configs", "stage_knobs", "ablation_ladder", "ladder_table", "pinned_sweep",
     "choose_pinned", "token_subset", "characterise_pruning", "pruning_table",
     "accuracy_vs_beta", "accuracy_table", "normalise_answer", "hot_recall_summary",

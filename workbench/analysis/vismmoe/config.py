@@ -7,6 +7,7 @@ the scaling of the paper's budgets to 12 × 64 experts, and the complete knobs o
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -77,15 +78,38 @@ def eval_seed() -> int:
     return int(HELDOUT_SEED)
 
 
-def scenes(seed: int, n: int) -> list[tuple[Any, str, str]]:
+def scenes(seed: int, n: int, scale: int = 1) -> list[tuple[Any, str, str]]:
     """``n`` generated (image, question, answer) triples of ``seed``, every one with an image
     (:func:`workbench.models.embedded.v2.tasks.make_split` with ``image_only``: the studies are
-    about visual tokens, so the text-only requests of the mixed split are left out)."""
+    about visual tokens, so the text-only requests of the mixed split are left out). ``scale``
+    draws the same scenes that many times larger (run them inside :func:`scene_scale`)."""
     from workbench.models.embedded.v2.tasks import make_split
 
     if n < 1:
         raise InputError(f"n must be at least 1 scene, not {n}")
-    return make_split(int(seed), int(n), image_only=True)
+    try:
+        return make_split(int(seed), int(n), image_only=True, scale=scale)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+@contextmanager
+def scene_scale(lm, scale: int = 1):
+    """While inside, the embedded model ``lm``'s image processor keeps scenes drawn ``scale``
+    times larger at their size (pixel budget ``(128·scale)²``: ``64·scale²`` visual tokens);
+    the shipped budget comes back on exit. ``scale = 1`` changes nothing."""
+    from workbench.models.embedded.v2.model import scale_image_processor
+
+    ip = lm.image_processor if lm.image_processor is not None else lm.processor.image_processor
+    old = ip.size
+    try:
+        scale_image_processor(ip, scale)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    try:
+        yield
+    finally:
+        ip.size = old
 
 
 def expert_budget_slots(num_layers: int, num_experts: int) -> int:

@@ -165,3 +165,66 @@ def findings_markdown(items: Sequence[tuple[str, bool, str]]) -> str:
     """A markdown list: ✓ appears / ✗ does not appear, with the sentence."""
     return "\n".join(f"- {'✓ appears' if ok else '✗ does not appear'} — **{eff}**: {txt}"
                       for eff, ok, txt in items)
+
+
+def scale_findings(pruning: dict[int, xr.Dataset] | None = None,
+                   accuracy: dict[int, xr.Dataset] | None = None) -> list[tuple[str, bool, str]]:
+    """Issue 39 §8, VisMMOE's premise with redundant visual tokens: the same scenes at a larger
+    scene scale (every object over ``scale²`` times the patches). For each larger scale against
+    the smallest, paired over the same requests (questions): does pruning concentrate the kept
+    tokens' routing more (Figs. 1, 3), does affinity keep a more concentrated set than random by
+    more, does compression cost less accuracy, and does affinity's accuracy lead over random
+    grow (Table 3)? Same rule as :func:`findings`: the paper's sign, beyond two standard errors."""
+    out: list[tuple[str, bool, str]] = []
+    if pruning:
+        s0, *rest = sorted(pruning)
+        for s1 in rest:
+            conc = {s: pruning[s].isel(layer=layer_range(pruning[s], "after-prefix"))["concentration"]
+                    .mean("layer") for s in (s0, s1)}
+            groups = [str(g) for g in pruning[s0]["group"].values if str(g).startswith("visual (kept")]
+            for g in groups:
+                gain = {s: conc[s].sel(group=g).values - conc[s].sel(group="visual (raw)").values
+                        for s in (s0, s1)}
+                d, se = _paired(gain[s0], gain[s1])
+                out.append((f"{g} gains more concentration over raw visual at {s1}× than at {s0}×",
+                            _clear(d, se, +1),
+                            f"kept − raw top-{pruning[s0].attrs['top_k']} concentration: "
+                            f"{np.nanmean(gain[s0]):+.3f} at {s0}× vs {np.nanmean(gain[s1]):+.3f} at "
+                            f"{s1}× ({d:+.3f} ± {se:.3f}, {pruning[s0].sizes['request']} scenes)"))
+            if {"visual (kept: affinity)", "visual (kept: random)"} <= set(groups):
+                lead = {s: conc[s].sel(group="visual (kept: affinity)").values
+                        - conc[s].sel(group="visual (kept: random)").values for s in (s0, s1)}
+                d, se = _paired(lead[s0], lead[s1])
+                out.append((f"affinity's concentration lead over random grows at {s1}×",
+                            _clear(d, se, +1),
+                            f"affinity − random concentration: {np.nanmean(lead[s0]):+.3f} at {s0}× vs "
+                            f"{np.nanmean(lead[s1]):+.3f} at {s1}× ({d:+.3f} ± {se:.3f})"))
+    if accuracy:
+        s0, *rest = sorted(accuracy)
+        for s1 in rest:
+            a0, a1 = accuracy[s0], accuracy[s1]
+            nq = a0.sizes["question"]
+            for b in (float(x) for x in a0["beta"].values if float(x) != 1.0):
+                def cost(a, pol):
+                    return (a["correct"].sel(policy=pol, beta=b).values.astype(float)
+                            - a["correct_none"].values.astype(float))
+                for pol in (str(p) for p in a0["policy"].values):
+                    c0, c1 = cost(a0, pol), cost(a1, pol)
+                    d, se = _paired(c0, c1)
+                    out.append((f"{pol} compression at β = {b:g} costs less accuracy at {s1}×",
+                                _clear(d, se, +1),
+                                f"accuracy change vs no compression: {c0.mean() * 100:+.1f} points at "
+                                f"{s0}× vs {c1.mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
+                                f"{se * 100:.1f} points, {nq} questions)"))
+                pols = {str(p) for p in a0["policy"].values}
+                if {"affinity", "random"} <= pols:
+                    lead = {s: (a["correct"].sel(policy="affinity", beta=b).values.astype(float)
+                                - a["correct"].sel(policy="random", beta=b).values.astype(float))
+                            for s, a in ((s0, a0), (s1, a1))}
+                    d, se = _paired(lead[s0], lead[s1])
+                    out.append((f"affinity's accuracy lead over random at β = {b:g} grows at {s1}×",
+                                _clear(d, se, +1),
+                                f"affinity − random: {lead[s0].mean() * 100:+.1f} points at {s0}× vs "
+                                f"{lead[s1].mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
+                                f"{se * 100:.1f} points)"))
+    return out

@@ -211,3 +211,52 @@ def _experts_covering(p: torch.Tensor, mass: float) -> int:
     return int((cumulative < mass - 1e-12).sum()) + 1
 
 
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Held-out exact match per kind of a model folder at one or more scene scales (issue 39 §8):
+    ``python -m workbench.models.embedded.v2.evaluate [MODEL] [--n 200] [--scale 1,2]
+    [--image-only]``; the same requests (``make_split(HELDOUT_SEED, n)``) at every scale, each
+    through a processor whose pixel budget keeps that scale's images whole. Prints one line per
+    scale and returns ``{scale: score}``."""
+    import argparse
+    import json
+
+    import workbench
+
+    from . import V2_MODEL_DIR
+    from .model import build_image_processor, build_v2_tokenizer
+    from .tasks import SCENE_SIZE, check_scale, make_split
+    from .train import HELDOUT_SEED
+
+    def scales(text: str) -> list[int]:
+        try:
+            return [check_scale(int(x)) for x in text.split(",")]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e) if "scale" in str(e) else
+                                             f"{text!r} is not a comma-separated list of whole numbers") from None
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", default=str(V2_MODEL_DIR), help="model folder (default: the shipped one)")
+    ap.add_argument("--n", type=int, default=200, help="held-out requests (default 200)")
+    ap.add_argument("--scale", type=scales, default=[1], help="scene scales, comma separated, 1-4 (default 1)")
+    ap.add_argument("--image-only", action="store_true", help="only requests with an image")
+    ap.add_argument("--batch", type=int, default=16)
+    a = ap.parse_args(argv)
+    if not 1 <= a.n <= 10_000:
+        ap.error(f"--n must be from 1 to 10000, not {a.n}")
+    torch.set_num_threads(2)
+    model = workbench.load(a.model, device="cpu").model  # as the runtime loads it
+    tokenizer = build_v2_tokenizer()
+    out = {}
+    for s in a.scale:
+        split = make_split(HELDOUT_SEED, a.n, image_only=a.image_only, scale=s)
+        r = out[s] = evaluate(model, tokenizer, build_image_processor(s), split, a.batch)
+        print(f"scale {s} ({SCENE_SIZE * s} px): exact match {r['exact_match']:.1%}; " + ", ".join(
+            f"{k} {v['exact_match']:.0%} (n={v['n']})" for k, v in r["per_kind"].items()), flush=True)
+    print(json.dumps({str(s): {k: v["exact_match"] for k, v in r["per_kind"].items()} for s, r in out.items()}))
+    return out
+
+
+if __name__ == "__main__":
+    main()

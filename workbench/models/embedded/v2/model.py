@@ -28,7 +28,7 @@ from ..tokenizer import (
     VISION_START_ID,
     build_tokenizer,
 )
-from .tasks import SCENE_SIZE, VOCAB_WORDS
+from .tasks import SCENE_SIZE, VOCAB_WORDS, check_scale
 
 PATCH_SIZE = 8  # vision patch side, pixels
 MERGE_SIZE = 2  # spatial merge factor (2x2 patches -> one LLM token)
@@ -36,6 +36,21 @@ TEMPORAL_PATCH_SIZE = 2
 IMAGE_PIXELS = SCENE_SIZE * SCENE_SIZE  # min_pixels == max_pixels: every image is resized to ~128x128
 TOKENS_PER_IMAGE = (SCENE_SIZE // PATCH_SIZE // MERGE_SIZE) ** 2  # 64 merged visual tokens
 MAX_ANSWER_TOKENS = 20  # a three-object description; eos comes after
+
+
+def image_pixels(scale: int = 1) -> int:
+    """The processor's pixel budget (min = max) for scenes drawn ``scale`` times larger
+    (``tasks.make_split(..., scale=scale)``): ``IMAGE_PIXELS * scale**2``, so such an image keeps
+    its size and yields ``TOKENS_PER_IMAGE * scale**2`` merged visual tokens."""
+    return IMAGE_PIXELS * check_scale(scale) ** 2
+
+
+def scale_image_processor(image_processor, scale: int = 1) -> None:
+    """Set a loaded Qwen-VL image processor's pixel budget to :func:`image_pixels` of ``scale``
+    (in place; ``scale = 1`` is the shipped budget)."""
+    pixels = image_pixels(scale)
+    image_processor.size = {"shortest_edge": pixels, "longest_edge": pixels}
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -124,14 +139,17 @@ def build_config(vocab_size: int, router_aux_loss_coef: float, size: ModelSize =
     )
 
 
-def build_image_processor() -> Qwen2VLImageProcessorPil:
-    """PIL Qwen2-VL image processor: every image becomes 16x16 patches (64 merged tokens)."""
+def build_image_processor(scale: int = 1, max_scale: int | None = None) -> Qwen2VLImageProcessorPil:
+    """PIL Qwen2-VL image processor: every image becomes 16x16 patches (64 merged tokens), or
+    ``16·scale`` x ``16·scale`` patches (``64·scale²`` tokens) with a ``scale``. With a
+    ``max_scale`` the budget is a range: an image of ``scale``..``max_scale`` times the scene
+    size keeps its size (mixed-resolution training), smaller ones are enlarged, larger shrunk."""
     return Qwen2VLImageProcessorPil(
         patch_size=PATCH_SIZE,
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
         merge_size=MERGE_SIZE,
-        min_pixels=IMAGE_PIXELS,
-        max_pixels=IMAGE_PIXELS,
+        min_pixels=image_pixels(scale),
+        max_pixels=image_pixels(scale if max_scale is None else max_scale),
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )

@@ -46,7 +46,18 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 SCENE_SIZE = 128
-"""Side of every generated image, in pixels."""
+"""Side of every generated image at ``scale = 1`` (the default; the model's training size), pixels."""
+SCALES = (1, 4)
+"""Inclusive range of the ``scale`` of a generated image: the same scene drawn ``scale`` times
+larger (``scale * SCENE_SIZE`` px, every object over ``scale**2`` times the patches)."""
+
+
+def check_scale(scale) -> int:
+    """``scale`` as an int in :data:`SCALES`, or ``ValueError`` in one line."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or not SCALES[0] <= scale <= SCALES[1]:
+        raise ValueError(f"scale must be a whole number from {SCALES[0]} to {SCALES[1]} (the scene drawn that many "
+                         f"times larger, {SCENE_SIZE}-{SCALES[1] * SCENE_SIZE} px), not {scale!r}")
+    return int(scale)
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -164,23 +175,39 @@ def _background(rng: np.random.Generator) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def _draw_object(draw: ImageDraw.ImageDraw, shape: str, rgb: tuple[int, int, int], box: tuple[int, int, int]) -> None:
-    """Draw a filled ``shape`` of colour ``rgb`` inside ``box = (x0, y0, side)``."""
+def _canvas(rng: np.random.Generator, scale: int) -> Image.Image:
+    """The background of :func:`_background` (the same draws at every scale), enlarged
+    ``scale`` times (bicubic) when ``scale > 1``."""
+    image = Image.fromarray(_background(rng))
+    return image if scale == 1 else image.resize((SCENE_SIZE * scale,) * 2, Image.Resampling.BICUBIC)
+
+
+def _draw_object(draw: ImageDraw.ImageDraw, shape: str, rgb: tuple[int, int, int], box: tuple[int, int, int],
+                 scale: int = 1) -> None:
+    """Draw a filled ``shape`` of colour ``rgb`` inside ``box = (x0, y0, side)`` (base-size
+    pixels) on a canvas ``scale`` times the base size: every base pixel the shape covers becomes
+    ``scale × scale`` pixels (``scale = 1`` draws exactly the base scene)."""
     x0, y0, s = box
     x1, y1 = x0 + s - 1, y0 + s - 1
+
+    def rect(a: float, b: float, c: float, d: float) -> tuple[float, float, float, float]:
+        """Inclusive base-pixel box -> the inclusive box of the same pixels on the scaled canvas."""
+        return (a * scale, b * scale, (c + 1) * scale - 1, (d + 1) * scale - 1)
+
     if shape == "circle":
-        draw.ellipse((x0, y0, x1, y1), fill=rgb)
+        draw.ellipse(rect(x0, y0, x1, y1), fill=rgb)
     elif shape == "square":
         inset = s // 8  # squares look as large as circles this way
-        draw.rectangle((x0 + inset, y0 + inset, x1 - inset, y1 - inset), fill=rgb)
+        draw.rectangle(rect(x0 + inset, y0 + inset, x1 - inset, y1 - inset), fill=rgb)
     elif shape == "triangle":
-        draw.polygon([(x0 + s / 2, y0), (x1, y1), (x0, y1)], fill=rgb)
+        a, b, c, d = rect(x0, y0, x1, y1)
+        draw.polygon([(a + s * scale / 2, b), (c, d), (a, d)], fill=rgb)
     elif shape == "cross":
         t = max(3, s // 3)
         c0 = x0 + (s - t) // 2
         r0 = y0 + (s - t) // 2
-        draw.rectangle((c0, y0, c0 + t - 1, y1), fill=rgb)
-        draw.rectangle((x0, r0, x1, r0 + t - 1), fill=rgb)
+        draw.rectangle(rect(c0, y0, c0 + t - 1, y1), fill=rgb)
+        draw.rectangle(rect(x0, r0, x1, r0 + t - 1), fill=rgb)
     else:
         raise ValueError(f"unknown shape {shape!r}")
 
@@ -221,9 +248,16 @@ def _label_cells(layers: list[tuple[Image.Image, dict[str, int]]]) -> np.ndarray
     return labels
 
 
-def make_scene(rng: np.random.Generator, with_labels: bool = False):
+def _scaled_labels(labels: np.ndarray, scale: int) -> np.ndarray:
+    """Per-cell labels of a scene drawn ``scale`` times larger: each base cell becomes
+    ``scale x scale`` cells of the same ``LABEL_CELL`` side (the drawing is an exact enlargement)."""
+    return labels if scale == 1 else labels.repeat(scale, axis=1).repeat(scale, axis=2)
+
+
+def make_scene(rng: np.random.Generator, with_labels: bool = False, scale: int = 1):
     """Render one shape scene; return the image and its objects as ``(shape, color, column)``
-    (and, with ``with_labels``, the per-cell labels of :func:`_label_cells`).
+    (and, with ``with_labels``, the per-cell labels of :func:`_label_cells`). ``scale`` draws the
+    same scene (the same draws from ``rng``) ``scale`` times larger, its labels on the larger grid.
 
     Invariants: 1-3 objects, sorted left to right, at most one per column, all shapes
     distinct, all colours distinct, every object inside its column (no overlaps). The labels
@@ -234,7 +268,8 @@ def make_scene(rng: np.random.Generator, with_labels: bool = False):
     shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:k]]
     color_names = list(COLORS)
     colors = [color_names[i] for i in rng.permutation(len(color_names))[:k]]
-    image = Image.fromarray(_background(rng))
+    scale = check_scale(scale)
+    image = _canvas(rng, scale)
     draw = ImageDraw.Draw(image)
     width = SCENE_SIZE / len(COLUMNS)
     layers = []
@@ -244,18 +279,20 @@ def make_scene(rng: np.random.Generator, with_labels: bool = False):
         right = math.floor((column + 1) * width) - _MARGIN - side
         x0 = int(rng.integers(left, max(left, right) + 1))
         y0 = int(rng.integers(_MARGIN + 2, SCENE_SIZE - side - _MARGIN - 2 + 1))
-        _draw_object(draw, shape, _jitter(rng, COLORS[color]), (x0, y0, side))
+        _draw_object(draw, shape, _jitter(rng, COLORS[color]), (x0, y0, side), scale)
         if with_labels:
-            mask = Image.new("L", image.size, 0)
+            mask = Image.new("L", (SCENE_SIZE, SCENE_SIZE), 0)
             _draw_object(ImageDraw.Draw(mask), shape, 255, (x0, y0, side))
             layers.append((mask, {"shape": SHAPES.index(shape) + 1, "color": list(COLORS).index(color) + 1}))
     objects = list(zip(shapes, colors, columns))
-    return (image, objects, _label_cells(layers)) if with_labels else (image, objects)
+    return (image, objects, _scaled_labels(_label_cells(layers), scale)) if with_labels else (image, objects)
 
 
-def make_digit_strip(rng: np.random.Generator, with_labels: bool = False):
+def make_digit_strip(rng: np.random.Generator, with_labels: bool = False, scale: int = 1):
     """Render a row of 4-8 digits on a muted background; return the image and the digits (and,
-    with ``with_labels``, the per-cell labels of :func:`_label_cells`; nothing drawn from ``rng``)."""
+    with ``with_labels``, the per-cell labels of :func:`_label_cells`; nothing drawn from ``rng``).
+    ``scale`` draws the same strip ``scale`` times larger, its labels on the larger grid."""
+    scale = check_scale(scale)
     n = int(rng.integers(READ_DIGITS[0], READ_DIGITS[1] + 1))
     digits = "".join(DIGITS[i] for i in rng.integers(0, 10, size=n))
     sx, sy = _GLYPH_SCALE
@@ -264,7 +301,7 @@ def make_digit_strip(rng: np.random.Generator, with_labels: bool = False):
     x0 = int(rng.integers(4, SCENE_SIZE - width - 4 + 1))
     y0 = int(rng.integers(4, SCENE_SIZE - glyph_h - 4 + 1))
     rgb = _jitter(rng, COLORS[list(COLORS)[rng.integers(len(COLORS))]])
-    image = Image.fromarray(_background(rng))
+    image = _canvas(rng, scale)
     draw = ImageDraw.Draw(image)
     layers = []
     for i, digit in enumerate(digits):
@@ -272,13 +309,13 @@ def make_digit_strip(rng: np.random.Generator, with_labels: bool = False):
         for row, line in enumerate(_FONT[digit]):
             for col, dot in enumerate(line):
                 if dot == "#":
-                    draw.rectangle((gx + col * sx, y0 + row * sy, gx + col * sx + sx - 1, y0 + row * sy + sy - 1),
-                                   fill=rgb)
+                    x, y = gx + col * sx, y0 + row * sy
+                    draw.rectangle((x * scale, y * scale, (x + sx) * scale - 1, (y + sy) * scale - 1), fill=rgb)
         if with_labels:  # the glyph's box, not its ink: a cell "has" a digit where the digit is
-            mask = Image.new("L", image.size, 0)
+            mask = Image.new("L", (SCENE_SIZE, SCENE_SIZE), 0)
             ImageDraw.Draw(mask).rectangle((gx, y0, gx + glyph_w - 1, y0 + glyph_h - 1), fill=255)
             layers.append((mask, {"digit": int(digit) + 1}))
-    return (image, digits, _label_cells(layers)) if with_labels else (image, digits)
+    return (image, digits, _scaled_labels(_label_cells(layers), scale)) if with_labels else (image, digits)
 
 
 # --------------------------------------------------------------------------- questions
@@ -356,15 +393,16 @@ def draw_kind(rng: np.random.Generator, weights: dict[tuple[str, ...], float] | 
     return family[rng.integers(len(family))]
 
 
-def make_example(rng: np.random.Generator, kind: str | None = None) -> Example:
-    """One ``(image | None, question, answer)`` request, of ``kind`` or drawn by :func:`draw_kind`."""
+def make_example(rng: np.random.Generator, kind: str | None = None, scale: int = 1) -> Example:
+    """One ``(image | None, question, answer)`` request, of ``kind`` or drawn by :func:`draw_kind`
+    (its image drawn ``scale`` times larger: the same draws, so the same request)."""
     kind = draw_kind(rng) if kind is None else kind
     if kind == "read":
-        image, digits = make_digit_strip(rng)
+        image, digits = make_digit_strip(rng, scale=scale)
         return image, "read the number.", spaced(digits)
     if kind in TEXT_KINDS:
         return (None, *text_question(rng, kind))
-    image, objects = make_scene(rng)
+    image, objects = make_scene(rng, scale=scale)
     return (image, *scene_question(rng, kind, objects))
 
 
@@ -372,15 +410,18 @@ IMAGE_FAMILY_WEIGHTS = {family: w for family, w in FAMILY_WEIGHTS.items() if fam
 """``FAMILY_WEIGHTS`` without the text-only family (renormalised when drawn)."""
 
 
-def make_split(seed: int, n: int, *, image_only: bool = False) -> list[Example]:
+def make_split(seed: int, n: int, *, image_only: bool = False, scale: int = 1) -> list[Example]:
     """Generate ``n`` requests from ``numpy.random.default_rng(seed)`` (same seed -> same split).
 
     ``image_only`` draws from the image families only (shape scenes and digit strips, in
-    their ``FAMILY_WEIGHTS`` proportions): the split of studies about visual tokens.
+    their ``FAMILY_WEIGHTS`` proportions): the split of studies about visual tokens. ``scale``
+    draws every image that many times larger (``scale * SCENE_SIZE`` px): the same requests
+    (questions, answers, object positions and colours) with ``scale**2`` times the patches.
     """
+    scale = check_scale(scale)
     rng = np.random.default_rng(seed)
     weights = IMAGE_FAMILY_WEIGHTS if image_only else FAMILY_WEIGHTS
-    return [make_example(rng, draw_kind(rng, weights)) for _ in range(n)]
+    return [make_example(rng, draw_kind(rng, weights), scale) for _ in range(n)]
 
 
 def make_demo(seed: int, per_kind: int = 1) -> list[Example]:
@@ -390,7 +431,8 @@ def make_demo(seed: int, per_kind: int = 1) -> list[Example]:
 
 
 def make_conversation(rng: np.random.Generator, max_turns: int = 5,
-                      weights: dict[tuple[str, ...], float] | None = None, with_labels: bool = False):
+                      weights: dict[tuple[str, ...], float] | None = None, with_labels: bool = False,
+                      scales: tuple[int, ...] = (1,)):
     """A training chat: one request family (drawn by ``weights``), 1-``max_turns`` turns;
     ``(image | None, turns)``, plus the image's per-cell labels (None without an image) when
     ``with_labels`` (the same draws either way).
@@ -401,17 +443,21 @@ def make_conversation(rng: np.random.Generator, max_turns: int = 5,
     one ``color``/``shape``/``exists``-yes question, so earlier turns never give later answers
     away. Digit strips get one ``read`` turn; text-only chats get 1-``max_turns`` independent
     puzzles.
+
+    ``scales``: the image is drawn at one of them, chosen with one more draw from ``rng`` only
+    when there are several (so ``(1,)`` draws exactly what it always drew).
     """
     kind = draw_kind(rng, weights)
+    scale = check_scale(scales[int(rng.integers(len(scales)))] if len(scales) > 1 else scales[0])
     if kind == "read":
-        image, digits, *labels = make_digit_strip(rng, with_labels)
+        image, digits, *labels = make_digit_strip(rng, with_labels, scale)
         return (image, [("read the number.", spaced(digits))], *labels)
     if kind in TEXT_KINDS:
         turns = [text_question(rng, kind)]
         turns += [text_question(rng, TEXT_KINDS[rng.integers(len(TEXT_KINDS))])
                   for _ in range(int(rng.integers(0, max_turns)))]
         return (None, turns, None) if with_labels else (None, turns)
-    image, objects, *labels = make_scene(rng, with_labels)
+    image, objects, *labels = make_scene(rng, with_labels, scale)
     if kind == "describe":
         return (image, [scene_question(rng, kind, objects)], *labels)
     unused = [objects[i] for i in rng.permutation(len(objects))]

@@ -105,6 +105,7 @@ from .tasks import (
     make_scene,
     make_split,
     question_kind,
+    SCALES,
 )
 
 HELDOUT_SEED = 20_251_121
@@ -204,8 +205,13 @@ class TrainArgs:
     eval_n: int = 400
     overwrite: bool = False  # replace out / demo_dir even when this trainer did not write them
     progress: bool | None = None  # a bar on stderr: None = only when stderr is a terminal (workbench.progress)
+    # fine-tuning (recipe "hires"): start from a model folder's weights, draw images at these scales
+    init_from: Path | None = None  # a model folder (model.safetensors); None: random init
+    scales: tuple[int, ...] = (1,)  # scene scales of the chats' images (tasks.SCALES); (1,): as always
 
 
+FINE_TUNE_DEFAULTS = {"init_from": None, "scales": (1,)}
+"""TrainArgs fields added for fine-tuning (issue 39 §8), with the values that train from scratch."""
 RUN_OPTIONS = ("out", "demo_dir", "checkpoint_dir", "checkpoint_every", "resume", "stop_after", "eval_every", "eval_n",
                "overwrite", "progress")
 """TrainArgs fields that do not change the weights (a resumed run may differ in them)."""
@@ -225,6 +231,15 @@ RECIPES: dict[str, dict] = {
                     "finish": (replace(FINISH_EXISTS, steps=100), replace(FINISH_COLOR, steps=250))},
     "lean-focus-first": {"vision_steps": 800, "steps": 600, "order": "focus-first",
                          "finish": (replace(FINISH_EXISTS, steps=100), replace(FINISH_COLOR, steps=250))},
+    # a short mixed-resolution fine-tune of a trained model (--init-from, issue 39 §8): no
+    # vision warm-up, mixed chats whose images are drawn at 1x or 2x (128 or 256 px), then the
+    # colour focus stage at both scales; the processor keeps every image between 1x and 2x whole.
+    # No per-patch probe loss: the probe head is not saved with a model, so a fresh one starts
+    # random and would push its gradients into the trained tower (a precaution; BENCHMARKS.md,
+    # issue 39 §8). Sized for ~20 min of a shared 2-core CPU
+    "hires": {"vision_steps": 0, "steps": 100, "batch_size": 16, "lr": 5e-4, "warmup": 10,
+              "vision_aux_coef": 0.0, "scales": (1, 2),
+              "finish": (replace(FINISH_COLOR, steps=30, lr=3e-4),)},
 }
 """Named recipes: overrides of the :class:`TrainArgs` defaults (the recipe study compares them)."""
 
@@ -327,6 +342,11 @@ def validate(args: TrainArgs) -> None:
     for stage in args.finish:
         need(isinstance(stage.steps, int) and 0 <= stage.steps <= INT_BOUNDS["steps"][1],
              f"finish stage {stage.name!r} steps", stage.steps, bounds_text("steps"))
+    need(isinstance(args.scales, tuple) and len(args.scales) >= 1
+         and all(isinstance(x, int) and not isinstance(x, bool) and SCALES[0] <= x <= SCALES[1] for x in args.scales),
+         "scales", args.scales, f"a non-empty tuple of whole numbers in {SCALES[0]}..{SCALES[1]}")
+    if args.init_from is not None and not (Path(args.init_from) / "model.safetensors").is_file():
+        raise ValueError(f"init_from = {str(args.init_from)!r} is not allowed: a model folder holding model.safetensors")
 
 
 # --------------------------------------------------------------------------- training
@@ -455,6 +475,9 @@ def fingerprint(args: TrainArgs) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint: every argument
     but the run options (:data:`RUN_OPTIONS`), as JSON values."""
     values = {k: v for k, v in asdict(args).items() if k not in RUN_OPTIONS}
+    for name, default in FINE_TUNE_DEFAULTS.items():  # absent at their defaults: older checkpoints and
+        if values.get(name) == default:  # training logs (which predate them) still match
+            values.pop(name)
     return json.loads(json.dumps(values, default=str))
 
 
@@ -845,7 +868,8 @@ class Trainer:
         args, model, probe = self.args, self.model, self.probe
         weights = {family: share for family, share in stage.families}
         batch_size = args.batch_size if stage.batch_size is None else stage.batch_size
-        chats = [make_conversation(stream, args.image_turns, weights, with_labels=True) for _ in range(batch_size)]
+        chats = [make_conversation(stream, args.image_turns, weights, with_labels=True, scales=args.scales)
+                 for _ in range(batch_size)]
         texts = [make_conversation(stream, args.text_turns, TEXT_TRAIN_WEIGHTS)
                  for _ in range(stage.text_batch_size if step % 2 else 0)]
         image_items = [(image, turns) for image, turns, _ in chats]
@@ -1032,8 +1056,12 @@ def initial_model(args: TrainArgs):
     eval mode."""
     set_determinism(args.seed, args.device)
     tokenizer = build_v2_tokenizer()
-    image_processor = build_image_processor()
+    image_processor = build_image_processor(min(args.scales), max(args.scales))
     model = Qwen3VLMoeForConditionalGeneration(build_config(len(tokenizer), args.router_aux_loss_coef, args.size))
+    if args.init_from is not None:  # fine-tuning: the folder's weights, every tensor (strict)
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(Path(args.init_from) / "model.safetensors")), strict=True)
     model.generation_config = build_generation_config()
     model.to(args.device)
     model.eval()
@@ -1225,6 +1253,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser.add_argument("--checkpoint-dir", type=_path_type, help="where training checkpoints go (outside the repo; one "
                         "run at a time)")
     parser.add_argument("--resume", type=_path_type, help="checkpoint directory to continue from (its newest checkpoint)")
+    parser.add_argument("--init-from", type=_path_type, help="model folder whose weights training starts from (a "
+                        "fine-tune, e.g. --recipe hires --init-from data/qwen3-vl-moe-small); default: random init")
     ns = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(ns).items() if v is not None and k not in ("preset", "recipe")}
     try:
@@ -1250,6 +1280,8 @@ def reproduce_command(args: TrainArgs) -> str:
     parts = [f"python -m {TRAIN_MODULE}", f"--preset {args.preset}", f"--recipe {args.recipe}",
              f"--out {shlex.quote(rel(args.out))}", f"--demo-dir {shlex.quote(rel(args.demo_dir))}"]
     defaults = make_args(args.preset, args.recipe)
+    if args.init_from is not None:
+        parts.append(f"--init-from {shlex.quote(rel(Path(args.init_from)))}")
     for name in ("steps", "vision_steps", "seed", "batch_size", "lr", "heldout_n", "device", "experts_implementation"):
         value = getattr(args, name)
         if name == "seed" or value != getattr(defaults, name):
