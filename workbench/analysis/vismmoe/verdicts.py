@@ -5,7 +5,7 @@ renders them as a list."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -29,6 +29,14 @@ def _clear(diff: float, se: float, direction: int) -> bool:
     if not np.isfinite(diff):
         return False
     return direction * diff > 0 and (not np.isfinite(se) or abs(diff) > 2 * se)
+
+
+def _grows(claim: str, before: np.ndarray, after: np.ndarray,
+           detail: Callable[[float, float], str]) -> tuple[str, bool, str]:
+    """A verdict row: ``claim`` holds when ``after`` − ``before`` (paired) is above zero by
+    more than 2 SE; ``detail`` words the numbers from the difference and its SE."""
+    d, se = _paired(before, after)
+    return claim, _clear(d, se, +1), detail(d, se)
 
 
 def findings(ladder: xr.Dataset | None = None, sweep: pd.DataFrame | None = None,
@@ -185,20 +193,20 @@ def scale_findings(pruning: dict[int, xr.Dataset] | None = None,
             for g in groups:
                 gain = {s: conc[s].sel(group=g).values - conc[s].sel(group="visual (raw)").values
                         for s in (s0, s1)}
-                d, se = _paired(gain[s0], gain[s1])
-                out.append((f"{g} gains more concentration over raw visual at {s1}× than at {s0}×",
-                            _clear(d, se, +1),
-                            f"kept − raw top-{pruning[s0].attrs['top_k']} concentration: "
-                            f"{np.nanmean(gain[s0]):+.3f} at {s0}× vs {np.nanmean(gain[s1]):+.3f} at "
-                            f"{s1}× ({d:+.3f} ± {se:.3f}, {pruning[s0].sizes['request']} scenes)"))
+                out.append(_grows(
+                    f"{g} gains more concentration over raw visual at {s1}× than at {s0}×",
+                    gain[s0], gain[s1], lambda d, se:
+                    f"kept − raw top-{pruning[s0].attrs['top_k']} concentration: "
+                    f"{np.nanmean(gain[s0]):+.3f} at {s0}× vs {np.nanmean(gain[s1]):+.3f} at "
+                    f"{s1}× ({d:+.3f} ± {se:.3f}, {pruning[s0].sizes['request']} scenes)"))
             if {"visual (kept: affinity)", "visual (kept: random)"} <= set(groups):
                 lead = {s: conc[s].sel(group="visual (kept: affinity)").values
                         - conc[s].sel(group="visual (kept: random)").values for s in (s0, s1)}
-                d, se = _paired(lead[s0], lead[s1])
-                out.append((f"affinity's concentration lead over random grows at {s1}×",
-                            _clear(d, se, +1),
-                            f"affinity − random concentration: {np.nanmean(lead[s0]):+.3f} at {s0}× vs "
-                            f"{np.nanmean(lead[s1]):+.3f} at {s1}× ({d:+.3f} ± {se:.3f})"))
+                out.append(_grows(
+                    f"affinity's concentration lead over random grows at {s1}×",
+                    lead[s0], lead[s1], lambda d, se:
+                    f"affinity − random concentration: {np.nanmean(lead[s0]):+.3f} at {s0}× vs "
+                    f"{np.nanmean(lead[s1]):+.3f} at {s1}× ({d:+.3f} ± {se:.3f})"))
     if accuracy:
         s0, *rest = sorted(accuracy)
         for s1 in rest:
@@ -210,21 +218,21 @@ def scale_findings(pruning: dict[int, xr.Dataset] | None = None,
                             - a["correct_none"].values.astype(float))
                 for pol in (str(p) for p in a0["policy"].values):
                     c0, c1 = cost(a0, pol), cost(a1, pol)
-                    d, se = _paired(c0, c1)
-                    out.append((f"{pol} compression at β = {b:g} costs less accuracy at {s1}×",
-                                _clear(d, se, +1),
-                                f"accuracy change vs no compression: {c0.mean() * 100:+.1f} points at "
-                                f"{s0}× vs {c1.mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
-                                f"{se * 100:.1f} points, {nq} questions)"))
+                    out.append(_grows(
+                        f"{pol} compression at β = {b:g} costs less accuracy at {s1}×",
+                        c0, c1, lambda d, se:
+                        f"accuracy change vs no compression: {c0.mean() * 100:+.1f} points at "
+                        f"{s0}× vs {c1.mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
+                        f"{se * 100:.1f} points, {nq} questions)"))
                 pols = {str(p) for p in a0["policy"].values}
                 if {"affinity", "random"} <= pols:
                     lead = {s: (a["correct"].sel(policy="affinity", beta=b).values.astype(float)
                                 - a["correct"].sel(policy="random", beta=b).values.astype(float))
                             for s, a in ((s0, a0), (s1, a1))}
-                    d, se = _paired(lead[s0], lead[s1])
-                    out.append((f"affinity's accuracy lead over random at β = {b:g} grows at {s1}×",
-                                _clear(d, se, +1),
-                                f"affinity − random: {lead[s0].mean() * 100:+.1f} points at {s0}× vs "
-                                f"{lead[s1].mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
-                                f"{se * 100:.1f} points)"))
+                    out.append(_grows(
+                        f"affinity's accuracy lead over random at β = {b:g} grows at {s1}×",
+                        lead[s0], lead[s1], lambda d, se:
+                        f"affinity − random: {lead[s0].mean() * 100:+.1f} points at {s0}× vs "
+                        f"{lead[s1].mean() * 100:+.1f} at {s1}× ({d * 100:+.1f} ± "
+                        f"{se * 100:.1f} points)"))
     return out
