@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     from . import V2_MODEL_DIR
     from .model import build_image_processor, build_v2_tokenizer
     from .tasks import SCENE_SIZE, check_scale, make_split
-    from .train import HELDOUT_SEED
+    from workbench.models.batches import HELDOUT_SEED  # not .train: it imports this module
 
     def scales(text: str) -> list[int]:
         try:
