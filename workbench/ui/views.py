@@ -581,8 +581,8 @@ class TickQueue:
     replay slice) is scheduled once, when it ends. Urgent redraws (what a click or a new run
     waits for) do not wait. Two earlier versions measured slower filters under ``--load 2``
     (1.5-4×, ``benchmarks/bench_dashboard.py``): one slept 10 ms between redraws and 3 ms at
-    each look at the page (a process that sleeps on a busy machine waits for the scheduler to
-    give its core back), the other made every redraw wait for the page's relayout chatter."""
+    each look at the page (why sleeping cost that much on a busy machine was not traced), the
+    other made every redraw wait for the page's relayout chatter."""
 
     #: idle time after a redraw, in units of the redraw's own duration
     REST = 1.0
