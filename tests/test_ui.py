@@ -269,6 +269,53 @@ def test_knob_change_applies_to_the_next_run_only(tiny_ckpt, tmp_path):
         s.start_run(name="second", prompt="p")
 
 
+def test_the_regime_knobs_act_on_runs_started_from_the_dashboard(tiny_ckpt, tmp_path):
+    """Issue 39's knobs (offload unit, transfer order, capacity scope), edited in the dashboard's
+    knob cards, reach the next run as they do from the CLI: the run records each value and its
+    counts show the mechanism acted (tiny model: 3 layers × 8 experts, top-2, no pinned layer)."""
+    from workbench.ui.widgets import knob_panels
+
+    s = _store(tmp_path, tiny_ckpt("qwen3_moe"), cache_slots=16, pinned_layers=0,
+               max_new_tokens=4)
+    w = {n: wd for p in knob_panels(s.knobs).values() for n, wd in p._widgets.items()}
+
+    def run(name: str) -> dict:
+        s.start_run(name=name, prompt="the same request for every run")
+        s.wait()
+        assert not s.error, s.error
+        summary = json.loads(s.dataset.attrs["summary"])
+        for knob in ("offload_unit", "transfer_order", "capacity_scope"):
+            assert json.loads(s.dataset.attrs[f"knob.{knob}"]) == w[knob].value
+        return summary
+
+    expert = run("expert")
+    w["offload_unit"].value = "layerwise"
+    layerwise = run("layerwise")
+    # accelerate's hooks: every layer copies all its experts at every step, none kept
+    assert layerwise["loads"] == 8 * 3 * layerwise["steps"] > expert["loads"]
+    assert layerwise["hits"] == 0 and layerwise["token_ids"] == expert["token_ids"]
+
+    w["offload_unit"].value, w["cache_slots"].value, w["prefetch"].value = \
+        "expert", 6, "previous-step"
+    order = {}
+    for o in ("fifo", "demand-first"):
+        w["transfer_order"].value = o
+        order[o] = run(o)
+    # demand-first cancels the prefetches whose layer ran before they started; FIFO copies them
+    assert order["fifo"]["cancelled_prefetches"] == 0 < order["demand-first"]["cancelled_prefetches"]
+    assert order["demand-first"]["loads"] < order["fifo"]["loads"]
+
+    w["prefetch"].value, w["ep_ranks"].value, w["dispatch"].value = "none", 2, "capacity-drop"
+    w["capacity_factor"].value, w["min_capacity"].value = 0.5, 0
+    s.batch_size, s.batch_mix = 4, "text"  # decode steps of one request never overflow
+    scope = {}
+    for sc in ("prefill", "all"):
+        w["capacity_scope"].value = sc
+        scope[sc] = run(f"scope-{sc}")
+    assert scope["prefill"]["dispatch_assigned"] == scope["all"]["dispatch_assigned"]
+    assert 0 < scope["prefill"]["dispatch_dropped"] < scope["all"]["dispatch_dropped"]
+
+
 def test_bad_knob_for_the_model_is_reported_not_raised(tiny_ckpt, tmp_path):
     from workbench.errors import KnobError
 
