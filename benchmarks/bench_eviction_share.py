@@ -7,6 +7,7 @@ counts are exact (no timing is involved), so one run is the measurement.
 
     python benchmarks/bench_eviction_share.py            # the table
     python benchmarks/bench_eviction_share.py --json out.json --slots 32,64,128
+    python benchmarks/bench_eviction_share.py --horizons 0,1,8,32,64,96,128   # foresight
 
 Traces (Mixtral-8x7B served by vLLM, 32 layers × 8 experts, top-2; see the data's README):
 ``he-p0`` and ``he-p1`` are HumanEval problems 0 (83 decode steps) and 1 (255) of
@@ -58,9 +59,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
     ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--horizons", type=lambda s: [int(x) for x in s.split(",")],
+                    help="instead: the foresight table, the belady-horizon oracle's share of "
+                         "Belady at these horizons (layer turns; 32 = one Mixtral token), e.g. "
+                         "0,1,8,32,64,96,128")
     a = ap.parse_args()
     if not DATA.exists():
         sys.exit(f"the shared traces are not at {DATA} (set WORKBENCH_SHARED)")
+    if a.horizons:
+        return foresight(a)
     policies = online_policies()
     rows = []
     head = f"{'trace':<14} {'role':<21} {'slots':>5} {'belady':>7}  " + "  ".join(
@@ -89,6 +96,22 @@ def main() -> None:
         print(f"  {t:<14} {s:>4} slots: {top:.3f} of Belady ({names})")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+def foresight(a) -> None:
+    """The foresight table: how far ahead an eviction policy must see the routing to reach a
+    share of Belady's hits (``workbench.analysis.eviction_study.foresight_study``)."""
+    from workbench.analysis.eviction_study import foresight_needed, foresight_study
+
+    df = foresight_study({n: t for n, _, t in decode_traces()}, slots=a.slots,
+                         horizons=a.horizons)
+    t = df.pivot_table(index=["trace", "slots"], columns="horizon", values="share", sort=False)
+    print("share of Belady's hits of Belady seeing h layer turns ahead (LRU beyond), decode:")
+    print(t.round(3).to_string())
+    print("\nleast horizon studied reaching 0.90 of Belady:")
+    print(foresight_needed(df).to_string())
+    if a.json:
+        Path(a.json).write_text(df.to_json(orient="records", indent=1))
 
 
 if __name__ == "__main__":

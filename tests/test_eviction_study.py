@@ -122,3 +122,30 @@ def test_run_store_accessor(tmp_path):
     df = ds.moe.eviction_share(sizes=(0.1, 0.5), policies=["lru", "least-stale"])
     assert set(df.policy) == {"belady", "lru", "least-stale"}
     assert np.allclose(df[(df.policy == "belady") & (df.belady_hits > 0)].share, 1.0)
+
+
+def test_the_foresight_study_runs_from_lru_to_belady():
+    """``belady-horizon`` sees h layer turns ahead: h = 0 is LRU, a horizon past the trace is
+    Belady, in between it is an oracle (never online); the study and its table say so."""
+    from workbench.analysis.eviction_study import foresight_needed, foresight_study
+    from workbench.replay.engine import replay
+
+    tr = _trace()
+    groups = tr.num_steps * tr.num_layers
+    df = foresight_study({"gen": tr}, slots=(16, 40), horizons=(0, 8, groups), phase="all")
+    for n in (16, 40):
+        def hits(**kw):
+            return int(replay(tr, cache_slots=n, pinned_layers=0, hits_only=True,
+                              **kw).hits.sum())
+        row = df[df.slots == n].set_index("horizon")
+        assert row.loc[0, "hits"] == hits(eviction="lru")
+        assert row.loc[groups, "hits"] == row.loc[groups, "belady_hits"] == hits(eviction="belady")
+        assert row.loc[8, "tokens_ahead"] == 1.0  # 8 layers
+        assert (row.share <= 1 + EPS).all() and row.loc[8, "hits"] > row.loc[0, "hits"]
+    need = foresight_needed(df, goal=0.999)
+    assert (need.horizon == groups).all() and (need.best_share > 0.999).all()
+    assert policy_kind("belady-horizon") == "oracle" and "belady-horizon" not in online_policies()
+    from workbench.errors import KnobError
+    from workbench.knobs import Knobs
+    with pytest.raises(KnobError, match="belady_horizon"):
+        Knobs(belady_horizon=-1)

@@ -193,6 +193,13 @@ class CacheKnobs(KnobGroup):
     hotness_window = param.Integer(
         default=16, bounds=(1, 64), softbounds=(1, 64),  # 64: the compiled replay's ring
         doc="T of the 'hotness' eviction policy: uses older than T steps are forgotten.")
+    belady_horizon = param.Integer(
+        default=32, bounds=(0, None), softbounds=(0, 256),
+        doc="How far the 'belady-horizon' oracle sees, in layer turns ((step, layer) groups: "
+            "one token of a model with L MoE layers is L turns): a key used again within the "
+            "horizon is ranked by that use, as Belady does; one not seen in it is evicted "
+            "first, least recently used first. 0 is LRU; a horizon past the trace is Belady. "
+            "It measures how much foresight reaching Belady takes (trace replay only).")
     hybrid = param.Boolean(
         default=False,
         doc="GPU–CPU hybrid mode (VisMMOE §3.4): a miss runs on the host copy of the "

@@ -197,6 +197,53 @@ def verdict(df: pd.DataFrame, goal: float = 0.90, slots: Sequence[int] = (64, 12
     return out
 
 
+def foresight_study(traces: Mapping[str, Any], slots: Sequence[int] = (64, 128),
+                    horizons: Sequence[int] = (0, 1, 8, 32, 64, 96, 128), phase: str = "decode",
+                    **knobs: Any) -> pd.DataFrame:
+    """How much of the future an eviction policy must see to get Belady's hits: one row per
+    (trace, slots, horizon) with ``hits`` of the ``belady-horizon`` oracle (Belady that sees
+    ``horizon`` layer turns ahead, LRU beyond), ``belady_hits``, ``share`` and ``tokens_ahead``
+    = horizon / the trace's layers. Counted on the ``phase`` steps (``all``: every step). A
+    horizon of 0 is LRU. An online policy knows at most the router lookahead (a layer or two
+    of the current token) and statistics of the past, so the smallest horizon whose share
+    reaches a goal is foresight no online policy has. ``knobs``: replay knobs (default a
+    global pool, no pinned layers, no prefetch)."""
+    from workbench.replay import as_trace
+    from workbench.replay.engine import replay
+
+    kw = dict(pinned_layers=0, prefetch="none")
+    kw.update(knobs)
+    rows = []
+    for name, src in traces.items():
+        tr = as_trace(src)
+        m = (np.ones(tr.num_steps, bool) if phase == "all"
+             else np.asarray(tr.phase) == {"prefill": 0, "decode": 1}[phase])
+        for n in slots:
+            def hits(**pol: Any) -> int:
+                r = replay(tr, cache_slots=n, hits_only=True, **pol, **kw)
+                return int(r.hits.astype(np.int64).sum(axis=1)[m].sum())
+            bel = hits(eviction=ORACLE)
+            for h in horizons:
+                got = hits(eviction="belady-horizon", belady_horizon=int(h))
+                rows.append(dict(trace=name, slots=int(n), horizon=int(h),
+                                 tokens_ahead=int(h) / tr.num_layers, hits=got,
+                                 belady_hits=bel, share=got / bel if bel else float("nan")))
+    return pd.DataFrame(rows)
+
+
+def foresight_needed(df: pd.DataFrame, goal: float = 0.90) -> pd.DataFrame:
+    """Per (trace, slots) of :func:`foresight_study`: the smallest horizon studied whose share
+    reaches ``goal`` (NaN: none did), in layer turns and in tokens."""
+    out = []
+    for (t, n), g in df.groupby(["trace", "slots"], sort=False):
+        ok = g[g.share >= goal].sort_values("horizon")
+        h = float(ok.horizon.iloc[0]) if len(ok) else float("nan")
+        out.append(dict(trace=t, slots=n, horizon=h,
+                        tokens_ahead=float(ok.tokens_ahead.iloc[0]) if len(ok) else float("nan"),
+                        best_share=float(g.share.max())))
+    return pd.DataFrame(out).set_index(["trace", "slots"])
+
+
 def share_figure(df: pd.DataFrame, title: str = "share of Belady's hits vs cache size"):
     """Share of Belady against cache size (% of the trace's experts), one line per policy of
     ``df`` (rows of :func:`share_study` for one trace and phase), Belady the dashed ceiling at

@@ -189,6 +189,28 @@ class Belady(EvictionPolicy):
         return min(candidates, key=lambda k: (-self.next_use(k), self.last_use.get(k, -1), k))
 
 
+@EVICTION.register("belady-horizon")
+class BeladyHorizon(Belady):
+    """Belady's MIN that sees only the next ``belady_horizon`` layer turns ((step, layer)
+    groups): how much of the future an eviction policy must know to get Belady's hits. A
+    candidate used again within the horizon is ranked by that use (the farthest goes first);
+    the others, whose next use it cannot see, go before them, least recently used first (the
+    tie rule of :class:`Belady`). So a horizon of 0 evicts as LRU does and one past the
+    trace's end as Belady does. An oracle (it needs the future): trace replay only, and never
+    an online policy."""
+
+    def __init__(self, belady_horizon: int = CacheKnobs.param.belady_horizon.default) -> None:
+        if belady_horizon < 0:
+            raise ValueError(f"belady_horizon must be at least 0 layer turns, not {belady_horizon}")
+        self.horizon = int(belady_horizon)
+        super().__init__()
+
+    def next_use(self, key: Key) -> float:
+        """Belady's next use of ``key`` when it lies within the horizon, else inf (unseen)."""
+        g = super().next_use(key)
+        return g if g - self._group <= self.horizon else float("inf")
+
+
 @EVICTION.register("hotness")
 class Hotness(EvictionPolicy):
     """Decayed hotness (ActiveEvict's history term): evict the candidate with the lowest

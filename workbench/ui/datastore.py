@@ -128,6 +128,12 @@ CLOCK_CHOICES = ("modeled", "measured")
 
 
 # -- workspace and names ------------------------------------------------------------------------
+def drawn_at_first() -> list[str]:
+    """The eviction policies the replay view draws until the user picks: every registered one
+    that does not need the future (the ceiling, Belady, is drawn always)."""
+    return [p for p in EVICTION.available() if not EVICTION.get(p).needs_future]
+
+
 def default_workspace() -> Path:
     """``$WORKBENCH_WORKSPACE`` if set, else the ``workspace`` option (``runs/`` under the working
     directory); returned absolute."""
@@ -797,7 +803,7 @@ class DataStore(param.Parameterized):
     replay_evictions = param.ListSelector(
         default=EVICTION.available(), objects=EVICTION.available(),
         doc="Eviction policies drawn (Belady, the offline optimum, is always drawn: the "
-            "ceiling).")
+            "ceiling). At first: every policy that does not need the future.")
     replay_scope = param.Selector(default="global", objects=list(SCOPES),
                                   doc="One pool of slots for every offloaded layer, or an "
                                       "equal share per layer.")
@@ -820,9 +826,11 @@ class DataStore(param.Parameterized):
         replay = {k: params.pop(k) for k in list(params) if k.startswith("replay_")}
         super().__init__(workspace=str(ws), model=None if model is None else str(model),
                          **params)
-        # the menu offers every policy registered by now (as the knob classes do)
+        # the menu offers every policy registered by now (as the knob classes do); drawn at
+        # first: the online ones (the ceiling is always drawn). The other oracles
+        # (belady-horizon) are a question one asks, and have no compiled replay.
         self.param["replay_evictions"].objects = EVICTION.available()
-        self.param.update(**{"replay_evictions": EVICTION.available(), **replay})
+        self.param.update(**{"replay_evictions": drawn_at_first(), **replay})
         self.knobs = knobs if knobs is not None else Knobs()
         #: models shared with every session of this process (the runtime's pool)
         self.pool: ModelPool = pool if pool is not None else default_pool()
