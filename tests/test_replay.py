@@ -234,30 +234,45 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_replay_json_and_errors(live_runs, tmp_path):
+def _cli_in_process(capsys, *args):
+    """``workbench replay *args`` through :func:`workbench.cli.main` in this process:
+    ``(exit code, stdout, stderr)`` (argparse's SystemExit read as the exit code)."""
+    from workbench.cli import main
+
+    try:
+        rc = main(["replay", *args])
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_replay_json_and_errors(live_runs, tmp_path, capsys):
     import json
 
     path = live_runs[("lfu", 80, 2)]
+    # the real command once, as a process (its stdout is the JSON); the other invocations
+    # check exit codes and messages, which main() gives in this process as well
     r = _cli(str(path), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     ds = open_run(path)
     assert out["config"]["eviction"] == "lfu" and out["config"]["cache_slots"] == 80
     assert out["metrics"]["misses"] == int(ds["misses"].sum())  # the store's own knobs
-    r = _cli(str(path), "--set", "eviction=belady", "--set", "cache_slots=60", "--scope",
-             "per-layer", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["metrics"]["hit_rate"] >= out["metrics"]["hit_rate"]
+    rc, stdout, stderr = _cli_in_process(capsys, str(path), "--set", "eviction=belady", "--set",
+                                         "cache_slots=60", "--scope", "per-layer", "--json")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["metrics"]["hit_rate"] >= out["metrics"]["hit_rate"]
     for args, msg in ((["--scope", "bad"], "--scope must be one of global, per-layer"),
                       (["--set", "eviction=fifo"], "eviction does not accept 'fifo'"),
                       (["--set", "cache_slots=0"], "cache_slots"),
                       (["--format", "csv"], "--format must be one of")):
-        r = _cli(str(path), *args)
-        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+        rc, _, stderr = _cli_in_process(capsys, str(path), *args)
+        assert rc == 2 and msg in stderr, (args, stderr)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"layer": 0, "token_idx": 0, "experts": [1, 2]}\n{"layer": 0, oops}\n')
-    r = _cli(str(bad))
-    assert r.returncode == 2 and "line 2" in r.stderr
+    rc, _, stderr = _cli_in_process(capsys, str(bad))
+    assert rc == 2 and "line 2" in stderr
 
 
 @pytest.mark.parametrize("prefetch,lead,slots,pinned", [("previous-step", 2, 24, 1),

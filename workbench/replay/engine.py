@@ -338,7 +338,7 @@ def _replay_fast(trace: Trace, st: "_Settings", hits_only: bool) -> ReplayResult
     policy = PREFETCH.create(k.prefetch, **st.values)
     chunks = trace.step_chunks(CHUNK_ACCESSES)
     t0 = time.perf_counter()
-    occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
+    occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), K.no_future()
     G = A = 0
     if code == K.BELADY:
         occ_ptr, occ_grp, G, A = _belady_future(trace, chunks, nk)
@@ -401,7 +401,7 @@ def _belady_future(trace: Trace, chunks, nk: int):
         sizes.append(groups.num_groups)
     occ_ptr = np.cumsum(counts)
     G, A = int(sum(sizes)), int(occ_ptr[-1])
-    occ_grp = np.zeros(A, np.int32 if G < K.PACK_NEVER else np.int64)
+    occ_grp = np.zeros(A, K.occ_dtype(G))
     fill = occ_ptr[:-1].copy()
     g0 = 0
     for (s0, s1), n in zip(chunks, sizes):
@@ -614,7 +614,7 @@ def run_fast(groups, dense, comp, placement: Placement, code, knobs, pf_ptr, pf_
     if code == K.BELADY:
         occ_ptr, occ_grp = K.occurrences(groups.ptr, keys, nk)
     else:
-        occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), np.zeros(1, np.int64)
+        occ_ptr, occ_grp = np.zeros(nk + 1, np.int64), K.no_future()
     out = K.simulate(groups.layer.astype(np.int64), groups.step.astype(np.int64),
                      groups.ptr.astype(np.int64), keys, dense, comp, placement.pinned,
                      placement.pool_of_layer, placement.pool_slots, code,

@@ -1161,12 +1161,29 @@ def _occurrences(g_ptr, acc_key, num_keys, ptr, grp):
             fill[k] += 1
 
 
+def occ_dtype(num_groups: int):
+    """The dtype of Belady's future ``occ_grp`` over ``num_groups`` groups: int32 where every
+    group index fits (4 bytes per access), else int64. Every caller of :func:`simulate` /
+    :meth:`KernelState.run` passes this dtype, and :data:`NO_FUTURE` when Belady does not
+    run: numba compiles ``_simulate`` once per argument dtype, and each compilation of the
+    inlined loop costs tens of seconds on a cold cache."""
+    return np.int32 if num_groups < PACK_NEVER else np.int64
+
+
+def no_future() -> np.ndarray:
+    """The placeholder ``occ_grp`` of a replay without Belady (never read): the dtype
+    :func:`occ_dtype` gives on any trace that fits, so that Belady and the other policies
+    share one compiled ``_simulate``."""
+    return np.zeros(1, np.int32)
+
+
 def occurrences(g_ptr: np.ndarray, acc_key: np.ndarray, num_keys: int):
     """CSR ``(occ_ptr [num_keys+1], occ_grp [accesses])`` of the groups each key occurs in,
     ascending — what :func:`simulate` reads for Belady — by one counting pass (O(accesses +
-    keys), no sort). Equal to a stable argsort of ``acc_key`` mapped to group indices."""
+    keys), no sort). Equal to a stable argsort of ``acc_key`` mapped to group indices;
+    ``occ_grp`` of :func:`occ_dtype`."""
     ptr = np.zeros(num_keys + 1, np.int64)
-    grp = np.zeros(acc_key.shape[0], np.int64)
+    grp = np.zeros(acc_key.shape[0], occ_dtype(len(g_ptr) - 1))
     _occurrences(np.asarray(g_ptr, np.int64), np.asarray(acc_key, np.int64), num_keys, ptr, grp)
     return ptr, grp
 
