@@ -82,7 +82,7 @@ def test_eplb_over_time_fits_on_the_past_and_balances_stationary_traffic():
     from workbench.sim.eplb_replay import eplb_over_time
 
     rng = np.random.default_rng(0)
-    S, L, E = 40, 2, 8
+    S, L = 40, 2  # steps, layers (8 experts: len(p))
     p = np.array([0.4, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])
     counts = np.stack([[rng.multinomial(64, p) for _ in range(L)] for _ in range(S)])
     r = eplb_over_time(counts, ranks=4, redundant=4, window=10, interval=10)

@@ -1164,7 +1164,7 @@ def _occurrences(g_ptr, acc_key, num_keys, ptr, grp):
 def occ_dtype(num_groups: int):
     """The dtype of Belady's future ``occ_grp`` over ``num_groups`` groups: int32 where every
     group index fits (4 bytes per access), else int64. Every caller of :func:`simulate` /
-    :meth:`KernelState.run` passes this dtype, and :data:`NO_FUTURE` when Belady does not
+    :meth:`KernelState.run` passes this dtype, and :func:`no_future` when Belady does not
     run: numba compiles ``_simulate`` once per argument dtype, and each compilation of the
     inlined loop costs tens of seconds on a cold cache."""
     return np.int32 if num_groups < PACK_NEVER else np.int64
