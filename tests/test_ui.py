@@ -497,11 +497,14 @@ def test_ab_deltas_and_difference_heatmap(two_runs):
 
 
 # -- live tail ------------------------------------------------------------------------------------
-WRITER = textwrap.dedent("""
+#: the other process's run: long enough (at 0.08 s a step) for the tail to see it grow in 3+
+#: sizes between its 2nd step and its end, which is all the test needs of its length
+LIVE_STEPS = 16
+WRITER = textwrap.dedent(f"""
     import sys, time, workbench
     workbench.set_options(flush_every=1)
-    rt = workbench.Runtime(sys.argv[1], cache_slots=3, pinned_layers=1, max_new_tokens=40,
-                           device="cpu")
+    rt = workbench.Runtime(sys.argv[1], cache_slots=3, pinned_layers=1,
+                           max_new_tokens={LIVE_STEPS}, device="cpu")
     rt.run("written by another process", store=sys.argv[2],
            on_token=lambda t, s: time.sleep(0.08))
 """)
@@ -531,7 +534,7 @@ def test_live_tail_of_a_store_written_by_another_process(tiny_ckpt, tmp_path):
             time.sleep(0.1)
         assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()
         s.poll()
-        assert s.dataset.attrs["status"] == "complete" and s.dataset.sizes["step"] == 40
+        assert s.dataset.attrs["status"] == "complete" and s.dataset.sizes["step"] == LIVE_STEPS
         assert len(set(seen)) > 2 and seen == sorted(seen)  # it grew while being written
         assert not s.live and s.runs[0].status == "complete"
     finally:
