@@ -904,20 +904,21 @@ def test_build_app_without_a_server(two_runs):
         tpl._wb_poll.stop()
 
 
-def test_serve_binds_the_loopback_address(tmp_path):
+def test_serve_binds_the_loopback_address(tmp_path, monkeypatch, capfd):
     """``workbench.ui.serve()`` (what ``workbench dashboard`` calls) answers on 127.0.0.1, at
-    /dashboard as ``panel serve apps/dashboard.py`` does (and / redirects there)."""
-    import os
+    /dashboard as ``panel serve apps/dashboard.py`` does (and / redirects there). Served from a
+    thread of this process (``threaded=True``, every other argument the command's): a process
+    of its own would only add its imports, and what it prints is captured here all the same."""
     import socket
     import urllib.request
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = f"from workbench.ui.app import serve; serve(port={port})"
-    env = {**os.environ, "WORKBENCH_WORKSPACE": str(tmp_path / "ws")}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    monkeypatch.setenv("WORKBENCH_WORKSPACE", str(tmp_path / "ws"))
+    from workbench.ui.app import serve
+
+    server = serve(port=port, threaded=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -926,12 +927,13 @@ def test_serve_binds_the_loopback_address(tmp_path):
                 root = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
                 break
             except OSError:
-                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                assert server.is_alive() and time.time() < deadline, capfd.readouterr()
                 time.sleep(0.2)
         assert b"workbench" in page and root.url.endswith("/dashboard")
     finally:
-        proc.terminate()
-        out = proc.communicate(timeout=20)[0].decode()
+        server.stop()
+        server.join(timeout=20)
+    out = "".join(capfd.readouterr())
     assert f"http://127.0.0.1:{port}/dashboard" in out
     listening = [c for c in out.splitlines() if "0.0.0.0" in c]
     assert not listening, out
