@@ -138,12 +138,21 @@ def _seen_by_a_reader(store: Path, temp_files: bool = True, bodies: bool = True
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """The finished stores of the two runs the crash tests record (A, then B over it)."""
+def ref_stores(tmp_path_factory):
+    """The paths of the finished stores of the two runs the crash tests record (A: 9 steps,
+    seed 1; then B: 7 steps, seed 2, over it). Read-only: a test that writes over A copies it
+    (a byte-for-byte copy is the store ``_record`` would write again, without its ~40 file
+    steps per copy)."""
     d = tmp_path_factory.mktemp("refs")
     _record(d / "a.zarr", _events(9, seed=1))
     _record(d / "b.zarr", _events(7, seed=2))
-    return workbench.open_run(d / "a.zarr").load(), workbench.open_run(d / "b.zarr").load()
+    return d / "a.zarr", d / "b.zarr"
+
+
+@pytest.fixture(scope="module")
+def refs(ref_stores):
+    """The finished stores of the two runs the crash tests record (A, then B over it), loaded."""
+    return tuple(workbench.open_run(p).load() for p in ref_stores)
 
 
 @pytest.fixture
@@ -385,13 +394,13 @@ def _count_steps(store: Path, events, overwrite=False) -> int:
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_disk_full_at_any_step_fails_cleanly(tmp_path, refs, hook, overwrite):
+def test_disk_full_at_any_step_fails_cleanly(tmp_path, ref_stores, refs, hook, overwrite):
     ref_a, ref_b = refs
     events = _events(7, seed=2)
     probe = tmp_path / "probe"
     probe.mkdir()
-    if overwrite:
-        _record(probe / "run.zarr", _events(9, seed=1))
+    if overwrite:  # the old store: run A as _record writes it
+        shutil.copytree(ref_stores[0], probe / "run.zarr")
     n = _count_steps(probe / "run.zarr", events, overwrite=overwrite)
     tried = 0
     for at in sorted(set(np.linspace(1, n, 40).astype(int))):
@@ -399,7 +408,7 @@ def test_disk_full_at_any_step_fails_cleanly(tmp_path, refs, hook, overwrite):
         d.mkdir()
         store = d / "run.zarr"
         if overwrite:
-            _record(store, _events(9, seed=1))
+            shutil.copytree(ref_stores[0], store)
         count = {"n": 0}
 
         def full(op, path, at=at):
@@ -477,7 +486,7 @@ def test_a_second_writer_of_the_same_store_is_refused(tmp_path, refs):
 
 
 HOLD = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     sys.path.insert(0, sys.argv[3])
     import test_store_durability as t
     rec = t.Recorder(t.Path(sys.argv[1]), t.L, t.E, t.K, attrs={}, pinned=[True, False, False],
@@ -486,7 +495,11 @@ HOLD = textwrap.dedent("""
         rec.add(ev)
     rec.flush()
     open(sys.argv[2], "w").close()  # tell the test the lock is held
-    time.sleep(float(sys.argv[4]))
+    # held until the test has tried its writer (it says so by creating argv[4]); the deadline
+    # only ends a holder whose test died
+    deadline = time.time() + 120
+    while not os.path.exists(sys.argv[4]) and time.time() < deadline:
+        time.sleep(0.02)
     rec.close()
 """)
 
@@ -495,9 +508,9 @@ def test_two_cli_writers_with_overwrite_never_mix(tmp_path, tiny_ckpt, refs, cap
     ref_a, _ = refs
     store = tmp_path / "run.zarr"
     _record(store, _events(7, seed=2))
-    ready = tmp_path / "ready"
+    ready, release = tmp_path / "ready", tmp_path / "release"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(store), str(ready),
-                               str(Path(__file__).parent), "6"])
+                               str(Path(__file__).parent), str(release)])
     try:
         for _ in range(300):
             if ready.exists():
@@ -511,6 +524,7 @@ def test_two_cli_writers_with_overwrite_never_mix(tmp_path, tiny_ckpt, refs, cap
         err = capsys.readouterr().err
         assert rc == 2 and f"pid {holder.pid}" in err and "one writer" in err
     finally:
+        release.touch()  # the holder closes its run only now: it held the lock throughout
         holder.wait(timeout=60)
     ds = workbench.open_run(store)  # the holder's run, whole and alone
     assert ds.attrs["status"] == "complete" and ds.sizes["step"] == 9
