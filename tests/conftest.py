@@ -20,6 +20,7 @@ SHARED = REPO.parent / "shared"
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_dask_tests(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
@@ -103,6 +104,15 @@ def embedded(embedded_dir):
     import workbench
 
     return workbench.load(embedded_dir, device="cpu")
+
+
+def _group_dask_tests(items) -> None:
+    """Tests that use the shared Dask cluster (:func:`dask_scheduler`) run in one pytest-xdist
+    worker (``--dist loadgroup``): one cluster per suite, not one per worker (each starts two
+    worker processes that import torch and transformers)."""
+    for item in items:
+        if "dask_scheduler" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("dask"))
 
 
 @pytest.fixture(scope="session")
