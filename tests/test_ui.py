@@ -1902,10 +1902,8 @@ def test_the_tick_queue_leaves_the_loop_idle_as_long_as_it_redrew():
     ms, fn = q.doc.calls.pop(0)
     assert ms >= 300  # the loop rests as long as the redraw took
     fn()
-    t_end = time.monotonic()
     assert drawn == [1, 2] and not q.doc.calls
     assert not q.ready()  # resting: ≥ 0.6 s of redraws in the burst
-    assert q.rest_until >= t_end + 0.5  # the burst's 0.6 s of redraws, less the time since
     # ready once the rest is over (however long the sleeps above took on a busy machine)
     time.sleep(max(0.0, q.rest_until - time.monotonic()) + 0.01)
     assert q.ready()
