@@ -7,6 +7,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see workbench/__init__)
+# served dashboards of the suite do not compile the replay kernels in a child of their own
+# (workbench.ui.warm; its tests turn it on): the suite's workers share one kernel cache already
+os.environ.setdefault("WORKBENCH_WARM_KERNELS", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from workbench.ui.datastore import (MAX_UPLOAD_BYTES, DataStore, ab_deltas, chec
 from workbench.ui.views import (DeltasView, deltas_html, DiffHeatmapView, HeatmapView, HitRateView,
                                 LatencyView, ReplayView, TimelineView)
 
+REPO = Path(__file__).resolve().parents[1]
 KNOBS = dict(cache_slots=3, pinned_layers=1, max_new_tokens=6, device="cpu")
 
 
@@ -2004,3 +2006,91 @@ def test_the_tick_queue_reads_the_page_before_its_next_redraw():
         stream.close()
         b.close()
         loop.close()
+
+
+# -- the replay kernels' warm-up (workbench.ui.warm) ---------------------------------------------
+_NOTHING_COMPILES = """
+import sys
+import numba.core.event as ev
+from workbench.replay import SCOPES
+from workbench.ui.datastore import DataStore
+
+with ev.install_recorder("numba:compile") as rec:
+    s = DataStore(sys.argv[1])
+    s.open("a")
+    for scope in SCOPES:
+        s.replay_scope = scope
+        st = s.replay_study()
+        assert len(st.curves), scope
+names = sorted({str(e.data.get("dispatcher", e.data)).split(" ")[0] for _, e in rec.buffer
+                if e.is_start})
+print(len(names), names)
+"""
+
+
+def test_after_the_warm_up_the_replay_view_compiles_nothing(two_runs, tmp_path):
+    """After an install numba's cache is empty; the warm-up child (a run of the embedded model,
+    replayed as the view replays it) fills it, so that the replay view's studies of another
+    model's run, in every scope, compile nothing: they only load (a compile on the event loop
+    held the page 16-32 s)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # empty, as installed
+    env.pop("WORKBENCH_WARM_KERNELS", None)
+    warm = subprocess.run([sys.executable, "-m", "workbench.ui.warm"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    assert "replay kernels (global)" in warm.stdout and "(per-layer)" in warm.stdout
+    check = subprocess.run([sys.executable, "-c", _NOTHING_COMPILES, two_runs.workspace],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.strip() == "0 []", check.stdout  # the names of what compiled
+
+
+def test_a_served_replay_view_waits_for_the_warm_up_instead_of_compiling(two_runs, tmp_path,
+                                                                         monkeypatch):
+    """Served, while the warm-up child runs the replay view draws a placeholder saying so and
+    looks again on a timer, replaying nothing; once the child has ended it replays the same
+    study as a view outside a server (a notebook), which never waits. One child per process."""
+    from bokeh.document import Document
+    from bokeh.server.callbacks import TimeoutCallback
+
+    from workbench.ui import warm
+    from workbench.ui.views import WARMING, TickQueue
+
+    monkeypatch.setenv(warm.ENV, "1")
+    release = tmp_path / "release"
+    warm._reset()
+    try:
+        assert warm.start([sys.executable, "-c", "import os, time\n"
+                           f"while not os.path.exists({str(release)!r}): time.sleep(0.02)"])
+        assert not warm.start()  # once per process
+        assert not warm.ready()
+        s = DataStore(workspace=two_runs.workspace)
+        s.open("a")
+        free = ReplayView(s)  # outside a server: replays at once, warm-up or not
+        assert free.study is not None and len(free.study.curves)
+
+        s._replay_memo.clear()
+        doc = Document()
+        v = ReplayView(s)
+        v._ticks = ticks = TickQueue(doc)
+        v.redraw()
+        assert v.study is None and v.message == WARMING
+        assert WARMING[:40] in json.dumps(v.pane.object.to_plotly_json()["layout"])
+        again = [cb for cb in doc.session_callbacks if isinstance(cb, TimeoutCallback)]
+        assert len(again) == 1 and not ticks.pending
+        again[0].callback()  # the timer: still warming, so a placeholder and a new timer
+        while ticks.pending:
+            ticks._one()
+        assert v.study is None and v.message == WARMING
+
+        release.touch()
+        deadline = time.time() + 120  # a hang catcher
+        while not warm.ready():
+            assert time.time() < deadline, "the warm-up child did not end"
+            time.sleep(0.02)
+        [cb for cb in doc.session_callbacks if isinstance(cb, TimeoutCallback)][-1].callback()
+        while ticks.pending:
+            ticks._one()
+        assert v.study is not None and v.study.curves.equals(free.study.curves)
+    finally:
+        warm._reset()

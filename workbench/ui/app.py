@@ -19,6 +19,7 @@ from typing import Any
 import panel as pn
 
 from workbench.errors import WorkbenchError
+from workbench.ui import warm
 from workbench.ui.datastore import DataStore
 from workbench.ui.prism import (OperatingPointsView, SchedulerView, SubexpertView,
                                 prism_knob_widgets)
@@ -125,6 +126,7 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     served = pn.state.curdoc is not None
     if preload:  # after the page has rendered: the import of torch holds the GIL a while
         if pn.state.curdoc is not None:
+            warm.start()  # the replay kernels, compiled in a child, not on the event loop
             pn.state.onload(store.preload)
         else:
             store.preload()

@@ -35,6 +35,7 @@ from workbench.sim.realb import balances
 from workbench.telemetry.metadata import RunMetadata
 from workbench.ui.datastore import (MAX_PROMPT_CHARS, DataStore, ab_context, ab_deltas, selected_steps,
                                     share_difference)
+from workbench.ui import warm
 from workbench.ui.replay import CEILING, METRICS, ReplayStudy, advance, curves_figure
 from workbench.viz.ep import ep_load_figure
 from workbench.viz.heatmap import expert_heatmap, hit_rate_figure, latency_figure, timeline_figure
@@ -1062,6 +1063,13 @@ class ReaLBView(EPView):
                                  f"{ep.balance}")
 
 
+#: what the replay view says while the replay kernels are compiled (:mod:`workbench.ui.warm`)
+WARMING = ("preparing the replay kernels (compiled once after an install, in the background; "
+           "the page stays usable) …")
+#: how often the replay view looks whether they are ready, s
+WARM_RECHECK_S = 0.5
+
+
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
@@ -1107,6 +1115,11 @@ class ReplayView(PlotView):
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         if self.store.running:  # replaying every live update would hold the event loop
             self.message = "the run is in flight: it is replayed when it ends"
+            return placeholder_figure(self.view, REPLAY_TITLE, self.message)
+        if self._ticks is not None and not warm.ready():  # a compile would hold the loop
+            self.message = WARMING
+            self._ticks.doc.add_timeout_callback(
+                lambda: self._ticks.add(id(self), self.redraw), int(WARM_RECHECK_S * 1e3))
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
             if self._steps is None:

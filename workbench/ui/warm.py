@@ -1,0 +1,119 @@
+"""The replay kernels, compiled before a served dashboard's first replay, in a child process.
+
+numba compiles a kernel at its first call with new argument types and keeps the machine code in
+its on-disk cache (``cache=True``). After an install that cache is empty, and the replay view's
+first study compiled on the Bokeh event loop: it held the loop 16 s on an idle 2-core machine
+and 32 s with two busy cores beside the server (``benchmarks/bench_dashboard.py --load 2``: the
+next Run reached its first plot 33.5 s after the click). A slice deadline cannot cut a compile.
+
+So a served dashboard calls :func:`start` when its first session is built: a child process
+(``python -m workbench.ui.warm``) records a 2-token run of the
+embedded model into a scratch folder and replays it through the replay view's own path
+(:meth:`~workbench.ui.datastore.DataStore.replay_study`) in every scope, which compiles every
+kernel the view calls into the cache (or finds them there: then it takes a few seconds). Until
+the child has ended, :func:`ready` is False and the replay view draws a placeholder instead of
+replaying; its replays then load the compiled kernels from the cache. A child that fails costs
+nothing but its time: the view then compiles in-process, as before.
+
+Invariant: once :func:`ready`, the replay view's first study of any run of any model compiles
+nothing (kernels are specialised on argument types, which a store's routing always has the same
+of; ``tests/test_ui.py`` checks it in a fresh cache). Notebooks and the CLI never start it.
+``WORKBENCH_WARM_KERNELS=0`` turns it off (the test suite does: its workers share the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+#: the environment variable that turns the warm-up off ("0")
+ENV = "WORKBENCH_WARM_KERNELS"
+
+_lock = threading.Lock()
+_child: subprocess.Popen | None = None
+_reported = False
+
+
+def start(command: list[str] | None = None) -> bool:
+    """Start the warm-up child once per process (unless :data:`ENV` is ``0``); True when one
+    was started by this call. ``command``: another child (tests)."""
+    global _child, _reported
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    with _lock:
+        if _child is not None:
+            return False
+        cmd = command or [sys.executable, "-m", "workbench.ui.warm"]
+        try:
+            _child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        except OSError as e:  # the view compiles in-process, as without a warm-up
+            log.info("the replay kernels' warm-up could not start: %s", e)
+            return False
+        _reported = False
+        return True
+
+
+def ready() -> bool:
+    """Whether the replay view may replay now: no warm-up child, or it has ended."""
+    global _reported
+    child = _child
+    if child is None:
+        return True
+    code = child.poll()
+    if code is None:
+        return False
+    if not _reported:
+        _reported = True
+        (log.info if code == 0 else log.warning)(
+            "the replay kernels' warm-up ended with exit code %s%s", code,
+            "" if code == 0 else " (the first replay compiles them in the server)")
+    return True
+
+
+def _reset() -> None:
+    """Forget the child (tests): the next :func:`start` starts one again."""
+    global _child
+    with _lock:
+        if _child is not None and _child.poll() is None:
+            _child.kill()
+            _child.wait()
+        _child = None
+
+
+def warm() -> None:
+    """Record a 2-token run of the embedded model (a demo request with its image) into a scratch
+    folder and replay it as the replay view does, in every scope."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import workbench
+    from workbench.models.embedded.demo import read_demo
+    from workbench.replay import SCOPES
+    from workbench.ui.datastore import DataStore
+
+    demo = next((d for d in read_demo() if d.get("image")), None)
+    with tempfile.TemporaryDirectory(prefix="workbench-warm-") as tmp:
+        ws = Path(tmp)
+        rt = workbench.Runtime(max_new_tokens=2)
+        prompt = demo["prompt"] if demo else "count from 2 to 8"
+        rt.run(prompt, images=[str(demo["image"])] if demo else [], store=ws / "warm.zarr")
+        store = DataStore(ws, refresh_s=1e9)
+        store.open("warm.zarr")
+        for scope in SCOPES:
+            t = time.perf_counter()
+            store.replay_scope = scope
+            store.replay_study()
+            print(f"replay kernels ({scope}): {time.perf_counter() - t:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    # at the server's own priority: at the lowest (nice 19) beside two busy-looping processes
+    # it had 17 s of CPU in 3.5 min, and the replay view waited all that time
+    warm()
