@@ -252,11 +252,18 @@ def test_belady_without_its_tree_equals_the_python_engine(monkeypatch, scope, pi
     kw = dict(eviction="belady", cache_slots=slots, pinned_layers=pinned, prefetch=prefetch,
               scope=scope, target_model="qwen3-vl-30b-a3b", transfer_order="fifo")
     b = replay(trace, engine="python", **kw)
-    monkeypatch.setattr(K, "PACK_NEVER", 0)
+    monkeypatch.setattr(K, "TREE_MAX_GROUPS", 0)
     a = replay(trace, engine="fast", **kw)
     for name in ("hits", "misses", "prefetch_loads", "prefetch_hits", "evictions", "redundant"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     assert a.unused_at_end == b.unused_at_end
+
+
+def test_belady_s_future_is_int32_where_every_group_index_fits():
+    """4 bytes per access up to 2^31 - 1 groups, 8 beyond (the suite does not compile the
+    int64 specialisation of ``_simulate``: the same loop at another dtype, tens of seconds)."""
+    assert K.occ_dtype(K.PACK_NEVER - 1) == np.int32 and K.no_future().dtype == np.int32
+    assert K.occ_dtype(K.PACK_NEVER) == np.int64
 
 
 def test_grouped_belady_is_flat_belady_when_every_group_is_one_access():

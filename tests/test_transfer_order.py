@@ -350,7 +350,7 @@ def test_demand_first_belady_without_its_tree_and_unpriced_replays_agree(monkeyp
               transfer_order="demand-first")
     if priced:
         kw["target_model"] = "qwen3-vl-30b-a3b"
-        monkeypatch.setattr(K, "PACK_NEVER", 0)
+        monkeypatch.setattr(K, "TREE_MAX_GROUPS", 0)
     ref = _engines_agree(trace, **kw)
     assert int(ref.cancelled.sum()) > 0
 

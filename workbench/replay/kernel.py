@@ -64,6 +64,12 @@ AUX_LAYER, AUX_L, AUX_E, AUX_TURNS = 0, 1, 2, 3
 RING = 64  # most hotness window steps the kernel keeps per key
 NEVER = 1 << 62  # next use of a key with no future access (farther than any group index)
 PACK_NEVER = (1 << 31) - 1  # NEVER in a packed priority (finite next uses stay below it)
+#: Belady keeps its winner tree over fewer groups than this (its packed priorities hold next
+#: uses below PACK_NEVER), else it scans its pool. Read in Python only, never by a kernel: tests
+#: lower it to run Belady without its tree. (They lowered PACK_NEVER once, which also made
+#: ``occ_dtype`` int64 and cost a second cold compile of ``_simulate``; and a global a kernel
+#: reads is frozen into its cached machine code at whatever value it has then.)
+TREE_MAX_GROUPS = PACK_NEVER
 
 # ks columns
 PREV, NEXT, POS, LAST, COUNT, RING_N, OPTR, NU = 0, 1, 2, 3, 4, 5, 6, 7
@@ -901,7 +907,7 @@ class KernelState:
         self.res = np.full((P, maxcap) if policy != LRU else (1, 1), -1, np.int64)
         # Belady's winner tree, where its packed priorities fit: next uses < 2^31 - 1, and the
         # access clock (one tick per lookup and per admission) < 2^32
-        if policy == BELADY and num_groups < PACK_NEVER and clock_max < (1 << 32) - 1:
+        if policy == BELADY and num_groups < TREE_MAX_GROUPS and clock_max < (1 << 32) - 1:
             leaves, inner = 8, 1  # at least one level above the leaves (the root is inner)
             while leaves < maxcap:
                 leaves, inner = leaves * 8, inner + leaves

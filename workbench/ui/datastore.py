@@ -1059,10 +1059,11 @@ class DataStore(param.Parameterized):
         return path
 
     # -- runs --------------------------------------------------------------------------------
-    def preload(self) -> None:
+    def preload(self, then: Any = None) -> None:
         """Load the model for the current ``dtype``/``device`` knobs in a background thread
         (shared by every session), so the first Run does not wait for it. Errors are left for
-        the Run to report."""
+        the Run to report. ``then``: called in that thread once the model is loaded (or failed
+        to load)."""
         key = (self.model, self.knobs.dtype, self.knobs.device)
 
         def go() -> None:
@@ -1070,6 +1071,8 @@ class DataStore(param.Parameterized):
                 self.pool.get(*key)
             except Exception as e:  # reported by start_run when it tries again
                 log.info("preload of the model failed: %s", e)
+            if then is not None:
+                then()
 
         threading.Thread(target=go, name="workbench-preload", daemon=True).start()
 
