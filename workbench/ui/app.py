@@ -126,9 +126,9 @@ def build_app(store: DataStore | None = None, *, template: bool = True,
     served = pn.state.curdoc is not None
     if preload:  # after the page has rendered: the import of torch holds the GIL a while
         if pn.state.curdoc is not None:
-            # then the replay kernels, compiled in a child (not on the event loop), after the
-            # page and the model: started with the server it made the first page 2 s slower
-            # under load (bench_dashboard.py --load 2)
+            # then the replay kernels, compiled in a child (not on the event loop), once the
+            # model is loaded: started before it, the child made the first page 2 s slower
+            # under load (bench_dashboard.py --load 2). `--warm` runs onload at server start
             pn.state.onload(lambda: store.preload(then=warm.start))
         else:
             store.preload()

@@ -6,9 +6,9 @@ first study compiled on the Bokeh event loop: it held the loop 16 s on an idle 2
 and 32 s with two busy cores beside the server (``benchmarks/bench_dashboard.py --load 2``: the
 next Run reached its first plot 33.5 s after the click). A slice deadline cannot cut a compile.
 
-So a served dashboard calls :func:`start` once its first page has rendered and the model has
-loaded (``DataStore.preload``; started with the server, the child made that first page ≈ 2 s
-slower under load): a child process
+So a served dashboard calls :func:`start` once the model has loaded (``DataStore.preload``,
+which a served page starts once it has rendered, and ``panel serve --warm`` at server start;
+started before the model, the child made the first page ≈ 2 s slower under load): a child process
 (``python -m workbench.ui.warm``) records a 2-token run of the
 embedded model into a scratch folder and replays it through the replay view's own path
 (:meth:`~workbench.ui.datastore.DataStore.replay_study`) in every scope, which compiles every
