@@ -2022,7 +2022,7 @@ with ev.install_recorder("numba:compile") as rec:
         s.replay_scope = scope
         st = s.replay_study()
         assert len(st.curves), scope
-names = sorted({str(e.data.get("dispatcher", e.data)).split(" ")[0] for _, e in rec.buffer
+names = sorted({str(e.data.get("dispatcher", e.data))[:100] for _, e in rec.buffer
                 if e.is_start})
 print(len(names), names)
 """
