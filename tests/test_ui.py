@@ -2013,32 +2013,38 @@ _NOTHING_COMPILES = """
 import sys
 import numba.core.event as ev
 from workbench.replay import SCOPES
+from workbench.ui.app import build_app
 from workbench.ui.datastore import DataStore
 
 with ev.install_recorder("numba:compile") as rec:
     s = DataStore(sys.argv[1])
+    app = build_app(s, preload=False)  # unserved: every view draws at once
     s.open("a")
+    for v in app._wb_views.values():
+        v.redraw()
     for scope in SCOPES:
         s.replay_scope = scope
         st = s.replay_study()
         assert len(st.curves), scope
+    assert app._wb_views["scheduler"].study is not None
 names = sorted({str(e.data.get("dispatcher", e.data))[:100] for _, e in rec.buffer
                 if e.is_start})
 print(len(names), names)
 """
 
 
-def test_after_the_warm_up_the_replay_view_compiles_nothing(two_runs, tmp_path):
+def test_after_the_warm_up_the_dashboard_compiles_nothing(two_runs, tmp_path):
     """After an install numba's cache is empty; the warm-up child (a run of the embedded model,
-    replayed as the view replays it) fills it, so that the replay view's studies of another
-    model's run, in every scope, compile nothing: they only load (a compile on the event loop
-    held the page 16-32 s)."""
+    replayed as the view replays it, and the QoS scheduler view) fills it, so that every view
+    of the dashboard on another model's run, the replay view's studies in every scope among
+    them, compiles nothing: they only load (a compile on the event loop held the page 16-32 s)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # empty, as installed
     env.pop("WORKBENCH_WARM_KERNELS", None)
     warm = subprocess.run([sys.executable, "-m", "workbench.ui.warm"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert "replay kernels (global)" in warm.stdout and "(per-layer)" in warm.stdout
+    assert "scheduler kernels" in warm.stdout
     check = subprocess.run([sys.executable, "-c", _NOTHING_COMPILES, two_runs.workspace],
                            env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert check.returncode == 0, check.stderr[-3000:]
@@ -2049,7 +2055,8 @@ def test_a_served_replay_view_waits_for_the_warm_up_instead_of_compiling(two_run
                                                                          monkeypatch):
     """Served, while the warm-up child runs the replay view draws a placeholder saying so and
     looks again on a timer, replaying nothing; once the child has ended it replays the same
-    study as a view outside a server (a notebook), which never waits. One child per process."""
+    study as a view outside a server (a notebook), which never waits. The QoS scheduler view
+    (its simulation compiles too) waits alike. One child per process."""
     from bokeh.document import Document
     from bokeh.server.callbacks import TimeoutCallback
 
@@ -2083,14 +2090,25 @@ def test_a_served_replay_view_waits_for_the_warm_up_instead_of_compiling(two_run
             ticks._one()
         assert v.study is None and v.message == WARMING
 
+        from workbench.ui.prism import SchedulerView
+
+        sched = SchedulerView(s, defer=True)
+        sched._ticks = TickQueue(doc)  # as served
+        sched.redraw()
+        assert sched.study is None and sched.message == WARMING
+
         release.touch()
         deadline = time.time() + 120  # a hang catcher
         while not warm.ready():
             assert time.time() < deadline, "the warm-up child did not end"
             time.sleep(0.02)
-        [cb for cb in doc.session_callbacks if isinstance(cb, TimeoutCallback)][-1].callback()
+        for cb in [cb for cb in doc.session_callbacks if isinstance(cb, TimeoutCallback)]:
+            cb.callback()
         while ticks.pending:
             ticks._one()
+        while sched._ticks.pending:
+            sched._ticks._one()
         assert v.study is not None and v.study.curves.equals(free.study.curves)
+        assert sched.study is not None and sched.message == ""
     finally:
         warm._reset()

@@ -35,7 +35,9 @@ import xarray as xr
 
 from workbench.errors import InputError, WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui.views import PlotView, figure_from_dict, finish_figure, placeholder_figure
+from workbench.ui import warm
+from workbench.ui.views import (WARM_RECHECK_S, WARMING, PlotView, TickQueue, figure_from_dict,
+                               finish_figure, placeholder_figure)
 from workbench.ui.widgets import knob_widget_specs, knob_param, make, names
 from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
 
@@ -668,6 +670,7 @@ class SchedulerView:
         self.message = ""
         self.redraws = 0
         self._busy = False
+        self._ticks = TickQueue.of_session()  # served: waits for the kernels' warm-up
         specs = knob_widget_specs(self.knobs)
         self.controls = {n: knob_param(self.knobs, [n], widgets={n: {**specs[n], "name": label}},
                                        margin=0)
@@ -740,6 +743,12 @@ class SchedulerView:
         if self._busy:
             return
         self.study, self.message = None, ""
+        if self._ticks is not None and not warm.ready():  # its first simulation compiles
+            self.message = WARMING
+            self._ticks.doc.add_timeout_callback(
+                lambda: self._ticks.add(id(self), self.redraw), int(WARM_RECHECK_S * 1e3))
+            self.pane.object = placeholder_figure(self.view, "QoS batch scheduler", WARMING)
+            return
         try:
             if self.cost is None:
                 raise InputError(self.cost_error)

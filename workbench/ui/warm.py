@@ -1,4 +1,4 @@
-"""The replay kernels, compiled before a served dashboard's first replay, in a child process.
+"""The dashboard's numba kernels, compiled before a served page needs them, in a child process.
 
 numba compiles a kernel at its first call with new argument types and keeps the machine code in
 its on-disk cache (``cache=True``). After an install that cache is empty, and the replay view's
@@ -9,18 +9,20 @@ next Run reached its first plot 33.5 s after the click). A slice deadline cannot
 So a served dashboard calls :func:`start` once the model has loaded (``DataStore.preload``,
 which a served page starts once it has rendered, and ``panel serve --warm`` at server start;
 started before the model, the child made the first page ≈ 2 s slower under load): a child process
-(``python -m workbench.ui.warm``) records a 2-token run of the
-embedded model into a scratch folder and replays it through the replay view's own path
-(:meth:`~workbench.ui.datastore.DataStore.replay_study`) in every scope, which compiles every
-kernel the view calls into the cache (or finds them there: then it takes a few seconds). Until
-the child has ended, :func:`ready` is False and the replay view draws a placeholder instead of
-replaying; its replays then load the compiled kernels from the cache. A child that fails costs
-nothing but its time: the view then compiles in-process, as before.
+(``python -m workbench.ui.warm``) records a 2-token run of the embedded model into a scratch
+folder, replays it through the replay view's own path
+(:meth:`~workbench.ui.datastore.DataStore.replay_study`) in every scope and builds MoE-Prism's
+QoS scheduler view (its first simulation compiled on the loop too, at the first page), which
+compiles every kernel those views call into the cache (or finds them there: then it takes a few
+seconds). Until the child has ended, :func:`ready` is False and both views draw a placeholder
+instead; they then load the compiled kernels from the cache. A child that fails costs nothing
+but its time: the views then compile in-process, as before.
 
-Invariant: once :func:`ready`, the replay view's first study of any run of any model compiles
-nothing (kernels are specialised on argument types, which a store's routing always has the same
-of; ``tests/test_ui.py`` checks it in a fresh cache). Notebooks and the CLI never start it.
-``WORKBENCH_WARM_KERNELS=0`` turns it off (the test suite does: its workers share the cache).
+Invariant: once :func:`ready`, the dashboard's views, the replay view's studies of any run of
+any model among them, compile nothing (kernels are specialised on argument types, which a
+store's routing always has the same of; ``tests/test_ui.py`` checks every view in a fresh
+cache). Notebooks and the CLI never start it. ``WORKBENCH_WARM_KERNELS=0`` turns it off (the
+test suite does: its workers share the cache).
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ def warm() -> None:
             store.replay_scope = scope
             store.replay_study()
             print(f"replay kernels ({scope}): {time.perf_counter() - t:.1f} s", flush=True)
+        from workbench.ui.prism import SchedulerView
+
+        t = time.perf_counter()
+        SchedulerView(store)  # MoE-Prism's QoS scheduler: its first simulation compiles too
+        print(f"scheduler kernels: {time.perf_counter() - t:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
