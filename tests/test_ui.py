@@ -2040,7 +2040,7 @@ def test_after_the_warm_up_the_dashboard_compiles_nothing(two_runs, tmp_path):
     them, compiles nothing: they only load (a compile on the event loop held the page 16-32 s)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # empty, as installed
     env.pop("WORKBENCH_WARM_KERNELS", None)
-    warm = subprocess.run([sys.executable, "-m", "workbench.ui.warm"], env=env, cwd=REPO,
+    warm = subprocess.run([sys.executable, "-m", "workbench.ui.warm_child"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert "replay kernels (global)" in warm.stdout and "(per-layer)" in warm.stdout

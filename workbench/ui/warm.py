@@ -9,7 +9,7 @@ next Run reached its first plot 33.5 s after the click). A slice deadline cannot
 So a served dashboard calls :func:`start` once the model has loaded (``DataStore.preload``,
 which a served page starts once it has rendered, and ``panel serve --warm`` at server start;
 started before the model, the child made the first page ≈ 2 s slower under load): a child process
-(``python -m workbench.ui.warm``) records a 2-token run of the embedded model into a scratch
+(``python -m workbench.ui.warm_child``) records a 2-token run of the embedded model into a scratch
 folder, replays it through the replay view's own path
 (:meth:`~workbench.ui.datastore.DataStore.replay_study`) in every scope and builds MoE-Prism's
 QoS scheduler view (its first simulation compiled on the loop too, at the first page), which
@@ -52,7 +52,7 @@ def start(command: list[str] | None = None) -> bool:
     with _lock:
         if _child is not None:
             return False
-        cmd = command or [sys.executable, "-m", "workbench.ui.warm"]
+        cmd = command or [sys.executable, "-m", "workbench.ui.warm_child"]
         try:
             _child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
@@ -88,41 +88,3 @@ def _reset() -> None:
             _child.kill()
             _child.wait()
         _child = None
-
-
-def warm() -> None:
-    """Record a 2-token run of the embedded model (a demo request with its image) into a scratch
-    folder and replay it as the replay view does, in every scope."""
-    import tempfile
-    import time
-    from pathlib import Path
-
-    import workbench
-    from workbench.models.embedded.demo import read_demo
-    from workbench.replay import SCOPES
-    from workbench.ui.datastore import DataStore
-
-    demo = next((d for d in read_demo() if d.get("image")), None)
-    with tempfile.TemporaryDirectory(prefix="workbench-warm-") as tmp:
-        ws = Path(tmp)
-        rt = workbench.Runtime(max_new_tokens=2)
-        prompt = demo["prompt"] if demo else "count from 2 to 8"
-        rt.run(prompt, images=[str(demo["image"])] if demo else [], store=ws / "warm.zarr")
-        store = DataStore(ws, refresh_s=1e9)
-        store.open("warm.zarr")
-        for scope in SCOPES:
-            t = time.perf_counter()
-            store.replay_scope = scope
-            store.replay_study()
-            print(f"replay kernels ({scope}): {time.perf_counter() - t:.1f} s", flush=True)
-        from workbench.ui.prism import SchedulerView
-
-        t = time.perf_counter()
-        SchedulerView(store)  # MoE-Prism's QoS scheduler: its first simulation compiles too
-        print(f"scheduler kernels: {time.perf_counter() - t:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    # at the server's own priority: at the lowest (nice 19) beside two busy-looping processes
-    # it had 17 s of CPU in 3.5 min, and the replay view waited all that time
-    warm()
