@@ -56,15 +56,16 @@ def start(command: list[str] | None = None) -> bool:
         try:
             _child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
-        except OSError as e:  # the view compiles in-process, as without a warm-up
-            log.info("the replay kernels' warm-up could not start: %s", e)
+        except OSError as e:  # the views compile in-process, as without a warm-up
+            log.info("the dashboard kernels' warm-up could not start: %s", e)
             return False
         _reported = False
         return True
 
 
 def ready() -> bool:
-    """Whether the replay view may replay now: no warm-up child, or it has ended."""
+    """Whether the views may run their compiled kernels now (the replay view's studies, the
+    scheduler view's simulation): no warm-up child, or it has ended."""
     global _reported
     child = _child
     if child is None:
@@ -75,8 +76,8 @@ def ready() -> bool:
     if not _reported:
         _reported = True
         (log.info if code == 0 else log.warning)(
-            "the replay kernels' warm-up ended with exit code %s%s", code,
-            "" if code == 0 else " (the first replay compiles them in the server)")
+            "the dashboard kernels' warm-up ended with exit code %s%s", code,
+            "" if code == 0 else " (the views compile them in the server)")
     return True
 
 

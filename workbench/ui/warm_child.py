@@ -11,7 +11,8 @@ from __future__ import annotations
 
 def warm() -> None:
     """Record a 2-token run of the embedded model (a demo request with its image) into a scratch
-    folder and replay it as the replay view does, in every scope."""
+    folder, replay it as the replay view does in every scope, and build the QoS scheduler view
+    (which simulates once)."""
     import tempfile
     import time
     from pathlib import Path
