@@ -35,9 +35,8 @@ import xarray as xr
 
 from workbench.errors import InputError, WorkbenchError
 from workbench.ui.datastore import DataStore
-from workbench.ui import warm
-from workbench.ui.views import (WARM_RECHECK_S, WARMING, PlotView, TickQueue, figure_from_dict,
-                               finish_figure, placeholder_figure)
+from workbench.ui.views import (WARMING, PlotView, TickQueue, figure_from_dict, finish_figure,
+                               placeholder_figure)
 from workbench.ui.widgets import knob_widget_specs, knob_param, make, names
 from workbench.viz.prism import CURVES, LATENCIES, operating_points_figure, scheduler_figure
 
@@ -743,10 +742,8 @@ class SchedulerView:
         if self._busy:
             return
         self.study, self.message = None, ""
-        if self._ticks is not None and not warm.ready():  # its first simulation compiles
-            self.message = WARMING
-            self._ticks.doc.add_timeout_callback(
-                lambda: self._ticks.add(id(self), self.redraw), int(WARM_RECHECK_S * 1e3))
+        if self._ticks is not None and self._ticks.warming(id(self), self.redraw):
+            self.message = WARMING  # its first simulation compiles
             self.pane.object = placeholder_figure(self.view, "QoS batch scheduler", WARMING)
             return
         try:

@@ -545,6 +545,13 @@ def _replay_ep_html(ep: Any) -> str:
 
 
 # -- views ---------------------------------------------------------------------------------------
+#: what a view says while the kernels it runs are compiled (:mod:`workbench.ui.warm`)
+WARMING = ("preparing the compiled kernels (once after an install, in the background; the "
+           "page stays usable) …")
+#: how often such a view looks whether they are ready, s
+WARM_RECHECK_S = 0.5
+
+
 class TickQueue:
     """The redraws of one served session, one per event-loop tick, at most half the loop's time.
 
@@ -659,6 +666,15 @@ class TickQueue:
         if not self.scheduled and not self._running:  # running: its end schedules the next
             self.scheduled = True
             self.doc.add_next_tick_callback(self._one)
+
+    def warming(self, key: int, fn: Callable[[], None]) -> bool:
+        """Whether the kernels' warm-up child (:mod:`workbench.ui.warm`) still runs; if so,
+        ``fn`` is queued under ``key`` again in :data:`WARM_RECHECK_S` (a view that would
+        compile on the loop draws a placeholder meanwhile)."""
+        if warm.ready():
+            return False
+        self.doc.add_timeout_callback(lambda: self.add(key, fn), int(WARM_RECHECK_S * 1e3))
+        return True
 
     def _one(self) -> None:
         import time
@@ -1063,13 +1079,6 @@ class ReaLBView(EPView):
                                  f"{ep.balance}")
 
 
-#: what the replay view says while the replay kernels are compiled (:mod:`workbench.ui.warm`)
-WARMING = ("preparing the replay kernels (compiled once after an install, in the background; "
-           "the page stays usable) …")
-#: how often the replay view looks whether they are ready, s
-WARM_RECHECK_S = 0.5
-
-
 class ReplayView(PlotView):
     """What-if replay of the shown run (``DataStore.replay_study``): hit rate vs cache size of
     the chosen eviction policies, Belady as the ceiling, and a metrics table (``table``).
@@ -1116,10 +1125,8 @@ class ReplayView(PlotView):
         if self.store.running:  # replaying every live update would hold the event loop
             self.message = "the run is in flight: it is replayed when it ends"
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
-        if self._ticks is not None and not warm.ready():  # a compile would hold the loop
-            self.message = WARMING
-            self._ticks.doc.add_timeout_callback(
-                lambda: self._ticks.add(id(self), self.redraw), int(WARM_RECHECK_S * 1e3))
+        if self._ticks is not None and self._ticks.warming(id(self), self.redraw):
+            self.message = WARMING  # a compile would hold the loop
             return placeholder_figure(self.view, REPLAY_TITLE, self.message)
         try:
             if self._steps is None:
