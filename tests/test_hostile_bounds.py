@@ -340,12 +340,15 @@ def test_replay_memory_estimate_is_close_to_what_is_allocated(tmp_path):
         knobs = Knobs().set(prefetch="oracle", prefetch_lead=lead, cache_slots=8)
         assert knobs.transfer_order == "demand-first"
         replay_trace(trace, knobs, belady=False)  # compiled before it is measured
-        tracemalloc.start()
-        try:
-            replay_trace(trace, knobs, belady=False)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        peaks = []
+        for _ in range(3):  # tracemalloc counts every thread's allocations: the least of three
+            tracemalloc.start()  # drops another thread's (a suite's worker has some)
+            try:
+                replay_trace(trace, knobs, belady=False)
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+        peak = min(peaks)
         est = replay_bytes(trace.compact_experts(), "fast", "lru", False, lead)
         assert peak / 2 <= est <= 4 * peak, (shape, lead, est, peak)
 
