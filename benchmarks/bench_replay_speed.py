@@ -11,6 +11,7 @@ interleaved, repeat by repeat, in one process, and reports medians.
     python benchmarks/bench_replay_speed.py flat     # vs libCacheSim: E × k × slots grid
     python benchmarks/bench_replay_speed.py linear   # 1×, 4×, 16× the trace length
     python benchmarks/bench_replay_speed.py e2e      # workbench replay <trace.npy>, profiled
+    python benchmarks/bench_replay_speed.py billion  # 10⁹ accesses, Belady: time and memory
 
 ``flat`` needs libCacheSim's Python bindings (``pip install libcachesim``; in the ``test``
 extra, not a dependency of the package): without them it says so and times ours alone.
@@ -38,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from zipf_trace import zipf_routing  # noqa: E402
+from zipf_trace import zipf_flat_keys, zipf_routing  # noqa: E402
 
 from workbench.replay.flat import flat_hits  # noqa: E402
 from workbench.traces import Trace  # noqa: E402
@@ -307,6 +308,47 @@ def run_e2e(a) -> dict:
     return out
 
 
+def _rss() -> int:
+    """This process's resident memory now, bytes (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_billion(a) -> dict:
+    """Belady's hits (and, with ``--lru``, LRU's) over ``--accesses`` flat zipf accesses held
+    as ``uint16`` keys (``zipf_flat_keys``; generation not timed), each cache size once: wall
+    time and the process's peak resident memory over what it held before the trace."""
+    import resource
+
+    n = int(a.accesses)
+    base = _rss()
+    t = time.perf_counter()
+    keys = zipf_flat_keys(n, LAYERS, a.experts, a.k, a.alpha, a.seed)
+    gen_s = time.perf_counter() - t
+    flat_hits(keys[:1000], 8, "belady")  # load the compiled kernels (keys' own dtype)
+    if a.lru:
+        flat_hits(keys[:1000], 8, "lru")
+    n = len(keys)
+    out = {"accesses": n, "keys": f"{LAYERS} layers × {a.experts} experts, top-{a.k}, zipf "
+           f"{a.alpha}, seed {a.seed}, {keys.dtype}", "generate_s": gen_s, "runs": []}
+    print(f"{n:,} accesses ({keys.nbytes / 1e9:.2f} GB of {keys.dtype} keys) generated in "
+          f"{gen_s:.1f} s (not timed below)", flush=True)
+    for slots in a.slots:
+        for ev in ("belady", "lru") if a.lru else ("belady",):
+            t = time.perf_counter()
+            hits = flat_hits(keys, slots, ev)
+            dt = time.perf_counter() - t
+            out["runs"].append({"policy": ev, "slots": slots, "s": dt, "hits": hits,
+                                "hit_rate": hits / n, "maccs": n / dt / 1e6})
+            print(f"  {ev:<7} {slots:>6} slots: {dt:7.1f} s = {n / dt / 1e6:6.1f} M accesses/s, "
+                  f"hit rate {hits / n:.4f} (measured)", flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.update(peak_rss=peak, base_rss=base, bytes_per_access=(peak - base) / n)
+    print(f"  peak resident memory {peak / 1e9:.2f} GB, {(peak - base) / n:.2f} bytes per "
+          f"access over the {base / 1e9:.2f} GB held before the trace (keys included)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -330,7 +372,13 @@ def main() -> None:
     e.add_argument("--steps", type=int, default=40_000)
     e.add_argument("--set", dest="set_args", action="append", default=[],
                    help="--set NAME=VALUE passed to workbench replay (repeatable)")
-    for p in (f, lin, e):
+    b = sub.add_parser("billion", help="10⁹ accesses with the Belady bound: time and memory")
+    b.add_argument("--accesses", type=float, default=1e9)
+    b.add_argument("--experts", type=int, default=64)
+    b.add_argument("--k", type=int, default=8)
+    b.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[256])
+    b.add_argument("--lru", action="store_true", help="also time LRU on the same keys")
+    for p in (f, lin, e, b):
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--alpha", type=float, default=1.3)
         p.add_argument("--seed", type=int, default=0)
@@ -338,7 +386,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.mode == "e2e":
         a.set_args = [x for s in a.set_args for x in ("--set", s)]
-    out = {"flat": run_flat, "linear": run_linear, "e2e": run_e2e}[a.mode](a)
+    out = {"flat": run_flat, "linear": run_linear, "e2e": run_e2e,
+           "billion": run_billion}[a.mode](a)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=float))
 

@@ -47,6 +47,55 @@ def zipf_routing(steps: int = 40_000, layers: int = 32, experts: int = 64, k: in
     return out
 
 
+def zipf_flat_keys(accesses: int, layers: int = 32, experts: int = 64, k: int = 8,
+                   alpha: float = 1.3, seed: int = 0) -> np.ndarray:
+    """The flattened accesses of a zipf routing trace of :func:`zipf_routing`'s law (each
+    (token, layer) draws k distinct experts, each next one ∝ rank^-alpha among those left;
+    layer-own permutations), one key ``layer · E + expert`` each, in serving order, at least
+    ``accesses`` of them (whole tokens): a ``uint16`` array filled by a compiled loop, so 10⁹
+    accesses take 2 GB, where :func:`zipf_routing` and the relabelling would need tens of GB.
+    Another sampler than :func:`zipf_routing` (rejection of repeats), so not the same draws."""
+    if layers * experts > 1 << 16:
+        raise ValueError(f"layers × experts must fit in uint16, not {layers} × {experts}")
+    if not 1 <= k <= experts:
+        raise ValueError(f"k must be in 1..experts ({experts}), not {k}")
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, experts + 1, dtype=np.float64) ** -alpha
+    perm = np.stack([rng.permutation(experts) for _ in range(layers)]).astype(np.int64)
+    tokens = -(-int(accesses) // (layers * k))
+    out = np.empty(tokens * layers * k, np.uint16)
+    _draw_flat()(tokens, layers, experts, k, np.cumsum(p / p.sum()), perm, seed, out)
+    return out
+
+
+def _draw_flat():
+    """The compiled sampler of :func:`zipf_flat_keys` (numba imported only here)."""
+    from numba import njit
+
+    @njit(cache=True)
+    def draw(tokens, layers, experts, k, cdf, perm, seed, out):
+        np.random.seed(seed)
+        taken = np.zeros(experts, np.bool_)
+        ranks = np.empty(k, np.int64)
+        i = 0
+        for _ in range(tokens):
+            for layer in range(layers):
+                got = 0
+                while got < k:  # draw ∝ p, redraw a rank already taken: ∝ p among the rest
+                    rank = min(np.searchsorted(cdf, np.random.random() * cdf[-1]), experts - 1)
+                    if taken[rank]:
+                        continue
+                    taken[rank] = True
+                    ranks[got] = rank
+                    out[i + got] = layer * experts + perm[layer, rank]
+                    got += 1
+                for j in range(k):
+                    taken[ranks[j]] = False
+                i += k
+
+    return draw
+
+
 def write(path: str | Path, **kw) -> Path:
     """Write :func:`zipf_routing` (``kw``) to ``path`` as ``.npy`` and return the path."""
     path = Path(path)

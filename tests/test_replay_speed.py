@@ -383,3 +383,32 @@ def test_the_clock_bound_counts_a_groups_prefetch_candidates_not_every_key():
         k = Knobs(prefetch=pf, prefetch_lead=lead, prefetch_budget=budget)
         policy = PREFETCH.create(pf, **k.to_dict())
         assert _candidates_per_group(policy, k, E, nk) == want, pf
+
+
+def test_belady_reads_compact_keys_as_they_are():
+    """A compact trace (10⁹ uint16 keys are 2 GB, 8 GB as int64) is replayed as it is: the same
+    hits as its int64 copy, and besides the keys Belady allocates 4 bytes per access (the
+    next-access array) and tables over the key range, nothing per access more. (One width
+    here: each width compiles the kernels again, seconds of the suite's cold start.)"""
+    import tracemalloc
+
+    rng = np.random.default_rng(3)
+    keys64 = (rng.zipf(1.2, 200_000) % 100).astype(np.int64) + 900
+    keys = keys64.astype(np.uint16)
+    for slots in (1, 7, 40):
+        assert flat_hits(keys, slots, "belady") == flat_hits(keys64, slots, "belady")
+    assert flat_hits(keys[:500], 9, "belady") == belady_reference(keys[:500].tolist(), 9)
+    assert K.distinct_at_most(keys, 1000) == len(np.unique(keys64))
+    tracemalloc.start()
+    try:
+        flat_hits(keys, 16, "belady")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert 4 * len(keys) <= peak <= 4 * len(keys) + (1 << 20), peak  # the int32 next accesses
+
+
+def test_belady_relabels_keys_too_sparse_for_a_table():
+    keys = np.array([7, 2**40, 7, -3, 2**40, 9, -3, 7], np.int64)  # a range far past the trace
+    for slots in (1, 2, 3):
+        assert flat_hits(keys, slots, "belady") == belady_reference(keys.tolist(), slots)

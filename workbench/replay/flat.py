@@ -35,7 +35,9 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     ints, one access each, in order) — the flattened trace libCacheSim and textbooks use. Every
     miss is admitted (Belady too, as libCacheSim's). Each access is its own group; nothing is
     pinned."""
-    keys = np.asarray(keys, np.int64)
+    keys = np.asarray(keys)
+    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:  # any other width stays as given
+        keys = np.asarray(keys, np.int64)  # (a trace of 10⁹ uint16 keys is 2 GB, not 8)
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
     EVICTION.get(eviction)  # an unknown name is refused here
@@ -47,9 +49,12 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
             # misses are the first accesses (tests/test_replay_speed.py holds this to the
             # kernels and the reference engine)
             return len(keys) - n_keys
+    if engine == "fast" and eviction == "belady":  # the keys as they are: no int64 copy
+        return K.belady_hits(keys, cache_slots)
     if engine == "fast" and eviction in FLAT_KERNELS:
         ids, n_keys = K.dense_keys(keys)
         return FLAT_KERNELS[eviction](ids, n_keys, cache_slots)
+    keys = np.asarray(keys, np.int64)
     uniq, dense_keys = np.unique(keys, return_inverse=True)
     n = len(keys)
     cache_slots = min(cache_slots, max(len(uniq), 1))  # more slots than keys change nothing

@@ -1323,8 +1323,11 @@ def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
     """How many distinct keys ``keys`` holds, when at most ``limit``; else None. Stops at the
     first key past ``limit`` (a cache smaller than the key space learns it within its first
     misses); O(len(keys)) with a direct table (keys dense enough, as :func:`dense_keys`), else
-    through :func:`dense_keys`'s hash table."""
-    keys = np.ascontiguousarray(keys, np.int64)
+    through :func:`dense_keys`'s hash table. Integer keys of any width are read as they are
+    (no int64 copy of a 10⁹-access uint16 trace)."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:
+        keys = np.ascontiguousarray(keys, np.int64)
     if not keys.size:
         return 0
     lo, hi = (int(x) for x in _min_max(keys))
@@ -1332,7 +1335,7 @@ def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
     if span <= 2 * keys.size + (1 << 16):
         n = int(_distinct_span(keys, np.int64(lo), span, int(limit)))
         return None if n < 0 else n
-    n = int(_dense_hash(keys)[1])
+    n = int(_dense_hash(np.ascontiguousarray(keys, np.int64))[1])
     return n if n <= limit else None
 
 
@@ -1387,23 +1390,23 @@ def flat_lru_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
 
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
-def _flat_belady(ids, n_keys, cap):
-    n = ids.shape[0]
+def _flat_belady(keys, lo, cap, nxt, last, val, pos, h):
+    """Belady's hits over ``keys`` (key ``keys[i] - lo`` indexes the per-key tables ``last``,
+    ``val``, ``pos``); every array is the caller's, so its width is the caller's choice."""
+    n = keys.shape[0]
     # next access index of the same key (n + 1: never again; ties between such keys cannot
-    # change a hit count, and no two resident keys share a finite next access)
-    nxt = np.empty(n, np.int64)
-    last = np.full(n_keys, n + 1, np.int64)
+    # change a hit count, and no two resident keys share a finite next access); ``last``
+    # starts at n + 1
     for i in range(n - 1, -1, -1):
-        k = ids[i]
+        k = keys[i] - lo
         nxt[i] = last[k]
         last[k] = i
-    val = np.zeros(n_keys, np.int64)  # next access of each resident key
-    pos = np.full(n_keys, -1, np.int64)  # its place in the max-heap h (-1: not resident)
-    h = np.empty(cap, np.int64)
+    # val: next access of each resident key; pos: its place in the max-heap h (-1: not
+    # resident)
     size = 0
     hits = 0
     for i in range(n):
-        k = ids[i]
+        k = keys[i] - lo
         v = nxt[i]
         j = pos[k]
         if j >= 0:  # hit: its next use grows (it was i, the heap's minimum): sift up
@@ -1448,12 +1451,50 @@ def _flat_belady(ids, n_keys, cap):
     return hits
 
 
+#: the widest key range (``max - min + 1`` of the keys) indexed directly by Belady's tables
+#: beyond the trace's own length / 4: three tables of at most 8 bytes per key keep its memory
+#: at ≤ 6 bytes per access more; sparser keys are relabelled first (:func:`dense_keys`)
+BELADY_SPAN_SLACK = 1 << 16
+
+
 def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     """Hits of Belady's MIN (always admitting, as libCacheSim's Belady) with ``cache_slots``
     slots over ``ids`` (keys 0..n_keys-1, one per access): next accesses by one backward pass,
     residents in a max-heap of next access, O(log slots) per access."""
-    return int(_flat_belady(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
-                            int(cache_slots)))
+    ids = np.ascontiguousarray(ids, np.int64)
+    return _belady_tables(ids, 0, max(int(n_keys), 1), int(cache_slots))
+
+
+def belady_hits(keys: np.ndarray, cache_slots: int) -> int:
+    """:func:`flat_belady_hits` of any integer ``keys`` without copying or relabelling them
+    when their range is dense (at most ``len(keys) / 4 +`` :data:`BELADY_SPAN_SLACK` values):
+    besides the keys it allocates the next-access array, 4 bytes per access (8 past 2³¹ − 2
+    accesses), and tables over the key range; so a ``uint16`` trace of 10⁹ accesses replays in
+    about 6 GB. Sparser keys are relabelled by :func:`dense_keys` (an int64 copy)."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype.kind not in "iu" or keys.dtype.itemsize > 8 or keys.dtype == np.uint64:
+        keys = np.ascontiguousarray(keys, np.int64)
+    if not keys.size:
+        return 0
+    lo, hi = (int(x) for x in _min_max(keys))
+    span = hi - lo + 1  # Python ints: no overflow
+    if span > keys.size // 4 + BELADY_SPAN_SLACK:
+        ids, n_keys = dense_keys(keys)
+        return _belady_tables(ids, 0, n_keys, int(cache_slots))
+    return _belady_tables(keys, lo, span, int(cache_slots))
+
+
+def _belady_tables(keys: np.ndarray, lo: int, span: int, cache_slots: int) -> int:
+    """Allocate :func:`_flat_belady`'s arrays (here, where ``tracemalloc`` sees them) at the
+    narrowest width that holds their values, and run it."""
+    n = keys.shape[0]
+    if not n:
+        return 0
+    at = np.int32 if n + 1 <= np.iinfo(np.int32).max else np.int64  # access indices, n + 1
+    kt = np.int32 if span <= np.iinfo(np.int32).max else np.int64  # key ids
+    cap = max(1, min(int(cache_slots), span))
+    return int(_flat_belady(keys, np.int64(lo), cap, np.empty(n, at), np.full(span, n + 1, at),
+                            np.zeros(span, at), np.full(span, -1, kt), np.empty(cap, kt)))
 
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
