@@ -90,6 +90,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
 
         knobs.check(ModelShape.of(trace), live=False)
         policy = DISPATCH.get(knobs.dispatch).for_knobs(knobs.group("ep"), knobs.seed)
+        _check_scope_has_steps(trace, policy)
         classes_from = None
         # the calibrated expert classes (dynamic capacity; replay takes no rerouting)
         if policy.calibration_needed():
@@ -129,6 +130,26 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
         cost, prof = cost_of(trace, knobs.profile, knobs.target_model, None)
         res.extra["ep"] = ep_replay(trace, knobs, Prices(prof, cost))
     return res
+
+
+def _check_scope_has_steps(trace, policy) -> None:
+    """A capacity-aware dispatch whose ``capacity_scope`` leaves it no step of ``trace`` would
+    replay the router's routing and report 0 drops as if capacity had been applied: refused.
+    That is ``prefill`` on a trace without a prefill step, e.g. one without recorded phases
+    (an .npy without ``--prefill-tokens``, JSON lines by ``token_idx``, a ``Trace`` built
+    without ``phase``), which reads as all decode."""
+    import numpy as np
+
+    from workbench.errors import KnobError
+    from workbench.sim.dispatch import PREFILL
+
+    phase = np.asarray(trace.phase)
+    if trace.num_steps and not any(policy.acts_on(p) for p in np.unique(phase)):
+        raise KnobError(
+            f"capacity_scope={policy.capacity_scope!r} dispatches prefill steps (phase "
+            f"{PREFILL}) only, and this trace has none (a trace without recorded phases reads "
+            f"as all decode): dispatch={policy.name!r} would change nothing; replay with "
+            f"capacity_scope=all, or give the trace its prefill (an .npy: --prefill-tokens N)")
 
 
 _DISPATCH_KNOBS = ("dispatch", "capacity_factor", "capacity_scope", "min_capacity", "macs_delta",
