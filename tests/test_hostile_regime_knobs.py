@@ -60,27 +60,26 @@ def _allowed(knob: str) -> str:
 
 
 # -- 1. bad values: CLI and Python API ----------------------------------------------------------
-@pytest.mark.parametrize("knob", KNOBS)
-@pytest.mark.parametrize("text, hint", [
-    ("", None), ("nope", None), ("42", None), ('{"a": 1}', None), ("null", None),
-    (HUGE, None), ("CASE", "case"), ("under_score", "underscore"),
-])
+def _cli_cases():
+    for knob, values in KNOBS.items():
+        for text in ("", "nope", "42", '{"a": 1}', "null", HUGE):
+            yield knob, text, None
+        good = values[-1]
+        yield knob, good.upper(), good  # a case slip
+        if "-" in good:
+            yield knob, good.replace("-", "_"), good  # '_' for '-'
+
+
+@pytest.mark.parametrize("knob, text, hint", list(_cli_cases()))
 def test_cli_bad_value_is_one_line_exit_2(knob, text, hint, capsys):
     """``--set knob=VALUE`` with a value the knob does not offer: exit 2, one short line naming
     the knob, the value (cut) and the choices; a case or ``_``-for-``-`` slip is named."""
-    good = KNOBS[knob][-1]
-    if hint == "case":
-        text = good.upper()
-    elif hint == "underscore":
-        if "-" not in good:
-            pytest.skip(f"{good!r} has no '-'")
-        text = good.replace("-", "_")
     rc, err = _cli(["run", "--prompt", "x", "--no-record", "--set", f"{knob}={text}"], capsys)
     assert rc == 2 and err.startswith("workbench: error:"), err
     assert knob in err and _allowed(knob) in err, err
     assert repr(text.strip()[:20])[:-1] in err, err
     if hint:
-        assert f"did you mean {good!r}" in err, err
+        assert f"did you mean {hint!r}" in err, err
 
 
 @pytest.mark.parametrize("knob", KNOBS)
@@ -186,6 +185,38 @@ def test_a_store_has_its_prefill_so_prefill_scope_replays(store):
     d = replay_trace(store, belady=False, dispatch="capacity-drop", capacity_factor=0.25,
                      capacity_scope="prefill").extra["dispatch"]
     assert d["capacity_scope"] == "prefill" and d["dropped"] > 0
+
+
+def test_a_dispatched_store_replayed_with_another_scope_names_the_scope(embedded, tmp_path,
+                                                                        capsys):
+    """A store recorded with a dispatch holds what it left: replaying it under another
+    ``capacity_scope`` is refused, and the line names the scope (it named only the dispatch
+    and γ0, which the user had not changed: "another dispatch cannot be replayed")."""
+    import workbench
+
+    path = tmp_path / "cd.zarr"
+    workbench.Runtime(embedded, max_new_tokens=2).run(
+        "what shape is red?", store=path, dispatch="capacity-drop", capacity_factor=0.5)
+    rc, err = _cli(["replay", str(path), "--no-belady", "--set", "capacity_scope=all"], capsys)
+    assert rc == 2 and "capacity_scope=all (recorded prefill)" in err, err
+    assert _cli(["replay", str(path), "--no-belady"], capsys)[0] == 0  # as recorded: runs
+
+
+def test_moot_knobs_run_and_change_nothing(embedded, store):
+    """``transfer_order`` without prefetch and ``low_precision_down_input`` without low
+    precision are accepted (documented: no queue to order, nothing quantised) and change
+    nothing: the same replay, the same tokens."""
+    import workbench
+    from workbench.replay import replay_trace
+
+    a, b = ({k: v for k, v in replay_trace(store, belady=False, transfer_order=o)
+             .metrics().items() if "measured" not in k}  # the replay's own wall time differs
+            for o in KNOBS["transfer_order"])
+    assert a == b and "latency_s" in a, a
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    t = [rt.run("what shape is red?", record=False, low_precision_down_input=v).token_ids
+         for v in KNOBS["low_precision_down_input"]]
+    assert t[0] == t[1]
 
 
 # -- 3. stored runs whose knob.<name> is garbage -----------------------------------------------
