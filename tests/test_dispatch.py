@@ -117,8 +117,9 @@ def test_a_capacity_nobody_reaches_equals_topk():
     np.testing.assert_array_equal(out.topk_ids, tr.topk_ids)
     assert stats.dropped == 0
     a = replay_trace(tr, belady=False, cache_slots=6, pinned_layers=0)
+    # a trace without phases is all decode: capacity on every step
     b = replay_trace(tr, belady=False, cache_slots=6, pinned_layers=0, dispatch="capacity-drop",
-                     capacity_factor=100.0)
+                     capacity_factor=100.0, capacity_scope="all")
     assert a.metrics()["hits"] == b.metrics()["hits"]
     assert b.extra["dispatch"]["drop_rate"] == 0.0
 

@@ -580,6 +580,10 @@ def check_value(p: param.Parameter, name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise KnobError(f"{name} must be one of {', '.join(map(str, p.objects or []))}, "
                             f"not {show_value(value)}")
+        choices = [str(o) for o in (p.objects or [])]
+        if value not in choices:  # param's own message echoes the whole value (a 10 MB line)
+            raise KnobError(f"{name} does not accept {show_value(value)}"
+                            f"{_near_choice(value, choices)}{how}")
     elif isinstance(p, param.String):
         if not isinstance(value, str):
             raise KnobError(f"{name} must be text, not {show_value(value)}{how}")
@@ -591,6 +595,19 @@ def check_value(p: param.Parameter, name: str, value: Any) -> Any:
         msg = _reword(str(e), name).rstrip(".")
         raise KnobError(msg if isinstance(p, param.Selector) else msg + how) from None
     return value
+
+
+def _near_choice(value: str, choices: list[str]) -> str:
+    """``"; did you mean 'fifo'?"`` for a choice ``value`` misspells by case, spacing, ``_``
+    for ``-`` or a typo (difflib ratio ≥ 0.75); ``""`` when none is close."""
+    import difflib
+
+    if len(value) > 200:  # a huge value is no typo (and difflib is quadratic)
+        return ""
+    key = value.strip().lower().replace("_", "-").replace(" ", "-")
+    same = [c for c in choices if c.lower().replace("_", "-") == key]
+    close = same or difflib.get_close_matches(key, choices, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def parse_text(p: param.Parameter, name: str, text: str) -> Any:
@@ -772,7 +789,9 @@ class Knobs:
         policy that is no longer registered (the knob keeps its default). An attribute under a
         knob's old name (``knob.<alias>``) sets the knob unless the current name is there too.
         A ``knob.*`` attribute that is not JSON, or whose value the knob does not accept, raises
-        :class:`KnobError` naming the attribute."""
+        :class:`KnobError` naming the attribute; so does a choice a knob with fixed choices
+        (not bound to a registry: ``offload_unit``, ``transfer_order``, ``capacity_scope``,
+        ``low_precision_down_input``, ``dtype``, …) does not offer."""
         from collections.abc import Mapping
 
         if not isinstance(attrs, Mapping):
@@ -799,10 +818,14 @@ class Knobs:
                                     f"text") from None
             else:  # an attribute written as a JSON value rather than text
                 value = text
-            p = k._owner(name).param[name]
+            owner = k._owner(name)
+            p = owner.param[name]
             if isinstance(p, param.Selector) and isinstance(value, str) \
-                    and value not in (p.objects or []):
+                    and value not in (p.objects or []) and name in type(owner)._registries:
                 continue  # a policy that is no longer registered: keep the default
+            # a Selector whose choices are fixed (offload_unit, transfer_order, dtype, …): a
+            # value it does not know is garbage, not a retired policy; taken silently it would
+            # replay another configuration than the one recorded (PREDATING's, below)
             try:
                 vals[name] = check_value(p, name, value)
             except KnobError as e:

@@ -90,6 +90,7 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
 
         knobs.check(ModelShape.of(trace), live=False)
         policy = DISPATCH.get(knobs.dispatch).for_knobs(knobs.group("ep"), knobs.seed)
+        _check_scope_has_steps(trace, policy)
         classes_from = None
         # the calibrated expert classes (dynamic capacity; replay takes no rerouting)
         if policy.calibration_needed():
@@ -131,6 +132,26 @@ def replay_trace(source: Any, knobs: Any = None, *, scope: str = "global", engin
     return res
 
 
+def _check_scope_has_steps(trace, policy) -> None:
+    """A capacity-aware dispatch whose ``capacity_scope`` leaves it no step of ``trace`` would
+    replay the router's routing and report 0 drops as if capacity had been applied: refused.
+    That is ``prefill`` on a trace without a prefill step, e.g. one without recorded phases
+    (an .npy without ``--prefill-tokens``, JSON lines by ``token_idx``, a ``Trace`` built
+    without ``phase``), which reads as all decode."""
+    import numpy as np
+
+    from workbench.errors import KnobError
+    from workbench.sim.dispatch import PREFILL
+
+    phase = np.asarray(trace.phase)
+    if trace.num_steps and not any(policy.acts_on(p) for p in np.unique(phase)):
+        raise KnobError(
+            f"capacity_scope={policy.capacity_scope!r} dispatches prefill steps (phase "
+            f"{PREFILL}) only, and this trace has none (a trace without recorded phases reads "
+            f"as all decode): dispatch={policy.name!r} would change nothing; replay with "
+            f"capacity_scope=all, or give the trace its prefill (an .npy: --prefill-tokens N)")
+
+
 _DISPATCH_KNOBS = ("dispatch", "capacity_factor", "capacity_scope", "min_capacity", "macs_delta",
                    "macs_rho", "macs_eta", "macs_semantic_load", "macs_dynamic_capacity",
                    "macs_reroute", "macs_selection", "macs_calibration")
@@ -165,6 +186,13 @@ def _dispatch_knobs_of(items: tuple) -> Mapping[str, Any] | None:
     return _read_dispatch_knobs(dict(items))
 
 
+def _show(value: Any) -> str:
+    """A knob's value as ``--set`` spells it, cut short."""
+    text = "none" if value is None else str(value).lower() if isinstance(value, bool) \
+        else f"{value:g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
 def _recorded_dispatch(trace, knobs):
     """A run store recorded with a dispatch holds its routing *after* it (-1 = dropped):
     replaying it with that dispatch again would apply the capacity twice (a token that lost
@@ -181,11 +209,16 @@ def _recorded_dispatch(trace, knobs):
         return knobs, None
     same = all(rec[n] == getattr(knobs, n) for n in _DISPATCH_KNOBS)
     if not same and DISPATCH.get(knobs.dispatch).changes_routing:
+        # name what differs: a changed capacity_scope alone read as "another dispatch"
+        # beside the same dispatch and γ0
+        changed = ", ".join(f"{n}={_show(getattr(knobs, n))} (recorded {_show(rec[n])})"
+                            for n in _DISPATCH_KNOBS if rec[n] != getattr(knobs, n))
         raise KnobError(
             f"this run was recorded with dispatch={rec['dispatch']} (capacity_factor "
-            f"{rec['capacity_factor']:g}): its stored routing is what that dispatch left, so "
-            f"another dispatch cannot be replayed on it; replay it with dispatch=topk (the "
-            f"routing as recorded), or record a run with dispatch=topk and replay that")
+            f"{rec['capacity_factor']:g}, capacity_scope {rec['capacity_scope']}): its stored "
+            f"routing is what that dispatch left, so it cannot be replayed with {changed}; "
+            f"replay it with dispatch=topk (the routing as recorded), or record a run with "
+            f"dispatch=topk and replay that")
     return knobs.copy(dispatch=ROUTER_CHOICE), {
         "policy": rec["dispatch"], "capacity_factor": rec["capacity_factor"], "recorded": True,
         "note": "applied live when the run was recorded: the stored routing is what it left "
