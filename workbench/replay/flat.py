@@ -24,9 +24,13 @@ from workbench.replay.engine import make_policy, run_fast, run_python
 from workbench.sim.placement import Placement
 from workbench.traces.trace import Groups
 
-#: the flat kernels by policy name (the others replay through the grouped kernel)
+#: the flat kernels by policy name (the others replay through the grouped kernel), on keys
+#: relabelled 0..n-1: ``kernel(ids, n_keys, cache_slots)``
 FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits, "arc": K.flat_arc_hits,
                  "s3fifo": K.flat_s3fifo_hits}
+#: those that also read integer keys as they are, ``kernel(keys, cache_slots)``: no int64
+#: copy or relabelling of a dense trace (10⁹ uint16 keys: 6 bytes per access, not 26)
+FLAT_ON_KEYS = {"belady": K.belady_hits}
 
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
@@ -49,8 +53,8 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
             # misses are the first accesses (tests/test_replay_speed.py holds this to the
             # kernels and the reference engine)
             return len(keys) - n_keys
-    if engine == "fast" and eviction == "belady":  # the keys as they are: no int64 copy
-        return K.belady_hits(keys, cache_slots)
+    if engine == "fast" and eviction in FLAT_ON_KEYS:
+        return FLAT_ON_KEYS[eviction](keys, cache_slots)
     if engine == "fast" and eviction in FLAT_KERNELS:
         ids, n_keys = K.dense_keys(keys)
         return FLAT_KERNELS[eviction](ids, n_keys, cache_slots)
