@@ -397,7 +397,9 @@ def test_belady_reads_compact_keys_as_they_are():
     keys = keys64.astype(np.uint16)
     for slots in (1, 7, 40):
         assert flat_hits(keys, slots, "belady") == flat_hits(keys64, slots, "belady")
+        assert flat_hits(keys, slots, "lru") == flat_hits(keys64, slots, "lru")  # LRU reads
     assert flat_hits(keys[:500], 9, "belady") == belady_reference(keys[:500].tolist(), 9)
+    assert flat_hits(keys[:500], 9, "lru") == lru_reference(keys[:500].tolist(), 9)  # them too
     assert K.distinct_at_most(keys, 1000) == len(np.unique(keys64))
     tracemalloc.start()
     try:
@@ -408,7 +410,8 @@ def test_belady_reads_compact_keys_as_they_are():
     assert 4 * len(keys) <= peak <= 4 * len(keys) + (1 << 20), peak  # the int32 next accesses
 
 
-def test_belady_relabels_keys_too_sparse_for_a_table():
+def test_belady_and_lru_relabel_keys_too_sparse_for_a_table():
     keys = np.array([7, 2**40, 7, -3, 2**40, 9, -3, 7], np.int64)  # a range far past the trace
     for slots in (1, 2, 3):
         assert flat_hits(keys, slots, "belady") == belady_reference(keys.tolist(), slots)
+        assert flat_hits(keys, slots, "lru") == lru_reference(keys.tolist(), slots)

@@ -29,8 +29,9 @@ from workbench.traces.trace import Groups
 FLAT_KERNELS = {"lru": K.flat_lru_hits, "belady": K.flat_belady_hits, "arc": K.flat_arc_hits,
                  "s3fifo": K.flat_s3fifo_hits}
 #: those that also read integer keys as they are, ``kernel(keys, cache_slots)``: no int64
-#: copy or relabelling of a dense trace (10⁹ uint16 keys: 6 bytes per access, not 26)
-FLAT_ON_KEYS = {"belady": K.belady_hits}
+#: copy or relabelling of a dense trace (10⁹ uint16 keys: Belady 6 bytes per access, not 26;
+#: LRU the keys' 2 and tables over the key range)
+FLAT_ON_KEYS = {"belady": K.belady_hits, "lru": K.lru_hits}
 
 
 def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",

@@ -1340,7 +1340,9 @@ def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
 
 
 @njit(cache=True, error_model="numpy", boundscheck=False)
-def _flat_lru(ids, n_keys, cap):
+def _flat_lru(ids, lo, n_keys, cap):
+    """LRU's hits over ``ids`` (key ``ids[i] - lo`` of ``n_keys``): a doubly linked list over
+    the key ids."""
     prev = np.full(n_keys, -1, np.int64)
     nxt = np.full(n_keys, -1, np.int64)
     res = np.zeros(n_keys, np.bool_)
@@ -1349,7 +1351,7 @@ def _flat_lru(ids, n_keys, cap):
     occ = 0
     hits = 0
     for i in range(ids.shape[0]):
-        k = ids[i]
+        k = ids[i] - lo
         if res[k]:
             hits += 1
             if k == head:
@@ -1385,7 +1387,7 @@ def _flat_lru(ids, n_keys, cap):
 def flat_lru_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     """Hits of LRU with ``cache_slots`` slots over ``ids`` (keys 0..n_keys-1, one per access):
     O(1) per access (a doubly linked list over the key ids)."""
-    return int(_flat_lru(np.ascontiguousarray(ids, np.int64), max(int(n_keys), 1),
+    return int(_flat_lru(np.ascontiguousarray(ids, np.int64), np.int64(0), max(int(n_keys), 1),
                          int(cache_slots)))
 
 
@@ -1465,22 +1467,45 @@ def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     return _belady_tables(ids, 0, max(int(n_keys), 1), int(cache_slots))
 
 
+def _key_range(keys: np.ndarray) -> tuple[np.ndarray, int, int] | None:
+    """``(keys, lo, span)`` for integer ``keys`` whose range is dense enough to index tables
+    by ``key - lo`` directly (at most ``len(keys) / 4 +`` :data:`BELADY_SPAN_SLACK` values, as
+    every MoE trace's ``layer · E + expert``), read as they are (any integer width, no copy);
+    None for sparser keys (they are relabelled: :func:`dense_keys`)."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:
+        keys = np.ascontiguousarray(keys, np.int64)
+    if not keys.size:
+        return keys, 0, 1
+    lo, hi = (int(x) for x in _min_max(keys))
+    span = hi - lo + 1  # Python ints: no overflow
+    return (keys, lo, span) if span <= keys.size // 4 + BELADY_SPAN_SLACK else None
+
+
+def lru_hits(keys: np.ndarray, cache_slots: int) -> int:
+    """:func:`flat_lru_hits` of any integer ``keys``, read as they are where their range is
+    dense (:func:`_key_range`): no int64 copy and no relabelling pass."""
+    dense = _key_range(keys)
+    if dense is None:
+        ids, n_keys = dense_keys(keys)
+        return flat_lru_hits(ids, n_keys, cache_slots)
+    keys, lo, span = dense
+    if not keys.size:
+        return 0
+    return int(_flat_lru(keys, np.int64(lo), span, max(1, min(int(cache_slots), span))))
+
+
 def belady_hits(keys: np.ndarray, cache_slots: int) -> int:
     """:func:`flat_belady_hits` of any integer ``keys`` without copying or relabelling them
     when their range is dense (at most ``len(keys) / 4 +`` :data:`BELADY_SPAN_SLACK` values):
     besides the keys it allocates the next-access array, 4 bytes per access (8 past 2³¹ − 2
     accesses), and tables over the key range; so a ``uint16`` trace of 10⁹ accesses replays in
     about 6 GB. Sparser keys are relabelled by :func:`dense_keys` (an int64 copy)."""
-    keys = np.ascontiguousarray(keys)
-    if keys.dtype.kind not in "iu" or keys.dtype.itemsize > 8 or keys.dtype == np.uint64:
-        keys = np.ascontiguousarray(keys, np.int64)
-    if not keys.size:
-        return 0
-    lo, hi = (int(x) for x in _min_max(keys))
-    span = hi - lo + 1  # Python ints: no overflow
-    if span > keys.size // 4 + BELADY_SPAN_SLACK:
+    dense = _key_range(keys)
+    if dense is None:
         ids, n_keys = dense_keys(keys)
         return _belady_tables(ids, 0, n_keys, int(cache_slots))
+    keys, lo, span = dense
     return _belady_tables(keys, lo, span, int(cache_slots))
 
 
