@@ -6,7 +6,9 @@ with other cache simulators on the same key sequence.
 ``engine="fast"`` runs LRU, Belady, ARC and S3-FIFO through dedicated kernels
 (:func:`~workbench.replay.kernel.flat_lru_hits`, :func:`~workbench.replay.kernel.flat_belady_hits`,
 :func:`~workbench.replay.kernel.flat_arc_hits`, :func:`~workbench.replay.kernel.flat_s3fifo_hits`:
-O(1), O(log slots), O(1) and amortised O(1) per access after an O(n) relabelling of the keys);
+O(1), O(log slots), O(1) and amortised O(1) per access after an O(n) relabelling of the keys;
+LRU and Belady skip the relabelling and read integer keys of any width as they are where their
+range is dense, as every MoE trace's ``layer · E + expert`` is: :data:`FLAT_ON_KEYS`);
 the other compiled
 policies, and ``engine="python"`` (the reference: the real cache and policy objects), go
 through the grouped replay with one access per group. Tests hold all of them equal.
@@ -39,7 +41,8 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     """Hits of a classic one-key-at-a-time cache of ``cache_slots`` slots over ``keys`` (any
     ints, one access each, in order) — the flattened trace libCacheSim and textbooks use. Every
     miss is admitted (Belady too, as libCacheSim's). Each access is its own group; nothing is
-    pinned."""
+    pinned. Pass a compact dtype for a long trace (``uint16`` keys of 10⁹ accesses: 2 GB; the
+    Belady bound then needs ≈ 6 bytes per access in all)."""
     keys = np.asarray(keys)
     if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:  # any other width stays as given
         keys = np.asarray(keys, np.int64)  # (a trace of 10⁹ uint16 keys is 2 GB, not 8)
