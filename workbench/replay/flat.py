@@ -43,9 +43,7 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     miss is admitted (Belady too, as libCacheSim's). Each access is its own group; nothing is
     pinned. Pass a compact dtype for a long trace (``uint16`` keys of 10⁹ accesses: 2 GB; the
     Belady bound then needs ≈ 6 bytes per access in all)."""
-    keys = np.asarray(keys)
-    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:  # any other width stays as given
-        keys = np.asarray(keys, np.int64)  # (a trace of 10⁹ uint16 keys is 2 GB, not 8)
+    keys = K.integer_keys(keys)  # any integer width as given: 10⁹ uint16 keys are 2 GB, not 8
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
     EVICTION.get(eviction)  # an unknown name is refused here

@@ -1319,15 +1319,23 @@ def _distinct_span(keys, lo, span, limit):
     return n
 
 
+def integer_keys(keys: np.ndarray) -> np.ndarray:
+    """``keys`` as a contiguous integer array, read as it is when it is one already (any width
+    up to int64: no int64 copy of a 10⁹-access uint16 trace); anything else (floats, bools,
+    uint64, whose values int64 arithmetic could wrap) as an int64 copy."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:
+        keys = np.ascontiguousarray(keys, np.int64)
+    return keys
+
+
 def distinct_at_most(keys: np.ndarray, limit: int) -> int | None:
     """How many distinct keys ``keys`` holds, when at most ``limit``; else None. Stops at the
     first key past ``limit`` (a cache smaller than the key space learns it within its first
     misses); O(len(keys)) with a direct table (keys dense enough, as :func:`dense_keys`), else
     through :func:`dense_keys`'s hash table. Integer keys of any width are read as they are
-    (no int64 copy of a 10⁹-access uint16 trace)."""
-    keys = np.ascontiguousarray(keys)
-    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:
-        keys = np.ascontiguousarray(keys, np.int64)
+    (:func:`integer_keys`)."""
+    keys = integer_keys(keys)
     if not keys.size:
         return 0
     lo, hi = (int(x) for x in _min_max(keys))
@@ -1453,10 +1461,11 @@ def _flat_belady(keys, lo, cap, nxt, last, val, pos, h):
     return hits
 
 
-#: the widest key range (``max - min + 1`` of the keys) indexed directly by Belady's tables
-#: beyond the trace's own length / 4: three tables of at most 8 bytes per key keep its memory
-#: at ≤ 6 bytes per access more; sparser keys are relabelled first (:func:`dense_keys`)
-BELADY_SPAN_SLACK = 1 << 16
+#: the widest key range (``max - min + 1`` of the keys) that the flat kernels reading keys as
+#: they are (:func:`belady_hits`, :func:`lru_hits`) index directly, beyond the trace's own
+#: length / 4: their per-key tables (Belady's three of at most 8 bytes, LRU's 17 bytes) then
+#: add at most ~6 bytes per access; sparser keys are relabelled first (:func:`dense_keys`)
+DENSE_SPAN_SLACK = 1 << 16
 
 
 def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
@@ -1469,17 +1478,15 @@ def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
 
 def _key_range(keys: np.ndarray) -> tuple[np.ndarray, int, int] | None:
     """``(keys, lo, span)`` for integer ``keys`` whose range is dense enough to index tables
-    by ``key - lo`` directly (at most ``len(keys) / 4 +`` :data:`BELADY_SPAN_SLACK` values, as
+    by ``key - lo`` directly (at most ``len(keys) / 4 +`` :data:`DENSE_SPAN_SLACK` values, as
     every MoE trace's ``layer · E + expert``), read as they are (any integer width, no copy);
     None for sparser keys (they are relabelled: :func:`dense_keys`)."""
-    keys = np.ascontiguousarray(keys)
-    if keys.dtype.kind not in "iu" or keys.dtype == np.uint64:
-        keys = np.ascontiguousarray(keys, np.int64)
+    keys = integer_keys(keys)
     if not keys.size:
         return keys, 0, 1
     lo, hi = (int(x) for x in _min_max(keys))
     span = hi - lo + 1  # Python ints: no overflow
-    return (keys, lo, span) if span <= keys.size // 4 + BELADY_SPAN_SLACK else None
+    return (keys, lo, span) if span <= keys.size // 4 + DENSE_SPAN_SLACK else None
 
 
 def lru_hits(keys: np.ndarray, cache_slots: int) -> int:
@@ -1497,7 +1504,7 @@ def lru_hits(keys: np.ndarray, cache_slots: int) -> int:
 
 def belady_hits(keys: np.ndarray, cache_slots: int) -> int:
     """:func:`flat_belady_hits` of any integer ``keys`` without copying or relabelling them
-    when their range is dense (at most ``len(keys) / 4 +`` :data:`BELADY_SPAN_SLACK` values):
+    when their range is dense (at most ``len(keys) / 4 +`` :data:`DENSE_SPAN_SLACK` values):
     besides the keys it allocates the next-access array, 4 bytes per access (8 past 2³¹ − 2
     accesses), and tables over the key range; so a ``uint16`` trace of 10⁹ accesses replays in
     about 6 GB. Sparser keys are relabelled by :func:`dense_keys` (an int64 copy)."""

@@ -20,8 +20,9 @@ but its time: the views then compile in-process, as before.
 
 Invariant: once :func:`ready`, the dashboard's views, the replay view's studies of any run of
 any model among them, compile nothing (kernels are specialised on argument types, which a
-store's routing always has the same of; ``tests/test_ui.py`` checks every view in a fresh
-cache). Notebooks and the CLI never start it. ``WORKBENCH_WARM_KERNELS=0`` turns it off (the
+store's routing always has the same of; ``tests/test_ui.py`` checks, in a fresh process, that
+drawing every view after the child's work adds no compiled (kernel, signature) and that each of
+them is cached on disk). Notebooks and the CLI never start it. ``WORKBENCH_WARM_KERNELS=0`` turns it off (the
 test suite does: its workers share the cache).
 """
 
