@@ -304,8 +304,11 @@ def test_realb_low_precision_on_sub_experts(embedded, tmp_path, monkeypatch):
 
 def test_the_sub_expert_layout_slices_without_copy_and_round_trips():
     """Sub-expert s of expert e in the layout is its neurons' gate rows, up rows and down
-    columns (as the refactoring's perm names them), read as views; undone bit for bit."""
-    from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
+    columns (as the refactoring's perm names them; the down columns transposed, one
+    contiguous block), read as views; a whole expert's down bytes read as [I, H] are its
+    down matrix transposed, neurons in sub-expert order; undone bit for bit."""
+    from workbench.prism.execute import (from_subexpert_layout, model_form, subexpert_rows,
+                                         subexpert_shapes, to_subexpert_layout)
 
     g = torch.Generator().manual_seed(0)
     E, I, H, N = 3, 8, 5, 4
@@ -314,15 +317,72 @@ def test_the_sub_expert_layout_slices_without_copy_and_round_trips():
     perm = torch.stack([torch.randperm(I, generator=g) for _ in range(E)])
     lgu, ldown = to_subexpert_layout(gu, down, perm, N)
     assert lgu.shape == gu.shape and ldown.shape == down.shape
-    sub_gu, sub_down = lgu.reshape(E * N, 2 * c, H), ldown.reshape(E * N, H, c)
+    blocks = subexpert_rows({"gate_up_proj": lgu, "down_proj": ldown}, N)
+    sub_gu, sub_down = blocks["gate_up_proj"], blocks["down_proj"]
     assert sub_gu.data_ptr() == lgu.data_ptr() and sub_down.data_ptr() == ldown.data_ptr()
+    assert sub_down.is_contiguous() and sub_down.shape[1:] == subexpert_shapes(
+        {"gate_up_proj": (2 * I, H), "down_proj": (H, I)}, N)["down_proj"]
+    as_model = model_form(blocks)["down_proj"]  # [E·N, H, c], a view
+    assert as_model.data_ptr() == ldown.data_ptr()
     for e in range(E):
+        assert torch.equal(ldown.reshape(E, I, H)[e], down[e][:, perm[e]].T)
         for s in range(N):
             neurons = perm[e, s * c:(s + 1) * c]
             assert torch.equal(sub_gu[e * N + s], torch.cat([gu[e, neurons], gu[e, neurons + I]]))
-            assert torch.equal(sub_down[e * N + s], down[e][:, neurons])
+            assert torch.equal(as_model[e * N + s], down[e][:, neurons])
     back = from_subexpert_layout(lgu, ldown, perm, N)
     assert torch.equal(back[0], gu) and torch.equal(back[1], down)
+
+
+@pytest.mark.parametrize("k_active,global_k", [(4, None), (2, None), (1, None), (4, 5)])
+@pytest.mark.parametrize("call", ["every routed expert", "some experts", "sub-expert blocks"])
+def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
+        embedded, k_active, global_k, call):
+    """The fused product (whole experts, one group each, the unchosen sub-experts zeroed)
+    equals the model's own experts forward over the chosen sub-experts as experts of their
+    own (:meth:`PrismView.run_subexperts`, the reference) allclose, for every k_active and a
+    global K: on every routed expert at once, on some experts, and on sub-expert blocks
+    (sub-expert offloading's slots: some sub-experts of an expert absent); both record the
+    same sub-experts as run."""
+    from workbench.prism import refactor as R
+    from workbench.prism.execute import PrismView, subexpert_rows, to_subexpert_layout
+    from workbench.runtime.slots import ExpertsView
+
+    b = embedded.layout.blocks[3]
+    ex, E, N = b.experts, embedded.layout.num_experts, 4
+    ref = R.random_refactoring(embedded, subexperts=N, seed=1)
+    perm, gates = torch.as_tensor(ref.perm), torch.as_tensor(ref.gates)
+    gu, down = to_subexpert_layout(ex.gate_up_proj.data, ex.down_proj.data, perm[b.index], N)
+    g = torch.Generator().manual_seed(7)
+    T, k = 9, embedded.layout.top_k
+    x = torch.randn(T, gu.shape[2], generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[2, 1] = E  # a slot the dispatch dropped
+    w = torch.rand(T, k, generator=g)
+    routed = torch.unique(idx[idx < E])
+    experts = routed if call == "every routed expert" else routed[::2]
+
+    def view():
+        v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, k_active,
+                      ex.act_fn, global_k, apply_gate=ex._apply_gate)
+        v.capture_gates(gu, x.device)
+        v.choose(x, idx, w, E)
+        return v
+
+    fused, per_sub = view(), view()
+    blocks = subexpert_rows({"gate_up_proj": gu, "down_proj": down}, N)
+    subs = [int(e) * N + s for e in experts for s in range(N)]
+    if call == "sub-expert blocks":
+        subs = list(dict.fromkeys(subs[1::3] + subs[::7]))  # some of each expert's, out of order
+        out = fused.run_blocks({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
+    else:
+        at = experts.long()
+        out = fused({"gate_up_proj": gu[at], "down_proj": down[at]}, experts.tolist(), E, x,
+                    idx, w, all_routed=experts if call == "every routed expert" else None)
+    ref_out = per_sub.run_subexperts({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    assert out.abs().sum() > 0
+    assert np.array_equal(fused.take(), per_sub.take())
 
 
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
@@ -469,3 +529,59 @@ def test_the_whole_expert_shortcut_records_what_the_sub_expert_path_does(embedde
                 "latency_modeled_s", "stall_modeled_s"):
         np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=var)
     assert whole.subexperts_ran == whole.subexperts_asked == sub.subexperts_ran
+
+
+def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatch):
+    """The sub-expert layout is converted once per model and partition and kept between runs
+    (host tensors, within LAYOUT_CACHE_BYTES): a second run converts nothing and answers
+    alike, and the model gets its own tensors back each time (same memory, same bits). A
+    parameter written in place, another partition, or a budget of 0 converts again — and
+    the answers follow the weights the model has."""
+    import workbench
+    from workbench.prism import execute as X
+    from workbench.prism import refactor as R
+
+    rt = workbench.Runtime(tiny_ckpt("qwen3_moe"), max_new_tokens=5, cache_slots=6,
+                           pinned_layers=1, ignore_eos=True)
+    for seed in (3, 4):
+        R.save(R.random_refactoring(rt.lm, seed=seed), tmp_path / f"p{seed}")
+    converted = []
+    real = X.to_subexpert_layout
+    monkeypatch.setattr(X, "to_subexpert_layout",
+                        lambda *a: converted.append(1) or real(*a))
+    blocks = rt.lm.layout.blocks
+    ptrs = [b.experts.gate_up_proj.data_ptr() for b in blocks]
+    before = {n: p.detach().clone() for n, p in rt.lm.model.named_parameters()}
+
+    def run(p="p3", own_memory=True):
+        converted.clear()
+        out = rt.run("the quick brown fox", record=False, prism=True, prism_shortcut=False,
+                     prism_k_active=2, prism_refactoring=str(tmp_path / p))
+        if own_memory:  # a kept layout: the module's own tensors back, not a copy
+            assert [b.experts.gate_up_proj.data_ptr() for b in blocks] == ptrs
+        return out.token_ids, len(converted)
+
+    first, n_first = run()
+    assert n_first == len(blocks)
+    again, n_again = run()
+    assert (again, n_again) == (first, 0)
+    for n, p in rt.lm.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert run("p4")[1] == len(blocks)  # another partition
+    assert run("p4")[1] == 0
+    with torch.no_grad():  # written in place: that layer is converted again, the rest kept
+        blocks[2].experts.down_proj.mul_(-1)
+    flipped, n = run("p4")
+    assert n == 1
+    plain = rt.run("the quick brown fox", record=False, prism=True, prism_shortcut=False,
+                   prism_k_active=2, prism_refactoring=str(tmp_path / "p4"))
+    assert plain.token_ids == flipped
+    monkeypatch.setattr(X, "LAYOUT_CACHE_BYTES", 0)
+    X._kept.clear()
+    with torch.no_grad():
+        blocks[2].experts.down_proj.mul_(-1)
+    # converted and converted back (new tensors, the same bits), every run
+    assert run(own_memory=False) == (first, len(blocks))
+    assert run(own_memory=False)[1] == len(blocks)
+    for n, p in rt.lm.model.named_parameters():
+        assert torch.equal(p, before[n]), n

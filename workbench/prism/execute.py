@@ -1,20 +1,29 @@
-"""Elastic execution of sub-experts (issue 16 §2): the model's own experts forward over
-sub-expert slices of the (permuted) fused tensors.
+"""Elastic execution of sub-experts (issue 16 §2; issue 41 §1): a fused sub-expert product
+over the (permuted) fused expert tensors, checked against the model's own experts forward
+run over sub-experts.
 
-:class:`PrismView` wraps the offloader's :class:`~workbench.runtime.slots.ExpertsView`: a call
-for experts ``[e, …]`` becomes a call for their sub-experts ``[e·N + s, …]`` — each one expert
-of its own to the model's experts forward, with ``gate_up_proj`` rows (its gate and up halves)
-and ``down_proj`` columns of the neurons the refactoring put in sub-expert s
-(``perm[e][s·I/N : (s+1)·I/N]``). The offloader stores a prism layer's experts in the
-*sub-expert layout* while installed (:func:`to_subexpert_layout`, at install; undone bit for bit
-at removal), where each sub-expert is a contiguous block: a call slices them with no copy, and
-the host store, the cache slots and the transfers move the same bytes as always. Each routed
-slot (token, e, w) hands on only the sub-experts it runs, as slots (token, e·N + s, w); the
-others are the forward's sentinel (no compute). Every path of the offloader (cache hits,
-misses, the host, the pinned prefix, sub-expert offloading's own slots) calls the view, so all
-of them run sub-experts the same way. With every sub-expert active the layer computes
-Σ_s A[:, S_s]·down[:, S_s] = the expert's output (a sum in another order: equal up to float
-rounding; tested).
+A sub-expert s of expert e is the ``gate_up_proj`` rows (its gate and up halves) and the
+``down_proj`` columns of the neurons the refactoring put in it (``perm[e][s·I/N :
+(s+1)·I/N]``). The offloader stores a prism layer's experts in the *sub-expert layout* while
+installed (:func:`to_subexpert_layout`, at install; undone bit for bit at removal), where each
+sub-expert is one contiguous block of each tensor: the host store, the cache slots and the
+transfers move the same bytes as always, and sub-expert offloading copies contiguous blocks.
+
+:class:`PrismView` wraps the offloader's :class:`~workbench.runtime.slots.ExpertsView`. A call
+for whole experts runs the **fused product** (:meth:`PrismView._fused`): one grouped GEMM per
+projection with one group per expert, as the model's grouped forward has, the model's own gate
+on each sub-expert's outputs, and the sub-experts a routed slot did not choose zeroed before
+the down projection. Sub-expert offloading's slots run it too (:meth:`PrismView.run_blocks`:
+the call's blocks placed in whole experts, zeros where absent). The reference is the model's
+own experts forward with each sub-expert an expert of its own (:meth:`PrismView.run_subexperts`:
+a routed slot (token, e, w) becomes slots (token, e·N + s, w) for the sub-experts it runs, the
+others the forward's sentinel): it computed every path until the fused product replaced it,
+which cost 1.45× the unmodified runtime here (N× the rows in N× the groups of 1/N the size,
+BENCHMARKS.md); it still runs a one-sub-expert host call, and the two agree allclose on every
+kind of call (tested). Every path of the offloader (cache hits, misses, the host, the pinned
+prefix, sub-expert offloading's own slots) calls the view, so all of them run sub-experts
+alike. With every sub-expert active the layer computes Σ_s A[:, S_s]·down[:, S_s] = the
+expert's output (a sum in another order: equal up to float rounding; tested).
 
 Which sub-experts run (:meth:`PrismView.choose`, router-side, before the cache is consulted):
 the proxy gate scores each sub-expert on the token by the mean |activation| of its r gate
@@ -34,6 +43,7 @@ and modeled clock as the sub-expert path (tested), at the unmodified runtime's c
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,28 +62,101 @@ def to_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch.T
                         N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's fused expert tensors (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
     in the sub-expert layout, same shapes: expert e's sub-expert s is rows
-    ``s·2c … (s+1)·2c`` of ``gate_up`` (its c = I/N gate rows, then its up rows) and the
-    ``[H, c]`` block ``down.reshape(E, N, H, c)[e, s]`` — the down bytes are [E, N, H, c]
-    viewed as [E, H, I], so *not* the expert's down matrix. Both reshape to sub-experts
-    without a copy; :func:`from_subexpert_layout` restores the input bit for bit."""
+    ``s·2c … (s+1)·2c`` of ``gate_up`` (its c = I/N gate rows, then its up rows) and, in
+    ``down``'s bytes read as [E, N, c, H], the block ``[e, s]``: its c down columns
+    *transposed* (a [c, H] block). So the down bytes, read as [E, I, H], are each expert's
+    down matrix transposed with its neurons in sub-expert order — the operand of a whole
+    expert's fused sub-expert product (:meth:`PrismView.__call__`) — and each sub-expert is
+    one contiguous block (what sub-expert offloading's host store and slots copy). The
+    ``[E, H, I]`` view of those bytes is *not* the expert's down matrix.
+    :func:`from_subexpert_layout` restores the input bit for bit."""
     E, H, I = down.shape
-    rows = _gate_up_rows(perm.to(gate_up.device), N)
-    gu = torch.gather(gate_up, 1, rows[:, :, None].expand(E, 2 * I, gate_up.shape[2]))
-    d = torch.gather(down, 2, perm.to(down.device)[:, None, :].expand(E, H, I))
-    d = d.reshape(E, H, N, I // N).permute(0, 2, 1, 3).contiguous().view(E, H, I)
-    return gu, d
+    rows = _flat(_gate_up_rows(perm.to(gate_up.device), N))
+    gu = gate_up.reshape(E * 2 * I, -1).index_select(0, rows).view(gate_up.shape)
+    # down's columns in perm's order are the rows of its transpose: [E, I, H]
+    cols = _flat(perm.to(down.device))
+    d = down.transpose(1, 2).reshape(E * I, H).index_select(0, cols)
+    return gu, d.view(E, H, I)
 
 
 def from_subexpert_layout(gate_up: torch.Tensor, down: torch.Tensor, perm: torch.Tensor,
                           N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`to_subexpert_layout` (a permutation: exact)."""
     E, H, I = down.shape
-    rows = _gate_up_rows(perm.to(gate_up.device), N)
-    gu = torch.empty_like(gate_up).scatter_(
-        1, rows[:, :, None].expand(E, 2 * I, gate_up.shape[2]), gate_up)
-    d = down.reshape(E, N, H, I // N).permute(0, 2, 1, 3).reshape(E, H, I)
-    d = torch.empty_like(down).scatter_(2, perm.to(down.device)[:, None, :].expand(E, H, I), d)
-    return gu, d
+    rows = _inverse(_flat(_gate_up_rows(perm.to(gate_up.device), N)))
+    gu = gate_up.reshape(E * 2 * I, -1).index_select(0, rows).view(gate_up.shape)
+    cols = _inverse(_flat(perm.to(down.device)))
+    d = down.reshape(E * I, H).index_select(0, cols).view(E, I, H).transpose(1, 2)
+    return gu, d.contiguous()
+
+
+def _flat(rows: torch.Tensor) -> torch.Tensor:
+    """long [E·R]: the rows ``rows`` [E, R] (each expert's own, 0 … R−1) of a tensor's
+    [E·R, …] view — a row gather is one ``index_select`` (5× a gather over an index
+    as large as the tensor, here)."""
+    E, R = rows.shape
+    return (rows + torch.arange(E, device=rows.device)[:, None] * R).reshape(-1)
+
+
+def _inverse(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``p`` (long [n])."""
+    inv = torch.empty_like(p)
+    inv[p] = torch.arange(len(p), device=p.device)
+    return inv
+
+
+#: sub-expert layouts kept between runs: host (CPU) tensors, up to this many bytes in a process.
+#: A run with the same refactoring then installs its layer's layout without converting, and
+#: its removal hands the model its own tensors back (kept meanwhile: 2× the layer's expert
+#: bytes while kept). Converting both ways was ≈ 8 % of a run of the embedded model (cProfile,
+#: 12 layers); past the budget (a large model), or on an accelerator, each run converts.
+LAYOUT_CACHE_BYTES = 256 << 20
+
+
+class _Kept(NamedTuple):
+    params: tuple  # weak references to the module's gate_up / down parameters
+    held: tuple[int, ...]  # their data pointers and in-place versions, the layout's versions
+    perm: torch.Tensor
+    N: int
+    layout: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def state(params, layout) -> tuple[int, ...]:
+        return (*(p.data_ptr() for p in params), *(p._version for p in params),
+                *(t._version for t in layout))
+
+    def holds(self, params, perm: torch.Tensor, N: int) -> bool:
+        """Whether this layout is still ``params``' under ``perm``, ``N``: the same parameters
+        over the same memory, none of them nor the layout written in place since (a write
+        through another alias of their memory, ``p.data.add_``, is not seen), the same
+        partition."""
+        return (all(r() is p for r, p in zip(self.params, params)) and self.N == N
+                and self.held == self.state(params, self.layout)
+                and self.perm.shape == perm.shape and torch.equal(self.perm, perm))
+
+
+_kept: "weakref.WeakKeyDictionary[torch.nn.Module, _Kept]" = weakref.WeakKeyDictionary()
+
+
+def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``module``'s (an experts module's) ``gate_up_proj``/``down_proj`` in the sub-expert
+    layout (:func:`to_subexpert_layout`), and whether it is a kept one
+    (:data:`LAYOUT_CACHE_BYTES`): then the caller gives the module's parameters their own
+    tensors back at removal instead of :func:`from_subexpert_layout` (the same bits)."""
+    params = (module._parameters["gate_up_proj"], module._parameters["down_proj"])
+    kept = _kept.get(module)
+    if kept is not None and kept.holds(params, perm, N):
+        return (*kept.layout, True)
+    _kept.pop(module, None)
+    gu, d = to_subexpert_layout(params[0].data, params[1].data, perm, N)
+    if gu.device.type == "cpu" and gu.nbytes + d.nbytes + sum(
+            k.layout[0].nbytes + k.layout[1].nbytes for k in _kept.values()) \
+            <= LAYOUT_CACHE_BYTES:
+        _kept[module] = _Kept(tuple(weakref.ref(p) for p in params),
+                              _Kept.state(params, (gu, d)), perm.clone(), N, (gu, d))
+        return gu, d, True
+    return gu, d, False
 
 
 class PrismSetup(NamedTuple):
@@ -95,20 +178,29 @@ class PrismSetup(NamedTuple):
 
 
 def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
-    """One sub-expert's weight shapes (a cache slot of sub-expert offloading) from one
-    expert's: ``gate_up_proj`` (2I, H) → (2I/N, H), ``down_proj`` (H, I) → (H, I/N)."""
+    """One sub-expert's block shapes (a cache slot of sub-expert offloading) from one
+    expert's: ``gate_up_proj`` (2I, H) → (2I/N, H), ``down_proj`` (H, I) → (I/N, H) — its
+    down columns transposed, as the sub-expert layout holds them (:func:`subexpert_rows`)."""
     (two_i, H), (H2, I) = shapes["gate_up_proj"], shapes["down_proj"]
-    return {"gate_up_proj": (two_i // N, H), "down_proj": (H2, I // N)}
+    return {"gate_up_proj": (two_i // N, H), "down_proj": (I // N, H2)}
 
 
 def subexpert_rows(layer: dict[str, torch.Tensor], N: int) -> dict[str, torch.Tensor]:
-    """A layer's fused tensors in the sub-expert layout as ``[E·N, …]`` rows, row e·N + s the
-    sub-expert s of expert e (views, no copy): what the host store of sub-expert offloading
-    addresses by (layer, e·N + s)."""
+    """A layer's fused tensors in the sub-expert layout as ``[E·N, …]`` blocks, row e·N + s
+    the sub-expert s of expert e (views, no copy; ``down_proj`` [E·N, c, H], its columns
+    transposed): what the host store of sub-expert offloading addresses by (layer, e·N + s),
+    and the *block form* :meth:`PrismView.run_subexperts` takes."""
     gu, down = layer["gate_up_proj"], layer["down_proj"]
     E, H, I = down.shape
     return {"gate_up_proj": gu.reshape(E * N, 2 * (I // N), gu.shape[2]),
-            "down_proj": down.reshape(E * N, H, I // N)}
+            "down_proj": down.reshape(E * N, I // N, H)}
+
+
+def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sub-expert blocks (:func:`subexpert_rows`' form) as the model's experts forward takes
+    one expert's weights — ``down_proj`` [n, H, c], a transposed view (no copy)."""
+    return {"gate_up_proj": blocks["gate_up_proj"],
+            "down_proj": blocks["down_proj"].transpose(1, 2)}
 
 
 #: elements of the gate-neuron rows the proxy gate gathers at once (tokens are chunked to this:
@@ -125,8 +217,13 @@ class PrismView:
 
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
                  subexperts: int, k_active: int, act_fn, global_k: int | None = None,
-                 router: torch.Tensor | None = None, whole: bool = False) -> None:
+                 router: torch.Tensor | None = None, whole: bool = False,
+                 apply_gate=None) -> None:
         self.inner, self.layer = inner, layer
+        #: the model's gating of one expert's [.., 2I] up-projection output into [.., I] (its
+        #: experts module's ``_apply_gate``; None: act(gate)·up over the two halves), applied
+        #: to each sub-expert's 2c outputs by the fused product
+        self.apply_gate = apply_gate if apply_gate is not None else self._act_gate
         #: the shortcut: every sub-expert of every routed expert runs, so each call runs whole
         #: experts through the model's own forward over the *unchanged* layout (the offloader
         #: then leaves the tensors as they are) — the same sums, in the model's own order, at
@@ -156,17 +253,19 @@ class PrismView:
         self._ran_call: torch.Tensor | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
 
+    def _act_gate(self, out: torch.Tensor) -> torch.Tensor:
+        gate, up = out.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
     def capture_gates(self, gate_up: torch.Tensor, device: torch.device) -> None:
         """Keep the layer's gate-neuron rows resident on ``device`` (from ``gate_up`` [E, 2I,
         H] in the sub-expert layout, read at install before the layer is offloaded): the
         proxy gate is router-side — it picks a token's sub-experts before any expert is
         looked up, so only those need to be resident or fetched. 2·r·N rows per expert."""
         rows = self.gate_rows.to(gate_up.device)  # [E, N·r]
-        E = rows.shape[0]
-        H = gate_up.shape[2]
-        idx = rows[:, :, None].expand(E, rows.shape[1], H)
-        self._gate_w = torch.gather(gate_up, 1, idx).to(device)  # [E, N·r, H]
-        self._up_w = torch.gather(gate_up, 1, idx + self.c).to(device)
+        at = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        self._gate_w = gate_up[at, rows].to(device)  # [E, N·r, H]
+        self._up_w = gate_up[at, rows + self.c].to(device)
 
     def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -256,46 +355,119 @@ class PrismView:
         c, self._ran_call, self._chosen_call = self._ran_call, None, None
         return None if c is None else c.cpu().numpy()
 
-    def _sub_weights(self, weights: dict[str, torch.Tensor], n: int
-                     ) -> dict[str, torch.Tensor]:
-        gu, down = weights["gate_up_proj"], weights["down_proj"]  # [n, 2I, H], [n, H, I]
-        N, c, H = self.N, self.c, down.shape[1]
-        return {"gate_up_proj": gu.reshape(n * N, 2 * c, gu.shape[2]),
-                "down_proj": down.reshape(n * N, H, c)}
-
     def __call__(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                  hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor, *args: Any, all_routed=None, **kwargs: Any
                  ) -> torch.Tensor:
         """The layer output share of whole experts ``experts`` (``weights`` theirs, in the
-        sub-expert layout): their sub-experts, sliced as views. ``all_routed``: ``experts``
-        are every expert the layer routed to, ascending (a tensor; :class:`ExpertsView`) —
-        then every routed slot's chosen sub-experts are in this call, and they map to the
-        call's sub-experts by a sorted search with no per-call masks (the all-hit step)."""
-        N = self.N
+        sub-expert layout): each routed slot's chosen sub-experts, by the fused sub-expert
+        product (:meth:`_fused`). ``all_routed``: ``experts`` are every expert the layer
+        routed to, ascending (a tensor; :class:`ExpertsView`) — then ids map to positions by
+        a sorted search. Something else the model hands its experts forward (``args``,
+        ``kwargs``; none of the supported architectures does) goes to the model's own forward
+        over sub-experts (:meth:`run_subexperts`)."""
         if self.whole:
             return self._run_whole(weights, experts, num_experts, hidden_states, top_k_index,
                                    top_k_weights, *args, all_routed=all_routed, **kwargs)
-        sub_w = self._sub_weights(weights, len(experts))
-        if all_routed is not None and self._chosen_call is not None \
-                and self._chosen_call.shape[:2] == top_k_index.shape:
-            dev = top_k_index.device
-            chosen = self._chosen_call.to(dev)
-            T = top_k_index.shape[0]
-            step = torch.arange(N, device=dev)
-            subs = (all_routed.to(dev).long()[:, None] * N + step).reshape(-1).to(
-                top_k_index.dtype)
-            # not chosen (and routed nowhere, id E): past every sub-expert, the sentinel
-            ids = (top_k_index.long()[..., None] * N + chosen).masked_fill(
-                chosen < 0, num_experts * N)
-            w = top_k_weights[..., None].expand(chosen.shape).masked_fill(chosen < 0, 0)
-            self._ran_call = chosen.to(self._ran_call.device, torch.int16)
-            return self.inner(sub_w, subs, num_experts * N, hidden_states,
-                              ids.reshape(T, -1).to(top_k_index.dtype), w.reshape(T, -1),
-                              *args, all_routed=subs, **kwargs)
-        subs = [int(e) * N + s for e in experts for s in range(N)]
-        return self.run_subexperts(sub_w, subs, num_experts, hidden_states, top_k_index,
-                                   top_k_weights, *args, **kwargs)
+        if args or kwargs:
+            subs = [int(e) * self.N + s for e in experts for s in range(self.N)]
+            return self.run_subexperts(subexpert_rows(weights, self.N), subs, num_experts,
+                                       hidden_states, top_k_index, top_k_weights, *args,
+                                       **kwargs)
+        return self._fused(weights, experts, num_experts, hidden_states, top_k_index,
+                           top_k_weights, all_routed)
+
+    def run_blocks(self, blocks: dict[str, torch.Tensor], subs, num_experts: int,
+                   hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The layer output share of sub-experts ``subs`` (ids e·N + s, ``blocks`` theirs in
+        block form: sub-expert offloading's cache slots) by the fused product: the blocks
+        placed in whole experts of the sub-expert layout (zeros where a sub-expert is not in
+        this call), each routed slot's chosen sub-experts among ``subs`` run. ``args`` or
+        ``kwargs``: the model's forward per sub-expert, as :meth:`__call__`."""
+        if args or kwargs:
+            return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
+                                       top_k_weights, *args, **kwargs)
+        N, dev = self.N, blocks["gate_up_proj"].device
+        key = torch.as_tensor([int(x) for x in subs], dtype=torch.long, device=dev)
+        experts, at = torch.unique(key // N, return_inverse=True)  # ascending
+        n = len(experts)
+        place = at * N + key % N
+        whole = {}
+        for name, t in blocks.items():
+            full = t.new_zeros((n * N, *t.shape[1:]))
+            full[place] = t
+            whole[name] = full
+        E_rows, cols = whole["gate_up_proj"].shape[1:]  # [2c, H]
+        gu = whole["gate_up_proj"].view(n, N * E_rows, cols)
+        present = torch.zeros(n * N, dtype=torch.bool, device=dev)
+        present[place] = True
+        return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]}, experts.tolist(),
+                           num_experts, hidden_states, top_k_index, top_k_weights, None,
+                           present=present.view(n, N))
+
+    def _fused(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
+               x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               all_routed: torch.Tensor | None, present: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The fused sub-expert product of whole experts (issue 41 §1): one group per expert,
+        as the model's grouped forward has, not one per sub-expert. Per routed slot of an
+        expert of this call: ``gate_up`` [2I, H] (sub-expert layout) over the token, the
+        model's own gate (``_apply_gate``, else act(gate)·up) on each sub-expert's 2c
+        outputs, the sub-experts the slot did not choose zeroed, then the down bytes read as
+        [I, H] (:func:`to_subexpert_layout`) — Σ over the chosen sub-experts of their
+        outputs, the same sums as the per-sub-expert path (:meth:`run_subexperts`) in another
+        order (tested allclose), in the rows and groups of a whole-expert call. A zeroed
+        sub-expert still costs its share of the two products here; what saves compute on
+        hardware is what is fetched (sub-expert offloading) and a kernel that skips the
+        zeroed blocks. ``present`` bool [n, N]: the sub-experts of each expert this call
+        holds (None: all) — the others run elsewhere (another call, the host)."""
+        from transformers.integrations.moe import _grouped_mm
+
+        gu = weights["gate_up_proj"]  # [n, 2I, H]
+        n, two_i, H = gu.shape
+        N, c = self.N, self.c
+        dev = top_k_index.device
+        T, k = top_k_index.shape
+        if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
+            self.choose(x, top_k_index, top_k_weights, num_experts)  # on its own
+        chosen = self._chosen_call.to(dev)  # [T, k, w] sub-experts, -1 padding
+        if all_routed is not None:  # an id past every routed one (E: dropped) → n
+            local = torch.searchsorted(all_routed.to(dev), top_k_index)
+        else:
+            lut = torch.full((num_experts + 1,), n, dtype=torch.long, device=dev)
+            lut[torch.as_tensor([int(e) for e in experts], dtype=torch.long, device=dev)] = \
+                torch.arange(n, device=dev)
+            local = lut[top_k_index.long()]
+        here = (local < n)[..., None] & (chosen >= 0)  # [T, k, w]: what this call runs
+        if present is not None:
+            here &= present[local.clamp(max=n - 1)[..., None], chosen.clamp(min=0)]
+        ran = self._ran_call
+        self._ran_call = torch.where(here.to(ran.device), chosen.to(ran.device, torch.int16),
+                                     ran)
+        flat = local.reshape(-1)
+        rows = torch.nonzero(flat < n).squeeze(1)
+        if not len(rows):
+            return torch.zeros_like(x)
+        rows = rows[torch.argsort(flat[rows], stable=True)]  # grouped by expert
+        offs = torch.cumsum(torch.bincount(flat[rows], minlength=n), 0).to(torch.int32)
+        up = _grouped_mm(x[rows // k], gu.transpose(1, 2), offs)  # [S, 2I]
+        S = up.shape[0]
+        act = self.apply_gate(up.reshape(S * N, 2 * c)).reshape(S, N, c)
+        if chosen.shape[-1] < N or self.global_k is not None or present is not None:
+            # some sub-experts of a slot's expert do not run here: zeroed
+            pick = chosen.reshape(T * k, -1)[rows]
+            mask = torch.zeros((S, N), dtype=act.dtype, device=dev).scatter_add_(
+                1, pick.clamp(min=0).long(), here.reshape(T * k, -1)[rows].to(act.dtype))
+            act = act * mask[..., None]
+        down = weights["down_proj"].reshape(n, two_i // 2, H)  # the bytes as [n, I, H]
+        out = _grouped_mm(act.reshape(S, N * c), down, offs)  # [S, H]
+        out = out * top_k_weights.reshape(-1)[rows, None].to(out.dtype)
+        full = (torch.empty if len(rows) == T * k else torch.zeros)(  # every slot here: all set
+            (T * k, H), dtype=out.dtype, device=dev)
+        full[rows] = out
+        # summed over each token's slots as the model's forward sums (reshape + sum)
+        return full.view(T, k, H).sum(1).to(x.dtype)
 
     def fake_quant(self, weights: dict[str, torch.Tensor], experts, precision: str
                    ) -> dict[str, torch.Tensor]:
@@ -342,7 +514,8 @@ class PrismView:
                        hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The layer output share of sub-experts ``subs`` (ids e·N + s, ``weights`` their
-        own blocks: :func:`subexpert_rows`, or sliced by :meth:`__call__`) — each routed
+        own blocks in block form: :func:`subexpert_rows`, a cache slot's, a host row's), by
+        the model's own experts forward over sub-experts (one group each) — each routed
         slot's chosen sub-experts among them, weighted by the slot's routing weight. Every call
         of a layer (hits, each miss, the host) records the slots it ran."""
         N, dev = self.N, top_k_index.device
@@ -360,10 +533,11 @@ class PrismView:
         T = top_k_index.shape[0]
         ids = keys.masked_fill(~here, num_experts * N)  # the sentinel: not in this call
         w = top_k_weights[..., None].expand_as(here).masked_fill(~here, 0)
-        return self.inner(weights, subs, num_experts * N, hidden_states,
+        return self.inner(model_form(weights), subs, num_experts * N, hidden_states,
                           ids.reshape(T, -1).to(top_k_index.dtype), w.reshape(T, -1),
                           *args, **kwargs)
 
 
-__all__ = ["PrismSetup", "PrismView", "from_subexpert_layout", "subexpert_rows", "subexpert_shapes",
+__all__ = ["LAYOUT_CACHE_BYTES", "PrismSetup", "PrismView", "from_subexpert_layout",
+           "install_layout", "model_form", "subexpert_rows", "subexpert_shapes",
            "to_subexpert_layout"]

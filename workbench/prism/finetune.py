@@ -81,7 +81,7 @@ def finetune(lm, ref, requests: Sequence[Any], steps: int = 200, lr: float = 1e-
     import torch
 
     from workbench.models.inputs import build_batch_inputs
-    from workbench.prism.execute import to_subexpert_layout
+    from workbench.prism.execute import model_form, subexpert_rows, to_subexpert_layout
     from workbench.runtime.slots import ExpertsView
 
     if not requests:
@@ -129,9 +129,7 @@ def finetune(lm, ref, requests: Sequence[Any], steps: int = 200, lr: float = 1e-
             ex = b.experts
             gu, down = to_subexpert_layout(ex.gate_up_proj.data, ex.down_proj.data,
                                            torch.as_tensor(ref.perm[l]), N)
-            c = down.shape[2] // N
-            sub_w = {"gate_up_proj": gu.reshape(E * N, 2 * c, gu.shape[2]),
-                     "down_proj": down.reshape(E * N, down.shape[1], c)}
+            sub_w = model_form(subexpert_rows({"gate_up_proj": gu, "down_proj": down}, N))
             view = ExpertsView(ex, b.expert_params)
             ex.forward = hook(l, view, sub_w)
             installed.append(ex)

@@ -245,9 +245,9 @@ class Executor:
         call run apart (:meth:`run_low`)."""
         weights = self.slots.gather(slots)
         if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
-            return c.view.run_subexperts(weights, experts, c.block.num_experts,
-                                         c.hidden_states, c.top_k_index, c.top_k_weights,
-                                         *c.args, **c.kwargs)
+            return c.view.run_blocks(weights, experts, c.block.num_experts,
+                                     c.hidden_states, c.top_k_index, c.top_k_weights,
+                                     *c.args, **c.kwargs)
         if not any(e in c.low for e in experts):
             return c.run(weights, experts, all_routed=all_routed)
         return self.run_split(c, experts, weights)

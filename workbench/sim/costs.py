@@ -173,9 +173,14 @@ class Prices:
         set in ``precision``."""
         t = np.asarray(tokens, np.int64)
         low = np.zeros(len(t), bool) if low is None else np.asarray(low, bool)
-        return np.array([self.subexpert_op(int(r.sum()), int((r > 0).sum()), t.shape[1],
-                                           precision if lo else "native")
-                         for r, lo in zip(t, low)], float)
+        N = t.shape[1]
+        code = t.sum(1) * (N + 1) + (t > 0).sum(1)  # (runs, parts) of each row, one number
+        out = np.zeros(len(t))
+        for prec, rows in (("native", ~low), (precision, low)):
+            if rows.any():  # one call per distinct (runs, parts)
+                out[rows] = self.many(lambda c, p=prec: self.subexpert_op(
+                    c // (N + 1), c % (N + 1), N, p), code[rows])
+        return out
 
     def part(self, n: int) -> "Prices":
         """The prices of one ``n``-th of each expert (:meth:`CostSpec.part`: a sub-expert's

@@ -3,8 +3,9 @@
 Every routed expert runs through a :class:`~workbench.prism.execute.PrismView`: k_active of
 its N sub-experts, or the token's K best of its routed experts' (``global_k``). The layer's
 fused expert tensors are put into the sub-expert layout in place (and back, exactly, when the
-offloader is removed), so every copy made from them — host store, slots, the pinned prefix —
-is in the layout the views slice without copying. With the shortcut (every sub-expert of every
+offloader is removed; a layout kept between runs is installed as is and the module gets its own
+tensors back: :func:`~workbench.prism.execute.install_layout`), so every copy made from them —
+host store, slots, the pinned prefix — is in the layout the views slice without copying. With the shortcut (every sub-expert of every
 routed expert runs), the views run whole experts over the unchanged layout.
 
 With sub-expert offloading (``prism_offload``) the cache's keys are sub-experts
@@ -36,6 +37,8 @@ class SubExpertStage(Stage):
         self.device = device
         self.views: dict[int, object] = {}  # MoE layer → its PrismView
         self.relaid: set[int] = set()  # layers whose experts are in the sub-expert layout
+        #: the model's own expert tensors of a layer whose layout is a kept one, given back
+        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_knobs(cls, knobs: Knobs, run: RunContext) -> "SubExpertStage | None":
@@ -87,7 +90,8 @@ class SubExpertStage(Stage):
         whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
                  and self.part == 1)
         view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
-                         b.experts.act_fn, ps.global_k, ps.router, whole=whole)
+                         b.experts.act_fn, ps.global_k, ps.router, whole=whole,
+                         apply_gate=getattr(b.experts, "_apply_gate", None))
         self.views[b.index] = view
         if not whole:
             self.relayout(b)
@@ -116,15 +120,25 @@ class SubExpertStage(Stage):
 
     def relayout(self, b: MoEBlock, back: bool = False) -> None:
         """``b``'s fused expert tensors into the sub-expert layout (``back``: out of it,
-        exactly), in place of the module's parameters."""
-        from workbench.prism.execute import from_subexpert_layout, to_subexpert_layout
+        exactly), in place of the module's parameters. A kept layout
+        (:func:`~workbench.prism.execute.install_layout`) is installed as is, and its removal
+        gives the module its own tensors back."""
+        from workbench.prism.execute import from_subexpert_layout, install_layout
 
-        perm, N = self.prism.perm, self.prism.subexperts
+        perm, N = self.prism.perm[b.index], self.prism.subexperts
         gu, down = b.experts._parameters["gate_up_proj"], b.experts._parameters["down_proj"]
         with torch.no_grad():
-            gu.data, down.data = (from_subexpert_layout if back else to_subexpert_layout)(
-                gu.data, down.data, perm[b.index], N)
-        (self.relaid.discard if back else self.relaid.add)(b.index)
+            if back:
+                own = self.own.pop(b.index, None)
+                gu.data, down.data = own if own is not None else from_subexpert_layout(
+                    gu.data, down.data, perm, N)
+                self.relaid.discard(b.index)
+                return
+            own = (gu.data, down.data)
+            gu.data, down.data, kept = install_layout(b.experts, perm, N)
+            if kept:
+                self.own[b.index] = own
+        self.relaid.add(b.index)
 
     # -- per call -----------------------------------------------------------------------------
     def price(self, call: LayerCall) -> None:
