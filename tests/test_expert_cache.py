@@ -2,6 +2,8 @@
 
 from collections import OrderedDict
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -87,3 +89,49 @@ def test_lfu_keeps_frequent_expert():
         if miss:
             cache.admit((0, e))
     assert (0, 0) in cache and (0, 2) in cache and (0, 1) not in cache
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_victims_by_heap_equal_the_scan(seed):
+    """LRU's heap (:meth:`LRU.victim`) evicts exactly what the scan of every unprotected
+    resident key does (:meth:`EvictionPolicy.victim` → ``choose_victim``), over random
+    layer calls with protected keys, pre-evictions, cancellations, and a policy reset with
+    keys resident (then it scans); a clock that repeats a ``t`` turns it to scanning."""
+    from workbench.policies.eviction import LRU, EvictionPolicy
+
+    class ScanLRU(LRU):
+        victim = EvictionPolicy.victim
+
+    rng = np.random.default_rng(seed)
+    L, E, slots = 3, 12, int(rng.integers(2, 12))
+    caches = [ExpertCache(slots, cls(), L, E) for cls in (LRU, ScanLRU)]
+    for step in range(300):
+        layer = int(rng.integers(L))
+        experts = [int(e) for e in rng.choice(E, size=min(int(rng.integers(1, 4)), slots),
+                                              replace=False)]
+        outs = []
+        for c in caches:
+            hits, misses = c.lookup(layer, experts)
+            fill = c.fill(layer, experts, misses)
+            fill.done(hits)
+            got = []
+            while fill.pending:
+                out = fill.issue()
+                got += out
+                fill.done([e for e, _, _ in out])
+            outs.append((hits, got))
+        assert outs[0] == outs[1]
+        if step % 37 == 5:  # a pre-eviction / a cancelled prefetch of the same key in both
+            key = next(iter(caches[0].slot_of))
+            (caches[0].evict if step % 2 else caches[0].cancel)(key)
+            (caches[1].evict if step % 2 else caches[1].cancel)(key)
+        if step == 150:
+            for c in caches:
+                c.policy.reset()
+    assert [c.slot_of for c in caches][0] == caches[1].slot_of
+    assert caches[0].counters()["evictions"].tolist() == caches[1].counters()["evictions"].tolist()
+    assert caches[0].counters()["evictions"].sum() > 0
+    lru = LRU()
+    lru.on_hit((0, 1), 5)
+    lru.on_hit((0, 2), 5)  # the same t twice: from here on, the scan
+    assert lru._uses is None and lru.victim({(0, 1): 0, (0, 2): 1}, set(), 6) == (0, 1)

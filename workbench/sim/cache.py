@@ -97,11 +97,10 @@ class ExpertCache:
             self.policy.before_admit(key, self.t)
             slot = self._free.pop()
         else:
-            candidates = [k for k in self.slot_of if k not in protected]
-            if not candidates:
-                return None
+            if len(self.slot_of) <= sum(k in self.slot_of for k in protected):
+                return None  # every resident key is protected
             self.policy.before_admit(key, self.t)
-            evicted = self.policy.choose_victim(candidates, self.t)
+            evicted = self.policy.victim(self.slot_of, protected, self.t)
             slot = self.slot_of.pop(evicted)
             self.policy.on_evict(evicted)
             self.evictions[evicted[0]] += 1
