@@ -46,7 +46,9 @@ class Transfer:
     start: float = 0.0
     end: float = 0.0
     error: BaseException | None = None
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    #: CPU: held from submission until the worker has copied (a bare lock: an Event per copy
+    #: cost ≈ 5 % of a run caching sub-experts, cProfile); CUDA: None (the end event tells)
+    _done: threading.Lock | None = field(default=None, repr=False)
     _start_ev: object = field(default=None, repr=False)  # CUDA timing events on the copy stream
     _end_ev: object = field(default=None, repr=False)
 
@@ -55,7 +57,7 @@ class Transfer:
         """The copy has landed (never blocks)."""
         if self._end_ev is not None:
             return bool(self._end_ev.query())  # type: ignore[attr-defined]
-        return self._done.is_set()
+        return not self._done.locked()
 
     def wait(self) -> float:
         """Block until the copy has landed; returns the seconds spent waiting (the stall)."""
@@ -63,7 +65,8 @@ class Transfer:
         if self._end_ev is not None:
             self._end_ev.synchronize()  # type: ignore[attr-defined]
         else:
-            self._done.wait()
+            self._done.acquire()  # released by the worker once the copy has landed
+            self._done.release()
         waited = time.perf_counter() - t0
         if self.error is not None:
             raise self.error
@@ -117,6 +120,8 @@ class TransferEngine:
                 self._pending.append(tr)
         else:
             assert self._queue is not None
+            tr._done = threading.Lock()
+            tr._done.acquire()
             self._queue.put((tr, dst, src))
         return tr
 
@@ -138,7 +143,7 @@ class TransferEngine:
             tr.end = time.perf_counter()
             with self._lock:
                 self._completed.append(tr)
-            tr._done.set()
+            tr._done.release()
 
     # -- CUDA clock ------------------------------------------------------------------------
     def _anchor(self) -> tuple[object, float]:

@@ -97,7 +97,8 @@ class ExpertCache:
             self.policy.before_admit(key, self.t)
             slot = self._free.pop()
         else:
-            if len(self.slot_of) <= sum(k in self.slot_of for k in protected):
+            if len(self.slot_of) <= len(protected) and \
+                    len(self.slot_of) <= sum(k in self.slot_of for k in protected):
                 return None  # every resident key is protected
             self.policy.before_admit(key, self.t)
             evicted = self.policy.victim(self.slot_of, protected, self.t)
