@@ -415,3 +415,14 @@ def test_belady_and_lru_relabel_keys_too_sparse_for_a_table():
     for slots in (1, 2, 3):
         assert flat_hits(keys, slots, "belady") == belady_reference(keys.tolist(), slots)
         assert flat_hits(keys, slots, "lru") == lru_reference(keys.tolist(), slots)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_belady_bitmap_equals_the_textbook_belady_across_levels(seed):
+    """The bitmap of next uses (one level per 64× the accesses) gives the textbook Belady's
+    hits on traces long enough for two and three levels, keys never used again among them."""
+    rng = np.random.default_rng(seed)
+    for n in (1, 63, 64, 65, 700, 4097, 6000):
+        keys = (rng.zipf(1.3, n) % int(rng.integers(2, 60))).astype(np.int64)
+        slots = int(rng.integers(1, 12))
+        assert flat_hits(keys, slots, "belady") == belady_reference(keys.tolist(), slots), n
