@@ -1468,15 +1468,16 @@ def _flat_belady(nxt, cap, bits, off, nlev):
 
 #: the widest key range (``max - min + 1`` of the keys) that the flat kernels reading keys as
 #: they are (:func:`belady_hits`, :func:`lru_hits`) index directly, beyond the trace's own
-#: length / 4: their per-key tables (Belady's three of at most 8 bytes, LRU's 17 bytes) then
-#: add at most ~6 bytes per access; sparser keys are relabelled first (:func:`dense_keys`)
+#: length / 4: their per-key tables (Belady's one of at most 8 bytes, LRU's 17 bytes) then
+#: add at most ~5 bytes per access; sparser keys are relabelled first (:func:`dense_keys`)
 DENSE_SPAN_SLACK = 1 << 16
 
 
 def flat_belady_hits(ids: np.ndarray, n_keys: int, cache_slots: int) -> int:
     """Hits of Belady's MIN (always admitting, as libCacheSim's Belady) with ``cache_slots``
     slots over ``ids`` (keys 0..n_keys-1, one per access): next accesses by one backward pass,
-    residents in a max-heap of next access, O(log slots) per access."""
+    residents as the bits of their next accesses (:func:`_flat_belady`), a word per bitmap
+    level per eviction (log₆₄ of the accesses)."""
     ids = np.ascontiguousarray(ids, np.int64)
     return _belady_tables(ids, 0, max(int(n_keys), 1), int(cache_slots))
 
