@@ -420,10 +420,12 @@ class Offloader:
         An assignment the dispatch dropped (id E) is recorded as -1 and routes nowhere."""
         ids = top_k_index.detach().to("cpu")
         recorded = ids.numpy().astype(np.int32)
-        if self._sentinels:
-            gone = ids >= b.num_experts
-            experts, counts = torch.unique(ids[~gone], return_counts=True)
-            recorded[gone.numpy()] = -1
+        # a sentinel may be there (a dispatch's run, padding), yet is mostly not (every decode
+        # step of a prefill-only dispatch): a test on the copy saves two tensor ops and a mask
+        gone = recorded >= b.num_experts if self._sentinels else None
+        if gone is not None and gone.any():
+            experts, counts = torch.unique(ids[torch.from_numpy(~gone)], return_counts=True)
+            recorded[gone] = -1
         else:
             experts, counts = torch.unique(ids, return_counts=True)
         ev = LayerEvent(layer=b.index, pinned=b.index < self.pinned_layers,

@@ -136,21 +136,24 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
                classes: np.ndarray | None, capacity_base: float, *, rho: float,
                dynamic_capacity: bool, min_capacity: int, selection: str, seed: int,
                reroute: bool, rank_of_expert: np.ndarray | None, gates: np.ndarray | None,
-               affinity: np.ndarray | None, eta: float, num_experts: int
+               affinity: np.ndarray | None, eta: float, num_experts: int,
+               compiled: bool = True
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One (step, layer) group. ``ids`` int [T, K] (-1 none), ``gate_w`` [T, K] the router's
     combine weights of them (NaN: unknown), ``w`` [T] semantic weights, ``classes`` int8 [E]
     (m_j; None: all shared), ``gates`` [T, E] / ``affinity`` [T, E] or None.
 
     Returns ``(new ids [T, K] (-1: dropped), new weights [T, K], rerouted bool [T, K],
-    capacity [E])``."""
+    capacity [E])``. Capacity, priority keys and retention are numpy either way; from the
+    per-expert priority order on, ``compiled`` runs :func:`_select_loop` (numba), else the
+    numpy reference below it, which the tests hold it bit-equal to."""
     T, K = ids.shape
     E = num_experts
     new_ids = ids.copy()
     new_w = np.array(gate_w, np.float64, copy=True)
     rerouted = np.zeros((T, K), bool)
     vis = np.asarray(modality) != 0
-    w = np.asarray(w, np.float64)
+    w = np.ascontiguousarray(w, np.float64)
     total = w.sum() if T else 0.0
     r_v = float(w[vis].sum() / total) if total > 0 else 0.0
     cap = np.full(E, float(capacity_base))
@@ -181,6 +184,28 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     else:
         raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
                          f"{selection!r}")
+    gw = np.ascontiguousarray(gate_w, np.float64)
+    # rerouting's inputs: which experts share a rank, the score of every (token, expert)
+    # (candidates are masked per token) and every expert's router probability (0: unknown)
+    same_rank = score_all = g_all = np.zeros((0, 0))
+    if reroute:
+        ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
+        same_rank = np.ascontiguousarray(ranks[:, None] == ranks[None, :])  # [E, E]
+        g_all = gates if gates is not None else np.zeros((T, E))
+        score_all = (1.0 - eta) * g_all
+        if affinity is not None:
+            score_all = score_all + eta * affinity
+        score_all = np.ascontiguousarray(score_all, np.float64)
+        g_all = np.ascontiguousarray(g_all, np.float64)
+    ids64 = np.ascontiguousarray(ids, np.int64)
+    if compiled:
+        out_ids = ids64.copy()
+        _kernels()[1](t.astype(np.int64), r.astype(np.int64), e, np.asarray(key, np.float64),
+                      w, retention, cap, ids64, gw, out_ids, new_w, rerouted, reroute,
+                      same_rank, score_all, g_all, gates is not None)
+        new_ids[:] = out_ids
+        return new_ids, new_w, rerouted, cap
+    # the numpy reference of _select_loop
     # per expert: priority order (key, then top-k rank, then token), keep while Σw ≤ C_j
     order = np.lexsort((t, r, key, e))
     e_s = e[order]
@@ -201,22 +226,130 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     new_w[ot, orr] = 0.0
     if not reroute:
         return new_ids, new_w, rerouted, cap
-    ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
-    same_rank = ranks[:, None] == ranks[None, :]  # [E, E]
     room = cap + _EPS - load  # effective load each expert can still take
-    # the score of every (overflow token, expert) at once; candidates are masked per token
-    g_all = gates if gates is not None else np.zeros((T, E))
-    score_all = (1.0 - eta) * g_all
-    if affinity is not None:
-        score_all = score_all + eta * affinity
-    gw = np.asarray(gate_w, np.float64)
     # most important overflow first (fail-safe order: the lowest retention goes first)
     first = np.argsort(-retention[ot], kind="stable")
-    _reroute()(ot[first].astype(np.int64), orr[first].astype(np.int64), w,
-               np.ascontiguousarray(ids, np.int64), new_ids, new_w, rerouted,
-               np.ascontiguousarray(same_rank), room, np.ascontiguousarray(score_all, np.float64),
-               np.ascontiguousarray(g_all, np.float64), gw, gates is not None)
+    _reroute()(ot[first].astype(np.int64), orr[first].astype(np.int64), w, ids64, new_ids,
+               new_w, rerouted, same_rank, room, score_all, g_all, gw, gates is not None)
     return new_ids, new_w, rerouted, cap
+
+
+def _select_loop(t, r, e, key, w, retention, cap, ids, gw, new_ids, new_w, rerouted, reroute,
+                 same_rank, score_all, g_all, has_gates):
+    """Steps 4–5 of the module docstring on one group, compiled (:func:`_kernels`): what
+    :func:`macs_group`'s numpy reference does from its priority order on, with the same float
+    operations in the same order, so the same bits. Assignments ``(t[i], r[i])`` to expert
+    ``e[i]`` in ``np.nonzero``'s order (token, then top-k rank), ``key`` their priority;
+    ``w``/``retention`` per token; ``cap`` [E] in effective-load units. Drops the overflow
+    from ``new_ids``/``new_w`` (in place) and, with ``reroute``, moves it by
+    :func:`_reroute_loop` (the ``same_rank``…``has_gates`` arguments are its; unused without).
+
+    The order is ``np.lexsort((t, r, key, e))``: a stable counting sort by rank then by expert
+    gives (expert, rank, token) order, then a stable sort of each expert's keys (NaN last, as
+    lexsort). The effective loads are one running sum over that order minus its value where
+    the expert starts, as the reference's ``cumsum`` differences (not a fresh sum per expert:
+    those could round differently)."""
+    n = t.shape[0]
+    E = cap.shape[0]
+    K = ids.shape[1]
+    by_r = np.empty(n, np.int64)  # (rank, token) order: stable counting sort by rank
+    pos = np.zeros(K + 1, np.int64)
+    for i in range(n):
+        pos[r[i] + 1] += 1
+    for k in range(K):
+        pos[k + 1] += pos[k]
+    for i in range(n):
+        by_r[pos[r[i]]] = i
+        pos[r[i]] += 1
+    start = np.zeros(E + 1, np.int64)  # then by expert, stably: (expert, rank, token)
+    for i in range(n):
+        start[e[i] + 1] += 1
+    for j in range(E):
+        start[j + 1] += start[j]
+    fill = start[:E].copy()
+    order = np.empty(n, np.int64)
+    for i in by_r:
+        order[fill[e[i]]] = i
+        fill[e[i]] += 1
+    tmp = np.empty(n, np.int64)
+    for j in range(E):  # each expert's assignments by key, ties kept in (rank, token) order
+        _SORT(order[start[j]:start[j + 1]], key, tmp)
+    load = np.zeros(E)
+    over = np.empty(n, np.int64)
+    n_over = 0
+    csum = 0.0
+    base = 0.0
+    for i in range(n):
+        a = order[i]
+        j = e[a]
+        if i == 0 or j != e[order[i - 1]]:
+            base = csum  # the running sum where expert j's assignments start
+        wa = w[t[a]]
+        csum += wa
+        if csum - base <= cap[j] + 1e-6:  # _EPS
+            load[j] += wa
+        else:
+            over[n_over] = a
+            n_over += 1
+            new_ids[t[a], r[a]] = -1
+            new_w[t[a], r[a]] = 0.0
+    if not reroute or n_over == 0:
+        return
+    over = over[:n_over]
+    fail_safe = np.empty(n)  # the fail-safe order's key of each assignment: −r(x)
+    for a in over:
+        fail_safe[a] = -retention[t[a]]
+    _SORT(over, fail_safe, tmp)
+    room = cap + 1e-6 - load
+    _REROUTE(t[over], r[over], w, ids, new_ids, new_w, rerouted, same_rank, room, score_all,
+             g_all, gw, has_gates)
+
+
+def _sort_by(idx, key, tmp):
+    """Sort the indices ``idx`` in place by ``key[idx]`` in numpy's stable argsort's order:
+    ascending, NaN last, ties in their order in ``idx``. ``tmp``: int scratch, at least as
+    long. A merge sort (insertion-sorted runs of 16, then merged bottom-up) on the caller's
+    buffers: numba's ``argsort`` allocates on every call, which cost more than the sorting
+    on MACS's many short per-expert runs. ``a`` goes before ``b`` iff ``a < b`` or ``b`` is
+    NaN and ``a`` is not."""
+    n = idx.shape[0]
+    for a in range(0, n, 16):
+        b = min(a + 16, n)
+        for i in range(a + 1, b):
+            v = idx[i]
+            kv = key[v]
+            j = i - 1
+            while j >= a:
+                ku = key[idx[j]]
+                if not (kv < ku or (ku != ku and kv == kv)):
+                    break
+                idx[j + 1] = idx[j]
+                j -= 1
+            idx[j + 1] = v
+    src, dst = idx, tmp[:n]
+    in_tmp = False
+    width = 16
+    while width < n:
+        for a in range(0, n, 2 * width):
+            m, b = min(a + width, n), min(a + 2 * width, n)
+            i, j = a, m
+            for o in range(a, b):
+                if i < m and j < b:
+                    ki, kj = key[src[i]], key[src[j]]
+                    take_j = kj < ki or (ki != ki and kj == kj)
+                else:
+                    take_j = i >= m
+                if take_j:
+                    dst[o] = src[j]
+                    j += 1
+                else:
+                    dst[o] = src[i]
+                    i += 1
+        src, dst = dst, src
+        in_tmp = not in_tmp
+        width *= 2
+    if in_tmp:
+        idx[:] = src
 
 
 def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, score_all, g_all,
@@ -226,33 +359,39 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
     it moves to. Changes ``new_ids``, ``new_w``, ``rerouted`` and ``room`` in place. Compiled
     (:func:`_reroute`): as a Python loop it was most of MACS's cost over top-k (146 ms of a
     1.1 s batch-of-8 run, cProfile). The expert chosen is numpy's ``argmax`` of the masked
-    scores: the first highest score, a NaN counting as highest."""
+    scores: the first highest score, a NaN counting as highest. Only the experts of j's rank
+    are visited (in expert order, so the same first), not all E for each assignment."""
     T, K = ids.shape
     E = room.shape[0]
-    cand = np.empty(E, np.bool_)
+    peers = np.empty((E, E), np.int64)  # peers[j, :n_peers[j]]: the experts on j's rank
+    n_peers = np.zeros(E, np.int64)
+    for j in range(E):
+        for e in range(E):
+            if same_rank[j, e]:
+                peers[j, n_peers[j]] = e
+                n_peers[j] += 1
+    used = np.full(E, -1, np.int64)  # used[e] == i: the i-th assignment's token uses e
     for i in range(ot.shape[0]):
         x, slot = ot[i], orr[i]
         wx = w[x]
-        if room.max() < wx:  # no expert anywhere has room for it: the fail-safe drop
-            continue
         j = ids[x, slot]
-        for e in range(E):
-            cand[e] = same_rank[j, e] and room[e] >= wx
         for r in range(K):  # not an expert the token already uses
             if ids[x, r] >= 0:
-                cand[ids[x, r]] = False
+                used[ids[x, r]] = i
             if new_ids[x, r] >= 0:
-                cand[new_ids[x, r]] = False
+                used[new_ids[x, r]] = i
         k = -1
         best = -np.inf
-        for e in range(E):
-            if cand[e]:
-                v = score_all[x, e]
-                if v != v:  # NaN: numpy's argmax stops at the first
-                    k = e
-                    break
-                if k < 0 or v > best:
-                    k, best = e, v
+        for p in range(n_peers[j]):
+            e = peers[j, p]
+            if used[e] == i or not room[e] >= wx:  # no room for it (NaN: none)
+                continue
+            v = score_all[x, e]
+            if v != v:  # NaN: numpy's argmax stops at the first
+                k = e
+                break
+            if k < 0 or v > best:
+                k, best = e, v
         if k < 0:
             continue  # fail-safe drop
         new_ids[x, slot] = k
@@ -264,18 +403,27 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
         room[k] -= wx
 
 
-_REROUTE = None
+_REROUTE = _SORT = _SELECT = None
+
+
+def _kernels():
+    """``(_reroute_loop, _select_loop)`` compiled by numba (cached on disk, as the replay
+    kernels are); imported on first use so that this module stays importable without numba's
+    start-up. ``_select_loop`` calls the compiled ``_sort_by`` and ``_reroute_loop`` by their
+    global names, bound here before it compiles."""
+    global _REROUTE, _SORT, _SELECT
+    if _SELECT is None:
+        from numba import njit
+
+        jit = njit(cache=True, error_model="numpy", boundscheck=False)
+        _REROUTE, _SORT = jit(_reroute_loop), jit(_sort_by)
+        _SELECT = jit(_select_loop)
+    return _REROUTE, _SELECT
 
 
 def _reroute():
-    """:func:`_reroute_loop` compiled by numba (cached on disk, as the replay kernels are);
-    imported on first use so that this module stays importable without numba's start-up."""
-    global _REROUTE
-    if _REROUTE is None:
-        from numba import njit
-
-        _REROUTE = njit(cache=True, error_model="numpy", boundscheck=False)(_reroute_loop)
-    return _REROUTE
+    """:func:`_reroute_loop` compiled (:func:`_kernels`)."""
+    return _kernels()[0]
 
 
 __all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights",
