@@ -432,7 +432,8 @@ def test_compiled_group_equals_the_numpy_reference():
     """macs_group's compiled path (numba, from the priority order on) gives the numpy
     reference's ids, weights, rerouted flags and capacities bit for bit, on random groups:
     every selection, with and without dynamic capacity, rerouting, gates and affinity; NaN
-    combine weights, gates and semantic weights; tied keys; empty and all-empty groups."""
+    and ±inf combine weights, NaN gates and semantic weights; tied keys; loads near the
+    capacity; int16 and int64 ids; empty and all-empty groups."""
     from workbench.sim.macs import SELECTIONS
 
     rng = np.random.default_rng(7)
@@ -445,6 +446,7 @@ def test_compiled_group_equals_the_numpy_reference():
         ids[rng.random((T, K)) < (0.1 if trial % 7 else 1.0)] = -1  # every 7th: all empty
         gw = np.round(rng.random((T, K)), 1).astype(np.float32)  # ties
         gw[rng.random((T, K)) < 0.1] = np.nan
+        gw[rng.random((T, K)) < 0.02] = np.inf * rng.choice([-1, 1])  # nan_to_num's ±max
         w = (np.ones(T), np.round(rng.random(T), 1), rng.random(T))[trial % 3]  # ties
         gates = rng.random((T, E)).astype(np.float32) if trial % 4 else None
         aff = rng.random((T, E)).astype(np.float32) if trial % 5 else None

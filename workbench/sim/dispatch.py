@@ -209,15 +209,16 @@ class CapacityDrop(Dispatch):
         ``(a, b, layer column, group ids [b − a, K], C)`` (token rows a…b of one step)."""
         T, L, _ = ids.shape
         steps = np.asarray(token_step, np.int64)
-        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T] if T else np.r_[0, 0]
+        bounds = np.concatenate(([0], np.flatnonzero(np.diff(steps)) + 1, [T])) if T \
+            else np.zeros(2, np.int64)
         for a, b in zip(bounds[:-1], bounds[1:]):
             for li in range(L):
                 g = ids[a:b, li]
-                routed = (g >= 0).any(1)
-                n_tok = int(routed.sum())
+                slots = (g >= 0).sum(1)  # the slots each token fills
+                n_tok = int(np.count_nonzero(slots))
                 if not n_tok:
                     continue
-                k_used = int((g >= 0).sum(1).max())
+                k_used = int(slots.max())
                 yield int(a), int(b), li, g, float(self.capacity(n_tok, k_used, num_experts))
 
     def apply(self, ids, weights, token_step, num_experts, context=None):

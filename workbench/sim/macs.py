@@ -160,16 +160,44 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     if dynamic_capacity and classes is not None:
         cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
     cap = np.maximum(cap, float(min_capacity))
-    t, r = np.nonzero(ids >= 0)
-    if not len(t):
+    n = int(np.count_nonzero(ids >= 0))  # the group's assignments
+    if not n:
         return new_ids, new_w, rerouted, cap
+    if selection not in SELECTIONS:
+        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
+                         f"{selection!r}")
+    # the random selection's keys, one per assignment in np.nonzero's order
+    rand = np.random.default_rng(seed).random(n) if selection == "random" else np.zeros(0)
+    gw = np.ascontiguousarray(gate_w, np.float64)
+    ids64 = np.ascontiguousarray(ids, np.int64)
+    # every expert's router probability (float64 [T, E]; zeros when unknown and rerouting
+    # reads it), which experts share a rank and rerouting's score of every (token, expert)
+    g_all = np.zeros((T, E) if reroute else (0, 0)) if gates is None \
+        else np.ascontiguousarray(gates, np.float64)
+    same_rank = score_all = np.zeros((0, 0))
+    if reroute:
+        ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
+        same_rank = np.ascontiguousarray(ranks[:, None] == ranks[None, :])  # [E, E]
+        # in the gates' own precision, as the router's probabilities come (e.g. float32)
+        score_all = (1.0 - eta) * (gates if gates is not None else g_all)
+        if affinity is not None:
+            score_all = score_all + eta * affinity
+        score_all = np.ascontiguousarray(score_all, np.float64)
+    if compiled:
+        out_ids = ids64.copy()
+        _kernels()[1](ids64, gw, w, vis, cap, SELECTIONS.index(selection), rand, g_all,
+                      gates is not None, out_ids, new_w, rerouted, reroute, same_rank,
+                      score_all)
+        new_ids[:] = out_ids
+        return new_ids, new_w, rerouted, cap
+    # the numpy reference (of _select_loop)
+    t, r = np.nonzero(ids >= 0)
     e = ids[t, r].astype(np.int64)
-    score = np.nan_to_num(np.asarray(gate_w, np.float64)[t, r], nan=0.0)
+    score = np.nan_to_num(gw[t, r], nan=0.0)
     if gates is not None:
         g_max = gates.max(1)
     else:  # the largest recorded combine weight of each token (0 when none is recorded)
-        g_max = np.where(ids >= 0, np.nan_to_num(np.asarray(gate_w, np.float64), nan=0.0),
-                         0.0).max(1)
+        g_max = np.where(ids >= 0, np.nan_to_num(gw, nan=0.0), 0.0).max(1)
     retention = w * g_max  # r(x) = w(x) · max_j G(x)_j
     if selection == "entropy":
         key = -w[t] * score
@@ -179,33 +207,8 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
         key = -score
     elif selection == "modality-prior":
         key = vis[t].astype(np.float64) * 10.0 - score  # text first, then router score
-    elif selection == "random":
-        key = np.random.default_rng(seed).random(len(t))
-    else:
-        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
-                         f"{selection!r}")
-    gw = np.ascontiguousarray(gate_w, np.float64)
-    # rerouting's inputs: which experts share a rank, the score of every (token, expert)
-    # (candidates are masked per token) and every expert's router probability (0: unknown)
-    same_rank = score_all = g_all = np.zeros((0, 0))
-    if reroute:
-        ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
-        same_rank = np.ascontiguousarray(ranks[:, None] == ranks[None, :])  # [E, E]
-        g_all = gates if gates is not None else np.zeros((T, E))
-        score_all = (1.0 - eta) * g_all
-        if affinity is not None:
-            score_all = score_all + eta * affinity
-        score_all = np.ascontiguousarray(score_all, np.float64)
-        g_all = np.ascontiguousarray(g_all, np.float64)
-    ids64 = np.ascontiguousarray(ids, np.int64)
-    if compiled:
-        out_ids = ids64.copy()
-        _kernels()[1](t.astype(np.int64), r.astype(np.int64), e, np.asarray(key, np.float64),
-                      w, retention, cap, ids64, gw, out_ids, new_w, rerouted, reroute,
-                      same_rank, score_all, g_all, gates is not None)
-        new_ids[:] = out_ids
-        return new_ids, new_w, rerouted, cap
-    # the numpy reference of _select_loop
+    else:  # random
+        key = rand
     # per expert: priority order (key, then top-k rank, then token), keep while Σw ≤ C_j
     order = np.lexsort((t, r, key, e))
     e_s = e[order]
@@ -234,24 +237,69 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     return new_ids, new_w, rerouted, cap
 
 
-def _select_loop(t, r, e, key, w, retention, cap, ids, gw, new_ids, new_w, rerouted, reroute,
-                 same_rank, score_all, g_all, has_gates):
+def _select_loop(ids, gw, w, vis, cap, selection, rand, g_all, has_gates, new_ids, new_w,
+                 rerouted, reroute, same_rank, score_all):
     """Steps 4–5 of the module docstring on one group, compiled (:func:`_kernels`): what
-    :func:`macs_group`'s numpy reference does from its priority order on, with the same float
-    operations in the same order, so the same bits. Assignments ``(t[i], r[i])`` to expert
-    ``e[i]`` in ``np.nonzero``'s order (token, then top-k rank), ``key`` their priority;
-    ``w``/``retention`` per token; ``cap`` [E] in effective-load units. Drops the overflow
-    from ``new_ids``/``new_w`` (in place) and, with ``reroute``, moves it by
-    :func:`_reroute_loop` (the ``same_rank``…``has_gates`` arguments are its; unused without).
+    :func:`macs_group`'s numpy reference does after the capacity, with the same float
+    operations in the same order, so the same bits. ``ids``/``gw`` [T, K] the routing and its
+    combine weights (float64, NaN: unknown), ``w`` [T], ``vis`` bool [T], ``cap`` [E] in
+    effective-load units, ``selection`` an index into :data:`SELECTIONS` (``rand``: the
+    random selection's keys, one per assignment in ``np.nonzero``'s order), ``g_all``
+    float64 [T, E] every expert's router probability when ``has_gates`` (else zeros or
+    empty). Drops the overflow from ``new_ids``/``new_w`` (in place) and, with ``reroute``,
+    moves it by :func:`_reroute_loop` (``same_rank``, ``score_all``: its).
 
-    The order is ``np.lexsort((t, r, key, e))``: a stable counting sort by rank then by expert
-    gives (expert, rank, token) order, then a stable sort of each expert's keys (NaN last, as
-    lexsort). The effective loads are one running sum over that order minus its value where
-    the expert starts, as the reference's ``cumsum`` differences (not a fresh sum per expert:
-    those could round differently)."""
-    n = t.shape[0]
+    The assignments are enumerated as ``np.nonzero`` does (token, then top-k rank); their
+    order within an expert is ``np.lexsort((t, r, key, e))``: a stable counting sort by rank
+    then by expert gives (expert, rank, token) order, then a stable sort of each expert's
+    keys (NaN last, as lexsort). The effective loads are one running sum over that order
+    minus its value where the expert starts, as the reference's ``cumsum`` differences (not a
+    fresh sum per expert: those could round differently)."""
+    T, K = ids.shape
     E = cap.shape[0]
-    K = ids.shape[1]
+    n = 0
+    for x in range(T):
+        for s in range(K):
+            if ids[x, s] >= 0:
+                n += 1
+    t = np.empty(n, np.int64)
+    r = np.empty(n, np.int64)
+    e = np.empty(n, np.int64)
+    key = np.empty(n)
+    # r(x) = w(x) · max_j G(x)_j: NaN-propagating as numpy's max; without gates the largest
+    # recorded combine weight (NaN as 0, an empty slot 0)
+    retention = np.empty(T)
+    i = 0
+    for x in range(T):
+        g = -np.inf
+        if has_gates:
+            for j in range(g_all.shape[1]):
+                v = g_all[x, j]
+                if v != v:
+                    g = v
+                    break
+                if v > g:
+                    g = v
+        for s in range(K):
+            v = _NAN_TO_NUM(gw[x, s]) if ids[x, s] >= 0 else 0.0
+            if not has_gates and (s == 0 or v > g):
+                g = v
+            if ids[x, s] < 0:
+                continue
+            t[i], r[i], e[i] = x, s, ids[x, s]
+            if selection == 0:  # entropy: w(x)·G(x)_j, highest first
+                key[i] = -w[x] * v
+            elif selection == 2:  # router
+                key[i] = -v
+            elif selection == 3:  # modality-prior: text first, then router score
+                key[i] = (10.0 if vis[x] else 0.0) - v
+            elif selection == 4:  # random
+                key[i] = rand[i]
+            i += 1
+        retention[x] = w[x] * g
+    if selection == 1:  # retention
+        for i in range(n):
+            key[i] = -retention[t[i]]
     by_r = np.empty(n, np.int64)  # (rank, token) order: stable counting sort by rank
     pos = np.zeros(K + 1, np.int64)
     for i in range(n):
@@ -296,13 +344,24 @@ def _select_loop(t, r, e, key, w, retention, cap, ids, gw, new_ids, new_w, rerou
     if not reroute or n_over == 0:
         return
     over = over[:n_over]
-    fail_safe = np.empty(n)  # the fail-safe order's key of each assignment: −r(x)
+    fail_safe = key  # reused: the fail-safe order's key of each assignment, −r(x)
     for a in over:
         fail_safe[a] = -retention[t[a]]
     _SORT(over, fail_safe, tmp)
     room = cap + 1e-6 - load
     _REROUTE(t[over], r[over], w, ids, new_ids, new_w, rerouted, same_rank, room, score_all,
              g_all, gw, has_gates)
+
+
+def _nan_to_num(v):
+    """``np.nan_to_num`` of one float64: NaN → 0, ±inf → ± the largest float64."""
+    if v != v:
+        return 0.0
+    if v == np.inf:
+        return 1.7976931348623157e308
+    if v == -np.inf:
+        return -1.7976931348623157e308
+    return v
 
 
 def _sort_by(idx, key, tmp):
@@ -403,20 +462,20 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
         room[k] -= wx
 
 
-_REROUTE = _SORT = _SELECT = None
+_REROUTE = _SORT = _NAN_TO_NUM = _SELECT = None
 
 
 def _kernels():
     """``(_reroute_loop, _select_loop)`` compiled by numba (cached on disk, as the replay
     kernels are); imported on first use so that this module stays importable without numba's
-    start-up. ``_select_loop`` calls the compiled ``_sort_by`` and ``_reroute_loop`` by their
-    global names, bound here before it compiles."""
-    global _REROUTE, _SORT, _SELECT
+    start-up. ``_select_loop`` calls the compiled ``_sort_by``, ``_nan_to_num`` and
+    ``_reroute_loop`` by their global names, bound here before it compiles."""
+    global _REROUTE, _SORT, _NAN_TO_NUM, _SELECT
     if _SELECT is None:
         from numba import njit
 
         jit = njit(cache=True, error_model="numpy", boundscheck=False)
-        _REROUTE, _SORT = jit(_reroute_loop), jit(_sort_by)
+        _REROUTE, _SORT, _NAN_TO_NUM = jit(_reroute_loop), jit(_sort_by), jit(_nan_to_num)
         _SELECT = jit(_select_loop)
     return _REROUTE, _SELECT
 
