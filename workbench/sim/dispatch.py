@@ -443,7 +443,9 @@ class Macs(CapacityDrop):
 
         T, L, K = ids.shape
         out = ids.copy()
-        out_w = np.where(ids >= 0, np.nan_to_num(np.asarray(weights, np.float64)), 0.0)
+        # every group that routes a token is written whole below; one that routes none keeps
+        # its -1 ids and weight 0 (what nan_to_num'd weights where ids >= 0 would give it)
+        out_w = np.zeros(ids.shape)
         rer = np.zeros(ids.shape, bool)
         if T == 0:
             return out, out_w.astype(np.float32), rer

@@ -144,9 +144,11 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     (m_j; None: all shared), ``gates`` [T, E] / ``affinity`` [T, E] or None.
 
     Returns ``(new ids [T, K] (-1: dropped), new weights [T, K], rerouted bool [T, K],
-    capacity [E])``. Capacity, priority keys and retention are numpy either way; from the
-    per-expert priority order on, ``compiled`` runs :func:`_select_loop` (numba), else the
-    numpy reference below it, which the tests hold it bit-equal to."""
+    capacity [E])``. The capacity, the random selection's keys and rerouting's scores are
+    numpy either way; the rest (priority keys, each expert's order, keep or overflow, the
+    fail-safe order, rerouting) runs in :func:`_select_loop` (numba) when ``compiled``, else
+    in the numpy reference below it, which the tests hold it bit-equal to (the reference of
+    the behaviour; the kernel is its fast path)."""
     T, K = ids.shape
     E = num_experts
     new_ids = ids.copy()
@@ -190,7 +192,7 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
                       score_all)
         new_ids[:] = out_ids
         return new_ids, new_w, rerouted, cap
-    # the numpy reference (of _select_loop)
+    # the numpy reference of _select_loop
     t, r = np.nonzero(ids >= 0)
     e = ids[t, r].astype(np.int64)
     score = np.nan_to_num(gw[t, r], nan=0.0)
