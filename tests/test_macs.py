@@ -426,3 +426,48 @@ def test_compiled_rerouting_equals_its_python_source():
             np.testing.assert_array_equal(a, b)
         moved += int(outs[0][2].sum())
     assert moved > 100  # the loop moved assignments, ties and NaN scores among them
+
+
+def test_compiled_group_equals_the_numpy_reference():
+    """macs_group's compiled path (numba, from the priority order on) gives the numpy
+    reference's ids, weights, rerouted flags and capacities bit for bit, on random groups:
+    every selection, with and without dynamic capacity, rerouting, gates and affinity; NaN
+    and ±inf combine weights, NaN gates and semantic weights; tied keys; loads near the
+    capacity; int16 and int64 ids; empty and all-empty groups."""
+    from workbench.sim.macs import SELECTIONS
+
+    rng = np.random.default_rng(7)
+    moved = dropped = 0
+    for trial in range(600):
+        T, E = int(rng.integers(0, 40)), int(rng.choice([4, 8, 16]))
+        K = int(rng.integers(1, min(E, 4) + 1))
+        ids = np.array([rng.choice(E, K, replace=False) for _ in range(T)],
+                       np.int16 if trial % 2 else np.int64).reshape(T, K)
+        ids[rng.random((T, K)) < (0.1 if trial % 7 else 1.0)] = -1  # every 7th: all empty
+        gw = np.round(rng.random((T, K)), 1).astype(np.float32)  # ties
+        gw[rng.random((T, K)) < 0.1] = np.nan
+        gw[rng.random((T, K)) < 0.02] = np.inf * rng.choice([-1, 1])  # nan_to_num's ±max
+        w = (np.ones(T), np.round(rng.random(T), 1), rng.random(T))[trial % 3]  # ties
+        gates = rng.random((T, E)).astype(np.float32) if trial % 4 else None
+        aff = rng.random((T, E)).astype(np.float32) if trial % 5 else None
+        if trial % 11 == 0 and T:  # NaN semantic weight, gate and affinity
+            w[0] = np.nan
+            if gates is not None:
+                gates[-1, 0] = np.nan
+            if aff is not None:
+                aff[0, -1] = np.nan
+        kw = dict(rho=0.6, dynamic_capacity=bool(trial % 2), min_capacity=0,
+                  selection=SELECTIONS[trial % len(SELECTIONS)], seed=trial,
+                  reroute=bool((trial // 2) % 3), rank_of_expert=rng.integers(0, 2, E),
+                  gates=gates, affinity=aff, eta=0.5, num_experts=E)
+        c_base = float(rng.integers(1, 6)) - rng.random()  # fractional: loads near it
+        args = (ids, gw, w, rng.integers(0, 2, T).astype(np.int8),
+                rng.integers(-1, 2, E).astype(np.int8), c_base)
+        ref = macs_group(*args, **kw, compiled=False)
+        fast = macs_group(*args, **kw, compiled=True)
+        for a, b in zip(ref, fast):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+        moved += int(ref[2].sum())
+        dropped += int(((ids >= 0) & (ref[0] < 0)).sum())
+    assert moved > 100 and dropped > 100  # both paths moved and dropped assignments

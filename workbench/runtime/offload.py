@@ -357,20 +357,25 @@ class Offloader:
             call.weights = call.weights.masked_fill(~mask[:, None], 0)
         for st in self._after_mask:
             st.route(call)
-        ev, routed = self._observe(call)
+        # the id E is in the routing only where masking or a stage replaced the model's
+        # tensor (none writes into it): a decode step a dispatch left alone has none
+        sentinels = self._sentinels and call.ids is not top_k_index
+        ev, routed = self._observe(call, sentinels)
         out = self.sim.step(self._access(call))
         self._note_outcome(ev, call.keys, out)
         result = self.executor.execute(ComputeCall(
             b, original, view, hidden_states, call.ids, call.weights, args, kwargs, ev,
-            routed, call.low, self._sentinels, call.low_down_input), out)
+            routed, call.low, sentinels, call.low_down_input), out)
         for st in self._hooked["finish"]:
             st.finish(call)
         return result
 
-    def _observe(self, call: LayerCall) -> tuple[LayerEvent, torch.Tensor]:
-        """The layer event of ``call``'s routing, then the stages' observe hooks; returns the
-        event and the distinct routed experts (ascending, a tensor)."""
-        ev, experts, routed = self._layer_event(call.block, call.ids, call.weights)
+    def _observe(self, call: LayerCall, sentinels: bool = True
+                 ) -> tuple[LayerEvent, torch.Tensor]:
+        """The layer event of ``call``'s routing (``sentinels``: whether it may hold the
+        routed-nowhere id E), then the stages' observe hooks; returns the event and the
+        distinct routed experts (ascending, a tensor)."""
+        ev, experts, routed = self._layer_event(call.block, call.ids, call.weights, sentinels)
         ev.dropped_ids, ev.rerouted_ids = call.dropped, call.rerouted
         ev.token_weights = call.token_weights
         call.event, call.experts = ev, experts
@@ -414,13 +419,14 @@ class Offloader:
                              for lane, layer, expert, start, end in out.spans)
 
     # -- features before the step -------------------------------------------------------------
-    def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                     ) -> tuple[LayerEvent, list[int], torch.Tensor]:
+    def _layer_event(self, b: MoEBlock, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     sentinels: bool = True) -> tuple[LayerEvent, list[int], torch.Tensor]:
         """The layer's event and its distinct routed experts (ascending; list and tensor).
-        An assignment the dispatch dropped (id E) is recorded as -1 and routes nowhere."""
+        An assignment the dispatch dropped (id E) is recorded as -1 and routes nowhere
+        (looked for when ``sentinels`` and the run may have such ids)."""
         ids = top_k_index.detach().to("cpu")
         recorded = ids.numpy().astype(np.int32)
-        if self._sentinels:
+        if sentinels and self._sentinels:
             gone = ids >= b.num_experts
             experts, counts = torch.unique(ids[~gone], return_counts=True)
             recorded[gone.numpy()] = -1

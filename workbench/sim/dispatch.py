@@ -209,15 +209,16 @@ class CapacityDrop(Dispatch):
         ``(a, b, layer column, group ids [b − a, K], C)`` (token rows a…b of one step)."""
         T, L, _ = ids.shape
         steps = np.asarray(token_step, np.int64)
-        bounds = np.r_[0, np.flatnonzero(np.diff(steps)) + 1, T] if T else np.r_[0, 0]
+        bounds = np.concatenate(([0], np.flatnonzero(np.diff(steps)) + 1, [T])) if T \
+            else np.zeros(2, np.int64)
         for a, b in zip(bounds[:-1], bounds[1:]):
             for li in range(L):
                 g = ids[a:b, li]
-                routed = (g >= 0).any(1)
-                n_tok = int(routed.sum())
+                slots = (g >= 0).sum(1)  # the slots each token fills
+                n_tok = int(np.count_nonzero(slots))
                 if not n_tok:
                     continue
-                k_used = int((g >= 0).sum(1).max())
+                k_used = int(slots.max())
                 yield int(a), int(b), li, g, float(self.capacity(n_tok, k_used, num_experts))
 
     def apply(self, ids, weights, token_step, num_experts, context=None):
@@ -442,7 +443,9 @@ class Macs(CapacityDrop):
 
         T, L, K = ids.shape
         out = ids.copy()
-        out_w = np.where(ids >= 0, np.nan_to_num(np.asarray(weights, np.float64)), 0.0)
+        # every group that routes a token is written whole below; one that routes none keeps
+        # its -1 ids and weight 0 (what nan_to_num'd weights where ids >= 0 would give it)
+        out_w = np.zeros(ids.shape)
         rer = np.zeros(ids.shape, bool)
         if T == 0:
             return out, out_w.astype(np.float32), rer

@@ -136,37 +136,70 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
                classes: np.ndarray | None, capacity_base: float, *, rho: float,
                dynamic_capacity: bool, min_capacity: int, selection: str, seed: int,
                reroute: bool, rank_of_expert: np.ndarray | None, gates: np.ndarray | None,
-               affinity: np.ndarray | None, eta: float, num_experts: int
+               affinity: np.ndarray | None, eta: float, num_experts: int,
+               compiled: bool = True
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One (step, layer) group. ``ids`` int [T, K] (-1 none), ``gate_w`` [T, K] the router's
     combine weights of them (NaN: unknown), ``w`` [T] semantic weights, ``classes`` int8 [E]
     (m_j; None: all shared), ``gates`` [T, E] / ``affinity`` [T, E] or None.
 
     Returns ``(new ids [T, K] (-1: dropped), new weights [T, K], rerouted bool [T, K],
-    capacity [E])``."""
+    capacity [E])``. The capacity, the random selection's keys and rerouting's scores are
+    numpy either way; the rest (priority keys, each expert's order, keep or overflow, the
+    fail-safe order, rerouting) runs in :func:`_select_loop` (numba) when ``compiled``, else
+    in the numpy reference below it, which the tests hold it bit-equal to (the reference of
+    the behaviour; the kernel is its fast path)."""
     T, K = ids.shape
     E = num_experts
     new_ids = ids.copy()
     new_w = np.array(gate_w, np.float64, copy=True)
     rerouted = np.zeros((T, K), bool)
     vis = np.asarray(modality) != 0
-    w = np.asarray(w, np.float64)
+    w = np.ascontiguousarray(w, np.float64)
     total = w.sum() if T else 0.0
     r_v = float(w[vis].sum() / total) if total > 0 else 0.0
     cap = np.full(E, float(capacity_base))
     if dynamic_capacity and classes is not None:
         cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
     cap = np.maximum(cap, float(min_capacity))
-    t, r = np.nonzero(ids >= 0)
-    if not len(t):
+    n = int(np.count_nonzero(ids >= 0))  # the group's assignments
+    if not n:
         return new_ids, new_w, rerouted, cap
+    if selection not in SELECTIONS:
+        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
+                         f"{selection!r}")
+    # the random selection's keys, one per assignment in np.nonzero's order
+    rand = np.random.default_rng(seed).random(n) if selection == "random" else np.zeros(0)
+    gw = np.ascontiguousarray(gate_w, np.float64)
+    ids64 = np.ascontiguousarray(ids, np.int64)
+    # every expert's router probability (float64 [T, E]; zeros when unknown and rerouting
+    # reads it), which experts share a rank and rerouting's score of every (token, expert)
+    g_all = np.zeros((T, E) if reroute else (0, 0)) if gates is None \
+        else np.ascontiguousarray(gates, np.float64)
+    same_rank = score_all = np.zeros((0, 0))
+    if reroute:
+        ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
+        same_rank = np.ascontiguousarray(ranks[:, None] == ranks[None, :])  # [E, E]
+        # in the gates' own precision, as the router's probabilities come (e.g. float32)
+        score_all = (1.0 - eta) * (gates if gates is not None else g_all)
+        if affinity is not None:
+            score_all = score_all + eta * affinity
+        score_all = np.ascontiguousarray(score_all, np.float64)
+    if compiled:
+        out_ids = ids64.copy()
+        _kernels()[1](ids64, gw, w, vis, cap, SELECTIONS.index(selection), rand, g_all,
+                      gates is not None, out_ids, new_w, rerouted, reroute, same_rank,
+                      score_all)
+        new_ids[:] = out_ids
+        return new_ids, new_w, rerouted, cap
+    # the numpy reference of _select_loop
+    t, r = np.nonzero(ids >= 0)
     e = ids[t, r].astype(np.int64)
-    score = np.nan_to_num(np.asarray(gate_w, np.float64)[t, r], nan=0.0)
+    score = np.nan_to_num(gw[t, r], nan=0.0)
     if gates is not None:
         g_max = gates.max(1)
     else:  # the largest recorded combine weight of each token (0 when none is recorded)
-        g_max = np.where(ids >= 0, np.nan_to_num(np.asarray(gate_w, np.float64), nan=0.0),
-                         0.0).max(1)
+        g_max = np.where(ids >= 0, np.nan_to_num(gw, nan=0.0), 0.0).max(1)
     retention = w * g_max  # r(x) = w(x) · max_j G(x)_j
     if selection == "entropy":
         key = -w[t] * score
@@ -176,11 +209,8 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
         key = -score
     elif selection == "modality-prior":
         key = vis[t].astype(np.float64) * 10.0 - score  # text first, then router score
-    elif selection == "random":
-        key = np.random.default_rng(seed).random(len(t))
-    else:
-        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
-                         f"{selection!r}")
+    else:  # random
+        key = rand
     # per expert: priority order (key, then top-k rank, then token), keep while Σw ≤ C_j
     order = np.lexsort((t, r, key, e))
     e_s = e[order]
@@ -201,22 +231,186 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     new_w[ot, orr] = 0.0
     if not reroute:
         return new_ids, new_w, rerouted, cap
-    ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
-    same_rank = ranks[:, None] == ranks[None, :]  # [E, E]
     room = cap + _EPS - load  # effective load each expert can still take
-    # the score of every (overflow token, expert) at once; candidates are masked per token
-    g_all = gates if gates is not None else np.zeros((T, E))
-    score_all = (1.0 - eta) * g_all
-    if affinity is not None:
-        score_all = score_all + eta * affinity
-    gw = np.asarray(gate_w, np.float64)
     # most important overflow first (fail-safe order: the lowest retention goes first)
     first = np.argsort(-retention[ot], kind="stable")
-    _reroute()(ot[first].astype(np.int64), orr[first].astype(np.int64), w,
-               np.ascontiguousarray(ids, np.int64), new_ids, new_w, rerouted,
-               np.ascontiguousarray(same_rank), room, np.ascontiguousarray(score_all, np.float64),
-               np.ascontiguousarray(g_all, np.float64), gw, gates is not None)
+    _reroute()(ot[first].astype(np.int64), orr[first].astype(np.int64), w, ids64, new_ids,
+               new_w, rerouted, same_rank, room, score_all, g_all, gw, gates is not None)
     return new_ids, new_w, rerouted, cap
+
+
+def _select_loop(ids, gw, w, vis, cap, selection, rand, g_all, has_gates, new_ids, new_w,
+                 rerouted, reroute, same_rank, score_all):
+    """Steps 4–5 of the module docstring on one group, compiled (:func:`_kernels`): what
+    :func:`macs_group`'s numpy reference does after the capacity, with the same float
+    operations in the same order, so the same bits. ``ids``/``gw`` [T, K] the routing and its
+    combine weights (float64, NaN: unknown), ``w`` [T], ``vis`` bool [T], ``cap`` [E] in
+    effective-load units, ``selection`` an index into :data:`SELECTIONS` (``rand``: the
+    random selection's keys, one per assignment in ``np.nonzero``'s order), ``g_all``
+    float64 [T, E] every expert's router probability when ``has_gates`` (else zeros or
+    empty). Drops the overflow from ``new_ids``/``new_w`` (in place) and, with ``reroute``,
+    moves it by :func:`_reroute_loop` (``same_rank``, ``score_all``: its).
+
+    The assignments are enumerated as ``np.nonzero`` does (token, then top-k rank); their
+    order within an expert is ``np.lexsort((t, r, key, e))``: a stable counting sort by rank
+    then by expert gives (expert, rank, token) order, then a stable sort of each expert's
+    keys (NaN last, as lexsort). The effective loads are one running sum over that order
+    minus its value where the expert starts, as the reference's ``cumsum`` differences (not a
+    fresh sum per expert: those could round differently)."""
+    T, K = ids.shape
+    E = cap.shape[0]
+    n = 0
+    for x in range(T):
+        for s in range(K):
+            if ids[x, s] >= 0:
+                n += 1
+    t = np.empty(n, np.int64)
+    r = np.empty(n, np.int64)
+    e = np.empty(n, np.int64)
+    key = np.empty(n)
+    # r(x) = w(x) · max_j G(x)_j: NaN-propagating as numpy's max; without gates the largest
+    # recorded combine weight (NaN as 0, an empty slot 0)
+    retention = np.empty(T)
+    i = 0
+    for x in range(T):
+        g = -np.inf
+        if has_gates:
+            for j in range(g_all.shape[1]):
+                v = g_all[x, j]
+                if v != v:
+                    g = v
+                    break
+                if v > g:
+                    g = v
+        for s in range(K):
+            v = _NAN_TO_NUM(gw[x, s]) if ids[x, s] >= 0 else 0.0
+            if not has_gates and (s == 0 or v > g):
+                g = v
+            if ids[x, s] < 0:
+                continue
+            t[i], r[i], e[i] = x, s, ids[x, s]
+            if selection == 0:  # entropy: w(x)·G(x)_j, highest first
+                key[i] = -w[x] * v
+            elif selection == 2:  # router
+                key[i] = -v
+            elif selection == 3:  # modality-prior: text first, then router score
+                key[i] = (10.0 if vis[x] else 0.0) - v
+            elif selection == 4:  # random
+                key[i] = rand[i]
+            i += 1
+        retention[x] = w[x] * g
+    if selection == 1:  # retention
+        for i in range(n):
+            key[i] = -retention[t[i]]
+    by_r = np.empty(n, np.int64)  # (rank, token) order: stable counting sort by rank
+    pos = np.zeros(K + 1, np.int64)
+    for i in range(n):
+        pos[r[i] + 1] += 1
+    for k in range(K):
+        pos[k + 1] += pos[k]
+    for i in range(n):
+        by_r[pos[r[i]]] = i
+        pos[r[i]] += 1
+    start = np.zeros(E + 1, np.int64)  # then by expert, stably: (expert, rank, token)
+    for i in range(n):
+        start[e[i] + 1] += 1
+    for j in range(E):
+        start[j + 1] += start[j]
+    fill = start[:E].copy()
+    order = np.empty(n, np.int64)
+    for i in by_r:
+        order[fill[e[i]]] = i
+        fill[e[i]] += 1
+    tmp = np.empty(n, np.int64)
+    for j in range(E):  # each expert's assignments by key, ties kept in (rank, token) order
+        _SORT(order[start[j]:start[j + 1]], key, tmp)
+    load = np.zeros(E)
+    over = np.empty(n, np.int64)
+    n_over = 0
+    csum = 0.0
+    base = 0.0
+    for i in range(n):
+        a = order[i]
+        j = e[a]
+        if i == 0 or j != e[order[i - 1]]:
+            base = csum  # the running sum where expert j's assignments start
+        wa = w[t[a]]
+        csum += wa
+        if csum - base <= cap[j] + 1e-6:  # _EPS
+            load[j] += wa
+        else:
+            over[n_over] = a
+            n_over += 1
+            new_ids[t[a], r[a]] = -1
+            new_w[t[a], r[a]] = 0.0
+    if not reroute or n_over == 0:
+        return
+    over = over[:n_over]
+    fail_safe = key  # reused: the fail-safe order's key of each assignment, −r(x)
+    for a in over:
+        fail_safe[a] = -retention[t[a]]
+    _SORT(over, fail_safe, tmp)
+    room = cap + 1e-6 - load
+    _REROUTE(t[over], r[over], w, ids, new_ids, new_w, rerouted, same_rank, room, score_all,
+             g_all, gw, has_gates)
+
+
+def _nan_to_num(v):
+    """``np.nan_to_num`` of one float64: NaN → 0, ±inf → ± the largest float64."""
+    if v != v:
+        return 0.0
+    if v == np.inf:
+        return 1.7976931348623157e308
+    if v == -np.inf:
+        return -1.7976931348623157e308
+    return v
+
+
+def _sort_by(idx, key, tmp):
+    """Sort the indices ``idx`` in place by ``key[idx]`` in numpy's stable argsort's order:
+    ascending, NaN last, ties in their order in ``idx``. ``tmp``: int scratch, at least as
+    long. A merge sort (insertion-sorted runs of 16, then merged bottom-up) on the caller's
+    buffers: numba's ``argsort`` allocates on every call, which cost more than the sorting
+    on MACS's many short per-expert runs. ``a`` goes before ``b`` iff ``a < b`` or ``b`` is
+    NaN and ``a`` is not."""
+    n = idx.shape[0]
+    for a in range(0, n, 16):
+        b = min(a + 16, n)
+        for i in range(a + 1, b):
+            v = idx[i]
+            kv = key[v]
+            j = i - 1
+            while j >= a:
+                ku = key[idx[j]]
+                if not (kv < ku or (ku != ku and kv == kv)):
+                    break
+                idx[j + 1] = idx[j]
+                j -= 1
+            idx[j + 1] = v
+    src, dst = idx, tmp[:n]
+    in_tmp = False
+    width = 16
+    while width < n:
+        for a in range(0, n, 2 * width):
+            m, b = min(a + width, n), min(a + 2 * width, n)
+            i, j = a, m
+            for o in range(a, b):
+                if i < m and j < b:
+                    ki, kj = key[src[i]], key[src[j]]
+                    take_j = kj < ki or (ki != ki and kj == kj)
+                else:
+                    take_j = i >= m
+                if take_j:
+                    dst[o] = src[j]
+                    j += 1
+                else:
+                    dst[o] = src[i]
+                    i += 1
+        src, dst = dst, src
+        in_tmp = not in_tmp
+        width *= 2
+    if in_tmp:
+        idx[:] = src
 
 
 def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, score_all, g_all,
@@ -226,33 +420,39 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
     it moves to. Changes ``new_ids``, ``new_w``, ``rerouted`` and ``room`` in place. Compiled
     (:func:`_reroute`): as a Python loop it was most of MACS's cost over top-k (146 ms of a
     1.1 s batch-of-8 run, cProfile). The expert chosen is numpy's ``argmax`` of the masked
-    scores: the first highest score, a NaN counting as highest."""
+    scores: the first highest score, a NaN counting as highest. Only the experts of j's rank
+    are visited (in expert order, so the same first), not all E for each assignment."""
     T, K = ids.shape
     E = room.shape[0]
-    cand = np.empty(E, np.bool_)
+    peers = np.empty((E, E), np.int64)  # peers[j, :n_peers[j]]: the experts on j's rank
+    n_peers = np.zeros(E, np.int64)
+    for j in range(E):
+        for e in range(E):
+            if same_rank[j, e]:
+                peers[j, n_peers[j]] = e
+                n_peers[j] += 1
+    used = np.full(E, -1, np.int64)  # used[e] == i: the i-th assignment's token uses e
     for i in range(ot.shape[0]):
         x, slot = ot[i], orr[i]
         wx = w[x]
-        if room.max() < wx:  # no expert anywhere has room for it: the fail-safe drop
-            continue
         j = ids[x, slot]
-        for e in range(E):
-            cand[e] = same_rank[j, e] and room[e] >= wx
         for r in range(K):  # not an expert the token already uses
             if ids[x, r] >= 0:
-                cand[ids[x, r]] = False
+                used[ids[x, r]] = i
             if new_ids[x, r] >= 0:
-                cand[new_ids[x, r]] = False
+                used[new_ids[x, r]] = i
         k = -1
         best = -np.inf
-        for e in range(E):
-            if cand[e]:
-                v = score_all[x, e]
-                if v != v:  # NaN: numpy's argmax stops at the first
-                    k = e
-                    break
-                if k < 0 or v > best:
-                    k, best = e, v
+        for p in range(n_peers[j]):
+            e = peers[j, p]
+            if used[e] == i or not room[e] >= wx:  # no room for it (NaN: none)
+                continue
+            v = score_all[x, e]
+            if v != v:  # NaN: numpy's argmax stops at the first
+                k = e
+                break
+            if k < 0 or v > best:
+                k, best = e, v
         if k < 0:
             continue  # fail-safe drop
         new_ids[x, slot] = k
@@ -264,18 +464,27 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
         room[k] -= wx
 
 
-_REROUTE = None
+_REROUTE = _SORT = _NAN_TO_NUM = _SELECT = None
+
+
+def _kernels():
+    """``(_reroute_loop, _select_loop)`` compiled by numba (cached on disk, as the replay
+    kernels are); imported on first use so that this module stays importable without numba's
+    start-up. ``_select_loop`` calls the compiled ``_sort_by``, ``_nan_to_num`` and
+    ``_reroute_loop`` by their global names, bound here before it compiles."""
+    global _REROUTE, _SORT, _NAN_TO_NUM, _SELECT
+    if _SELECT is None:
+        from numba import njit
+
+        jit = njit(cache=True, error_model="numpy", boundscheck=False)
+        _REROUTE, _SORT, _NAN_TO_NUM = jit(_reroute_loop), jit(_sort_by), jit(_nan_to_num)
+        _SELECT = jit(_select_loop)
+    return _REROUTE, _SELECT
 
 
 def _reroute():
-    """:func:`_reroute_loop` compiled by numba (cached on disk, as the replay kernels are);
-    imported on first use so that this module stays importable without numba's start-up."""
-    global _REROUTE
-    if _REROUTE is None:
-        from numba import njit
-
-        _REROUTE = njit(cache=True, error_model="numpy", boundscheck=False)(_reroute_loop)
-    return _REROUTE
+    """:func:`_reroute_loop` compiled (:func:`_kernels`)."""
+    return _kernels()[0]
 
 
 __all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights",

@@ -53,6 +53,11 @@ class DispatchStage(Stage):
             self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
         self.dispatch_rerouted = self.dispatch_added = 0
+        #: the unit-norm centroids of each layer, as :meth:`_context` computed them first
+        self._unit_centroids: dict[int, torch.Tensor] = {}
+        #: ``((the step's modality, request, real rows), T, (modality, image of each
+        #: token))`` of the rows dispatched last (:meth:`_tokens`)
+        self._tokens_of: tuple | None = None
 
     @classmethod
     def from_knobs(cls, knobs: Knobs, run: RunContext) -> "DispatchStage | None":
@@ -172,15 +177,11 @@ class DispatchStage(Stage):
         rows may round differently (measured on this CPU: 1–2 rows of 3 differ in the last
         bits), and these probabilities become combine weights (a rerouted or added
         assignment's), so rows of the full call's logits could change a run's output."""
-        from workbench.sim.macs import DispatchContext, image_runs
+        from workbench.sim.macs import DispatchContext
 
         pol = self.policy
         T = hidden_states.shape[0]
-        mod, req = call.modality, call.request
-        if mod is None or len(mod) != (len(real) if real is not None else T):
-            mod, req = np.zeros(T, np.int8), None
-        elif real is not None:
-            mod, req = mod[real], None if req is None else req[real]
+        mod, img = self._tokens(call, real, T)
         ent = gates = aff = None
         with torch.no_grad():
             z = hidden_states.float()
@@ -193,10 +194,32 @@ class DispatchStage(Stage):
                     logits, _, _ = b.route(hidden_states)
                 gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
                 if self.centroids is not None and getattr(pol, "eta", 0) > 0:
-                    mu = self.centroids[b.index].float()
-                    cos = torch.nn.functional.normalize(z, dim=-1) @ \
-                        torch.nn.functional.normalize(mu, dim=-1).T
+                    mu = self._unit_centroids.get(b.index)
+                    if mu is None:
+                        mu = self._unit_centroids[b.index] = torch.nn.functional.normalize(
+                            self.centroids[b.index].float(), dim=-1)
+                    cos = torch.nn.functional.normalize(z, dim=-1) @ mu.T
                     aff = cos.cpu().numpy()[:, None, :]
-        return DispatchContext(modality=np.asarray(mod, np.int8), layers=np.array([b.index]),
-                               features_entropy=ent, image_of=image_runs(mod, req),
-                               gates=gates, affinity=aff)
+        return DispatchContext(modality=mod, layers=np.array([b.index]), features_entropy=ent,
+                               image_of=img, gates=gates, affinity=aff)
+
+    def _tokens(self, call: LayerCall, real: np.ndarray | None, T: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """``(modality int8 [T], image of each token [T])`` of the ``T`` rows dispatched
+        (:func:`~workbench.sim.macs.image_runs`; read-only, shared by the step's calls),
+        computed once per step: every layer call of a step hands the same arrays (the stage
+        holds them, so ``is`` cannot mistake a new array for a freed one's address)."""
+        from workbench.sim.macs import image_runs
+
+        key = (call.modality, call.request, real)
+        if self._tokens_of is not None and self._tokens_of[1] == T and all(
+                a is b for a, b in zip(self._tokens_of[0], key)):
+            return self._tokens_of[2]
+        mod, req = call.modality, call.request
+        if mod is None or len(mod) != (len(real) if real is not None else T):
+            mod, req = np.zeros(T, np.int8), None
+        elif real is not None:
+            mod, req = mod[real], None if req is None else req[real]
+        out = np.asarray(mod, np.int8), image_runs(mod, req)
+        self._tokens_of = (key, T, out)
+        return out
