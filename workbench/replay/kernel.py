@@ -1418,33 +1418,42 @@ def _flat_belady(nxt, cap, bits, off, nlev):
     the level below, set while that word is not 0), so access i hits iff bit i is set and the
     farthest next use is the highest set bit, found top-down in ``nlev`` word reads; a
     resident key never used again is only counted (``dead``: they go first, and which of them
-    goes cannot change a hit count). No per-key table: 1/8 byte per access. 1.2–1.8× the
-    binary heap of next uses it replaced (same hits: tested against the textbook Belady)."""
+    goes cannot change a hit count). No per-key table: 1/8 byte per access.
+
+    ``top`` is the highest set bit when known (≥ 0), else every set bit is ≤ ``bound``: a key
+    that comes in farther than the one just evicted is the new highest, so a run of misses
+    whose keys come back late (a small cache, most accesses missing) looks nothing up. Same
+    hits as the binary heap of next uses it replaced (tested against the textbook Belady)."""
     n = nxt.shape[0]
     one = np.uint64(1)
     size = 0
     dead = 0
     hits = 0
+    top = -1
+    bound = -1
     for i in range(n):
         v = nxt[i]
         if (bits[i >> 6] >> np.uint64(i & 63)) & one:  # hit: its bit at i goes
             hits += 1
             p = i
-            for lev in range(nlev):
-                a = off[lev] + (p >> 6)
-                w = bits[a] & ~(one << np.uint64(p & 63))
-                bits[a] = w
-                if w != 0:
-                    break
-                p >>= 6
+            if top == i:
+                top = -1
+                bound = i
         elif size < cap:
             size += 1
+            p = -1
         elif dead > 0:
             dead -= 1
+            p = -1
         else:  # evict the farthest next use: the highest set bit
-            p = 0
-            for lev in range(nlev - 1, -1, -1):
-                p = (p << 6) | (63 - leading_zeros(bits[off[lev] + p]))
+            if top < 0:
+                top = 0
+                for lev in range(nlev - 1, -1, -1):
+                    top = (top << 6) | (63 - leading_zeros(bits[off[lev] + top]))
+            p = top
+            top = -1
+            bound = p
+        if p >= 0:  # clear bit p, and each level's bit of a word that became 0
             for lev in range(nlev):
                 a = off[lev] + (p >> 6)
                 w = bits[a] & ~(one << np.uint64(p & 63))
@@ -1455,6 +1464,8 @@ def _flat_belady(nxt, cap, bits, off, nlev):
         if v >= n:  # never used again
             dead += 1
         else:  # resident until its next use: its bit at v
+            if v > top if top >= 0 else v > bound:
+                top = v
             p = v
             for lev in range(nlev):
                 a = off[lev] + (p >> 6)
