@@ -398,13 +398,13 @@ class PrismView:
             full = t.new_zeros((n * N, *t.shape[1:]))
             full[place] = t
             whole[name] = full
-        E_rows, cols = whole["gate_up_proj"].shape[1:]  # [2c, H]
-        gu = whole["gate_up_proj"].view(n, N * E_rows, cols)
+        two_c, H = whole["gate_up_proj"].shape[1:]
+        gu = whole["gate_up_proj"].view(n, N * two_c, H)  # [n, 2I, H], the sub-expert layout
         present = torch.zeros(n * N, dtype=torch.bool, device=dev)
         present[place] = True
-        return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]}, experts.tolist(),
-                           num_experts, hidden_states, top_k_index, top_k_weights, None,
-                           present=present.view(n, N))
+        return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]},
+                           experts.tolist(), num_experts, hidden_states, top_k_index,
+                           top_k_weights, None, present=present.view(n, N))
 
     def _fused(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
