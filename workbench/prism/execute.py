@@ -424,6 +424,8 @@ class PrismView:
         holds (None: all) — the others run elsewhere (another call, the host)."""
         from transformers.integrations.moe import _grouped_mm
 
+        from workbench.runtime.slots import positions
+
         gu = weights["gate_up_proj"]  # [n, 2I, H]
         n, two_i, H = gu.shape
         N, c = self.N, self.c
@@ -432,13 +434,7 @@ class PrismView:
         if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
             self.choose(x, top_k_index, top_k_weights, num_experts)  # on its own
         chosen = self._chosen_call.to(dev)  # [T, k, w] sub-experts, -1 padding
-        if all_routed is not None:  # an id past every routed one (E: dropped) → n
-            local = torch.searchsorted(all_routed.to(dev), top_k_index)
-        else:
-            lut = torch.full((num_experts + 1,), n, dtype=torch.long, device=dev)
-            lut[torch.as_tensor([int(e) for e in experts], dtype=torch.long, device=dev)] = \
-                torch.arange(n, device=dev)
-            local = lut[top_k_index.long()]
+        local = positions(experts, num_experts, top_k_index, all_routed).long()  # n: not here
         here = (local < n)[..., None] & (chosen >= 0)  # [T, k, w]: what this call runs
         if present is not None:
             here &= present[local.clamp(max=n - 1)[..., None], chosen.clamp(min=0)]

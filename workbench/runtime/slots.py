@@ -41,6 +41,22 @@ class SlotPool:
         return {n: t.index_select(0, idx.to(t.device)) for n, t in self.tensors.items()}
 
 
+def positions(experts: Sequence[int], num_experts: int, top_k_index: torch.Tensor,
+              all_routed: torch.Tensor | None = None) -> torch.Tensor:
+    """Each routed slot's position among ``experts`` (model ids, ``num_experts`` the layer's
+    E), ``len(experts)`` for a slot routed to none of them (id E, an assignment the dispatch
+    dropped, too); ``top_k_index``'s shape and dtype. ``all_routed``: ``experts`` are every
+    expert the layer routed to, ascending, as a tensor — then a sorted search (no table)."""
+    dev = top_k_index.device
+    if all_routed is not None:
+        return torch.searchsorted(all_routed.to(dev), top_k_index)
+    n = len(experts)
+    lut = torch.full((num_experts + 1,), n, dtype=top_k_index.dtype, device=dev)
+    lut[torch.as_tensor([int(e) for e in experts], dtype=torch.long, device=dev)] = \
+        torch.arange(n, dtype=top_k_index.dtype, device=dev)
+    return lut[top_k_index.long()]
+
+
 class ExpertsView:
     """Runs ``experts``' own forward over other weights (see the module docstring)."""
 
@@ -64,18 +80,8 @@ class ExpertsView:
         masking (the common all-hit decode step). ``args``/``kwargs``: whatever else the
         model passed its experts module, passed on unchanged."""
         n = len(experts)
-        dev = top_k_index.device
-        if all_routed is not None:
-            local = torch.searchsorted(all_routed.to(dev), top_k_index)
-            w = top_k_weights
-        else:
-            # one entry past the layer's experts: id E (an assignment the dispatch dropped)
-            # maps to the sentinel n too
-            lut = torch.full((num_experts + 1,), n, dtype=top_k_index.dtype, device=dev)
-            lut[torch.as_tensor(list(experts), dtype=torch.long, device=dev)] = torch.arange(
-                n, dtype=top_k_index.dtype, device=dev)
-            local = lut[top_k_index]
-            w = top_k_weights.masked_fill(local == n, 0)
+        local = positions(experts, num_experts, top_k_index, all_routed)
+        w = top_k_weights if all_routed is not None else top_k_weights.masked_fill(local == n, 0)
         d = self._module.__dict__
         d.update(weights)
         d["num_experts"] = n

@@ -5,8 +5,9 @@ its N sub-experts, or the token's K best of its routed experts' (``global_k``). 
 fused expert tensors are put into the sub-expert layout in place (and back, exactly, when the
 offloader is removed; a layout kept between runs is installed as is and the module gets its own
 tensors back: :func:`~workbench.prism.execute.install_layout`), so every copy made from them —
-host store, slots, the pinned prefix — is in the layout the views slice without copying. With the shortcut (every sub-expert of every
-routed expert runs), the views run whole experts over the unchanged layout.
+host store, slots, the pinned prefix — is in the layout the views read without copying. With
+the shortcut (every sub-expert of every routed expert runs), the views run whole experts over
+the unchanged layout.
 
 With sub-expert offloading (``prism_offload``) the cache's keys are sub-experts
 e·N + s (:attr:`SubExpertStage.part` = N keys per expert, slots of 1/N): only the sub-experts
