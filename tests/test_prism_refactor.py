@@ -385,6 +385,42 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     assert np.array_equal(fused.take(), per_sub.take())
 
 
+def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded):
+    """The proxy gate's score of a slot's sub-expert (one grouped product over the routed
+    experts' resident gate-neuron rows) is its definition computed slot by slot from the
+    model's own weights: the mean over the sub-expert's r gate neurons of |act(x·gate)·(x·up)|;
+    a slot routed nowhere scores as expert E − 1 (it runs nothing)."""
+    from workbench.prism import refactor as R
+    from workbench.prism.execute import PrismView, to_subexpert_layout
+    from workbench.runtime.slots import ExpertsView
+
+    b = embedded.layout.blocks[5]
+    ex, E, N = b.experts, embedded.layout.num_experts, 4
+    ref = R.random_refactoring(embedded, subexperts=N, seed=2)
+    perm, gates = torch.as_tensor(ref.perm), torch.as_tensor(ref.gates)
+    gu, _ = to_subexpert_layout(ex.gate_up_proj.data, ex.down_proj.data, perm[b.index], N)
+    g = torch.Generator().manual_seed(3)
+    T, k, I = 11, embedded.layout.top_k, ex.gate_up_proj.shape[1] // 2
+    x = torch.randn(T, gu.shape[2], generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[4, 0] = E  # dropped by the dispatch
+    v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1, ex.act_fn)
+    v.capture_gates(gu, x.device)
+    got = v._scores(x, idx, E)
+    W = ex.gate_up_proj.data  # the model's own [E, 2I, H]: gate rows, then up rows
+    neurons = gates[b.index]  # [E, N, r] gate neurons of each sub-expert (original index)
+    want = torch.empty(T, k, N)
+    for t in range(T):
+        for j in range(k):
+            e = min(int(idx[t, j]), E - 1)
+            for s in range(N):
+                n = neurons[e, s].long()
+                a = ex.act_fn(W[e, n] @ x[t]) * (W[e, I + n] @ x[t])
+                want[t, j, s] = a.abs().mean()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert len(set(got.argmax(-1).reshape(-1).tolist())) > 1  # scores that choose
+
+
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
     """subexpert_tokens: each routed (token, expert) counts once per sub-expert it ran — k_active
     of N, the run's own tally — so ds.moe sees the compute done; without prism each expert is

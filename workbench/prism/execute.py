@@ -203,11 +203,6 @@ def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "down_proj": blocks["down_proj"].transpose(1, 2)}
 
 
-#: elements of the gate-neuron rows the proxy gate gathers at once (tokens are chunked to this:
-#: 64 MiB of float32 whatever the prefill's length)
-_GATHER_ITEMS = 1 << 24
-
-
 class PrismView:
     """An :class:`ExpertsView` over sub-experts (module docstring). ``perm`` [L, E, I] and
     ``gates`` [L, E, N, r] (a :class:`~workbench.prism.refactor.Refactoring`'s), ``layer``
@@ -252,6 +247,7 @@ class PrismView:
         self._chosen_call: torch.Tensor | None = None
         self._ran_call: torch.Tensor | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
+        self._gu_w = None  # [E, H, 2·N·r]: both, one grouped product's operand
 
     def _act_gate(self, out: torch.Tensor) -> torch.Tensor:
         gate, up = out.chunk(2, dim=-1)
@@ -266,6 +262,7 @@ class PrismView:
         at = torch.arange(rows.shape[0], device=rows.device)[:, None]
         self._gate_w = gate_up[at, rows].to(device)  # [E, N·r, H]
         self._up_w = gate_up[at, rows + self.c].to(device)
+        self._gu_w = None
 
     def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -302,8 +299,9 @@ class PrismView:
     def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
         """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
-        |act(gate)·up| of its r gate neurons (resident rows), tokens chunked — or the trained
-        gate's (``router``)."""
+        |act(gate)·up| of its r gate neurons (resident rows; one grouped product over the
+        slots sorted by expert, as the experts forward groups them) — or the trained gate's
+        (``router``). A slot routed nowhere scores as expert E − 1 (it runs nothing)."""
         T, k = top_k_index.shape
         ids = top_k_index.long().clamp(max=num_experts - 1)
         if self.router is not None:  # trained: σ(W[e·N + s] · x), positive like the proxy's
@@ -314,18 +312,21 @@ class PrismView:
                     T, num_experts, self.N)
                 return torch.gather(s, 1, ids[..., None].expand(T, k, self.N)).to(
                     hidden_states.dtype)
-        G, H = self._gate_w.shape[1:]
-        step = max(1, _GATHER_ITEMS // (k * G * H))  # tokens whose rows are gathered at once
-        score = torch.empty((T, k, self.N), dtype=hidden_states.dtype,
-                            device=hidden_states.device)
-        with torch.no_grad():
-            for a in range(0, T, step):
-                x, e = hidden_states[a:a + step], ids[a:a + step]
-                g = torch.einsum("th,tkgh->tkg", x, self._gate_w[e])
-                u = torch.einsum("th,tkgh->tkg", x, self._up_w[e])
-                score[a:a + step] = (self.act_fn(g) * u).abs().reshape(
-                    len(x), k, self.N, -1).mean(-1)
-        return score
+        from transformers.integrations.moe import _grouped_mm
+
+        if self._gu_w is None:  # [E, H, 2G]: each expert's gate rows then up rows, as one operand
+            self._gu_w = torch.cat([self._gate_w, self._up_w], 1).transpose(1, 2)
+        G = self._gate_w.shape[1]
+        flat = ids.reshape(-1)
+        rows = torch.argsort(flat, stable=True)  # slots grouped by expert
+        offs = torch.cumsum(torch.bincount(flat, minlength=self._gu_w.shape[0]), 0).to(
+            torch.int32)
+        with torch.no_grad():  # one grouped product: no [T, k, G, H] gather of rows
+            gu = _grouped_mm(hidden_states[rows // k], self._gu_w, offs)  # [T·k, 2G]
+            s = (self.act_fn(gu[:, :G]) * gu[:, G:]).abs().reshape(T * k, self.N, -1).mean(-1)
+        score = torch.empty_like(s)
+        score[rows] = s
+        return score.view(T, k, self.N)
 
     def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
