@@ -47,8 +47,10 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
     EVICTION.get(eviction)  # an unknown name is refused here
+    # the keys' range, read once for the fit check and the kernel's tables
+    bounds = K.key_bounds(keys) if engine == "fast" and keys.size else None
     if engine == "fast":
-        n_keys = K.distinct_at_most(keys, cache_slots)
+        n_keys = K.distinct_at_most(keys, cache_slots, bounds)
         if n_keys is not None:
             # every key fits: the cache asks a policy for a victim only when every slot is
             # taken (sim/cache.py), so nothing is ever evicted and, for every policy, the only
@@ -56,7 +58,7 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
             # kernels and the reference engine)
             return len(keys) - n_keys
     if engine == "fast" and eviction in FLAT_ON_KEYS:
-        return FLAT_ON_KEYS[eviction](keys, cache_slots)
+        return FLAT_ON_KEYS[eviction](keys, cache_slots, bounds)
     if engine == "fast" and eviction in FLAT_KERNELS:
         ids, n_keys = K.dense_keys(keys)
         return FLAT_KERNELS[eviction](ids, n_keys, cache_slots)
