@@ -1426,16 +1426,22 @@ def _flat_belady(nxt, cap, bits, off, nlev):
     ``cap`` slots. A resident key is the set bit at its next use's position in ``bits``, a
     ``nlev``-level bitmap over the accesses (level ``l`` at ``off[l]``: one bit per word of
     the level below, set while that word is not 0), so access i hits iff bit i is set and the
-    farthest next use is the highest set bit, found top-down in ``nlev`` word reads; a
+    farthest next use is the highest set bit, found in at most 2·``nlev`` word reads; a
     resident key never used again is only counted (``dead``: they go first, and which of them
     goes cannot change a hit count). No per-key table: 1/8 byte per access.
 
     ``top`` is the highest set bit when known (≥ 0), else every set bit is ≤ ``bound``: a key
     that comes in farther than the one just evicted is the new highest, so a run of misses
-    whose keys come back late (a small cache, most accesses missing) looks nothing up. Same
-    hits as the binary heap of next uses it replaced (tested against the textbook Belady)."""
+    whose keys come back late (a small cache, most accesses missing) looks nothing up. An
+    unknown highest is searched from ``bound`` upwards, level by level, to the first word with
+    a bit at or below it, then down: the words near ``bound`` were just written, and the next
+    farthest is usually near it (3–10 % faster than from the root with 64–256 slots, the same
+    elsewhere; scratch comparison, stop 50). With the cache full of live keys a set bit ≤
+    ``bound`` exists, so the climb stops. Same hits as the binary heap of next uses it replaced
+    (tested against the textbook Belady)."""
     n = nxt.shape[0]
     one = np.uint64(1)
+    full = np.uint64(0xFFFFFFFFFFFFFFFF)
     size = 0
     dead = 0
     hits = 0
@@ -1456,10 +1462,20 @@ def _flat_belady(nxt, cap, bits, off, nlev):
             dead -= 1
             p = -1
         else:  # evict the farthest next use: the highest set bit
-            if top < 0:
-                top = 0
-                for lev in range(nlev - 1, -1, -1):
-                    top = (top << 6) | (63 - leading_zeros(bits[off[lev] + top]))
+            if top < 0:  # the highest set bit at or below ``bound``: up from bound's word
+                q = bound  # (just written: in cache) to the first level with one, then down
+                lev = 0
+                while True:
+                    w = bits[off[lev] + (q >> 6)] & (full >> np.uint64(63 - (q & 63)))
+                    if w != 0:
+                        q = ((q >> 6) << 6) | (63 - leading_zeros(w))
+                        break
+                    q = (q >> 6) - 1  # the words before this one, at the level above
+                    lev += 1
+                while lev > 0:
+                    lev -= 1
+                    q = (q << 6) | (63 - leading_zeros(bits[off[lev] + q]))
+                top = q
             p = top
             top = -1
             bound = p
