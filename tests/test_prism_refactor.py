@@ -334,6 +334,26 @@ def test_the_sub_expert_layout_slices_without_copy_and_round_trips():
     assert torch.equal(back[0], gu) and torch.equal(back[1], down)
 
 
+def _a_layer_call(embedded, layer: int, partition: int, seed: int, T: int, N: int):
+    """MoE layer ``layer``'s experts in the sub-expert layout of a random partition (seed
+    ``partition``, N sub-experts) and T random tokens, each routed to top-k distinct experts:
+    ``(block, perm, gates, gate_up, down, x, top_k_index, generator)`` (the generator goes on
+    for the test's own draws)."""
+    from workbench.prism import refactor as R
+    from workbench.prism.execute import to_subexpert_layout
+
+    b, E = embedded.layout.blocks[layer], embedded.layout.num_experts
+    ref = R.random_refactoring(embedded, subexperts=N, seed=partition)
+    perm, gates = torch.as_tensor(ref.perm), torch.as_tensor(ref.gates)
+    gu, down = to_subexpert_layout(b.experts.gate_up_proj.data, b.experts.down_proj.data,
+                                   perm[b.index], N)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, gu.shape[2], generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:embedded.layout.top_k]
+                       for _ in range(T)])
+    return b, perm, gates, gu, down, x, idx, g
+
+
 @pytest.mark.parametrize("k_active,global_k", [(4, None), (2, None), (1, None), (4, 5)])
 @pytest.mark.parametrize("call", ["every routed expert", "some experts", "sub-expert blocks"])
 def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
@@ -344,19 +364,12 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     global K: on every routed expert at once, on some experts, and on sub-expert blocks
     (sub-expert offloading's slots: some sub-experts of an expert absent); both record the
     same sub-experts as run."""
-    from workbench.prism import refactor as R
-    from workbench.prism.execute import PrismView, subexpert_rows, to_subexpert_layout
+    from workbench.prism.execute import PrismView, subexpert_rows
     from workbench.runtime.slots import ExpertsView
 
-    b = embedded.layout.blocks[3]
-    ex, E, N = b.experts, embedded.layout.num_experts, 4
-    ref = R.random_refactoring(embedded, subexperts=N, seed=1)
-    perm, gates = torch.as_tensor(ref.perm), torch.as_tensor(ref.gates)
-    gu, down = to_subexpert_layout(ex.gate_up_proj.data, ex.down_proj.data, perm[b.index], N)
-    g = torch.Generator().manual_seed(7)
-    T, k = 9, embedded.layout.top_k
-    x = torch.randn(T, gu.shape[2], generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    T, k, E, N = 9, embedded.layout.top_k, embedded.layout.num_experts, 4
+    b, perm, gates, gu, down, x, idx, g = _a_layer_call(embedded, 3, 1, 7, T, N)
+    ex = b.experts
     idx[2, 1] = E  # a slot the dispatch dropped
     w = torch.rand(T, k, generator=g)
     routed = torch.unique(idx[idx < E])
@@ -390,19 +403,12 @@ def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded):
     experts' resident gate-neuron rows) is its definition computed slot by slot from the
     model's own weights: the mean over the sub-expert's r gate neurons of |act(x·gate)·(x·up)|;
     a slot routed nowhere scores as expert E − 1 (it runs nothing)."""
-    from workbench.prism import refactor as R
-    from workbench.prism.execute import PrismView, to_subexpert_layout
+    from workbench.prism.execute import PrismView
     from workbench.runtime.slots import ExpertsView
 
-    b = embedded.layout.blocks[5]
-    ex, E, N = b.experts, embedded.layout.num_experts, 4
-    ref = R.random_refactoring(embedded, subexperts=N, seed=2)
-    perm, gates = torch.as_tensor(ref.perm), torch.as_tensor(ref.gates)
-    gu, _ = to_subexpert_layout(ex.gate_up_proj.data, ex.down_proj.data, perm[b.index], N)
-    g = torch.Generator().manual_seed(3)
-    T, k, I = 11, embedded.layout.top_k, ex.gate_up_proj.shape[1] // 2
-    x = torch.randn(T, gu.shape[2], generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    T, k, E, N = 11, embedded.layout.top_k, embedded.layout.num_experts, 4
+    b, perm, gates, gu, _, x, idx, _ = _a_layer_call(embedded, 5, 2, 3, T, N)
+    ex, I = b.experts, b.experts.gate_up_proj.shape[1] // 2
     idx[4, 0] = E  # dropped by the dispatch
     v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1, ex.act_fn)
     v.capture_gates(gu, x.device)
