@@ -425,6 +425,7 @@ def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded):
                 want[t, j, s] = a.abs().mean()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert len(set(got.argmax(-1).reshape(-1).tolist())) > 1  # scores that choose
+    assert v._scores(x[:0], idx[:0], E).shape == (0, k, N)  # a call with no tokens
 
 
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):

@@ -323,7 +323,8 @@ class PrismView:
             torch.int32)
         with torch.no_grad():  # one grouped product: no [T, k, G, H] gather of rows
             gu = _grouped_mm(hidden_states[rows // k], self._gu_w, offs)  # [T·k, 2G]
-            s = (self.act_fn(gu[:, :G]) * gu[:, G:]).abs().reshape(T * k, self.N, -1).mean(-1)
+            s = (self.act_fn(gu[:, :G]) * gu[:, G:]).abs().reshape(T * k, self.N, G // self.N
+                                                                   ).mean(-1)
         score = torch.empty_like(s)
         score[rows] = s
         return score.view(T, k, self.N)
