@@ -47,7 +47,7 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     if cache_slots < 1:
         raise KnobError(f"cache_slots must be at least 1, not {cache_slots}")
     EVICTION.get(eviction)  # an unknown name is refused here
-    # the keys' range, read once for the fit check and the kernel's tables
+    # the keys' range, read once for the fit check and the kernels' tables or relabelling
     bounds = K.key_bounds(keys) if engine == "fast" and keys.size else None
     if engine == "fast":
         n_keys = K.distinct_at_most(keys, cache_slots, bounds)
@@ -60,7 +60,7 @@ def flat_hits(keys: np.ndarray, cache_slots: int, eviction: str = "lru",
     if engine == "fast" and eviction in FLAT_ON_KEYS:
         return FLAT_ON_KEYS[eviction](keys, cache_slots, bounds)
     if engine == "fast" and eviction in FLAT_KERNELS:
-        ids, n_keys = K.dense_keys(keys)
+        ids, n_keys = K.dense_keys(keys, bounds)
         return FLAT_KERNELS[eviction](ids, n_keys, cache_slots)
     keys = np.asarray(keys, np.int64)
     uniq, dense_keys = np.unique(keys, return_inverse=True)

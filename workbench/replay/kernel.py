@@ -1298,14 +1298,16 @@ def key_bounds(keys: np.ndarray) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def dense_keys(keys: np.ndarray) -> tuple[np.ndarray, int]:
+def dense_keys(keys: np.ndarray, bounds: tuple[int, int] | None = None
+               ) -> tuple[np.ndarray, int]:
     """``(ids, n)``: ``keys`` (int64, any values) relabelled 0..n-1 in order of first
     appearance, n distinct keys; O(len(keys)) (a direct table when the key range is at most
-    ~2× the trace length, else a hash table)."""
+    ~2× the trace length, else a hash table). ``bounds``: the keys' least and greatest
+    (:func:`key_bounds`), when known."""
     keys = np.ascontiguousarray(keys, np.int64)
     if not keys.size:
         return np.zeros(0, np.int64), 0
-    lo, hi = (int(x) for x in _min_max(keys))
+    lo, hi = bounds if bounds is not None else key_bounds(keys)
     span = hi - lo + 1  # Python ints: no overflow for any int64 range
     if span <= 2 * keys.size + (1 << 16):
         return _dense_span(keys, np.int64(lo), span)
@@ -1541,7 +1543,7 @@ def lru_hits(keys: np.ndarray, cache_slots: int, bounds: tuple[int, int] | None 
     least and greatest, when known (:func:`key_bounds`)."""
     dense = _key_range(keys, bounds)
     if dense is None:
-        ids, n_keys = dense_keys(keys)
+        ids, n_keys = dense_keys(keys, bounds)
         return flat_lru_hits(ids, n_keys, cache_slots)
     keys, lo, span = dense
     if not keys.size:
@@ -1559,7 +1561,7 @@ def belady_hits(keys: np.ndarray, cache_slots: int, bounds: tuple[int, int] | No
     ``bounds``: the keys' least and greatest, when known (:func:`key_bounds`)."""
     dense = _key_range(keys, bounds)
     if dense is None:
-        ids, n_keys = dense_keys(keys)
+        ids, n_keys = dense_keys(keys, bounds)
         return _belady_tables(ids, 0, n_keys, int(cache_slots))
     keys, lo, span = dense
     return _belady_tables(keys, lo, span, int(cache_slots))
