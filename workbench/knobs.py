@@ -819,7 +819,10 @@ class Knobs:
             else:  # an attribute written as a JSON value rather than text
                 value = text
             owner = k._owner(name)
-            p = owner.param[name]
+            # the class's Parameter unless a registry gave this instance its own choices:
+            # ``owner.param[name]`` copies the Parameter for the instance on first access
+            p = (owner.param[name] if name in type(owner)._registries
+                 else type(owner).param[name])
             if isinstance(p, param.Selector) and isinstance(value, str) \
                     and value not in (p.objects or []) and name in type(owner)._registries:
                 continue  # a policy that is no longer registered: keep the default
@@ -832,16 +835,22 @@ class Knobs:
                 raise KnobError(f"store attribute {key!r}: {e}") from None
         for name, value in PREDATING.items():  # a store older than the knob ran this
             vals.setdefault(name, value)
-        return k.set(**vals)
+        # each value was checked above; set only those that differ from the defaults (setting
+        # a param runs its watchers: most of a store's ~100 knobs keep their default)
+        fresh = k._checked
+        return k.set(**{n: v for n, v in vals.items()
+                        if not (type(fresh.get(n, _MISSING)) is type(v) and fresh[n] == v)})
 
     def copy(self, **changes: Any) -> "Knobs":
         """A new Knobs with these values, ``changes`` applied (checked as :meth:`set` does)."""
         out = Knobs()
-        fresh = out.to_dict()
+        fresh = out._checked  # a new Knobs' checked values: the defaults
+        changes = self._canonical_values(changes)
+        values = {n: getattr(g, n) for n, g in self._by_name.items()}
+        values.update(changes)
         # only what differs from the defaults is set: setting a param costs its watchers' time
-        values = {**self.to_dict(), **self._canonical_values(changes)}
-        return out.set(**{k: v for k, v in values.items()
-                          if k in changes or fresh.get(k, _MISSING) != v})
+        return out.set(**{k: v for k, v in values.items() if k in changes or not (
+            type(fresh.get(k, _MISSING)) is type(v) and fresh[k] == v)})
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())

@@ -735,7 +735,7 @@ class MoEAccessor:
         values = {n: v for n, v in (("ep_ranks", ranks), ("placement", placement),
                                     *eplb.items()) if v is not None}
         values.update(pricing)
-        return k.copy(**values) if values else k
+        return k.set(**values)  # k is this call's own: set in place, checked as copy() would
 
     def ep_load(self, ranks: int | None = None, placement: str | None = None,
                 modality: str | None = None, effective: bool = False,
@@ -1123,7 +1123,7 @@ class MoEAccessor:
         # are live-only: a full replay check would refuse them)
         # (the routing as recorded: a live dispatch and a live ReaLB are already applied to
         # it, not replayed)
-        k = k.copy(dispatch="topk", balance="none")
+        k.set(dispatch="topk", balance="none")  # k is _ep_knobs' new Knobs, no one else's
         k.group("ep").check(k, ModelShape.of(tr), live=False)
         cost, prof = cost_of(tr, k.profile, k.target_model, None)
         return ep_replay(tr, k, Prices(prof, cost))

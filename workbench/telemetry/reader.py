@@ -483,7 +483,7 @@ def open_run(path: str | Path) -> xr.Dataset:
     ds = xr.Dataset(data_vars, coords={**coords, "step": np.arange(steps)},
                     attrs={**attrs, "status": status})
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
-    _check_semantics(path, ds)
+    _check_semantics(path, ds, arrays)
     return ds
 
 
@@ -496,19 +496,27 @@ _TIMES = ("step_start_s", "latency_measured_s", "latency_modeled_s", "stall_meas
           "stall_modeled_s", "stall_layer_measured_s")
 
 
-def _check_semantics(path: Path, ds: xr.Dataset) -> None:
+def _check_semantics(path: Path, ds: xr.Dataset,
+                     arrays: dict[str, "_StoreArray"] | None = None) -> None:
     """The invariants a reader can check cheaply (per-step and per-(step, layer) arrays, not the
     per-token ones), naming the first one broken — a tampered store replayed with exit 0 and
     gave a hit rate of 1.0015 (issue 26): counts ≥ 0; one layer's lookups in one step (hits +
     misses) at most its experts; times finite and ≥ 0; a step's tokens at most the tokens
     recorded; generated tokens ≥ -1 (-1: none)."""
-    # each array read once, through its Variable (``ds[name]`` would build a DataArray with
-    # its coordinates for every read)
-    variables, read = ds.variables, {}
+    # each array read once: straight from its chunks when the Variable is the store's array
+    # as it is (``arrays``: the committed rows, what the Variable reads), else through the
+    # Variable (an older schema's array presented in a newer form); ``ds[name]`` would build
+    # a DataArray with its coordinates for every read
+    variables, read, arrays = ds.variables, {}, arrays or {}
 
     def values(name: str) -> np.ndarray:
         if name not in read:
-            read[name] = np.asarray(variables[name].values)
+            a = arrays.get(name)
+            direct = (a is not None and isinstance(variables[name]._data,
+                                                   indexing.LazilyIndexedArray)
+                      and variables[name]._data.array is a)
+            read[name] = (a._read((slice(None),) * len(a.shape)) if direct
+                          else np.asarray(variables[name].values))
         return read[name]
 
     def first_bad(name: str, bad: np.ndarray, values: np.ndarray, expected: str) -> None:
