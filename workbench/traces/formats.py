@@ -260,17 +260,21 @@ def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
             "predicted_scores": ("step", "layer", order)}
     if ds.sizes.get("subexpert", 1) > 1:  # MoE-Prism: the sub-experts each slot ran
         used["subexpert_ran"] = ("token", "layer", "k", "subexpert")
-    declared = sum(int(ds[n].size) * ds[n].dtype.itemsize for n in used if n in ds.variables)
+    # the Variables, not ``ds[n]``: a DataArray (with its coordinates) built per read costs
+    # more than the small arrays of a short run
+    variables = ds.variables
+    declared = sum(int(variables[n].size) * variables[n].dtype.itemsize
+                   for n in used if n in variables)
     limits.check(declared, limits.budget(max_bytes), where,
                  f"its routing arrays ({', '.join(f'{k} {v}' for k, v in ds.sizes.items())})")
 
     def var(name: str, dims: tuple[str, ...], required: bool = False) -> np.ndarray | None:
-        if name not in ds.variables:
+        if name not in variables:
             if required:
                 raise InputError(f"{where} has no variable {name!r}; a trace needs topk_ids "
                                  f"(token, layer, k) and token_step (token)")
             return None
-        v = ds[name]
+        v = variables[name]
         if set(v.dims) != set(dims) or len(v.dims) != len(dims):
             raise InputError(f"{where}: variable {name!r} has dims {v.dims}, expected {dims}")
         return np.asarray(v.transpose(*dims).values)
