@@ -398,11 +398,13 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     assert np.array_equal(fused.take(), per_sub.take())
 
 
-def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded):
-    """The proxy gate's score of a slot's sub-expert (one grouped product over the routed
-    experts' resident gate-neuron rows) is its definition computed slot by slot from the
-    model's own weights: the mean over the sub-expert's r gate neurons of |act(x·gate)·(x·up)|;
-    a slot routed nowhere scores as expert E − 1 (it runs nothing)."""
+@pytest.mark.parametrize("dense", [True, False], ids=["every-expert", "grouped-slots"])
+def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded, dense):
+    """The proxy gate's score of a slot's sub-expert (one dense product over every expert's
+    resident gate-neuron rows, or — past ``DENSE_MACS`` — one grouped product over the routed
+    slots') is its definition computed slot by slot from the model's own weights: the mean
+    over the sub-expert's r gate neurons of |act(x·gate)·(x·up)|; a slot routed nowhere scores
+    as expert E − 1 (it runs nothing)."""
     from workbench.prism.execute import PrismView
     from workbench.runtime.slots import ExpertsView
 
@@ -412,7 +414,10 @@ def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded):
     idx[4, 0] = E  # dropped by the dispatch
     v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1, ex.act_fn)
     v.capture_gates(gu, x.device)
+    if not dense:
+        v.DENSE_MACS = 0  # every call past the bound: the grouped product
     got = v._scores(x, idx, E)
+    assert (v._dense_w is not None) == dense and (v._gu_w is not None) != dense
     W = ex.gate_up_proj.data  # the model's own [E, 2I, H]: gate rows, then up rows
     neurons = gates[b.index]  # [E, N, r] gate neurons of each sub-expert (original index)
     want = torch.empty(T, k, N)

@@ -248,6 +248,11 @@ class PrismView:
         self._ran_call: torch.Tensor | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
         self._gu_w = None  # [E, H, 2·N·r]: both, one grouped product's operand
+        self._dense_w = None  # [H, E·2·N·r]: both of every expert, one dense product's operand
+
+    #: the proxy gate scores every expert of a call by one dense product when it costs at
+    #: most this many multiply-adds (T·E·2G·H); else only the routed slots, grouped by expert
+    DENSE_MACS = 1 << 22
 
     def _act_gate(self, out: torch.Tensor) -> torch.Tensor:
         gate, up = out.chunk(2, dim=-1)
@@ -262,7 +267,7 @@ class PrismView:
         at = torch.arange(rows.shape[0], device=rows.device)[:, None]
         self._gate_w = gate_up[at, rows].to(device)  # [E, N·r, H]
         self._up_w = gate_up[at, rows + self.c].to(device)
-        self._gu_w = None
+        self._gu_w = self._dense_w = None
 
     def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -299,7 +304,8 @@ class PrismView:
     def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
         """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
-        |act(gate)·up| of its r gate neurons (resident rows; one grouped product over the
+        |act(gate)·up| of its r gate neurons (resident rows: every expert's by one dense
+        product when that is small, :attr:`DENSE_MACS`, else one grouped product over the
         slots sorted by expert, as the experts forward groups them) — or the trained gate's
         (``router``). A slot routed nowhere scores as expert E − 1 (it runs nothing)."""
         T, k = top_k_index.shape
@@ -312,11 +318,22 @@ class PrismView:
                     T, num_experts, self.N)
                 return torch.gather(s, 1, ids[..., None].expand(T, k, self.N)).to(
                     hidden_states.dtype)
+        E, G, H = self._gate_w.shape
+        if T * E * 2 * G * H <= self.DENSE_MACS:
+            # small enough to score every expert: one matrix product and elementwise steps,
+            # no sort of the slots (a decode step's call is bound by operation count)
+            if self._dense_w is None:  # [H, E·2G]: expert e's gate rows then up rows
+                self._dense_w = torch.cat([self._gate_w, self._up_w], 1).reshape(
+                    E * 2 * G, H).T.contiguous()
+            with torch.no_grad():
+                gu = (hidden_states @ self._dense_w).view(T, E, 2, G)
+                s = (self.act_fn(gu[:, :, 0]) * gu[:, :, 1]).abs().view(
+                    T, E, self.N, G // self.N).mean(-1)  # [T, E, N]
+            return torch.gather(s, 1, ids[..., None].expand(T, k, self.N))
         from transformers.integrations.moe import _grouped_mm
 
         if self._gu_w is None:  # [E, H, 2G]: each expert's gate rows then up rows, as one operand
             self._gu_w = torch.cat([self._gate_w, self._up_w], 1).transpose(1, 2)
-        G = self._gate_w.shape[1]
         flat = ids.reshape(-1)
         rows = torch.argsort(flat, stable=True)  # slots grouped by expert
         offs = torch.cumsum(torch.bincount(flat, minlength=self._gu_w.shape[0]), 0).to(
