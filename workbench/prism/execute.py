@@ -14,16 +14,17 @@ for whole experts runs the **fused product** (:meth:`PrismView._fused`): one gro
 projection with one group per expert, as the model's grouped forward has, the model's own gate
 on each sub-expert's outputs, and the sub-experts a routed slot did not choose zeroed before
 the down projection. Sub-expert offloading's slots run it too (:meth:`PrismView.run_blocks`:
-the call's blocks placed in whole experts, zeros where absent). The reference is the model's
-own experts forward with each sub-expert an expert of its own (:meth:`PrismView.run_subexperts`:
-a routed slot (token, e, w) becomes slots (token, e·N + s, w) for the sub-experts it runs, the
-others the forward's sentinel): it computed every path until the fused product replaced it,
-which cost 1.45× the unmodified runtime here (N× the rows in N× the groups of 1/N the size,
-BENCHMARKS.md); it still runs a one-sub-expert host call, and the two agree allclose on every
-kind of call (tested). Every path of the offloader (cache hits, misses, the host, the pinned
-prefix, sub-expert offloading's own slots) calls the view, so all of them run sub-experts
-alike. With every sub-expert active the layer computes Σ_s A[:, S_s]·down[:, S_s] = the
-expert's output (a sum in another order: equal up to float rounding; tested).
+the call's blocks placed in whole experts, an absent sub-expert's activations zeroed). The
+reference is the model's own experts forward with each sub-expert an expert of its own
+(:meth:`PrismView.run_subexperts`: a routed slot (token, e, w) becomes slots (token, e·N + s,
+w) for the sub-experts it runs, the others the forward's sentinel): it computed every path
+until the fused product replaced it, which cost 1.45× the unmodified runtime here (N× the rows
+in N× the groups of 1/N the size, BENCHMARKS.md); it still runs a one-sub-expert host call,
+and the two agree allclose on every kind of call (tested). Every path of the offloader (cache
+hits, misses, the host, the pinned prefix, sub-expert offloading's own slots) calls the view,
+so all of them run sub-experts alike. With every sub-expert active the layer computes
+Σ_s A[:, S_s]·down[:, S_s] = the expert's output (a sum in another order: equal up to float
+rounding; tested).
 
 Which sub-experts run (:meth:`PrismView.choose`, router-side, before the cache is consulted):
 the proxy gate scores each sub-expert on the token by the mean |activation| of its r gate
@@ -401,29 +402,31 @@ class PrismView:
                    top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The layer output share of sub-experts ``subs`` (ids e·N + s, ``blocks`` theirs in
         block form: sub-expert offloading's cache slots) by the fused product: the blocks
-        placed in whole experts of the sub-expert layout (zeros where a sub-expert is not in
-        this call), each routed slot's chosen sub-experts among ``subs`` run. ``args`` or
+        placed in whole experts of the sub-expert layout (a sub-expert not in this call reads
+        another's block, its activations zeroed: ``present``), each routed slot's chosen
+        sub-experts among ``subs`` run. ``args`` or
         ``kwargs``: the model's forward per sub-expert, as :meth:`__call__`."""
         if args or kwargs:
             return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
                                        top_k_weights, *args, **kwargs)
         N, dev = self.N, blocks["gate_up_proj"].device
-        key = torch.as_tensor([int(x) for x in subs], dtype=torch.long, device=dev)
-        experts, at = torch.unique(key // N, return_inverse=True)  # ascending
+        subs = [int(x) for x in subs]
+        experts = sorted({x // N for x in subs})  # ascending
+        at = {e: i for i, e in enumerate(experts)}
         n = len(experts)
-        place = at * N + key % N
-        whole = {}
-        for name, t in blocks.items():
-            full = t.new_zeros((n * N, *t.shape[1:]))
-            full[place] = t
-            whole[name] = full
+        # each whole-expert row's block; a sub-expert not in this call reads block 0 instead
+        # of zeros: ``present`` zeroes its activations, so its weights add exact zeros
+        src, present = [0] * (n * N), [False] * (n * N)
+        for j, x in enumerate(subs):
+            p = at[x // N] * N + x % N
+            src[p], present[p] = j, True
+        src_t = torch.tensor(src, dtype=torch.long, device=dev)
+        whole = {name: t.index_select(0, src_t) for name, t in blocks.items()}
         two_c, H = whole["gate_up_proj"].shape[1:]
         gu = whole["gate_up_proj"].view(n, N * two_c, H)  # [n, 2I, H], the sub-expert layout
-        present = torch.zeros(n * N, dtype=torch.bool, device=dev)
-        present[place] = True
         return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]},
-                           experts.tolist(), num_experts, hidden_states, top_k_index,
-                           top_k_weights, None, present=present.view(n, N))
+                           experts, num_experts, hidden_states, top_k_index, top_k_weights,
+                           None, present=torch.tensor(present, device=dev).view(n, N))
 
     def _fused(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
