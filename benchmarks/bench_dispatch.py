@@ -11,6 +11,7 @@ cache (answers never depend on it). Everything is measured.
 
     python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
     python benchmarks/bench_dispatch.py --speed 7 [--batch 8] [--only topk,macs] [--json OUT]
+    python benchmarks/bench_dispatch.py --ep-summary 25 [--json OUT]
 
 ``--speed`` times whichever ``workbench`` is imported: run it with ``PYTHONPATH`` pointing at
 another tree to compare two versions of the code with the same harness.
@@ -111,6 +112,47 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
     return out
 
 
+def ep_summary_speed(repeats: int) -> dict:
+    """Wall time of the EP summary ``workbench run --set ep_ranks=8`` prints after a run
+    (``open_run(store).moe.ep_summary()``) and of its parts, on the store of a mixed batch of 8
+    (16 new tokens, 8 virtual ranks): medians of ``repeats`` calls after one warm-up, in ms
+    (measured)."""
+    import statistics
+    import tempfile
+
+    from workbench.knobs import Knobs
+    from workbench.traces import from_store
+
+    rt = workbench.Runtime()
+    lay = rt.lm.layout
+    knobs = {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
+             "cache_slots": lay.num_layers * lay.num_experts}
+    reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        store = rt.run(reqs, store=f"{d}/run.zarr", ep_ranks=8, **knobs).store
+        ds = workbench.open_run(store)
+        parts = {"open_run(store).moe.ep_summary()":
+                 lambda: workbench.open_run(store).moe.ep_summary(),
+                 "open_run(store)": lambda: workbench.open_run(store),
+                 "Knobs.from_attrs(ds.attrs)": lambda: Knobs.from_attrs(ds.attrs),
+                 "from_store(ds)": lambda: from_store(ds),
+                 "ds.moe.ep_summary() (an opened store)": lambda: ds.moe.ep_summary()}
+        for name, f in parts.items():
+            f()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            out[name] = statistics.median(ts) * 1e3
+    print(f"EP summary of a batch-8 run's store, median of {repeats} (measured; workbench from "
+          f"{Path(workbench.__file__).parent.parent}):")
+    for name, ms in out.items():
+        print(f"  {name}: {ms:.2f} ms")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=60, help="held-out questions")
@@ -125,7 +167,14 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="--speed: these settings (comma-separated names up to their first "
                          "comma, e.g. topk,macs; default: all)")
+    ap.add_argument("--ep-summary", type=int, default=0, metavar="REPEATS",
+                    help="instead: the wall time of a run's EP summary and its parts")
     a = ap.parse_args()
+    if a.ep_summary:
+        res = ep_summary_speed(a.ep_summary)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     if a.speed:
         res = speed(a.speed, a.batch, set(filter(None, a.only.split(","))) or None, a.profile)
         if a.json:

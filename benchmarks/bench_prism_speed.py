@@ -12,6 +12,15 @@ partition is random (speed does not depend on it).
 
     python benchmarks/bench_prism_speed.py [--rounds 7] [--device cpu|cuda] [--json FILE]
                                            [--no-offload]
+    python benchmarks/bench_prism_speed.py --calls offload-one --compare OLD_TREE [--rounds 7]
+
+``--calls SETTING --compare OLD_TREE``: whole runs on a shared machine vary by ±20 % from run to
+run, more than a change to the sub-expert path moves them. This records every
+``PrismView.choose``, ``_fused`` and ``run_blocks`` call of one offloaded run of SETTING (all,
+half, one, offload-all, offload-half, offload-one), then replays the recorded calls through
+this tree's code and through OLD_TREE's ``workbench/prism/execute.py`` (its ``PrismView``
+methods swapped in; the two must keep the same attributes), interleaved: per kind of call, the
+summed wall time over the run's calls, min and median of ``--rounds`` replays (measured).
 """
 
 from __future__ import annotations
@@ -26,6 +35,98 @@ from pathlib import Path
 import workbench
 
 
+def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
+    """``--calls``: see the module docstring. Returns ``{kind: {old|new: {min_ms,
+    median_ms}}}``."""
+    import importlib.util
+
+    import torch
+
+    from workbench.prism import refactor as R
+    from workbench.prism.execute import PrismView
+
+    path = Path(old_tree) / "workbench" / "prism" / "execute.py"
+    spec = importlib.util.spec_from_file_location("old_prism_execute", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    names = ("choose", "_fused", "run_blocks", "_scores")
+    impl = {"new": {n: getattr(PrismView, n) for n in names},
+            "old": {n: getattr(old.PrismView, n) for n in names}}
+    dense = {"new": getattr(PrismView, "DENSE_MACS", 0), "old": getattr(old.PrismView,
+                                                                         "DENSE_MACS", 0)}
+    rt = workbench.Runtime()
+    lay = rt.lm.layout
+    work = Path(tempfile.mkdtemp(prefix="prism-calls-"))
+    R.save(R.random_refactoring(rt.lm, subexperts=4), work / "p")
+    N = 4
+    k_active = {"all": N, "half": N // 2, "one": 1}[setting.removeprefix("offload-")]
+    kw = dict(prism=True, prism_refactoring=str(work / "p"), prism_shortcut=False,
+              prism_k_active=k_active, prism_offload=setting.startswith("offload-"))
+    calls: list[tuple] = []
+
+    def recorder(kind):
+        f = impl["new"][kind]
+
+        def rec(self, *a, **k):
+            if kind == "choose":
+                calls.append((kind, self, a, k, None, None))
+            elif kind == "run_blocks" or k.get("present") is None:  # not run_blocks' own
+                calls.append((kind, self, a, k, self._chosen_call, self._ran_call.clone()))
+            return f(self, *a, **k)
+        return rec
+
+    for kind in ("choose", "_fused", "run_blocks"):
+        setattr(PrismView, kind, recorder(kind))
+    try:
+        rt.run(workbench.mixed_batch(8, seed=5), max_new_tokens=16, record=False,
+               pinned_layers=1, cache_slots=lay.num_experts * 4, **kw)
+    finally:
+        for kind in names:
+            setattr(PrismView, kind, impl["new"][kind])
+
+    def play(tree: str) -> dict[str, float]:
+        for n in names:
+            setattr(PrismView, n, impl[tree][n])
+        PrismView.DENSE_MACS = dense[tree]
+        t = dict.fromkeys(("choose", "_fused", "run_blocks"), 0.0)
+        with torch.no_grad():
+            for kind, view, a, k, chosen, ran in calls:
+                if ran is not None:  # the layer call's state when the call came
+                    view._chosen_call, view._ran_call = chosen, ran.clone()
+                t0 = time.perf_counter()
+                impl[tree][kind](view, *a, **k)
+                t[kind] += time.perf_counter() - t0
+        return t
+
+    from workbench.runtime.threads import threads_for_run
+
+    times: dict[str, list[dict]] = {"old": [], "new": []}
+    try:
+        with threads_for_run(rt.lm.device):  # the intra-op threads a run uses
+            for r in range(rounds):
+                for tree in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    times[tree].append(play(tree))
+    finally:
+        for n in names:
+            setattr(PrismView, n, impl["new"][n])
+        PrismView.DENSE_MACS = dense["new"]
+    counts = {kind: sum(c[0] == kind for c in calls) for kind in ("choose", "_fused",
+                                                                    "run_blocks")}
+    out = {}
+    print(f"{setting}: the calls of one run ({counts}), replayed {rounds}× per tree, "
+          f"interleaved (measured, ms summed over the run's calls):")
+    for kind, n in counts.items():
+        if not n:
+            continue
+        out[kind] = {tree: {"min_ms": min(x[kind] for x in times[tree]) * 1e3,
+                            "median_ms": statistics.median(x[kind] for x in times[tree]) * 1e3}
+                     for tree in ("old", "new")}
+        o, w = out[kind]["old"], out[kind]["new"]
+        print(f"  {kind} ({n} calls): old {o['min_ms']:.1f} ms (median {o['median_ms']:.1f}), "
+              f"new {w['min_ms']:.1f} ms (median {w['median_ms']:.1f})")
+    return out
+
+
 def main() -> None:
     from workbench.prism import refactor as R
 
@@ -37,7 +138,18 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="leave out the sub-expert offloading runs (prism_offload)")
+    ap.add_argument("--calls", choices=["all", "half", "one", "offload-all", "offload-half",
+                                        "offload-one"],
+                    help="instead: replay one run's sub-expert calls through two trees")
+    ap.add_argument("--compare", metavar="OLD_TREE", help="--calls: the other tree")
     a = ap.parse_args()
+    if a.calls:
+        if not a.compare:
+            ap.error("--calls needs --compare OLD_TREE")
+        res = replay_calls(a.calls, a.compare, a.rounds)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+        return
     rt = workbench.Runtime(**({"device": a.device} if a.device else {}))
     lay = rt.lm.layout
     work = Path(tempfile.mkdtemp(prefix="prism-speed-"))
