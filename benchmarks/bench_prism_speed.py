@@ -186,14 +186,18 @@ def main() -> None:
                     times[rname].append(time.perf_counter() - t0)
                 tokens[rname] = [r["token_ids"] for r in res.batch]
         med = {r: statistics.median(t) for r, t in times.items() if t}
+        # each round's run ÷ the same round's unmodified run: drift across rounds cancels
+        per_round = {r: statistics.median(x / b for x, b in zip(t, times["native"]))
+                     for r, t in times.items() if t}
         out["settings"][sname] = {
             "median_s": med, "ratio": {r: med[r] / med["native"] for r in med},
+            "ratio_per_round": per_round,
             # every sub-expert active, on every path that ran: the native answers
             "all_equal_native": all(tokens[r] == tokens["native"] for r in (
                 f"prism {N}/{N}", f"prism {N}/{N}, sub-expert path",
                 f"prism_offload {N}/{N}") if r in tokens)}
-        print(f"{sname}: " + ", ".join(f"{r} {med[r]:.3f} s ({med[r] / med['native']:.2f}×)"
-                                       for r in med)
+        print(f"{sname}: " + ", ".join(f"{r} {med[r]:.3f} s ({med[r] / med['native']:.2f}×; "
+                                       f"per round {per_round[r]:.2f}×)" for r in med)
               + f"; all sub-experts = native answers: "
                 f"{out['settings'][sname]['all_equal_native']}")
     if a.json:

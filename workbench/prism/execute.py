@@ -404,8 +404,8 @@ class PrismView:
         block form: sub-expert offloading's cache slots) by the fused product: the blocks
         placed in whole experts of the sub-expert layout (a sub-expert not in this call reads
         another's block, its activations zeroed: ``present``), each routed slot's chosen
-        sub-experts among ``subs`` run. ``args`` or
-        ``kwargs``: the model's forward per sub-expert, as :meth:`__call__`."""
+        sub-experts among ``subs`` run. ``args`` or ``kwargs``: the model's forward per
+        sub-expert, as :meth:`__call__`."""
         if args or kwargs:
             return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
                                        top_k_weights, *args, **kwargs)
