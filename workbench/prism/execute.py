@@ -351,8 +351,9 @@ class PrismView:
         """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
         :meth:`choose`), for the modeled clock's prices."""
         chosen = self._chosen_call
-        keys = (top_k_index.long()[..., None] * self.N + chosen)[chosen >= 0]
-        return torch.bincount(keys, minlength=num_experts * self.N).reshape(
+        EN = num_experts * self.N  # the slots that run nothing count in bin EN, dropped
+        keys = (top_k_index.long()[..., None] * self.N + chosen).masked_fill_(chosen < 0, EN)
+        return torch.bincount(keys.reshape(-1), minlength=EN + 1)[:EN].reshape(
             num_experts, self.N).cpu().numpy()
 
     def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:

@@ -172,14 +172,46 @@ class Prices:
         run each of an expert's N sub-experts); the rows where ``low`` (bool [experts]) is
         set in ``precision``."""
         t = np.asarray(tokens, np.int64)
-        low = np.zeros(len(t), bool) if low is None else np.asarray(low, bool)
         N = t.shape[1]
-        code = t.sum(1) * (N + 1) + (t > 0).sum(1)  # (runs, parts) of each row, one number
+        # (runs, parts) of each row as one number; counts are ≥ 0: parts = the nonzero ones
+        code = t.sum(1) * (N + 1) + np.count_nonzero(t, axis=1)
+        if low is None or not np.any(low):
+            return self._subexpert_table(code, N, "native")
+        low = np.asarray(low, bool)
         out = np.zeros(len(t))
         for prec, rows in (("native", ~low), (precision, low)):
-            if rows.any():  # one call per distinct (runs, parts)
-                out[rows] = self.many(lambda c, p=prec: self.subexpert_op(
-                    c // (N + 1), c % (N + 1), N, p), code[rows])
+            if rows.any():
+                out[rows] = self._subexpert_table(code[rows], N, prec)
+        return out
+
+    #: the largest (runs, parts) code :meth:`subexperts` keeps a table up to (float64: 512
+    #: KiB per (N, precision)); larger codes are priced per call, once per distinct code
+    SUBEXPERT_TABLE = 1 << 16
+
+    def _subexpert_table(self, code: np.ndarray, N: int, precision: str) -> np.ndarray:
+        """:meth:`subexpert_op` of each (runs, parts) ``code`` (runs·(N + 1) + parts): read
+        from a table of the prices seen so far, kept per (N, precision) on this instance (a
+        live run prices the same few codes at every layer call), each entry priced once."""
+        if code.size == 0:
+            return np.zeros(0)
+        top = int(code.max())
+        if top >= self.SUBEXPERT_TABLE:
+            return self.many(lambda c: self.subexpert_op(c // (N + 1), c % (N + 1), N,
+                                                         precision), code)
+        memo = self.__dict__.setdefault("_subexpert_tables", {})
+        table = memo.get((N, precision))
+        if table is None or top >= len(table):
+            grown = np.full(min(max(top + 1, 2 * (0 if table is None else len(table)), 256),
+                                self.SUBEXPERT_TABLE), np.nan)
+            if table is not None:
+                grown[:len(table)] = table
+            memo[(N, precision)] = table = grown
+        out = table[code]
+        new = np.isnan(out)
+        if new.any():  # prices are finite: NaN marks a code not priced yet
+            for c in np.unique(code[new]).tolist():
+                table[c] = self.subexpert_op(c // (N + 1), c % (N + 1), N, precision)
+            out = table[code]
         return out
 
     def part(self, n: int) -> "Prices":

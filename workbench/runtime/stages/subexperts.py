@@ -148,11 +148,13 @@ class SubExpertStage(Stage):
         b, p = call.block, self.prices
         view = self.views[b.index]
         view.choose(call.hidden_states, call.ids, call.weights, b.num_experts)
-        low_mask = np.array([e in call.low for e in call.experts], bool)
+        low_mask = (np.array([e in call.low for e in call.experts], bool) if call.low
+                    else None)  # None: every expert native (no per-call mask to build)
         if view.whole:  # the shortcut: each routed slot runs all
             N = view.N  # priced as every sub-expert run (= the expert's op), no per-call count
+            lows = low_mask if low_mask is not None else [False] * len(call.tokens)
             call.compute_s = [p.subexpert_op(N * n, N, N, call.low_precision if lo else "native")
-                              for n, lo in zip(call.tokens, low_mask)]
+                              for n, lo in zip(call.tokens, lows)]
             return
         # router-side: the sub-experts each slot runs, priced
         experts = call.experts
@@ -171,8 +173,12 @@ class SubExpertStage(Stage):
             compute_s = compute_s[ran]
             call.low &= set(call.keys)  # an idle expert runs in no precision
             # hybrid's rule, per key: the tokens that run some sub-expert of it
-            per_expert = view.tokens_per_expert(call.ids, b.num_experts)
-            call.tokens = [int(per_expert[e]) for e in call.keys]
+            if view.global_k is None:  # each routed slot runs w sub-experts: runs ÷ w
+                w = min(view.k_active, view.N)
+                call.tokens = (per_sub.sum(1)[ran] // w).tolist()
+            else:
+                per_expert = view.tokens_per_expert(call.ids, b.num_experts)
+                call.tokens = [int(per_expert[e]) for e in call.keys]
         call.compute_s = compute_s.tolist()
 
     def finish(self, call: LayerCall) -> None:
