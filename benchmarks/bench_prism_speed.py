@@ -26,34 +26,54 @@ summed wall time over the run's calls, min and median of ``--rounds`` replays (m
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import workbench
 
 
 def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
     """``--calls``: see the module docstring. Returns ``{kind: {old|new: {min_ms,
-    median_ms}}}``."""
+    median_ms}}}``; ``price`` is the sub-expert stage's per-call pricing, its ``choose``
+    included."""
     import importlib.util
 
     import torch
 
     from workbench.prism import refactor as R
     from workbench.prism.execute import PrismView
+    from workbench.runtime.stages.subexperts import SubExpertStage
+    from workbench.sim.costs import Prices
 
-    path = Path(old_tree) / "workbench" / "prism" / "execute.py"
-    spec = importlib.util.spec_from_file_location("old_prism_execute", path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    names = ("choose", "_fused", "run_blocks", "_scores")
-    impl = {"new": {n: getattr(PrismView, n) for n in names},
-            "old": {n: getattr(old.PrismView, n) for n in names}}
-    dense = {"new": getattr(PrismView, "DENSE_MACS", 0), "old": getattr(old.PrismView,
-                                                                         "DENSE_MACS", 0)}
+    # (class, method, the old tree's file defining the class): swapped in for the old replays
+    swaps = [(PrismView, n, "workbench/prism/execute.py") for n in (
+        "choose", "_fused", "run_blocks", "_scores", "tokens_per_subexpert")]
+    swaps += [(SubExpertStage, "price", "workbench/runtime/stages/subexperts.py"),
+              (Prices, "subexperts", "workbench/sim/costs.py")]
+    modules: dict[str, Any] = {}
+    impl: dict[str, dict] = {"new": {}, "old": {}}
+    for cls, name, rel in swaps:
+        if rel not in modules:
+            spec = importlib.util.spec_from_file_location(
+                "old_" + rel.replace("/", "_").removesuffix(".py"), Path(old_tree) / rel)
+            modules[rel] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[rel])  # (dataclasses look their module up)
+        impl["new"][(cls, name)] = getattr(cls, name)
+        impl["old"][(cls, name)] = getattr(getattr(modules[rel], cls.__name__), name)
+    dense = {"new": getattr(PrismView, "DENSE_MACS", 0),
+             "old": getattr(modules["workbench/prism/execute.py"].PrismView, "DENSE_MACS", 0)}
+
+    def use(tree: str) -> None:
+        for (cls, name), f in impl[tree].items():
+            setattr(cls, name, f)
+        PrismView.DENSE_MACS = dense[tree]
+
     rt = workbench.Runtime()
     lay = rt.lm.layout
     work = Path(tempfile.mkdtemp(prefix="prism-calls-"))
@@ -62,39 +82,47 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
     k_active = {"all": N, "half": N // 2, "one": 1}[setting.removeprefix("offload-")]
     kw = dict(prism=True, prism_refactoring=str(work / "p"), prism_shortcut=False,
               prism_k_active=k_active, prism_offload=setting.startswith("offload-"))
+    kinds = ("price", "choose", "_fused", "run_blocks")
+    written = ("keys", "key_ids", "tokens", "low", "compute_s")  # what price sets on a call
     calls: list[tuple] = []
 
-    def recorder(kind):
-        f = impl["new"][kind]
+    def recorder(cls, kind):
+        f = impl["new"][(cls, kind)]
 
         def rec(self, *a, **k):
-            if kind == "choose":
-                calls.append((kind, self, a, k, None, None))
+            if kind == "price":
+                call = a[0]
+                calls.append((kind, self, a, k, {n: copy.copy(getattr(call, n))
+                                                 for n in written}))
+            elif kind == "choose":
+                calls.append((kind, self, a, k, None))
             elif kind == "run_blocks" or k.get("present") is None:  # not run_blocks' own
-                calls.append((kind, self, a, k, self._chosen_call, self._ran_call.clone()))
+                calls.append((kind, self, a, k, (self._chosen_call, self._ran_call.clone())))
             return f(self, *a, **k)
         return rec
 
-    for kind in ("choose", "_fused", "run_blocks"):
-        setattr(PrismView, kind, recorder(kind))
+    for cls, kind in ((SubExpertStage, "price"), (PrismView, "choose"),
+                      (PrismView, "_fused"), (PrismView, "run_blocks")):
+        setattr(cls, kind, recorder(cls, kind))
     try:
         rt.run(workbench.mixed_batch(8, seed=5), max_new_tokens=16, record=False,
                pinned_layers=1, cache_slots=lay.num_experts * 4, **kw)
     finally:
-        for kind in names:
-            setattr(PrismView, kind, impl["new"][kind])
+        use("new")
 
     def play(tree: str) -> dict[str, float]:
-        for n in names:
-            setattr(PrismView, n, impl[tree][n])
-        PrismView.DENSE_MACS = dense[tree]
-        t = dict.fromkeys(("choose", "_fused", "run_blocks"), 0.0)
+        use(tree)
+        t = dict.fromkeys(kinds, 0.0)
         with torch.no_grad():
-            for kind, view, a, k, chosen, ran in calls:
-                if ran is not None:  # the layer call's state when the call came
-                    view._chosen_call, view._ran_call = chosen, ran.clone()
+            for kind, obj, a, k, state in calls:
+                if kind == "price":  # the call as the stage got it
+                    for n, v in state.items():
+                        setattr(a[0], n, copy.copy(v))
+                elif state is not None:  # the layer call's state when the call came
+                    obj._chosen_call, obj._ran_call = state[0], state[1].clone()
+                f = getattr(type(obj), kind)
                 t0 = time.perf_counter()
-                impl[tree][kind](view, *a, **k)
+                f(obj, *a, **k)
                 t[kind] += time.perf_counter() - t0
         return t
 
@@ -107,14 +135,11 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
                 for tree in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     times[tree].append(play(tree))
     finally:
-        for n in names:
-            setattr(PrismView, n, impl["new"][n])
-        PrismView.DENSE_MACS = dense["new"]
-    counts = {kind: sum(c[0] == kind for c in calls) for kind in ("choose", "_fused",
-                                                                    "run_blocks")}
+        use("new")
+    counts = {kind: sum(c[0] == kind for c in calls) for kind in kinds}
     out = {}
     print(f"{setting}: the calls of one run ({counts}), replayed {rounds}× per tree, "
-          f"interleaved (measured, ms summed over the run's calls):")
+          f"interleaved (measured, ms summed over the run's calls; price includes choose):")
     for kind, n in counts.items():
         if not n:
             continue
