@@ -507,6 +507,28 @@ def test_the_modeled_clock_prices_the_sub_experts_a_run_ran(embedded, tmp_path):
     assert got[1] == pytest.approx(p.expert(2))
 
 
+def test_sub_expert_prices_from_the_table_are_each_rows_own_price():
+    """Prices.subexperts reads each row's (runs, parts) price from a table it grows as codes
+    come (per N and precision): every row priced as subexpert_op of its own counts, whatever
+    came before, with some rows low, and past the table's bound (priced per call)."""
+    from workbench.sim.costs import CostSpec, Prices
+    from workbench.sim.profiles import get_profile, get_target_model
+
+    p = Prices(get_profile("h200"), CostSpec.from_target(get_target_model("qwen3-vl-30b-a3b")))
+    rng = np.random.default_rng(0)
+    for hi in (3, 40, 2000, 300, 30_000):  # grows, shrinks, grows past the bound (4·5 per run)
+        t = rng.integers(0, hi, (17, 4))
+        t[0] = 0  # a row that runs nothing
+        low = rng.random(17) < 0.3
+        got = p.subexperts(t, low, "nvfp4")
+        want = [p.subexpert_op(int(r.sum()), int((r > 0).sum()), 4, "nvfp4" if lo else "native")
+                for r, lo in zip(t, low)]
+        assert got.tolist() == want
+        assert p.subexperts(t).tolist() == [p.subexpert_op(int(r.sum()), int((r > 0).sum()), 4)
+                                            for r in t]
+    assert p.subexperts(np.zeros((0, 4), np.int64)).shape == (0,)
+
+
 def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):
     """prism_k (the seed's K): each token runs its K best (token, sub-expert) pairs among its
     routed experts' — K = top-k × N is the model exactly, any K in between runs K per token,
