@@ -16,6 +16,8 @@ class HostExpertStore:
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory
         self._layers: dict[int, dict[str, torch.Tensor]] = {}
+        #: each expert's views, made at its first copy (every miss of it asks again)
+        self._experts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def add_layer(self, layer: int, params: dict[str, torch.Tensor]) -> None:
         """Take host copies of one layer's fused expert tensors (each ``[E, ...]``)."""
@@ -28,10 +30,16 @@ class HostExpertStore:
                 h = h.pin_memory()
             host[name] = h
         self._layers[layer] = host
+        self._experts = {k: v for k, v in self._experts.items() if k[0] != layer}
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         return self._layers[layer]
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Views of one expert's weights (no copy)."""
-        return {n: t[expert] for n, t in self._layers[layer].items()}
+        """Views of one expert's weights (no copy); the same dict for the expert every time
+        (until its layer is added again): read it, never change it."""
+        v = self._experts.get((layer, expert))
+        if v is None:
+            v = self._experts[(layer, expert)] = {n: t[expert]
+                                                  for n, t in self._layers[layer].items()}
+        return v

@@ -30,10 +30,16 @@ class SlotPool:
         self.num_slots = num_slots
         self.tensors = {n: torch.zeros((num_slots, *s), dtype=dtype, device=device)
                         for n, s in shapes.items()}
+        #: each slot's views, made at its first copy (a transfer per miss asks again)
+        self._views: list[dict[str, torch.Tensor] | None] = [None] * num_slots
 
     def view(self, slot: int) -> dict[str, torch.Tensor]:
-        """The slot's tensors (views, no copy): a transfer's destination."""
-        return {n: t[slot] for n, t in self.tensors.items()}
+        """The slot's tensors (views, no copy): a transfer's destination. The same dict for
+        the slot every time: read it, never change it."""
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = {n: t[slot] for n, t in self.tensors.items()}
+        return v
 
     def gather(self, slots: Sequence[int]) -> dict[str, torch.Tensor]:
         """``[len(slots), ...]`` copies of the given slots, in order."""
