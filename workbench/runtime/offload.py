@@ -427,14 +427,21 @@ class Offloader:
         ids = top_k_index.detach().to("cpu")
         recorded = ids.numpy().astype(np.int32)
         if sentinels and self._sentinels:
-            gone = ids >= b.num_experts
-            experts, counts = torch.unique(ids[~gone], return_counts=True)
-            recorded[gone.numpy()] = -1
+            gone = recorded >= b.num_experts
+            recorded[gone] = -1
+            valid = recorded[~gone]
         else:
-            experts, counts = torch.unique(ids, return_counts=True)
+            valid = recorded.reshape(-1)
+        if valid.size and valid.min() < 0:  # not an expert id: counted as torch counts it
+            found, n = torch.unique(torch.from_numpy(valid), return_counts=True)
+            experts, counts = found.numpy(), n.numpy()
+        else:  # one bincount: torch.unique sorts (≈ 4 % of an offloaded run here)
+            per = np.bincount(valid, minlength=b.num_experts)
+            experts = np.flatnonzero(per)
+            counts = per[experts]
         ev = LayerEvent(layer=b.index, pinned=b.index < self.pinned_layers,
                         topk_ids=recorded,
                         topk_weights=top_k_weights.detach().float().to("cpu").numpy(),
                         expert_tokens=dict(zip(experts.tolist(), counts.tolist())))
         self.probe.layers.append(ev)
-        return ev, experts.tolist(), experts
+        return ev, experts.tolist(), torch.from_numpy(experts).to(ids.dtype)
