@@ -435,7 +435,7 @@ class Offloader:
         if valid.size and valid.min() < 0:  # not an expert id: counted as torch counts it
             found, n = torch.unique(torch.from_numpy(valid), return_counts=True)
             experts, counts = found.numpy(), n.numpy()
-        else:  # one bincount: torch.unique sorts (≈ 4 % of an offloaded run here)
+        else:  # one bincount, where torch.unique sorts
             per = np.bincount(valid, minlength=b.num_experts)
             experts = np.flatnonzero(per)
             counts = per[experts]
