@@ -465,13 +465,14 @@ class PrismView:
         self._ran_call = torch.where(here.to(ran.device), chosen.to(ran.device, torch.int16),
                                      ran)
         flat = local.reshape(-1)
-        rows = torch.nonzero(flat < n).squeeze(1)
-        if not len(rows):
+        # the slots grouped by expert, the ones not here (position n) last: one stable sort
+        per = torch.bincount(flat, minlength=n + 1)
+        S = T * k - int(per[n:].sum())
+        if not S:
             return torch.zeros_like(x)
-        rows = rows[torch.argsort(flat[rows], stable=True)]  # grouped by expert
-        offs = torch.cumsum(torch.bincount(flat[rows], minlength=n), 0).to(torch.int32)
+        rows = torch.argsort(flat, stable=True)[:S]
+        offs = torch.cumsum(per[:n], 0).to(torch.int32)
         up = _grouped_mm(x[rows // k], gu.transpose(1, 2), offs)  # [S, 2I]
-        S = up.shape[0]
         # the model's gate over [S, 2I] rows read as every sub-expert's gate outputs, then
         # every up output (one copy of ``up``): its own halves, as long as in the model's
         # forward. Over [S·N, 2c] rows (each sub-expert's halves) the activation ran ≈ 2×
