@@ -171,6 +171,9 @@ def main() -> None:
     if a.calls:
         if not a.compare:
             ap.error("--calls needs --compare OLD_TREE")
+        if not (Path(a.compare) / "workbench" / "prism" / "execute.py").is_file():
+            ap.error(f"--compare {a.compare!r} is not a workbench tree (no "
+                     f"workbench/prism/execute.py in it)")
         res = replay_calls(a.calls, a.compare, a.rounds)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
