@@ -33,6 +33,15 @@ from workbench.analysis.vismmoe.accuracy import normalise_answer
 from workbench.analysis.vismmoe.config import base_knobs, eval_seed
 
 
+def _speed_setup() -> tuple:
+    """The runtime and knobs the wall-time measurements run with: 16 new tokens, no EOS stop,
+    every expert cached (nothing pinned)."""
+    rt = workbench.Runtime()
+    lay = rt.lm.layout
+    return rt, {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
+                "cache_slots": lay.num_layers * lay.num_experts}
+
+
 def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
           profile: str | None = None) -> dict:
     """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
@@ -50,10 +59,7 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
 
     demo = next(d for d in read_demo() if d["image"])
     reqs = workbench.mixed_batch(batch, text_share=0.5, seed=1) if batch > 1 else None
-    rt = workbench.Runtime()
-    lay = rt.lm.layout
-    knobs = {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
-             "cache_slots": lay.num_layers * lay.num_experts}
+    rt, knobs = _speed_setup()
     configs = {"topk": {}, "capacity-drop, nothing overflows": dict(
         dispatch="capacity-drop", capacity_factor=1000.0),
         "capacity-drop, γ0 = 1": dict(dispatch="capacity-drop", capacity_factor=1.0),
@@ -127,10 +133,7 @@ def ep_summary_speed(repeats: int) -> dict:
     from workbench.knobs import Knobs
     from workbench.traces import from_store
 
-    rt = workbench.Runtime()
-    lay = rt.lm.layout
-    knobs = {**base_knobs(16), "pinned_layers": 0, "ignore_eos": True,
-             "cache_slots": lay.num_layers * lay.num_experts}
+    rt, knobs = _speed_setup()
     reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
     out = {}
     with tempfile.TemporaryDirectory() as d:

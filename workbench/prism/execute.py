@@ -328,8 +328,7 @@ class PrismView:
                     E * 2 * G, H).T.contiguous()
             with torch.no_grad():
                 gu = (hidden_states @ self._dense_w).view(T, E, 2, G)
-                s = (self.act_fn(gu[:, :, 0]) * gu[:, :, 1]).abs().view(
-                    T, E, self.N, G // self.N).mean(-1)  # [T, E, N]
+                s = self._proxy_score(gu[:, :, 0], gu[:, :, 1])  # [T, E, N]
             return torch.gather(s, 1, ids[..., None].expand(T, k, self.N))
         from transformers.integrations.moe import _grouped_mm
 
@@ -341,11 +340,15 @@ class PrismView:
             torch.int32)
         with torch.no_grad():  # one grouped product: no [T, k, G, H] gather of rows
             gu = _grouped_mm(hidden_states[rows // k], self._gu_w, offs)  # [T·k, 2G]
-            s = (self.act_fn(gu[:, :G]) * gu[:, G:]).abs().reshape(T * k, self.N, G // self.N
-                                                                   ).mean(-1)
+            s = self._proxy_score(gu[:, :G], gu[:, G:])  # [T·k, N]
         score = torch.empty_like(s)
         score[rows] = s
         return score.view(T, k, self.N)
+
+    def _proxy_score(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """[..., N]: the mean |act(gate)·up| over each sub-expert's r gate neurons, from the
+        gate-neuron outputs ``gate``/``up`` [..., N·r] (sub-expert by sub-expert)."""
+        return (self.act_fn(gate) * up).abs().unflatten(-1, (self.N, -1)).mean(-1)
 
     def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E, N]: tokens of the layer call that will run each sub-expert (after

@@ -483,7 +483,9 @@ def open_run(path: str | Path) -> xr.Dataset:
     ds = xr.Dataset(data_vars, coords={**coords, "step": np.arange(steps)},
                     attrs={**attrs, "status": status})
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
-    _check_semantics(path, ds, arrays)
+    # below schema 4 the upgrade presents ``hits`` anew; from 4 on every stored array is its
+    # Variable's data as it is (the later upgrades only add arrays the store lacks)
+    _check_semantics(path, ds, arrays if version >= 4 else None)
     return ds
 
 
@@ -503,19 +505,15 @@ def _check_semantics(path: Path, ds: xr.Dataset,
     gave a hit rate of 1.0015 (issue 26): counts ≥ 0; one layer's lookups in one step (hits +
     misses) at most its experts; times finite and ≥ 0; a step's tokens at most the tokens
     recorded; generated tokens ≥ -1 (-1: none)."""
-    # each array read once: straight from its chunks when the Variable is the store's array
-    # as it is (``arrays``: the committed rows, what the Variable reads), else through the
-    # Variable (an older schema's array presented in a newer form); ``ds[name]`` would build
-    # a DataArray with its coordinates for every read
+    # each array read once: straight from its chunks when ``arrays`` holds it (the stored
+    # arrays, each exactly what its Variable reads: the committed rows), else through the
+    # Variable; ``ds[name]`` would build a DataArray with its coordinates for every read
     variables, read, arrays = ds.variables, {}, arrays or {}
 
     def values(name: str) -> np.ndarray:
         if name not in read:
             a = arrays.get(name)
-            direct = (a is not None and isinstance(variables[name]._data,
-                                                   indexing.LazilyIndexedArray)
-                      and variables[name]._data.array is a)
-            read[name] = (a._read((slice(None),) * len(a.shape)) if direct
+            read[name] = (a._read((slice(None),) * len(a.shape)) if a is not None
                           else np.asarray(variables[name].values))
         return read[name]
 
