@@ -529,6 +529,33 @@ def test_sub_expert_prices_from_the_table_are_each_rows_own_price():
     assert p.subexperts(np.zeros((0, 4), np.int64)).shape == (0,)
 
 
+def test_a_calls_counts_are_their_definition_compiled_or_not():
+    """The layer call's counts (:func:`workbench.prism.execute._count_loop`, compiled by numba
+    for the live path) are their definitions in tensor operations: tokens per sub-expert a
+    bincount of e·N + s over the routed slots' chosen sub-experts, each expert's code
+    runs·(N + 1) + parts, the routed slots (id < E) and the runs (chosen ≥ 0) — on random
+    calls with slots routed nowhere (id E), padding, every width and empty calls; its
+    Python source gives the same."""
+    from workbench.prism.execute import _count_loop, _counts
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        T, k, E, N = int(rng.integers(0, 9)), int(rng.integers(1, 5)), int(rng.integers(1, 9)), \
+            int(rng.choice([1, 2, 4]))
+        w = int(rng.integers(1, N + 1))
+        ids = torch.as_tensor(rng.integers(0, E + 1, (T, k)))  # E: routed nowhere
+        chosen = torch.as_tensor(rng.integers(-1, N, (T, k, w))).masked_fill(
+            (ids >= E)[..., None], -1)
+        keys = (ids[..., None] * N + chosen).masked_fill(chosen < 0, E * N).reshape(-1)
+        want = torch.bincount(keys, minlength=E * N + 1)[:E * N].reshape(E, N).numpy()
+        want_code = want.sum(1) * (N + 1) + (want > 0).sum(1)
+        for fn in (_count_loop, _counts()):
+            per_sub, code = np.zeros((E, N), np.int64), np.empty(E, np.int64)
+            routed, runs = fn(ids.numpy(), chosen.numpy(), E, per_sub, code)
+            assert (per_sub == want).all() and (code == want_code).all()
+            assert (routed, runs) == (int((ids < E).sum()), int((chosen >= 0).sum()))
+
+
 def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):
     """prism_k (the seed's K): each token runs its K best (token, sub-expert) pairs among its
     routed experts' — K = top-k × N is the model exactly, any K in between runs K per token,

@@ -204,6 +204,60 @@ def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "down_proj": blocks["down_proj"].transpose(1, 2)}
 
 
+def _count_loop(ids, chosen, E, per_sub, code):
+    """The Python source of the compiled :func:`_counts` (its reference in the tests): one
+    layer call's counts. ``ids`` int [T, k] the routing (an id ≥ ``E``: routed nowhere),
+    ``chosen`` int [T, k, w] the sub-experts each slot runs (-1 padding). Adds one to
+    ``per_sub[e, s]`` (int64 [E, N], zeros) per routed slot of expert e that runs sub-expert
+    s, sets ``code[e]`` (int64 [E]) to expert e's (runs, parts) as runs·(N + 1) + parts (its
+    (token, sub-expert) runs and distinct sub-experts: :meth:`Prices.subexperts_coded`'s
+    code); returns (routed slots, sub-expert runs)."""
+    T, k = ids.shape
+    w = chosen.shape[2]
+    N = per_sub.shape[1]
+    routed = 0
+    runs = 0
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            if e >= E:
+                continue
+            routed += 1
+            for i in range(w):
+                s = chosen[t, j, i]
+                if s >= 0:
+                    runs += 1
+                    if e >= 0 and s < N:
+                        per_sub[e, s] += 1
+    for e in range(E):
+        n = 0
+        parts = 0
+        for s in range(N):
+            n += per_sub[e, s]
+            parts += per_sub[e, s] != 0
+        code[e] = n * (N + 1) + parts
+    return routed, runs
+
+
+_COUNTS = None
+
+
+def _counts():
+    """:func:`_count_loop` compiled by numba (cached on disk, as the replay kernels are;
+    imported on first use)."""
+    global _COUNTS
+    if _COUNTS is None:
+        from numba import njit
+
+        _COUNTS = njit(cache=True, error_model="numpy", boundscheck=False)(_count_loop)
+    return _COUNTS
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """``t`` as a C-contiguous int64 host array (a view when it is one already)."""
+    return np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
+
+
 class PrismView:
     """An :class:`ExpertsView` over sub-experts (module docstring). ``perm`` [L, E, I] and
     ``gates`` [L, E, N, r] (a :class:`~workbench.prism.refactor.Refactoring`'s), ``layer``
@@ -247,12 +301,16 @@ class PrismView:
         #: sub-experts each slot runs (-1 padding), and int16 the same where they ran
         self._chosen_call: torch.Tensor | None = None
         self._ran_call: torch.Tensor | None = None
+        #: the call's counts (:meth:`choose`): int64 [E, N] tokens per sub-expert, [E] codes
+        self._per_sub: np.ndarray | None = None
+        self._code: np.ndarray | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
         self._gu_w = None  # [E, H, 2·N·r]: both, one grouped product's operand
         self._dense_w = None  # [H, E·2·N·r]: both of every expert, one dense product's operand
 
-    #: the proxy gate scores every expert of a call by one dense product when it costs at
-    #: most this many multiply-adds (T·E·2G·H); else only the routed slots, grouped by expert
+    #: the proxy gate computes every expert's gate-neuron outputs by one dense product when it
+    #: costs at most this many multiply-adds (T·E·2G·H); else only the routed slots', grouped
+    #: by expert
     DENSE_MACS = 1 << 22
 
     def _act_gate(self, out: torch.Tensor) -> torch.Tensor:
@@ -298,16 +356,23 @@ class PrismView:
         chosen = chosen.masked_fill(~routed[..., None], -1)
         self._chosen_call = chosen
         self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
-        self.asked += int(routed.sum()) * N  # every routed slot runs once, in some call
-        self.ran += int((chosen >= 0).sum())
+        # the call's counts in one compiled pass on the host (a decode call is bound by
+        # operation count: this replaced 11 small tensor operations here and in pricing)
+        self._per_sub = np.zeros((num_experts, N), np.int64)
+        self._code = np.empty(num_experts, np.int64)
+        routed_slots, runs = _counts()(_host(top_k_index), _host(chosen), num_experts,
+                                       self._per_sub, self._code)
+        self.asked += routed_slots * N  # every routed slot runs once, in some call
+        self.ran += runs
         return chosen
 
     def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
         """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
-        |act(gate)·up| of its r gate neurons (resident rows: every expert's by one dense
-        product when that is small, :attr:`DENSE_MACS`, else one grouped product over the
-        slots sorted by expert, as the experts forward groups them) — or the trained gate's
+        |act(gate)·up| of its r gate neurons (resident rows: every expert's gate and up
+        outputs by one dense product when that is small, :attr:`DENSE_MACS`, the routed
+        slots' gathered from it and scored; else one grouped product over the slots sorted
+        by expert, as the experts forward groups them) — or the trained gate's
         (``router``). A slot routed nowhere scores as expert E − 1 (it runs nothing)."""
         T, k = top_k_index.shape
         ids = top_k_index.long().clamp(max=num_experts - 1)
@@ -326,10 +391,10 @@ class PrismView:
             if self._dense_w is None:  # [H, E·2G]: expert e's gate rows then up rows
                 self._dense_w = torch.cat([self._gate_w, self._up_w], 1).reshape(
                     E * 2 * G, H).T.contiguous()
-            with torch.no_grad():
-                gu = (hidden_states @ self._dense_w).view(T, E, 2, G)
-                s = self._proxy_score(gu[:, :, 0], gu[:, :, 1])  # [T, E, N]
-            return torch.gather(s, 1, ids[..., None].expand(T, k, self.N))
+            with torch.no_grad():  # the routed slots' outputs, then their scores only
+                gu = torch.gather((hidden_states @ self._dense_w).view(T, E, 2 * G), 1,
+                                  ids[..., None].expand(T, k, 2 * G))
+                return self._proxy_score(gu[..., :G], gu[..., G:])  # [T, k, N]
         from transformers.integrations.moe import _grouped_mm
 
         if self._gu_w is None:  # [E, H, 2G]: each expert's gate rows then up rows, as one operand
@@ -353,11 +418,23 @@ class PrismView:
     def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
         :meth:`choose`), for the modeled clock's prices."""
-        chosen = self._chosen_call
-        EN = num_experts * self.N  # the slots that run nothing count in bin EN, dropped
-        keys = (top_k_index.long()[..., None] * self.N + chosen).masked_fill_(chosen < 0, EN)
-        return torch.bincount(keys.reshape(-1), minlength=EN + 1)[:EN].reshape(
-            num_experts, self.N).cpu().numpy()
+        return self._call_counts(top_k_index, num_experts)[0]
+
+    def subexpert_codes(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
+        """int64 [E] (after :meth:`choose`): each expert's (runs, parts) in the layer call as
+        runs·(N + 1) + parts — its (token, sub-expert) runs and distinct sub-experts, the code
+        :meth:`~workbench.sim.costs.Prices.subexperts_coded` prices."""
+        return self._call_counts(top_k_index, num_experts)[1]
+
+    def _call_counts(self, top_k_index: torch.Tensor, num_experts: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The counts :meth:`choose` made of the call (read them, never change them)."""
+        if self._per_sub is None or self._per_sub.shape[0] != num_experts:
+            self._per_sub = np.zeros((num_experts, self.N), np.int64)
+            self._code = np.empty(num_experts, np.int64)
+            _counts()(_host(top_k_index), _host(self._chosen_call), num_experts,
+                      self._per_sub, self._code)
+        return self._per_sub, self._code
 
     def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:
         """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
@@ -376,7 +453,7 @@ class PrismView:
     def take(self):
         """int16 [T, k, w] (numpy): the sub-experts each slot of the layer call ran, -1
         padding (w = k_active, or N with a global K); ends the call."""
-        c, self._ran_call, self._chosen_call = self._ran_call, None, None
+        c, self._ran_call, self._chosen_call, self._per_sub = self._ran_call, None, None, None
         return None if c is None else c.cpu().numpy()
 
     def __call__(self, weights: dict[str, torch.Tensor], experts, num_experts: int,

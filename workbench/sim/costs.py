@@ -174,11 +174,18 @@ class Prices:
         t = np.asarray(tokens, np.int64)
         N = t.shape[1]
         # (runs, parts) of each row as one number; counts are ≥ 0: parts = the nonzero ones
-        code = t.sum(1) * (N + 1) + np.count_nonzero(t, axis=1)
+        return self.subexperts_coded(t.sum(1) * (N + 1) + (t != 0).sum(1), N, low, precision)
+
+    def subexperts_coded(self, code: np.ndarray, N: int, low: np.ndarray | None = None,
+                         precision: str = "native") -> np.ndarray:
+        """:meth:`subexperts` of experts given by their (runs, parts) ``code`` int64 [experts]
+        (runs·(N + 1) + parts: ``runs`` (token, sub-expert) runs over ``parts`` distinct
+        sub-experts of N)."""
+        code = np.asarray(code, np.int64)
         if low is None or not np.any(low):
             return self._subexpert_table(code, N, "native")
         low = np.asarray(low, bool)
-        out = np.zeros(len(t))
+        out = np.zeros(len(code))
         for prec, rows in (("native", ~low), (precision, low)):
             if rows.any():
                 out[rows] = self._subexpert_table(code[rows], N, prec)

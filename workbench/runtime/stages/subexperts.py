@@ -158,9 +158,10 @@ class SubExpertStage(Stage):
             return
         # router-side: the sub-experts each slot runs, priced
         experts = call.experts
-        per_sub = view.tokens_per_subexpert(call.ids, b.num_experts)[experts]
-        compute_s = p.subexperts(per_sub, low_mask, call.low_precision)
+        code = view.subexpert_codes(call.ids, b.num_experts)[experts]  # (runs, parts)
+        compute_s = p.subexperts_coded(code, view.N, low_mask, call.low_precision)
         if self.part > 1:  # each sub-expert carries its share of its expert's op
+            per_sub = view.tokens_per_subexpert(call.ids, b.num_experts)[experts]
             sub_ids = view.subexpert_ids(call.ids)
             call.key_ids = sub_ids if call.real is None else sub_ids[call.real]
             e_at, s_at = np.nonzero(per_sub)
@@ -168,14 +169,16 @@ class SubExpertStage(Stage):
             call.tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
             compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
         else:  # an expert a global K left idle is not looked up (nothing of it runs)
-            ran = per_sub.sum(1) > 0
-            call.keys = [e for e, r in zip(experts, ran) if r]
-            compute_s = compute_s[ran]
+            runs = code // (view.N + 1)
+            ran = runs > 0
+            if not ran.all():
+                call.keys = [e for e, r in zip(experts, ran) if r]
+                compute_s = compute_s[ran]
+                runs = runs[ran]
             call.low &= set(call.keys)  # an idle expert runs in no precision
             # hybrid's rule, per key: the tokens that run some sub-expert of it
             if view.global_k is None:  # each routed slot runs w sub-experts: runs ÷ w
-                w = min(view.k_active, view.N)
-                call.tokens = (per_sub.sum(1)[ran] // w).tolist()
+                call.tokens = (runs // min(view.k_active, view.N)).tolist()
             else:
                 per_expert = view.tokens_per_expert(call.ids, b.num_experts)
                 call.tokens = [int(per_expert[e]) for e in call.keys]
