@@ -355,15 +355,17 @@ def _a_layer_call(embedded, layer: int, partition: int, seed: int, T: int, N: in
 
 
 @pytest.mark.parametrize("k_active,global_k", [(4, None), (2, None), (1, None), (4, 5)])
-@pytest.mark.parametrize("call", ["every routed expert", "some experts", "sub-expert blocks"])
+@pytest.mark.parametrize("call", ["every routed expert", "some experts", "sub-expert blocks",
+                                  "blocks in a pool"])
 def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
         embedded, k_active, global_k, call):
     """The fused product (whole experts, one group each, the unchosen sub-experts zeroed)
     equals the model's own experts forward over the chosen sub-experts as experts of their
     own (:meth:`PrismView.run_subexperts`, the reference) allclose, for every k_active and a
     global K: on every routed expert at once, on some experts, and on sub-expert blocks
-    (sub-expert offloading's slots: some sub-experts of an expert absent); both record the
-    same sub-experts as run."""
+    (sub-expert offloading's slots: some sub-experts of an expert absent), compact or read
+    from a pool at their rows (the executor's slot pool); both record the same sub-experts
+    as run."""
     from workbench.prism.execute import PrismView, subexpert_rows
     from workbench.runtime.slots import ExpertsView
 
@@ -388,6 +390,12 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     if call == "sub-expert blocks":
         subs = list(dict.fromkeys(subs[1::3] + subs[::7]))  # some of each expert's, out of order
         out = fused.run_blocks({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
+    elif call == "blocks in a pool":  # rows of a shuffled pool with other blocks in it
+        subs = list(dict.fromkeys(subs[1::3] + subs[::7]))
+        order = torch.randperm(E * N, generator=g)
+        pool = {n: t[order] for n, t in blocks.items()}
+        rows = [int(r) for r in torch.argsort(order)[subs]]
+        out = fused.run_blocks(pool, subs, E, x, idx, w, rows=rows)
     else:
         at = experts.long()
         out = fused({"gate_up_proj": gu[at], "down_proj": down[at]}, experts.tolist(), E, x,

@@ -480,27 +480,36 @@ class PrismView:
 
     def run_blocks(self, blocks: dict[str, torch.Tensor], subs, num_experts: int,
                    hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+                   top_k_weights: torch.Tensor, *args: Any, rows=None, **kwargs: Any
+                   ) -> torch.Tensor:
         """The layer output share of sub-experts ``subs`` (ids e·N + s, ``blocks`` theirs in
         block form: sub-expert offloading's cache slots) by the fused product: the blocks
         placed in whole experts of the sub-expert layout (a sub-expert not in this call reads
         another's block, its activations zeroed: ``present``), each routed slot's chosen
-        sub-experts among ``subs`` run. ``args`` or ``kwargs``: the model's forward per
+        sub-experts among ``subs`` run. ``rows``: the row of ``blocks`` each of ``subs`` is
+        (the slot pool's tensors and the call's slots: placed straight from the pool, one
+        copy; None: row j is ``subs[j]``'s). ``args`` or ``kwargs``: the model's forward per
         sub-expert, as :meth:`__call__`."""
+        if rows is not None and (args or kwargs):  # the model's forward takes them compact
+            at_rows = torch.as_tensor(list(rows), dtype=torch.long)
+            blocks = {n: t.index_select(0, at_rows.to(t.device)) for n, t in blocks.items()}
+            rows = None
         if args or kwargs:
             return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
                                        top_k_weights, *args, **kwargs)
         N, dev = self.N, blocks["gate_up_proj"].device
         subs = [int(x) for x in subs]
+        rows = range(len(subs)) if rows is None else [int(r) for r in rows]
         experts = sorted({x // N for x in subs})  # ascending
         at = {e: i for i, e in enumerate(experts)}
         n = len(experts)
-        # each whole-expert row's block; a sub-expert not in this call reads block 0 instead
-        # of zeros: ``present`` zeroes its activations, so its weights add exact zeros
-        src, present = [0] * (n * N), [False] * (n * N)
-        for j, x in enumerate(subs):
+        # each whole-expert row's block; a sub-expert not in this call reads the call's first
+        # block instead of zeros: ``present`` zeroes its activations, so its weights add
+        # exact zeros
+        src, present = [rows[0] if subs else 0] * (n * N), [False] * (n * N)
+        for x, r in zip(subs, rows):
             p = at[x // N] * N + x % N
-            src[p], present[p] = j, True
+            src[p], present[p] = r, True
         src_t = torch.tensor(src, dtype=torch.long, device=dev)
         whole = {name: t.index_select(0, src_t) for name, t in blocks.items()}
         two_c, H = whole["gate_up_proj"].shape[1:]

@@ -243,11 +243,12 @@ class Executor:
         """``experts``' share of the layer output, over their ``slots`` gathered compactly
         (``all_routed``: see :meth:`ExpertsView.__call__`); the ones in low precision this
         call run apart (:meth:`run_low`)."""
-        weights = self.slots.gather(slots)
-        if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks
-            return c.view.run_blocks(weights, experts, c.block.num_experts,
+        if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks,
+            # placed in whole experts straight from the pool (no compact copy first)
+            return c.view.run_blocks(self.slots.tensors, experts, c.block.num_experts,
                                      c.hidden_states, c.top_k_index, c.top_k_weights,
-                                     *c.args, **c.kwargs)
+                                     *c.args, rows=slots, **c.kwargs)
+        weights = self.slots.gather(slots)
         if not any(e in c.low for e in experts):
             return c.run(weights, experts, all_routed=all_routed)
         return self.run_split(c, experts, weights)
