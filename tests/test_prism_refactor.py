@@ -541,10 +541,12 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
     """The layer call's counts (:func:`workbench.prism.execute._count_loop`, compiled by numba
     for the live path) are their definitions in tensor operations: tokens per sub-expert a
     bincount of e·N + s over the routed slots' chosen sub-experts, each expert's code
-    runs·(N + 1) + parts, the routed slots (id < E) and the runs (chosen ≥ 0) — on random
-    calls with slots routed nowhere (id E), padding, every width and empty calls; its
-    Python source gives the same."""
-    from workbench.prism.execute import _count_loop, _counts
+    runs·(N + 1) + parts, the sub-expert ids e·N + s that run (-1 elsewhere), the routed
+    slots (id < E) and the runs (chosen ≥ 0) — on random calls with slots routed nowhere
+    (id E), padding, every width and empty calls; its Python source gives the same. So are
+    sub-expert offloading's keys (:func:`~workbench.prism.execute._key_loop`): the nonzero
+    sub-experts of the call's experts, their tokens and shares of their expert's op."""
+    from workbench.prism.execute import _count_loop, _counts, _key_loop, _keys
 
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -557,11 +559,26 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
         keys = (ids[..., None] * N + chosen).masked_fill(chosen < 0, E * N).reshape(-1)
         want = torch.bincount(keys, minlength=E * N + 1)[:E * N].reshape(E, N).numpy()
         want_code = want.sum(1) * (N + 1) + (want > 0).sum(1)
-        for fn in (_count_loop, _counts()):
+        want_ids = (ids[..., None] * N + chosen).masked_fill(chosen < 0, -1).reshape(T, k * w)
+        experts = np.flatnonzero(rng.random(E) < 0.6)  # ascending, some idle
+        cost = rng.random(len(experts))
+        rows = want[experts]
+        e_at, s_at = np.nonzero(rows)
+        want_keys = (experts[e_at] * N + s_at).tolist()
+        want_share = cost[e_at] * rows[e_at, s_at] / rows.sum(1)[e_at]
+        for fn, keys_fn in ((_count_loop, _key_loop), (_counts(), _keys())):
             per_sub, code = np.zeros((E, N), np.int64), np.empty(E, np.int64)
-            routed, runs = fn(ids.numpy(), chosen.numpy(), E, per_sub, code)
+            sub_ids = np.empty((T, k * w), np.int64)
+            routed, runs = fn(ids.numpy(), chosen.numpy(), E, per_sub, code, sub_ids)
             assert (per_sub == want).all() and (code == want_code).all()
+            assert (sub_ids == want_ids.numpy()).all()
             assert (routed, runs) == (int((ids < E).sum()), int((chosen >= 0).sum()))
+            cap = len(experts) * N
+            got = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap)
+            m = keys_fn(per_sub, experts.astype(np.int64), cost, *got)
+            assert got[0][:m].tolist() == want_keys
+            assert got[1][:m].tolist() == rows[e_at, s_at].tolist()
+            assert got[2][:m].tolist() == want_share.tolist()  # the same float operations
 
 
 def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):

@@ -204,14 +204,15 @@ def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "down_proj": blocks["down_proj"].transpose(1, 2)}
 
 
-def _count_loop(ids, chosen, E, per_sub, code):
+def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
     """The Python source of the compiled :func:`_counts` (its reference in the tests): one
     layer call's counts. ``ids`` int [T, k] the routing (an id ≥ ``E``: routed nowhere),
     ``chosen`` int [T, k, w] the sub-experts each slot runs (-1 padding). Adds one to
     ``per_sub[e, s]`` (int64 [E, N], zeros) per routed slot of expert e that runs sub-expert
     s, sets ``code[e]`` (int64 [E]) to expert e's (runs, parts) as runs·(N + 1) + parts (its
     (token, sub-expert) runs and distinct sub-experts: :meth:`Prices.subexperts_coded`'s
-    code); returns (routed slots, sub-expert runs)."""
+    code) and ``sub_ids[t, j·w + i]`` (int64 [T, k·w]) to the id e·N + s of each (slot,
+    sub-expert) that runs, -1 elsewhere; returns (routed slots, sub-expert runs)."""
     T, k = ids.shape
     w = chosen.shape[2]
     N = per_sub.shape[1]
@@ -220,6 +221,9 @@ def _count_loop(ids, chosen, E, per_sub, code):
     for t in range(T):
         for j in range(k):
             e = ids[t, j]
+            for i in range(w):
+                s = chosen[t, j, i]
+                sub_ids[t, j * w + i] = e * N + s if s >= 0 else -1
             if e >= E:
                 continue
             routed += 1
@@ -239,7 +243,31 @@ def _count_loop(ids, chosen, E, per_sub, code):
     return routed, runs
 
 
-_COUNTS = None
+def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
+    """The Python source of the compiled :func:`_keys` (its reference in the tests):
+    sub-expert offloading's keys of a layer call. For each expert ``experts[i]`` (int64 [n])
+    and each of its sub-experts s that runs (``per_sub[e, s]`` > 0, in that order): its key
+    e·N + s, its tokens, and its share of the expert's modeled op ``compute_s[i]`` by tokens
+    (``compute_s[i]`` · tokens / the expert's runs), into ``keys``, ``tokens`` (int64) and
+    ``share`` (float64; each at least n·N long); returns how many."""
+    N = per_sub.shape[1]
+    m = 0
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        runs = 0
+        for s in range(N):
+            runs += per_sub[e, s]
+        for s in range(N):
+            n = per_sub[e, s]
+            if n != 0:
+                keys[m] = e * N + s
+                tokens[m] = n
+                share[m] = compute_s[i] * n / runs
+                m += 1
+    return m
+
+
+_COUNTS = _KEYS = None
 
 
 def _counts():
@@ -251,6 +279,16 @@ def _counts():
 
         _COUNTS = njit(cache=True, error_model="numpy", boundscheck=False)(_count_loop)
     return _COUNTS
+
+
+def _keys():
+    """:func:`_key_loop` compiled by numba (as :func:`_counts`)."""
+    global _KEYS
+    if _KEYS is None:
+        from numba import njit
+
+        _KEYS = njit(cache=True, error_model="numpy", boundscheck=False)(_key_loop)
+    return _KEYS
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -301,9 +339,11 @@ class PrismView:
         #: sub-experts each slot runs (-1 padding), and int16 the same where they ran
         self._chosen_call: torch.Tensor | None = None
         self._ran_call: torch.Tensor | None = None
-        #: the call's counts (:meth:`choose`): int64 [E, N] tokens per sub-expert, [E] codes
+        #: the call's counts (:meth:`choose`): int64 [E, N] tokens per sub-expert, [E] codes,
+        #: [T, k·w] the sub-expert ids that run
         self._per_sub: np.ndarray | None = None
         self._code: np.ndarray | None = None
+        self._sub_ids: np.ndarray | None = None
         self._gate_w = self._up_w = None  # [E, N·r, H]: the resident gate-neuron rows
         self._gu_w = None  # [E, H, 2·N·r]: both, one grouped product's operand
         self._dense_w = None  # [H, E·2·N·r]: both of every expert, one dense product's operand
@@ -358,10 +398,7 @@ class PrismView:
         self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
         # the call's counts in one compiled pass on the host (a decode call is bound by
         # operation count: this replaced 11 small tensor operations here and in pricing)
-        self._per_sub = np.zeros((num_experts, N), np.int64)
-        self._code = np.empty(num_experts, np.int64)
-        routed_slots, runs = _counts()(_host(top_k_index), _host(chosen), num_experts,
-                                       self._per_sub, self._code)
+        routed_slots, runs = self._count(top_k_index, chosen, num_experts)
         self.asked += routed_slots * N  # every routed slot runs once, in some call
         self.ran += runs
         return chosen
@@ -427,22 +464,43 @@ class PrismView:
         return self._call_counts(top_k_index, num_experts)[1]
 
     def _call_counts(self, top_k_index: torch.Tensor, num_experts: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The counts :meth:`choose` made of the call (read them, never change them)."""
         if self._per_sub is None or self._per_sub.shape[0] != num_experts:
-            self._per_sub = np.zeros((num_experts, self.N), np.int64)
-            self._code = np.empty(num_experts, np.int64)
-            _counts()(_host(top_k_index), _host(self._chosen_call), num_experts,
-                      self._per_sub, self._code)
-        return self._per_sub, self._code
+            self._count(top_k_index, self._chosen_call, num_experts)
+        return self._per_sub, self._code, self._sub_ids
+
+    def _count(self, top_k_index: torch.Tensor, chosen: torch.Tensor, num_experts: int
+               ) -> tuple[int, int]:
+        """Count the call (:func:`_count_loop`) into the view's arrays; returns (routed slots,
+        sub-expert runs)."""
+        T, k, w = chosen.shape
+        self._per_sub = np.zeros((num_experts, self.N), np.int64)
+        self._code = np.empty(num_experts, np.int64)
+        self._sub_ids = np.empty((T, k * w), np.int64)
+        return _counts()(_host(top_k_index), _host(chosen), num_experts, self._per_sub,
+                         self._code, self._sub_ids)
 
     def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:
         """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
         sub-expert) the layer call will run, -1 elsewhere — the routing of a trace whose
         experts are sub-experts (:meth:`~workbench.traces.trace.Trace.as_subexperts`)."""
-        chosen = self._chosen_call
-        ids = (top_k_index.long()[..., None] * self.N + chosen).masked_fill(chosen < 0, -1)
-        return ids.reshape(ids.shape[0], -1).cpu().numpy()
+        if self._sub_ids is None:  # (the counts of the call, whatever its E)
+            self._count(top_k_index, self._chosen_call, 0)
+        return self._sub_ids
+
+    def subexpert_keys(self, top_k_index: torch.Tensor, num_experts: int, experts,
+                       compute_s: np.ndarray) -> tuple[list[int], list[int], np.ndarray]:
+        """(after :meth:`choose`) Sub-expert offloading's keys of the call: for each of
+        ``experts`` (ascending) the sub-experts that run, as ids e·N + s, their tokens, and
+        each one's share of its expert's modeled op ``compute_s`` (float64, aligned with
+        ``experts``) by tokens."""
+        per_sub = self._call_counts(top_k_index, num_experts)[0]
+        ex = np.asarray(experts, np.int64)
+        cap = len(ex) * self.N
+        keys, tokens, share = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap)
+        m = _keys()(per_sub, ex, np.asarray(compute_s, np.float64), keys, tokens, share)
+        return keys[:m].tolist(), tokens[:m].tolist(), share[:m]
 
     def tokens_per_expert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E]: tokens of the layer call that will run some sub-expert of each expert
@@ -453,7 +511,8 @@ class PrismView:
     def take(self):
         """int16 [T, k, w] (numpy): the sub-experts each slot of the layer call ran, -1
         padding (w = k_active, or N with a global K); ends the call."""
-        c, self._ran_call, self._chosen_call, self._per_sub = self._ran_call, None, None, None
+        c, self._ran_call, self._chosen_call = self._ran_call, None, None
+        self._per_sub = self._code = self._sub_ids = None
         return None if c is None else c.cpu().numpy()
 
     def __call__(self, weights: dict[str, torch.Tensor], experts, num_experts: int,

@@ -161,13 +161,11 @@ class SubExpertStage(Stage):
         code = view.subexpert_codes(call.ids, b.num_experts)[experts]  # (runs, parts)
         compute_s = p.subexperts_coded(code, view.N, low_mask, call.low_precision)
         if self.part > 1:  # each sub-expert carries its share of its expert's op
-            per_sub = view.tokens_per_subexpert(call.ids, b.num_experts)[experts]
             sub_ids = view.subexpert_ids(call.ids)
             call.key_ids = sub_ids if call.real is None else sub_ids[call.real]
-            e_at, s_at = np.nonzero(per_sub)
-            call.keys = (np.asarray(experts)[e_at] * self.part + s_at).tolist()
-            call.tokens = per_sub[e_at, s_at].tolist()  # hybrid's rule, per sub-expert
-            compute_s = compute_s[e_at] * per_sub[e_at, s_at] / per_sub.sum(1)[e_at]
+            # (call.tokens: hybrid's rule, per sub-expert)
+            call.keys, call.tokens, compute_s = view.subexpert_keys(
+                call.ids, b.num_experts, experts, compute_s)
         else:  # an expert a global K left idle is not looked up (nothing of it runs)
             runs = code // (view.N + 1)
             ran = runs > 0
