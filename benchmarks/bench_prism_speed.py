@@ -52,27 +52,32 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
     from workbench.runtime.stages.subexperts import SubExpertStage
     from workbench.sim.costs import Prices
 
-    # (class, method, the old tree's file defining the class): swapped in for the old replays
-    swaps = [(PrismView, n, "workbench/prism/execute.py") for n in (
-        "choose", "_fused", "run_blocks", "_scores", "tokens_per_subexpert")]
-    swaps += [(SubExpertStage, "price", "workbench/runtime/stages/subexperts.py"),
-              (Prices, "subexperts", "workbench/sim/costs.py")]
+    # (class, the old tree's file defining it): every method of either tree's class is
+    # swapped in for that tree's replays (a method only one tree has is absent in the other)
+    swaps = [(PrismView, "workbench/prism/execute.py"),
+             (SubExpertStage, "workbench/runtime/stages/subexperts.py"),
+             (Prices, "workbench/sim/costs.py")]
     modules: dict[str, Any] = {}
     impl: dict[str, dict] = {"new": {}, "old": {}}
-    for cls, name, rel in swaps:
-        if rel not in modules:
-            spec = importlib.util.spec_from_file_location(
-                "old_" + rel.replace("/", "_").removesuffix(".py"), Path(old_tree) / rel)
-            modules[rel] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(modules[rel])  # (dataclasses look their module up)
-        impl["new"][(cls, name)] = getattr(cls, name)
-        impl["old"][(cls, name)] = getattr(getattr(modules[rel], cls.__name__), name)
+    for cls, rel in swaps:
+        spec = importlib.util.spec_from_file_location(
+            "old_" + rel.replace("/", "_").removesuffix(".py"), Path(old_tree) / rel)
+        modules[rel] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[rel])  # (dataclasses look their module up)
+        trees = {"new": vars(cls), "old": vars(getattr(modules[rel], cls.__name__))}
+        names = {n for d in trees.values() for n, v in d.items()
+                 if inspect.isfunction(v) and not n.startswith("__")}
+        for tree, d in trees.items():
+            impl[tree].update({(cls, n): d.get(n) for n in names})
     dense = {"new": getattr(PrismView, "DENSE_MACS", 0),
              "old": getattr(modules["workbench/prism/execute.py"].PrismView, "DENSE_MACS", 0)}
 
     def use(tree: str) -> None:
         for (cls, name), f in impl[tree].items():
-            setattr(cls, name, f)
+            if f is not None:
+                setattr(cls, name, f)
+            elif name in vars(cls):
+                delattr(cls, name)
         PrismView.DENSE_MACS = dense[tree]
 
     rt = workbench.Runtime()
