@@ -546,7 +546,7 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
     (id E), padding, every width and empty calls; its Python source gives the same. So are
     sub-expert offloading's keys (:func:`~workbench.prism.execute._key_loop`): the nonzero
     sub-experts of the call's experts, their tokens and shares of their expert's op."""
-    from workbench.prism.execute import _count_loop, _counts, _key_loop, _keys
+    from workbench.prism.execute import _compiled, _count_loop, _key_loop
 
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -566,7 +566,8 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
         e_at, s_at = np.nonzero(rows)
         want_keys = (experts[e_at] * N + s_at).tolist()
         want_share = cost[e_at] * rows[e_at, s_at] / rows.sum(1)[e_at]
-        for fn, keys_fn in ((_count_loop, _key_loop), (_counts(), _keys())):
+        for fn, keys_fn in ((_count_loop, _key_loop),
+                           (_compiled(_count_loop), _compiled(_key_loop))):
             per_sub, code = np.zeros((E, N), np.int64), np.empty(E, np.int64)
             sub_ids = np.empty((T, k * w), np.int64)
             routed, runs = fn(ids.numpy(), chosen.numpy(), E, per_sub, code, sub_ids)

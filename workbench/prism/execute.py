@@ -205,8 +205,8 @@ def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
-    """The Python source of the compiled :func:`_counts` (its reference in the tests): one
-    layer call's counts. ``ids`` int [T, k] the routing (an id ≥ ``E``: routed nowhere),
+    """One layer call's counts (compiled: :func:`_compiled`). ``ids`` int [T, k] the routing
+    (an id ≥ ``E``: routed nowhere),
     ``chosen`` int [T, k, w] the sub-experts each slot runs (-1 padding). Adds one to
     ``per_sub[e, s]`` (int64 [E, N], zeros) per routed slot of expert e that runs sub-expert
     s, sets ``code[e]`` (int64 [E]) to expert e's (runs, parts) as runs·(N + 1) + parts (its
@@ -244,12 +244,12 @@ def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
 
 
 def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
-    """The Python source of the compiled :func:`_keys` (its reference in the tests):
-    sub-expert offloading's keys of a layer call. For each expert ``experts[i]`` (int64 [n])
-    and each of its sub-experts s that runs (``per_sub[e, s]`` > 0, in that order): its key
-    e·N + s, its tokens, and its share of the expert's modeled op ``compute_s[i]`` by tokens
-    (``compute_s[i]`` · tokens / the expert's runs), into ``keys``, ``tokens`` (int64) and
-    ``share`` (float64; each at least n·N long); returns how many."""
+    """Sub-expert offloading's keys of a layer call (:meth:`PrismView.subexpert_keys`). For
+    each expert ``experts[i]`` (int64 [n]) and each of its sub-experts s that runs
+    (``per_sub[e, s]`` > 0, in that order): its key e·N + s, its tokens, and its share of the
+    expert's modeled op ``compute_s[i]`` by tokens (``compute_s[i]`` · tokens / the expert's
+    runs), into ``keys``, ``tokens`` (int64) and ``share`` (float64; each at least n·N
+    long); returns how many."""
     N = per_sub.shape[1]
     m = 0
     for i in range(experts.shape[0]):
@@ -267,28 +267,19 @@ def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
     return m
 
 
-_COUNTS = _KEYS = None
+_COMPILED: dict = {}
 
 
-def _counts():
-    """:func:`_count_loop` compiled by numba (cached on disk, as the replay kernels are;
-    imported on first use)."""
-    global _COUNTS
-    if _COUNTS is None:
+def _compiled(loop):
+    """``loop`` (one of this module's ``_…_loop`` functions, its Python source the reference
+    the tests hold it to) compiled by numba: cached on disk as the replay kernels are, compiled
+    or loaded on first use (this module stays importable without numba's start-up)."""
+    fn = _COMPILED.get(loop)
+    if fn is None:
         from numba import njit
 
-        _COUNTS = njit(cache=True, error_model="numpy", boundscheck=False)(_count_loop)
-    return _COUNTS
-
-
-def _keys():
-    """:func:`_key_loop` compiled by numba (as :func:`_counts`)."""
-    global _KEYS
-    if _KEYS is None:
-        from numba import njit
-
-        _KEYS = njit(cache=True, error_model="numpy", boundscheck=False)(_key_loop)
-    return _KEYS
+        fn = _COMPILED[loop] = njit(cache=True, error_model="numpy", boundscheck=False)(loop)
+    return fn
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -478,8 +469,8 @@ class PrismView:
         self._per_sub = np.zeros((num_experts, self.N), np.int64)
         self._code = np.empty(num_experts, np.int64)
         self._sub_ids = np.empty((T, k * w), np.int64)
-        return _counts()(_host(top_k_index), _host(chosen), num_experts, self._per_sub,
-                         self._code, self._sub_ids)
+        return _compiled(_count_loop)(_host(top_k_index), _host(chosen), num_experts,
+                                      self._per_sub, self._code, self._sub_ids)
 
     def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:
         """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
@@ -499,7 +490,8 @@ class PrismView:
         ex = np.asarray(experts, np.int64)
         cap = len(ex) * self.N
         keys, tokens, share = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap)
-        m = _keys()(per_sub, ex, np.asarray(compute_s, np.float64), keys, tokens, share)
+        m = _compiled(_key_loop)(per_sub, ex, np.asarray(compute_s, np.float64), keys, tokens,
+                                 share)
         return keys[:m].tolist(), tokens[:m].tolist(), share[:m]
 
     def tokens_per_expert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
