@@ -29,6 +29,7 @@ import argparse
 import copy
 import inspect
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -59,9 +60,14 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
              (Prices, "workbench/sim/costs.py")]
     modules: dict[str, Any] = {}
     impl: dict[str, dict] = {"new": {}, "old": {}}
+    # the old files are loaded from copies: numba caches a module's compiled functions beside
+    # its file under the module's name, which here is not the one the old tree imports it by
+    copies = Path(tempfile.mkdtemp(prefix="prism-calls-old-"))
     for cls, rel in swaps:
+        copy_of = copies / rel.replace("/", "_")
+        shutil.copyfile(Path(old_tree) / rel, copy_of)
         spec = importlib.util.spec_from_file_location(
-            "old_" + rel.replace("/", "_").removesuffix(".py"), Path(old_tree) / rel)
+            "old_" + rel.replace("/", "_").removesuffix(".py"), copy_of)
         modules[rel] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[rel])  # (dataclasses look their module up)
         trees = {"new": vars(cls), "old": vars(getattr(modules[rel], cls.__name__))}
