@@ -438,10 +438,11 @@ class PrismView:
         offs = torch.cumsum(torch.bincount(flat, minlength=self._gu_w.shape[0]), 0).to(
             torch.int32)
         with torch.no_grad():  # one grouped product: no [T, k, G, H] gather of rows
-            gu = _grouped_mm(hidden_states[rows // k], self._gu_w, offs)  # [T·k, 2G]
+            # (index_select: the same rows as x[rows // k], ≈ 7× faster on a prefill call)
+            gu = _grouped_mm(hidden_states.index_select(0, rows // k), self._gu_w, offs)
             s = self._proxy_score(gu[:, :G], gu[:, G:])  # [T·k, N]
         score = torch.empty_like(s)
-        score[rows] = s
+        score.index_copy_(0, rows, s)
         return score.view(T, k, self.N)
 
     def _proxy_score(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -618,7 +619,7 @@ class PrismView:
             return torch.zeros_like(x)
         rows = torch.argsort(flat, stable=True)[:S]
         offs = torch.cumsum(per[:n], 0).to(torch.int32)
-        up = _grouped_mm(x[rows // k], gu.transpose(1, 2), offs)  # [S, 2I]
+        up = _grouped_mm(x.index_select(0, rows // k), gu.transpose(1, 2), offs)  # [S, 2I]
         # the model's gate over [S, 2I] rows read as every sub-expert's gate outputs, then
         # every up output (one copy of ``up``): its own halves, as long as in the model's
         # forward. Over [S·N, 2c] rows (each sub-expert's halves) the activation ran ≈ 2×
@@ -627,16 +628,17 @@ class PrismView:
                               ).view(S, N, c)
         if chosen.shape[-1] < N or self.global_k is not None or present is not None:
             # some sub-experts of a slot's expert do not run here: zeroed
-            pick = chosen.reshape(T * k, -1)[rows]
+            pick = chosen.reshape(T * k, -1).index_select(0, rows)
             mask = torch.zeros((S, N), dtype=act.dtype, device=dev).scatter_add_(
-                1, pick.clamp(min=0).long(), here.reshape(T * k, -1)[rows].to(act.dtype))
+                1, pick.clamp(min=0).long(),
+                here.reshape(T * k, -1).index_select(0, rows).to(act.dtype))
             act = act * mask[..., None]
         down = weights["down_proj"].reshape(n, two_i // 2, H)  # the bytes as [n, I, H]
         out = _grouped_mm(act.reshape(S, N * c), down, offs)  # [S, H]
-        out = out * top_k_weights.reshape(-1)[rows, None].to(out.dtype)
+        out = out * top_k_weights.reshape(-1).index_select(0, rows)[:, None].to(out.dtype)
         full = (torch.empty if len(rows) == T * k else torch.zeros)(  # every slot here: all set
             (T * k, H), dtype=out.dtype, device=dev)
-        full[rows] = out
+        full.index_copy_(0, rows, out)
         # summed over each token's slots as the model's forward sums (reshape + sum)
         return full.view(T, k, H).sum(1).to(x.dtype)
 
