@@ -18,9 +18,10 @@ partition is random (speed does not depend on it).
 run, more than a change to the sub-expert path moves them. This records every
 ``PrismView.choose``, ``_fused`` and ``run_blocks`` call of one offloaded run of SETTING (all,
 half, one, offload-all, offload-half, offload-one), then replays the recorded calls through
-this tree's code and through OLD_TREE's ``workbench/prism/execute.py`` (its ``PrismView``
-methods swapped in; the two must keep the same attributes), interleaved: per kind of call, the
-summed wall time over the run's calls, min and median of ``--rounds`` replays (measured).
+this tree's code and through OLD_TREE's (every method of its ``PrismView``, ``SubExpertStage``
+and ``Prices`` swapped in, and each view's gate rows captured again by its ``capture_gates``;
+other state the two trees must keep alike), interleaved: per kind of call, the summed wall
+time over the run's calls, min and median of ``--rounds`` replays (measured).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
     dense = {"new": getattr(PrismView, "DENSE_MACS", 0),
              "old": getattr(modules["workbench/prism/execute.py"].PrismView, "DENSE_MACS", 0)}
 
+    captured: list[tuple] = []  # (view, capture_gates' arguments): the proxy gate's rows
+
     def use(tree: str) -> None:
         for (cls, name), f in impl[tree].items():
             if f is not None:
@@ -85,6 +88,8 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
             elif name in vars(cls):
                 delattr(cls, name)
         PrismView.DENSE_MACS = dense[tree]
+        for view, a in captured:  # each tree keeps the gate rows in its own attributes
+            PrismView.capture_gates(view, *a)
 
     rt = workbench.Runtime()
     lay = rt.lm.layout
@@ -116,6 +121,12 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
     for cls, kind in ((SubExpertStage, "price"), (PrismView, "choose"),
                       (PrismView, "_fused"), (PrismView, "run_blocks")):
         setattr(cls, kind, recorder(cls, kind))
+
+    def capture(view, *a):
+        captured.append((view, a))
+        return impl["new"][(PrismView, "capture_gates")](view, *a)
+
+    PrismView.capture_gates = capture
     try:
         rt.run(workbench.mixed_batch(8, seed=5), max_new_tokens=16, record=False,
                pinned_layers=1, cache_slots=lay.num_experts * 4, **kw)
