@@ -205,14 +205,14 @@ def model_form(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
-    """One layer call's counts (compiled: :func:`_compiled`). ``ids`` int [T, k] the routing
-    (an id ≥ ``E``: routed nowhere),
-    ``chosen`` int [T, k, w] the sub-experts each slot runs (-1 padding). Adds one to
-    ``per_sub[e, s]`` (int64 [E, N], zeros) per routed slot of expert e that runs sub-expert
-    s, sets ``code[e]`` (int64 [E]) to expert e's (runs, parts) as runs·(N + 1) + parts (its
-    (token, sub-expert) runs and distinct sub-experts: :meth:`Prices.subexperts_coded`'s
-    code) and ``sub_ids[t, j·w + i]`` (int64 [T, k·w]) to the id e·N + s of each (slot,
-    sub-expert) that runs, -1 elsewhere; returns (routed slots, sub-expert runs)."""
+    """One layer call's counts (:meth:`PrismView.choose`; compiled: :func:`_compiled`).
+    ``ids`` int [T, k] the routing (an id ≥ ``E``: routed nowhere), ``chosen`` int [T, k, w]
+    the sub-experts each slot runs (-1 padding). Adds one to ``per_sub[e, s]`` (int64 [E, N],
+    zeros) per routed slot of expert e that runs sub-expert s, sets ``code[e]`` (int64 [E]) to
+    expert e's (runs, parts) as runs·(N + 1) + parts (its (token, sub-expert) runs and
+    distinct sub-experts: :meth:`Prices.subexperts_coded`'s code) and ``sub_ids[t, j·w + i]``
+    (int64 [T, k·w]) to the id e·N + s of each (slot, sub-expert) that runs, -1 elsewhere;
+    returns (routed slots, sub-expert runs). Writes only inside the arrays it is given."""
     T, k = ids.shape
     w = chosen.shape[2]
     N = per_sub.shape[1]
