@@ -580,6 +580,7 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
             assert got[0][:m].tolist() == want_keys
             assert got[1][:m].tolist() == rows[e_at, s_at].tolist()
             assert got[2][:m].tolist() == want_share.tolist()  # the same float operations
+            assert keys_fn(per_sub, np.array([E], np.int64), cost[:1], *got) == -1  # no expert
 
 
 def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):

@@ -249,8 +249,11 @@ def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
     (``per_sub[e, s]`` > 0, in that order): its key e·N + s, its tokens, and its share of the
     expert's modeled op ``compute_s[i]`` by tokens (``compute_s[i]`` · tokens / the expert's
     runs), into ``keys``, ``tokens`` (int64) and ``share`` (float64; each at least n·N
-    long); returns how many."""
+    long); returns how many, or -1 for an expert id outside ``per_sub`` (nothing read)."""
     N = per_sub.shape[1]
+    for i in range(experts.shape[0]):
+        if experts[i] < 0 or experts[i] >= per_sub.shape[0]:
+            return -1
     m = 0
     for i in range(experts.shape[0]):
         e = experts[i]
@@ -499,6 +502,9 @@ class PrismView:
         keys, tokens, share = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap)
         m = _compiled(_key_loop)(per_sub, ex, np.asarray(compute_s, np.float64), keys, tokens,
                                  share)
+        if m < 0:
+            raise ValueError(f"subexpert_keys: experts must be ids in 0 … {num_experts - 1}, "
+                             f"not {ex.tolist()}")
         return keys[:m].tolist(), tokens[:m].tolist(), share[:m]
 
     def tokens_per_expert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
