@@ -42,7 +42,12 @@ def run(out: str) -> None:
     from workbench.prism import refactor as R
 
     root = Path(out)
-    root.mkdir()  # a new folder: nothing of anyone else's is written over
+    try:
+        root.mkdir()  # a new folder: nothing of anyone else's is written over
+    except OSError as e:
+        print(f"check_prism_same: OUT must be a new folder; {str(out)!r}: {e.strerror}",
+              file=sys.stderr)
+        sys.exit(2)
     rt = workbench.Runtime()
     lay = rt.lm.layout
     R.save(R.random_refactoring(rt.lm, subexperts=4, seed=0), root / "refactoring")
