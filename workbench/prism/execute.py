@@ -453,22 +453,18 @@ class PrismView:
         gate-neuron outputs ``gate``/``up`` [..., N·r] (sub-expert by sub-expert)."""
         return (self.act_fn(gate) * up).abs().unflatten(-1, (self.N, -1)).mean(-1)
 
-    def tokens_per_subexpert(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
-        """int64 [E, N]: tokens of the layer call that will run each sub-expert (after
-        :meth:`choose`), for the modeled clock's prices."""
-        return self._call_counts(top_k_index, num_experts)[0]
-
     def subexpert_codes(self, top_k_index: torch.Tensor, num_experts: int) -> np.ndarray:
         """int64 [E] (after :meth:`choose`): each expert's (runs, parts) in the layer call as
         runs·(N + 1) + parts — its (token, sub-expert) runs and distinct sub-experts, the code
         :meth:`~workbench.sim.costs.Prices.subexperts_coded` prices."""
-        return self._call_counts(top_k_index, num_experts)[1]
+        return self._call_counts()[1]
 
-    def _call_counts(self, top_k_index: torch.Tensor, num_experts: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The counts :meth:`choose` made of the call (read them, never change them)."""
-        if self._per_sub is None or self._per_sub.shape[0] != num_experts:
-            self._count(top_k_index, self._chosen_call, num_experts)
+    def _call_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The counts :meth:`choose` made of the call in progress — tokens per sub-expert
+        [E, N], codes [E], sub-expert ids [T, k·w] (read them, never change them)."""
+        if self._per_sub is None:
+            raise RuntimeError("a layer call's counts are asked for before choose (or after "
+                               "take)")
         return self._per_sub, self._code, self._sub_ids
 
     def _count(self, top_k_index: torch.Tensor, chosen: torch.Tensor, num_experts: int
@@ -486,9 +482,7 @@ class PrismView:
         """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
         sub-expert) the layer call will run, -1 elsewhere — the routing of a trace whose
         experts are sub-experts (:meth:`~workbench.traces.trace.Trace.as_subexperts`)."""
-        if self._sub_ids is None:  # (the counts of the call, whatever its E)
-            self._count(top_k_index, self._chosen_call, 0)
-        return self._sub_ids
+        return self._call_counts()[2]
 
     def subexpert_keys(self, top_k_index: torch.Tensor, num_experts: int, experts,
                        compute_s: np.ndarray) -> tuple[list[int], list[int], np.ndarray]:
@@ -496,7 +490,7 @@ class PrismView:
         ``experts`` (ascending) the sub-experts that run, as ids e·N + s, their tokens, and
         each one's share of its expert's modeled op ``compute_s`` (float64, aligned with
         ``experts``) by tokens."""
-        per_sub = self._call_counts(top_k_index, num_experts)[0]
+        per_sub = self._call_counts()[0]
         ex = np.asarray(experts, np.int64)
         cap = len(ex) * self.N
         keys, tokens, share = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap)

@@ -240,9 +240,11 @@ class Executor:
 
     def run_slots(self, c: ComputeCall, experts: list[int], slots: list[int],
                   all_routed: torch.Tensor | None = None) -> torch.Tensor:
-        """``experts``' share of the layer output, over their ``slots`` gathered compactly
-        (``all_routed``: see :meth:`ExpertsView.__call__`); the ones in low precision this
-        call run apart (:meth:`run_low`)."""
+        """``experts``' share of the layer output, over their ``slots`` gathered compactly —
+        sub-expert blocks placed in whole experts straight from the pool instead
+        (:meth:`~workbench.prism.execute.PrismView.run_blocks`) — (``all_routed``: see
+        :meth:`ExpertsView.__call__`); the ones in low precision this call run apart
+        (:meth:`run_low`)."""
         if self.part > 1:  # ``experts`` are sub-experts, their slots sub-expert blocks,
             # placed in whole experts straight from the pool (no compact copy first)
             return c.view.run_blocks(self.slots.tensors, experts, c.block.num_experts,
