@@ -77,19 +77,24 @@ table.wb-batch-table td, table.wb-batch-table th { white-space: normal; text-ali
 """
 
 #: the Run button's click, in the browser: the request to run (a fresh value each click) and
-#: the name of an image still uploading, if any (FilePond's entries, through shadow roots)
+#: the name of an image still uploading, if any (FilePond's list of files and its file input,
+#: through shadow roots)
 RUN_JS = """
+// FilePond's FileStatus: PROCESSING_COMPLETE 5, PROCESSING_ERROR 6, LOAD_ERROR 8,
+// PROCESSING_REVERT_ERROR 10; any other status is a file still arriving
+const done = [5, 6, 8, 10];
 const busy = [];
 const walk = (root) => {
   for (const el of root.querySelectorAll('*')) {
-    if (el.classList && el.classList.contains('filepond--item')) {
-      const state = el.getAttribute('data-filepond-item-state') || '';
-      if (!/complete|error|invalid/.test(state)) {
-        const info = el.querySelector('.filepond--file-info-main');
-        busy.push((info && info.textContent) || 'the image');
-      }
-    }
-    // a file chosen, not yet taken in by FilePond (its entry comes a few frames later)
+    const pond = el.classList && el.classList.contains('filepond--root') && window.FilePond
+      ? window.FilePond.find(el) : null;
+    // FilePond's own list, not its drawn entries: a chosen file leaves the input and enters the
+    // list in one task, but its entry is drawn a frame or more later (a Run clicked in that gap
+    // under load once ran the demo image)
+    if (pond)
+      for (const f of pond.getFiles())
+        if (!done.includes(f.status)) busy.push(f.filename || 'the image');
+    // a file chosen, not yet taken in by FilePond (it takes files 250 ms after the change)
     if (el.classList && el.classList.contains('filepond--browser') && el.files && el.files.length)
       busy.push(el.files[0].name);
     if (el.shadowRoot) walk(el.shadowRoot);
