@@ -5,15 +5,16 @@ change changes nothing a run computes).
     python benchmarks/check_prism_same.py compare OUT_A OUT_B
 
 ``run``: the embedded model, a mixed batch of 8, 16 new tokens, a random refactoring (N = 4,
-seed 0: the same in every tree), 1 pinned layer and 256 slots, recorded into ``OUT/<setting>.zarr``
-for each setting of :data:`SETTINGS` (k_active 3, 2 and 1, a global K, the sub-expert path at
-k_active N, sub-expert offloading at k_active 2 and 1, ReaLB beside k_active 2; the first one
-twice). ``compare``: every stored array that is not *measured* (wall-clock times, measured
-spans) equal between the trees — integers and flags exactly; a float array that differs is
-reported with its largest difference beside the same array's between two runs of one tree (the
-offloader adds expert groups in the order their copies land: float32 rounding varies from run
-to run). Exit status 0 when the tokens and every integer and flag array are equal, and every
-float array is equal or reported so.
+seed 0: the same in every tree), 1 pinned layer and 256 slots, recorded into
+``OUT/<setting>.zarr`` for each setting of :data:`SETTINGS` (k_active 3, 2 and 1, a global K,
+the sub-expert path at k_active N, sub-expert offloading at k_active 2 and 1, ReaLB beside
+k_active 2, the whole-expert shortcut alone and beside ReaLB; the first one twice).
+``compare``: every stored array that is not *measured* (wall-clock times, measured spans) equal
+between the trees — integers and flags exactly; a float array that differs is reported with its
+largest difference beside the same array's between two runs of one tree (the offloader adds
+expert groups in the order their copies land: float32 rounding varies from run to run). Exit
+status 0 when the tokens and every integer and flag array are equal, and every float array is
+equal or reported so.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ SETTINGS: dict[str, dict] = {
     "offload2": dict(prism_k_active=2, prism_offload=True, prism_shortcut=False),
     "offload1": dict(prism_k_active=1, prism_offload=True, prism_shortcut=False),
     "realb-k2": dict(prism_k_active=2, balance="realb", ep_ranks=8),
+    "shortcut": dict(),  # the default: k_active N through the model's own forward
+    "shortcut-realb": dict(balance="realb", ep_ranks=8),
 }
 
 

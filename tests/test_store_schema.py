@@ -342,3 +342,50 @@ def test_drops_per_rank_and_modality(embedded, demo_inputs, tmp_path):
         want = top.moe.ep_load(8, "contiguous", m).isel(step=0, layer=0)
         np.testing.assert_array_equal(kept + gone, want)  # layer 0: same input both runs
     assert int(top.moe.ep_dropped(8).sum()) == 0
+
+
+def test_opening_a_subset_of_the_arrays_reads_those_as_a_whole_open_does(fresh, tmp_path):
+    """``open_run(path, variables=…)``: only the named arrays, each equal to the whole open's,
+    with the same coordinates, steps and attributes; a store of an older schema opens whole; a name that is no array of the schema, or no name,
+    is refused naming it; ``from_store`` of the routing arrays (``TRACE_ARRAYS``, what the
+    CLI's EP summary opens) gives the trace ``from_store`` of the whole Dataset gives."""
+    from workbench.traces.formats import TRACE_ARRAYS
+
+    res, whole = fresh
+    part = open_run(res.store, variables=["topk_ids", "phase", "pinned", "kept"])
+    assert set(part.data_vars) == {"topk_ids", "phase", "pinned", "kept"}
+    for name in part.data_vars:
+        np.testing.assert_array_equal(part[name].values, whole[name].values, err_msg=name)
+    assert dict(part.sizes).items() <= dict(whole.sizes).items()
+    assert part.sizes["step"] == whole.sizes["step"] and part.attrs == whole.attrs
+    steps_only = open_run(res.store, variables="token_step")  # no array indexed by step
+    assert list(steps_only.data_vars) == ["token_step"]
+    assert steps_only.sizes["step"] == whole.sizes["step"]
+    a, b = from_store(open_run(res.store, variables=TRACE_ARRAYS)), from_store(whole)
+    for name in ("topk_ids", "token_step", "topk_weights", "token_modality", "phase",
+                 "pinned", "pred_ids", "predicted_ids"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or np.array_equal(x, y), name
+    assert set(TRACE_ARRAYS) <= {*SCHEMA, "pinned"}
+    # the EP summary the CLI prints from the routing arrays is the whole store's
+    routing = open_run(res.store, variables=TRACE_ARRAYS)
+    assert routing.moe.ep_summary(ranks=4) == whole.moe.ep_summary(ranks=4)
+    assert "hits" in open_run(V3, variables=["topk_ids"]).data_vars  # schema 3: whole
+    for bad, said in ((["topk_ids", "nope"], "'nope' is no array of the run schema"),
+                      ([3], "3 is no array"), (7, "not int 7")):
+        with pytest.raises(StoreError, match=said):
+            open_run(res.store, variables=bad)
+
+
+def test_a_coordinate_no_opened_array_bounds_is_bounded_itself(fresh, tmp_path):
+    """A subset of the arrays may leave a dimension to its coordinate alone: a tampered
+    coordinate as long as 2⁴⁰ is refused by name, not allocated."""
+    res, _ = fresh
+    store = tmp_path / "run.zarr"
+    shutil.copytree(res.store, store)
+    meta = json.loads((store / "expert" / "zarr.json").read_text())
+    meta["shape"] = [1 << 40]
+    (store / "expert" / "zarr.json").write_text(json.dumps(meta))
+    for variables in (["topk_ids"], None):
+        with pytest.raises(StoreError, match="coordinate 'expert' has shape"):
+            open_run(store, variables=variables)

@@ -353,7 +353,7 @@ def _check_chunks(path: Path, name: str, meta: dict, n: int) -> None:
                           f"rows); the store is corrupt — re-record the run")
 
 
-def open_run(path: str | Path) -> xr.Dataset:
+def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
     """Open a run store (finished, failed or still being written) as an xarray Dataset.
 
     Growing dimensions are cut to the lengths the writer last committed, so a concurrent writer
@@ -361,8 +361,15 @@ def open_run(path: str | Path) -> xr.Dataset:
     ``knob.<name>`` (JSON text); ``workbench.Knobs.from_attrs(ds.attrs)`` rebuilds them. A store
     left ``running`` by a writer that no longer exists reads with ``status`` ``interrupted``.
     Anything unreadable or inconsistent raises :class:`~workbench.errors.StoreError`.
+
+    ``variables``: names of the run schema's arrays to open, the others left out (as
+    xarray's ``drop_variables``, named the other way round): only those are read and checked,
+    so a reader of a few arrays of a large store does not pay for all of them. The store's
+    structure, attributes and coordinates are checked as always. A store of an older schema opens whole (its upgrade builds arrays from
+    others). None: every array.
     """
     path = store_path_arg(path, "run store")
+    keep = _variables_arg(variables)
     if not path.is_dir() or not (path / "zarr.json").exists():
         raise StoreError(f"run store {str(path)!r} does not exist or is not a zarr store")
     root = _read_doc(path, "zarr.json")
@@ -393,14 +400,13 @@ def open_run(path: str | Path) -> xr.Dataset:
         raise _fail(path, f"array {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     names = [n for n in (*schema, "pinned") if n in present]
+    if keep is not None and version == SCHEMA_VERSION:
+        names = [n for n in names if n in keep]
     metas = {n: _read_doc(path, f"{n}/zarr.json") for n in names}
     sizes: dict[str, int] = {}
     for n in names:
         _check_array(path, n, metas[n], sizes, committed, version)
-    E, N = sizes.get("expert", 1), sizes.get(SUBEXPERT, 1)
-    if E * N > MAX_SUBEXPERT_IDS:  # sub-expert ids e·N + s are int16 in traces and replay
-        raise _fail(path, f"{E} experts × {N} sub-experts is over {MAX_SUBEXPERT_IDS} "
-                          f"sub-expert ids; not a run")
+    _check_subexpert_ids(path, sizes.get("expert", 1), sizes.get(SUBEXPERT, 1))
     coords: dict[str, Any] = {}
     for d in (disk_dim(i, version) for i in INDEX_DIMS):
         if d in present:
@@ -408,13 +414,20 @@ def open_run(path: str | Path) -> xr.Dataset:
             shape = meta.get("shape")
             if (meta.get("dimension_names") != [d] or not isinstance(shape, list)
                     or len(shape) != 1 or (d in sizes and shape[0] != sizes[d])
-                    or (d == "modality" and shape[0] != len(MODALITIES))):
+                    or (d == "modality" and shape[0] != len(MODALITIES))
+                    # a dimension no array read here has (a subset of the arrays): bounded
+                    # as an array's (its range is allocated)
+                    or isinstance(shape[0], bool) or not isinstance(shape[0], int)
+                    or not 0 <= shape[0] <= MAX_DIM):
                 raise _fail(path, f"coordinate {d!r} has shape {_short(shape)}, the arrays "
                                   f"{sizes.get(d)!r}")
             n = int(shape[0])
             coords[d] = (np.array(MODALITIES, dtype=np.dtypes.StringDType()) if d == "modality"
                          else np.arange(1 if d == "depth" else 0, n + (d == "depth"),
                                         dtype=np.int32))
+    if keep is not None:  # the arrays opened may hold neither dimension: their coordinates'
+        _check_subexpert_ids(path, *(sizes.get(d, len(coords[d]) if d in coords else 1)
+                                     for d in ("expert", SUBEXPERT)))
     pinned_meta = metas.get("pinned")
     if pinned_meta is not None and pinned_meta.get("dimension_names") != ["layer"]:
         raise _fail(path, "array 'pinned' is not indexed by layer")
@@ -478,8 +491,9 @@ def open_run(path: str | Path) -> xr.Dataset:
             attrs={"units": v.units, "description": v.doc})
     # every run has a ``step`` coordinate (0 long where no array is indexed by step), given to
     # the constructor: ``assign_coords`` afterwards would build the Dataset twice
+    # (a subset of the arrays may hold none indexed by step: then the committed steps)
     steps = next((v.shape[v.dims.index("step")] for v in data_vars.values() if "step" in v.dims),
-                 0)
+                 committed.get("step", 0) if keep is not None else 0)
     ds = xr.Dataset(data_vars, coords={**coords, "step": np.arange(steps)},
                     attrs={**attrs, "status": status})
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
@@ -487,6 +501,32 @@ def open_run(path: str | Path) -> xr.Dataset:
     # Variable's data as it is (the later upgrades only add arrays the store lacks)
     _check_semantics(path, ds, arrays if version >= 4 else None)
     return ds
+
+
+def _check_subexpert_ids(path: Path, E: int, N: int) -> None:
+    if E * N > MAX_SUBEXPERT_IDS:  # sub-expert ids e·N + s are int16 in traces and replay
+        raise _fail(path, f"{E} experts × {N} sub-experts is over {MAX_SUBEXPERT_IDS} "
+                          f"sub-expert ids; not a run")
+
+
+def _variables_arg(variables: Any) -> frozenset[str] | None:
+    """:func:`open_run`'s ``variables`` as a set of names, or :class:`StoreError` naming the
+    first that is no array of the run schema."""
+    if variables is None:
+        return None
+    if isinstance(variables, str):
+        variables = (variables,)
+    try:
+        names = list(variables)
+    except TypeError:
+        raise StoreError(f"variables must be names of the run schema's arrays, not "
+                         f"{type(variables).__name__} {shorten(variables, 60)}") from None
+    known = {*SCHEMA, "pinned"}
+    for n in names:
+        if not isinstance(n, str) or n not in known:
+            raise StoreError(f"variables: {shorten(n, 60)} is no array of the run schema; "
+                             f"allowed: {', '.join(sorted(known))}")
+    return frozenset(names)
 
 
 #: per-step and per-(step, layer) arrays that count something (≥ 0)

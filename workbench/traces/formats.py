@@ -223,6 +223,14 @@ def _num_experts(num_experts: Any, where: str) -> int | None:
 
 
 # -- run stores ----------------------------------------------------------------------------------
+#: the run store's arrays a trace is made of (:func:`from_store` reads these and no others;
+#: a Dataset may also hold ``step_request``, which no store writes): ``open_run(path,
+#: variables=TRACE_ARRAYS)`` opens what a trace needs. ``from_store`` of a path opens the whole
+#: store: a tampered count array refuses the store in replay too (issue 26)
+TRACE_ARRAYS = ("topk_ids", "token_step", "topk_weights", "token_modality", "phase", "pinned",
+                "kept", "pred_ids", "predicted_ids", "predicted_scores", "subexpert_ran")
+
+
 def from_store(path_or_dataset: Any, max_bytes: Any = None) -> Trace:
     """The routing of a run store (a path, or a Dataset from :func:`workbench.open_run`).
 
