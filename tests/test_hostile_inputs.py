@@ -1573,3 +1573,46 @@ def test_a_rendering_child_dies_with_its_parent(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_prompt_rendered_before_is_not_rendered_again(embedded, monkeypatch):
+    """A conversation the same template rendered before is taken from the memo (no child:
+    a run of the same prompt with other knobs renders it once), the same text; another
+    template, a template reading the clock (``strftime_now``) and a rendering that failed are
+    rendered anew; the memo keeps at most ``MEMO_CHARS`` characters, least recently used
+    going first."""
+    from workbench.models import chat_template as ct
+
+    children = []
+    real = ct._in_child
+
+    def counting(call, conversations, *a):
+        children.append(len(conversations))
+        return real(call, conversations, *a)
+
+    monkeypatch.setattr(ct, "_in_child", counting)
+    monkeypatch.setattr(ct, "_MEMO", ct.OrderedDict())
+    tok = embedded.tokenizer
+    msgs = [[{"role": "user", "content": [{"type": "text", "text": t}]}] for t in "abc"]
+    first = ct.render_chats(tok, msgs[:2])
+    assert children == [2]
+    again = ct.render_chats(tok, msgs)  # a and b kept, c rendered alone
+    assert again[:2] == first and children == [2, 1]
+    assert again == [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                     for m in msgs]
+    monkeypatch.setattr(tok, "chat_template", tok.chat_template + "{{ '!' }}")
+    assert ct.render_chats(tok, msgs[:1])[0] == first[0] + "!" and children[-1] == 1
+    monkeypatch.setattr(tok, "chat_template", "{{ strftime_now('%H:%M:%S.%f') }}")
+    ct.render_chats(tok, msgs[:1])
+    ct.render_chats(tok, msgs[:1])
+    assert children[-2:] == [1, 1]  # the clock: rendered each time
+    monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('no') }}")
+    for _ in range(2):
+        (err,) = ct.render_chats(tok, msgs[:1])
+        assert isinstance(err, ct.TemplateRenderError)
+    assert children[-2:] == [1, 1]  # a failure is not kept
+    monkeypatch.undo()  # the model's own template again
+    monkeypatch.setattr(ct, "_MEMO", ct.OrderedDict())
+    monkeypatch.setattr(ct, "MEMO_CHARS", 2 * len(first[0]) + 1)  # room for two texts
+    ct.render_chats(tok, msgs)
+    assert len(ct._MEMO) == 2 and sum(map(len, ct._MEMO.values())) <= ct.MEMO_CHARS
