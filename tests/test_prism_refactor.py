@@ -441,6 +441,67 @@ def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded, dense):
     assert v._scores(x[:0], idx[:0], E).shape == (0, k, N)  # a call with no tokens
 
 
+def test_the_compiled_choice_is_the_tensor_choice(embedded):
+    """The proxy gate's choice in one compiled pass (:func:`~workbench.prism.execute.
+    _choose_loop`, a decode call's path) is the tensor path's (score, ``topk``, the slots
+    routed nowhere -1) bit for bit on random calls of every layer, N 2 and 4 and every
+    k_active < N, in magnitudes from tiny to huge; where it cannot be — two equal scores in a
+    slot (``topk`` breaks ties its own way), a NaN or infinite score, a near-subnormal sum,
+    more than 2 gate neurons per sub-expert, another dtype — it says so (None) and the tensor
+    path chooses. Its Python source gives what the compiled loop gives."""
+    from workbench.prism.execute import PrismView, _choose_loop, _compiled
+    from workbench.runtime.slots import ExpertsView
+
+    E = embedded.layout.num_experts
+    taken = 0
+    for layer in range(0, embedded.layout.num_layers, 3):
+        for N in (2, 4):
+            b, perm, gates, gu, _, x, idx, g = _a_layer_call(embedded, layer, layer, layer, 8, N)
+            idx[3, 1] = E  # routed nowhere
+            ex = b.experts
+            for ka in range(1, N):
+                v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, ka,
+                              ex.act_fn)
+                v.capture_gates(gu, x.device)
+                for scale in (1e-30, 0.1, 1.0, 8.0, 1e30):
+                    want = v._choose_tensors(x * scale, idx, None, E)
+                    got = v._choose_compiled(x * scale, idx, E)
+                    if gates.shape[-1] > 2 or scale in (1e-30, 1e30):  # > 2 neurons a
+                        assert got is None  # sub-expert; subnormal or infinite sums
+                    elif got is not None:  # (large inputs saturate gates to 0: ties)
+                        assert torch.equal(got, want), (layer, N, ka, scale)
+                        taken += 1
+                    else:
+                        assert scale != 1.0, "typical inputs take the compiled path"
+                nan = x.clone()
+                nan[2, 0] = float("nan")
+                assert v._choose_compiled(nan, idx, E) is None
+                assert v._choose_compiled(x.double(), idx, E) is None
+    assert taken >= 15
+    # ties: a slot whose scores tie takes the tensor path; the Python source is the loop
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        S, N, r = int(rng.integers(0, 7)), int(rng.choice([2, 3, 4])), int(rng.choice([1, 2]))
+        G = N * r
+        act = rng.choice([-1.0, 0.0, 0.5, 2.0], (S, G)).astype(np.float32)  # ties are likely
+        gu = rng.choice([-2.0, 0.0, 1.0, 3.0], (S, 2 * G)).astype(np.float32)
+        ids = rng.integers(0, 5, S).astype(np.int64)  # 4: routed nowhere (E = 4)
+        ka = int(rng.integers(1, N))
+        outs = []
+        for fn in (_choose_loop, _compiled(_choose_loop)):
+            out = np.full((S, ka), 9, np.int64)
+            outs.append((fn(act, gu, ids, 4, N, ka, out), out))
+        assert outs[0][0] == outs[1][0] and (not outs[0][0] or (outs[0][1] == outs[1][1]).all())
+        if outs[0][0]:
+            score = np.abs(act * gu[:, G:]).reshape(S, N, r).sum(-1) / np.float32(r)
+            for q in range(S):
+                if ids[q] >= 4:
+                    assert (outs[0][1][q] == -1).all()
+                else:
+                    assert len(set(score[q].tolist())) == N  # strict: no tie let through
+                    assert outs[0][1][q].tolist() == np.argsort(-score[q])[:ka].tolist()
+
+
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
     """subexpert_tokens: each routed (token, expert) counts once per sub-expert it ran — k_active
     of N, the run's own tally — so ds.moe sees the compute done; without prism each expert is

@@ -243,6 +243,54 @@ def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
     return routed, runs
 
 
+#: below this a score's sum of two products may round differently when halved than the
+#: model's mean does (float32 subnormals): such a call takes the tensor path
+_TINY = np.float32(2.0 ** -120)
+
+
+def _choose_loop(act, gu, ids, E, N, ka, chosen):
+    """The proxy gate's choice for one layer call's slots, from the routed slots' gate-neuron
+    outputs (:meth:`PrismView.choose`, float32 and r ≤ 2 gate neurons per sub-expert only;
+    compiled: :func:`_compiled`). ``act`` float32 [S, G] the model's activation of the gate
+    outputs, ``gu`` float32 [S, 2G] the gate then up outputs, ``ids`` int64 [S] each slot's
+    expert (≥ ``E``: routed nowhere), ``chosen`` int64 [S, ka] written: each routed slot's
+    ``ka`` best sub-experts of N by the score mean |act · up| over their r = G / N neurons,
+    best first, -1 for a slot routed nowhere. The same as the tensor path's score and
+    ``topk`` wherever the order is strict: returns False — ``chosen`` then unfinished, the
+    call takes the tensor path — where two scores of a slot are equal (``topk`` breaks ties
+    its own way), a score is NaN or infinite, or a sum is tiny enough for halving it to round
+    differently from the model's mean."""
+    S, G = act.shape
+    r = G // N
+    score = np.empty(N, np.float32)
+    taken = np.empty(N, np.bool_)
+    for q in range(S):
+        if ids[q] >= E:
+            for i in range(ka):
+                chosen[q, i] = -1
+            continue
+        for s in range(N):
+            tot = abs(act[q, s * r] * gu[q, G + s * r])
+            if r == 2:
+                tot = tot + abs(act[q, s * r + 1] * gu[q, G + s * r + 1])
+            if not (tot < np.inf) or (tot > 0 and tot < _TINY):  # NaN, ∞, tiny
+                return False
+            score[s] = tot / np.float32(r)
+        for s in range(N):
+            taken[s] = False
+            for u in range(s + 1, N):
+                if score[s] == score[u]:
+                    return False
+        for i in range(ka):
+            best = -1
+            for s in range(N):
+                if not taken[s] and (best < 0 or score[s] > score[best]):
+                    best = s
+            taken[best] = True
+            chosen[q, i] = best
+    return True
+
+
 def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
     """Sub-expert offloading's keys of a layer call (:meth:`PrismView.subexpert_keys`). For
     each expert ``experts[i]`` (int64 [n]) and each of its sub-experts s that runs
@@ -377,6 +425,27 @@ class PrismView:
         weight (w = N, the others -1)."""
         T, k = top_k_index.shape
         N, ka, dev = self.N, self.k_active, top_k_index.device
+        # a decode call's choice in one compiled pass where it is exactly the tensor path's
+        # (a decode call is bound by its number of tensor operations; None: the tensors')
+        chosen = (self._choose_compiled(hidden_states, top_k_index, num_experts)
+                  if self.global_k is None and ka < N else None)
+        if chosen is None:
+            chosen = self._choose_tensors(hidden_states, top_k_index, top_k_weights,
+                                          num_experts)
+        self._chosen_call = chosen
+        self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
+        # the call's counts in one compiled pass on the host (a decode call is bound by
+        # operation count: this replaced 11 small tensor operations here and in pricing)
+        routed_slots, runs = self._count(top_k_index, chosen, num_experts)
+        self.asked += routed_slots * N  # every routed slot runs once, in some call
+        self.ran += runs
+        return chosen
+
+    def _choose_tensors(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """:meth:`choose`'s choice by tensor operations (the reference of the compiled one)."""
+        T, k = top_k_index.shape
+        N, ka, dev = self.N, self.k_active, top_k_index.device
         routed = top_k_index < num_experts
         if self.global_k is None and ka >= N:
             chosen = torch.arange(N, device=dev).expand(T, k, N)
@@ -393,15 +462,37 @@ class PrismView:
                 pick &= torch.isfinite(w)  # a token with fewer routed slots than K
                 chosen = torch.arange(N, device=dev).expand(T, k, N).masked_fill(
                     ~pick.reshape(T, k, N), -1)
-        chosen = chosen.masked_fill(~routed[..., None], -1)
-        self._chosen_call = chosen
-        self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
-        # the call's counts in one compiled pass on the host (a decode call is bound by
-        # operation count: this replaced 11 small tensor operations here and in pricing)
-        routed_slots, runs = self._count(top_k_index, chosen, num_experts)
-        self.asked += routed_slots * N  # every routed slot runs once, in some call
-        self.ran += runs
-        return chosen
+        return chosen.masked_fill(~routed[..., None], -1)
+
+    def _choose_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         num_experts: int) -> torch.Tensor | None:
+        """The k_active best sub-experts of each slot (long [T, k, k_active], -1 for a slot
+        routed nowhere) by the proxy gate's dense product, the model's activation and one
+        compiled pass (:func:`_choose_loop`) — where that is exactly :meth:`_choose_tensors`'
+        choice: the dense product (:attr:`DENSE_MACS`), float32 on the CPU, at most 2 gate
+        neurons per sub-expert (a mean of one or two numbers has one rounding), and no tie,
+        NaN or near-subnormal score in the call. None otherwise."""
+        if self.router is not None or self._gu_rows is None:
+            return None
+        T, k = top_k_index.shape
+        E, G2, H = self._gu_rows.shape
+        G = G2 // 2
+        if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu"
+                or G // self.N > 2 or G % self.N or T * E * G2 * H > self.DENSE_MACS):
+            return None
+        if self._dense_w is None:  # [H, E·2G]: expert e's gate rows then up rows
+            self._dense_w = self._gu_rows.reshape(E * G2, H).T.contiguous()
+        with torch.no_grad():  # the same tensors as _scores: the routed slots' outputs
+            ids = top_k_index.long().clamp(max=num_experts - 1)
+            gu = torch.gather((hidden_states @ self._dense_w).view(T, E, G2), 1,
+                              ids[..., None].expand(T, k, G2))
+            act = self.act_fn(gu[..., :G])
+        chosen = torch.empty((T, k, self.k_active), dtype=torch.long)
+        ok = _compiled(_choose_loop)(act.reshape(T * k, G).numpy(),
+                                     gu.reshape(T * k, G2).numpy(), _host(top_k_index).reshape(-1),
+                                     num_experts, self.N, self.k_active,
+                                     chosen.view(T * k, self.k_active).numpy())
+        return chosen if ok else None
 
     def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 num_experts: int) -> torch.Tensor:
