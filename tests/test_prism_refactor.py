@@ -443,9 +443,10 @@ def test_the_proxy_gates_scores_are_its_definition_per_slot(embedded, dense):
 
 def test_the_compiled_choice_is_the_tensor_choice(embedded):
     """The proxy gate's choice in one compiled pass (:func:`~workbench.prism.execute.
-    _choose_loop`, a decode call's path) is the tensor path's (score, ``topk``, the slots
-    routed nowhere -1) bit for bit on random calls of every layer, N 2 and 4 and every
-    k_active < N, in magnitudes from tiny to huge; where it cannot be — two equal scores in a
+    _choose_loop`) is the tensor path's (score, ``topk``, the slots routed nowhere -1) bit for
+    bit on random calls of every third layer, N 2 and 4, every k_active < N, by the dense
+    product (a decode call) and the grouped one (a prefill call), in magnitudes from tiny to
+    huge; where it cannot be — two equal scores in a
     slot (``topk`` breaks ties its own way), a NaN or infinite score, a near-subnormal sum,
     more than 2 gate neurons per sub-expert, another dtype — it says so (None) and the tensor
     path chooses. Its Python source gives what the compiled loop gives."""
@@ -459,10 +460,12 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
             b, perm, gates, gu, _, x, idx, g = _a_layer_call(embedded, layer, layer, layer, 8, N)
             idx[3, 1] = E  # routed nowhere
             ex = b.experts
-            for ka in range(1, N):
+            for ka, dense in ((a, d) for a in range(1, N) for d in (True, False)):
                 v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, ka,
                               ex.act_fn)
                 v.capture_gates(gu, x.device)
+                if not dense:  # past DENSE_MACS (a prefill call): the grouped product
+                    v.DENSE_MACS = 0
                 for scale in (1e-30, 0.1, 1.0, 8.0, 1e30):
                     want = v._choose_tensors(x * scale, idx, None, E)
                     got = v._choose_compiled(x * scale, idx, E)
@@ -477,7 +480,7 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
                 nan[2, 0] = float("nan")
                 assert v._choose_compiled(nan, idx, E) is None
                 assert v._choose_compiled(x.double(), idx, E) is None
-    assert taken >= 15
+    assert taken >= 30
     # ties: a slot whose scores tie takes the tensor path; the Python source is the loop
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -488,9 +491,10 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
         ids = rng.integers(0, 5, S).astype(np.int64)  # 4: routed nowhere (E = 4)
         ka = int(rng.integers(1, N))
         outs = []
+        dest = rng.permutation(S).astype(np.int64)  # row q is slot dest[q]
         for fn in (_choose_loop, _compiled(_choose_loop)):
             out = np.full((S, ka), 9, np.int64)
-            outs.append((fn(act, gu, ids, 4, N, ka, out), out))
+            outs.append((fn(act[dest], gu[dest], ids, dest, 4, N, ka, out), out))
         assert outs[0][0] == outs[1][0] and (not outs[0][0] or (outs[0][1] == outs[1][1]).all())
         if outs[0][0]:
             score = np.abs(act * gu[:, G:]).reshape(S, N, r).sum(-1) / np.float32(r)

@@ -248,14 +248,15 @@ def _count_loop(ids, chosen, E, per_sub, code, sub_ids):
 _TINY = np.float32(2.0 ** -120)
 
 
-def _choose_loop(act, gu, ids, E, N, ka, chosen):
+def _choose_loop(act, gu, ids, dest, E, N, ka, chosen):
     """The proxy gate's choice for one layer call's slots, from the routed slots' gate-neuron
     outputs (:meth:`PrismView.choose`, float32 and r ≤ 2 gate neurons per sub-expert only;
-    compiled: :func:`_compiled`). ``act`` float32 [S, G] the model's activation of the gate
-    outputs, ``gu`` float32 [S, 2G] the gate then up outputs, ``ids`` int64 [S] each slot's
-    expert (≥ ``E``: routed nowhere), ``chosen`` int64 [S, ka] written: each routed slot's
-    ``ka`` best sub-experts of N by the score mean |act · up| over their r = G / N neurons,
-    best first, -1 for a slot routed nowhere. The same as the tensor path's score and
+    compiled: :func:`_compiled`). Row q of ``act`` float32 [S, G] (the model's activation of
+    the gate outputs) and ``gu`` float32 [S, 2G] (the gate then up outputs) is slot
+    ``dest[q]`` (int64 [S]); ``ids`` int64 [S] each slot's expert (≥ ``E``: routed nowhere);
+    ``chosen`` int64 [S, ka] written by slot: each routed slot's ``ka`` best sub-experts of N
+    by the score mean |act · up| over their r = G / N neurons, best first, -1 for a slot
+    routed nowhere. The same as the tensor path's score and
     ``topk`` wherever the order is strict: returns False — ``chosen`` then unfinished, the
     call takes the tensor path — where two scores of a slot are equal (``topk`` breaks ties
     its own way), a score is NaN or infinite, or a sum is tiny enough for halving it to round
@@ -265,9 +266,10 @@ def _choose_loop(act, gu, ids, E, N, ka, chosen):
     score = np.empty(N, np.float32)
     taken = np.empty(N, np.bool_)
     for q in range(S):
-        if ids[q] >= E:
+        slot = dest[q]
+        if ids[slot] >= E:
             for i in range(ka):
-                chosen[q, i] = -1
+                chosen[slot, i] = -1
             continue
         for s in range(N):
             tot = abs(act[q, s * r] * gu[q, G + s * r])
@@ -287,7 +289,7 @@ def _choose_loop(act, gu, ids, E, N, ka, chosen):
                 if not taken[s] and (best < 0 or score[s] > score[best]):
                     best = s
             taken[best] = True
-            chosen[q, i] = best
+            chosen[slot, i] = best
     return True
 
 
@@ -467,62 +469,47 @@ class PrismView:
     def _choose_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          num_experts: int) -> torch.Tensor | None:
         """The k_active best sub-experts of each slot (long [T, k, k_active], -1 for a slot
-        routed nowhere) by the proxy gate's dense product, the model's activation and one
-        compiled pass (:func:`_choose_loop`) — where that is exactly :meth:`_choose_tensors`'
-        choice: the dense product (:attr:`DENSE_MACS`), float32 on the CPU, at most 2 gate
-        neurons per sub-expert (a mean of one or two numbers has one rounding), and no tie,
-        NaN or near-subnormal score in the call. None otherwise."""
+        routed nowhere) from the proxy gate's product (:meth:`_gate_outputs`), the model's
+        activation and one compiled pass (:func:`_choose_loop`) — where that is exactly
+        :meth:`_choose_tensors`' choice: float32 on the CPU, at most 2 gate neurons per
+        sub-expert (a mean of one or two numbers has one rounding), and no tie, NaN or
+        near-subnormal score in the call. None otherwise."""
         if self.router is not None or self._gu_rows is None:
             return None
         T, k = top_k_index.shape
-        E, G2, H = self._gu_rows.shape
-        G = G2 // 2
+        G = self._gu_rows.shape[1] // 2
         if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu"
-                or G // self.N > 2 or G % self.N or T * E * G2 * H > self.DENSE_MACS):
+                or G // self.N > 2 or G % self.N):
             return None
-        if self._dense_w is None:  # [H, E·2G]: expert e's gate rows then up rows
-            self._dense_w = self._gu_rows.reshape(E * G2, H).T.contiguous()
-        with torch.no_grad():  # the same tensors as _scores: the routed slots' outputs
-            ids = top_k_index.long().clamp(max=num_experts - 1)
-            gu = torch.gather((hidden_states @ self._dense_w).view(T, E, G2), 1,
-                              ids[..., None].expand(T, k, G2))
+        gu, rows = self._gate_outputs(hidden_states, top_k_index, num_experts)
+        with torch.no_grad():
             act = self.act_fn(gu[..., :G])
         chosen = torch.empty((T, k, self.k_active), dtype=torch.long)
-        ok = _compiled(_choose_loop)(act.reshape(T * k, G).numpy(),
-                                     gu.reshape(T * k, G2).numpy(), _host(top_k_index).reshape(-1),
-                                     num_experts, self.N, self.k_active,
-                                     chosen.view(T * k, self.k_active).numpy())
+        ok = _compiled(_choose_loop)(
+            act.reshape(T * k, G).numpy(), gu.reshape(T * k, 2 * G).numpy(),
+            _host(top_k_index).reshape(-1),
+            np.arange(T * k, dtype=np.int64) if rows is None else _host(rows),
+            num_experts, self.N, self.k_active, chosen.view(T * k, self.k_active).numpy())
         return chosen if ok else None
 
-    def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                num_experts: int) -> torch.Tensor:
-        """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
-        |act(gate)·up| of its r gate neurons (resident rows: every expert's gate and up
-        outputs by one dense product when that is small, :attr:`DENSE_MACS`, the routed
-        slots' gathered from it and scored; else one grouped product over the slots sorted
-        by expert, as the experts forward groups them) — or the trained gate's
-        (``router``). A slot routed nowhere scores as expert E − 1 (it runs nothing)."""
+    def _gate_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed slots' gate-neuron outputs, each expert's gate rows then up rows, from
+        the resident rows: ``(gu, None)`` with gu [T, k, 2G] by one dense product over every
+        expert's rows when that is small (:attr:`DENSE_MACS`; a decode step's call is bound by
+        operation count), the slots' gathered from it; else ``(gu, rows)`` with gu [T·k, 2G]
+        by one grouped product over the slots sorted by expert (as the experts forward
+        groups them), ``rows`` long [T·k] the slot of each row. A slot routed nowhere is
+        computed as expert E − 1."""
         T, k = top_k_index.shape
         ids = top_k_index.long().clamp(max=num_experts - 1)
-        if self.router is not None:  # trained: σ(W[e·N + s] · x), positive like the proxy's
-            if self.router.device != hidden_states.device:
-                self.router = self.router.to(hidden_states.device)
-            with torch.no_grad():
-                s = torch.sigmoid(hidden_states.float() @ self.router.T).reshape(
-                    T, num_experts, self.N)
-                return torch.gather(s, 1, ids[..., None].expand(T, k, self.N)).to(
-                    hidden_states.dtype)
-        E, G, H = self._gu_rows.shape
-        G //= 2  # gate-neuron rows per expert
-        if T * E * 2 * G * H <= self.DENSE_MACS:
-            # small enough to score every expert: one matrix product and elementwise steps,
-            # no sort of the slots (a decode step's call is bound by operation count)
+        E, G2, H = self._gu_rows.shape
+        if T * E * G2 * H <= self.DENSE_MACS:
             if self._dense_w is None:  # [H, E·2G]: expert e's gate rows then up rows
-                self._dense_w = self._gu_rows.reshape(E * 2 * G, H).T.contiguous()
-            with torch.no_grad():  # the routed slots' outputs, then their scores only
-                gu = torch.gather((hidden_states @ self._dense_w).view(T, E, 2 * G), 1,
-                                  ids[..., None].expand(T, k, 2 * G))
-                return self._proxy_score(gu[..., :G], gu[..., G:])  # [T, k, N]
+                self._dense_w = self._gu_rows.reshape(E * G2, H).T.contiguous()
+            with torch.no_grad():
+                return torch.gather((hidden_states @ self._dense_w).view(T, E, G2), 1,
+                                    ids[..., None].expand(T, k, G2)), None
         from transformers.integrations.moe import _grouped_mm
 
         if self._gu_w is None:  # [E, H, 2G]: each expert's gate rows then up rows, as one operand
@@ -533,8 +520,30 @@ class PrismView:
             torch.int32)
         with torch.no_grad():  # one grouped product: no [T, k, G, H] gather of rows
             # (index_select: the same rows as x[rows // k], ≈ 7× faster on a prefill call)
-            gu = _grouped_mm(hidden_states.index_select(0, rows // k), self._gu_w, offs)
-            s = self._proxy_score(gu[:, :G], gu[:, G:])  # [T·k, N]
+            return _grouped_mm(hidden_states.index_select(0, rows // k), self._gu_w, offs), rows
+
+    def _scores(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                num_experts: int) -> torch.Tensor:
+        """[T, k, N]: the proxy gate's score of each slot's sub-experts — the mean
+        |act(gate)·up| of its r gate neurons (from :meth:`_gate_outputs`) — or the trained
+        gate's (``router``). A slot routed nowhere scores as expert E − 1 (it runs
+        nothing)."""
+        T, k = top_k_index.shape
+        if self.router is not None:  # trained: σ(W[e·N + s] · x), positive like the proxy's
+            ids = top_k_index.long().clamp(max=num_experts - 1)
+            if self.router.device != hidden_states.device:
+                self.router = self.router.to(hidden_states.device)
+            with torch.no_grad():
+                s = torch.sigmoid(hidden_states.float() @ self.router.T).reshape(
+                    T, num_experts, self.N)
+                return torch.gather(s, 1, ids[..., None].expand(T, k, self.N)).to(
+                    hidden_states.dtype)
+        G = self._gu_rows.shape[1] // 2  # gate-neuron rows per expert
+        gu, rows = self._gate_outputs(hidden_states, top_k_index, num_experts)
+        with torch.no_grad():
+            s = self._proxy_score(gu[..., :G], gu[..., G:])  # [T, k, N] or [T·k, N]
+        if rows is None:
+            return s
         score = torch.empty_like(s)
         score.index_copy_(0, rows, s)
         return score.view(T, k, self.N)
