@@ -371,8 +371,11 @@ def test_opening_a_subset_of_the_arrays_reads_those_as_a_whole_open_does(fresh, 
     routing = open_run(res.store, variables=TRACE_ARRAYS)
     assert routing.moe.ep_summary(ranks=4) == whole.moe.ep_summary(ranks=4)
     assert "hits" in open_run(V3, variables=["topk_ids"]).data_vars  # schema 3: whole
+    import itertools
+
     for bad, said in ((["topk_ids", "nope"], "'nope' is no array of the run schema"),
-                      ([3], "3 is no array"), (7, "not int 7")):
+                      ([3], "3 is no array"), (7, "not int 7"),
+                      (itertools.repeat("topk_ids"), "more than 2")):
         with pytest.raises(StoreError, match=said):
             open_run(res.store, variables=bad)
 

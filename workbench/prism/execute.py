@@ -256,11 +256,11 @@ def _choose_loop(act, gu, ids, dest, E, N, ka, chosen):
     ``dest[q]`` (int64 [S]); ``ids`` int64 [S] each slot's expert (≥ ``E``: routed nowhere);
     ``chosen`` int64 [S, ka] written by slot: each routed slot's ``ka`` best sub-experts of N
     by the score mean |act · up| over their r = G / N neurons, best first, -1 for a slot
-    routed nowhere. The same as the tensor path's score and
-    ``topk`` wherever the order is strict: returns False — ``chosen`` then unfinished, the
-    call takes the tensor path — where two scores of a slot are equal (``topk`` breaks ties
-    its own way), a score is NaN or infinite, or a sum is tiny enough for halving it to round
-    differently from the model's mean."""
+    routed nowhere. The same as the tensor path's score and ``topk`` wherever the order is
+    strict: returns False — ``chosen`` then unfinished, the call takes the tensor path —
+    where two scores of a slot are equal (``topk`` breaks ties its own way), a score is NaN
+    or infinite, or a sum is tiny enough for halving it to round differently from the
+    model's mean."""
     S, G = act.shape
     r = G // N
     score = np.empty(N, np.float32)
@@ -427,8 +427,8 @@ class PrismView:
         weight (w = N, the others -1)."""
         T, k = top_k_index.shape
         N, ka, dev = self.N, self.k_active, top_k_index.device
-        # a decode call's choice in one compiled pass where it is exactly the tensor path's
-        # (a decode call is bound by its number of tensor operations; None: the tensors')
+        # the choice in one compiled pass where it is exactly the tensor path's (a decode
+        # call is bound by its number of tensor operations; None: the tensors choose)
         chosen = (self._choose_compiled(hidden_states, top_k_index, num_experts)
                   if self.global_k is None and ka < N else None)
         if chosen is None:

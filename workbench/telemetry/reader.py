@@ -25,6 +25,7 @@ line and exits 2) whose message names the store and what is wrong.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -365,8 +366,8 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
     ``variables``: names of the run schema's arrays to open, the others left out (as
     xarray's ``drop_variables``, named the other way round): only those are read and checked,
     so a reader of a few arrays of a large store does not pay for all of them. The store's
-    structure, attributes and coordinates are checked as always. A store of an older schema opens whole (its upgrade builds arrays from
-    others). None: every array.
+    structure, attributes and coordinates are checked as always. A store of an older schema
+    opens whole (its upgrade builds arrays from others). None: every array.
     """
     path = store_path_arg(path, "run store")
     keep = _variables_arg(variables)
@@ -420,7 +421,9 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
                     or isinstance(shape[0], bool) or not isinstance(shape[0], int)
                     or not 0 <= shape[0] <= MAX_DIM):
                 raise _fail(path, f"coordinate {d!r} has shape {_short(shape)}, the arrays "
-                                  f"{sizes.get(d)!r}")
+                                  f"{sizes[d]!r}" if d in sizes else
+                                  f"coordinate {d!r} has shape {_short(shape)}; expected one "
+                                  f"length of at most {MAX_DIM}")
             n = int(shape[0])
             coords[d] = (np.array(MODALITIES, dtype=np.dtypes.StringDType()) if d == "modality"
                          else np.arange(1 if d == "depth" else 0, n + (d == "depth"),
@@ -516,12 +519,15 @@ def _variables_arg(variables: Any) -> frozenset[str] | None:
         return None
     if isinstance(variables, str):
         variables = (variables,)
-    try:
-        names = list(variables)
+    known = {*SCHEMA, "pinned"}
+    try:  # at most a few times the schema's names: an endless iterable is refused, not read
+        names = list(itertools.islice(variables, 4 * len(known) + 1))
     except TypeError:
         raise StoreError(f"variables must be names of the run schema's arrays, not "
                          f"{type(variables).__name__} {shorten(variables, 60)}") from None
-    known = {*SCHEMA, "pinned"}
+    if len(names) > 4 * len(known):
+        raise StoreError(f"variables: more than {4 * len(known)} names; the run schema has "
+                         f"{len(known)} arrays")
     for n in names:
         if not isinstance(n, str) or n not in known:
             raise StoreError(f"variables: {shorten(n, 60)} is no array of the run schema; "
