@@ -1578,9 +1578,10 @@ def test_a_rendering_child_dies_with_its_parent(tmp_path):
 def test_a_prompt_rendered_before_is_not_rendered_again(embedded, monkeypatch):
     """A conversation the same template rendered before is taken from the memo (no child:
     a run of the same prompt with other knobs renders it once), the same text; another
-    template, a template reading the clock (``strftime_now``) and a rendering that failed are
-    rendered anew; the memo keeps at most ``MEMO_CHARS`` characters, least recently used
-    going first."""
+    template, a template that may render differently next time (the clock, ``random``), a
+    conversation that is not plain JSON (a tuple) and a rendering that failed are rendered
+    anew; the memo charges each text its length plus a fixed cost, at most ``MEMO_CHARS``,
+    least recently used going first."""
     from workbench.models import chat_template as ct
 
     children = []
@@ -1591,7 +1592,7 @@ def test_a_prompt_rendered_before_is_not_rendered_again(embedded, monkeypatch):
         return real(call, conversations, *a)
 
     monkeypatch.setattr(ct, "_in_child", counting)
-    monkeypatch.setattr(ct, "_MEMO", ct.OrderedDict())
+    monkeypatch.setattr(ct, "_MEMO", ct._Memo())
     tok = embedded.tokenizer
     msgs = [[{"role": "user", "content": [{"type": "text", "text": t}]}] for t in "abc"]
     first = ct.render_chats(tok, msgs[:2])
@@ -1600,19 +1601,25 @@ def test_a_prompt_rendered_before_is_not_rendered_again(embedded, monkeypatch):
     assert again[:2] == first and children == [2, 1]
     assert again == [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
                      for m in msgs]
+    tupled = [{"role": "user", "content": ({"type": "text", "text": "a"},)}]
+    for _ in range(2):
+        ct.render_chats(tok, [tupled])
+    assert children[-2:] == [1, 1]  # not plain JSON: rendered each time
     monkeypatch.setattr(tok, "chat_template", tok.chat_template + "{{ '!' }}")
     assert ct.render_chats(tok, msgs[:1])[0] == first[0] + "!" and children[-1] == 1
-    monkeypatch.setattr(tok, "chat_template", "{{ strftime_now('%H:%M:%S.%f') }}")
-    ct.render_chats(tok, msgs[:1])
-    ct.render_chats(tok, msgs[:1])
-    assert children[-2:] == [1, 1]  # the clock: rendered each time
+    for unstable in ("{{ strftime_now('%H:%M:%S.%f') }}", "{{ range(1000) | random }}"):
+        monkeypatch.setattr(tok, "chat_template", unstable)
+        ct.render_chats(tok, msgs[:1])
+        ct.render_chats(tok, msgs[:1])
+        assert children[-2:] == [1, 1]  # rendered each time
     monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('no') }}")
     for _ in range(2):
         (err,) = ct.render_chats(tok, msgs[:1])
         assert isinstance(err, ct.TemplateRenderError)
     assert children[-2:] == [1, 1]  # a failure is not kept
     monkeypatch.undo()  # the model's own template again
-    monkeypatch.setattr(ct, "_MEMO", ct.OrderedDict())
-    monkeypatch.setattr(ct, "MEMO_CHARS", 2 * len(first[0]) + 1)  # room for two texts
+    monkeypatch.setattr(ct, "_MEMO", ct._Memo())
+    room = 2 * (len(first[0]) + ct.MEMO_ENTRY_CHARS)
+    monkeypatch.setattr(ct, "MEMO_CHARS", room)  # room for two texts
     ct.render_chats(tok, msgs)
-    assert len(ct._MEMO) == 2 and sum(map(len, ct._MEMO.values())) <= ct.MEMO_CHARS
+    assert list(ct._MEMO.texts.values()) == again[1:] and ct._MEMO.charged == room

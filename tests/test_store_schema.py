@@ -380,15 +380,45 @@ def test_opening_a_subset_of_the_arrays_reads_those_as_a_whole_open_does(fresh, 
             open_run(res.store, variables=bad)
 
 
-def test_a_coordinate_no_opened_array_bounds_is_bounded_itself(fresh, tmp_path):
-    """A subset of the arrays may leave a dimension to its coordinate alone: a tampered
-    coordinate as long as 2⁴⁰ is refused by name, not allocated."""
+def test_a_subset_of_the_arrays_is_checked_as_the_whole_store_is(fresh, tmp_path):
+    """A subset of the arrays is refused where the whole store is, for what it returns: a
+    dimension left to its coordinate alone (a tampered coordinate as long as 2⁴⁰ is refused by
+    name, not allocated); a check that reads a second array (hits + misses at most the
+    experts: ``hits`` alone opens ``misses`` to check it, then leaves it out); the steps of
+    a subset with no array indexed by step (a tampered committed extent of 2²⁸ steps is
+    refused by the step array opened to check it, not allocated)."""
     res, _ = fresh
-    store = tmp_path / "run.zarr"
-    shutil.copytree(res.store, store)
-    meta = json.loads((store / "expert" / "zarr.json").read_text())
-    meta["shape"] = [1 << 40]
-    (store / "expert" / "zarr.json").write_text(json.dumps(meta))
+
+    def tampered(name: str, edit) -> Path:
+        store = tmp_path / name
+        shutil.copytree(res.store, store)
+        edit(store)
+        return store
+
+    def doc(store, rel, change):
+        f = store / rel
+        meta = json.loads(f.read_text())
+        change(meta)
+        f.write_text(json.dumps(meta))
+
+    store = tampered("coord.zarr", lambda s: doc(s, "expert/zarr.json",
+                                                 lambda m: m.update(shape=[1 << 40])))
     for variables in (["topk_ids"], None):
         with pytest.raises(StoreError, match="coordinate 'expert' has shape"):
+            open_run(store, variables=variables)
+
+    def many_hits(store):
+        arr = zarr.open_array(store / "hits", mode="r+")
+        arr[0, 0] = 100_000
+
+    store = tampered("hits.zarr", many_hits)
+    for variables in (["hits"], ["misses"], None):
+        with pytest.raises(StoreError, match=r"hits \+ misses at most"):
+            open_run(store, variables=variables)
+    assert list(open_run(res.store, variables=["hits"]).data_vars) == ["hits"]
+
+    store = tampered("steps.zarr", lambda s: doc(
+        s, "zarr.json", lambda m: m["attributes"]["committed"].update(step=1 << 28)))
+    for variables in ("token_step", None):
+        with pytest.raises(StoreError):
             open_run(store, variables=variables)

@@ -25,7 +25,8 @@ A conversation rendered once is not rendered again by the same template (a memo 
 :data:`MEMO_CHARS` characters, by a hash of the renderer's class, template, special tokens and
 the conversation): re-running a prompt with other knobs — the dashboard, sweeps, benchmarks —
 forked a child each time (≈ 45 of a run's 50 ms before generation, embedded model). Not kept:
-failures, and renderings of a template that reads the clock (``strftime_now``).
+failures, and renderings of a template that may render differently next time (the clock,
+Jinja's ``random`` and ``lipsum``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
     # a conversation rendered before by the same template is not rendered again (each
     # rendering forks a child): the texts kept are ones a bounded rendering gave
     keys = [_memo_key(tokenizer, m) for m in conversations]
-    kept = _memo_get(keys)
+    kept = _MEMO.get(keys)
     todo = [m for m, text in zip(conversations, kept) if text is None]
     rendered = iter(_render(tokenizer, todo, seconds, stop_at_error) if todo else [])
     out: list[str | TemplateRenderError] = []
@@ -106,7 +107,7 @@ def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
             if text is None:  # stop_at_error: the rendering ended at an error
                 break
             if key is not None and not isinstance(text, TemplateRenderError):
-                _memo_put(key, text)
+                _MEMO.put(key, text)
         out.append(text)
         if stop_at_error and isinstance(text, TemplateRenderError):
             break
@@ -116,56 +117,92 @@ def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
 #: rendered texts kept by :func:`render_chats`, by :func:`_memo_key` (least recently used
 #: first): a run of the same prompt with other knobs — the dashboard, a sweep, a benchmark —
 #: renders it once (a rendering forks a child: ≈ 45 ms of a run of the embedded model here)
-_MEMO: "OrderedDict[str, str]" = OrderedDict()
-_MEMO_LOCK = threading.Lock()
-#: the kept texts' characters, at most (the least recently used go first)
+class _Memo:
+    """Rendered texts by key, least recently used first, at most :data:`MEMO_CHARS` charged
+    (each text its length plus :data:`MEMO_ENTRY_CHARS` for its entry: many tiny texts are
+    bounded too); a running total, so keeping one costs the same whatever the memo holds."""
+
+    def __init__(self) -> None:
+        self.texts: OrderedDict[str, str] = OrderedDict()
+        self.charged = 0
+        self.lock = threading.Lock()
+
+    def get(self, keys: list[str | None]) -> list[str | None]:
+        with self.lock:
+            out = []
+            for k in keys:
+                text = None if k is None else self.texts.get(k)
+                if text is not None:
+                    self.texts.move_to_end(k)
+                out.append(text)
+            return out
+
+    def put(self, key: str, text: str) -> None:
+        if len(text) > MEMO_TEXT_CHARS:
+            return
+        with self.lock:
+            old = self.texts.pop(key, None)
+            if old is not None:
+                self.charged -= len(old) + MEMO_ENTRY_CHARS
+            self.texts[key] = text
+            self.charged += len(text) + MEMO_ENTRY_CHARS
+            while self.charged > MEMO_CHARS and self.texts:
+                self.charged -= len(self.texts.popitem(last=False)[1]) + MEMO_ENTRY_CHARS
+
+
+#: rendered texts kept by :func:`render_chats`, by :func:`_memo_key`: a run of the same
+#: prompt with other knobs — the dashboard, a sweep, a benchmark — renders it once (a
+#: rendering forks a child: ≈ 45 ms of a run of the embedded model here)
+_MEMO = _Memo()
+#: what the kept texts are charged, at most (the least recently used go first)
 MEMO_CHARS = 1 << 22
+#: what each kept text is charged beyond its characters (its entry and key)
+MEMO_ENTRY_CHARS = 256
 #: a text longer than this is not kept
 MEMO_TEXT_CHARS = 1 << 16
+#: a template naming one of these renders differently from one call to the next (the clock;
+#: Jinja's ``random`` filter and ``lipsum``): never kept
+_UNSTABLE = ("strftime_now", "random", "lipsum")
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """JSON's own types only — str-keyed dicts, lists, str, int, float, bool, None — so the
+    JSON text is the value (a tuple or an int key would write as a list or a str key, which a
+    template may tell apart)."""
+    if depth > 32:
+        return False
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if type(value) is list:
+        return all(_plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _memo_key(tokenizer: Any, messages: Any) -> str | None:
     """What a rendering depends on, hashed: the renderer's class, its template, its special
     tokens and the conversation (the flags are fixed). None — never kept — when one of them is
-    not plain JSON, the renderer has no template attribute, or the template reads the clock
-    (``strftime_now``: the date may differ next time)."""
+    not plain JSON (:func:`_plain`), the renderer has no template attribute, or the template
+    may render differently next time (:data:`_UNSTABLE`)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return None
     special = getattr(tokenizer, "special_tokens_map", None)
     if special is None:  # a processor: its tokenizer's
         special = getattr(getattr(tokenizer, "tokenizer", None), "special_tokens_map", None)
+    if not (_plain(template) and _plain(special) and _plain(messages)):
+        return None
     cls = type(tokenizer)
     try:
-        text = json.dumps([cls.__module__, cls.__qualname__, template, special, messages],
+        source = json.dumps(template, ensure_ascii=False)
+        text = json.dumps([cls.__module__, cls.__qualname__, source, special, messages],
                           sort_keys=True, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         return None
-    if "strftime_now" in text:
+    if any(word in source for word in _UNSTABLE):
         return None
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _memo_get(keys: list[str | None]) -> list[str | None]:
-    with _MEMO_LOCK:
-        out = []
-        for k in keys:
-            text = None if k is None else _MEMO.get(k)
-            if text is not None:
-                _MEMO.move_to_end(k)
-            out.append(text)
-        return out
-
-
-def _memo_put(key: str, text: str) -> None:
-    if len(text) > MEMO_TEXT_CHARS:
-        return
-    with _MEMO_LOCK:
-        _MEMO[key] = text
-        _MEMO.move_to_end(key)
-        total = sum(len(t) for t in _MEMO.values())
-        while total > MEMO_CHARS:
-            total -= len(_MEMO.popitem(last=False)[1])
 
 
 def _render(tokenizer: Any, conversations: list[list[dict[str, Any]]], seconds: float,

@@ -366,8 +366,10 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
     ``variables``: names of the run schema's arrays to open, the others left out (as
     xarray's ``drop_variables``, named the other way round): only those are read and checked,
     so a reader of a few arrays of a large store does not pay for all of them. The store's
-    structure, attributes and coordinates are checked as always. A store of an older schema
-    opens whole (its upgrade builds arrays from others). None: every array.
+    structure, attributes and coordinates are checked as always, and so is what a check of
+    an asked-for array reads (``hits`` with ``misses``, ``step_tokens`` with ``token_step``)
+    and the step array the steps come from (``phase``): opened, checked, left out. A store of
+    an older schema opens whole (its upgrade builds arrays from others). None: every array.
     """
     path = store_path_arg(path, "run store")
     keep = _variables_arg(variables)
@@ -401,8 +403,11 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
         raise _fail(path, f"array {missing[0]!r} is missing"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     names = [n for n in (*schema, "pinned") if n in present]
+    extra: list[str] = []  # opened to check the asked-for arrays, then left out
     if keep is not None and version == SCHEMA_VERSION:
-        names = [n for n in names if n in keep]
+        checked = set(keep).union(*(_CHECKED_WITH.get(n, ()) for n in keep), (_STEPS_FROM,))
+        extra = [n for n in names if n in checked and n not in keep]
+        names = [n for n in names if n in checked]
     metas = {n: _read_doc(path, f"{n}/zarr.json") for n in names}
     sizes: dict[str, int] = {}
     for n in names:
@@ -494,16 +499,23 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
             attrs={"units": v.units, "description": v.doc})
     # every run has a ``step`` coordinate (0 long where no array is indexed by step), given to
     # the constructor: ``assign_coords`` afterwards would build the Dataset twice
-    # (a subset of the arrays may hold none indexed by step: then the committed steps)
     steps = next((v.shape[v.dims.index("step")] for v in data_vars.values() if "step" in v.dims),
-                 committed.get("step", 0) if keep is not None else 0)
+                 0)
     ds = xr.Dataset(data_vars, coords={**coords, "step": np.arange(steps)},
                     attrs={**attrs, "status": status})
     ds.encoding["source"] = str(path)  # as xarray's own openers record it
     # below schema 4 the upgrade presents ``hits`` anew; from 4 on every stored array is its
     # Variable's data as it is (the later upgrades only add arrays the store lacks)
     _check_semantics(path, ds, arrays if version >= 4 else None)
-    return ds
+    return ds.drop_vars(extra) if extra else ds
+
+
+#: a subset of the arrays (``open_run``'s ``variables``) opens these beside an array too: what
+#: its checks read (hits + misses at most the experts; a step's tokens at most the tokens)
+_CHECKED_WITH = {"hits": ("misses",), "misses": ("hits",), "step_tokens": ("token_step",)}
+#: and this one always: the steps come from a checked array indexed by step (the committed
+#: extent alone is an attribute; its array's chunks are what is checked against it)
+_STEPS_FROM = "phase"
 
 
 def _check_subexpert_ids(path: Path, E: int, N: int) -> None:
