@@ -114,9 +114,6 @@ def render_chats(tokenizer: Any, conversations: list[list[dict[str, Any]]], *,
     return out
 
 
-#: rendered texts kept by :func:`render_chats`, by :func:`_memo_key` (least recently used
-#: first): a run of the same prompt with other knobs — the dashboard, a sweep, a benchmark —
-#: renders it once (a rendering forks a child: ≈ 45 ms of a run of the embedded model here)
 class _Memo:
     """Rendered texts by key, least recently used first, at most :data:`MEMO_CHARS` charged
     (each text its length plus :data:`MEMO_ENTRY_CHARS` for its entry: many tiny texts are

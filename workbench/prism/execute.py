@@ -431,7 +431,8 @@ class PrismView:
         # call is bound by its number of tensor operations; None: the tensors choose)
         chosen = (self._choose_compiled(hidden_states, top_k_index, num_experts)
                   if self.global_k is None and ka < N else None)
-        if chosen is None:
+        if chosen is None:  # (after a compiled pass that found a tie or NaN, the product
+            # runs again here: rare, and the tensor path stays whole and separate)
             chosen = self._choose_tensors(hidden_states, top_k_index, top_k_weights,
                                           num_experts)
         self._chosen_call = chosen
