@@ -75,7 +75,7 @@ class TransferLane:
         """When ``key``'s copy lands (None: no copy of it is queued); a pending prefetch and
         those ahead of it start first (the compute lane waits for it: no demand comes
         between)."""
-        if any(k == key for k, _, _ in self.pending):
+        if self.pending and any(k == key for k, _, _ in self.pending):
             while True:
                 k, at, _ = self.pending.pop(0)
                 self._start(k, at, on_start)

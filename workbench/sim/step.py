@@ -431,13 +431,18 @@ class Simulator:
         self._span(out, TRANSFER, key[0], key[1], start, end)
 
     def _compute(self, out: Outcome, layer: int, e: int, now: float, d: float) -> float:
+        # (the per-key path of every computed expert: spans appended here, not by _span)
         r = self.lane.land((layer, e), self._started)
+        spans = out.spans if self.record_spans else None
         if r is not None and r > now:
-            self._span(out, STALL, layer, e, now, r)
+            if spans is not None:
+                spans.append((STALL, int(layer), int(e), now, r))
             out.stall_s += r - now
             now = r
-        self._span(out, COMPUTE, layer, e, now, now + float(d))
-        return now + float(d)
+        end = now + float(d)
+        if spans is not None:
+            spans.append((COMPUTE, int(layer), int(e), now, end))
+        return end
 
     def _end(self, out: Outcome, now: float, layer: int) -> Outcome:
         if self.lane.pending:  # demand-first: prefetches for a layer that has run
