@@ -107,6 +107,48 @@ def test_cpu_failed_copy_raises_on_wait_and_is_drained():
         eng.close()
 
 
+def test_cpu_submit_many_is_one_job_with_a_transfer_per_key():
+    """``submit_many``: the rows land in their slots exactly (as key-by-key copies would put
+    them), one transfer per key, each drained once with the job's interval; a job whose copy
+    fails fails every transfer of it; a repeated slot goes key by key (last write wins, in
+    order, as separate submits)."""
+    eng = TransferEngine(torch.device("cpu"))
+    try:
+        src = {"gate_up_proj": torch.randn(10, 6, 4), "down_proj": torch.randn(10, 4, 3)}
+        dst = {n: torch.zeros(8, *t.shape[1:]) for n, t in src.items()}
+        ref = {n: t.clone() for n, t in dst.items()}
+        keys, slots, rows = [(2, 9), (2, 0), (2, 4)], [5, 1, 7], [9, 0, 4]
+        t_before = time.perf_counter()
+        trs = eng.submit_many(keys, slots, dst, src, rows)
+        assert [t.key for t in trs] == keys and [t.slot for t in trs] == slots
+        assert trs[1].wait() >= 0 and all(t.done for t in trs)  # one job: all landed
+        for s, r in zip(slots, rows):
+            for n in src:
+                ref[n][s] = src[n][r]
+        assert all(torch.equal(dst[n], ref[n]) for n in src)  # and nothing else written
+        got = _drain_until(eng, lambda out: len(out) >= 3)
+        assert got == trs and eng.drain() == []
+        assert len({(t.start, t.end) for t in got}) == 1  # the job's interval
+        for t in got:
+            _check_span(t, t_before)
+            assert t.nbytes == (6 * 4 + 4 * 3) * 4
+        # a failing job: every transfer of it raises on wait and is drained once
+        bad = {"gate_up_proj": torch.zeros(8, 5, 4), "down_proj": dst["down_proj"]}
+        failed = eng.submit_many([(0, 1), (0, 2)], [0, 1], bad, src, [1, 2])
+        for t in failed:
+            with pytest.raises(RuntimeError):
+                t.wait()
+        assert _drain_until(eng, lambda out: len(out) >= 2) == failed
+        # a repeated slot: key by key, in order
+        again = eng.submit_many([(1, 3), (1, 6)], [2, 2], dst, src, [3, 6])
+        for t in again:
+            t.wait()
+        assert torch.equal(dst["down_proj"][2], src["down_proj"][6])
+        assert len({(t.start, t.end) for t in again}) == 2
+    finally:
+        eng.close()
+
+
 def test_runtime_transfer_spans_are_valid_and_unique(tiny_ckpt, monkeypatch):
     """A live run with prefetch (transfers nobody waits on within their step): every drained
     transfer appears once, with a span inside the run."""

@@ -121,8 +121,19 @@ class Executor:
             i += 1
             kind = type(action)
             if kind is Load:
-                self.inflight.pop(action.victim, None)
-                loading[action.expert] = self.submit((layer, action.expert), action.slot)
+                # the run of loads one admission pass issued (the layer's misses that got a
+                # slot at once): one submission
+                j = i
+                while j < len(schedule) and type(schedule[j]) is Load:
+                    j += 1
+                if j == i:
+                    self.inflight.pop(action.victim, None)
+                    loading[action.expert] = self.submit((layer, action.expert), action.slot)
+                    continue
+                run, i = schedule[i - 1:j], j
+                for a in run:
+                    self.inflight.pop(a.victim, None)
+                loading.update(zip((a.expert for a in run), self.submit_many(layer, run)))
             elif kind is Prefetch:
                 self.inflight.pop(action.victim, None)
                 self.inflight[action.key] = self.submit(action.key, action.slot)
@@ -149,6 +160,14 @@ class Executor:
     def submit(self, key: Key, slot: int) -> Transfer:
         assert self.engine is not None
         return self.engine.submit(key, slot, self.slots.view(slot), self.store.expert(*key))
+
+    def submit_many(self, layer: int, loads: list[Load]) -> list[Transfer]:
+        """``loads``' copies (of ``layer``), submitted together
+        (:meth:`TransferEngine.submit_many`)."""
+        assert self.engine is not None
+        return self.engine.submit_many([(layer, a.expert) for a in loads],
+                                       [a.slot for a in loads], self.slots.tensors,
+                                       self.store.layer(layer), [a.expert for a in loads])
 
     def wait(self, ev: LayerEvent, layer: int, e: int, tr: Transfer | None) -> None:
         """Wait for ``tr`` (None: nothing to wait for); a wait that blocked is a stall."""

@@ -127,6 +127,36 @@ class TransferEngine:
             self._queue.put((tr, dst, src))
         return tr
 
+    def submit_many(self, keys: list[Hashable], slots: list[int],
+                    dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor],
+                    rows: list[int]) -> list[Transfer]:
+        """Copy row ``rows[i]`` of each ``src`` tensor (``[K, ...]``, e.g. a layer's host
+        copies) into row ``slots[i]`` of the ``dst`` tensor of the same name (``[S, ...]``, the
+        slot pool), for every ``i`` in order: one :class:`Transfer` per key, as many
+        :meth:`submit` calls would give.
+
+        On CPU the worker makes them one job — per tensor one gather of the rows and one
+        scatter into the slots, instead of a copy per key and tensor (the Python around each
+        copy holds the GIL the compute thread wants; sub-expert offloading submits ≈ 20 keys at
+        once) — so they land together: each reports the job's measured interval, and
+        ``wait`` on any waits for all. ``slots`` must be distinct (a repeated slot, or a
+        single key, goes key by key). On CUDA: key by key on the copy stream, as
+        :meth:`submit`."""
+        if self._stream is not None or len(keys) < 2 or len(set(slots)) != len(slots):
+            return [self.submit(k, s, {n: t[s] for n, t in dst.items()},
+                                {n: t[r] for n, t in src.items()})
+                    for k, s, r in zip(keys, slots, rows)]
+        assert self._queue is not None
+        nbytes = sum(t[0].numel() * t.element_size() for t in src.values())
+        done = threading.Lock()  # one for the job: released once every copy of it landed
+        done.acquire()
+        now = time.perf_counter()
+        trs = [Transfer(key=k, slot=s, nbytes=nbytes, submitted=now, _done=done)
+               for k, s in zip(keys, slots)]
+        self._queue.put((trs, dst, src, torch.as_tensor(slots, dtype=torch.long),
+                         torch.as_tensor(rows, dtype=torch.long)))
+        return trs
+
     # -- CPU worker ------------------------------------------------------------------------
     def _run(self) -> None:
         assert self._queue is not None
@@ -138,6 +168,21 @@ class TransferEngine:
             item = get()
             if item is None:
                 return
+            if len(item) == 5:  # submit_many's job: its rows gathered, scattered into slots
+                trs, dst, src, at, rows = item
+                start, error = clock(), None
+                try:
+                    for name, s in src.items():
+                        dst[name].index_copy_(0, at, s.index_select(0, rows))
+                except BaseException as e:  # surfaced to whoever waits on any of them
+                    error = e
+                end = clock()
+                for tr in trs:
+                    tr.start, tr.end, tr.error = start, end, error
+                with lock:
+                    self._completed.extend(trs)
+                trs[0]._done.release()
+                continue
             tr, dst, src = item
             tr.start = clock()
             try:
