@@ -415,7 +415,9 @@ class Offloader:
         probe = self.probe
         probe.stall_modeled_s += out.stall_s
         probe.moved += out.moved
-        probe.modeled.extend(Span(_MODELED, lane, probe.step, layer, expert, start, end)
+        # (tuple.__new__: a Span without its Python-level __new__, ≈ 2× faster per span)
+        step, make = probe.step, tuple.__new__
+        probe.modeled.extend(make(Span, (_MODELED, lane, step, layer, expert, start, end))
                              for lane, layer, expert, start, end in out.spans)
 
     # -- features before the step -------------------------------------------------------------

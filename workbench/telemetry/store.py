@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 from workbench.telemetry import zarr_files
 from workbench.telemetry.destination import (Destination, check_destination, io_step,
                                              writable_error)
-from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, StepEvent
+from workbench.telemetry.events import CLOCKS, LANES, MODALITIES, PHASES, Span, StepEvent
 from workbench.telemetry.schema import (EP_RANK, GROWING, INITIAL_CAPACITY, PRED_ORDER, SCHEMA,
                                         SUBEXPERT,
                                         SCHEMA_VERSION, STORE_ENTRIES)
@@ -492,15 +492,17 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     out["topk_weights"] = np.concatenate(topk_w)
     out["subexpert_ran"] = np.concatenate(sub_ran)
     out["pred_ids"] = np.concatenate(preds)
-    spans = [s for e in events for s in e.spans]
-    out["span_clock"] = np.array([s.clock for s in spans], np.int8)
-    out["span_lane"] = np.array([s.lane for s in spans], np.int8)
-    out["span_step"] = np.array([s.step for s in spans], np.int32)
-    out["span_layer"] = np.array([s.layer for s in spans], np.int16)
-    out["span_expert"] = np.array([s.expert for s in spans], np.int16)
-    out["span_start_s"] = np.array([s.start for s in spans], np.float64)
-    out["span_end_s"] = np.array([s.end for s in spans], np.float64)
+    # the spans' columns (Span is a named tuple: one transpose, not a pass per field)
+    cols = list(zip(*(s for e in events for s in e.spans))) or [()] * len(Span._fields)
+    for (name, dtype), col in zip(_SPAN_COLUMNS, cols):
+        out[name] = np.array(col, dtype)
     return out
+
+
+#: the store's span arrays, in :class:`Span`'s field order
+_SPAN_COLUMNS = (("span_clock", np.int8), ("span_lane", np.int8), ("span_step", np.int32),
+                 ("span_layer", np.int16), ("span_expert", np.int16),
+                 ("span_start_s", np.float64), ("span_end_s", np.float64))
 
 
 # the read side; ``ds.moe`` is registered by workbench.analysis (telemetry never imports it):
