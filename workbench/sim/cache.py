@@ -7,8 +7,9 @@ Invariants (checked by tests):
 - An expert the current layer still needs (``protected``) is never evicted.
 - Counters live here, per MoE layer: ``hits``, ``misses``, ``loads`` (admissions),
   ``evictions``, ``cancelled`` (admitted prefetches whose copy never started: demand-first
-  transfer order, :mod:`workbench.sim.lane`) (cumulative since the run started); telemetry
-  reads them, it does not count on its own.
+  transfer order, :mod:`workbench.sim.lane`) (cumulative since the run started; lists of
+  ints, :meth:`ExpertCache.counters` gives them as arrays); telemetry reads them, it does not
+  count on its own.
 
 The cache knows nothing about models or transfers: it maps keys to slots and asks its eviction
 policy for victims, so trace replay can drive the very same object.
@@ -41,7 +42,9 @@ class ExpertCache:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self.t = 0  # logical access clock handed to the policy
         policy.bind_cache(num_slots, num_layers, num_experts)
-        z = lambda: np.zeros(num_layers, dtype=np.int64)  # noqa: E731
+        # per-layer counters as lists: a numpy element's += is ≈ 4× a list's, and an admission
+        # makes two (counters() hands out arrays)
+        z = lambda: [0] * num_layers  # noqa: E731
         self.hits, self.misses, self.loads, self.evictions = z(), z(), z(), z()
         self.cancelled = z()
 
@@ -140,9 +143,10 @@ class ExpertCache:
 
     def counters(self) -> dict[str, np.ndarray]:
         """Copies of the cumulative per-layer counters."""
-        return {"hits": self.hits.copy(), "misses": self.misses.copy(),
-                "loads": self.loads.copy(), "evictions": self.evictions.copy(),
-                "cancelled": self.cancelled.copy()}
+        return {"hits": np.array(self.hits, np.int64), "misses": np.array(self.misses, np.int64),
+                "loads": np.array(self.loads, np.int64),
+                "evictions": np.array(self.evictions, np.int64),
+                "cancelled": np.array(self.cancelled, np.int64)}
 
 
 class LayerFill:

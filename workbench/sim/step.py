@@ -369,9 +369,14 @@ class Simulator:
         i = 0
         while i < len(admitted):
             out.schedule.append(Miss(admitted[i]))
-            fill.done((admitted[i],))
-            i += 1
-            issue()
+            # (with every miss admitted and the pre-fill hooks run, done and issue change
+            # nothing: the common case, skipped — one key of each sub-expert run's copies)
+            if fill.pending or not state["pre_done"]:
+                fill.done((admitted[i],))
+                i += 1
+                issue()
+            else:
+                i += 1
         if fill.pending:  # cannot happen with ≥ 1 slot per pool: every miss frees one
             raise RuntimeError(f"layer {layer}: {len(fill.pending)} experts found no slot")
 
