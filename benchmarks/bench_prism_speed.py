@@ -11,6 +11,7 @@ prism k_active N/2, …) and the first round is dropped, so the ratios are side 
 partition is random (speed does not depend on it).
 
     python benchmarks/bench_prism_speed.py [--rounds 7] [--device cpu|cuda] [--json FILE]
+                                           [--settings resident,offloaded]
                                            [--no-offload]
     python benchmarks/bench_prism_speed.py --calls offload-one --compare OLD_TREE [--rounds 7]
 
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="leave out the sub-expert offloading runs (prism_offload)")
+    ap.add_argument("--settings", default="resident,offloaded",
+                    help="which settings, comma-separated (default: resident,offloaded)")
     ap.add_argument("--calls", choices=["all", "half", "one", "offload-all", "offload-half",
                                         "offload-one"],
                     help="instead: replay one run's sub-expert calls through two trees")
@@ -220,6 +223,10 @@ def main() -> None:
         "resident": dict(pinned_layers=0, cache_slots=lay.num_layers * lay.num_experts),
         "offloaded": dict(pinned_layers=1, cache_slots=lay.num_experts * 4),
     }
+    wanted = a.settings.split(",")
+    if not wanted or not set(wanted) <= set(settings):
+        ap.error(f"--settings takes {', '.join(settings)}, not {a.settings!r}")
+    settings = {n: s for n, s in settings.items() if n in wanted}
     runs = {"native": {}, f"prism {N}/{N}": dict(prism=True),
             f"prism {N}/{N}, sub-expert path": dict(prism=True, prism_shortcut=False),
             f"prism {N // 2}/{N}": dict(prism=True, prism_k_active=N // 2),
