@@ -7,7 +7,7 @@ change changes nothing a run computes).
 ``run``: the embedded model, a mixed batch of 8, 16 new tokens, a random refactoring (N = 4,
 seed 0: the same in every tree), 1 pinned layer and 256 slots, recorded into
 ``OUT/<setting>.zarr`` for each setting of :data:`SETTINGS` (k_active 3, 2 and 1, a global K,
-the sub-expert path at k_active N, sub-expert offloading at k_active 2 and 1, ReaLB beside
+the sub-expert path at k_active N, sub-expert offloading at k_active N, 2 and 1, ReaLB beside
 k_active 2, the whole-expert shortcut alone and beside ReaLB; the first one twice).
 ``compare``: every stored array that is not *measured* (wall-clock times, measured spans) equal
 between the trees — integers and flags exactly; a float array that differs is reported with its
@@ -33,6 +33,7 @@ SETTINGS: dict[str, dict] = {
     "k1": dict(prism_k_active=1),
     "global6": dict(prism_k=6),
     "path": dict(prism_k_active=4, prism_shortcut=False),
+    "offload4": dict(prism_k_active=4, prism_offload=True, prism_shortcut=False),
     "offload2": dict(prism_k_active=2, prism_offload=True, prism_shortcut=False),
     "offload1": dict(prism_k_active=1, prism_offload=True, prism_shortcut=False),
     "realb-k2": dict(prism_k_active=2, balance="realb", ep_ranks=8),

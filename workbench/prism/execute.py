@@ -673,9 +673,12 @@ class PrismView:
         whole = {name: t.index_select(0, src_t) for name, t in blocks.items()}
         two_c, H = whole["gate_up_proj"].shape[1:]
         gu = whole["gate_up_proj"].view(n, N * two_c, H)  # [n, 2I, H], the sub-expert layout
+        # every sub-expert of the call's experts here (k_active = N: an expert's sub-experts
+        # are hits or misses together): no mask, the same sums (× 1 is exact)
         return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]},
                            experts, num_experts, hidden_states, top_k_index, top_k_weights,
-                           None, present=torch.tensor(present, device=dev).view(n, N))
+                           None, present=None if all(present) else
+                           torch.tensor(present, device=dev).view(n, N))
 
     def _fused(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
