@@ -139,6 +139,11 @@ def test_cpu_submit_many_is_one_job_with_a_transfer_per_key():
             with pytest.raises(RuntimeError):
                 t.wait()
         assert _drain_until(eng, lambda out: len(out) >= 2) == failed
+        # a host copy in another dtype than the slots' is converted, as copy_ converts it
+        half = {n: t.to(torch.bfloat16) for n, t in src.items()}
+        for t in eng.submit_many([(3, 1), (3, 2)], [0, 1], dst, half, [1, 2]):
+            t.wait()
+        assert torch.equal(dst["gate_up_proj"][1], half["gate_up_proj"][2].float())
         # a repeated slot: key by key, in order
         again = eng.submit_many([(1, 3), (1, 6)], [2, 2], dst, src, [3, 6])
         for t in again:

@@ -40,7 +40,8 @@ def layout_cost_spec(layout: MoELayout, dtype_bytes: int) -> CostSpec:
 
 def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float) -> None:
     """Fill the step's measured lanes: compute = the step minus its stalls and host runs;
-    transfer = the copy engine's busy intervals; stall and host (hybrid mode: an expert run on
+    transfer = the copy engine's busy intervals (a CPU copy job's transfers each report the
+    job's interval: they land together); stall and host (hybrid mode: an expert run on
     the host copy) = as recorded. ``t0`` is the run start (perf_counter)."""
     start, end = ev.step_start_s, ev.step_start_s + ev.latency_measured_s
     cursor = start

@@ -173,7 +173,8 @@ class TransferEngine:
                 start, error = clock(), None
                 try:
                     for name, s in src.items():
-                        dst[name].index_copy_(0, at, s.index_select(0, rows))
+                        d = dst[name]  # (converted to the slot's dtype, as copy_ does)
+                        d.index_copy_(0, at, s.index_select(0, rows).to(d.dtype))
                 except BaseException as e:  # surfaced to whoever waits on any of them
                     error = e
                 end = clock()
