@@ -116,15 +116,16 @@ class Executor:
         result = None
         loading: dict[int, Transfer] = {}  # this layer's misses in flight
         schedule, i = out.schedule, 0
+        batches = self.engine is not None and self.engine.batches
         while i < len(schedule):
             action = schedule[i]
             i += 1
             kind = type(action)
             if kind is Load:
                 # the run of loads one admission pass issued (the layer's misses that got a
-                # slot at once): one submission
+                # slot at once): one submission where the engine makes it one copy job (CPU)
                 j = i
-                while j < len(schedule) and type(schedule[j]) is Load:
+                while batches and j < len(schedule) and type(schedule[j]) is Load:
                     j += 1
                 if j == i:
                     self.inflight.pop(action.victim, None)

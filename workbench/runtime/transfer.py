@@ -127,6 +127,12 @@ class TransferEngine:
             self._queue.put((tr, dst, src))
         return tr
 
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`submit_many` makes one job of its copies (the CPU worker); else it
+        copies key by key, and a caller holding each key's views should :meth:`submit` them."""
+        return self._stream is None
+
     def submit_many(self, keys: list[Hashable], slots: list[int],
                     dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor],
                     rows: list[int]) -> list[Transfer]:
