@@ -75,14 +75,16 @@ class ExpertCache:
     def lookup(self, layer: int, experts: Iterable[int]) -> tuple[list[int], list[int]]:
         """Count one access per expert of ``layer``; returns (hit experts, missed experts)."""
         hits, misses = [], []
+        slot_of, on_hit, t = self.slot_of, self.policy.on_hit, self.t
         for e in experts:
             key = (layer, e)
-            self.t += 1
-            if key in self.slot_of:
+            t += 1
+            if key in slot_of:
                 hits.append(e)
-                self.policy.on_hit(key, self.t)
+                on_hit(key, t)
             else:
                 misses.append(e)
+        self.t = t
         self.hits[layer] += len(hits)
         self.misses[layer] += len(misses)
         return hits, misses

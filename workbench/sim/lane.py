@@ -61,7 +61,8 @@ class TransferLane:
     def demand(self, key: Key, now: float, on_start: OnStart) -> None:
         """A demand load issued at ``now``: behind the copies started by then (demand-first)
         or behind every queued copy (fifo)."""
-        self.advance(now, on_start)
+        if self.pending:  # (else nothing can start before it)
+            self.advance(now, on_start)
         self._start(key, now, on_start)
 
     def prefetch(self, key: Key, now: float, layer: int, on_start: OnStart) -> None:

@@ -193,8 +193,7 @@ class Simulator:
             out.hits = []
             self._after_fill(acc, out, now, set(), frozenset())
             out.schedule.append(Hits([]))
-            for e, d in zip(experts, acc.compute_s):
-                now = self._compute(out, layer, e, now, d)
+            now = self._compute_many(out, layer, zip(experts, acc.compute_s), now)
             return self._end(out, now, layer)
         cache = self.pool(layer)
         cache.t = self.clock
@@ -212,19 +211,18 @@ class Simulator:
                     self.lanes.host = host_done = start + float(acc.host_s[pos[e]])
                     self._span(out, HOST, layer, e, start, host_done)
             out.host = [e for e in misses if e in on_host]
-        device_misses = [e for e in misses if e not in on_host]
+        device_misses = [e for e in misses if e not in on_host] if on_host else misses
         self._count_hits(out, layer, hits)
+        demand, started = self.lane.demand, self._started
         for e in device_misses:
-            self._queue_transfer(out, (layer, e), now)
+            demand((layer, e), now, started)
         self._fill(acc, out, cache, experts, hits, device_misses, now)
         # hits first (a prefetched one may still be in flight), then the misses in order
         miss_set = set(device_misses)
-        for e, d in zip(experts, acc.compute_s):
-            if e not in miss_set and e not in on_host:
-                now = self._compute(out, layer, e, now, d)
-        for e, d in zip(experts, acc.compute_s):
-            if e in miss_set:
-                now = self._compute(out, layer, e, now, d)
+        pairs = list(zip(experts, acc.compute_s))
+        now = self._compute_many(out, layer, [(e, d) for e, d in pairs
+                                              if e not in miss_set and e not in on_host], now)
+        now = self._compute_many(out, layer, [(e, d) for e, d in pairs if e in miss_set], now)
         if host_done > now:  # the layer's output needs the host's experts too
             self._span(out, STALL, layer, out.host[-1], now, host_done)
             out.stall_s += host_done - now
@@ -252,8 +250,7 @@ class Simulator:
             if ahead:
                 self._copy_unit(out, nxt, now)
             out.schedule.append(Hits([]))
-            for e, d in zip(experts, acc.compute_s):
-                now = self._compute(out, layer, e, now, d)
+            now = self._compute_many(out, layer, zip(experts, acc.compute_s), now)
             return self._end(out, now, layer)
         cache = self.pool(layer)
         staged = (layer, 0) in cache  # a unit is whole or absent
@@ -413,7 +410,9 @@ class Simulator:
 
     def _evicted(self, out: Outcome, key: Key, now: float) -> None:
         out.evicted.append(key)
-        if not self._unqueue(out, key, now) and not self._used.get(key, True):
+        # (_unqueue finds nothing to cancel while no prefetch is pending: not called then)
+        if (not (self.lane.pending and self._unqueue(out, key, now))
+                and not self._used.get(key, True)):
             out.redundant.append(key)
         self._prefetched.discard(key)
 
@@ -426,28 +425,36 @@ class Simulator:
         out.cancelled.append(key)
         return True
 
-    def _queue_transfer(self, out: Outcome, key: Key, now: float) -> None:
-        self.lane.demand(key, now, self._started)
-
     def _started(self, key: Key, start: float, end: float) -> None:
         """A copy started on the transfer lane: booked on the group in progress."""
         out = self._out
         out.moved += 1
-        self._span(out, TRANSFER, key[0], key[1], start, end)
+        if self.record_spans:
+            out.spans.append((TRANSFER, int(key[0]), int(key[1]), start, end))
 
-    def _compute(self, out: Outcome, layer: int, e: int, now: float, d: float) -> float:
-        # (the per-key path of every computed expert: spans appended here, not by _span)
-        r = self.lane.land((layer, e), self._started)
+    def _compute_many(self, out: Outcome, layer: int, pairs, now: float) -> float:
+        """Compute ``pairs`` ((expert, modeled seconds), in order) of ``layer`` from ``now``:
+        each waits for its copy to land (a stall), then runs; returns when the last ends.
+        (The per-key path of every computed key, in one loop: a call per key was most of the
+        core's time caching sub-experts; spans appended here, not by :meth:`_span`.)"""
+        lane, started = self.lane, self._started
+        ready = lane.ready
         spans = out.spans if self.record_spans else None
-        if r is not None and r > now:
+        L = int(layer)
+        for e, d in pairs:
+            key = (layer, e)
+            # (no pending prefetch: landing is the ready time's pop, as TransferLane.land)
+            r = lane.land(key, started) if lane.pending else ready.pop(key, None)
+            if r is not None and r > now:
+                if spans is not None:
+                    spans.append((STALL, L, int(e), now, r))
+                out.stall_s += r - now
+                now = r
+            end = now + float(d)
             if spans is not None:
-                spans.append((STALL, int(layer), int(e), now, r))
-            out.stall_s += r - now
-            now = r
-        end = now + float(d)
-        if spans is not None:
-            spans.append((COMPUTE, int(layer), int(e), now, end))
-        return end
+                spans.append((COMPUTE, L, int(e), now, end))
+            now = end
+        return now
 
     def _end(self, out: Outcome, now: float, layer: int) -> Outcome:
         if self.lane.pending:  # demand-first: prefetches for a layer that has run
