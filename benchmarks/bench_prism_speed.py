@@ -12,7 +12,8 @@ partition is random (speed does not depend on it).
 
     python benchmarks/bench_prism_speed.py [--rounds 7] [--device cpu|cuda] [--json FILE]
                                            [--settings resident,offloaded]
-                                           [--no-offload]
+                                           [--no-offload] [--model CHECKPOINT]
+                                           [--kernels fused,per-subexpert]
     python benchmarks/bench_prism_speed.py --calls offload-one --compare OLD_TREE [--rounds 7]
 
 ``--calls SETTING --compare OLD_TREE``: whole runs on a shared machine vary by ±20 % from run to
@@ -192,6 +193,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the runtime's)")
+    ap.add_argument("--kernels", default="fused",
+                    help="prism_kernel values to time, comma-separated (each sub-expert "
+                         "setting once per kernel; default: fused)")
+    ap.add_argument("--model", help="a checkpoint folder instead of the embedded model (e.g. "
+                                    "benchmarks/wide_model.py's: experts as wide as a real "
+                                    "model's)")
     ap.add_argument("--json")
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="leave out the sub-expert offloading runs (prism_offload)")
@@ -212,7 +219,7 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
         return
-    rt = workbench.Runtime(**({"device": a.device} if a.device else {}))
+    rt = workbench.Runtime(a.model, **({"device": a.device} if a.device else {}))
     lay = rt.lm.layout
     work = Path(tempfile.mkdtemp(prefix="prism-speed-"))
     ref = R.random_refactoring(rt.lm, subexperts=4)
@@ -235,7 +242,18 @@ def main() -> None:
         runs.update({f"prism_offload {k}/{N}": dict(prism=True, prism_offload=True,
                                                     prism_shortcut=False, prism_k_active=k)
                      for k in (N, N // 2, 1)})
-    out = {"device": str(rt.lm.device), "batch": a.batch, "max_new_tokens": a.max_new_tokens, "subexperts": N,
+    from workbench.prism.execute import KERNELS
+
+    kernels = a.kernels.split(",")
+    if not kernels or not set(kernels) <= set(KERNELS):
+        ap.error(f"--kernels takes {', '.join(KERNELS)}, not {a.kernels!r}")
+    # each sub-expert setting once per kernel (the shortcut runs whole experts: no kernel)
+    runs = {f"{r} [{kn}]" if kn != "fused" else r: dict(kw, prism_kernel=kn) if kw else kw
+            for kn in kernels for r, kw in runs.items()
+            if kn == "fused" or (kw and (kw.get("prism_k_active") or not kw.get("prism_shortcut", True)))}
+    if "fused" not in kernels:  # the unmodified run is every ratio's base
+        runs = {"native": {}, **runs}
+    out = {"model": a.model or "embedded", "kernels": kernels, "device": str(rt.lm.device), "batch": a.batch, "max_new_tokens": a.max_new_tokens, "subexperts": N,
            "rounds": a.rounds, "settings": {}}
     for sname, s in settings.items():
         times: dict[str, list[float]] = {r: [] for r in runs}

@@ -403,7 +403,23 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     ref_out = per_sub.run_subexperts({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     assert out.abs().sum() > 0
-    assert np.array_equal(fused.take(), per_sub.take())
+    ran = fused.take()
+    assert np.array_equal(ran, per_sub.take())
+    # prism_kernel="per-subexpert": the same entry points run the reference itself
+    kernel = view()
+    kernel.kernel = "per-subexpert"
+    if call == "sub-expert blocks":
+        got = kernel.run_blocks({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
+    elif call == "blocks in a pool":
+        got = kernel.run_blocks(pool, subs, E, x, idx, w, rows=rows)
+    else:
+        got = kernel({"gate_up_proj": gu[at], "down_proj": down[at]}, experts.tolist(), E, x,
+                     idx, w, all_routed=experts if call == "every routed expert" else None)
+    if call in ("sub-expert blocks", "blocks in a pool"):
+        assert torch.equal(got, ref_out)  # the reference's own sums, bit for bit
+    else:  # every sub-expert of the call's experts, the reference over this call's subs
+        torch.testing.assert_close(got, ref_out, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(kernel.take(), ran)
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["every-expert", "grouped-slots"])
@@ -718,6 +734,39 @@ def test_the_whole_expert_shortcut_records_what_the_sub_expert_path_does(embedde
                 "latency_modeled_s", "stall_modeled_s"):
         np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=var)
     assert whole.subexperts_ran == whole.subexperts_asked == sub.subexperts_ran
+
+
+def test_the_per_subexpert_kernel_runs_what_the_fused_one_does(embedded, tmp_path):
+    """prism_kernel="per-subexpert" (only the chosen sub-experts' products) against the
+    default fused kernel, live at k_active 2 and with sub-expert offloading: the same tokens
+    and a store equal in what ran, the cache's decisions and the modeled clock (the kernel
+    changes how the products are grouped, nothing the run decides); a value it does not
+    know is refused, naming the knob and the values."""
+    import workbench
+    from workbench.errors import KnobError
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, seed=5), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=4, ignore_eos=True)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=8)
+    kw = dict(prism=True, prism_refactoring=str(tmp_path / "p"), cache_slots=48,
+              pinned_layers=1, profile="h200", target_model="qwen3-vl-30b-a3b")
+    for name, extra in (("k2", dict(prism_k_active=2)),
+                        ("offload", dict(prism_offload=True, prism_shortcut=False,
+                                         prism_k_active=3))):
+        runs = {kernel: rt.run(reqs, store=tmp_path / f"{name}-{kernel}.zarr",
+                               prism_kernel=kernel, **kw, **extra)
+                for kernel in ("fused", "per-subexpert")}
+        a, b = (workbench.open_run(tmp_path / f"{name}-{k}.zarr") for k in runs)
+        assert json.loads(b.attrs["knob.prism_kernel"]) == "per-subexpert"  # stored
+        assert ([r["token_ids"] for r in runs["fused"].batch]
+                == [r["token_ids"] for r in runs["per-subexpert"].batch]), name
+        for var in ("subexpert_ran", "subexpert_tokens", "hits", "misses", "evictions",
+                    "latency_modeled_s", "stall_modeled_s"):
+            np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=f"{name} {var}")
+        assert runs["fused"].subexperts_ran == runs["per-subexpert"].subexperts_ran
+    with pytest.raises(KnobError, match="prism_kernel.*'grouped'.*fused, per-subexpert"):
+        rt.run(reqs, prism_kernel="grouped", **kw)
 
 
 def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatch):

@@ -160,6 +160,10 @@ def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
     return gu, d, False
 
 
+#: the values of the ``prism_kernel`` knob (:class:`PrismView` ``kernel``), the default first
+KERNELS = ("fused", "per-subexpert")
+
+
 class PrismSetup(NamedTuple):
     """What a run with ``prism=True`` hands the offloader: the refactoring's ``perm`` [L, E,
     I] and ``gates`` [L, E, N, r] (tensors), its ``subexperts`` N, and the choice — per
@@ -176,6 +180,8 @@ class PrismSetup(NamedTuple):
     #: with every sub-expert of every routed expert running (k_active = N, no global K),
     #: run whole experts instead (:class:`PrismView` ``whole``)
     shortcut: bool = True
+    #: the ``prism_kernel`` knob: "fused" or "per-subexpert" (:class:`PrismView` ``kernel``)
+    kernel: str = "fused"
 
 
 def subexpert_shapes(shapes: dict[str, tuple[int, ...]], N: int) -> dict[str, tuple[int, ...]]:
@@ -350,8 +356,14 @@ class PrismView:
     def __init__(self, inner, perm: torch.Tensor, gates: torch.Tensor, layer: int,
                  subexperts: int, k_active: int, act_fn, global_k: int | None = None,
                  router: torch.Tensor | None = None, whole: bool = False,
-                 apply_gate=None) -> None:
+                 apply_gate=None, kernel: str = "fused") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
         self.inner, self.layer = inner, layer
+        #: how a call runs its sub-experts (the ``prism_kernel`` knob): "fused" — one group
+        #: per expert (:meth:`_fused`); "per-subexpert" — the model's forward over the chosen
+        #: sub-experts only (:meth:`run_subexperts`)
+        self.kernel = kernel
         #: the model's gating of one expert's [.., 2I] up-projection output into [.., I] (its
         #: experts module's ``_apply_gate``; None: act(gate)·up over the two halves), applied
         #: to each sub-expert's 2c outputs by the fused product
@@ -629,7 +641,7 @@ class PrismView:
         if self.whole:
             return self._run_whole(weights, experts, num_experts, hidden_states, top_k_index,
                                    top_k_weights, *args, all_routed=all_routed, **kwargs)
-        if args or kwargs:
+        if args or kwargs or self.kernel == "per-subexpert":
             subs = [int(e) * self.N + s for e in experts for s in range(self.N)]
             return self.run_subexperts(subexpert_rows(weights, self.N), subs, num_experts,
                                        hidden_states, top_k_index, top_k_weights, *args,
@@ -649,11 +661,12 @@ class PrismView:
         (the slot pool's tensors and the call's slots: placed straight from the pool, one
         copy; None: row j is ``subs[j]``'s). ``args`` or ``kwargs``: the model's forward per
         sub-expert, as :meth:`__call__`."""
-        if rows is not None and (args or kwargs):  # the model's forward takes them compact
+        per_sub = bool(args or kwargs) or self.kernel == "per-subexpert"
+        if rows is not None and per_sub:  # the model's forward takes them compact
             at_rows = torch.as_tensor(list(rows), dtype=torch.long)
             blocks = {n: t.index_select(0, at_rows.to(t.device)) for n, t in blocks.items()}
             rows = None
-        if args or kwargs:
+        if per_sub:
             return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
                                        top_k_weights, *args, **kwargs)
         N, dev = self.N, blocks["gate_up_proj"].device
@@ -815,6 +828,6 @@ class PrismView:
                           *args, **kwargs)
 
 
-__all__ = ["LAYOUT_CACHE_BYTES", "PrismSetup", "PrismView", "from_subexpert_layout",
+__all__ = ["KERNELS", "LAYOUT_CACHE_BYTES", "PrismSetup", "PrismView", "from_subexpert_layout",
            "install_layout", "model_form", "subexpert_rows", "subexpert_shapes",
            "to_subexpert_layout"]

@@ -46,6 +46,16 @@ class PrismKnobs(KnobGroup):
             "run whole experts: the same sums in the model's own order, at the unmodified "
             "runtime's cost, recorded as sub-experts. False: run the sub-expert path anyway "
             "(to test or time it). Not with prism_offload, which caches sub-experts.")
+    prism_kernel = param.Selector(
+        objects=["fused", "per-subexpert"], default="fused",
+        doc="How a live layer call runs sub-experts when a slot runs some of its expert's "
+            "(prism_k_active < N, prism_k, sub-expert offloading). fused: one group per "
+            "expert, every sub-expert's products computed and the unchosen zeroed — the "
+            "fewest operations, fastest where experts are narrow (the embedded model). "
+            "per-subexpert: one group per sub-expert through the model's own experts "
+            "forward, only the chosen computed (k_active / N of the products) — faster where "
+            "experts are wide (BENCHMARKS.md). The same sums in another order: equal to "
+            "rounding, not bit for bit. Live only.")
     prism_router = param.String(
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "

@@ -60,7 +60,7 @@ class SubExpertStage(Stage):
             router = torch.as_tensor(load_router(pk.prism_router, lm, ref).weight)
         N = ref.subexperts
         ps = PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active,
-                        pk.prism_k, router, bool(pk.prism_shortcut))
+                        pk.prism_k, router, bool(pk.prism_shortcut), pk.prism_kernel)
         return cls(ps, N if pk.prism_offload else 1, run.prices, run.device)
 
     @classmethod
@@ -92,7 +92,7 @@ class SubExpertStage(Stage):
                  and self.part == 1)
         view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
                          b.experts.act_fn, ps.global_k, ps.router, whole=whole,
-                         apply_gate=getattr(b.experts, "_apply_gate", None))
+                         apply_gate=getattr(b.experts, "_apply_gate", None), kernel=ps.kernel)
         self.views[b.index] = view
         if not whole:
             self.relayout(b)
