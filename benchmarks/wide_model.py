@@ -49,7 +49,7 @@ def build(out: Path, hidden: int, layers: int | None, experts: int | None, seed:
                                  if k not in ("architectures", "transformers_version")})
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(config).to(torch.float16).eval()
-    out.mkdir(parents=True)
+    out.mkdir()  # (its parent must exist: nothing is made that cleanup would leave behind)
     try:
         model.save_pretrained(out)
         for name in _COPIED:
@@ -62,7 +62,8 @@ def build(out: Path, hidden: int, layers: int | None, experts: int | None, seed:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", help="a new folder for the checkpoint (must not exist)")
+    ap.add_argument("out", help="a new folder for the checkpoint (must not exist; its parent "
+                                "must)")
     ap.add_argument("--hidden", type=int, default=256,
                     help="text width and each expert's width (the embedded model: 64)")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the embedded 12)")
@@ -72,12 +73,16 @@ def main() -> None:
     out = Path(a.out)
     if out.exists():
         ap.error(f"out {str(out)!r} exists: give a new folder (nothing is overwritten)")
+    if not out.parent.is_dir():
+        ap.error(f"out {str(out)!r}: its parent folder does not exist")
+    # (experts: at least the embedded model's top-k, 4, which every token is routed to)
     for name, v, lo, hi in (("--hidden", a.hidden, 16, 4096), ("--layers", a.layers, 1, 64),
-                            ("--experts", a.experts, 2, 512)):
+                            ("--experts", a.experts, 4, 512)):
         if v is not None and not lo <= v <= hi:
             ap.error(f"{name} {v} is outside {lo} … {hi}")
-    if a.hidden % 16:
-        ap.error(f"--hidden {a.hidden} is not a multiple of 16 (the attention's head size)")
+    if a.hidden % 16:  # each expert is hidden wide: 4 sub-experts of NVFP4's 16-value groups
+        ap.error(f"--hidden {a.hidden} is not a multiple of 16 (an expert's width splits "
+                 f"into 4 sub-experts and 16-value low-precision groups)")
     build(out, a.hidden, a.layers, a.experts, a.seed)
     print(f"wrote {out} (random weights: for wall time only)", file=sys.stderr)
 

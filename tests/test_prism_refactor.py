@@ -377,9 +377,9 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     routed = torch.unique(idx[idx < E])
     experts = routed if call == "every routed expert" else routed[::2]
 
-    def view():
+    def view(kernel="fused"):
         v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, k_active,
-                      ex.act_fn, global_k, apply_gate=ex._apply_gate)
+                      ex.act_fn, global_k, apply_gate=ex._apply_gate, kernel=kernel)
         v.capture_gates(gu, x.device)
         v.choose(x, idx, w, E)
         return v
@@ -406,8 +406,7 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
     ran = fused.take()
     assert np.array_equal(ran, per_sub.take())
     # prism_kernel="per-subexpert": the same entry points run the reference itself
-    kernel = view()
-    kernel.kernel = "per-subexpert"
+    kernel = view("per-subexpert")
     if call == "sub-expert blocks":
         got = kernel.run_blocks({n: t[subs] for n, t in blocks.items()}, subs, E, x, idx, w)
     elif call == "blocks in a pool":
@@ -767,6 +766,18 @@ def test_the_per_subexpert_kernel_runs_what_the_fused_one_does(embedded, tmp_pat
         assert runs["fused"].subexperts_ran == runs["per-subexpert"].subexperts_ran
     with pytest.raises(KnobError, match="prism_kernel.*'grouped'.*fused, per-subexpert"):
         rt.run(reqs, prism_kernel="grouped", **kw)
+    # ReaLB quantises each expert with its own scales: not with sub-expert groups
+    with pytest.raises(KnobError, match="prism_kernel='per-subexpert' with balance='realb'"):
+        rt.run(reqs, prism_kernel="per-subexpert", balance="realb", **kw)
+    from workbench.prism.execute import KERNELS, PrismView
+    from workbench.prism.knobs import PrismKnobs
+
+    assert tuple(PrismKnobs.param.prism_kernel.objects) == KERNELS  # one list of kernels
+    assert PrismKnobs.param.prism_kernel.default == KERNELS[0] == "fused"
+    with pytest.raises(ValueError, match="kernel must be one of fused, per-subexpert, not "
+                                         "'grouped'"):
+        PrismView(None, torch.zeros(1, 1, 4), torch.zeros(1, 1, 2, 1, dtype=torch.long), 0, 2,
+                  1, None, kernel="grouped")
 
 
 def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatch):
@@ -774,7 +785,8 @@ def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatc
     (host tensors, within LAYOUT_CACHE_BYTES): a second run converts nothing and answers
     alike, and the model gets its own tensors back each time (same memory, same bits). A
     parameter written in place, another partition, or a budget of 0 converts again — and
-    the answers follow the weights the model has."""
+    the answers follow the weights the model has. The budget is the
+    ``prism_layout_cache_bytes`` option (None: LAYOUT_CACHE_BYTES), checked when set."""
     import workbench
     from workbench.prism import execute as X
     from workbench.prism import refactor as R
@@ -814,12 +826,21 @@ def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatc
     plain = rt.run("the quick brown fox", record=False, prism=True, prism_shortcut=False,
                    prism_k_active=2, prism_refactoring=str(tmp_path / "p4"))
     assert plain.token_ids == flipped
-    monkeypatch.setattr(X, "LAYOUT_CACHE_BYTES", 0)
     X._kept.clear()
     with torch.no_grad():
         blocks[2].experts.down_proj.mul_(-1)
-    # converted and converted back (new tensors, the same bits), every run
-    assert run(own_memory=False) == (first, len(blocks))
-    assert run(own_memory=False)[1] == len(blocks)
+    with workbench.set_options(prism_layout_cache_bytes=0):
+        # converted and converted back (new tensors, the same bits), every run
+        assert run(own_memory=False) == (first, len(blocks))
+        assert run(own_memory=False)[1] == len(blocks)
     for n, p in rt.lm.model.named_parameters():
         assert torch.equal(p, before[n]), n
+    monkeypatch.setattr(X, "LAYOUT_CACHE_BYTES", 0)  # the default budget, when the option
+    X._kept.clear()  # is None
+    assert run(own_memory=False)[1] == len(blocks)
+    with workbench.set_options(prism_layout_cache_bytes=1 << 30):  # the option over it
+        assert run(own_memory=False)[1] == len(blocks)
+        assert run(own_memory=False)[1] == 0
+    for bad in (-1, True, 1.5, "1GB"):
+        with pytest.raises(ValueError, match="prism_layout_cache_bytes"):
+            workbench.set_options(prism_layout_cache_bytes=bad)

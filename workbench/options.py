@@ -20,6 +20,9 @@ _OPTIONS: dict[str, Any] = {
     # intra-op threads of a run on the CPU (None: $WORKBENCH_THREADS, else automatic; see
     # workbench.runtime.threads)
     "threads": None,
+    # bytes of MoE-Prism sub-expert layouts kept between runs on the host (None: the default,
+    # workbench.prism.execute.LAYOUT_CACHE_BYTES, 256 MiB; 0: convert every run)
+    "prism_layout_cache_bytes": None,
 }
 
 _VALIDATORS = {
@@ -28,6 +31,8 @@ _VALIDATORS = {
     "flush_interval_s": lambda v: isinstance(v, (int, float)) and v >= 0,
     "threads": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
                                        and 1 <= v <= 4096),
+    "prism_layout_cache_bytes": lambda v: v is None or (
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0),
 }
 
 

@@ -50,6 +50,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from workbench.options import get_options
+
 
 def _gate_up_rows(perm: torch.Tensor, N: int) -> torch.Tensor:
     """long [E, 2I]: the original ``gate_up_proj`` row at each row of the sub-expert layout
@@ -110,7 +112,10 @@ def _inverse(p: torch.Tensor) -> torch.Tensor:
 #: A run with the same refactoring then installs its layer's layout without converting, and
 #: its removal hands the model its own tensors back (kept meanwhile: 2× the layer's expert
 #: bytes while kept). Converting both ways was ≈ 8 % of a run of the embedded model (cProfile,
-#: 12 layers); past the budget (a large model), or on an accelerator, each run converts.
+#: 12 layers); past the budget (a large model), or on an accelerator, each run converts — of a
+#: random model of this architecture with 512-wide experts (2.4 GB of them), that was half of
+#: every MoE-Prism run (BENCHMARKS.md, *Wider experts*). The ``prism_layout_cache_bytes``
+#: option (``workbench.set_options``) sets another budget; None there: this one.
 LAYOUT_CACHE_BYTES = 256 << 20
 
 
@@ -151,9 +156,10 @@ def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
         return (*kept.layout, True)
     _kept.pop(module, None)
     gu, d = to_subexpert_layout(params[0].data, params[1].data, perm, N)
+    budget = get_options()["prism_layout_cache_bytes"]
     if gu.device.type == "cpu" and gu.nbytes + d.nbytes + sum(
             k.layout[0].nbytes + k.layout[1].nbytes for k in _kept.values()) \
-            <= LAYOUT_CACHE_BYTES:
+            <= (LAYOUT_CACHE_BYTES if budget is None else budget):
         _kept[module] = _Kept(tuple(weakref.ref(p) for p in params),
                               _Kept.state(params, (gu, d)), perm.clone(), N, (gu, d))
         return gu, d, True

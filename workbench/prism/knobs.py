@@ -48,14 +48,15 @@ class PrismKnobs(KnobGroup):
             "(to test or time it). Not with prism_offload, which caches sub-experts.")
     prism_kernel = param.Selector(
         objects=["fused", "per-subexpert"], default="fused",
-        doc="How a live layer call runs sub-experts when a slot runs some of its expert's "
-            "(prism_k_active < N, prism_k, sub-expert offloading). fused: one group per "
-            "expert, every sub-expert's products computed and the unchosen zeroed — the "
-            "fewest operations, fastest where experts are narrow (the embedded model). "
-            "per-subexpert: one group per sub-expert through the model's own experts "
-            "forward, only the chosen computed (k_active / N of the products) — faster where "
-            "experts are wide (BENCHMARKS.md). The same sums in another order: equal to "
-            "rounding, not bit for bit. Live only.")
+        doc="How a live layer call runs sub-experts (the sub-expert path: prism_k_active < "
+            "N, prism_k, sub-expert offloading, or prism_shortcut=False). fused: one group "
+            "per expert, every sub-expert's products computed and the unchosen zeroed — the "
+            "fewest tensor operations, fastest where experts are narrow (the embedded "
+            "model). per-subexpert: one group per sub-expert through the model's own experts "
+            "forward, only the chosen computed (k_active / N of the multiply-adds) — faster "
+            "at k_active < N where experts are wide (BENCHMARKS.md, Wider experts). The same "
+            "sums in another order: equal to rounding, not bit for bit. Not with ReaLB's low "
+            "precision (its scales are per expert). Live only.")
     prism_router = param.String(
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "
@@ -103,6 +104,11 @@ class PrismKnobs(KnobGroup):
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
             return
+        if self.prism_kernel != "fused" and balances(getattr(knobs, "balance", "none")):
+            raise KnobError(f"prism_kernel={self.prism_kernel!r} with balance="
+                            f"{knobs.balance!r} is not built (ReaLB quantises each expert "
+                            f"with its own scales; this kernel's groups are sub-experts): "
+                            f"set prism_kernel='fused', or balance='none'")
         if self.prism_offload and balances(getattr(knobs, "balance", "none")):
             raise KnobError(f"prism_offload=True with balance={knobs.balance!r} is not built "
                             f"yet (ReaLB picks whole experts' precision per rank): set "
