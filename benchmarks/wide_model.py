@@ -83,7 +83,10 @@ def main() -> None:
     if a.hidden % 16:  # each expert is hidden wide: 4 sub-experts of NVFP4's 16-value groups
         ap.error(f"--hidden {a.hidden} is not a multiple of 16 (an expert's width splits "
                  f"into 4 sub-experts and 16-value low-precision groups)")
-    build(out, a.hidden, a.layers, a.experts, a.seed)
+    try:
+        build(out, a.hidden, a.layers, a.experts, a.seed)
+    except FileExistsError:  # another writer made it since the check: theirs, untouched
+        ap.error(f"out {str(out)!r} exists: give a new folder (nothing is overwritten)")
     print(f"wrote {out} (random weights: for wall time only)", file=sys.stderr)
 
 

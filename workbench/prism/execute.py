@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from workbench.options import get_options
+from workbench.prism.knobs import KERNELS
 
 
 def _gate_up_rows(perm: torch.Tensor, N: int) -> torch.Tensor:
@@ -169,10 +170,6 @@ def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
                               _Kept.state(params, (gu, d)), perm.clone(), N, (gu, d))
         return gu, d, True
     return gu, d, False
-
-
-#: the values of the ``prism_kernel`` knob (:class:`PrismView` ``kernel``), the default first
-KERNELS = ("fused", "per-subexpert")
 
 
 class PrismSetup(NamedTuple):

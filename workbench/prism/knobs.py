@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from workbench.knobs import Knobs, ModelShape
 
 
+#: the values of the ``prism_kernel`` knob (:class:`~workbench.prism.execute.PrismView`
+#: ``kernel``), the default first
+KERNELS = ("fused", "per-subexpert")
+
+
 class PrismKnobs(KnobGroup):
     """MoE-Prism: each routed expert runs k_active of its sub-experts (workbench refactor)."""
 
@@ -47,7 +52,7 @@ class PrismKnobs(KnobGroup):
             "runtime's cost, recorded as sub-experts. False: run the sub-expert path anyway "
             "(to test or time it). Not with prism_offload, which caches sub-experts.")
     prism_kernel = param.Selector(
-        objects=["fused", "per-subexpert"], default="fused",
+        objects=list(KERNELS), default=KERNELS[0],
         doc="How a live layer call runs sub-experts (the sub-expert path: prism_k_active < "
             "N, prism_k, sub-expert offloading, or prism_shortcut=False). fused: one group "
             "per expert, every sub-expert's products computed and the unchosen zeroed — the "
@@ -119,4 +124,4 @@ class PrismKnobs(KnobGroup):
 _READS = {"pred_ids": "the routers' lookahead", "predicted_ids": "the predictor's outputs",
           "future": "the trace's future"}
 
-__all__ = ["PrismKnobs"]
+__all__ = ["KERNELS", "PrismKnobs"]
