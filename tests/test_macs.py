@@ -143,6 +143,48 @@ def test_semantic_weights_and_image_runs():
     assert w[6] == pytest.approx(0.5)  # an image of one token: z-score 0 → σ(0)
 
 
+def test_semantic_weights_are_numpys_z_score_bit_for_bit():
+    """The semantic weights gather each image's visual tokens once and run one σ: the same
+    bits as z-scoring every image with numpy's own ``mean(0)`` / ``std(0)`` (interleaved
+    images, one-token images, constant entropy, several layers, no image ids)."""
+    from workbench.sim.macs import sigmoid
+
+    def reference(H, mod, img, delta):
+        w = np.ones_like(H)
+        vis = mod != 0
+        img = np.where(vis, 0, -1) if img is None else img
+        for i in np.unique(img[vis]):
+            h = H[img == i]
+            w[img == i] = sigmoid(-delta * ((h - h.mean(0)) / (h.std(0) + 1e-6)))
+        return w
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        T, L = int(rng.integers(1, 200)), int(rng.integers(1, 4))
+        H = rng.random((T, L)) * float(rng.choice([1e-3, 1, 5])) + float(rng.choice([0, 3]))
+        if trial % 7 == 0:
+            H[:] = 1.25
+        mod = (rng.random(T) < rng.random()).astype(np.int8)
+        img = [image_runs(mod, np.sort(rng.integers(0, 4, T))), None,
+               np.where(mod != 0, rng.integers(0, 3, T), -1)][trial % 3]
+        delta = float(rng.choice([0.0, 1.5, 3.0]))
+        assert semantic_weights(H, mod, img, delta).tobytes() == \
+            reference(H, mod, img, delta).tobytes()
+
+
+def test_capacity_of_one_group_is_the_array_forms():
+    """``capacity_of`` (Python floats, one group) gives what ``capacity`` gives on arrays,
+    up to the 2⁶² clip; ``fits`` and ``groups`` use it."""
+    rng = np.random.default_rng(4)
+    for _ in range(500):
+        g = float(rng.choice([1e-3, 0.25, 1.0, 1.8, 7.3, 1e9, 1e30]))
+        pol = CapacityDrop(g, int(rng.integers(0, 9)))
+        T, K, E = int(rng.integers(0, 5000)), int(rng.integers(1, 9)), int(rng.integers(1, 257))
+        want = int(pol.capacity(np.array([T]), np.array([K]), E)[0])
+        assert pol.capacity_of(T, K, E) == want == int(pol.capacity(T, K, E))
+        assert pol.fits(want, T, K, E) and not pol.fits(want + 1, T, K, E)
+
+
 def test_expert_classes_from_counts():
     routed = np.zeros((1, 3, 3))
     routed[0, 0] = [10, 80, 0]  # visual-leaning
@@ -390,6 +432,27 @@ def test_calibration_centroids_must_fit_the_model(embedded, tmp_path):
         rt.run("count from 1 to 3.", record=False, dispatch="macs", macs_calibration=str(out))
     with pytest.raises(InputError, match="MACS calibration folder '/proc/self/macs': cannot "):
         save(cal, "/proc/self/macs", overwrite=True)
+
+
+def test_a_runtime_reads_its_calibration_again_only_when_the_files_change(embedded, tmp_path):
+    """Every run reads its MACS calibration twice (the knob check, then the set-up): the
+    runtime keeps the one it loaded, read-only, until a file is rewritten or replaced; a
+    broken replacement is refused, not served from what was kept."""
+    out = save(calibrate(embedded, calibration_requests(4, seed=2)), tmp_path / "m")
+    rt = workbench.Runtime(embedded, max_new_tokens=2)
+    knobs = rt.knobs.set(dispatch="macs", macs_calibration=str(out))
+    first = rt.macs_calibration(knobs)
+    assert rt.macs_calibration(knobs) is first and not first.centroids.flags.writeable
+    rt.run("count from 1 to 3.", record=False, dispatch="macs", macs_calibration=str(out))
+    assert rt.macs_calibration(knobs) is first
+    other = calibrate(embedded, calibration_requests(4, seed=3))
+    save(other, out, overwrite=True)
+    again = rt.macs_calibration(knobs)
+    assert again is not first
+    np.testing.assert_array_equal(again.centroids, other.centroids.astype(np.float16))
+    (out / "macs.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InputError, match="MACS calibration"):
+        rt.macs_calibration(knobs)
 
 
 def test_compiled_rerouting_equals_its_python_source():

@@ -67,6 +67,14 @@ def _reason(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
 
+def file_identity(path: str | Path) -> tuple[int, int, int]:
+    """``(mtime ns, size, inode)`` of the file at ``path`` (links followed): it changes when
+    the file is rewritten or atomically replaced, so a reader can keep what it parsed until
+    then. :class:`OSError` when there is none."""
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 def check_regular_file(path: str | Path, what: str, error: type[Exception] = InputError,
                        limit: int | None = None, *, empty_ok: bool = False,
                        follow_symlinks: bool = True) -> int:

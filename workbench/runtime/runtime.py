@@ -83,6 +83,9 @@ class Runtime:
         #: ReaLB's M_d carried across runs (knob realb_carry): the one state runs share,
         #: owned by RealbCarry and handed to each run's session
         self.realb_carry = RealbCarry()
+        #: ``(the files' identity, MacsCalibration)`` last loaded by :meth:`macs_calibration`:
+        #: every run checks its knobs, then sets up, and both read the calibration
+        self._macs_loaded: tuple | None = None
         if isinstance(model, LoadedModel):
             self.lm = model
         else:
@@ -140,14 +143,28 @@ class Runtime:
         made already."""
         if not (policy or self.dispatch(knobs)).calibration_needed():
             return None
-        from workbench.macs.calibration import default_path, load
+        from workbench.fileio import file_identity
+        from workbench.macs.calibration import CONFIG, WEIGHTS, default_path, load
 
         lm = self.lm
-        path = knobs.macs_calibration or default_path(lm.path, lm.config_hash)
+        path = Path(knobs.macs_calibration or default_path(lm.path, lm.config_hash))
+        try:  # the files as they are now: a rewritten or replaced one is read again
+            key = (str(path), lm.config_hash, file_identity(path / CONFIG),
+                   file_identity(path / WEIGHTS))
+        except OSError:
+            key = None  # load() says what is missing
+        if key is not None and self._macs_loaded is not None and self._macs_loaded[0] == key:
+            return self._macs_loaded[1]
         cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
         hidden = getattr(cfg, "hidden_size", None)
-        return load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
-                    hidden_size=int(hidden) if hidden else None)
+        cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
+                   hidden_size=int(hidden) if hidden else None)
+        if key is not None:
+            for a in (cal.classes, cal.delta, cal.freq_visual, cal.freq_text, cal.centroids,
+                      cal.counts):
+                a.setflags(write=False)  # shared by every run that reads it
+            self._macs_loaded = (key, cal)
+        return cal
 
     @staticmethod
     def uses_predictor(knobs: Knobs) -> bool:

@@ -29,6 +29,7 @@ as the router chose it — CAI-MoE's released modeling files skip capacity when
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -197,12 +198,21 @@ class CapacityDrop(Dispatch):
         """Capacity of every expert for groups of ``tokens`` routed tokens of ``top_k``
         assignments each (a number, or one per group), clipped to 2⁶² (no int64 wrap-around
         for any knob value)."""
+        if isinstance(tokens, (int, np.integer)) and isinstance(top_k, (int, np.integer)):
+            return np.int64(self.capacity_of(tokens, top_k, num_experts))
         c = np.ceil(self.capacity_factor * np.asarray(tokens, np.float64)
                     * np.asarray(top_k, np.float64) / num_experts)
         return np.minimum(np.maximum(c, self.min_capacity), 2.0 ** 62).astype(np.int64)
 
+    def capacity_of(self, tokens: int, top_k: int, num_experts: int) -> int:
+        """:meth:`capacity` of one group, in Python floats: the same IEEE products in the same
+        order as the array form, without numpy's per-call cost (the live dispatch asks once
+        per layer call)."""
+        c = self.capacity_factor * float(tokens) * float(top_k) / num_experts
+        return min(max(math.ceil(c), self.min_capacity), 2 ** 62) if c < 2.0 ** 62 else 2 ** 62
+
     def fits(self, max_load, tokens, top_k, num_experts):
-        return max_load <= int(self.capacity(tokens, top_k, num_experts))
+        return max_load <= self.capacity_of(tokens, top_k, num_experts)
 
     def groups(self, ids: np.ndarray, token_step: np.ndarray, num_experts: int):
         """The chunk's (step, layer) groups that route a token, with their capacity:
@@ -219,7 +229,7 @@ class CapacityDrop(Dispatch):
                 if not n_tok:
                     continue
                 k_used = int(slots.max())
-                yield int(a), int(b), li, g, float(self.capacity(n_tok, k_used, num_experts))
+                yield int(a), int(b), li, g, float(self.capacity_of(n_tok, k_used, num_experts))
 
     def apply(self, ids, weights, token_step, num_experts, context=None):
         T, L, K = ids.shape
@@ -409,6 +419,8 @@ class Macs(CapacityDrop):
         self.rerouted = 0
         self.dropped = 0
         self.last_weights: np.ndarray | None = None
+        #: the rank of each expert, by the number of experts (int64 [E])
+        self._ranks: dict[int, np.ndarray] = {}
 
     @classmethod
     def live_only_knobs(cls, ep: Any) -> list[str]:
@@ -429,7 +441,7 @@ class Macs(CapacityDrop):
     def fits(self, max_load, tokens, top_k, num_experts):
         # semantic weights are ≤ 1 (effective load ≤ count); the smallest capacity a dynamic
         # one can give is C_base·(1 − ρ/2)
-        c = float(self.capacity(tokens, top_k, num_experts))
+        c = float(self.capacity_of(tokens, top_k, num_experts))
         if self.dynamic_capacity:
             c = max(float(self.min_capacity), c * (1.0 - 0.5 * abs(self.rho)))
         return max_load <= c
@@ -453,7 +465,10 @@ class Macs(CapacityDrop):
         layers = (np.arange(L) if context is None else np.asarray(context.layers))
         classes = self.classes if self.classes is not None else (
             None if context is None else context.expert_class)
-        ranks = rank_of_expert(self.placement, num_experts, self.ep_ranks)
+        ranks = self._ranks.get(num_experts)
+        if ranks is None:  # one placement a policy: built once, not per layer call
+            ranks = self._ranks[num_experts] = rank_of_expert(self.placement, num_experts,
+                                                              self.ep_ranks)
         if self.semantic_load and context is not None and context.features_entropy is not None:
             w_all = semantic_weights(context.features_entropy, mod, context.image_of,
                                      self.delta)

@@ -76,18 +76,34 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.ndarray | None,
                      delta: float) -> np.ndarray:
     """w(x) [T, L]: σ(−δ·H̃) for visual tokens (H z-scored over each image's visual tokens,
-    per layer), 1 for text. ``entropy`` [T, L]."""
+    per layer), 1 for text. ``entropy`` [T, L].
+
+    The visual tokens are gathered image by image once (a stable sort keeps each image's in
+    token order), each image's mean and population standard deviation are numpy's own
+    ``mean(0)`` and ``std(0)`` steps on that block (the same sums in the same order, so the
+    same bits: tested), and one σ runs over them all."""
     H = np.asarray(entropy, np.float64)
     w = np.ones_like(H)
     vis = np.asarray(modality) != 0
-    if not vis.any():
+    idx = np.flatnonzero(vis)
+    if not len(idx):
         return w
-    img = np.where(vis, 0, -1) if image_of is None else np.asarray(image_of)
-    for i in np.unique(img[vis]):
-        m = img == i
-        h = H[m]
-        z = (h - h.mean(0)) / (h.std(0) + _EPS)
-        w[m] = sigmoid(-float(delta) * z)
+    if image_of is not None:  # each image's tokens together, in token order
+        img = np.asarray(image_of)[idx]
+        order = np.argsort(img, kind="stable")
+        idx, img = idx[order], img[order]
+        cut = np.flatnonzero(img[1:] != img[:-1]) + 1
+    else:
+        cut = np.zeros(0, np.int64)
+    Hv = H[idx]
+    z = np.empty_like(Hv)
+    for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(idx)].tolist()):
+        h = Hv[a:b]
+        # numpy's std: x = h − mean (mean = Σh / n), Σx² / n, √ — and x is h − h.mean(0)
+        x = h - np.add.reduce(h, 0, keepdims=True) / (b - a)
+        sd = np.sqrt(np.add.reduce(x * x, 0) / (b - a))
+        z[a:b] = x / (sd + _EPS)
+    w[idx] = sigmoid(-float(delta) * z)
     return w
 
 
@@ -130,6 +146,23 @@ def expert_classes(routed: np.ndarray, tokens: np.ndarray, threshold: float = 0.
         delta = routed[..., 1:].sum(-1) / n_vis - routed[..., 0] / n_text
     m = np.where(delta >= threshold, 1, np.where(delta <= -threshold, -1, 0)).astype(np.int8)
     return m, delta.astype(np.float32)
+
+
+#: which experts share a rank, by the placement's bytes (a run asks once per layer call; a
+#: few placements a process, so the dict stays small: cleared past 16)
+_SAME_RANK: dict[bytes, np.ndarray] = {}
+
+
+def _same_rank(ranks: np.ndarray) -> np.ndarray:
+    """bool [E, E]: ``ranks[i] == ranks[j]`` (C order; kept, so callers must not write it)."""
+    ranks = np.asarray(ranks, np.int64)
+    key = ranks.tobytes()
+    m = _SAME_RANK.get(key)
+    if m is None:
+        if len(_SAME_RANK) >= 16:
+            _SAME_RANK.clear()
+        m = _SAME_RANK[key] = np.ascontiguousarray(ranks[:, None] == ranks[None, :])
+    return m
 
 
 def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.ndarray,
@@ -179,7 +212,7 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     same_rank = score_all = np.zeros((0, 0))
     if reroute:
         ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
-        same_rank = np.ascontiguousarray(ranks[:, None] == ranks[None, :])  # [E, E]
+        same_rank = _same_rank(ranks)  # [E, E]
         # in the gates' own precision, as the router's probabilities come (e.g. float32)
         score_all = (1.0 - eta) * (gates if gates is not None else g_all)
         if affinity is not None:

@@ -67,7 +67,7 @@ import xarray as xr
 
 from workbench import jsonio
 from workbench.errors import InputError, StoreError, WorkbenchError
-from workbench.fileio import read_bytes_bounded
+from workbench.fileio import file_identity, read_bytes_bounded
 from workbench.knobs import Knobs
 from workbench.options import get_options
 from workbench.policies.eviction import EVICTION
@@ -270,8 +270,7 @@ def _check_attrs(path: Path, attrs: dict[str, Any]) -> tuple[str, dict[str, int]
 
 def _meta_key(path: Path) -> tuple[int, int, int]:
     """Identity of a store's current ``zarr.json`` (the writer replaces it atomically)."""
-    st = (path / "zarr.json").stat()
-    return st.st_mtime_ns, st.st_size, st.st_ino
+    return file_identity(path / "zarr.json")
 
 
 def _os_reason(e: OSError) -> str:

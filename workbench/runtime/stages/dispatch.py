@@ -53,8 +53,10 @@ class DispatchStage(Stage):
             self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
         self.dispatch_rerouted = self.dispatch_added = 0
-        #: the unit-norm centroids of each layer, as :meth:`_context` computed them first
-        self._unit_centroids: dict[int, torch.Tensor] = {}
+        #: the unit-norm centroids [L, E, D] (float32), normalised in one operation: the
+        #: same bits as normalising each layer's (the reduction runs along D alone)
+        self._unit_centroids = (None if centroids is None else
+                                torch.nn.functional.normalize(centroids.float(), dim=-1))
         #: ``((the step's modality, request, real rows), T, (modality, image of each
         #: token))`` of the rows dispatched last (:meth:`_tokens`)
         self._tokens_of: tuple | None = None
@@ -193,11 +195,8 @@ class DispatchStage(Stage):
                 if logits is None:
                     logits, _, _ = b.route(hidden_states)
                 gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
-                if self.centroids is not None and getattr(pol, "eta", 0) > 0:
-                    mu = self._unit_centroids.get(b.index)
-                    if mu is None:
-                        mu = self._unit_centroids[b.index] = torch.nn.functional.normalize(
-                            self.centroids[b.index].float(), dim=-1)
+                if self._unit_centroids is not None and getattr(pol, "eta", 0) > 0:
+                    mu = self._unit_centroids[b.index]
                     cos = torch.nn.functional.normalize(z, dim=-1) @ mu.T
                     aff = cos.cpu().numpy()[:, None, :]
         return DispatchContext(modality=mod, layers=np.array([b.index]), features_entropy=ent,
