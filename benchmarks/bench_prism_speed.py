@@ -13,7 +13,7 @@ partition is random (speed does not depend on it).
     python benchmarks/bench_prism_speed.py [--rounds 7] [--device cpu|cuda] [--json FILE]
                                            [--settings resident,offloaded]
                                            [--no-offload] [--model CHECKPOINT]
-                                           [--kernels fused,per-subexpert]
+                                           [--kernels fused,per-subexpert,auto]
                                            [--layout-cache-mb MB]
     python benchmarks/bench_prism_speed.py --calls offload-one --compare OLD_TREE [--rounds 7]
 
@@ -196,10 +196,11 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the runtime's)")
     ap.add_argument("--layout-cache-mb", type=int, metavar="MB",
                     help="MoE-Prism layouts kept between runs (workbench.set_options("
-                         "prism_layout_cache_bytes=…); default: the workbench's, 256 MiB)")
+                         "prism_layout_cache_bytes=…); default: the workbench's, the larger "
+                         "of 256 MiB and half the available host memory)")
     ap.add_argument("--kernels", default="fused",
                     help="prism_kernel values to time, comma-separated (each sub-expert "
-                         "setting once per kernel; default: fused)")
+                         "setting once per kernel; default: fused; auto: the knob's default)")
     ap.add_argument("--model", help="a checkpoint folder instead of the embedded model (e.g. "
                                     "benchmarks/wide_model.py's: experts as wide as a real "
                                     "model's)")
@@ -250,11 +251,12 @@ def main() -> None:
         runs.update({f"prism_offload {k}/{N}": dict(prism=True, prism_offload=True,
                                                     prism_shortcut=False, prism_k_active=k)
                      for k in (N, N // 2, 1)})
-    from workbench.prism.execute import KERNELS
+    from workbench.prism.execute import layout_budget
+    from workbench.prism.knobs import KERNEL_CHOICES
 
     kernels = a.kernels.split(",")
-    if not kernels or not set(kernels) <= set(KERNELS):
-        ap.error(f"--kernels takes {', '.join(KERNELS)}, not {a.kernels!r}")
+    if not kernels or not set(kernels) <= set(KERNEL_CHOICES):
+        ap.error(f"--kernels takes {', '.join(KERNEL_CHOICES)}, not {a.kernels!r}")
     def sub_path(kw: dict) -> bool:  # not the whole-expert shortcut: a kernel runs it
         return bool(kw) and (not kw.get("prism_shortcut", True) or kw.get("prism_k")
                              or (kw.get("prism_k_active") or N) < N)
@@ -265,7 +267,8 @@ def main() -> None:
     if "fused" not in kernels:  # the unmodified run is every ratio's base
         runs = {"native": {}, **runs}
     out = {"model": a.model or "embedded", "kernels": kernels,
-           "prism_layout_cache_bytes": workbench.get_options()["prism_layout_cache_bytes"], "device": str(rt.lm.device),
+           "prism_layout_cache_bytes": workbench.get_options()["prism_layout_cache_bytes"],
+           "layout_budget_bytes_at_start": layout_budget(), "device": str(rt.lm.device),
            "batch": a.batch, "max_new_tokens": a.max_new_tokens, "subexperts": N,
            "rounds": a.rounds, "settings": {}}
     for sname, s in settings.items():

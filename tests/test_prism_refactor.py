@@ -770,23 +770,73 @@ def test_the_per_subexpert_kernel_runs_what_the_fused_one_does(embedded, tmp_pat
     with pytest.raises(KnobError, match="prism_kernel='per-subexpert' with balance='realb'"):
         rt.run(reqs, prism_kernel="per-subexpert", balance="realb", **kw)
     from workbench.prism.execute import KERNELS, PrismView
-    from workbench.prism.knobs import PrismKnobs
+    from workbench.prism.knobs import KERNEL_CHOICES, PrismKnobs
 
-    assert tuple(PrismKnobs.param.prism_kernel.objects) == KERNELS  # one list of kernels
-    assert PrismKnobs.param.prism_kernel.default == KERNELS[0] == "fused"
+    # one list of kernels; the knob adds auto, its default
+    assert tuple(PrismKnobs.param.prism_kernel.objects) == KERNEL_CHOICES == ("auto", *KERNELS)
+    assert PrismKnobs.param.prism_kernel.default == "auto" and KERNELS == ("fused",
+                                                                          "per-subexpert")
     with pytest.raises(ValueError, match="kernel must be one of fused, per-subexpert, not "
                                          "'grouped'"):
         PrismView(None, torch.zeros(1, 1, 4), torch.zeros(1, 1, 2, 1, dtype=torch.long), 0, 2,
                   1, None, kernel="grouped")
 
 
+def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_experts(
+        embedded, tmp_path, monkeypatch):
+    """prism_kernel=auto (the default) is fused on the embedded model's 64-wide experts —
+    its runs are today's, bit for bit — and per-subexpert from AUTO_PER_SUBEXPERT_WIDTH when
+    sub-experts are skipped (k_active < N or a global K), never at k_active = N nor with
+    ReaLB's low precision. Live: which kernel the layer calls ran follows the rule."""
+    import workbench
+    from workbench.prism import knobs as PK
+    from workbench.prism import refactor as R
+    from workbench.prism.execute import PrismView
+
+    pick = dict(subexperts=4, k_active=2, global_k=None)
+    assert PK.choose_kernel("auto", width=512, **pick) == "per-subexpert"
+    assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH, **pick) == \
+        "per-subexpert"
+    assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH - 1, **pick) == "fused"
+    assert PK.choose_kernel("auto", width=512, subexperts=4, k_active=4, global_k=None) == \
+        "fused"
+    assert PK.choose_kernel("auto", width=512, subexperts=4, k_active=4, global_k=6) == \
+        "per-subexpert"
+    assert PK.choose_kernel("auto", width=512, balance="realb", **pick) == "fused"
+    for k in PK.KERNELS:  # a kernel named is the kernel run
+        assert PK.choose_kernel(k, width=1, **pick) == k
+
+    R.save(R.random_refactoring(embedded, seed=5), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=3, ignore_eos=True)
+    kw = dict(record=False, prism=True, prism_refactoring=str(tmp_path / "p"), cache_slots=48,
+              pinned_layers=1, prism_k_active=2)
+    calls = []
+    real = PrismView.run_subexperts
+    monkeypatch.setattr(PrismView, "run_subexperts",
+                        lambda self, *a, **k: calls.append(self.kernel) or real(self, *a, **k))
+
+    def ran(**extra):
+        calls.clear()
+        out = rt.run("the quick brown fox", **{**kw, **extra})
+        return out.token_ids, len(calls)
+
+    fused, n = ran(prism_kernel="fused")
+    assert n == 0
+    assert ran() == (fused, 0)  # auto on 64-wide experts: fused, the same run
+    monkeypatch.setattr(PK, "AUTO_PER_SUBEXPERT_WIDTH", 64)  # as if these were wide
+    per_sub = ran(prism_kernel="per-subexpert")
+    assert per_sub[1] > 0 and ran() == per_sub
+    assert ran(prism_k_active=None, prism_shortcut=False)[1] == 0  # k_active = N: fused
+
+
 def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatch):
     """The sub-expert layout is converted once per model and partition and kept between runs
-    (host tensors, within LAYOUT_CACHE_BYTES): a second run converts nothing and answers
+    (host tensors, within the layout budget): a second run converts nothing and answers
     alike, and the model gets its own tensors back each time (same memory, same bits). A
     parameter written in place, another partition, or a budget of 0 converts again — and
     the answers follow the weights the model has. The budget is the
-    ``prism_layout_cache_bytes`` option (None: LAYOUT_CACHE_BYTES), checked when set."""
+    ``prism_layout_cache_bytes`` option (None: the larger of LAYOUT_CACHE_BYTES and half the
+    available host memory), checked when set."""
     import workbench
     from workbench.prism import execute as X
     from workbench.prism import refactor as R
@@ -835,8 +885,16 @@ def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatc
         assert run(own_memory=False)[1] == len(blocks)
     for n, p in rt.lm.model.named_parameters():
         assert torch.equal(p, before[n]), n
-    monkeypatch.setattr(X, "LAYOUT_CACHE_BYTES", 0)  # the default budget, when the option
-    X._kept.clear()  # is None
+    # the default budget (the option None): the larger of LAYOUT_CACHE_BYTES and half the
+    # host memory available
+    import workbench.runtime.device as D
+
+    assert X.layout_budget() >= max(X.LAYOUT_CACHE_BYTES, D.host_available_bytes() // 4)
+    monkeypatch.setattr(D, "host_available_bytes", lambda: 10 << 30)
+    assert X.layout_budget() == 5 << 30
+    monkeypatch.setattr(X, "LAYOUT_CACHE_BYTES", 0)
+    monkeypatch.setattr(D, "host_available_bytes", lambda: 0)
+    X._kept.clear()
     assert run(own_memory=False)[1] == len(blocks)
     with workbench.set_options(prism_layout_cache_bytes=1 << 30):  # the option over it
         assert run(own_memory=False)[1] == len(blocks)

@@ -20,8 +20,9 @@ _OPTIONS: dict[str, Any] = {
     # intra-op threads of a run on the CPU (None: $WORKBENCH_THREADS, else automatic; see
     # workbench.runtime.threads)
     "threads": None,
-    # bytes of MoE-Prism sub-expert layouts kept between runs on the host (None: the default,
-    # workbench.prism.execute.LAYOUT_CACHE_BYTES, 256 MiB; 0: convert every run)
+    # bytes of MoE-Prism sub-expert layouts kept between runs on the host (None: the larger
+    # of 256 MiB and half the host memory available, workbench.prism.execute.layout_budget;
+    # 0: convert every run)
     "prism_layout_cache_bytes": None,
 }
 

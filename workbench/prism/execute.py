@@ -114,15 +114,27 @@ def _inverse(p: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-#: sub-expert layouts kept between runs: host (CPU) tensors, up to this many bytes in a process.
-#: A run with the same refactoring then installs its layer's layout without converting, and
-#: its removal hands the model its own tensors back (kept meanwhile: 2× the layer's expert
-#: bytes while kept). Converting both ways was ≈ 8 % of a run of the embedded model (cProfile,
-#: 12 layers); past the budget (a large model), or on an accelerator, each run converts — of a
-#: random model of this architecture with 512-wide experts (2.4 GB of them), that was half of
-#: every MoE-Prism run (BENCHMARKS.md, *Wider experts*). The ``prism_layout_cache_bytes``
-#: option (``workbench.set_options``) sets another budget; None there: this one.
+#: sub-expert layouts kept between runs: host (CPU) tensors, up to at least this many bytes in
+#: a process (:func:`layout_budget`). A run with the same refactoring then installs its
+#: layer's layout without converting, and its removal hands the model its own tensors back
+#: (kept meanwhile: 2× the layer's expert bytes while kept). Converting both ways was ≈ 8 % of
+#: a run of the embedded model (cProfile, 12 layers); past the budget, or on an accelerator,
+#: each run converts — of a random model of this architecture with 512-wide experts (2.4 GB
+#: of them), that was half of every MoE-Prism run (BENCHMARKS.md, *Wider experts*).
 LAYOUT_CACHE_BYTES = 256 << 20
+
+
+def layout_budget() -> int:
+    """Bytes of sub-expert layouts kept between runs: the ``prism_layout_cache_bytes`` option
+    (``workbench.set_options``); when it is None, the larger of :data:`LAYOUT_CACHE_BYTES`
+    and half the host memory available now (asked at each layer's install, after its layout
+    was made: what is kept never takes more than about a third of what was free)."""
+    budget = get_options()["prism_layout_cache_bytes"]
+    if budget is not None:
+        return budget
+    from workbench.runtime.device import host_available_bytes
+
+    return max(LAYOUT_CACHE_BYTES, host_available_bytes() // 2)
 
 
 class _Kept(NamedTuple):
@@ -154,7 +166,7 @@ def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``module``'s (an experts module's) ``gate_up_proj``/``down_proj`` in the sub-expert
     layout (:func:`to_subexpert_layout`), and whether it is a kept one
-    (:data:`LAYOUT_CACHE_BYTES`): then the caller gives the module's parameters their own
+    (:func:`layout_budget`): then the caller gives the module's parameters their own
     tensors back at removal instead of :func:`from_subexpert_layout` (the same bits)."""
     params = (module._parameters["gate_up_proj"], module._parameters["down_proj"])
     kept = _kept.get(module)
@@ -162,10 +174,9 @@ def install_layout(module: torch.nn.Module, perm: torch.Tensor, N: int
         return (*kept.layout, True)
     _kept.pop(module, None)
     gu, d = to_subexpert_layout(params[0].data, params[1].data, perm, N)
-    budget = get_options()["prism_layout_cache_bytes"]
     if gu.device.type == "cpu" and gu.nbytes + d.nbytes + sum(
             k.layout[0].nbytes + k.layout[1].nbytes for k in _kept.values()) \
-            <= (LAYOUT_CACHE_BYTES if budget is None else budget):
+            <= layout_budget():
         _kept[module] = _Kept(tuple(weakref.ref(p) for p in params),
                               _Kept.state(params, (gu, d)), perm.clone(), N, (gu, d))
         return gu, d, True
@@ -188,7 +199,9 @@ class PrismSetup(NamedTuple):
     #: with every sub-expert of every routed expert running (k_active = N, no global K),
     #: run whole experts instead (:class:`PrismView` ``whole``)
     shortcut: bool = True
-    #: the ``prism_kernel`` knob: "fused" or "per-subexpert" (:class:`PrismView` ``kernel``)
+    #: the kernel: "fused" or "per-subexpert" (:class:`PrismView` ``kernel``; the
+    #: ``prism_kernel`` knob as :func:`~workbench.prism.knobs.choose_kernel` resolves it;
+    #: "auto" is resolved by the stage)
     kernel: str = "fused"
 
 
@@ -837,5 +850,5 @@ class PrismView:
 
 
 __all__ = ["KERNELS", "LAYOUT_CACHE_BYTES", "PrismSetup", "PrismView", "from_subexpert_layout",
-           "install_layout", "model_form", "subexpert_rows", "subexpert_shapes",
-           "to_subexpert_layout"]
+           "install_layout", "layout_budget", "model_form", "subexpert_rows",
+           "subexpert_shapes", "to_subexpert_layout"]

@@ -14,9 +14,33 @@ if TYPE_CHECKING:
     from workbench.knobs import Knobs, ModelShape
 
 
-#: the values of the ``prism_kernel`` knob (:class:`~workbench.prism.execute.PrismView`
-#: ``kernel``), the default first
+#: the kernels a live layer call can run sub-experts with
+#: (:class:`~workbench.prism.execute.PrismView` ``kernel``)
 KERNELS = ("fused", "per-subexpert")
+#: the values of the ``prism_kernel`` knob, the default first: ``auto`` is one of
+#: :data:`KERNELS`, chosen per run by :func:`choose_kernel`
+KERNEL_CHOICES = ("auto", *KERNELS)
+#: the expert width (intermediate size, columns of ``down_proj``) from which ``auto`` runs
+#: only the chosen sub-experts when some are skipped. Measured on this CPU (BENCHMARKS.md,
+#: *Wider experts*): per-subexpert was faster at k_active < N with 256- and 512-wide
+#: experts, and not reliably at the embedded model's 64 (faster at k_active 1, slower with
+#: sub-expert offloading at 1 of 4); at k_active = N fused was faster at every width.
+AUTO_PER_SUBEXPERT_WIDTH = 256
+
+
+def choose_kernel(kernel: str, *, width: int, subexperts: int, k_active: int,
+                  global_k: int | None, balance: str = "none") -> str:
+    """The kernel a run of ``prism_kernel=kernel`` runs: ``kernel`` itself unless it is
+    ``auto``; then ``per-subexpert`` where it skips work and experts are wide — some
+    sub-experts of a routed expert go unrun (``k_active`` < ``subexperts``, or a global
+    ``prism_k``) and ``width`` ≥ :data:`AUTO_PER_SUBEXPERT_WIDTH` — without ReaLB's low
+    precision (which per-subexpert refuses); else ``fused``."""
+    if kernel != "auto":
+        return kernel
+    skips = global_k is not None or k_active < subexperts
+    if skips and width >= AUTO_PER_SUBEXPERT_WIDTH and not balances(balance):
+        return "per-subexpert"
+    return "fused"
 
 
 class PrismKnobs(KnobGroup):
@@ -52,7 +76,7 @@ class PrismKnobs(KnobGroup):
             "runtime's cost, recorded as sub-experts. False: run the sub-expert path anyway "
             "(to test or time it). Not with prism_offload, which caches sub-experts.")
     prism_kernel = param.Selector(
-        objects=list(KERNELS), default=KERNELS[0],
+        objects=list(KERNEL_CHOICES), default=KERNEL_CHOICES[0],
         doc="How a live layer call runs sub-experts (the sub-expert path: prism_k_active < "
             "N, prism_k, sub-expert offloading, or prism_shortcut=False). fused: one group "
             "per expert, every sub-expert's products computed and the unchosen zeroed — the "
@@ -61,7 +85,10 @@ class PrismKnobs(KnobGroup):
             "forward, only the chosen computed (k_active / N of the multiply-adds) — faster "
             "at k_active < N where experts are wide (BENCHMARKS.md, Wider experts). The same "
             "sums in another order: equal to rounding, not bit for bit. Not with ReaLB's low "
-            "precision (its scales are per expert). Live only.")
+            "precision (its scales are per expert). auto: per-subexpert when sub-experts are "
+            "skipped (prism_k_active < N, or prism_k) and experts are at least 256 wide "
+            "(without ReaLB's low precision), else fused — fused on the embedded model. "
+            "Live only.")
     prism_router = param.String(
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "
@@ -109,7 +136,7 @@ class PrismKnobs(KnobGroup):
             raise KnobError("prism_router chooses sub-experts: set prism=True too")
         if not self.prism:
             return
-        if self.prism_kernel != "fused" and balances(getattr(knobs, "balance", "none")):
+        if self.prism_kernel == "per-subexpert" and balances(getattr(knobs, "balance", "none")):
             raise KnobError(f"prism_kernel={self.prism_kernel!r} with balance="
                             f"{knobs.balance!r} is not built (ReaLB quantises each expert "
                             f"with its own scales; this kernel's groups are sub-experts): "
@@ -124,4 +151,4 @@ class PrismKnobs(KnobGroup):
 _READS = {"pred_ids": "the routers' lookahead", "predicted_ids": "the predictor's outputs",
           "future": "the trace's future"}
 
-__all__ = ["KERNELS", "PrismKnobs"]
+__all__ = ["AUTO_PER_SUBEXPERT_WIDTH", "KERNELS", "KERNEL_CHOICES", "PrismKnobs", "choose_kernel"]

@@ -21,7 +21,7 @@ import torch
 
 from workbench.knobs import Knobs
 from workbench.models.adapter import MoEBlock
-from workbench.prism.knobs import PrismKnobs
+from workbench.prism.knobs import PrismKnobs, choose_kernel
 from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 
 
@@ -59,8 +59,11 @@ class SubExpertStage(Stage):
 
             router = torch.as_tensor(load_router(pk.prism_router, lm, ref).weight)
         N = ref.subexperts
+        kernel = choose_kernel(pk.prism_kernel, width=int(ref.perm.shape[-1]), subexperts=N,
+                               k_active=k_active, global_k=pk.prism_k,
+                               balance=getattr(knobs, "balance", "none"))
         ps = PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active,
-                        pk.prism_k, router, bool(pk.prism_shortcut), pk.prism_kernel)
+                        pk.prism_k, router, bool(pk.prism_shortcut), kernel)
         return cls(ps, N if pk.prism_offload else 1, run.prices, run.device)
 
     @classmethod
@@ -68,6 +71,11 @@ class SubExpertStage(Stage):
         ps = setup.prism
         if ps is None:
             return None
+        if ps.kernel == "auto":  # ReaLB's controller (any) runs experts in low precision
+            ps = ps._replace(kernel=choose_kernel(
+                "auto", width=int(ps.perm.shape[-1]), subexperts=ps.subexperts,
+                k_active=ps.k_active, global_k=ps.global_k,
+                balance="none" if setup.balance is None else "realb"))
         return cls(ps, ps.subexperts if setup.prism_offload else 1, setup.prices, setup.device)
 
     def store_dims(self) -> dict[str, int]:
