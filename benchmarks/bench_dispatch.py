@@ -12,6 +12,7 @@ cache (answers never depend on it). Everything is measured.
     python benchmarks/bench_dispatch.py [--n 60] [--gammas 0.5,1,1.8,5] [--json OUT]
     python benchmarks/bench_dispatch.py --speed 7 [--batch 8] [--only topk,macs] [--json OUT]
     python benchmarks/bench_dispatch.py --ep-summary 25 [--json OUT]
+    python benchmarks/bench_dispatch.py --macs-parts 9 [--json OUT]
 
 ``--speed`` times whichever ``workbench`` is imported: run it with ``PYTHONPATH`` pointing at
 another tree to compare two versions of the code with the same harness.
@@ -172,6 +173,75 @@ def ep_summary_speed(repeats: int) -> dict:
     return out
 
 
+def macs_parts(repeats: int) -> dict:
+    """Where MACS's live dispatch spends a run (a mixed batch of 8, 16 new tokens, γ0 = 1, 8
+    ranks, every switch on, every expert cached): each part's summed wall seconds in one run,
+    median of ``repeats`` runs after one warm-up, in ms (measured; ``perf_counter`` around each
+    call, so a part includes the parts it calls). Runs with any tree (``PYTHONPATH``): a part
+    the tree lacks is left out. The dispatch's share of a run is ``DispatchStage.route`` plus
+    the set-up (``DispatchStage.from_knobs``, and ``Runtime.macs_calibration`` as the knob
+    check calls it)."""
+    import functools
+    import statistics
+    import tempfile
+
+    from workbench.models.adapter import MoEBlock
+    from workbench.runtime.runtime import Runtime
+    from workbench.runtime.stages.dispatch import DispatchStage
+    from workbench.sim import dispatch as SD
+    from workbench.sim import macs as SM
+
+    acc: dict[str, float] = {}
+
+    def timed(owner, name: str, label: str) -> None:
+        f = getattr(owner, name, None)
+        if f is None:
+            return
+
+        @functools.wraps(f)
+        def w(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t0
+        # a classmethod's getattr is bound already: the plain wrapper, called on the class,
+        # passes its arguments through
+        setattr(owner, name, w)
+
+    parts = [(DispatchStage, "route"), (DispatchStage, "_context"),
+             (DispatchStage, "from_knobs"), (Runtime, "macs_calibration"),
+             (SD.Macs, "fits"), (SD.Macs, "apply_weighted"), (SM, "semantic_weights"),
+             (SM, "macs_group"), (MoEBlock, "route")]
+    saved = [(o, n, o.__dict__.get(n)) for o, n in parts]
+    for o, n in parts:
+        timed(o, n, f"{o.__name__.rsplit('.', 1)[-1]}.{n}")
+    rt, knobs = _speed_setup()
+    reqs = workbench.mixed_batch(8, text_share=0.5, seed=1)
+    runs: list[dict[str, float]] = []
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            for r in range(repeats + 1):
+                acc.clear()
+                t0 = time.perf_counter()
+                rt.run(reqs, store=f"{d}/{r}.zarr", **knobs, dispatch="macs",
+                       capacity_factor=1.0, ep_ranks=8)
+                acc["the run"] = time.perf_counter() - t0
+                if r:
+                    runs.append(dict(acc))
+    finally:
+        for o, n, f in saved:
+            if f is not None:
+                setattr(o, n, f)
+    out = {k: statistics.median(x.get(k, 0.0) for x in runs) * 1e3
+           for k in sorted({k for x in runs for k in x})}
+    print(f"MACS's live dispatch in a run of a mixed batch of 8, median of {repeats} (ms, "
+          f"measured; workbench from {Path(workbench.__file__).parent.parent}):")
+    for k, ms in out.items():
+        print(f"  {k}: {ms:.1f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=60, help="held-out questions")
@@ -188,7 +258,14 @@ def main() -> None:
                          "comma, e.g. topk,macs; default: all)")
     ap.add_argument("--ep-summary", type=int, default=0, metavar="REPEATS",
                     help="instead: the wall time of a run's EP summary and its parts")
+    ap.add_argument("--macs-parts", type=int, default=0, metavar="REPEATS",
+                    help="instead: where MACS's live dispatch spends a run")
     a = ap.parse_args()
+    if a.macs_parts:
+        res = macs_parts(a.macs_parts)
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     if a.ep_summary:
         res = ep_summary_speed(a.ep_summary)
         if a.json:

@@ -758,6 +758,9 @@ def test_the_per_subexpert_kernel_runs_what_the_fused_one_does(embedded, tmp_pat
                 for kernel in ("fused", "per-subexpert")}
         a, b = (workbench.open_run(tmp_path / f"{name}-{k}.zarr") for k in runs)
         assert json.loads(b.attrs["knob.prism_kernel"]) == "per-subexpert"  # stored
+        assert (a.attrs["prism_kernel_run"], b.attrs["prism_kernel_run"]) == (
+            "fused", "per-subexpert") == (runs["fused"].prism_kernel,
+                                          runs["per-subexpert"].prism_kernel)
         assert ([r["token_ids"] for r in runs["fused"].batch]
                 == [r["token_ids"] for r in runs["per-subexpert"].batch]), name
         for var in ("subexpert_ran", "subexpert_tokens", "hits", "misses", "evictions",
@@ -823,6 +826,8 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     fused, n = ran(prism_kernel="fused")
     assert n == 0
     assert ran() == (fused, 0)  # auto on 64-wide experts: fused, the same run
+    assert rt.run("the quick brown fox", **kw).prism_kernel == "fused"  # what ran
+    assert rt.run("the quick brown fox", max_new_tokens=1, record=False).prism_kernel is None
     monkeypatch.setattr(PK, "AUTO_PER_SUBEXPERT_WIDTH", 64)  # as if these were wide
     per_sub = ran(prism_kernel="per-subexpert")
     assert per_sub[1] > 0 and ran() == per_sub

@@ -81,6 +81,14 @@ class SubExpertStage(Stage):
     def store_dims(self) -> dict[str, int]:
         return {"subexperts": self.prism.subexperts}
 
+    def record(self, result) -> None:
+        result.prism_kernel = self.prism.kernel
+
+    @classmethod
+    def store_attrs(cls, result) -> dict[str, str]:
+        """``prism_kernel_run``: the kernel that ran (``knob.prism_kernel`` may say auto)."""
+        return {} if result.prism_kernel is None else {"prism_kernel_run": result.prism_kernel}
+
     @property
     def subexperts_asked(self) -> int:
         return sum(v.asked for v in self.views.values())
