@@ -796,16 +796,17 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     from workbench.prism import refactor as R
     from workbench.prism.execute import PrismView
 
-    pick = dict(subexperts=4, k_active=2, global_k=None)
+    pick = dict(subexperts=4, k_active=2, global_k=None, top_k=4)
     assert PK.choose_kernel("auto", width=512, **pick) == "per-subexpert"
     assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH, **pick) == \
         "per-subexpert"
     assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH - 1, **pick) == "fused"
-    assert PK.choose_kernel("auto", width=512, subexperts=4, k_active=4, global_k=None) == \
-        "fused"
-    assert PK.choose_kernel("auto", width=512, subexperts=4, k_active=4, global_k=6) == \
-        "per-subexpert"
+    every = dict(subexperts=4, k_active=4, top_k=4)
+    assert PK.choose_kernel("auto", width=512, global_k=None, **every) == "fused"
+    assert PK.choose_kernel("auto", width=512, global_k=6, **every) == "per-subexpert"
+    assert PK.choose_kernel("auto", width=512, global_k=16, **every) == "fused"  # all of them
     assert PK.choose_kernel("auto", width=512, balance="realb", **pick) == "fused"
+    assert PK.choose_kernel("auto", width=512, device="cuda", **pick) == "fused"  # unmeasured
     for k in PK.KERNELS:  # a kernel named is the kernel run
         assert PK.choose_kernel(k, width=1, **pick) == k
 
@@ -827,6 +828,8 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     assert n == 0
     assert ran() == (fused, 0)  # auto on 64-wide experts: fused, the same run
     assert rt.run("the quick brown fox", **kw).prism_kernel == "fused"  # what ran
+    shortcut = rt.run("the quick brown fox", **{**kw, "prism_k_active": None})
+    assert shortcut.prism_kernel == "shortcut"  # whole experts: no sub-expert kernel
     assert rt.run("the quick brown fox", max_new_tokens=1, record=False).prism_kernel is None
     monkeypatch.setattr(PK, "AUTO_PER_SUBEXPERT_WIDTH", 64)  # as if these were wide
     per_sub = ran(prism_kernel="per-subexpert")

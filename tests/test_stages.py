@@ -181,6 +181,26 @@ def test_token_compression_is_a_stage_off_without_pruning_or_visual_tokens():
         assert isinstance(cls.store_attrs(SimpleNamespace(
             visual_tokens=0, kept_visual_tokens=0, compression_select_s=0.0,
             compression_saliency_s=0.0)), dict)
+        assert isinstance(cls.store_attrs(SimpleNamespace(
+            visual_tokens=0, kept_visual_tokens=0, compression_select_s=0.0,
+            compression_saliency_s=0.0, prism_kernel=None)), dict)
+
+
+def test_a_prism_setup_given_auto_gets_the_kernel_the_knob_would():
+    """The keyword path (``Offloader(prism=PrismSetup(kernel="auto"))``) resolves ``auto`` as
+    a run's knobs do: per-subexpert for wide experts with sub-experts skipped on the CPU,
+    fused with ReaLB's controller or at k_active = N."""
+    from workbench.prism.execute import PrismSetup
+    from workbench.runtime.stages.subexperts import SubExpertStage
+
+    def kernel(width, k_active=2, **kw):
+        ps = PrismSetup(torch.zeros(1, 4, width, dtype=torch.long), torch.zeros(1, 4, 4, 1),
+                        4, k_active, kernel="auto")
+        return SubExpertStage.from_setup(_setup(prism=ps, **kw)).prism.kernel
+
+    assert kernel(256) == "per-subexpert" and kernel(64) == "fused"
+    assert kernel(256, k_active=4) == "fused"
+    assert kernel(256, balance=object()) == "fused"
 
 
 def test_policies_from_their_knob_groups_equal_the_signature_matched_ones():

@@ -127,8 +127,10 @@ LAYOUT_CACHE_BYTES = 256 << 20
 def layout_budget() -> int:
     """Bytes of sub-expert layouts kept between runs: the ``prism_layout_cache_bytes`` option
     (``workbench.set_options``); when it is None, the larger of :data:`LAYOUT_CACHE_BYTES`
-    and half the host memory available now (asked at each layer's install, after its layout
-    was made: what is kept never takes more than about a third of what was free)."""
+    and half the host memory available now
+    (:func:`~workbench.runtime.device.host_available_bytes`, a memory cgroup's limit
+    included), asked at each layer's install after its layout was made: beyond the 256 MiB
+    floor, what is kept stays under about a third of what was free."""
     budget = get_options()["prism_layout_cache_bytes"]
     if budget is not None:
         return budget

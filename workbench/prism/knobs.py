@@ -22,23 +22,29 @@ KERNELS = ("fused", "per-subexpert")
 KERNEL_CHOICES = ("auto", *KERNELS)
 #: the expert width (intermediate size, columns of ``down_proj``) from which ``auto`` runs
 #: only the chosen sub-experts when some are skipped. Measured on this CPU (BENCHMARKS.md,
-#: *Wider experts*): per-subexpert was faster at k_active < N with 256- and 512-wide
-#: experts, and not reliably at the embedded model's 64 (faster at k_active 1, slower with
-#: sub-expert offloading at 1 of 4); at k_active = N fused was faster at every width.
+#: *Wider experts* and *prism_kernel=auto*): per-subexpert was faster at k_active < N with
+#: 256- and 512-wide experts whose sub-expert layouts are kept between runs (as the default
+#: layout budget keeps them where the host memory allows), and not reliably at the embedded
+#: model's 64 (faster at k_active 1, slower with sub-expert offloading at 1 of 4); at
+#: k_active = N fused was faster at every width. Not measured on an accelerator: ``auto`` is
+#: fused there.
 AUTO_PER_SUBEXPERT_WIDTH = 256
 
 
 def choose_kernel(kernel: str, *, width: int, subexperts: int, k_active: int,
-                  global_k: int | None, balance: str = "none") -> str:
+                  global_k: int | None, top_k: int, device: str = "cpu",
+                  balance: str = "none") -> str:
     """The kernel a run of ``prism_kernel=kernel`` runs: ``kernel`` itself unless it is
-    ``auto``; then ``per-subexpert`` where it skips work and experts are wide — some
+    ``auto``; then ``per-subexpert`` where it skips work on wide experts on the CPU — some
     sub-experts of a routed expert go unrun (``k_active`` < ``subexperts``, or a global
-    ``prism_k``) and ``width`` ≥ :data:`AUTO_PER_SUBEXPERT_WIDTH` — without ReaLB's low
-    precision (which per-subexpert refuses); else ``fused``."""
+    ``prism_k`` below ``top_k`` × ``subexperts``), ``width`` ≥
+    :data:`AUTO_PER_SUBEXPERT_WIDTH`, ``device`` (a ``torch.device`` type) ``cpu`` — without
+    ReaLB's low precision (which per-subexpert refuses); else ``fused``."""
     if kernel != "auto":
         return kernel
-    skips = global_k is not None or k_active < subexperts
-    if skips and width >= AUTO_PER_SUBEXPERT_WIDTH and not balances(balance):
+    skips = k_active < subexperts if global_k is None else global_k < top_k * subexperts
+    if skips and width >= AUTO_PER_SUBEXPERT_WIDTH and device == "cpu" \
+            and not balances(balance):
         return "per-subexpert"
     return "fused"
 
@@ -85,10 +91,10 @@ class PrismKnobs(KnobGroup):
             "forward, only the chosen computed (k_active / N of the multiply-adds) — faster "
             "at k_active < N where experts are wide (BENCHMARKS.md, Wider experts). The same "
             "sums in another order: equal to rounding, not bit for bit. Not with ReaLB's low "
-            "precision (its scales are per expert). auto: per-subexpert when sub-experts are "
-            "skipped (prism_k_active < N, or prism_k) and experts are at least 256 wide "
-            "(without ReaLB's low precision), else fused — fused on the embedded model. "
-            "Live only.")
+            "precision (its scales are per expert). auto: per-subexpert on the CPU when "
+            "sub-experts are skipped (prism_k_active < N, or prism_k below top-k × N) and "
+            "experts are at least 256 wide (without ReaLB's low precision), else fused — "
+            "fused on the embedded model. Live only.")
     prism_router = param.String(
         default=None, allow_None=True,
         doc="Folder of a trained sub-expert gate (workbench.prism.finetune, seed §4.3.2) that "
@@ -140,7 +146,7 @@ class PrismKnobs(KnobGroup):
             raise KnobError(f"prism_kernel={self.prism_kernel!r} with balance="
                             f"{knobs.balance!r} is not built (ReaLB quantises each expert "
                             f"with its own scales; this kernel's groups are sub-experts): "
-                            f"set prism_kernel='fused', or balance='none'")
+                            f"set prism_kernel='fused' or 'auto', or balance='none'")
         if self.prism_offload and balances(getattr(knobs, "balance", "none")):
             raise KnobError(f"prism_offload=True with balance={knobs.balance!r} is not built "
                             f"yet (ReaLB picks whole experts' precision per rank): set "

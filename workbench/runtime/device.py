@@ -17,15 +17,38 @@ def device_budget(device: torch.device) -> float:
 
 
 def host_available_bytes() -> int:
-    """Host memory available to new allocations now, in bytes (the kernel's estimate,
-    MemAvailable on Linux, through psutil, which dask's ``distributed`` brings; else the free
-    pages ``sysconf`` reports; 0 when neither answers)."""
+    """Host memory available to new allocations now, in bytes: the kernel's estimate
+    (MemAvailable on Linux, through psutil; else the free pages ``sysconf`` reports), and no
+    more than the headroom of the process's memory cgroup when it has a limit (a container or
+    a batch job's: the host's figure does not see it); 0 when nothing answers."""
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        avail = int(psutil.virtual_memory().available)
     except Exception:  # noqa: BLE001 — no psutil, or no answer on this platform
         try:
-            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            avail = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError, AttributeError):
             return 0
+    room = _cgroup_headroom()
+    return avail if room is None else max(0, min(avail, room))
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the process's memory cgroup may still use (limit − usage), None without a
+    limit: cgroup v2 (``memory.max``, ``memory.current``), else v1 (``limit_in_bytes``,
+    ``usage_in_bytes``), of the cgroup mounted at /sys/fs/cgroup."""
+    base = "/sys/fs/cgroup"
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{base}/{limit}") as f:
+                lim = f.read(64).strip()
+            with open(f"{base}/{usage}") as f:
+                used = int(f.read(64).strip())
+        except (OSError, ValueError):
+            continue
+        if lim == "max" or not lim.isdigit() or int(lim) >= 1 << 60:  # no limit (v1: huge)
+            return None
+        return int(lim) - used
+    return None

@@ -65,8 +65,9 @@ class RunResult:
     #: routed slot) and those that ran (k_active of them); 0 when off
     subexperts_asked: int = 0
     subexperts_ran: int = 0
-    #: MoE-Prism: the kernel the layer calls ran sub-experts with ("fused" or
-    #: "per-subexpert": the ``prism_kernel`` knob, ``auto`` resolved); None when off
+    #: MoE-Prism: how the layer calls ran sub-experts — "fused" or "per-subexpert" (the
+    #: ``prism_kernel`` knob, ``auto`` resolved), or "shortcut" (every sub-expert active:
+    #: whole experts through the model's own forward, no sub-expert kernel); None when off
     prism_kernel: str | None = None
     # visual-token compression (compression ≠ none): visual tokens of the prompt and how many
     # reached the layers after the pinned prefix; measured seconds of the selection (prefix

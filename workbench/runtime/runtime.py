@@ -140,7 +140,9 @@ class Runtime:
         one, :meth:`~workbench.sim.dispatch.Dispatch.calibration_needed`: MACS with dynamic
         capacity or rerouting; the ``macs_calibration`` folder, else the model's default),
         checked against this model; None when the run needs none. ``policy``: the run's, when
-        made already."""
+        made already. The runtime keeps the one it loaded (every run reads it twice: the knob
+        check, then the set-up) until either file is rewritten or replaced, so the object is
+        shared: its arrays are read-only."""
         if not (policy or self.dispatch(knobs)).calibration_needed():
             return None
         from workbench.fileio import file_identity

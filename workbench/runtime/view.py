@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class RuntimeView(Protocol):
     """The Runtime as a run uses it: the model, the carried ReaLB state, and its per-knobs
     plans (slots, budgets, predictor, MACS calibration, store attrs). Read only: a run never
-    changes its Runtime."""
+    changes its Runtime (the Runtime keeps what it loaded for later runs — the predictor, the
+    MACS calibration — which changes no answer)."""
 
     lm: "LoadedModel"
     realb_carry: Any

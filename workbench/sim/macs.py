@@ -76,15 +76,21 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.ndarray | None,
                      delta: float) -> np.ndarray:
     """w(x) [T, L]: σ(−δ·H̃) for visual tokens (H z-scored over each image's visual tokens,
-    per layer), 1 for text. ``entropy`` [T, L].
+    per layer), 1 for text. ``entropy`` [T, L]; ``image_of`` [T] the image of each visual
+    token (:func:`image_runs`; a text token's entry is not read), None: one image.
 
     The visual tokens are gathered image by image once (a stable sort keeps each image's in
     token order), each image's mean and population standard deviation are numpy's own
     ``mean(0)`` and ``std(0)`` steps on that block (the same sums in the same order, so the
-    same bits: tested), and one σ runs over them all."""
+    same bits as z-scoring each image's visual tokens with them: tested), and one σ runs over
+    them all."""
     H = np.asarray(entropy, np.float64)
     w = np.ones_like(H)
     vis = np.asarray(modality) != 0
+    for name, a in (("modality", vis), ("image_of", image_of)):
+        if a is not None and np.shape(a) != H.shape[:1]:
+            raise ValueError(f"semantic_weights: {name} has shape {np.shape(a)}, the entropy "
+                             f"{H.shape}: expected one entry per token ({H.shape[0]})")
     idx = np.flatnonzero(vis)
     if not len(idx):
         return w

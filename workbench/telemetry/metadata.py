@@ -203,6 +203,7 @@ _FIELDS: dict[str, tuple[str, bool, Callable[[str, Any], Any]]] = {
     "compression_kept_visual_tokens": ("compression_kept_visual_tokens", False, _whole),
     "compression_select_s": ("compression_select_s", False, _number),
     "compression_saliency_s": ("compression_saliency_s", False, _number),
+    "prism_kernel_run": ("prism_kernel_run", False, _text),
 }
 #: fields that read as an empty tuple (not None) when their attribute is missing
 _EMPTY = ("images", "image_grid_thw", "requests")
@@ -264,6 +265,9 @@ class RunMetadata:
     compression_kept_visual_tokens: int | None = None
     compression_select_s: float | None = None
     compression_saliency_s: float | None = None
+    #: MoE-Prism: how sub-experts ran ("fused", "per-subexpert" or "shortcut"; the knob
+    #: ``prism_kernel`` may say "auto"); None without MoE-Prism or before stop 56
+    prism_kernel_run: str | None = None
     problems: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     # -- reading -----------------------------------------------------------------------------

@@ -53,10 +53,16 @@ class DispatchStage(Stage):
             self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
         self.dispatch_rerouted = self.dispatch_added = 0
-        #: the unit-norm centroids [L, E, D] (float32), normalised in one operation: the
-        #: same bits as normalising each layer's (the reduction runs along D alone)
-        self._unit_centroids = (None if centroids is None else
-                                torch.nn.functional.normalize(centroids.float(), dim=-1))
+        #: the unit-norm centroids [L, E, D] (float32), once a run. On the CPU in one
+        #: operation: the same bits as normalising each layer's (checked for D up to 40 000;
+        #: the reduction runs along D alone); elsewhere layer by layer, as before, since a
+        #: GPU's reduction may split rows by how many there are
+        self._unit_centroids = None
+        if centroids is not None:
+            c = centroids.float()
+            norm = torch.nn.functional.normalize
+            self._unit_centroids = (norm(c, dim=-1) if c.device.type == "cpu" else
+                                    torch.stack([norm(x, dim=-1) for x in c]))
         #: ``((the step's modality, request, real rows), T, (modality, image of each
         #: token))`` of the rows dispatched last (:meth:`_tokens`)
         self._tokens_of: tuple | None = None

@@ -25,6 +25,16 @@ from workbench.prism.knobs import PrismKnobs, choose_kernel
 from workbench.runtime.stages.base import LayerCall, RunContext, Stage, StageSetup
 
 
+def _resolved(ps, top_k: int, device: torch.device, balance: str):
+    """``ps`` (a :class:`~workbench.prism.execute.PrismSetup`) with its kernel ``auto``
+    resolved (:func:`~workbench.prism.knobs.choose_kernel`) for experts as wide as its
+    permutation."""
+    kernel = choose_kernel(ps.kernel, width=int(ps.perm.shape[-1]), subexperts=ps.subexperts,
+                           k_active=ps.k_active, global_k=ps.global_k, top_k=int(top_k),
+                           device=torch.device(device).type, balance=balance)
+    return ps if kernel == ps.kernel else ps._replace(kernel=kernel)
+
+
 class SubExpertStage(Stage):
     """MoE-Prism's views (one per MoE layer), the layout change, and the per-call pricing of
     the sub-experts each view chose; counts the sub-experts asked for and run, over the run."""
@@ -59,11 +69,9 @@ class SubExpertStage(Stage):
 
             router = torch.as_tensor(load_router(pk.prism_router, lm, ref).weight)
         N = ref.subexperts
-        kernel = choose_kernel(pk.prism_kernel, width=int(ref.perm.shape[-1]), subexperts=N,
-                               k_active=k_active, global_k=pk.prism_k,
-                               balance=getattr(knobs, "balance", "none"))
         ps = PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active,
-                        pk.prism_k, router, bool(pk.prism_shortcut), kernel)
+                        pk.prism_k, router, bool(pk.prism_shortcut), pk.prism_kernel)
+        ps = _resolved(ps, lm.layout.top_k, run.device, getattr(knobs, "balance", "none"))
         return cls(ps, N if pk.prism_offload else 1, run.prices, run.device)
 
     @classmethod
@@ -71,23 +79,25 @@ class SubExpertStage(Stage):
         ps = setup.prism
         if ps is None:
             return None
-        if ps.kernel == "auto":  # ReaLB's controller (any) runs experts in low precision
-            ps = ps._replace(kernel=choose_kernel(
-                "auto", width=int(ps.perm.shape[-1]), subexperts=ps.subexperts,
-                k_active=ps.k_active, global_k=ps.global_k,
-                balance="none" if setup.balance is None else "realb"))
+        # ReaLB's controller (any) runs experts in low precision
+        ps = _resolved(ps, setup.layout.top_k, setup.device,
+                       "none" if setup.balance is None else "realb")
         return cls(ps, ps.subexperts if setup.prism_offload else 1, setup.prices, setup.device)
 
     def store_dims(self) -> dict[str, int]:
         return {"subexperts": self.prism.subexperts}
 
     def record(self, result) -> None:
-        result.prism_kernel = self.prism.kernel
+        ps = self.prism
+        # every layer on the shortcut: whole experts through the model's own forward
+        result.prism_kernel = ("shortcut" if self.views and all(
+            v.whole for v in self.views.values()) else ps.kernel)
 
     @classmethod
     def store_attrs(cls, result) -> dict[str, str]:
-        """``prism_kernel_run``: the kernel that ran (``knob.prism_kernel`` may say auto)."""
-        return {} if result.prism_kernel is None else {"prism_kernel_run": result.prism_kernel}
+        """``prism_kernel_run``: how sub-experts ran (``knob.prism_kernel`` may say auto)."""
+        kernel = getattr(result, "prism_kernel", None)
+        return {} if kernel is None else {"prism_kernel_run": kernel}
 
     @property
     def subexperts_asked(self) -> int:
