@@ -36,7 +36,8 @@ from workbench.knobs import Knobs
 KNOBS = {"transfer_order": ("fifo", "demand-first"),
          "offload_unit": ("expert", "layerwise", "layerwise-prefetch"),
          "capacity_scope": ("prefill", "all"),
-         "low_precision_down_input": ("quantised", "native")}
+         "low_precision_down_input": ("quantised", "native"),
+         "prism_kernel": ("auto", "fused", "per-subexpert")}
 HUGE = "x" * 100_000
 MAX_LINE = 400  # a message names the value cut short, not all of it
 

@@ -655,7 +655,8 @@ _MISSING = object()
 #: knobs whose default is not what a store written before the knob existed ran with: that
 #: store (no ``knob.<name>`` attribute) reads back with this value, so its replay stays exact
 PREDATING: dict[str, Any] = {"transfer_order": "fifo", "low_precision_down_input": "native",
-                             "offload_unit": "expert", "capacity_scope": "all"}
+                             "offload_unit": "expert", "capacity_scope": "all",
+                             "prism_kernel": "fused"}
 
 
 class Knobs:

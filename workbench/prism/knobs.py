@@ -24,10 +24,10 @@ KERNEL_CHOICES = ("auto", *KERNELS)
 #: only the chosen sub-experts when some are skipped. Measured on this CPU (BENCHMARKS.md,
 #: *Wider experts* and *prism_kernel=auto*): per-subexpert was faster at k_active < N with
 #: 256- and 512-wide experts whose sub-expert layouts are kept between runs (as the default
-#: layout budget keeps them where the host memory allows), and not reliably at the embedded
-#: model's 64 (faster at k_active 1, slower with sub-expert offloading at 1 of 4); at
-#: k_active = N fused was faster at every width. Not measured on an accelerator: ``auto`` is
-#: fused there.
+#: layout budget keeps them where the host memory allows); at 128 it was slower in every
+#: setting but sub-expert offloading at 1 of 4, at the embedded model's 64 not reliably
+#: faster; at k_active = N fused was faster at every width. Not measured on an accelerator:
+#: ``auto`` is fused there.
 AUTO_PER_SUBEXPERT_WIDTH = 256
 
 
