@@ -827,9 +827,13 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     fused, n = ran(prism_kernel="fused")
     assert n == 0
     assert ran() == (fused, 0)  # auto on 64-wide experts: fused, the same run
-    assert rt.run("the quick brown fox", **kw).prism_kernel == "fused"  # what ran
+    out = rt.run("the quick brown fox", **kw)
+    assert out.prism_kernel == "fused"  # what ran, and what the summary says
+    assert "by the fused kernel (prism_kernel=auto)" in out.summary()
+    assert f"{out.subexperts_ran} of {out.subexperts_asked} (token, sub-expert)" in out.summary()
     shortcut = rt.run("the quick brown fox", **{**kw, "prism_k_active": None})
     assert shortcut.prism_kernel == "shortcut"  # whole experts: no sub-expert kernel
+    assert "as whole experts (the shortcut)" in shortcut.summary()
     assert rt.run("the quick brown fox", max_new_tokens=1, record=False).prism_kernel is None
     monkeypatch.setattr(PK, "AUTO_PER_SUBEXPERT_WIDTH", 64)  # as if these were wide
     per_sub = ran(prism_kernel="per-subexpert")

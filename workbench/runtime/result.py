@@ -164,7 +164,7 @@ class RunResult:
 
     def _feature_lines(self, k: dict[str, Any]) -> list[str]:
         """The summary's lines of the features that are on (hybrid, compression, dispatch,
-        balance)."""
+        MoE-Prism, balance)."""
         lines: list[str] = []
         if k.get("hybrid"):
             # why a hybrid run's numbers look as they do (issue 13): host runs move no expert
@@ -195,6 +195,15 @@ class RunResult:
                          + (f", added {self.dispatch_added} beyond the top-k (expanded "
                             f"candidates)" if _is(DISPATCH, k.get("dispatch"), "widens", False)
                             else ""))
+        if self.prism_kernel is not None:
+            share = self.subexperts_ran / self.subexperts_asked if self.subexperts_asked else 0
+            lines.append(f"prism (k_active {k.get('prism_k_active') or 'all'}"
+                         + (f", prism_k {k['prism_k']}" if k.get("prism_k") else "")
+                         + f"): {self.subexperts_ran} of {self.subexperts_asked} (token, "
+                         f"sub-expert) runs ran ({share:.0%}); sub-experts ran "
+                         + ("as whole experts (the shortcut)" if self.prism_kernel == "shortcut"
+                            else f"by the {self.prism_kernel} kernel")
+                         + (" (prism_kernel=auto)" if k.get("prism_kernel") == "auto" else ""))
         if "balance" in k and balances(k["balance"]):
             lines.append(f"balance {k.get('balance')} ({k.get('low_precision')}, emulated by "
                          f"fake_quant): {self.low_precision_runs} expert computations in low "
