@@ -841,6 +841,30 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     assert ran(prism_k_active=None, prism_shortcut=False)[1] == 0  # k_active = N: fused
 
 
+def test_the_host_memory_figure_sees_a_memory_cgroups_limit(tmp_path, monkeypatch):
+    """The layout budget's available memory is capped by a memory cgroup's headroom (v2's
+    memory.max − memory.current, else v1's limit − usage): a container's limit, which the
+    host's MemAvailable does not see; no limit ("max", v1's huge number, no files): None."""
+    import workbench.runtime.device as D
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    v2.mkdir()
+    assert D._cgroup_headroom(str(tmp_path / "none")) is None
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("1000\n")
+    assert D._cgroup_headroom(str(v2)) is None
+    (v2 / "memory.max").write_text(f"{3 << 30}\n")
+    assert D._cgroup_headroom(str(v2)) == (3 << 30) - 1000
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5\n")
+    assert D._cgroup_headroom(str(v1)) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("105\n")
+    assert D._cgroup_headroom(str(v1)) == 100
+    monkeypatch.setattr(D, "_cgroup_headroom", lambda: 1 << 20)  # a container: 1 MiB left
+    assert D.host_available_bytes() == 1 << 20
+
+
 def test_a_kept_layout_is_reused_and_never_stale(tiny_ckpt, tmp_path, monkeypatch):
     """The sub-expert layout is converted once per model and partition and kept between runs
     (host tensors, within the layout budget): a second run converts nothing and answers

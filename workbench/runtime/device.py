@@ -34,11 +34,10 @@ def host_available_bytes() -> int:
     return avail if room is None else max(0, min(avail, room))
 
 
-def _cgroup_headroom() -> int | None:
+def _cgroup_headroom(base: str = "/sys/fs/cgroup") -> int | None:
     """Bytes the process's memory cgroup may still use (limit − usage), None without a
     limit: cgroup v2 (``memory.max``, ``memory.current``), else v1 (``limit_in_bytes``,
-    ``usage_in_bytes``), of the cgroup mounted at /sys/fs/cgroup."""
-    base = "/sys/fs/cgroup"
+    ``usage_in_bytes``), of the cgroup mounted at ``base``."""
     for limit, usage in (("memory.max", "memory.current"),
                          ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         try:
