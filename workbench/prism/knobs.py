@@ -157,4 +157,5 @@ class PrismKnobs(KnobGroup):
 _READS = {"pred_ids": "the routers' lookahead", "predicted_ids": "the predictor's outputs",
           "future": "the trace's future"}
 
-__all__ = ["AUTO_PER_SUBEXPERT_WIDTH", "KERNELS", "KERNEL_CHOICES", "PrismKnobs", "choose_kernel"]
+__all__ = ["AUTO_PER_SUBEXPERT_WIDTH", "KERNELS", "KERNEL_CHOICES", "PrismKnobs",
+           "choose_kernel"]
