@@ -170,6 +170,11 @@ def test_semantic_weights_are_numpys_z_score_bit_for_bit():
         delta = float(rng.choice([0.0, 1.5, 3.0]))
         assert semantic_weights(H, mod, img, delta).tobytes() == \
             reference(H, mod, img, delta).tobytes()
+    for bad in (dict(modality=np.ones(3, np.int8)), dict(image_of=np.zeros(5, np.int64))):
+        args = dict(entropy=np.ones((4, 1)), modality=np.ones(4, np.int8), image_of=None,
+                    delta=1.5) | bad
+        with pytest.raises(ValueError, match=f"semantic_weights: {next(iter(bad))} has shape"):
+            semantic_weights(**args)
 
 
 def test_capacity_of_one_group_is_the_array_forms():

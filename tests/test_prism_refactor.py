@@ -796,17 +796,17 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
     from workbench.prism import refactor as R
     from workbench.prism.execute import PrismView
 
-    pick = dict(subexperts=4, k_active=2, global_k=None, top_k=4)
+    pick = dict(subexperts=4, k_active=2, global_k=None, top_k=4, device="cpu")
     assert PK.choose_kernel("auto", width=512, **pick) == "per-subexpert"
     assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH, **pick) == \
         "per-subexpert"
     assert PK.choose_kernel("auto", width=PK.AUTO_PER_SUBEXPERT_WIDTH - 1, **pick) == "fused"
-    every = dict(subexperts=4, k_active=4, top_k=4)
+    every = dict(subexperts=4, k_active=4, top_k=4, device="cpu")
     assert PK.choose_kernel("auto", width=512, global_k=None, **every) == "fused"
     assert PK.choose_kernel("auto", width=512, global_k=6, **every) == "per-subexpert"
     assert PK.choose_kernel("auto", width=512, global_k=16, **every) == "fused"  # all of them
     assert PK.choose_kernel("auto", width=512, balance="realb", **pick) == "fused"
-    assert PK.choose_kernel("auto", width=512, device="cuda", **pick) == "fused"  # unmeasured
+    assert PK.choose_kernel("auto", width=512, **{**pick, "device": "cuda"}) == "fused"
     for k in PK.KERNELS:  # a kernel named is the kernel run
         assert PK.choose_kernel(k, width=1, **pick) == k
 
@@ -842,25 +842,44 @@ def test_the_auto_kernel_runs_per_subexpert_only_where_it_skips_work_on_wide_exp
 
 
 def test_the_host_memory_figure_sees_a_memory_cgroups_limit(tmp_path, monkeypatch):
-    """The layout budget's available memory is capped by a memory cgroup's headroom (v2's
-    memory.max − memory.current, else v1's limit − usage): a container's limit, which the
-    host's MemAvailable does not see; no limit ("max", v1's huge number, no files): None."""
+    """The layout budget's available memory is capped by the process's memory cgroups'
+    headroom — its own cgroup (from /proc/self/cgroup) and each above it, the smallest, each
+    limit − (usage − inactive file cache): a container's or a job's limit, which the host's
+    MemAvailable does not see. v2 and v1; no limit ("max", v1's huge number, no files): None."""
     import workbench.runtime.device as D
 
-    v2, v1 = tmp_path / "v2", tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    v2.mkdir()
-    assert D._cgroup_headroom(str(tmp_path / "none")) is None
-    (v2 / "memory.max").write_text("max\n")
-    (v2 / "memory.current").write_text("1000\n")
-    assert D._cgroup_headroom(str(v2)) is None
-    (v2 / "memory.max").write_text(f"{3 << 30}\n")
-    assert D._cgroup_headroom(str(v2)) == (3 << 30) - 1000
-    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    (v1 / "memory" / "memory.usage_in_bytes").write_text("5\n")
-    assert D._cgroup_headroom(str(v1)) is None
-    (v1 / "memory" / "memory.limit_in_bytes").write_text("105\n")
-    assert D._cgroup_headroom(str(v1)) == 100
+    def files(folder, **content):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in content.items():
+            (folder / name.replace("_", ".", 1)).write_text(text)
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    v2 = tmp_path / "v2"
+    assert D._cgroup_headroom(str(tmp_path / "none"), str(proc)) is None
+    files(v2, memory_current="9\n")  # the mount's root: no limit file
+    files(v2 / "job", memory_max="max\n", memory_current="1000\n")
+    files(v2 / "job" / "step", memory_max="max\n", memory_current="1000\n")
+    assert D._cgroup_headroom(str(v2), str(proc)) is None
+    (v2 / "job" / "memory.max").write_text(f"{3 << 30}\n")  # the parent's limit binds
+    assert D._cgroup_headroom(str(v2), str(proc)) == (3 << 30) - 1000
+    (v2 / "job" / "memory.stat").write_text("anon 400\ninactive_file 600\n")
+    assert D._cgroup_headroom(str(v2), str(proc)) == (3 << 30) - 400  # cache is reclaimable
+    (v2 / "job" / "step" / "memory.max").write_text("2000\n")  # the smaller one
+    assert D._cgroup_headroom(str(v2), str(proc)) == 1000
+    proc.write_text("0::/elsewhere\n")  # not under this mount's view: its root
+    assert D._cgroup_headroom(str(v2), str(proc)) is None
+
+    proc.write_text("5:cpu,cpuacct:/x\n4:memory:/job\n")
+    v1 = tmp_path / "v1"
+    files(v1 / "memory", memory_limit_in_bytes="9223372036854771712\n",
+          memory_usage_in_bytes="5\n")
+    files(v1 / "memory" / "job", memory_limit_in_bytes="9223372036854771712\n",
+          memory_usage_in_bytes="5\n")
+    assert D._cgroup_headroom(str(v1), str(proc)) is None
+    (v1 / "memory" / "job" / "memory.limit_in_bytes").write_text("105\n")
+    (v1 / "memory" / "job" / "memory.stat").write_text("cache 3\ntotal_inactive_file 2\n")
+    assert D._cgroup_headroom(str(v1), str(proc)) == 102
     monkeypatch.setattr(D, "_cgroup_headroom", lambda: 1 << 20)  # a container: 1 MiB left
     assert D.host_available_bytes() == 1 << 20
 

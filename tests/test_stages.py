@@ -181,9 +181,10 @@ def test_token_compression_is_a_stage_off_without_pruning_or_visual_tokens():
         assert isinstance(cls.store_attrs(SimpleNamespace(
             visual_tokens=0, kept_visual_tokens=0, compression_select_s=0.0,
             compression_saliency_s=0.0)), dict)
-        assert isinstance(cls.store_attrs(SimpleNamespace(
+        off = cls.store_attrs(SimpleNamespace(
             visual_tokens=0, kept_visual_tokens=0, compression_select_s=0.0,
-            compression_saliency_s=0.0, prism_kernel=None)), dict)
+            compression_saliency_s=0.0, prism_kernel=None))
+        assert isinstance(off, dict) and "prism_kernel_run" not in off
 
 
 def test_a_prism_setup_given_auto_gets_the_kernel_the_knob_would():

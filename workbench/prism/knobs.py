@@ -32,14 +32,16 @@ AUTO_PER_SUBEXPERT_WIDTH = 256
 
 
 def choose_kernel(kernel: str, *, width: int, subexperts: int, k_active: int,
-                  global_k: int | None, top_k: int, device: str = "cpu",
+                  global_k: int | None, top_k: int, device: str,
                   balance: str = "none") -> str:
     """The kernel a run of ``prism_kernel=kernel`` runs: ``kernel`` itself unless it is
     ``auto``; then ``per-subexpert`` where it skips work on wide experts on the CPU — some
     sub-experts of a routed expert go unrun (``k_active`` < ``subexperts``, or a global
     ``prism_k`` below ``top_k`` × ``subexperts``), ``width`` ≥
     :data:`AUTO_PER_SUBEXPERT_WIDTH`, ``device`` (a ``torch.device`` type) ``cpu`` — without
-    ReaLB's low precision (which per-subexpert refuses); else ``fused``."""
+    ReaLB's low precision (which per-subexpert refuses); else ``fused``. A speed choice only:
+    both kernels compute the same sums. (``top_k`` is the router's; a dispatch that routes a
+    token to more or fewer experts only changes which kernel is the faster.)"""
     if kernel != "auto":
         return kernel
     skips = k_active < subexperts if global_k is None else global_k < top_k * subexperts

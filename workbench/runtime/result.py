@@ -196,14 +196,15 @@ class RunResult:
                             f"candidates)" if _is(DISPATCH, k.get("dispatch"), "widens", False)
                             else ""))
         if self.prism_kernel is not None:
-            share = self.subexperts_ran / self.subexperts_asked if self.subexperts_asked else 0
-            lines.append(f"prism (k_active {k.get('prism_k_active') or 'all'}"
-                         + (f", prism_k {k['prism_k']}" if k.get("prism_k") else "")
-                         + f"): {self.subexperts_ran} of {self.subexperts_asked} (token, "
-                         f"sub-expert) runs ran ({share:.0%}); sub-experts ran "
-                         + ("as whole experts (the shortcut)" if self.prism_kernel == "shortcut"
-                            else f"by the {self.prism_kernel} kernel")
-                         + (" (prism_kernel=auto)" if k.get("prism_kernel") == "auto" else ""))
+            which = (f"prism_k {k['prism_k']}" if k.get("prism_k") else
+                     f"k_active {k.get('prism_k_active') or 'all'}")
+            ran = (f"{self.subexperts_ran} of {self.subexperts_asked} (token, sub-expert) runs "
+                   f"ran ({self.subexperts_ran / self.subexperts_asked:.0%})"
+                   if self.subexperts_asked else "no (token, sub-expert) run asked")
+            how = ("as whole experts (the shortcut)" if self.prism_kernel == "shortcut" else
+                   f"by the {self.prism_kernel} kernel"
+                   + (" (prism_kernel=auto)" if k.get("prism_kernel") == "auto" else ""))
+            lines.append(f"prism ({which}): {ran}; sub-experts ran {how}")
         if "balance" in k and balances(k["balance"]):
             lines.append(f"balance {k.get('balance')} ({k.get('low_precision')}, emulated by "
                          f"fake_quant): {self.low_precision_runs} expert computations in low "

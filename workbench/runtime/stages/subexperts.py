@@ -87,11 +87,16 @@ class SubExpertStage(Stage):
     def store_dims(self) -> dict[str, int]:
         return {"subexperts": self.prism.subexperts}
 
-    def record(self, result) -> None:
+    @property
+    def whole(self) -> bool:
+        """The shortcut: every sub-expert of every routed expert runs, so every layer runs
+        whole experts through the model's own forward, its layout unchanged."""
         ps = self.prism
-        # every layer on the shortcut: whole experts through the model's own forward
-        result.prism_kernel = ("shortcut" if self.views and all(
-            v.whole for v in self.views.values()) else ps.kernel)
+        return bool(ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
+                    and self.part == 1)
+
+    def record(self, result) -> None:
+        result.prism_kernel = "shortcut" if self.whole else self.prism.kernel
 
     @classmethod
     def store_attrs(cls, result) -> dict[str, str]:
@@ -113,9 +118,7 @@ class SubExpertStage(Stage):
         from workbench.prism.execute import PrismView
 
         ps = self.prism
-        # every sub-expert of every routed expert runs: whole experts, layout unchanged
-        whole = (ps.shortcut and ps.global_k is None and ps.k_active >= ps.subexperts
-                 and self.part == 1)
+        whole = self.whole
         view = PrismView(view, ps.perm, ps.gates, b.index, ps.subexperts, ps.k_active,
                          b.experts.act_fn, ps.global_k, ps.router, whole=whole,
                          apply_gate=getattr(b.experts, "_apply_gate", None), kernel=ps.kernel)
