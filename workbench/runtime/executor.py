@@ -241,6 +241,12 @@ class Executor:
         forward, the low-precision experts apart; MoE-Prism's sub-experts as slices."""
         b, view = c.block, c.view
         if self.prism and not view.whole:
+            if not c.low and view.kernel == "fused" and not c.args and not c.kwargs:
+                # the fused product over the resident tensors in place: every expert one
+                # group, the unrouted ones empty — no copy of the routed experts' weights
+                E = b.num_experts
+                return c.run({n: getattr(b.experts, n) for n in b.expert_params}, range(E),
+                             all_routed=torch.arange(E, device=c.top_k_index.device))
             ids = c.routed.tolist()  # the routed experts' resident weights, as slices
             at = c.routed.long()
             own = {n: getattr(b.experts, n)[at] for n in b.expert_params}
