@@ -48,7 +48,6 @@ class DispatchStage(Stage):
 
     def __init__(self, policy, centroids: torch.Tensor | None = None) -> None:
         self.policy = policy
-        self.centroids = centroids
         if _reads_gates(policy):
             self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
