@@ -101,12 +101,13 @@ class DispatchStage(Stage):
             return
         if call.mask is None:
             call.ids, call.weights, call.dropped, call.rerouted = self._rows(
-                call, call.hidden_states, call.ids, call.weights, None)
+                call, call.hidden_states, call.ids, call.weights, None, call.logits)
             return
         rows = call.mask.nonzero().squeeze(1)
         ids, w = call.ids, call.weights
+        logits = None if call.logits is None else call.logits[rows]
         idx, new_w, sub, rer = self._rows(call, call.hidden_states[rows], ids[rows], w[rows],
-                                          call.real)
+                                          call.real, logits)
         if sub is None and rer is None and idx.shape[1] == ids.shape[1]:
             return
         if idx.shape[1] > ids.shape[1]:  # Expanded Drop widened the routing
@@ -124,10 +125,12 @@ class DispatchStage(Stage):
         call.dropped, call.rerouted = full
 
     def _rows(self, call: LayerCall, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-              top_k_weights: torch.Tensor, real: np.ndarray | None
+              top_k_weights: torch.Tensor, real: np.ndarray | None,
+              logits: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None, np.ndarray | None]:
         """The dispatch of rows that are all real tokens (``real``: which of the step's
-        positions they are; None: all): the routing, the dropped experts ``[T, k]`` (int16,
+        positions they are; None: all; ``logits``: the model's router logits of these rows,
+        None where the offloader kept none): the routing, the dropped experts ``[T, k]`` (int16,
         -1 = kept; None: nothing dropped) and the experts rerouted away from (same form)."""
         b = call.block
         T, K = top_k_index.shape
@@ -140,7 +143,7 @@ class DispatchStage(Stage):
             return top_k_index, top_k_weights, None, None
         ids = top_k_index.detach().to("cpu").numpy()
         w = top_k_weights.detach().float().to("cpu").numpy()
-        ctx = (self._context(call, b, hidden_states, real)
+        ctx = (self._context(call, b, hidden_states, real, logits)
                if self.policy.name in _READ_CONTEXT else None)
         new, new_w, rer = self.policy.apply_weighted(
             ids[:, None, :].astype(np.int16), w[:, None, :], np.zeros(T, np.int64), E, ctx)
@@ -168,22 +171,24 @@ class DispatchStage(Stage):
                 np.where(rer, ids, -1).astype(np.int16) if n_rer else None)
 
     def _context(self, call: LayerCall, b: MoEBlock, hidden_states: torch.Tensor,
-                 real: np.ndarray | None):
+                 real: np.ndarray | None, logits: torch.Tensor | None):
         """What MACS or Expanded Drop reads of this layer call's tokens
         (:class:`DispatchContext`, one layer): modality and image of each token, the entropy
         of softmax over its MoE input's features (MACS semantic load), every expert's router
         probability (MACS rerouting, Expanded Drop) and the cosine to the calibrated
         centroids (MACS rerouting) — each only when the policy asks for it.
 
-        The probabilities are ``softmax(logits.float())`` (float32 [T, E]). When the rows are
-        all the call's (``real`` None), the logits are those the model's router computed
-        (``call.logits``): the same module's forward on the same tensor as a second
-        :meth:`~workbench.models.adapter.MoEBlock.route` would be, so the same bits, with no
-        second router run. With padding or finished requests (``real`` given) the router
-        runs again on the real rows alone, as it always has: a matrix product over fewer
-        rows may round differently (measured on this CPU: 1–2 rows of 3 differ in the last
-        bits), and these probabilities become combine weights (a rerouted or added
-        assignment's), so rows of the full call's logits could change a run's output."""
+        The probabilities are ``softmax(logits.float())`` (float32 [T, E]) of the logits the
+        model's router computed for the call (``call.logits``, the rows dispatched of them:
+        ``logits``), with no second router run: the router's top-k weights, which the
+        unchanged assignments keep, come from those same logits, so a rerouted or added
+        assignment's weight is of the same computation as its neighbours'. (Until stop 57
+        the router ran again on the real rows alone when a call had padding or finished
+        requests: a product over fewer rows may round differently in the last bits, so a
+        rerouted weight could differ from the model's own by an ulp;
+        ``check_dispatch_same.py`` compares the tokens, counters and routing.) Without the
+        model's logits (a block whose router the offloader does not see) the router runs
+        again on the rows."""
         from workbench.sim.macs import DispatchContext
 
         pol = self.policy
@@ -196,7 +201,6 @@ class DispatchStage(Stage):
                 logp = torch.log_softmax(z, dim=-1)
                 ent = (-(logp.exp() * logp).sum(-1)).cpu().double().numpy()[:, None]
             if _reads_gates(pol):
-                logits = call.logits if real is None else None
                 if logits is None:
                     logits, _, _ = b.route(hidden_states)
                 gates = torch.softmax(logits.float(), dim=-1).cpu().numpy()[:, None, :]
