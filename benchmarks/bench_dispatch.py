@@ -158,6 +158,13 @@ def ep_summary_speed(repeats: int) -> dict:
         else:
             parts["open_run(store, variables=TRACE_ARRAYS)"] = (
                 lambda: workbench.open_run(store, variables=TRACE_ARRAYS))
+        try:  # the arrays the EP summary reads (what the CLI opens since stop 57)
+            from workbench.replay.ep import EP_ARRAYS
+        except ImportError:
+            pass
+        else:
+            parts["open_run(store, variables=EP_ARRAYS)"] = (
+                lambda: workbench.open_run(store, variables=EP_ARRAYS))
         for name, f in parts.items():
             f()
             ts = []

@@ -172,6 +172,36 @@ def test_a_live_run_reports_its_ep_load_from_its_store(embedded_dir, tmp_path, c
     assert load.sizes["rank"] == 4 and int(load.sum()) == int((ds.topk_ids.values >= 0).sum())
 
 
+@pytest.mark.parametrize("kind", ["compression", "prism"])
+def test_the_ep_summary_of_the_ep_arrays_equals_the_whole_stores(embedded, demo_inputs,
+                                                                 tmp_path, kind):
+    """``EP_ARRAYS`` (what ``workbench run --set ep_ranks=R`` opens for its summary) hold all
+    the summary reads: on a run with an image and token compression (``kept``, modalities)
+    and on one with sub-experts (MoE-Prism, k_active 2), the summary of those arrays alone
+    equals the whole store's, each rank's and modality's figures included."""
+    import workbench
+    from workbench.prism import refactor as R
+    from workbench.replay.ep import EP_ARRAYS
+
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    extra = dict(compression="affinity", beta=0.5)
+    if kind == "prism":  # a random partition: what is recorded does not depend on it
+        R.save(R.random_refactoring(embedded), tmp_path / "prism")
+        extra = dict(prism=True, prism_k_active=2, prism_refactoring=str(tmp_path / "prism"))
+    res = rt.run(prompt, images=[img], store=tmp_path / "r.zarr", ep_ranks=4, **extra)
+    whole = workbench.open_run(res.store)
+    if kind == "compression":
+        assert not whole.kept.values.all()  # some tokens were left out: kept is read
+    else:
+        assert whole.sizes["subexpert"] == 4
+    part = workbench.open_run(res.store, variables=EP_ARRAYS)
+    assert set(part.data_vars) == set(EP_ARRAYS)
+    summary = part.moe.ep_summary()
+    assert set(summary["by_modality"]) == {"text", "image"}
+    assert summary == whole.moe.ep_summary()
+
+
 def test_load_volatility_on_hand_built_loads():
     from workbench.sim.ep import load_volatility
 

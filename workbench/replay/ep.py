@@ -30,6 +30,13 @@ from workbench.traces.trace import Trace
 #: accesses per chunk (about): bounds the working set whatever the trace's length
 CHUNK_ACCESSES = 1 << 20
 
+#: the run store's arrays whose contents :func:`ep_replay` reads of a trace made from it (the
+#: routing, its steps, modality and kept tokens; ``phase`` and ``pinned`` give the steps and
+#: layers): ``open_run(path, variables=EP_ARRAYS).moe.ep_summary()`` equals the whole store's
+#: (tested on runs with images, token compression and sub-experts) and reads about half of
+#: ``TRACE_ARRAYS`` — what ``workbench run --set ep_ranks=R`` opens for its summary
+EP_ARRAYS = ("topk_ids", "token_step", "token_modality", "kept", "phase", "pinned")
+
 
 def _modality_view(trace: Trace, code: int) -> Trace:
     """``trace`` (a chunk of one: :meth:`Trace.step_slice`) with the routing of tokens of
