@@ -219,8 +219,11 @@ class CapacityDrop(Dispatch):
         ``(a, b, layer column, group ids [b − a, K], C)`` (token rows a…b of one step)."""
         T, L, _ = ids.shape
         steps = np.asarray(token_step, np.int64)
-        bounds = np.concatenate(([0], np.flatnonzero(np.diff(steps)) + 1, [T])) if T \
-            else np.zeros(2, np.int64)
+        if T and (steps == steps[0]).all():  # one step (a live layer call): one run of rows
+            bounds = (0, T)
+        else:
+            bounds = (np.concatenate(([0], np.flatnonzero(np.diff(steps)) + 1, [T])) if T
+                      else np.zeros(2, np.int64))
         for a, b in zip(bounds[:-1], bounds[1:]):
             for li in range(L):
                 g = ids[a:b, li]
