@@ -50,8 +50,10 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
     """Wall time of one run (the demo image request, 16 new tokens, every expert cached):
     top-k, Token Drop with a capacity nobody reaches (the dispatch's own cost), Token Drop at
     γ0 = 1, and top-k with 8 virtual EP ranks plus the run's EP summary from its store (what
-    ``workbench run --set ep_ranks=8`` adds). Interleaved, medians; measured: wall seconds and
-    the process's CPU seconds (all its threads) per run. ``only``: the settings whose name
+    ``workbench run --set ep_ranks=8`` adds). Interleaved (every other round in reverse
+    order), medians, the per-round ratios' median and quartiles, and the ratio of each
+    setting's fastest run to top-k's; measured: wall seconds and the process's CPU seconds
+    (all its threads) per run. ``only``: the settings whose name
     up to its first comma is one of these (None: all; ``topk`` is always run, the base).
     ``profile``: afterwards, one more run of that setting under cProfile; prints where the
     dispatch's time goes (the functions of the dispatch stage, MACS and the router)."""
@@ -78,9 +80,14 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         for r in range(repeats + 1):  # the first round warms up
-            for name, extra in configs.items():
+            # every other round in reverse order: a setting's place in the round (after
+            # which run, how long since the round began) does not bias its ratio
+            for name, extra in (list(configs.items()) if r % 2 == 0 else
+                                list(configs.items())[::-1]):
                 t0, c0 = time.perf_counter(), time.process_time()
-                store = f"{d}/{r}-{len(times[name])}-{hash(name) % 1000}.zarr"
+                # (the setting's place, not a hash of its name: string hashes vary per
+                # process, and two settings sharing a store name would refuse the second)
+                store = f"{d}/{r}-{list(configs).index(name)}.zarr"
                 if reqs is not None:
                     res = rt.run(reqs, store=store, **knobs, **extra)
                 else:
@@ -101,12 +108,20 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
     for name, ts in times.items():
         m, c = statistics.median(ts), statistics.median(cpu[name])
         # each round's run ÷ the same round's top-k run: drift across rounds cancels
-        per_round = statistics.median(t / b for t, b in zip(ts, times["topk"]))
+        rounds = [t / b for t, b in zip(ts, times["topk"])]
+        per_round = statistics.median(rounds)
+        # (inclusive: quartiles among the rounds measured, not extrapolated past them)
+        q1, _, q3 = (statistics.quantiles(rounds, n=4, method="inclusive") if len(rounds) > 1
+                     else [per_round] * 3)
+        # a busy machine only adds time: the fastest run of each setting is the least
+        # disturbed reading of what it costs
+        fastest = min(ts) / min(times["topk"])
         out[name] = {"median_s": m, "ratio": m / base, "cpu_s": c, "ratio_cpu": c / base_cpu,
-                     "ratio_per_round": per_round}
+                     "ratio_per_round": per_round, "ratio_per_round_quartiles": [q1, q3],
+                     "min_s": min(ts), "ratio_of_fastest": fastest}
         print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k wall "
-              f"(median of per-round ratios {per_round:.3f}); CPU {c * 1e3:.0f} ms = "
-              f"{c / base_cpu:.3f}×")
+              f"(median of per-round ratios {per_round:.3f}, quartiles {q1:.3f}–{q3:.3f}; "
+              f"fastest runs {fastest:.3f}×); CPU {c * 1e3:.0f} ms = {c / base_cpu:.3f}×")
     out["load_average"] = [load0[0], load1[0]]
     if profile:
         import cProfile

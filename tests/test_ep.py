@@ -192,7 +192,7 @@ def test_the_ep_summary_of_the_ep_arrays_equals_the_whole_stores(embedded, demo_
     res = rt.run(prompt, images=[img], store=tmp_path / "r.zarr", ep_ranks=4, **extra)
     whole = workbench.open_run(res.store)
     if kind == "compression":
-        assert not whole.kept.values.all()  # some tokens were left out: kept is read
+        assert not whole.kept.values.all()  # some tokens were left out (compression)
     else:
         assert whole.sizes["subexpert"] == 4
     part = workbench.open_run(res.store, variables=EP_ARRAYS)

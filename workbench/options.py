@@ -24,6 +24,9 @@ _OPTIONS: dict[str, Any] = {
     # of 256 MiB and half the host memory available, workbench.prism.execute.layout_budget;
     # 0: convert every run)
     "prism_layout_cache_bytes": None,
+    # freeze the Python heap a run starts with for the garbage collector during the run, so
+    # that its full collections walk what the run allocates (workbench.runtime.heap)
+    "gc_freeze": True,
 }
 
 _VALIDATORS = {
@@ -34,6 +37,7 @@ _VALIDATORS = {
                                        and 1 <= v <= 4096),
     "prism_layout_cache_bytes": lambda v: v is None or (
         isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "gc_freeze": lambda v: isinstance(v, bool),
 }
 
 

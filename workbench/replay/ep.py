@@ -30,11 +30,14 @@ from workbench.traces.trace import Trace
 #: accesses per chunk (about): bounds the working set whatever the trace's length
 CHUNK_ACCESSES = 1 << 20
 
-#: the run store's arrays whose contents :func:`ep_replay` reads of a trace made from it (the
-#: routing, its steps, modality and kept tokens; ``phase`` and ``pinned`` give the steps and
-#: layers): ``open_run(path, variables=EP_ARRAYS).moe.ep_summary()`` equals the whole store's
-#: (tested on runs with images, token compression and sub-experts) and reads about half of
-#: ``TRACE_ARRAYS`` — what ``workbench run --set ep_ranks=R`` opens for its summary
+#: the run store's arrays a trace for :func:`ep_replay` is made of: the routing, its steps
+#: and modality (what it reads), ``kept`` (token compression: read by the trace's groups for
+#: their token counts, not by the EP figures), ``phase`` and ``pinned`` (the steps and
+#: layers). ``open_run(path, variables=EP_ARRAYS).moe.ep_summary()`` equals the whole
+#: store's (tested on runs with images, token compression and sub-experts) and reads about
+#: half of ``TRACE_ARRAYS`` — what ``workbench run --set ep_ranks=R`` opens for its summary.
+#: The arrays left out are neither read nor checked: a store whose predictions or weights
+#: are damaged, or over the trace memory budget, still gives its EP summary
 EP_ARRAYS = ("topk_ids", "token_step", "token_modality", "kept", "phase", "pinned")
 
 

@@ -35,6 +35,7 @@ from workbench.options import get_options
 from workbench.predictor.knobs import DEFAULT_BUDGET, PredictorKnobs
 from workbench.runtime.clocks import layout_cost_spec
 from workbench.runtime.device import device_budget
+from workbench.runtime.heap import frozen_heap
 from workbench.runtime.threads import threads_for_run
 from workbench.runtime.result import RunResult
 from workbench.runtime.session import RunSession
@@ -297,7 +298,7 @@ class Runtime:
         else:
             requests = [prompt if isinstance(prompt, Request) else Request(prompt, list(images))]
         store_path = check_store_path(_store_path(store), overwrite) if record else None
-        with threads_for_run(self.lm.device):
+        with threads_for_run(self.lm.device), frozen_heap():
             return RunSession(self, knobs, requests, store_path=store_path,
                               overwrite=overwrite, on_token=on_token, stop=stop,
                               logits_processor=list(logits_processor),

@@ -1,0 +1,83 @@
+"""The Python heap during a run: frozen for the cyclic garbage collector.
+
+A loaded model, torch, transformers and the workbench are ≈ 400 000 objects the collector
+tracks (the embedded model's process). A run allocates many short-lived ones (events, spans,
+tensors' Python wrappers), so every few runs the collector's oldest generation fills and a
+*full* collection walks all of them: ≈ 240 ms on the 2-core dev machine, in the middle of a
+run, about every tenth run of a batch of 8 (measured: ``gc.callbacks``, BENCHMARKS.md
+*A run's heap frozen for the collector*). Nothing of that old heap becomes garbage because a
+run ran.
+
+So a run freezes the heap it starts with (:func:`gc.freeze`: the objects alive at that
+instant move to a permanent generation the collector does not walk) and unfreezes it when
+it ends (:func:`gc.unfreeze`: back into the oldest generation). During the run the collector
+runs as always over what the run allocates — a reference cycle the run makes is collected
+as before — and after it the heap is the collector's as before: nothing stays frozen, so no
+object of the notebook's or of a dropped model can leak through this (what inference
+servers do once for good at start-up — vLLM, SGLang, Ray Serve — would keep a deleted
+model's cycles for ever; a notebook loads and drops models). Both calls are O(1) list
+splices.
+
+The freeze is process-wide: runs in several threads share it (the first to start freezes,
+the last to end unfreezes), and a heap someone else froze (``gc.get_freeze_count() > 0``
+when the first run starts) or a disabled collector is left alone. The ``gc_freeze`` option
+(``workbench.set_options(gc_freeze=False)``) turns it off. It changes nothing a run
+computes: only when the collector walks what.
+
+What a run leaves behind is collected as follows. Its own reference cycles are collected when
+it ends, while the old heap is still frozen (a collection of what the run allocated: ≈ 0.2 ms
+a run of the embedded model). Cycles that die in the old heap — ≈ 160 objects a run there:
+earlier runs' knob copies, whose ``param`` objects refer to themselves — wait for a full
+collection of the whole heap, which the end of every :data:`FULL_COLLECTION_EVERY`-th run
+makes once the heap is unfrozen: that bounds them, at a fifth of the full collections
+CPython's own thresholds made during runs (every ≈ 10 runs).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from workbench.options import get_options
+
+#: (re-entrant: a finalizer the collections below run may start a frozen period of its own)
+_lock = threading.RLock()
+#: runs inside :func:`frozen_heap` now (all threads)
+_depth = 0
+#: whether the outermost entry froze the heap (and so its exit unfreezes it)
+_froze = False
+#: runs (outermost frozen periods) between two full collections of the whole heap
+FULL_COLLECTION_EVERY = 50
+#: frozen periods ended since the last full collection
+_since_full = 0
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The heap alive at entry frozen for the collector until the last concurrent run exits
+    (see the module docstring)."""
+    global _depth, _froze, _since_full
+    with _lock:
+        if _depth == 0:
+            _froze = bool(get_options()["gc_freeze"]) and gc.isenabled() \
+                and gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _froze:
+                _froze = False
+                # the run's own garbage cycles, while the old heap is still frozen: a
+                # collection of what the run allocated alone
+                gc.collect()
+                gc.unfreeze()
+                _since_full += 1
+                if _since_full >= FULL_COLLECTION_EVERY:  # cycles that died in the old heap
+                    _since_full = 0
+                    gc.collect()
