@@ -23,12 +23,15 @@ class _Node:
 
 
 @pytest.fixture
-def clean_gc():
-    """Nothing frozen before or after the test (a failed test must not leave the heap frozen
-    for the rest of the worker)."""
-    assert gc.get_freeze_count() == 0
+def clean_gc(monkeypatch):
+    """Nothing frozen and no run inside :func:`frozen_heap` before the test, the periodic
+    full collection's count at 0; nothing frozen after it (a failed test must not leave the
+    heap frozen for the rest of the worker)."""
+    assert gc.get_freeze_count() == 0 and heap._depth == 0 and not heap._froze
+    monkeypatch.setattr(heap, "_since_full", 0)
     yield
     gc.unfreeze()
+    heap._froze = False
 
 
 def test_a_run_freezes_the_heap_it_starts_with_and_only_during_the_run(embedded, clean_gc):
@@ -86,7 +89,6 @@ def test_concurrent_runs_share_one_freeze(clean_gc):
 def test_cycles_that_die_in_the_old_heap_wait_for_the_periodic_full_collection(
         monkeypatch, clean_gc):
     monkeypatch.setattr(heap, "FULL_COLLECTION_EVERY", 3)
-    monkeypatch.setattr(heap, "_since_full", 0)
     old = _Node()  # alive when the heap is frozen, dropped during the frozen period
     ref = weakref.ref(old)
     for i in range(3):
@@ -96,3 +98,64 @@ def test_cycles_that_die_in_the_old_heap_wait_for_the_periodic_full_collection(
         # frozen when it died: the end-of-run collection (frozen) does not see it; the third
         # period's end makes the full collection that frees it
         assert (ref() is None) == (i == 2), i
+
+
+def test_overlapping_runs_still_get_the_full_collection_and_stay_frozen(monkeypatch, clean_gc):
+    """Runs that overlap without a break (threads): the periodic full collection unfreezes,
+    collects the whole heap and freezes it again for the runs still going."""
+    monkeypatch.setattr(heap, "FULL_COLLECTION_EVERY", 1)
+    old = _Node()
+    ref = weakref.ref(old)
+    with heap.frozen_heap():  # a long run
+        del old  # dies in the frozen old heap
+        with heap.frozen_heap():  # another run, ending while the first goes on
+            pass
+        assert ref() is None  # the full collection at its end took the cycle
+        assert heap._froze and gc.get_freeze_count() > 0  # frozen again for the long run
+    assert gc.get_freeze_count() == 0 and not heap._froze
+
+
+def test_a_run_that_raised_gets_a_full_collection(clean_gc):
+    """Its frames (in the traceback) hold the session in cycles: collected at once, not at
+    the 50th run."""
+    old = _Node()
+    ref = weakref.ref(old)
+    with pytest.raises(RuntimeError):
+        with heap.frozen_heap():
+            del old
+            raise RuntimeError("the run failed")
+    assert ref() is None and gc.get_freeze_count() == 0
+
+
+def test_an_interrupt_in_the_end_of_run_collection_leaves_nothing_frozen(monkeypatch,
+                                                                         clean_gc):
+    """Ctrl-C during the end-of-run collection: the heap is unfrozen anyway, and the next
+    run freezes and unfreezes it as its own (not taken for someone else's freeze)."""
+    real = gc.collect
+    calls = []
+
+    def interrupted(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(heap.gc, "collect", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with heap.frozen_heap():
+            pass
+    monkeypatch.setattr(heap.gc, "collect", real)
+    assert gc.get_freeze_count() == 0 and not heap._froze
+    with heap.frozen_heap():
+        assert heap._froze and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_freeze_an_interrupt_left_behind_is_undone_as_ours(clean_gc):
+    """The flag is set before freezing: a freeze found with the flag set at the next entry
+    is ours, unfrozen there, and the run freezes afresh."""
+    heap._froze = True  # what an interrupt right after gc.freeze() at an entry leaves
+    gc.freeze()
+    with heap.frozen_heap():
+        assert heap._froze and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0 and not heap._froze

@@ -29,8 +29,10 @@ it ends, while the old heap is still frozen (a collection of what the run alloca
 a run of the embedded model). Cycles that die in the old heap — ≈ 160 objects a run there:
 earlier runs' knob copies, whose ``param`` objects refer to themselves — wait for a full
 collection of the whole heap, which the end of every :data:`FULL_COLLECTION_EVERY`-th run
-makes once the heap is unfrozen: that bounds them, at a fifth of the full collections
-CPython's own thresholds made during runs (every ≈ 10 runs).
+makes (and the end of a run that raised): that bounds them, at a fifth of the full
+collections CPython's own thresholds made during runs (every ≈ 10 runs; each freeze resets
+those thresholds' counts, so without it they would never come between back-to-back runs).
+A ``gc.freeze()`` someone else makes during a run is undone with the run's own.
 """
 
 from __future__ import annotations
@@ -57,27 +59,52 @@ _since_full = 0
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """The heap alive at entry frozen for the collector until the last concurrent run exits
-    (see the module docstring)."""
+    (see the module docstring).
+
+    Safe against an interrupt at any instant: the flag that says the freeze is ours is set
+    before freezing and cleared after unfreezing, so a freeze an interrupt left behind is
+    known for ours (and undone) at the next entry, never taken for someone else's. Every
+    exit counts towards the periodic full collection, so runs that overlap without a break
+    (dashboard sessions in threads) still get it: the heap is unfrozen, collected whole and
+    frozen again for the runs still going. A run that raised gets a full collection at
+    once: its traceback's frames hold the session (and on a GPU its tensors) in cycles.
+    Collections run under the lock: a run starting or ending in another thread waits for
+    them (a full one ≈ 240 ms, every 50th run)."""
     global _depth, _froze, _since_full
-    with _lock:
-        if _depth == 0:
-            _froze = bool(get_options()["gc_freeze"]) and gc.isenabled() \
-                and gc.get_freeze_count() == 0
-            if _froze:
-                gc.freeze()
-        _depth += 1
+    entered = failed = False
     try:
-        yield
-    finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0 and _froze:
-                _froze = False
-                # the run's own garbage cycles, while the old heap is still frozen: a
-                # collection of what the run allocated alone
-                gc.collect()
-                gc.unfreeze()
-                _since_full += 1
-                if _since_full >= FULL_COLLECTION_EVERY:  # cycles that died in the old heap
-                    _since_full = 0
-                    gc.collect()
+            if _depth == 0:
+                if _froze:  # ours, left behind by an interrupted exit
+                    gc.unfreeze()
+                    _froze = False
+                if bool(get_options()["gc_freeze"]) and gc.isenabled() \
+                        and gc.get_freeze_count() == 0:
+                    _froze = True
+                    gc.freeze()
+            _depth += 1
+            entered = True
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if entered:
+            with _lock:
+                _depth -= 1
+                if _froze:
+                    _since_full += 1
+                    full = failed or _since_full >= FULL_COLLECTION_EVERY
+                    if _depth == 0 or full:
+                        try:
+                            if not full:  # the run's own cycles, the old heap still frozen
+                                gc.collect()
+                        finally:
+                            gc.unfreeze()
+                            _froze = False
+                    if full:  # cycles that died in the old heap (nothing frozen now)
+                        _since_full = 0
+                        gc.collect()
+                        if _depth > 0:  # runs still going: their heap frozen again
+                            _froze = True
+                            gc.freeze()
