@@ -29,6 +29,7 @@ def clean_gc(monkeypatch):
     heap frozen for the rest of the worker)."""
     assert gc.get_freeze_count() == 0 and heap._depth == 0 and not heap._froze
     monkeypatch.setattr(heap, "_since_full", 0)
+    monkeypatch.delenv(heap.GC_FREEZE_ENV, raising=False)  # the default: on
     yield
     gc.unfreeze()
     heap._froze = False
@@ -159,3 +160,30 @@ def test_a_freeze_an_interrupt_left_behind_is_undone_as_ours(clean_gc):
     with heap.frozen_heap():
         assert heap._froze and gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0 and not heap._froze
+
+
+def test_the_environment_variable_where_the_option_is_not_set(monkeypatch, clean_gc):
+    """``$WORKBENCH_GC_FREEZE`` (for ``panel serve`` and the CLI): 0 turns it off, the option
+    wins over it, and a value it does not take is refused naming it, nothing frozen."""
+    monkeypatch.setenv(heap.GC_FREEZE_ENV, "0")
+    with heap.frozen_heap():
+        assert not heap._froze and gc.get_freeze_count() == 0
+    with workbench.set_options(gc_freeze=True):
+        with heap.frozen_heap():
+            assert heap._froze
+    monkeypatch.setenv(heap.GC_FREEZE_ENV, "maybe")
+    with pytest.raises(workbench.errors.InputError, match="WORKBENCH_GC_FREEZE='maybe'"):
+        with heap.frozen_heap():
+            pass
+    assert gc.get_freeze_count() == 0 and heap._depth == 0
+
+
+def test_the_cli_refuses_a_bad_environment_value_with_exit_2(embedded_dir, monkeypatch,
+                                                             capsys, clean_gc):
+    from workbench.cli import main
+
+    monkeypatch.setenv(heap.GC_FREEZE_ENV, "2")
+    assert main(["run", "--model", str(embedded_dir), "--prompt", "hi", "--max-new-tokens",
+                 "1", "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert "WORKBENCH_GC_FREEZE='2'" in err and "Traceback" not in err

@@ -25,8 +25,9 @@ _OPTIONS: dict[str, Any] = {
     # 0: convert every run)
     "prism_layout_cache_bytes": None,
     # freeze the Python heap a run starts with for the garbage collector during the run, so
-    # that its full collections walk what the run allocates (workbench.runtime.heap)
-    "gc_freeze": True,
+    # that its full collections walk what the run allocates (None: $WORKBENCH_GC_FREEZE,
+    # else on; workbench.runtime.heap)
+    "gc_freeze": None,
 }
 
 _VALIDATORS = {
@@ -37,7 +38,7 @@ _VALIDATORS = {
                                        and 1 <= v <= 4096),
     "prism_layout_cache_bytes": lambda v: v is None or (
         isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "gc_freeze": lambda v: isinstance(v, bool),
+    "gc_freeze": lambda v: v is None or isinstance(v, bool),
 }
 
 

@@ -21,7 +21,8 @@ splices.
 The freeze is process-wide: runs in several threads share it (the first to start freezes,
 the last to end unfreezes), and a heap someone else froze (``gc.get_freeze_count() > 0``
 when the first run starts) or a disabled collector is left alone. The ``gc_freeze`` option
-(``workbench.set_options(gc_freeze=False)``) turns it off. It changes nothing a run
+(``workbench.set_options(gc_freeze=False)``), or ``$WORKBENCH_GC_FREEZE=0`` where the option
+is not set (``panel serve``, the CLI), turns it off. It changes nothing a run
 computes: only when the collector walks what.
 
 What a run leaves behind is collected as follows. Its own reference cycles are collected when
@@ -38,11 +39,35 @@ A ``gc.freeze()`` someone else makes during a run is undone with the run's own.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from workbench.errors import InputError
 from workbench.options import get_options
+
+#: environment variable for the ``gc_freeze`` option where a program cannot set it (``panel
+#: serve``, the CLI): ``1`` / ``0`` (also true/false, on/off, yes/no)
+GC_FREEZE_ENV = "WORKBENCH_GC_FREEZE"
+_ENV_VALUES = {"1": True, "true": True, "on": True, "yes": True,
+               "0": False, "false": False, "off": False, "no": False}
+
+
+def freeze_wanted() -> bool:
+    """Whether runs freeze the heap: the ``gc_freeze`` option, else ``$WORKBENCH_GC_FREEZE``,
+    else yes. :class:`InputError` naming the variable for a value it does not take."""
+    opt = get_options()["gc_freeze"]
+    if opt is not None:
+        return bool(opt)
+    raw = os.environ.get(GC_FREEZE_ENV, "").strip()
+    if not raw:
+        return True
+    v = _ENV_VALUES.get(raw.lower())
+    if v is None:
+        raise InputError(f"{GC_FREEZE_ENV}={raw!r} is not one of 1, 0, true, false, on, off, "
+                         f"yes, no (unset it for the default: on)")
+    return v
 
 #: (re-entrant: a finalizer the collections below run may start a frozen period of its own)
 _lock = threading.RLock()
@@ -72,14 +97,14 @@ def frozen_heap() -> Iterator[None]:
     them (a full one ≈ 240 ms, every 50th run)."""
     global _depth, _froze, _since_full
     entered = failed = False
+    wanted = freeze_wanted()  # (a bad $WORKBENCH_GC_FREEZE: refused before anything runs)
     try:
         with _lock:
             if _depth == 0:
                 if _froze:  # ours, left behind by an interrupted exit
                     gc.unfreeze()
                     _froze = False
-                if bool(get_options()["gc_freeze"]) and gc.isenabled() \
-                        and gc.get_freeze_count() == 0:
+                if wanted and gc.isenabled() and gc.get_freeze_count() == 0:
                     _froze = True
                     gc.freeze()
             _depth += 1
