@@ -187,3 +187,10 @@ def test_the_cli_refuses_a_bad_environment_value_with_exit_2(embedded_dir, monke
                  "1", "--no-record"]) == 2
     err = capsys.readouterr().err
     assert "WORKBENCH_GC_FREEZE='2'" in err and "Traceback" not in err
+
+
+def test_the_option_refuses_a_value_it_does_not_take_saying_what_it_takes():
+    with pytest.raises(ValueError, match=r"gc_freeze='yes' is not valid; it takes None .*"
+                                         r"True or False"):
+        workbench.set_options(gc_freeze="yes")
+    assert workbench.get_options()["gc_freeze"] is None

@@ -41,6 +41,16 @@ _VALIDATORS = {
     "gc_freeze": lambda v: v is None or isinstance(v, bool),
 }
 
+#: what each option takes, for the error that refuses another value
+_ALLOWED = {
+    "workspace": "a folder path (str or Path)",
+    "flush_every": "a whole number ≥ 1",
+    "flush_interval_s": "a number of seconds ≥ 0",
+    "threads": "None or a whole number from 1 to 4096",
+    "prism_layout_cache_bytes": "None or a whole number of bytes ≥ 0",
+    "gc_freeze": "None ($WORKBENCH_GC_FREEZE, else on), True or False",
+}
+
 
 
 def get_options() -> dict[str, Any]:
@@ -56,7 +66,7 @@ class set_options:
             if k not in _OPTIONS:
                 raise ValueError(f"option {k!r} is unknown; options: {', '.join(_OPTIONS)}")
             if not _VALIDATORS[k](v):
-                raise ValueError(f"option {k}={v!r} is not valid")
+                raise ValueError(f"option {k}={v!r} is not valid; it takes {_ALLOWED[k]}")
         for k, v in kwargs.items():
             self._old[k] = _OPTIONS[k]
             _OPTIONS[k] = Path(v) if k == "workspace" else v

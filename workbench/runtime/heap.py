@@ -69,6 +69,7 @@ def freeze_wanted() -> bool:
                          f"yes, no (unset it for the default: on)")
     return v
 
+
 #: (re-entrant: a finalizer the collections below run may start a frozen period of its own)
 _lock = threading.RLock()
 #: runs inside :func:`frozen_heap` now (all threads)
