@@ -663,6 +663,95 @@ def test_a_calls_counts_are_their_definition_compiled_or_not():
             assert keys_fn(per_sub, np.array([E], np.int64), cost[:1], *got) == -1  # no expert
 
 
+def test_a_fused_calls_slots_are_the_tensor_paths_compiled_or_not(embedded):
+    """The fused product's slots in one compiled pass on the host
+    (:meth:`PrismView._plan_compiled`, :func:`~workbench.prism.execute._slots_loop`) are the
+    tensor path's (:meth:`PrismView._plan_tensors`) bit for bit — the slots grouped by expert
+    (a stable sort), the groups' ends, the mask of the sub-experts that run here and the
+    record of what ran — on random calls: slots routed nowhere (id E), padding, the call's
+    experts a list in any order, a sorted tensor of every routed expert (``all_routed``), or
+    none, some sub-experts absent (``present``), every width, empty calls. Its Python source
+    gives what the compiled loop gives. So do sub-expert offloading's blocks placed in whole
+    experts (:func:`~workbench.prism.execute._place_loop`): the experts ascending, each row's
+    block (the first block where a sub-expert is absent), which are present; an id outside
+    the layer's sub-experts refused."""
+    from workbench.prism import execute as X
+    from workbench.prism import refactor as R
+    from workbench.runtime.slots import ExpertsView
+
+    b, E = embedded.layout.blocks[2], embedded.layout.num_experts
+    ref = R.random_refactoring(embedded, subexperts=4, seed=1)
+    rng = np.random.default_rng(0)
+    compiled = 0
+    for trial in range(300):
+        N = 4
+        T, k = int(rng.integers(0, 9)), int(rng.integers(1, 5))
+        w = int(rng.integers(1, N + 1))
+        v = X.PrismView(ExpertsView(b.experts, b.expert_params), torch.as_tensor(ref.perm),
+                        torch.as_tensor(ref.gates), b.index, N, w, b.experts.act_fn)
+        idx = torch.as_tensor(rng.integers(0, E + 1, (T, k)))  # E: routed nowhere
+        chosen = torch.as_tensor(np.argsort(rng.random((T, k, N)), -1)[..., :w])
+        chosen = chosen.masked_fill(torch.as_tensor(rng.random((T, k, w)) < 0.2), -1)
+        chosen = chosen.masked_fill((idx >= E)[..., None], -1)
+        routed = torch.unique(idx[idx < E])
+        form = rng.integers(0, 3)
+        if form == 0:  # every routed expert, as the offloader's all-hit call hands them
+            experts, all_routed = routed, routed
+        else:  # some experts (and idle ones), a list in any order
+            pool = rng.permutation(E)[:int(rng.integers(0, E + 1))]
+            experts, all_routed = [int(e) for e in pool], None
+        n = len(experts)
+        present = (None if rng.random() < 0.5 or not n else  # (run_blocks: some expert)
+                   torch.as_tensor(rng.random((n, N)) < 0.6))
+        partial = bool(w < N or present is not None or rng.random() < 0.3)
+        start = torch.as_tensor(rng.integers(-1, N, (T, k, w)), dtype=torch.int16)
+        outs = []
+        for plan in (v._plan_tensors, v._plan_compiled):
+            v._chosen_call, v._ran_call = chosen.clone(), start.clone()
+            got = plan(experts, E, idx, all_routed, present, partial)
+            outs.append((got, v._ran_call))
+        (rows, offs, mask), ran = outs[0]
+        (rows2, offs2, mask2), ran2 = outs[1]
+        assert torch.equal(rows, rows2) and torch.equal(offs, offs2), trial
+        assert torch.equal(ran, ran2) and ran2.dtype == torch.int16
+        assert (mask is None) == (mask2 is None) == (not partial)
+        if partial:
+            assert torch.equal(mask, mask2)
+        compiled += 1
+    assert compiled == 300
+    # the Python source is the compiled loop (its own arrays)
+    for trial in range(100):
+        P, w, n, E2, N = (int(rng.integers(0, 12)), int(rng.integers(1, 5)),
+                          int(rng.integers(0, 6)), 6, 4)
+        args = (rng.integers(0, E2 + 1, P), rng.permutation(E2)[:n].astype(np.int64), E2,
+                rng.integers(-1, N, (P, w)),
+                rng.random((n, N)) < 0.5 if rng.random() < 0.5 else np.zeros((0, 0), bool))
+        res = []
+        for fn in (X._slots_loop, X._compiled(X._slots_loop)):
+            out = (np.full((P, w), -1, np.int16), np.zeros(n + 1, np.int64),
+                   np.zeros(P, np.int64), np.zeros((P, N), np.float32))
+            res.append((fn(*args, *out), out))
+        assert res[0][0] == res[1][0]
+        assert all((a == c).all() for a, c in zip(res[0][1], res[1][1]))
+    # the blocks placed in whole experts: the reference is the definition, slot by slot
+    for trial in range(200):
+        E2, N = int(rng.integers(1, 7)), int(rng.choice([1, 2, 4]))
+        m = int(rng.integers(0, 9))
+        subs = rng.integers(0, E2 * N, m)
+        rows = rng.integers(0, 50, m)
+        ex = sorted({int(x) // N for x in subs})
+        src = [int(rows[0]) if m else 0] * (len(ex) * N)
+        pres = [False] * (len(ex) * N)
+        for x, r in zip(subs, rows):
+            src[ex.index(x // N) * N + x % N], pres[ex.index(x // N) * N + x % N] = r, True
+        for fn in (X._place_loop, X._compiled(X._place_loop)):
+            got = np.empty(m, np.int64), np.empty(m * N, np.int64), np.empty(m * N, bool)
+            nn = fn(subs, rows, N, E2, *got)
+            assert got[0][:nn].tolist() == ex and got[1][:nn * N].tolist() == src
+            assert got[2][:nn * N].tolist() == pres
+            assert fn(np.array([E2 * N], np.int64), np.zeros(1, np.int64), N, E2, *got) == -1
+
+
 def test_a_global_k_picks_each_tokens_best_sub_experts(embedded, tmp_path):
     """prism_k (the seed's K): each token runs its K best (token, sub-expert) pairs among its
     routed experts' — K = top-k × N is the model exactly, any K in between runs K per token,

@@ -349,6 +349,86 @@ def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
     return m
 
 
+def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
+    """One fused call's slots (:meth:`PrismView._plan_compiled`; compiled: :func:`_compiled`),
+    exactly :meth:`PrismView._plan_tensors`' integer work. ``ids`` int64 [P] each slot's
+    expert (≥ ``E``: routed nowhere), ``experts`` int64 [n] the call's (its position table:
+    :func:`~workbench.runtime.slots.positions`), ``chosen`` int64 [P, w] each slot's
+    sub-experts (-1 padding), ``present`` bool [n, N] the sub-experts this call holds ([0, 0]:
+    all). Writes ``ran`` int16 [P, w] = ``chosen`` where the slot's sub-expert runs here (its
+    expert in the call, chosen, present); ``per`` int [n + 1] zeros: slots per position
+    (or [2n + 1]: then each position's end, the counts' running sum); ``rows`` int64 [P]:
+    the slots of the call's experts grouped by expert, in slot order within one (a stable
+    sort by position); ``mask`` float32 [P, N] zeros (or [0, N]: none wanted): row q counts
+    the here-runs of slot ``rows[q]``'s sub-experts. Returns S, the slots in the call
+    (``rows[:S]``, ``mask[:S]``)."""
+    P = ids.shape[0]
+    w = chosen.shape[1]
+    n = experts.shape[0]
+    lut = np.full(E + 1, n, np.int64)
+    for i in range(n):
+        lut[experts[i]] = i
+    local = np.empty(P, np.int64)
+    for p in range(P):
+        e = ids[p]
+        q = lut[e] if 0 <= e <= E else n
+        local[p] = q
+        per[q] += 1
+        for i in range(w):
+            s = chosen[p, i]
+            if q < n and s >= 0 and (present.shape[0] == 0 or present[q, s]):
+                ran[p, i] = s
+    start = np.empty(n + 1, np.int64)
+    at = 0
+    for q in range(n + 1):
+        start[q] = at
+        at += per[q]
+        if q < n and per.shape[0] > n + 1:
+            per[n + 1 + q] = at
+    for p in range(P):
+        q = local[p]
+        if q < n:
+            r = start[q]
+            start[q] = r + 1
+            rows[r] = p
+            if mask.shape[0]:
+                for i in range(w):
+                    s = chosen[p, i]
+                    if s >= 0 and (present.shape[0] == 0 or present[q, s]):
+                        mask[r, s] += 1.0
+    return P - per[n]
+
+
+def _place_loop(subs, rows, N, E, experts, src, present):
+    """Sub-expert offloading's blocks placed in whole experts (:meth:`PrismView.run_blocks`;
+    compiled: :func:`_compiled`). ``subs`` int64 [m] sub-expert ids e·N + s, ``rows`` int64
+    [m] the block row of each. Writes ``experts`` int64 [≥ n] the experts ascending, ``src``
+    int64 [≥ n·N] the block row of each whole-expert row (a sub-expert not among ``subs``:
+    the first block, ``rows[0]``) and ``present`` bool [≥ n·N] which are among ``subs``;
+    returns n, or -1 for an id outside 0 … E·N − 1 (nothing placed)."""
+    m = subs.shape[0]
+    seen = np.zeros(E, np.bool_)
+    for j in range(m):
+        if subs[j] < 0 or subs[j] >= E * N:
+            return -1
+        seen[subs[j] // N] = True
+    at = np.empty(E, np.int64)
+    n = 0
+    for e in range(E):
+        if seen[e]:
+            at[e] = n
+            experts[n] = e
+            n += 1
+    for p in range(n * N):
+        src[p] = rows[0] if m else 0
+        present[p] = False
+    for j in range(m):
+        p = at[subs[j] // N] * N + subs[j] % N
+        src[p] = rows[j]
+        present[p] = True
+    return n
+
+
 _COMPILED: dict = {}
 
 
@@ -693,19 +773,22 @@ class PrismView:
             return self.run_subexperts(blocks, subs, num_experts, hidden_states, top_k_index,
                                        top_k_weights, *args, **kwargs)
         N, dev = self.N, blocks["gate_up_proj"].device
-        subs = [int(x) for x in subs]
-        rows = range(len(subs)) if rows is None else [int(r) for r in rows]
-        experts = sorted({x // N for x in subs})  # ascending
-        at = {e: i for i, e in enumerate(experts)}
-        n = len(experts)
+        E = num_experts
+        subs_a = np.asarray(subs, np.int64).reshape(-1)
+        m = len(subs_a)
+        rows_a = (np.arange(m, dtype=np.int64) if rows is None
+                  else np.asarray(rows, np.int64).reshape(-1))
         # each whole-expert row's block; a sub-expert not in this call reads the call's first
         # block instead of zeros: ``present`` zeroes its activations, so its weights add
-        # exact zeros
-        src, present = [rows[0] if subs else 0] * (n * N), [False] * (n * N)
-        for x, r in zip(subs, rows):
-            p = at[x // N] * N + x % N
-            src[p], present[p] = r, True
-        src_t = torch.tensor(src, dtype=torch.long, device=dev)
+        # exact zeros (one compiled pass: a decode call is bound by its operation count)
+        experts = np.empty(min(m, E), np.int64)
+        src, present = np.empty(len(experts) * N, np.int64), np.empty(len(experts) * N, bool)
+        n = _compiled(_place_loop)(subs_a, rows_a, N, E, experts, src, present)
+        if n < 0:
+            raise ValueError(f"run_blocks: sub-expert ids must be in 0 … {E * N - 1}, not "
+                             f"{subs_a.tolist()}")
+        experts, src, present = experts[:n], src[:n * N], present[:n * N]
+        src_t = torch.from_numpy(src).to(dev)
         whole = {name: t.index_select(0, src_t) for name, t in blocks.items()}
         two_c, H = whole["gate_up_proj"].shape[1:]
         gu = whole["gate_up_proj"].view(n, N * two_c, H)  # [n, 2I, H], the sub-expert layout
@@ -713,8 +796,8 @@ class PrismView:
         # are hits or misses together): no mask, the same sums (× 1 is exact)
         return self._fused({"gate_up_proj": gu, "down_proj": whole["down_proj"]},
                            experts, num_experts, hidden_states, top_k_index, top_k_weights,
-                           None, present=None if all(present) else
-                           torch.tensor(present, device=dev).view(n, N))
+                           None, present=None if present.all() else
+                           torch.from_numpy(present).view(n, N).to(dev))
 
     def _fused(self, weights: dict[str, torch.Tensor], experts, num_experts: int,
                x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -734,8 +817,6 @@ class PrismView:
         holds (None: all) — the others run elsewhere (another call, the host)."""
         from transformers.integrations.moe import _grouped_mm
 
-        from workbench.runtime.slots import positions
-
         gu = weights["gate_up_proj"]  # [n, 2I, H]
         n, two_i, H = gu.shape
         N, c = self.N, self.c
@@ -743,7 +824,49 @@ class PrismView:
         T, k = top_k_index.shape
         if self._chosen_call is None or self._chosen_call.shape[:2] != top_k_index.shape:
             self.choose(x, top_k_index, top_k_weights, num_experts)  # on its own
-        chosen = self._chosen_call.to(dev)  # [T, k, w] sub-experts, -1 padding
+        # some sub-experts of a slot's expert may not run here: those are zeroed by a mask
+        partial = (self._chosen_call.shape[-1] < N or self.global_k is not None
+                   or present is not None)
+        plan = (self._plan_compiled(experts, num_experts, top_k_index, all_routed, present,
+                                    partial) if dev.type == "cpu" else None)
+        if plan is None:
+            plan = self._plan_tensors(experts, num_experts, top_k_index, all_routed, present,
+                                      partial)
+        rows, offs, mask = plan
+        S = len(rows)
+        if not S:
+            return torch.zeros_like(x)
+        up = _grouped_mm(x.index_select(0, rows // k), gu.transpose(1, 2), offs)  # [S, 2I]
+        # the model's gate over [S, 2I] rows read as every sub-expert's gate outputs, then
+        # every up output (one copy of ``up``): its own halves, as long as in the model's
+        # forward. Over [S·N, 2c] rows (each sub-expert's halves) the activation ran ≈ 2×
+        # slower on this CPU, strided in 16s, and one ulp apart in ~4 % of its values
+        act = self.apply_gate(up.view(S, N, 2, c).transpose(1, 2).reshape(S, 2 * N * c)
+                              ).view(S, N, c)
+        if mask is not None:  # (counts 0 or 1: exact in any dtype)
+            act = act * mask.to(act.dtype)[..., None]
+        down = weights["down_proj"].reshape(n, two_i // 2, H)  # the bytes as [n, I, H]
+        out = _grouped_mm(act.reshape(S, N * c), down, offs)  # [S, H]
+        out = out * top_k_weights.reshape(-1).index_select(0, rows)[:, None].to(out.dtype)
+        full = (torch.empty if len(rows) == T * k else torch.zeros)(  # every slot here: all set
+            (T * k, H), dtype=out.dtype, device=dev)
+        full.index_copy_(0, rows, out)
+        # summed over each token's slots as the model's forward sums (reshape + sum)
+        return full.view(T, k, H).sum(1).to(x.dtype)
+
+    def _plan_tensors(self, experts, num_experts: int, top_k_index: torch.Tensor,
+                      all_routed: torch.Tensor | None, present: torch.Tensor | None,
+                      partial: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_fused`'s slots by tensor operations (any device; the reference of
+        :meth:`_plan_compiled`): records what runs here in the call's ``_ran_call`` and
+        returns ``(rows, offs, mask)`` — long [S] the call's slots (flat T·k index) grouped by
+        expert, a stable sort; int32 [n] the groups' ends; float32 [S, N] how often each row's
+        sub-experts run here (``partial``; else None)."""
+        from workbench.runtime.slots import positions
+
+        n = len(experts)
+        T, k = top_k_index.shape
+        chosen = self._chosen_call.to(top_k_index.device)  # [T, k, w] sub-experts, -1 padding
         local = positions(experts, num_experts, top_k_index, all_routed).long()  # n: not here
         here = (local < n)[..., None] & (chosen >= 0)  # [T, k, w]: what this call runs
         if present is not None:
@@ -755,32 +878,48 @@ class PrismView:
         # the slots grouped by expert, the ones not here (position n) last: one stable sort
         per = torch.bincount(flat, minlength=n + 1)
         S = T * k - int(per[n:].sum())
-        if not S:
-            return torch.zeros_like(x)
         rows = torch.argsort(flat, stable=True)[:S]
         offs = torch.cumsum(per[:n], 0).to(torch.int32)
-        up = _grouped_mm(x.index_select(0, rows // k), gu.transpose(1, 2), offs)  # [S, 2I]
-        # the model's gate over [S, 2I] rows read as every sub-expert's gate outputs, then
-        # every up output (one copy of ``up``): its own halves, as long as in the model's
-        # forward. Over [S·N, 2c] rows (each sub-expert's halves) the activation ran ≈ 2×
-        # slower on this CPU, strided in 16s, and one ulp apart in ~4 % of its values
-        act = self.apply_gate(up.view(S, N, 2, c).transpose(1, 2).reshape(S, 2 * N * c)
-                              ).view(S, N, c)
-        if chosen.shape[-1] < N or self.global_k is not None or present is not None:
-            # some sub-experts of a slot's expert do not run here: zeroed
-            pick = chosen.reshape(T * k, -1).index_select(0, rows)
-            mask = torch.zeros((S, N), dtype=act.dtype, device=dev).scatter_add_(
-                1, pick.clamp(min=0).long(),
-                here.reshape(T * k, -1).index_select(0, rows).to(act.dtype))
-            act = act * mask[..., None]
-        down = weights["down_proj"].reshape(n, two_i // 2, H)  # the bytes as [n, I, H]
-        out = _grouped_mm(act.reshape(S, N * c), down, offs)  # [S, H]
-        out = out * top_k_weights.reshape(-1).index_select(0, rows)[:, None].to(out.dtype)
-        full = (torch.empty if len(rows) == T * k else torch.zeros)(  # every slot here: all set
-            (T * k, H), dtype=out.dtype, device=dev)
-        full.index_copy_(0, rows, out)
-        # summed over each token's slots as the model's forward sums (reshape + sum)
-        return full.view(T, k, H).sum(1).to(x.dtype)
+        if not partial:
+            return rows, offs, None
+        w = chosen.shape[-1]
+        pick = chosen.reshape(T * k, w).index_select(0, rows)
+        mask = torch.zeros((S, self.N), dtype=torch.float32, device=flat.device).scatter_add_(
+            1, pick.clamp(min=0).long(),
+            here.reshape(T * k, w).index_select(0, rows).to(torch.float32))
+        return rows, offs, mask
+
+    def _plan_compiled(self, experts, num_experts: int, top_k_index: torch.Tensor,
+                       all_routed: torch.Tensor | None, present: torch.Tensor | None,
+                       partial: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`_plan_tensors`' result and record, bit for bit, by one compiled pass on the
+        host (:func:`_slots_loop`; a decode call is bound by its ≈ 15 tensor operations
+        there). ``all_routed`` is every expert the call's slots are routed to (its
+        contract), so the position table equals the sorted search. None where the call's
+        record is not on the host."""
+        ran = self._ran_call
+        if ran.device.type != "cpu" or self._chosen_call.device.type != "cpu":
+            return None
+        T, k = top_k_index.shape
+        P = T * k
+        w = self._chosen_call.shape[-1]
+        chosen = _host(self._chosen_call).reshape(P, w)
+        ex = _host(all_routed) if all_routed is not None else np.asarray(
+            [int(e) for e in experts] if isinstance(experts, (list, tuple)) else experts,
+            np.int64).reshape(-1)
+        n = len(ex)
+        pres = (np.zeros((0, 0), bool) if present is None
+                else np.ascontiguousarray(present.cpu().numpy(), bool))
+        ran_a = ran.numpy().reshape(P, w).copy()  # (a new record, as torch.where's)
+        per = np.zeros(2 * n + 1, np.int32)  # the counts, then the groups' ends
+        rows = np.empty(P, np.int64)
+        mask = np.zeros((P if partial else 0, self.N), np.float32)
+        S = _compiled(_slots_loop)(_host(top_k_index).reshape(-1), ex, num_experts, chosen,
+                                   pres, ran_a, per, rows, mask)
+        self._ran_call = torch.from_numpy(ran_a.reshape(ran.shape))
+        return (torch.from_numpy(rows[:S]), torch.from_numpy(per[n + 1:]),
+                torch.from_numpy(mask[:S]) if partial else None)
 
     def fake_quant(self, weights: dict[str, torch.Tensor], experts, precision: str
                    ) -> dict[str, torch.Tensor]:
