@@ -495,6 +495,12 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
                 nan[2, 0] = float("nan")
                 assert v._choose_compiled(nan, idx, E) is None
                 assert v._choose_compiled(x.double(), idx, E) is None
+            # k_active = N: every sub-expert in order, built on the host, the tensor path's
+            v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, N,
+                          ex.act_fn)
+            got, want = v.choose(x, idx, None, E), v._choose_tensors(x, idx, None, E)
+            assert torch.equal(got, want) and got.dtype == want.dtype
+            assert (got[3, 1] == -1).all() and got[0, 0].tolist() == list(range(N))
     assert taken >= 30
     # ties: a slot whose scores tie takes the tensor path; the Python source is the loop
     rng = np.random.default_rng(0)
@@ -733,6 +739,15 @@ def test_a_fused_calls_slots_are_the_tensor_paths_compiled_or_not(embedded):
             res.append((fn(*args, *out), out))
         assert res[0][0] == res[1][0]
         assert all((a == c).all() for a, c in zip(res[0][1], res[1][1]))
+    # an id the arrays cannot index: -1, nothing written (the call then takes the tensors)
+    for fn in (X._slots_loop, X._compiled(X._slots_loop)):
+        out = (np.full((2, 1), -1, np.int16), np.zeros(3, np.int64), np.zeros(2, np.int64),
+               np.zeros((2, 4), np.float32))
+        ids, ch = np.array([0, 1]), np.array([[0], [1]])
+        assert fn(ids, np.array([0, 7]), 6, ch, np.zeros((0, 0), bool), *out) == -1
+        assert fn(ids, np.array([0, 1]), 6, np.array([[0], [4]]), np.zeros((0, 0), bool),
+                  *out) == -1
+        assert (out[0] == -1).all() and not out[1].any() and not out[3].any()
     # the blocks placed in whole experts: the reference is the definition, slot by slot
     for trial in range(200):
         E2, N = int(rng.integers(1, 7)), int(rng.choice([1, 2, 4]))

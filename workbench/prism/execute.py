@@ -361,10 +361,19 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
     the slots of the call's experts grouped by expert, in slot order within one (a stable
     sort by position); ``mask`` float32 [P, N] zeros (or [0, N]: none wanted): row q counts
     the here-runs of slot ``rows[q]``'s sub-experts. Returns S, the slots in the call
-    (``rows[:S]``, ``mask[:S]``)."""
+    (``rows[:S]``, ``mask[:S]``), or -1 (nothing written) for an expert id outside 0 … E or a
+    sub-expert past N − 1 (N: ``mask``'s columns)."""
     P = ids.shape[0]
     w = chosen.shape[1]
     n = experts.shape[0]
+    N = mask.shape[1]
+    for i in range(n):  # (writes below index by these: out of range, nothing is written)
+        if experts[i] < 0 or experts[i] > E:
+            return -1
+    for p in range(P):
+        for i in range(w):
+            if chosen[p, i] >= N:
+                return -1
     lut = np.full(E + 1, n, np.int64)
     for i in range(n):
         lut[experts[i]] = i
@@ -546,6 +555,14 @@ class PrismView:
         # call is bound by its number of tensor operations; None: the tensors choose)
         chosen = (self._choose_compiled(hidden_states, top_k_index, num_experts)
                   if self.global_k is None and ka < N else None)
+        if chosen is None and self.global_k is None and ka >= N and dev.type == "cpu":
+            # every sub-expert of each routed slot, in order (the tensor path's, built on
+            # the host: four tensor operations cost ≈ 40 µs a call in a run)
+            ids = _host(top_k_index)
+            all_n = np.empty((T, k, N), np.int64)
+            all_n[...] = np.arange(N)
+            all_n[ids >= num_experts] = -1
+            chosen = torch.from_numpy(all_n)
         if chosen is None:  # (after a compiled pass that found a tie or NaN, the product
             # runs again here: rare, and the tensor path stays whole and separate)
             chosen = self._choose_tensors(hidden_states, top_k_index, top_k_weights,
@@ -917,6 +934,8 @@ class PrismView:
         mask = np.zeros((P if partial else 0, self.N), np.float32)
         S = _compiled(_slots_loop)(_host(top_k_index).reshape(-1), ex, num_experts, chosen,
                                    pres, ran_a, per, rows, mask)
+        if S < 0:  # ids out of range: the tensor path says so
+            return None
         self._ran_call = torch.from_numpy(ran_a.reshape(ran.shape))
         return (torch.from_numpy(rows[:S]), torch.from_numpy(per[n + 1:]),
                 torch.from_numpy(mask[:S]) if partial else None)
