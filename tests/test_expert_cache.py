@@ -92,11 +92,11 @@ def test_lfu_keeps_frequent_expert():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_lru_victims_by_heap_equal_the_scan(seed):
-    """LRU's heap (:meth:`LRU.victim`) evicts exactly what the scan of every unprotected
-    resident key does (:meth:`EvictionPolicy.victim` → ``choose_victim``), over random
-    layer calls with protected keys, pre-evictions, cancellations, and a policy reset with
-    keys resident (then it scans); a clock that repeats a ``t`` turns it to scanning."""
+def test_lru_victims_by_order_of_use_equal_the_scan(seed):
+    """LRU's order of uses (:meth:`LRU.victim`) evicts exactly what the scan of every
+    unprotected resident key does (:meth:`EvictionPolicy.victim` → ``choose_victim``), over
+    random layer calls with protected keys, pre-evictions, cancellations, and a policy reset
+    with keys resident (then it scans); a clock that repeats a ``t`` turns it to scanning."""
     from workbench.policies.eviction import LRU, EvictionPolicy
 
     class ScanLRU(LRU):
@@ -134,4 +134,4 @@ def test_lru_victims_by_heap_equal_the_scan(seed):
     lru = LRU()
     lru.on_hit((0, 1), 5)
     lru.on_hit((0, 2), 5)  # the same t twice: from here on, the scan
-    assert lru._uses is None and lru.victim({(0, 1): 0, (0, 2): 1}, set(), 6) == (0, 1)
+    assert not lru._ordered and lru.victim({(0, 1): 0, (0, 2): 1}, set(), 6) == (0, 1)

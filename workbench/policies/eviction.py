@@ -10,7 +10,6 @@ knob's menu, the dashboard and ``--set eviction=name``.
 
 from __future__ import annotations
 
-import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Hashable, Iterable
@@ -107,24 +106,21 @@ class LRU(EvictionPolicy):
     """Least recently used: evict the candidate whose last use is oldest."""
 
     def reset(self) -> None:
+        #: each key's last use; while :attr:`_ordered`, also in the order of those uses
+        #: (oldest first: a use moves its key to the end), so the least recent key is the first
         self.last_use: dict[Key, int] = {}
-        #: (last use, key) of every use, the stale ones (a later use, an eviction) among them:
-        #: the least recent resident key is at the top once stale entries are popped
-        self._uses: list[tuple[int, Key]] | None = []
-        self._last_t: int | None = None  # the latest use's t; None once two uses shared one
+        self._ordered = True  # False once a use did not come after the one before (a tie)
+        self._last_t: int | None = None  # the latest use's t
 
     def on_hit(self, key: Key, t: int) -> None:
-        self.last_use[key] = t
-        if self._uses is None:
-            return
-        if self._last_t is not None and t <= self._last_t:  # a tie may come: scans from now
-            self._uses = None
-            return
-        self._last_t = t
-        heapq.heappush(self._uses, (t, key))
-        if len(self._uses) > 2 * len(self.last_use) + 64:  # mostly stale: rebuilt, O(1) amortised
-            self._uses = [(u, k) for k, u in self.last_use.items()]
-            heapq.heapify(self._uses)
+        last_use = self.last_use
+        if self._ordered:
+            if self._last_t is not None and t <= self._last_t:  # a tie may come: scans now
+                self._ordered = False
+            else:
+                self._last_t = t
+                last_use.pop(key, None)  # (re-inserted last)
+        last_use[key] = t
 
     on_insert = on_hit
 
@@ -135,27 +131,20 @@ class LRU(EvictionPolicy):
         return min(candidates, key=lambda k: self.last_use.get(k, -1))
 
     def victim(self, resident: dict, protected: set, t: int) -> Key:
-        """:meth:`choose_victim`'s key in O(log n) amortised, not a scan of the cache (a scan
-        was ≈ 15 % of a live offloaded run of the embedded model, and most of one caching
-        sub-experts: cProfile). Equal because the cache's clock gives every use its own
+        """:meth:`choose_victim`'s key without a scan of the cache (a scan was ≈ 15 % of a
+        live offloaded run of the embedded model, and most of one caching sub-experts:
+        cProfile): the first key of :attr:`last_use`, in the order of last use, that is
+        resident and not protected — the layer's protected keys were just used, so it is
+        nearly always the first. Equal because the cache's clock gives every use its own
         ``t`` (checked: once a use does not come after the last one, every choice scans): the
         least recent unprotected key is unique. A resident key with no recorded use (a reset
-        with keys resident) sorts first, in admission order: then the scan too."""
-        if self._uses is None or len(self.last_use) != len(resident):
+        with keys resident) sorts first, in admission order: then the scan too. (A heap of
+        uses did this until stop 58: ≈ 2× the time per use.)"""
+        if not self._ordered or len(self.last_use) != len(resident):
             return super().victim(resident, protected, t)
-        uses, held = self._uses, []
-        try:
-            while uses:
-                u, k = uses[0]
-                if self.last_use.get(k) != u or k not in resident:  # stale
-                    heapq.heappop(uses)
-                elif k in protected:
-                    held.append(heapq.heappop(uses))
-                else:
-                    return k
-        finally:
-            for item in held:
-                heapq.heappush(uses, item)
+        for k in self.last_use:
+            if k not in protected and k in resident:
+                return k
         return super().victim(resident, protected, t)
 
 

@@ -95,25 +95,26 @@ class ExpertCache:
         Returns ``(slot, evicted key or None)``, or ``None`` when every slot is protected (the
         caller must finish work on some protected expert first). Counts a load.
         """
-        if key in self.slot_of:
+        slot_of, policy = self.slot_of, self.policy  # (one admission per miss: locals)
+        if key in slot_of:
             raise ValueError(f"expert {key} is already resident")
         evicted = None
         if self._free:
-            self.policy.before_admit(key, self.t)
+            policy.before_admit(key, self.t)
             slot = self._free.pop()
         else:
-            if len(self.slot_of) <= len(protected) and \
-                    len(self.slot_of) <= sum(k in self.slot_of for k in protected):
+            if len(slot_of) <= len(protected) and \
+                    len(slot_of) <= sum(k in slot_of for k in protected):
                 return None  # every resident key is protected
-            self.policy.before_admit(key, self.t)
-            evicted = self.policy.victim(self.slot_of, protected, self.t)
-            slot = self.slot_of.pop(evicted)
-            self.policy.on_evict(evicted)
+            policy.before_admit(key, self.t)
+            evicted = policy.victim(slot_of, protected, self.t)
+            slot = slot_of.pop(evicted)
+            policy.on_evict(evicted)
             self.evictions[evicted[0]] += 1
-        self.slot_of[key] = slot
+        slot_of[key] = slot
         self.key_in[slot] = key
-        self.t += 1
-        self.policy.on_insert(key, self.t)
+        self.t = t = self.t + 1
+        policy.on_insert(key, t)
         self.loads[key[0]] += 1
         return slot, evicted
 
