@@ -747,6 +747,9 @@ def test_a_fused_calls_slots_are_the_tensor_paths_compiled_or_not(embedded):
         assert fn(ids, np.array([0, 7]), 6, ch, np.zeros((0, 0), bool), *out) == -1
         assert fn(ids, np.array([0, 1]), 6, np.array([[0], [4]]), np.zeros((0, 0), bool),
                   *out) == -1
+        for bad in (-1, 7):  # a slot's id the position table cannot read
+            assert fn(np.array([0, bad]), np.array([0, 1]), 6, ch, np.zeros((0, 0), bool),
+                      *out) == -1
         assert (out[0] == -1).all() and not out[1].any() and not out[3].any()
     # the blocks placed in whole experts: the reference is the definition, slot by slot
     for trial in range(200):

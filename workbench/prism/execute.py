@@ -361,8 +361,8 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
     the slots of the call's experts grouped by expert, in slot order within one (a stable
     sort by position); ``mask`` float32 [P, N] zeros (or [0, N]: none wanted): row q counts
     the here-runs of slot ``rows[q]``'s sub-experts. Returns S, the slots in the call
-    (``rows[:S]``, ``mask[:S]``), or -1 (nothing written) for an expert id outside 0 … E or a
-    sub-expert past N − 1 (N: ``mask``'s columns)."""
+    (``rows[:S]``, ``mask[:S]``), or -1 (nothing written) for an expert id (of ``ids`` or
+    ``experts``) outside 0 … E or a sub-expert past N − 1 (N: ``mask``'s columns)."""
     P = ids.shape[0]
     w = chosen.shape[1]
     n = experts.shape[0]
@@ -371,6 +371,8 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
         if experts[i] < 0 or experts[i] > E:
             return -1
     for p in range(P):
+        if ids[p] < 0 or ids[p] > E:
+            return -1
         for i in range(w):
             if chosen[p, i] >= N:
                 return -1
@@ -380,7 +382,7 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
     local = np.empty(P, np.int64)
     for p in range(P):
         e = ids[p]
-        q = lut[e] if 0 <= e <= E else n
+        q = lut[e]
         local[p] = q
         per[q] += 1
         for i in range(w):
