@@ -192,6 +192,27 @@ def test_live_units_give_the_same_tokens_and_the_papers_order_of_latency(live_ru
     assert res["layerwise-prefetch"].latency_modeled_s <= res["layerwise"].latency_modeled_s
 
 
+def test_a_layerwise_unit_with_idle_routed_experts_runs_what_the_expert_unit_does(
+        embedded, tmp_path):
+    """MoE-Prism's global K can leave a routed expert with no sub-expert to run: it is not
+    looked up, so a layer-wise unit's call holds fewer experts than the layer routed to. Its
+    slots then map by the call's own experts (not a sorted search over every routed one,
+    which gave another expert's weights to some slots until stop 58: other tokens): the same
+    tokens and sub-experts as under the expert unit."""
+    import workbench
+    from workbench.prism import refactor as R
+
+    R.save(R.random_refactoring(embedded, subexperts=4, seed=4), tmp_path / "p")
+    rt = workbench.Runtime(embedded, device="cpu", max_new_tokens=6)
+    reqs = workbench.mixed_batch(2, text_share=0.5, seed=3)
+    kw = dict(prism=True, prism_refactoring=str(tmp_path / "p"), prism_k=3, pinned_layers=1,
+              cache_slots=2 * embedded.layout.num_experts, record=False)
+    runs = {u: rt.run(reqs, offload_unit=u, **kw) for u in ("expert", "layerwise")}
+    assert [r["token_ids"] for r in runs["layerwise"].batch] == \
+        [r["token_ids"] for r in runs["expert"].batch]
+    assert runs["layerwise"].subexperts_ran == runs["expert"].subexperts_ran > 0
+
+
 def test_cli_refuses_a_bad_combination_with_exit_2_and_one_line(tiny_ckpt, capsys):
     from workbench.cli import main
 

@@ -395,6 +395,8 @@ def test_the_fused_sub_expert_product_equals_the_models_forward_per_sub_expert(
         order = torch.randperm(E * N, generator=g)
         pool = {n: t[order] for n, t in blocks.items()}
         rows = [int(r) for r in torch.argsort(order)[subs]]
+        with pytest.raises(ValueError, match="one row per sub-expert"):
+            fused.run_blocks(pool, subs, E, x, idx, w, rows=rows[:-1])
         out = fused.run_blocks(pool, subs, E, x, idx, w, rows=rows)
     else:
         at = experts.long()
@@ -703,9 +705,10 @@ def test_a_fused_calls_slots_are_the_tensor_paths_compiled_or_not(embedded):
         form = rng.integers(0, 3)
         if form == 0:  # every routed expert, as the offloader's all-hit call hands them
             experts, all_routed = routed, routed
-        else:  # some experts (and idle ones), a list in any order
+        else:  # some experts (and idle ones), a list in any order, or run_blocks' array
             pool = rng.permutation(E)[:int(rng.integers(0, E + 1))]
-            experts, all_routed = [int(e) for e in pool], None
+            experts, all_routed = ([int(e) for e in pool] if form == 1
+                                   else np.sort(pool).astype(np.int64)), None
         n = len(experts)
         present = (None if rng.random() < 0.5 or not n else  # (run_blocks: some expert)
                    torch.as_tensor(rng.random((n, N)) < 0.6))

@@ -797,6 +797,9 @@ class PrismView:
         m = len(subs_a)
         rows_a = (np.arange(m, dtype=np.int64) if rows is None
                   else np.asarray(rows, np.int64).reshape(-1))
+        if len(rows_a) != m:
+            raise ValueError(f"run_blocks: one row per sub-expert: {m} sub-experts, "
+                             f"{len(rows_a)} rows")
         # each whole-expert row's block; a sub-expert not in this call reads the call's first
         # block instead of zeros: ``present`` zeroes its activations, so its weights add
         # exact zeros (one compiled pass: a decode call is bound by its operation count)
@@ -914,9 +917,10 @@ class PrismView:
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """:meth:`_plan_tensors`' result and record, bit for bit, by one compiled pass on the
         host (:func:`_slots_loop`; a decode call is bound by its ≈ 15 tensor operations
-        there). ``all_routed`` is every expert the call's slots are routed to (its
-        contract), so the position table equals the sorted search. None where the call's
-        record is not on the host."""
+        there). ``all_routed`` is every expert the call's slots are routed to, ``experts``
+        themselves (its contract), so the position table equals the sorted search. None
+        where the call's record is not on the host, or for an id the arrays cannot index
+        (then the tensor operations name it)."""
         ran = self._ran_call
         if ran.device.type != "cpu" or self._chosen_call.device.type != "cpu":
             return None

@@ -213,7 +213,9 @@ class Executor:
             self.wait(c.event, layer, key[1], self.inflight.pop(key))
         if not unit.experts:
             return None
-        every = c.routed if self.part == 1 else None
+        # every routed expert in the unit's call (a global K may leave some idle: not then)
+        every = (c.routed if self.part == 1 and len(unit.experts) == len(c.routed)
+                 else None)
         return self.run_slots(c, list(unit.experts), list(unit.slots), every)
 
     def run_misses(self, c: ComputeCall, schedule: list, i: int, loading: dict[int, Transfer]
