@@ -131,6 +131,14 @@ def test_lru_victims_by_order_of_use_equal_the_scan(seed):
     assert [c.slot_of for c in caches][0] == caches[1].slot_of
     assert caches[0].counters()["evictions"].tolist() == caches[1].counters()["evictions"].tolist()
     assert caches[0].counters()["evictions"].sum() > 0
+    class MRU(LRU):  # a subclass choosing its own way: its choice, not LRU's order
+        def choose_victim(self, candidates, t):
+            return max(candidates, key=lambda k: self.last_use.get(k, -1))
+
+    mru = MRU()
+    for t, key in enumerate([(0, 1), (0, 2), (0, 3)]):
+        mru.on_insert(key, t)
+    assert mru.victim({(0, 1): 0, (0, 2): 1, (0, 3): 2}, {(0, 3)}, 9) == (0, 2)
     lru = LRU()
     lru.on_hit((0, 1), 5)
     lru.on_hit((0, 2), 5)  # the same t twice: from here on, the scan

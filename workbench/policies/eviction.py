@@ -138,9 +138,11 @@ class LRU(EvictionPolicy):
         nearly always the first. Equal because the cache's clock gives every use its own
         ``t`` (checked: once a use does not come after the last one, every choice scans): the
         least recent unprotected key is unique. A resident key with no recorded use (a reset
-        with keys resident) sorts first, in admission order: then the scan too. (A heap of
-        uses did this until stop 58: ≈ 2× the time per use.)"""
-        if not self._ordered or len(self.last_use) != len(resident):
+        with keys resident) sorts first, in admission order: then the scan too, as for a
+        subclass with a ``choose_victim`` of its own. (A heap of uses did this until stop 58:
+        ≈ 2× the time per use.)"""
+        if (not self._ordered or len(self.last_use) != len(resident)
+                or type(self).choose_victim is not LRU.choose_victim):  # (a subclass's own)
             return super().victim(resident, protected, t)
         for k in self.last_use:
             if k not in protected and k in resident:
