@@ -60,6 +60,7 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
     import statistics
     import tempfile
 
+    from roundstats import median_ci
     from workbench.models.embedded.demo import read_demo
 
     demo = next(d for d in read_demo() if d["image"])
@@ -116,12 +117,24 @@ def speed(repeats: int, batch: int = 1, only: set[str] | None = None,
         # a busy machine only adds time: the fastest run of each setting is the least
         # disturbed reading of what it costs
         fastest = min(ts) / min(times["topk"])
+        ci = median_ci(rounds)  # (None: too few rounds for a 95 % interval)
         out[name] = {"median_s": m, "ratio": m / base, "cpu_s": c, "ratio_cpu": c / base_cpu,
                      "ratio_per_round": per_round, "ratio_per_round_quartiles": [q1, q3],
-                     "min_s": min(ts), "ratio_of_fastest": fastest}
+                     "ratio_per_round_ci95": ci, "min_s": min(ts), "ratio_of_fastest": fastest}
         print(f"  {name}: {m * 1e3:.0f} ms = {m / base:.3f}× top-k wall "
-              f"(median of per-round ratios {per_round:.3f}, quartiles {q1:.3f}–{q3:.3f}; "
-              f"fastest runs {fastest:.3f}×); CPU {c * 1e3:.0f} ms = {c / base_cpu:.3f}×")
+              f"(median of per-round ratios {per_round:.3f}, quartiles {q1:.3f}–{q3:.3f}"
+              + (f", 95 % interval of the median {ci[0]:.3f}–{ci[1]:.3f}" if ci else "")
+              + f"; fastest runs {fastest:.3f}×); CPU {c * 1e3:.0f} ms = {c / base_cpu:.3f}×")
+    ranks = "topk + 8 virtual EP ranks (summary from the store)"
+    if ranks in times:  # MACS and Expanded Drop run 8 ranks: also against top-k with 8 ranks
+        for name in (n for n in times if n.startswith(("macs", "capacity-expanded"))):
+            rounds = [t / b for t, b in zip(times[name], times[ranks])]
+            ci = median_ci(rounds)
+            out[name]["ratio_per_round_vs_ranks"] = statistics.median(rounds)
+            out[name]["ratio_per_round_vs_ranks_ci95"] = ci
+            print(f"  {name} ÷ top-k with 8 ranks, median of per-round ratios "
+                  f"{statistics.median(rounds):.3f}"
+                  + (f" (95 % interval {ci[0]:.3f}–{ci[1]:.3f})" if ci else ""))
     out["load_average"] = [load0[0], load1[0]]
     if profile:
         import cProfile

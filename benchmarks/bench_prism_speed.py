@@ -187,6 +187,7 @@ def replay_calls(setting: str, old_tree: str, rounds: int) -> dict:
 
 
 def main() -> None:
+    from roundstats import median_ci
     from workbench.prism import refactor as R
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -289,14 +290,19 @@ def main() -> None:
         # each round's run ÷ the same round's unmodified run: drift across rounds cancels
         per_round = {r: statistics.median(x / b for x, b in zip(t, times["native"]))
                      for r, t in times.items() if t}
+        # a 95 % interval of each median (distribution-free; None: too few rounds)
+        ci = {r: median_ci([x / b for x, b in zip(t, times["native"])])
+              for r, t in times.items() if t}
         out["settings"][sname] = {
             "median_s": med, "ratio": {r: med[r] / med["native"] for r in med},
-            "ratio_per_round": per_round,
+            "ratio_per_round": per_round, "ratio_per_round_ci95": ci,
             # every sub-expert active, on every path that ran: the native answers
             "all_equal_native": all(tokens[r] == tokens["native"] for r in tokens if any(
                 r.startswith(n) for n in (f"prism {N}/{N}", f"prism_offload {N}/{N}")))}
-        print(f"{sname}: " + ", ".join(f"{r} {med[r]:.3f} s ({med[r] / med['native']:.2f}×; "
-                                       f"per round {per_round[r]:.2f}×)" for r in med)
+        print(f"{sname}: " + ", ".join(
+            f"{r} {med[r]:.3f} s ({med[r] / med['native']:.2f}×; per round {per_round[r]:.2f}×"
+            + (f", 95 % {ci[r][0]:.2f}–{ci[r][1]:.2f}" if ci[r] and r != "native" else "")
+            + ")" for r in med)
               + f"; all sub-experts = native answers: "
                 f"{out['settings'][sname]['all_equal_native']}")
     if a.json:
