@@ -737,14 +737,14 @@ def test_a_fused_calls_slots_are_the_tensor_paths_compiled_or_not(embedded):
                 rng.random((n, N)) < 0.5 if rng.random() < 0.5 else np.zeros((0, 0), bool))
         res = []
         for fn in (X._slots_loop, X._compiled(X._slots_loop)):
-            out = (np.full((P, w), -1, np.int16), np.zeros(n + 1, np.int64),
+            out = (np.full((P, w), -1, np.int16), np.zeros(2 * n + 1, np.int64),
                    np.zeros(P, np.int64), np.zeros((P, N), np.float32))
             res.append((fn(*args, *out), out))
         assert res[0][0] == res[1][0]
         assert all((a == c).all() for a, c in zip(res[0][1], res[1][1]))
     # an id the arrays cannot index: -1, nothing written (the call then takes the tensors)
     for fn in (X._slots_loop, X._compiled(X._slots_loop)):
-        out = (np.full((2, 1), -1, np.int16), np.zeros(3, np.int64), np.zeros(2, np.int64),
+        out = (np.full((2, 1), -1, np.int16), np.zeros(5, np.int64), np.zeros(2, np.int64),
                np.zeros((2, 4), np.float32))
         ids, ch = np.array([0, 1]), np.array([[0], [1]])
         assert fn(ids, np.array([0, 7]), 6, ch, np.zeros((0, 0), bool), *out) == -1

@@ -356,8 +356,8 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
     :func:`~workbench.runtime.slots.positions`), ``chosen`` int64 [P, w] each slot's
     sub-experts (-1 padding), ``present`` bool [n, N] the sub-experts this call holds ([0, 0]:
     all). Writes ``ran`` int16 [P, w] = ``chosen`` where the slot's sub-expert runs here (its
-    expert in the call, chosen, present); ``per`` int [n + 1] zeros: slots per position
-    (or [2n + 1]: then each position's end, the counts' running sum); ``rows`` int64 [P]:
+    expert in the call, chosen, present); ``per`` int [2n + 1] zeros: slots per position,
+    then each position's end (the counts' running sum); ``rows`` int64 [P]:
     the slots of the call's experts grouped by expert, in slot order within one (a stable
     sort by position); ``mask`` float32 [P, N] zeros (or [0, N]: none wanted): row q counts
     the here-runs of slot ``rows[q]``'s sub-experts. Returns S, the slots in the call
@@ -394,7 +394,7 @@ def _slots_loop(ids, experts, E, chosen, present, ran, per, rows, mask):
     for q in range(n + 1):
         start[q] = at
         at += per[q]
-        if q < n and per.shape[0] > n + 1:
+        if q < n:
             per[n + 1 + q] = at
     for p in range(P):
         q = local[p]
