@@ -7,7 +7,8 @@ alike (issue 41's rule: a speed change changes nothing a run computes).
 ``run``: MACS and Expanded Drop (γ0 = 1, 8 ranks) on the demo image request and on the mixed
 batch of 8, 16 new tokens, every expert cached, each twice; writes ``OUT`` (JSON: the tokens,
 the counters, hits and misses) and ``OUT.<setting>.npz`` (the stored routing: ids and
-weights). ``compare``: equal tokens, counters, hits, misses and ids, and the largest
+weights, and the arrays of :data:`STORED`). ``compare``: equal tokens, counters, hits, misses,
+ids and :data:`STORED` arrays (bit for bit, where both runs stored them), and the largest
 difference of the stored weights between the trees beside the one between two runs of one
 tree (the offloader sums expert groups as their copies land: float32 rounding varies).
 """
@@ -23,6 +24,8 @@ import numpy as np
 
 SETTINGS = [(batch, pol, rep) for batch in (1, 8) for pol in ("macs", "capacity-expanded")
             for rep in (0, 1)]
+#: the stored arrays of what the dispatch did, compared bit for bit
+STORED = ("dispatch_dropped", "dispatch_rerouted", "effective_load", "routed_tokens")
 
 
 def run(out: str) -> None:
@@ -43,7 +46,8 @@ def run(out: str) -> None:
                    else rt.run(workbench.mixed_batch(8, text_share=0.5, seed=1), **kw))
             ds = workbench.open_run(res.store)
             np.savez(f"{out}.{batch}{pol}{rep}.npz", ids=ds["topk_ids"].values,
-                     w=ds["topk_weights"].values)
+                     w=ds["topk_weights"].values,
+                     **{n: ds[n].values for n in STORED if n in ds})
             res_all[f"{batch} {pol} {rep}"] = {
                 "token_ids": res.token_ids, "batch_tokens": [b.get("token_ids") for b in res.batch],
                 "hits": res.hits, "misses": res.misses,
@@ -60,9 +64,12 @@ def compare(a: str, b: str) -> bool:
         key = f"{batch} {pol} {rep}"
         na, nb = (np.load(f"{p}.{batch}{pol}{rep}.npz") for p in (a, b))
         eq = ja[key] == jb[key] and np.array_equal(na["ids"], nb["ids"])
+        both = [n for n in STORED if n in na.files and n in nb.files]
+        eq &= all(na[n].tobytes() == nb[n].tobytes() for n in both)
         same &= eq
         diff = float(np.nanmax(np.abs(na["w"].astype(np.float64) - nb["w"])))
-        line = f"{key}: tokens, counters, hits, misses, ids {'equal' if eq else 'DIFFER'}; " \
+        line = f"{key}: tokens, counters, hits, misses, ids, {', '.join(both)} " \
+               f"{'equal' if eq else 'DIFFER'}; " \
                f"weights differ by ≤ {diff:.1e}"
         if rep:
             r0, r1 = (np.load(f"{a}.{batch}{pol}{r}.npz")["w"] for r in (0, 1))

@@ -11,8 +11,8 @@ import workbench
 from workbench.errors import InputError, KnobError
 from workbench.macs.calibration import calibrate, calibration_requests, load, save
 from workbench.sim.dispatch import CapacityDrop, Macs
-from workbench.sim.macs import (expert_classes, image_runs, macs_group, semantic_weights,
-                                entropy_of_features)
+from workbench.sim.macs import (entropy_of_features, expert_classes, image_groups, image_runs,
+                                macs_group, semantic_weights)
 
 
 def _random_routing(rng, T, L, K, E):
@@ -160,7 +160,9 @@ def test_semantic_weights_are_numpys_z_score_bit_for_bit():
 
     rng = np.random.default_rng(3)
     for trial in range(300):
-        T, L = int(rng.integers(1, 200)), int(rng.integers(1, 4))
+        # one layer (a live call: the compiled pass) past numpy's pairwise blocks of 128
+        T, L = int(rng.integers(1, [200, 3000][trial % 2])), int(rng.integers(1, 4))
+        L = 1 if trial % 4 < 2 else L
         H = rng.random((T, L)) * float(rng.choice([1e-3, 1, 5])) + float(rng.choice([0, 3]))
         if trial % 7 == 0:
             H[:] = 1.25
@@ -168,8 +170,12 @@ def test_semantic_weights_are_numpys_z_score_bit_for_bit():
         img = [image_runs(mod, np.sort(rng.integers(0, 4, T))), None,
                np.where(mod != 0, rng.integers(0, 3, T), -1)][trial % 3]
         delta = float(rng.choice([0.0, 1.5, 3.0]))
-        assert semantic_weights(H, mod, img, delta).tobytes() == \
-            reference(H, mod, img, delta).tobytes()
+        want = reference(H, mod, img, delta).tobytes()
+        for compiled in (True, False):
+            assert semantic_weights(H, mod, img, delta, compiled=compiled).tobytes() == want
+        # the stage's groups, computed once per step, are what it would compute here
+        groups = image_groups(mod, img)
+        assert semantic_weights(H, mod, img, delta, groups).tobytes() == want
     for bad in (dict(modality=np.ones(3, np.int8)), dict(image_of=np.zeros(5, np.int64))):
         args = dict(entropy=np.ones((4, 1)), modality=np.ones(4, np.int8), image_of=None,
                     delta=1.5) | bad

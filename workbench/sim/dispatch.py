@@ -474,7 +474,7 @@ class Macs(CapacityDrop):
                                                               self.ep_ranks)
         if self.semantic_load and context is not None and context.features_entropy is not None:
             w_all = semantic_weights(context.features_entropy, mod, context.image_of,
-                                     self.delta)
+                                     self.delta, context.image_groups)
         else:
             w_all = np.ones((T, L))
         #: the semantic weights w(x) [T, L] of the last call (the effective load's units)

@@ -67,23 +67,48 @@ class DispatchContext:
     affinity: np.ndarray | None = None
     #: m_j per model layer and expert, int8 [layers, E] (None: the policy's calibration)
     expert_class: np.ndarray | None = None
+    #: :func:`image_groups` of ``modality`` and ``image_of`` (None: computed when needed)
+    image_groups: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))
 
 
+def image_groups(modality: np.ndarray, image_of: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``(idx, starts)``: the visual tokens image by image, each image's in token order
+    (int64 [n]; a stable sort by image), and where each image's run of them starts, with
+    ``n`` last (int64 [images + 1]). ``image_of`` None: all visual tokens one image. What
+    :func:`semantic_weights` z-scores over; a live dispatch computes it once per step (every
+    layer call of a step has the same tokens)."""
+    idx = np.flatnonzero(np.asarray(modality) != 0)
+    if image_of is not None and len(idx):  # each image's tokens together, in token order
+        img = np.asarray(image_of)[idx]
+        order = np.argsort(img, kind="stable")
+        idx, img = idx[order], img[order]
+        cut = np.flatnonzero(img[1:] != img[:-1]) + 1
+    else:
+        cut = np.zeros(0, np.int64)
+    return idx.astype(np.int64, copy=False), np.r_[0, cut, len(idx)].astype(np.int64)
+
+
 def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.ndarray | None,
-                     delta: float) -> np.ndarray:
+                     delta: float, groups: tuple[np.ndarray, np.ndarray] | None = None,
+                     compiled: bool = True) -> np.ndarray:
     """w(x) [T, L]: σ(−δ·H̃) for visual tokens (H z-scored over each image's visual tokens,
     per layer), 1 for text. ``entropy`` [T, L]; ``image_of`` [T] the image of each visual
     token (:func:`image_runs`; a text token's entry is not read), None: one image.
+    ``groups``: :func:`image_groups` of ``modality`` and ``image_of``, when the caller holds
+    it (not checked against them); None: computed here.
 
-    The visual tokens are gathered image by image once (a stable sort keeps each image's in
-    token order), each image's mean and population standard deviation are numpy's own
-    ``mean(0)`` and ``std(0)`` steps on that block (the same sums in the same order, so the
-    same bits as z-scoring each image's visual tokens with them: tested), and one σ runs over
-    them all."""
+    The visual tokens are gathered image by image once, each image's mean and population
+    standard deviation are numpy's own ``mean(0)`` and ``std(0)`` steps on that block (the
+    same sums in the same order, so the same bits as z-scoring each image's visual tokens
+    with them: tested), and one σ runs over them all. With one layer and ``compiled``, the
+    z-scores of all images come from one compiled pass (:func:`_zscore_loop`), whose sums are
+    numpy's pairwise summation of a contiguous column (tested bit-equal); else a numpy loop
+    over the images."""
     H = np.asarray(entropy, np.float64)
     w = np.ones_like(H)
     vis = np.asarray(modality) != 0
@@ -91,19 +116,18 @@ def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.nda
         if a is not None and np.shape(a) != H.shape[:1]:
             raise ValueError(f"semantic_weights: {name} has shape {np.shape(a)}, the entropy "
                              f"{H.shape}: expected one entry per token ({H.shape[0]})")
-    idx = np.flatnonzero(vis)
+    idx, starts = image_groups(vis, image_of) if groups is None else groups
     if not len(idx):
         return w
-    if image_of is not None:  # each image's tokens together, in token order
-        img = np.asarray(image_of)[idx]
-        order = np.argsort(img, kind="stable")
-        idx, img = idx[order], img[order]
-        cut = np.flatnonzero(img[1:] != img[:-1]) + 1
-    else:
-        cut = np.zeros(0, np.int64)
+    if compiled and H.ndim == 2 and H.shape[1] == 1:
+        Hv = np.ascontiguousarray(H[idx, 0])
+        z = np.empty_like(Hv)
+        _kernels()[2](Hv, starts, z, np.empty_like(Hv))
+        w[idx, 0] = sigmoid(-float(delta) * z)
+        return w
     Hv = H[idx]
     z = np.empty_like(Hv)
-    for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(idx)].tolist()):
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
         h = Hv[a:b]
         # numpy's std: x = h − mean (mean = Σh / n), Σx² / n, √ — and x is h − h.mean(0)
         x = h - np.add.reduce(h, 0, keepdims=True) / (b - a)
@@ -111,6 +135,61 @@ def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.nda
         z[a:b] = x / (sd + _EPS)
     w[idx] = sigmoid(-float(delta) * z)
     return w
+
+
+def _pairwise_sum(a, lo, n):
+    """Σ a[lo:lo + n] as numpy sums a contiguous float64 run (its ``pairwise_sum``: runs over
+    128 split in halves that are multiples of 8; up to 128, eight running sums combined as
+    ((0+1)+(2+3))+((4+5)+(6+7)), then the rest one by one; under 8 one by one from 0).
+    ``add.reduce`` adds the result to its identity 0: the caller's ``0.0 +``. Compiled
+    (:func:`_kernels`), recursive by its compiled name."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+        i = 8
+        m = n - n % 8
+        while i < m:
+            j = lo + i
+            r0 += a[j]
+            r1 += a[j + 1]
+            r2 += a[j + 2]
+            r3 += a[j + 3]
+            r4 += a[j + 4]
+            r5 += a[j + 5]
+            r6 += a[j + 6]
+            r7 += a[j + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[lo + i]
+            i += 1
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _PAIRWISE(a, lo, n2) + _PAIRWISE(a, lo + n2, n - n2)
+
+
+def _zscore_loop(h, starts, z, sq):
+    """z[a:b] = (h − mean) / (std + ε) for each run ``starts[g]:starts[g + 1]`` of ``h``
+    (float64, contiguous), as :func:`semantic_weights`' numpy loop computes it on one layer:
+    mean = Σh / n, x = h − mean, std = √(Σx² / n), each Σ numpy's (:func:`_pairwise_sum`).
+    ``sq``: scratch as long as ``h``."""
+    for g in range(starts.shape[0] - 1):
+        a, b = starts[g], starts[g + 1]
+        n = b - a
+        m = (0.0 + _PAIRWISE(h, a, n)) / n
+        for i in range(a, b):
+            x = h[i] - m
+            z[i] = x
+            sq[i] = x * x
+        sd = np.sqrt((0.0 + _PAIRWISE(sq, a, n)) / n)
+        for i in range(a, b):
+            z[i] = z[i] / (sd + _EPS)
 
 
 def entropy_of_features(z: np.ndarray) -> np.ndarray:
@@ -503,22 +582,24 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
         room[k] -= wx
 
 
-_REROUTE = _SORT = _NAN_TO_NUM = _SELECT = None
+_REROUTE = _SORT = _NAN_TO_NUM = _SELECT = _PAIRWISE = _ZSCORE = None
 
 
 def _kernels():
-    """``(_reroute_loop, _select_loop)`` compiled by numba (cached on disk, as the replay
-    kernels are); imported on first use so that this module stays importable without numba's
-    start-up. ``_select_loop`` calls the compiled ``_sort_by``, ``_nan_to_num`` and
-    ``_reroute_loop`` by their global names, bound here before it compiles."""
-    global _REROUTE, _SORT, _NAN_TO_NUM, _SELECT
+    """``(_reroute_loop, _select_loop, _zscore_loop)`` compiled by numba (cached on disk, as
+    the replay kernels are); imported on first use so that this module stays importable
+    without numba's start-up. ``_select_loop`` calls the compiled ``_sort_by``,
+    ``_nan_to_num`` and ``_reroute_loop``, ``_zscore_loop`` (and itself) ``_pairwise_sum``,
+    by their global names, bound here before they compile."""
+    global _REROUTE, _SORT, _NAN_TO_NUM, _SELECT, _PAIRWISE, _ZSCORE
     if _SELECT is None:
         from numba import njit
 
         jit = njit(cache=True, error_model="numpy", boundscheck=False)
         _REROUTE, _SORT, _NAN_TO_NUM = jit(_reroute_loop), jit(_sort_by), jit(_nan_to_num)
-        _SELECT = jit(_select_loop)
-    return _REROUTE, _SELECT
+        _PAIRWISE = jit(_pairwise_sum)
+        _SELECT, _ZSCORE = jit(_select_loop), jit(_zscore_loop)
+    return _REROUTE, _SELECT, _ZSCORE
 
 
 def _reroute():
@@ -527,4 +608,4 @@ def _reroute():
 
 
 __all__ = ["SELECTIONS", "DispatchContext", "expert_classes", "semantic_weights",
-           "entropy_of_features", "image_runs", "macs_group", "sigmoid"]
+           "entropy_of_features", "image_groups", "image_runs", "macs_group", "sigmoid"]

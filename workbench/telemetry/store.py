@@ -359,9 +359,10 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     p_ids = np.full((n, L, R), -1, np.int16)
     p_scores = np.zeros((n, L, R), np.float32)
     stall_layer = np.zeros((n, L), np.float64)
-    routed = np.zeros((n, L, E, len(MODALITIES)), np.int32)
-    dropped = np.zeros((n, L, E, len(MODALITIES)), np.int32)
-    rerouted = np.zeros((n, L, E, len(MODALITIES)), np.int32)
+    M = len(MODALITIES)
+    routed = np.zeros((n, L, E, M), np.int32)
+    dropped = np.zeros((n, L, E, M), np.int32)
+    rerouted = np.zeros((n, L, E, M), np.int32)
     weighted: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
     chosen: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # MoE-Prism
     resident = np.zeros((n, L, E), bool)
@@ -404,9 +405,10 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
             for src, into in ((le.dropped_ids, dropped), (le.rerouted_ids, rerouted)):
                 if src is not None:  # one count per (token, expert it was taken from)
                     d_ids = np.asarray(src, np.int64)
-                    tok, _ = np.nonzero(d_ids >= 0)
-                    np.add.at(into, (i, l, d_ids[d_ids >= 0],
-                                     np.asarray(e.modality, np.int64)[tok]), 1)
+                    tok, slot = np.nonzero(d_ids >= 0)
+                    # (a bincount over this layer's [E, modality] cells: np.add.at's counts)
+                    cell = d_ids[tok, slot] * M + np.asarray(e.modality, np.int64)[tok]
+                    into[i, l] += np.bincount(cell, minlength=E * M).reshape(E, M)
             ids[:, l, :kk] = le.topk_ids
             if le.low_precision:
                 low[i, l, le.low_precision] = True
@@ -454,7 +456,6 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
     n_tok = all_ids.shape[0]
     step_of = np.repeat(np.arange(n), [len(e.token_ids) for e in events])
     mod_of = np.concatenate(tok_mod).astype(np.int64)
-    M = len(MODALITIES)
     flat = (((step_of[:, None, None] * L + np.arange(L)[None, :, None]) * E + all_ids) * M
             + mod_of[:, None, None])
     valid = all_ids >= 0

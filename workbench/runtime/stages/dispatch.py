@@ -52,6 +52,9 @@ class DispatchStage(Stage):
             self.needs = frozenset({TOKEN_CONTEXT, ROUTER_LOGITS})
         self.dispatch_assigned = self.dispatch_dropped = 0
         self.dispatch_rerouted = self.dispatch_added = 0
+        #: whether the policy dispatches a prefill step, a decode step (its ``acts_on``,
+        #: asked once: the scope is the run's)
+        self._acts = (policy.acts_on(PREFILL), policy.acts_on(DECODE))
         #: the unit-norm centroids [L, E, D] (float32), once a run. On the CPU in one
         #: operation: the same bits as normalising each layer's (checked for D up to 40 000;
         #: the reduction runs along D alone); elsewhere layer by layer, as before, since a
@@ -95,7 +98,7 @@ class DispatchStage(Stage):
         for the layer event. A step outside the policy's ``capacity_scope``
         (:meth:`~workbench.sim.dispatch.Dispatch.acts_on`; step 0 is the prefill, as the
         store's ``phase`` records it) keeps the router's routing; its assignments count."""
-        if not self.policy.acts_on(PREFILL if call.step <= 0 else DECODE):
+        if not self._acts[call.step > 0]:
             n = call.ids.shape[0] if call.real is None else int(np.count_nonzero(call.real))
             self.dispatch_assigned += n * call.ids.shape[1]
             return
@@ -195,7 +198,7 @@ class DispatchStage(Stage):
 
         pol = self.policy
         T = hidden_states.shape[0]
-        mod, img = self._tokens(call, real, T)
+        mod, img, groups = self._tokens(call, real, T)
         ent = gates = aff = None
         with torch.no_grad():
             z = hidden_states.float()
@@ -211,15 +214,16 @@ class DispatchStage(Stage):
                     cos = torch.nn.functional.normalize(z, dim=-1) @ mu.T
                     aff = cos.cpu().numpy()[:, None, :]
         return DispatchContext(modality=mod, layers=np.array([b.index]), features_entropy=ent,
-                               image_of=img, gates=gates, affinity=aff)
+                               image_of=img, gates=gates, affinity=aff, image_groups=groups)
 
     def _tokens(self, call: LayerCall, real: np.ndarray | None, T: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """``(modality int8 [T], image of each token [T])`` of the ``T`` rows dispatched
-        (:func:`~workbench.sim.macs.image_runs`; read-only, shared by the step's calls),
+                ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """``(modality int8 [T], image of each token [T], the visual tokens image by image)``
+        of the ``T`` rows dispatched (:func:`~workbench.sim.macs.image_runs`,
+        :func:`~workbench.sim.macs.image_groups`; read-only, shared by the step's calls),
         computed once per step: every layer call of a step hands the same arrays (the stage
         holds them, so ``is`` cannot mistake a new array for a freed one's address)."""
-        from workbench.sim.macs import image_runs
+        from workbench.sim.macs import image_groups, image_runs
 
         key = (call.modality, call.request, real)
         if self._tokens_of is not None and self._tokens_of[1] == T and all(
@@ -230,6 +234,8 @@ class DispatchStage(Stage):
             mod, req = np.zeros(T, np.int8), None
         elif real is not None:
             mod, req = mod[real], None if req is None else req[real]
-        out = np.asarray(mod, np.int8), image_runs(mod, req)
+        mod = np.asarray(mod, np.int8)
+        img = image_runs(mod, req)
+        out = mod, img, image_groups(mod, img)
         self._tokens_of = (key, T, out)
         return out
