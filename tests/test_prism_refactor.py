@@ -823,6 +823,37 @@ def test_the_random_control_differs_only_in_the_partition(embedded, tmp_path):
     np.testing.assert_array_equal(back.gates, rnd.gates)
 
 
+def test_a_runtime_reads_its_refactoring_again_only_when_the_files_change(embedded, tmp_path):
+    """Every run with prism=True reads its refactoring twice (the knob check, then the
+    set-up): the runtime keeps the one it loaded, read-only, until a file is rewritten or
+    replaced; a broken replacement is refused, not served from what was kept. A run on the
+    kept one runs as a run that read the files."""
+    import workbench
+    from workbench.errors import InputError
+    from workbench.prism import refactor as R
+
+    out = R.save(R.random_refactoring(embedded, seed=1), tmp_path / "p")
+    rt = workbench.Runtime(embedded, max_new_tokens=3)
+    knobs = rt.knobs.set(prism=True, prism_refactoring=str(out), prism_k_active=2)
+    first, k = rt.prism_refactoring(knobs)
+    assert k == 2 and not first.perm.flags.writeable and not first.gates.flags.writeable
+    assert rt.prism_refactoring(knobs)[0] is first
+    kw = dict(record=False, prism=True, prism_refactoring=str(out), prism_k_active=2,
+              prism_shortcut=False)
+    a = rt.run("count from 1 to 3.", **kw)
+    assert rt.prism_refactoring(knobs)[0] is first
+    b = workbench.Runtime(embedded, max_new_tokens=3).run("count from 1 to 3.", **kw)
+    assert a.token_ids == b.token_ids and a.subexperts_ran == b.subexperts_ran > 0
+    other = R.random_refactoring(embedded, seed=2)
+    R.save(other, out, overwrite=True)
+    again = rt.prism_refactoring(knobs)[0]
+    assert again is not first
+    np.testing.assert_array_equal(again.perm, other.perm)
+    (out / R.WEIGHTS).write_bytes(b"not a safetensors file")
+    with pytest.raises(InputError, match="prism.safetensors' is not a safetensors file"):
+        rt.prism_refactoring(knobs)
+
+
 def test_the_whole_expert_shortcut_records_what_the_sub_expert_path_does(embedded, tmp_path):
     """prism_shortcut (default): with every sub-expert active whole experts run over the
     unchanged layout — the same tokens, and a store equal to the sub-expert path's (which

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -76,24 +76,32 @@ def default_path(model_dir, config_hash: str) -> Path:
     return mine
 
 
-def for_run(lm, knobs) -> tuple[Refactoring, int]:
+def run_path(lm, knobs) -> Path:
+    """The folder of the refactoring a run of ``knobs`` reads: ``prism_refactoring``, else
+    :func:`default_path`."""
+    return Path(knobs.prism_refactoring) if knobs.prism_refactoring else \
+        default_path(getattr(lm, "path", None), lm.config_hash)
+
+
+def for_run(lm, knobs, loader: Callable[[Path, Any], Refactoring] | None = None
+            ) -> tuple[Refactoring, int]:
     """The refactoring a run with ``prism=True`` uses and its k_active (None: all),
     checked: the refactoring is this model's, k_active within 1 … its sub-experts, prism_k
     (not with prism_k_active) within 1 … top-k × sub-experts. The runtime calls it when it
     checks its knobs (before any run starts: a sweep checks every point so) and again when a
-    run sets up its sub-experts."""
+    run sets up its sub-experts. ``loader``: what reads the folder (``load``'s signature and
+    checks; None: :func:`load`), e.g. the runtime's, which keeps what it read."""
     if knobs.prism_k is not None and knobs.prism_k_active is not None:
         raise InputError(f"prism_k (the K best sub-experts of a token's routed experts) and "
                          f"prism_k_active (per expert) are two ways to choose: set one, not "
                          f"both (prism_k_active={knobs.prism_k_active}, "
                          f"prism_k={knobs.prism_k})")
-    path = Path(knobs.prism_refactoring) if knobs.prism_refactoring else \
-        default_path(getattr(lm, "path", None), lm.config_hash)
+    path = run_path(lm, knobs)
     if not (path / CONFIG).is_file():
         raise InputError(f"prism=True needs a MoE-Prism refactoring of {lm.model_id!r}; none "
                          f"at {str(path)!r} — run `workbench refactor` (or set "
                          f"prism_refactoring)")
-    ref = load(path, lm)
+    ref = (load if loader is None else loader)(path, lm)
     N = ref.subexperts
     k = N if knobs.prism_k_active is None else int(knobs.prism_k_active)
     if not 1 <= k <= N:

@@ -87,6 +87,9 @@ class Runtime:
         #: ``(the files' identity, MacsCalibration)`` last loaded by :meth:`macs_calibration`:
         #: every run checks its knobs, then sets up, and both read the calibration
         self._macs_loaded: tuple | None = None
+        #: (the files' identity, the MoE-Prism refactoring read from them): see
+        #: :meth:`prism_refactoring`
+        self._prism_loaded: tuple | None = None
         if isinstance(model, LoadedModel):
             self.lm = model
         else:
@@ -106,9 +109,7 @@ class Runtime:
         # what a run reads beside the model, checked now (not when the first run sets up): a
         # sweep checks every point's knobs so, before any point starts
         if knobs.prism:
-            from workbench.prism.refactor import for_run
-
-            for_run(self.lm, knobs)
+            self.prism_refactoring(knobs)
         self.macs_calibration(knobs)
         # the valid prefix interval (VisMMOE eq. 10), on the profile first, then here
         live, modeled = self.plans(knobs)
@@ -168,6 +169,33 @@ class Runtime:
                 a.setflags(write=False)  # shared by every run that reads it
             self._macs_loaded = (key, cal)
         return cal
+
+    def prism_refactoring(self, knobs: Knobs) -> tuple[Any, int]:
+        """The MoE-Prism refactoring a run of ``knobs`` (``prism=True``) reads and its
+        k_active, checked (:func:`workbench.prism.refactor.for_run`). As with
+        :meth:`macs_calibration`, the runtime keeps the refactoring it read (every run reads
+        it twice: the knob check, then the set-up; ≈ 1.2 ms each) until either file is
+        rewritten or replaced, so the object is shared: its arrays are read-only."""
+        from workbench.fileio import file_identity
+        from workbench.prism.refactor import CONFIG, WEIGHTS, for_run, load
+
+        def kept(path: Path, lm: Any) -> Any:
+            try:  # the files as they are now: a rewritten or replaced one is read again
+                key = (str(path), lm.config_hash, file_identity(path / CONFIG),
+                       file_identity(path / WEIGHTS))
+            except OSError:
+                key = None  # load() says what is missing
+            if key is not None and self._prism_loaded is not None \
+                    and self._prism_loaded[0] == key:
+                return self._prism_loaded[1]
+            ref = load(path, lm)  # checked against this model (the key holds its hash)
+            if key is not None:
+                for a in (ref.perm, ref.gates, ref.tokens, *ref.objective.values()):
+                    a.setflags(write=False)  # shared by every run that reads it
+                self._prism_loaded = (key, ref)
+            return ref
+
+        return for_run(self.lm, knobs, kept)
 
     @staticmethod
     def uses_predictor(knobs: Knobs) -> bool:

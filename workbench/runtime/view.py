@@ -18,12 +18,14 @@ class RuntimeView(Protocol):
     """The Runtime as a run uses it: the model, the carried ReaLB state, and its per-knobs
     plans (slots, budgets, predictor, MACS calibration, store attrs). Read only: a run never
     changes its Runtime (the Runtime keeps what it loaded for later runs — the predictor, the
-    MACS calibration — which changes no answer)."""
+    MACS calibration, the MoE-Prism refactoring — which changes no answer)."""
 
     lm: "LoadedModel"
     realb_carry: Any
 
     def macs_calibration(self, knobs: "Knobs", policy: Any = None) -> Any: ...
+
+    def prism_refactoring(self, knobs: "Knobs") -> tuple[Any, int]: ...
 
     def uses_predictor(self, knobs: "Knobs") -> bool: ...
 

@@ -59,17 +59,17 @@ class SubExpertStage(Stage):
         if not pk.prism:
             return None
         from workbench.prism.execute import PrismSetup
-        from workbench.prism.refactor import for_run
 
         lm = run.runtime.lm
-        ref, k_active = for_run(lm, knobs)  # checked there (prism_k too)
+        # checked there (prism_k too); the runtime's copy, shared and read-only
+        ref, k_active = run.runtime.prism_refactoring(knobs)
         router = None
         if pk.prism_router:  # a trained sub-expert gate (seed §4.3.2) instead of the proxy's
             from workbench.prism.finetune import load as load_router
 
             router = torch.as_tensor(load_router(pk.prism_router, lm, ref).weight)
         N = ref.subexperts
-        ps = PrismSetup(torch.as_tensor(ref.perm), torch.as_tensor(ref.gates), N, k_active,
+        ps = PrismSetup(torch.tensor(ref.perm), torch.tensor(ref.gates), N, k_active,
                         pk.prism_k, router, bool(pk.prism_shortcut), pk.prism_kernel)
         ps = _resolved(ps, lm.layout.top_k, run.device, getattr(knobs, "balance", "none"))
         return cls(ps, N if pk.prism_offload else 1, run.prices, run.device)
