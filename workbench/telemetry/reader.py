@@ -390,14 +390,16 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
         required = [a for a in listed if a in schema or a == "pinned"]
     else:
         required = [*CORE, "pinned"]
-    try:
-        entries = list(path.iterdir())
+    try:  # (scandir: each entry's kind from the listing, not a stat or two per entry)
+        with os.scandir(path) as it:
+            entries = list(it)
     except OSError as e:
         raise _fail(path, f"cannot be listed ({e.strerror or e})") from None
     links = sorted(p.name for p in entries if p.is_symlink())
     if links:
         raise _fail(path, f"{links[0]!r} is a symlink; a run store holds plain folders and files")
-    present = {p.name for p in entries if p.is_dir() and (p / "zarr.json").exists()}
+    present = {p.name for p in entries
+               if p.is_dir() and os.path.exists(os.path.join(p.path, "zarr.json"))}
     missing = [a for a in required if a not in present]
     if missing:
         raise _fail(path, f"array {missing[0]!r} is missing"
