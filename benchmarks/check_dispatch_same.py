@@ -65,7 +65,8 @@ def compare(a: str, b: str) -> bool:
         na, nb = (np.load(f"{p}.{batch}{pol}{rep}.npz") for p in (a, b))
         eq = ja[key] == jb[key] and np.array_equal(na["ids"], nb["ids"])
         both = [n for n in STORED if n in na.files and n in nb.files]
-        eq &= all(na[n].tobytes() == nb[n].tobytes() for n in both)
+        eq &= all(na[n].shape == nb[n].shape and na[n].dtype == nb[n].dtype
+                  and na[n].tobytes() == nb[n].tobytes() for n in both)
         same &= eq
         diff = float(np.nanmax(np.abs(na["w"].astype(np.float64) - nb["w"])))
         line = f"{key}: tokens, counters, hits, misses, ids, {', '.join(both)} " \

@@ -176,6 +176,13 @@ def test_semantic_weights_are_numpys_z_score_bit_for_bit():
         # the stage's groups, computed once per step, are what it would compute here
         groups = image_groups(mod, img)
         assert semantic_weights(H, mod, img, delta, groups).tobytes() == want
+    # groups that do not fit the tokens are refused (the compiled pass has no bounds checks)
+    H, mod = np.arange(1.0, 7.0)[:, None], np.ones(6, np.int8)
+    idx, starts = image_groups(mod, None)
+    for bad in ((idx, np.array([0, 4_000_000])), (idx, np.array([1, 6])),
+                (idx + 3, starts), (idx, np.array([0, 4, 2, 6]))):
+        with pytest.raises(ValueError, match="semantic_weights: groups must be"):
+            semantic_weights(H, mod, None, 1.5, bad)
     for bad in (dict(modality=np.ones(3, np.int8)), dict(image_of=np.zeros(5, np.int64))):
         args = dict(entropy=np.ones((4, 1)), modality=np.ones(4, np.int8), image_of=None,
                     delta=1.5) | bad

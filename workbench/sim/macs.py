@@ -116,7 +116,17 @@ def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.nda
         if a is not None and np.shape(a) != H.shape[:1]:
             raise ValueError(f"semantic_weights: {name} has shape {np.shape(a)}, the entropy "
                              f"{H.shape}: expected one entry per token ({H.shape[0]})")
-    idx, starts = image_groups(vis, image_of) if groups is None else groups
+    if groups is None:
+        idx, starts = image_groups(vis, image_of)
+    else:  # the caller's: checked to fit, since the compiled pass reads without bounds checks
+        idx, starts = (np.asarray(a, np.int64) for a in groups)
+        if (idx.ndim != 1 or starts.ndim != 1 or not len(starts) or starts[0] != 0
+                or starts[-1] != len(idx) or (np.diff(starts) < 0).any()
+                or (len(idx) and (idx.min() < 0 or idx.max() >= H.shape[0]))):
+            raise ValueError(f"semantic_weights: groups must be (token indices in 0 … "
+                             f"{H.shape[0] - 1}, non-decreasing starts from 0 to their "
+                             f"count), as image_groups gives; got {len(idx)} indices and "
+                             f"starts {np.asarray(starts).tolist()[:8]}")
     if not len(idx):
         return w
     if compiled and H.ndim == 2 and H.shape[1] == 1:

@@ -398,8 +398,7 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
     links = sorted(p.name for p in entries if p.is_symlink())
     if links:
         raise _fail(path, f"{links[0]!r} is a symlink; a run store holds plain folders and files")
-    present = {p.name for p in entries
-               if p.is_dir() and os.path.exists(os.path.join(p.path, "zarr.json"))}
+    present = {p.name for p in entries if p.is_dir() and Path(p.path, "zarr.json").exists()}
     missing = [a for a in required if a not in present]
     if missing:
         raise _fail(path, f"array {missing[0]!r} is missing"

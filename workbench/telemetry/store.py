@@ -406,8 +406,10 @@ def _columns(events: list[StepEvent], L: int, E: int, k: int, D: int = 1, R: int
                 if src is not None:  # one count per (token, expert it was taken from)
                     d_ids = np.asarray(src, np.int64)
                     tok, slot = np.nonzero(d_ids >= 0)
-                    # (a bincount over this layer's [E, modality] cells: np.add.at's counts)
-                    cell = d_ids[tok, slot] * M + np.asarray(e.modality, np.int64)[tok]
+                    # (a bincount over this layer's [E, modality] cells: np.add.at's counts;
+                    # an expert or modality outside them raises, as np.add.at did)
+                    cell = np.ravel_multi_index(
+                        (d_ids[tok, slot], np.asarray(e.modality, np.int64)[tok]), (E, M))
                     into[i, l] += np.bincount(cell, minlength=E * M).reshape(E, M)
             ids[:, l, :kk] = le.topk_ids
             if le.low_precision:
