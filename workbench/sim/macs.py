@@ -100,7 +100,7 @@ def semantic_weights(entropy: np.ndarray, modality: np.ndarray, image_of: np.nda
     per layer), 1 for text. ``entropy`` [T, L]; ``image_of`` [T] the image of each visual
     token (:func:`image_runs`; a text token's entry is not read), None: one image.
     ``groups``: :func:`image_groups` of ``modality`` and ``image_of``, when the caller holds
-    it (not checked against them); None: computed here.
+    it (checked to fit the tokens, not against those two); None: computed here.
 
     The visual tokens are gathered image by image once, each image's mean and population
     standard deviation are numpy's own ``mean(0)`` and ``std(0)`` steps on that block (the
