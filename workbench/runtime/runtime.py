@@ -147,28 +147,20 @@ class Runtime:
         shared: its arrays are read-only."""
         if not (policy or self.dispatch(knobs)).calibration_needed():
             return None
-        from workbench.fileio import file_identity
         from workbench.macs.calibration import CONFIG, WEIGHTS, default_path, load
 
         lm = self.lm
         path = Path(knobs.macs_calibration or default_path(lm.path, lm.config_hash))
-        try:  # the files as they are now: a rewritten or replaced one is read again
-            key = (str(path), lm.config_hash, file_identity(path / CONFIG),
-                   file_identity(path / WEIGHTS))
-        except OSError:
-            key = None  # load() says what is missing
-        if key is not None and self._macs_loaded is not None and self._macs_loaded[0] == key:
-            return self._macs_loaded[1]
-        cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
-        hidden = getattr(cfg, "hidden_size", None)
-        cal = load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
-                   hidden_size=int(hidden) if hidden else None)
-        if key is not None:
-            for a in (cal.classes, cal.delta, cal.freq_visual, cal.freq_text, cal.centroids,
-                      cal.counts):
-                a.setflags(write=False)  # shared by every run that reads it
-            self._macs_loaded = (key, cal)
-        return cal
+
+        def read() -> Any:
+            cfg = getattr(lm.model.config, "text_config", None) or lm.model.config
+            hidden = getattr(cfg, "hidden_size", None)
+            return load(path, lm.layout.num_layers, lm.layout.num_experts, lm.config_hash,
+                        hidden_size=int(hidden) if hidden else None)
+
+        return self._kept("_macs_loaded", path, (CONFIG, WEIGHTS), read,
+                          lambda cal: (cal.classes, cal.delta, cal.freq_visual,
+                                       cal.freq_text, cal.centroids, cal.counts))
 
     def prism_refactoring(self, knobs: Knobs) -> tuple[Any, int]:
         """The MoE-Prism refactoring a run of ``knobs`` (``prism=True``) reads and its
@@ -176,26 +168,38 @@ class Runtime:
         :meth:`macs_calibration`, the runtime keeps the refactoring it read (every run reads
         it twice: the knob check, then the set-up; ≈ 1.2 ms each) until either file is
         rewritten or replaced, so the object is shared: its arrays are read-only."""
-        from workbench.fileio import file_identity
         from workbench.prism.refactor import CONFIG, WEIGHTS, for_run, load
 
-        def kept(path: Path, lm: Any) -> Any:
-            try:  # the files as they are now: a rewritten or replaced one is read again
-                key = (str(path), lm.config_hash, file_identity(path / CONFIG),
-                       file_identity(path / WEIGHTS))
-            except OSError:
-                key = None  # load() says what is missing
-            if key is not None and self._prism_loaded is not None \
-                    and self._prism_loaded[0] == key:
-                return self._prism_loaded[1]
-            ref = load(path, lm)  # checked against this model (the key holds its hash)
-            if key is not None:
-                for a in (ref.perm, ref.gates, ref.tokens, *ref.objective.values()):
-                    a.setflags(write=False)  # shared by every run that reads it
-                self._prism_loaded = (key, ref)
-            return ref
+        def kept(path: Path, lm: Any) -> Any:  # (load checks it against this model)
+            return self._kept("_prism_loaded", path, (CONFIG, WEIGHTS),
+                              lambda: load(path, lm),
+                              lambda ref: (ref.perm, ref.gates, ref.tokens,
+                                           *ref.objective.values()))
 
         return for_run(self.lm, knobs, kept)
+
+    def _kept(self, slot: str, path: Path, files: tuple[str, ...], read: Callable[[], Any],
+              arrays: Callable[[Any], Any]) -> Any:
+        """``read()`` of folder ``path``, kept in attribute ``slot`` as ``(the files'
+        identity, the object)`` until one of ``files`` is rewritten or replaced (or the model
+        changes): the object is then shared by every run that reads it, so ``arrays(obj)``
+        are made read-only. A file that cannot be stat'ed is not kept (``read`` says what is
+        missing)."""
+        from workbench.fileio import file_identity
+
+        try:  # the files as they are now: a rewritten or replaced one is read again
+            key = (str(path), self.lm.config_hash, *(file_identity(path / f) for f in files))
+        except OSError:
+            key = None
+        held = getattr(self, slot)
+        if key is not None and held is not None and held[0] == key:
+            return held[1]
+        obj = read()
+        if key is not None:
+            for a in arrays(obj):
+                a.setflags(write=False)
+            setattr(self, slot, (key, obj))
+        return obj
 
     @staticmethod
     def uses_predictor(knobs: Knobs) -> bool:
