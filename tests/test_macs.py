@@ -496,12 +496,18 @@ def test_compiled_rerouting_equals_its_python_source():
         ot, orr = ot[keep], orr[keep]
         w = rng.random(T)
         room0 = rng.random(E) * 2
+        # the score given (mode 0), or computed from float32 gates and affinity (1, 2)
+        mode = trial % 3
+        g32, a32 = g.astype(np.float32), score.astype(np.float32)
+        c1, c2 = (np.float64(0), np.float64(0)) if not mode else (np.float32(0.7),
+                                                                   np.float32(0.3))
         outs = []
         for fn in (M._reroute_loop, M._reroute()):
             new_ids, new_w = ids.copy(), gw.copy()
             rerouted, room = np.zeros((T, K), bool), room0.copy()
             fn(ot, orr, w, ids, new_ids, new_w, rerouted, ranks[:, None] == ranks[None, :],
-               room, score, g, gw, bool(trial % 2))
+               room, score if not mode else a32, g if not mode else g32, gw,
+               bool(trial % 2), c1, c2, mode)
             outs.append((new_ids, new_w, rerouted, room))
         for a, b in zip(*outs):
             np.testing.assert_array_equal(a, b)
@@ -514,13 +520,17 @@ def test_compiled_group_equals_the_numpy_reference():
     reference's ids, weights, rerouted flags and capacities bit for bit, on random groups:
     every selection, with and without dynamic capacity, rerouting, gates and affinity; NaN
     and ±inf combine weights, NaN gates and semantic weights; tied keys; loads near the
-    capacity; int16 and int64 ids; empty and all-empty groups."""
+    capacity; int16 and int64 ids; empty and all-empty groups. The compiled path computes
+    the capacity (numpy's pairwise sums: groups past 128 tokens too) and, from float32 gates
+    and affinity, rerouting's scores itself; float64 gates and classes numpy broadcasts take
+    the reference's arrays."""
     from workbench.sim.macs import SELECTIONS
 
     rng = np.random.default_rng(7)
     moved = dropped = 0
     for trial in range(600):
-        T, E = int(rng.integers(0, 40)), int(rng.choice([4, 8, 16]))
+        T = int(rng.integers(0, 40) if trial % 9 else rng.integers(100, 400))
+        E = int(rng.choice([4, 8, 16]))
         K = int(rng.integers(1, min(E, 4) + 1))
         ids = np.array([rng.choice(E, K, replace=False) for _ in range(T)],
                        np.int16 if trial % 2 else np.int64).reshape(T, K)
@@ -537,13 +547,15 @@ def test_compiled_group_equals_the_numpy_reference():
                 gates[-1, 0] = np.nan
             if aff is not None:
                 aff[0, -1] = np.nan
-        kw = dict(rho=0.6, dynamic_capacity=bool(trial % 2), min_capacity=0,
+        if gates is not None and trial % 13 == 0:  # float64 gates: the reference's scores
+            gates = gates.astype(np.float64)
+        kw = dict(rho=0.6, dynamic_capacity=bool(trial % 2), min_capacity=int(trial % 3),
                   selection=SELECTIONS[trial % len(SELECTIONS)], seed=trial,
                   reroute=bool((trial // 2) % 3), rank_of_expert=rng.integers(0, 2, E),
                   gates=gates, affinity=aff, eta=0.5, num_experts=E)
         c_base = float(rng.integers(1, 6)) - rng.random()  # fractional: loads near it
-        args = (ids, gw, w, rng.integers(0, 2, T).astype(np.int8),
-                rng.integers(-1, 2, E).astype(np.int8), c_base)
+        classes = rng.integers(-1, 2, E if trial % 17 else 1).astype(np.int8)
+        args = (ids, gw, w, rng.integers(0, 2, T).astype(np.int8), classes, c_base)
         ref = macs_group(*args, **kw, compiled=False)
         fast = macs_group(*args, **kw, compiled=True)
         for a, b in zip(ref, fast):

@@ -284,43 +284,23 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     rerouted = np.zeros((T, K), bool)
     vis = np.asarray(modality) != 0
     w = np.ascontiguousarray(w, np.float64)
-    total = w.sum() if T else 0.0
-    r_v = float(w[vis].sum() / total) if total > 0 else 0.0
-    cap = np.full(E, float(capacity_base))
-    if dynamic_capacity and classes is not None:
-        cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
-    cap = np.maximum(cap, float(min_capacity))
+    if compiled:
+        return _group_compiled(ids, gate_w, w, vis, classes, capacity_base, rho,
+                               dynamic_capacity, min_capacity, selection, seed, reroute,
+                               rank_of_expert, gates, affinity, eta, E, new_ids, new_w,
+                               rerouted)
+    # the numpy reference of _select_loop
+    cap = _capacity(w, vis, classes, capacity_base, rho, dynamic_capacity, min_capacity, E)
     n = int(np.count_nonzero(ids >= 0))  # the group's assignments
     if not n:
         return new_ids, new_w, rerouted, cap
-    if selection not in SELECTIONS:
-        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
-                         f"{selection!r}")
+    _check_selection(selection)
     # the random selection's keys, one per assignment in np.nonzero's order
     rand = np.random.default_rng(seed).random(n) if selection == "random" else np.zeros(0)
     gw = np.ascontiguousarray(gate_w, np.float64)
     ids64 = np.ascontiguousarray(ids, np.int64)
-    # every expert's router probability (float64 [T, E]; zeros when unknown and rerouting
-    # reads it), which experts share a rank and rerouting's score of every (token, expert)
-    g_all = np.zeros((T, E) if reroute else (0, 0)) if gates is None \
-        else np.ascontiguousarray(gates, np.float64)
-    same_rank = score_all = np.zeros((0, 0))
-    if reroute:
-        ranks = np.zeros(E, np.int64) if rank_of_expert is None else np.asarray(rank_of_expert)
-        same_rank = _same_rank(ranks)  # [E, E]
-        # in the gates' own precision, as the router's probabilities come (e.g. float32)
-        score_all = (1.0 - eta) * (gates if gates is not None else g_all)
-        if affinity is not None:
-            score_all = score_all + eta * affinity
-        score_all = np.ascontiguousarray(score_all, np.float64)
-    if compiled:
-        out_ids = ids64.copy()
-        _kernels()[1](ids64, gw, w, vis, cap, SELECTIONS.index(selection), rand, g_all,
-                      gates is not None, out_ids, new_w, rerouted, reroute, same_rank,
-                      score_all)
-        new_ids[:] = out_ids
-        return new_ids, new_w, rerouted, cap
-    # the numpy reference of _select_loop
+    g_all, same_rank, score_all = _reroute_inputs(T, E, reroute, rank_of_expert, gates,
+                                                  affinity, eta)
     t, r = np.nonzero(ids >= 0)
     e = ids[t, r].astype(np.int64)
     score = np.nan_to_num(gw[t, r], nan=0.0)
@@ -363,21 +343,102 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     # most important overflow first (fail-safe order: the lowest retention goes first)
     first = np.argsort(-retention[ot], kind="stable")
     _reroute()(ot[first].astype(np.int64), orr[first].astype(np.int64), w, ids64, new_ids,
-               new_w, rerouted, same_rank, room, score_all, g_all, gw, gates is not None)
+               new_w, rerouted, same_rank, room, score_all, g_all, gw, gates is not None,
+               np.float64(0.0), np.float64(0.0), 0)
+    return new_ids, new_w, rerouted, cap
+
+
+def _capacity(w: np.ndarray, vis: np.ndarray, classes: np.ndarray | None,
+              capacity_base: float, rho: float, dynamic_capacity: bool, min_capacity: int,
+              E: int) -> np.ndarray:
+    """float64 [E]: each expert's capacity C_j (steps 2–3 of the module docstring) from the
+    semantic weights ``w`` [T] (float64, contiguous) and which tokens are visual (``vis``).
+    The reference of :func:`_select_loop`'s own computation of it."""
+    cap = np.full(E, float(capacity_base))
+    if dynamic_capacity and classes is not None:
+        total = w.sum() if w.shape[0] else 0.0
+        r_v = float(w[vis].sum() / total) if total > 0 else 0.0
+        cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
+    return np.maximum(cap, float(min_capacity))
+
+
+def _check_selection(selection: str) -> None:
+    if selection not in SELECTIONS:
+        raise ValueError(f"macs_selection must be one of {', '.join(SELECTIONS)}, not "
+                         f"{selection!r}")
+
+
+def _reroute_inputs(T: int, E: int, reroute: bool, rank_of_expert: np.ndarray | None,
+                    gates: np.ndarray | None, affinity: np.ndarray | None, eta: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(g_all, same_rank, score_all)`` as the numpy reference reads them: every expert's
+    router probability float64 [T, E] (zeros when unknown and rerouting reads it), which
+    experts share a rank [E, E], and rerouting's score of every (token, expert) float64
+    [T, E], computed in the gates' own precision (e.g. float32, as the router's
+    probabilities come) and then widened."""
+    g_all = np.zeros((T, E) if reroute else (0, 0)) if gates is None \
+        else np.ascontiguousarray(gates, np.float64)
+    same_rank = score_all = np.zeros((0, 0))
+    if reroute:
+        same_rank = _same_rank(np.zeros(E, np.int64) if rank_of_expert is None
+                               else np.asarray(rank_of_expert))  # [E, E]
+        score_all = (1.0 - eta) * (gates if gates is not None else g_all)
+        if affinity is not None:
+            score_all = score_all + eta * affinity
+        score_all = np.ascontiguousarray(score_all, np.float64)
+    return g_all, same_rank, score_all
+
+
+def _group_compiled(ids, gate_w, w, vis, classes, capacity_base, rho, dynamic_capacity,
+                    min_capacity, selection, seed, reroute, rank_of_expert, gates, affinity,
+                    eta, E, new_ids, new_w, rerouted):
+    """:func:`macs_group`'s compiled path: the capacity (:func:`_capacity`), then the
+    selection and the rerouting in one call of :func:`_select_loop`. Where the router's
+    probabilities (and the affinity) are float32, as they come live, the kernel reads them as
+    they are and computes rerouting's score S = (1−η)·G + η·cos in float32 for the (token,
+    expert) pairs it visits only, where the reference builds the whole [T, E] array and
+    widens it: each float32 operation rounds alike, so the same bits (≈ 50 µs a prefill call
+    of the embedded model's batch of 8 less). Float64 gates get the reference's arrays."""
+    T = ids.shape[0]
+    n = int(np.count_nonzero(ids >= 0))  # the group's assignments
+    if n:
+        _check_selection(selection)
+    rand = (np.random.default_rng(seed).random(n) if n and selection == "random"
+            else np.zeros(0))
+    gw = np.ascontiguousarray(gate_w, np.float64)
+    ids64 = np.ascontiguousarray(ids, np.int64)
+    cap = _capacity(w, vis, classes, capacity_base, rho, dynamic_capacity, min_capacity, E)
+    if reroute and gates is not None and gates.dtype == np.float32 and (
+            affinity is None or affinity.dtype == np.float32):
+        g_all = np.ascontiguousarray(gates)
+        score_all = (np.zeros((0, 0), np.float32) if affinity is None
+                     else np.ascontiguousarray(affinity))
+        same_rank = _same_rank(np.zeros(E, np.int64) if rank_of_expert is None
+                               else np.asarray(rank_of_expert))
+        mode, c1, c2 = 1 if affinity is None else 2, np.float32(1.0 - eta), np.float32(eta)
+    else:
+        g_all, same_rank, score_all = _reroute_inputs(T, E, reroute, rank_of_expert, gates,
+                                                      affinity, eta)
+        mode, c1, c2 = 0, np.float64(0.0), np.float64(0.0)
+    out_ids = ids64.copy()
+    _kernels()[1](ids64, gw, w, vis, cap, SELECTIONS.index(selection) if n else 0, rand,
+                  g_all, gates is not None, out_ids, new_w, rerouted, reroute, same_rank,
+                  score_all, c1, c2, mode)
+    new_ids[:] = out_ids
     return new_ids, new_w, rerouted, cap
 
 
 def _select_loop(ids, gw, w, vis, cap, selection, rand, g_all, has_gates, new_ids, new_w,
-                 rerouted, reroute, same_rank, score_all):
+                 rerouted, reroute, same_rank, score_all, c1, c2, mode):
     """Steps 4–5 of the module docstring on one group, compiled (:func:`_kernels`): what
     :func:`macs_group`'s numpy reference does after the capacity, with the same float
     operations in the same order, so the same bits. ``ids``/``gw`` [T, K] the routing and its
     combine weights (float64, NaN: unknown), ``w`` [T], ``vis`` bool [T], ``cap`` [E] in
     effective-load units, ``selection`` an index into :data:`SELECTIONS` (``rand``: the
     random selection's keys, one per assignment in ``np.nonzero``'s order), ``g_all``
-    float64 [T, E] every expert's router probability when ``has_gates`` (else zeros or
-    empty). Drops the overflow from ``new_ids``/``new_w`` (in place) and, with ``reroute``,
-    moves it by :func:`_reroute_loop` (``same_rank``, ``score_all``: its).
+    [T, E] every expert's router probability when ``has_gates`` (else zeros or empty).
+    Drops the overflow from ``new_ids``/``new_w`` (in place) and, with ``reroute``, moves it
+    by :func:`_reroute_loop` (``same_rank``, ``score_all``, ``c1``, ``c2``, ``mode``: its).
 
     The assignments are enumerated as ``np.nonzero`` does (token, then top-k rank); their
     order within an expert is ``np.lexsort((t, r, key, e))``: a stable counting sort by rank
@@ -480,7 +541,7 @@ def _select_loop(ids, gw, w, vis, cap, selection, rand, g_all, has_gates, new_id
     _SORT(over, fail_safe, tmp)
     room = cap + 1e-6 - load
     _REROUTE(t[over], r[over], w, ids, new_ids, new_w, rerouted, same_rank, room, score_all,
-             g_all, gw, has_gates)
+             g_all, gw, has_gates, c1, c2, mode)
 
 
 def _nan_to_num(v):
@@ -542,14 +603,20 @@ def _sort_by(idx, key, tmp):
 
 
 def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, score_all, g_all,
-                  gw, has_gates):
+                  gw, has_gates, c1, c2, mode):
     """Local semantic rerouting of the overflow assignments ``(ot[i], orr[i])``, in that order
     (step 5 of the module docstring): each one in turn, since each takes room from the expert
     it moves to. Changes ``new_ids``, ``new_w``, ``rerouted`` and ``room`` in place. Compiled
     (:func:`_reroute`): as a Python loop it was most of MACS's cost over top-k (146 ms of a
     1.1 s batch-of-8 run, cProfile). The expert chosen is numpy's ``argmax`` of the masked
     scores: the first highest score, a NaN counting as highest. Only the experts of j's rank
-    are visited (in expert order, so the same first), not all E for each assignment."""
+    are visited (in expert order, so the same first), not all E for each assignment.
+
+    The score S of (token x, expert e): ``score_all[x, e]`` (``mode`` 0: float64 [T, E],
+    computed by the caller); ``c1·g_all[x, e]`` (1) or ``c1·g_all[x, e] + c2·score_all[x,
+    e]`` (2) with ``c1`` = 1−η, ``c2`` = η and ``score_all`` the affinity, in the arrays'
+    own precision (float32 live) — what the caller's [T, E] array would hold, for the pairs
+    visited only."""
     T, K = ids.shape
     E = room.shape[0]
     peers = np.empty((E, E), np.int64)  # peers[j, :n_peers[j]]: the experts on j's rank
@@ -575,7 +642,12 @@ def _reroute_loop(ot, orr, w, ids, new_ids, new_w, rerouted, same_rank, room, sc
             e = peers[j, p]
             if used[e] == i or not room[e] >= wx:  # no room for it (NaN: none)
                 continue
-            v = score_all[x, e]
+            if mode == 0:
+                v = score_all[x, e]
+            elif mode == 1:  # (1−η)·G in G's precision (float32)
+                v = c1 * g_all[x, e]
+            else:  # (1−η)·G + η·cos, each product and the sum rounded to float32
+                v = c1 * g_all[x, e] + c2 * score_all[x, e]
             if v != v:  # NaN: numpy's argmax stops at the first
                 k = e
                 break
