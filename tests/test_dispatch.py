@@ -299,6 +299,38 @@ def test_live_dispatch_gates_are_the_routers_own_logits(arch):
                 assert np.array_equal(gates[:, 0, :], want), (arch, pol.name, b.index)
 
 
+@pytest.mark.parametrize("scope", ["prefill", "all"])
+def test_routers_keep_their_logits_only_in_the_steps_a_dispatch_reads_them(embedded, scope):
+    """The routers' forward hooks (which keep the logits MACS reroutes by) are on in a step
+    only where the dispatch acts (``capacity_scope``): a module hook costs every router call
+    PyTorch's slow call path, read or not. A decode step outside the scope calls its routers
+    without one; the prefill's layer calls still get the model's own logits."""
+    from workbench.runtime.offload import Offloader
+
+    rt = workbench.Runtime(embedded)
+    lay = embedded.layout
+    seen: dict[int, list[tuple[bool, bool]]] = {}  # step → (router hooked, logits handed)
+    layer = Offloader._layer
+
+    def spy(self, b, original, view, hidden_states, top_k_index, top_k_weights, args, kw):
+        seen.setdefault(self.probe.step, []).append(
+            (bool(b.router._forward_hooks), self._router_out.get(b.index) is not None))
+        return layer(self, b, original, view, hidden_states, top_k_index, top_k_weights,
+                     args, kw)
+
+    Offloader._layer = spy
+    try:
+        res = rt.run("what is in the picture?", max_new_tokens=4, ignore_eos=True,
+                     record=False, dispatch="macs", capacity_factor=1.0, ep_ranks=2,
+                     capacity_scope=scope, cache_slots=lay.num_layers * lay.num_experts)
+    finally:
+        Offloader._layer = layer
+    assert sorted(seen) == list(range(4)) and res.dispatch_assigned > 0
+    assert seen[0] == [(True, True)] * lay.num_layers  # the prefill: hooked, logits kept
+    for step in (1, 2, 3):
+        assert seen[step] == [(scope == "all",) * 2] * lay.num_layers, (scope, step)
+    assert not any(b.router._forward_hooks for b in lay.blocks)  # all removed after the run
+
 def test_a_live_run_with_token_drop_records_the_dispatched_routing(embedded, demo_inputs,
                                                                    tmp_path):
     """`workbench.Runtime.run(..., dispatch="capacity-drop")` on the embedded model with an

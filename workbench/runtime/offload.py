@@ -153,6 +153,14 @@ class Offloader:
         #: a forward hook when a stage needs :data:`ROUTER_LOGITS` and taken by the layer call
         #: that follows it
         self._router_out: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        #: the routers' forward hooks keeping their logits: on in the steps whose stages need
+        #: :data:`ROUTER_LOGITS` (:meth:`begin_step`; from install until then: whenever a stage
+        #: may). A module hook costs every router call ≈ 4 µs of PyTorch's slow call path,
+        #: read or not
+        self._router_hooks = Hooks()
+        #: what the stages need in the step in progress (:meth:`begin_step`; :attr:`needs`
+        #: until the first)
+        self.step_needs: frozenset[str] = self.needs
 
     def _use_stages(self, stages: list) -> None:
         """The run's stages, and what the layer call takes from them once."""
@@ -288,7 +296,22 @@ class Offloader:
 
         self._hooks.override(ex, "forward", forward)
         if ROUTER_LOGITS in self.needs:
-            self._hooks.post(b.router, self._keep_logits(b.index), with_kwargs=True)
+            self._router_hooks.post(b.router, self._keep_logits(b.index), with_kwargs=True)
+
+    def begin_step(self, step: int) -> None:
+        """Step ``step`` (0: the prefill) starts: :attr:`step_needs` is what its stages need
+        (:meth:`~workbench.runtime.stages.Stage.needs_at`), and the routers keep their logits
+        only if that holds :data:`ROUTER_LOGITS`."""
+        self.step_needs = frozenset().union(*(s.needs_at(step) for s in self.stages))
+        want = ROUTER_LOGITS in self.step_needs
+        if want == bool(self._router_hooks):
+            return
+        self._router_out.clear()  # (nothing of another step is read)
+        if not want:
+            self._router_hooks.remove()
+            return
+        for b, _ in self._saved:  # the installed layers
+            self._router_hooks.post(b.router, self._keep_logits(b.index), with_kwargs=True)
 
     def _keep_logits(self, index: int) -> Callable:
         """The forward hook on layer ``index``'s router: keeps its input and its logits (the
@@ -324,6 +347,7 @@ class Offloader:
 
     def _remove(self) -> None:
         self._hooks.remove()  # the model's own experts forwards first, then their tensors
+        self._router_hooks.remove()
         self._router_out.clear()
         while self._saved:
             b, moved = self._saved.pop()

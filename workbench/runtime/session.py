@@ -244,7 +244,8 @@ class RunSession:
         self.valid = self._real_tokens(kwargs, args)
         ids = kwargs.get("input_ids", args[0] if args else None)
         lm = self.runtime.lm
-        if ids is not None and TOKEN_CONTEXT in self.offloader.needs:
+        self.offloader.begin_step(self.step)
+        if ids is not None and TOKEN_CONTEXT in self.offloader.step_needs:
             self.offloader.set_token_mask(
                 self.valid, modality_of(ids, lm.image_token_id, lm.video_token_id),
                 np.repeat(np.arange(ids.shape[0]), ids.shape[-1]) if ids.dim() > 1 else None)

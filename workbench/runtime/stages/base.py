@@ -201,6 +201,12 @@ class Stage:
         either way)."""
         return {}
 
+    def needs_at(self, step: int) -> frozenset[str]:
+        """What the stage needs of the runtime in step ``step`` (0: the prefill): :attr:`needs`,
+        unless it acts in some steps only (the offloader then provides no more than the
+        step's stages ask for: no router hook where nobody reads the logits)."""
+        return self.needs
+
     def provides(self) -> dict[str, Any]:
         """Fields of :class:`RunContext` the stage gives the stages after it (and the
         session: the predictor reads ``pruning``)."""

@@ -93,6 +93,11 @@ class DispatchStage(Stage):
     def max_added(self, num_experts: int) -> int:
         return self.policy.max_added(num_experts)
 
+    def needs_at(self, step: int) -> frozenset[str]:
+        """Nothing in a step outside the policy's scope (:meth:`route` reads neither the token
+        context nor the router's logits there)."""
+        return self.needs if self._acts[step > 0] else frozenset()
+
     def route(self, call: LayerCall) -> None:
         """Dispatch the call's real tokens; the dropped and rerouted experts go to ``call``
         for the layer event. A step outside the policy's ``capacity_scope``
