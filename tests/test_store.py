@@ -126,3 +126,35 @@ def test_a_failed_background_write_still_marks_the_store_failed(tmp_path):
     assert ds.attrs["status"] == "failed"
     assert "disk full" in ds.attrs["error"]
     assert ds.sizes["step"] == 0  # nothing unflushed is exposed
+
+
+def test_an_array_folder_that_cannot_be_checked_is_an_error_not_a_missing_array(tmp_path,
+                                                                               monkeypatch):
+    """open_run asks every array folder whether its zarr.json is there with a plain stat
+    (``reader._exists``), as ``Path.exists`` answers: absent for ENOENT, ENOTDIR, EBADF,
+    ELOOP and a NUL byte; any other error (EACCES, EIO) is raised, so a store whose folder
+    cannot be read is not taken for one missing that array."""
+    import errno
+    import os
+
+    from workbench.telemetry import reader
+
+    f = tmp_path / "zarr.json"
+    assert not reader._exists(str(f)) and not reader._exists(str(tmp_path / "x\0y"))
+    f.write_text("{}")
+    assert reader._exists(str(f))
+    assert not reader._exists(str(f / "below"))  # ENOTDIR
+    stat = os.stat
+    for code in (errno.EACCES, errno.EIO):
+        def denied(p, *a, _code=code, **k):
+            if str(p) == str(f):
+                raise OSError(_code, os.strerror(_code), str(p))
+            return stat(p, *a, **k)
+
+        monkeypatch.setattr(reader.os, "stat", denied)
+        with pytest.raises(OSError) as e:
+            reader._exists(str(f))
+        assert e.value.errno == code
+        with pytest.raises(OSError):  # as Path.exists does (it stats through os.stat too)
+            f.exists()
+        monkeypatch.setattr(reader.os, "stat", stat)

@@ -25,6 +25,7 @@ line and exits 2) whose message names the store and what is wrong.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import os
@@ -74,6 +75,25 @@ def _read_file(path: Path, f: Path, what: str, limit: int) -> bytes:
     plain files only): a tampered store cannot make a reader hang or fill memory."""
     return read_bytes_bounded(f, limit, what, lambda msg: _fail(path, msg), empty_ok=True,
                               follow_symlinks=False)
+
+
+#: errors of a stat that mean "not there" (``Path.exists``' own list): any other, e.g. EACCES,
+#: is raised, not read as absent
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
+
+
+def _exists(f: str) -> bool:
+    """``Path(f).exists()`` on a string: a stat, without pathlib's parsing (a store open asks
+    it of every array folder: ≈ 60 Path objects a store)."""
+    try:
+        os.stat(f)
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return False
+        raise
+    except ValueError:  # an embedded NUL byte, as Path.exists
+        return False
+    return True
 
 
 def _read_doc(path: Path, rel: str) -> dict:
@@ -398,7 +418,8 @@ def open_run(path: str | Path, variables: Any = None) -> xr.Dataset:
     links = sorted(p.name for p in entries if p.is_symlink())
     if links:
         raise _fail(path, f"{links[0]!r} is a symlink; a run store holds plain folders and files")
-    present = {p.name for p in entries if p.is_dir() and Path(p.path, "zarr.json").exists()}
+    present = {p.name for p in entries
+               if p.is_dir() and _exists(os.path.join(p.path, "zarr.json"))}
     missing = [a for a in required if a not in present]
     if missing:
         raise _fail(path, f"array {missing[0]!r} is missing"
