@@ -220,3 +220,111 @@ def test_load_volatility_on_hand_built_loads():
     gap = flip.copy()
     gap[1] = 0  # a step with no load is skipped, not a change
     assert load_volatility(gap, 1)["pairs"] == 1
+
+
+@pytest.mark.parametrize("kind", ["batch", "compression", "prism", "eplb"])
+def test_the_summary_summed_while_the_store_is_written_equals_the_stores(
+        embedded, demo_inputs, tmp_path, monkeypatch, kind):
+    """A run with ``ep_ranks`` > 1 sums its EP summary as its store is written
+    (``RunResult.ep``, :class:`EPStream` on the recorder's columns), and it is the store's
+    ``ds.moe.ep_summary()`` bit for bit — every figure, rank share and modality — also where
+    the recorder writes the steps in many batches and the summary's chunks end inside a
+    batch (a small ``CHUNK_ACCESSES``): on a mixed batch with images under MACS, with token
+    compression (``kept``), with sub-experts, and on a round-robin placement. EPLB's
+    placement (its plans are the whole run's) is summed from the store: ``ep`` is None and
+    the CLI's summary reads the store."""
+    import workbench
+    from types import SimpleNamespace
+
+    from workbench.cli import _run_ep
+    from workbench.prism import refactor as R
+    from workbench.replay import ep as ep_mod
+
+    monkeypatch.setattr(ep_mod, "CHUNK_ACCESSES", 4 * 700)  # chunks of ≈ 700 slots / rank
+    rt = workbench.Runtime(embedded, max_new_tokens=6)
+    img, prompt, _ = next(d for d in demo_inputs if d[0] is not None)
+    extra: dict = dict(ep_ranks=4, ignore_eos=True)
+    if kind == "batch":
+        extra.update(dispatch="macs", capacity_factor=1.0, placement="round-robin")
+        run = dict(requests=workbench.mixed_batch(4, text_share=0.5, seed=2))
+    else:
+        run = dict(requests=prompt, images=[img])
+    if kind == "compression":
+        extra.update(compression="affinity", beta=0.5)
+    elif kind == "prism":
+        R.save(R.random_refactoring(embedded), tmp_path / "prism")
+        extra.update(prism=True, prism_k_active=2, prism_refactoring=str(tmp_path / "prism"))
+    elif kind == "eplb":
+        extra.update(placement="eplb", num_redundant_experts=4, eplb_window=2,
+                     eplb_interval=2)
+    with workbench.set_options(flush_every=2):
+        res = rt.run(run.pop("requests"), store=tmp_path / "r.zarr", **run, **extra)
+    ds = workbench.open_run(res.store)
+    want = ds.moe.ep_summary()
+    steps = ds.sizes["step"]
+    assert steps == 6 and set(want["by_modality"]) == {"text", "image"}
+    if kind == "eplb":
+        assert res.ep is None and want["eplb"]["rebalances"] > 0
+        assert _run_ep(res, SimpleNamespace(ep_ranks=4)) == want  # from the store
+        return
+    assert res.ep == want
+    assert _run_ep(res, SimpleNamespace(ep_ranks=4)) is res.ep
+    # the chunks ended inside the recorder's batches: more than one, not at batch ends
+    cuts = workbench.traces.from_store(ds).step_chunks(ep_mod.CHUNK_ACCESSES // 4)
+    assert len(cuts) > 1 and any(s1 % 2 for _, s1 in cuts[:-1]), cuts
+    assert "ep" not in res.to_json()  # the stored summary holds what it held
+
+
+def test_the_stream_cuts_the_chunks_step_chunks_cuts_whatever_the_batches():
+    """:class:`EPStream` fed a trace's columns in batches of any size sums the chunks
+    ``Trace.step_chunks`` cuts (the same step ranges) and gives ``ep_replay``'s figures bit
+    for bit, per modality too; steps with many routed slots pass several multiples at once,
+    and a batch that does not start where the last ended is an error kept, not raised."""
+    from types import SimpleNamespace
+
+    from workbench.knobs import Knobs, ModelShape
+    from workbench.replay import ep as ep_mod
+
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        T = int(rng.integers(1, 300))
+        tr = _trace(T=T, seed=trial,
+                    modality=(rng.random(T) < 0.4).astype(np.int8) if trial % 3 else None)
+        tr.kept = rng.random(T) < 0.8 if trial % 4 == 0 else tr.kept
+        a = int(rng.choice([1, 7, 40, 200, 1 << 20]))
+        k = Knobs(ep_ranks=4, placement=("contiguous", "round-robin")[trial % 2],
+                  target_model="qwen3-vl-30b-a3b")
+        prices = ep_mod.summary_prices(k, SimpleNamespace(attrs={}), ModelShape.of(tr))
+        rep = ep_mod.EPReplay(k, tr.num_layers, tr.num_experts, prices)
+        rep.chunk_accesses = a
+        want_rep = ep_mod.EPReplay(k, tr.num_layers, tr.num_experts, prices)
+        want_rep.chunk_accesses = a
+        chunks = tr.step_chunks(a)
+        whole = want_rep.summary()
+        for s0, s1 in chunks:
+            want_rep.add(whole, tr.step_slice(s0, s1), s0)
+        codes = np.unique(tr.token_modality)
+        by = {}
+        for c in codes:
+            by[int(c)] = want_rep.summary()
+            for s0, s1 in chunks:
+                want_rep.add(by[int(c)], tr.step_slice(s0, s1), s0, int(c))
+        want = want_rep.result(whole, by if len(codes) > 1 else None)
+        stream = ep_mod.EPStream(rep, tr.pinned)
+        S, size = tr.num_steps, int(rng.integers(1, 6))
+        for b0 in range(0, S, size):
+            sub = tr.step_slice(b0, min(b0 + size, S))
+            stream.add_columns({"topk_ids": sub.topk_ids, "token_step": sub.token_step + b0,
+                                "token_modality": sub.token_modality, "kept": sub.kept,
+                                "phase": sub.phase})
+        assert stream.result() == want, trial
+        assert stream.chunks == chunks, (trial, a, size)
+    stream = ep_mod.EPStream(rep, tr.pinned)
+    stream.add_columns({"topk_ids": tr.topk_ids[:0], "token_step": tr.token_step[:0],
+                        "token_modality": tr.token_modality[:0], "kept": tr.kept[:0],
+                        "phase": np.zeros(2, np.int8)})
+    late = tr.step_slice(3, 4)
+    stream.add_columns({"topk_ids": late.topk_ids, "token_step": late.token_step + 5,
+                        "token_modality": late.token_modality, "kept": late.kept,
+                        "phase": late.phase})
+    assert stream.error is not None and stream.result() is None

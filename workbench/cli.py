@@ -756,18 +756,21 @@ def _run_requests(args) -> list | None:
 
 
 def _run_ep(res, knobs) -> dict | None:
-    """The run's expert-parallel load (``ep_ranks`` > 1, virtual ranks), from its store (a
-    note instead without one: ``--no-record``)."""
+    """The run's expert-parallel load (``ep_ranks`` > 1, virtual ranks): summed as its store
+    was written (``res.ep``), else read from its store (EPLB's placement); a note instead
+    without one (``--no-record``)."""
     if knobs.ep_ranks <= 1:
         return None
     if not res.store:
         return {"ranks": knobs.ep_ranks, "note": "not computed: --no-record keeps no routing "
                                                  "to attribute to ranks"}
+    if getattr(res, "ep", None) is not None:  # summed as the store was written
+        return res.ep
     from workbench.analysis import open_run  # ds.moe registered
     from workbench.replay.ep import EP_ARRAYS
 
-    # the arrays the summary reads only (≈ 6 ms less a run than opening all, ≈ 1.5 ms less
-    # than every routing array: bench_dispatch.py --ep-summary)
+    # (EPLB's placement, or a stream that stopped: from the store, the arrays the summary
+    # reads only: ≈ 6 ms less a run than opening all, bench_dispatch.py --ep-summary)
     return open_run(res.store, variables=EP_ARRAYS).moe.ep_summary()
 
 

@@ -1110,23 +1110,13 @@ class MoEAccessor:
         """The EP figures of ``workbench replay --set ep_ranks=R`` for this run (imbalance,
         balancedness, imbalance ratio, max rank load, per-rank shares, per modality, the
         modeled EP layer times): :func:`workbench.replay.ep.ep_replay`."""
-        from workbench.replay.engine import cost_of
-        from workbench.replay.ep import ep_replay
-        from workbench.sim.costs import Prices
+        from workbench.knobs import ModelShape
+        from workbench.replay.ep import ep_replay, summary_prices
         from workbench.traces import from_store
 
-        from workbench.knobs import ModelShape
-
-        k = self._ep_knobs(ranks, placement)
+        k = self._ep_knobs(ranks, placement)  # (a new Knobs, no one else's)
         tr = from_store(self._ds)
-        # the EP group's rules only: the run's other knobs were checked when it ran (and some
-        # are live-only: a full replay check would refuse them)
-        # (the routing as recorded: a live dispatch and a live ReaLB are already applied to
-        # it, not replayed)
-        k.set(dispatch="topk", balance="none")  # k is _ep_knobs' new Knobs, no one else's
-        k.group("ep").check(k, ModelShape.of(tr), live=False)
-        cost, prof = cost_of(tr, k.profile, k.target_model, None)
-        return ep_replay(tr, k, Prices(prof, cost))
+        return ep_replay(tr, k, summary_prices(k, tr, ModelShape.of(tr)))
 
 
 def merged_token_cells(grid_thw: Sequence[Sequence[int]], spatial_merge_size: int

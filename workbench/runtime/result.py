@@ -82,6 +82,12 @@ class RunResult:
     eviction_stats: dict[str, Any] = field(default_factory=dict)
     #: a batch's requests and answers (empty: a run of one request)
     batch: list[dict[str, Any]] = field(default_factory=list)
+    #: expert parallelism (``ep_ranks`` > 1, a static placement, the run recorded): the EP
+    #: summary of what it routed, summed as its store was written
+    #: (:class:`~workbench.replay.ep.EPStream`: ``open_run(store).moe.ep_summary()``'s
+    #: figures, bit for bit); None otherwise. Not in :meth:`to_json` (nor the store's
+    #: ``summary``): the CLI prints it as its ``ep`` section
+    ep: dict[str, Any] | None = None
 
     @property
     def right(self) -> tuple[int, int]:
@@ -114,7 +120,7 @@ class RunResult:
         return self.redundant_prefetches / self.loads if self.loads else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
+        d = {k: v for k, v in self.__dict__.items() if k != "ep"}  # (the CLI prints it apart)
         d["hit_rate"] = None if np.isnan(self.hit_rate) else self.hit_rate
         d["loads_per_access"] = None if np.isnan(self.loads_per_access) else self.loads_per_access
         d["redundant_share"] = self.redundant_share

@@ -129,6 +129,9 @@ class RunSession:
         self.events: list[StepEvent] = []  # finished steps, in order
         self.pending: list[StepEvent] = []  # forwards whose token has not come yet
         self.recorder: Recorder | None = None
+        #: the run's EP summary, summed as its store is written (ep_ranks > 1 on a static
+        #: placement; None otherwise): the run's result carries it (``RunResult.ep``)
+        self.ep_stream = None
         self.offloader: Offloader | None = None
         self.stages: list[Stage] = []  # the run's layer stages, in order (on ones only)
         self.predictor = None
@@ -178,6 +181,13 @@ class RunSession:
             flush_interval_s=get_options()["flush_interval_s"], depth=k.lookahead_depth,
             pred_order=rt.predictor_budget(k) if rt.uses_predictor(k) else 1,
             **{"ep_ranks": 1, "subexperts": 1, **self.offloader.store_dims()})
+        if k.ep_ranks > 1:
+            from workbench.replay.ep import EPStream
+
+            self.ep_stream = EPStream.for_store(self.recorder.attrs, self.pinned,
+                                                lay.num_layers, lay.num_experts, store_k)
+            if self.ep_stream is not None:
+                self.recorder.on_columns(self.ep_stream.add_columns)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -368,6 +378,8 @@ class RunSession:
                                    for n, v in stage.store_attrs(result).items()},
                                 **({"predictor_cost": json.dumps(result.predictor_cost)}
                                    if self.predictor is not None else {}))
+            if self.ep_stream is not None:  # every batch is written: the summary is whole
+                result.ep = self.ep_stream.result()
         return result
 
 

@@ -16,7 +16,7 @@ import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import zarr
@@ -114,7 +114,18 @@ class Recorder:
         self._final_written = False  # the closing document (status, committed) is on disk
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-recorder")
         self._pending: list[Future] = []
+        #: called with each batch's columns once they are written, on the writer thread
+        #: (:meth:`on_columns`)
+        self._column_hooks: list[Callable[[dict[str, np.ndarray]], None]] = []
         self._submit(self._lay_out, np.asarray(pinned, dtype=bool))
+
+    def on_columns(self, fn: Callable[[dict[str, np.ndarray]], None]) -> None:
+        """Call ``fn(columns)`` with every batch of steps written from now on (one array per
+        schema variable, the steps in order), on the writer thread after the batch's arrays
+        are written: e.g. :class:`~workbench.replay.ep.EPStream` sums the run's EP load as
+        it goes. ``fn`` must not raise (it runs where a failure would fail the store); the
+        arrays are the batch's own (the recorder neither keeps nor reuses them)."""
+        self._column_hooks.append(fn)
 
     # -- the writer thread's work ----------------------------------------------------------
     def _lay_out(self, pinned: np.ndarray) -> None:
@@ -149,6 +160,8 @@ class Recorder:
                 self._grow(dim, end[dim])
         for name, data in cols.items():
             self.arrays[name].write(start[SCHEMA[name].dims[0]], data)
+        for fn in self._column_hooks:
+            fn(cols)
         self.committed = end
         self.attrs["committed"] = dict(end)
         if publish:
