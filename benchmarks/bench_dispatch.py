@@ -157,7 +157,10 @@ def ep_summary_speed(repeats: int) -> dict:
     """Wall time of the EP summary ``workbench run --set ep_ranks=8`` prints after a run
     (the CLI's ``_run_ep``) and of its parts, on the store of a mixed batch of 8 (16 new
     tokens, 8 virtual ranks): medians of ``repeats`` calls after one warm-up, in ms
-    (measured). Runs with any tree (``PYTHONPATH``): a part the tree lacks is left out."""
+    (measured). Since stop 60 the run sums the summary as its store is written
+    (``RunResult.ep``, the ``EPStream`` part: asserted equal to the store's) and ``_run_ep``
+    only hands it on. Runs with any tree (``PYTHONPATH``): a part the tree lacks is left
+    out."""
     import statistics
     import tempfile
 
@@ -193,6 +196,26 @@ def ep_summary_speed(repeats: int) -> dict:
         else:
             parts["open_run(store, variables=EP_ARRAYS)"] = (
                 lambda: workbench.open_run(store, variables=EP_ARRAYS))
+            parts["open_run(store, variables=EP_ARRAYS).moe.ep_summary()"] = (
+                lambda: workbench.open_run(store, variables=EP_ARRAYS).moe.ep_summary())
+        try:  # since stop 60 the run sums it as its store is written (RunResult.ep)
+            from workbench.replay.ep import EPStream
+        except ImportError:
+            pass
+        else:
+            whole = workbench.open_run(store)
+            cols = {n: whole[n].values for n in ("topk_ids", "token_step", "token_modality",
+                                                 "kept", "phase")}
+            pinned, L, E, K = (whole.pinned.values, whole.sizes["layer"],
+                               whole.sizes["expert"], whole.sizes["k"])
+
+            def stream() -> dict:
+                st = EPStream.for_store(dict(whole.attrs), pinned, L, E, K)
+                st.add_columns(cols)  # what the recorder hands it, the run's one batch
+                return st.result()
+
+            assert stream() == ds.moe.ep_summary()
+            parts["EPStream: set up, fed the run's columns, result (what a run adds)"] = stream
         for name, f in parts.items():
             f()
             ts = []
