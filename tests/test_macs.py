@@ -552,7 +552,9 @@ def test_compiled_group_equals_the_numpy_reference():
         kw = dict(rho=0.6, dynamic_capacity=bool(trial % 2), min_capacity=int(trial % 3),
                   selection=SELECTIONS[trial % len(SELECTIONS)], seed=trial,
                   reroute=bool((trial // 2) % 3), rank_of_expert=rng.integers(0, 2, E),
-                  gates=gates, affinity=aff, eta=0.5, num_experts=E)
+                  gates=gates, affinity=aff, num_experts=E,
+                  # products that round in float32 (not 0.5's); a numpy scalar as a float
+                  eta=(0.3, 0.5, 0.7, 0.0, 1.0, np.float64(0.3))[trial % 6])
         c_base = float(rng.integers(1, 6)) - rng.random()  # fractional: loads near it
         classes = rng.integers(-1, 2, E if trial % 17 else 1).astype(np.int8)
         args = (ids, gw, w, rng.integers(0, 2, T).astype(np.int8), classes, c_base)

@@ -125,8 +125,11 @@ class KnobGroup(param.Parameterized):
     that ``pn.Param(group)`` renders it as a number box (a slider cannot hold None).
 
     ``_registries`` maps Selector knobs to the source of their choices (bound by
-    :func:`register_group`), so each new instance offers every policy registered so far (the
-    class's Parameter is brought up to date at each new instance, not copied for it).
+    :func:`register_group`), so each new instance offers every policy registered so far. The
+    choices live on the class's Parameter, brought up to date at each new instance (not
+    copied for it: ≈ 35 µs each): an older instance offers them too, until it copies the
+    Parameter itself (the first :meth:`Knobs.set` of that knob, a widget), which keeps the
+    choices of that moment.
     ``aliases`` maps old knob names to the group's current ones (see the naming rule)."""
 
     _registries: ClassVar[dict[str, ChoiceSource]] = {}
@@ -140,8 +143,9 @@ class KnobGroup(param.Parameterized):
         for knob, source in cls._registries.items():
             # the class's Parameter, brought up to the registry when a policy registered
             # since: ``self.param[knob]`` would copy it for this instance (≈ 35 µs each, ⅔ of
-            # a Knobs() with its 9 registries), and every instance made from now on offers
-            # the same choices
+            # a Knobs() with its 9 registries). So an instance offers the choices of the
+            # latest instance made, until it copies the Parameter itself (the first set() of
+            # that knob, a widget): from then on its own
             shared = cls.param[knob]
             choices = _choices(source)
             if list(shared.objects) != choices:
@@ -839,10 +843,9 @@ class Knobs:
                 vals[name] = value  # holds every default to check_value): nothing to check
                 continue
             owner = k._owner(name)
-            # the class's Parameter unless a registry gave this instance its own choices:
-            # ``owner.param[name]`` copies the Parameter for the instance on first access
-            p = (owner.param[name] if name in type(owner)._registries
-                 else type(owner).param[name])
+            # the class's Parameter (a new Knobs: its registries' choices are the current
+            # ones, kept on the class); ``owner.param[name]`` would copy it for the instance
+            p = type(owner).param[name]
             if isinstance(p, param.Selector) and isinstance(value, str) \
                     and value not in (p.objects or []) and name in type(owner)._registries:
                 continue  # a policy that is no longer registered: keep the default

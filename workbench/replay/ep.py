@@ -199,7 +199,8 @@ class EPStream:
     nothing to that modality's figures, so :func:`ep_replay`'s later pass over all the chunks
     sums the same). Static placements only: EPLB's plans come from the whole traffic before
     any modality's share is served (:meth:`for_store` gives None). Memory: the routing of
-    one chunk at most."""
+    about one chunk and one batch (a run whose steps route nothing, which never ends a
+    chunk, is kept whole until its end)."""
 
     def __init__(self, rep: EPReplay, pinned: np.ndarray) -> None:
         self.rep = rep
@@ -287,7 +288,7 @@ class EPStream:
         ids, ts, mod, kept = (np.concatenate(x) for x in zip(*self._parts))
         phase = np.concatenate(self._phase)
         cut = int(np.searchsorted(ts, s1, "left"))
-        rest = (ids[cut:], ts[cut:], mod[cut:], kept[cut:])
+        rest = tuple(a[cut:].copy() for a in (ids, ts, mod, kept))  # (frees the chunk's)
         self._parts = [rest] if len(rest[0]) else []
         self._phase = [phase[s1 - s0:]] if s1 - s0 < len(phase) else []
         self._s0 = s1

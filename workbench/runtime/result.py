@@ -85,8 +85,9 @@ class RunResult:
     #: expert parallelism (``ep_ranks`` > 1, a static placement, the run recorded): the EP
     #: summary of what it routed, summed as its store was written
     #: (:class:`~workbench.replay.ep.EPStream`: ``open_run(store).moe.ep_summary()``'s
-    #: figures, bit for bit); None otherwise. Not in :meth:`to_json` (nor the store's
-    #: ``summary``): the CLI prints it as its ``ep`` section
+    #: figures, bit for bit), set once the store is closed (after the session's
+    #: ``on_result``); None otherwise. Not in :meth:`to_json` (nor the store's ``summary``):
+    #: the CLI prints it as its ``ep`` section
     ep: dict[str, Any] | None = None
 
     @property

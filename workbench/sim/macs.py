@@ -272,13 +272,17 @@ def macs_group(ids: np.ndarray, gate_w: np.ndarray, w: np.ndarray, modality: np.
     (m_j; None: all shared), ``gates`` [T, E] / ``affinity`` [T, E] or None.
 
     Returns ``(new ids [T, K] (-1: dropped), new weights [T, K], rerouted bool [T, K],
-    capacity [E])``. The capacity, the random selection's keys and rerouting's scores are
+    capacity [E])``. The capacity (:func:`_capacity`) and the random selection's keys are
     numpy either way; the rest (priority keys, each expert's order, keep or overflow, the
-    fail-safe order, rerouting) runs in :func:`_select_loop` (numba) when ``compiled``, else
-    in the numpy reference below it, which the tests hold it bit-equal to (the reference of
-    the behaviour; the kernel is its fast path)."""
+    fail-safe order, rerouting and, from float32 gates, its scores) runs in
+    :func:`_select_loop` (numba) when ``compiled``, else in the numpy reference below it,
+    which the tests hold it bit-equal to (the reference of the behaviour; the kernel is its
+    fast path). Rerouting's score is computed in the gates' own precision, ``eta`` a Python
+    float (a numpy float64 would make numpy widen a float32 product: it is taken as a float).
+    """
     T, K = ids.shape
     E = num_experts
+    eta = float(eta)  # (a weak scalar: S in the gates' precision, both paths alike)
     new_ids = ids.copy()
     new_w = np.array(gate_w, np.float64, copy=True)
     rerouted = np.zeros((T, K), bool)

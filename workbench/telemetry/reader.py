@@ -83,8 +83,10 @@ _ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
 
 
 def _exists(f: str) -> bool:
-    """``Path(f).exists()`` on a string: a stat, without pathlib's parsing (a store open asks
-    it of every array folder: ≈ 60 Path objects a store)."""
+    """Whether ``f`` exists, by a stat without pathlib's parsing (a store open asks it of
+    every array folder: ≈ 60 Path objects a store): absent for the errors ``Path.exists``
+    took as absent up to Python 3.13 (ENOENT, ENOTDIR, EBADF, ELOOP) and an embedded NUL;
+    any other error (EACCES, EIO) is raised, not read as a missing array."""
     try:
         os.stat(f)
     except OSError as e:

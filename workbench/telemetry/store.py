@@ -121,9 +121,10 @@ class Recorder:
 
     def on_columns(self, fn: Callable[[dict[str, np.ndarray]], None]) -> None:
         """Call ``fn(columns)`` with every batch of steps written from now on (one array per
-        schema variable, the steps in order), on the writer thread after the batch's arrays
-        are written: e.g. :class:`~workbench.replay.ep.EPStream` sums the run's EP load as
-        it goes. ``fn`` must not raise (it runs where a failure would fail the store); the
+        schema variable, the steps in order), on the writer thread once the batch is written
+        and published: e.g. :class:`~workbench.replay.ep.EPStream` sums the run's EP load as
+        it goes (its work runs beside the model's on a 2-core machine, or at the close for
+        the last batch). ``fn`` must not raise (it runs where a failure would fail the store); the
         arrays are the batch's own (the recorder neither keeps nor reuses them)."""
         self._column_hooks.append(fn)
 
@@ -160,12 +161,12 @@ class Recorder:
                 self._grow(dim, end[dim])
         for name, data in cols.items():
             self.arrays[name].write(start[SCHEMA[name].dims[0]], data)
-        for fn in self._column_hooks:
-            fn(cols)
         self.committed = end
         self.attrs["committed"] = dict(end)
         if publish:
             self._write_attrs()
+        for fn in self._column_hooks:  # (after the publish: live readers wait for no hook)
+            fn(cols)
 
     def _grow(self, dim: str, needed: int) -> None:
         # arrays of one dim are resized one file at a time; readers take each array's own shape
