@@ -25,7 +25,7 @@ from workbench.sim.placement import EP_PLACEMENT, rank_of_expert
 from workbench.sim.profiles import get_interconnect
 from workbench.sim.costs import Prices
 from workbench.telemetry.events import MODALITIES
-from workbench.traces.trace import Trace
+from workbench.traces.trace import Trace, routed_per_step
 
 #: accesses per chunk (about): bounds the working set whatever the trace's length
 CHUNK_ACCESSES = 1 << 20
@@ -78,9 +78,9 @@ class EPReplay:
     """What :func:`ep_replay` holds over a replay: the ranks, the placement's owner of each
     expert, the link, the prices and (``placement`` = eplb) the schedule. :meth:`add` sums
     the loads (and modeled times) of one chunk of steps into an :class:`EPSummary`;
-    :meth:`result` makes the figures. Fed the chunks of :meth:`chunks` in order (the whole
-    traffic before a modality's share with EPLB, whose plans the whole traffic makes), it
-    gives :func:`ep_replay`'s figures: :func:`ep_replay` and :class:`EPStream` (a run's, as its
+    :meth:`result` makes the figures. Fed the chunks :meth:`Trace.step_chunks` cuts at
+    :attr:`chunk_accesses`, in order (the whole traffic before a modality's share with EPLB,
+    whose plans the whole traffic makes), it gives :func:`ep_replay`'s figures: :func:`ep_replay` and :class:`EPStream` (a run's, as its
     store is written) are its two drivers."""
 
     def __init__(self, knobs: Any, num_layers: int, num_experts: int, prices: Any = None
@@ -269,8 +269,9 @@ class EPStream:
                             np.asarray(cols["kept"])))
         self._phase.append(phase)
         self._steps += n
-        routed = np.bincount(ts - base, weights=(ids >= 0).reshape(len(ids), -1).sum(1),
-                             minlength=n).astype(np.int64) if len(ts) else np.zeros(n, np.int64)
+        # routed slots per step: step_chunks' own count
+        routed = routed_per_step(np.ascontiguousarray(ids, np.int16),
+                                 (ts - base).astype(np.int32), n)
         a = self.rep.chunk_accesses
         end = self._routed
         for i, r in enumerate(routed):

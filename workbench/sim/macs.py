@@ -357,13 +357,19 @@ def _capacity(w: np.ndarray, vis: np.ndarray, classes: np.ndarray | None,
               E: int) -> np.ndarray:
     """float64 [E]: each expert's capacity C_j (steps 2–3 of the module docstring) from the
     semantic weights ``w`` [T] (float64, contiguous) and which tokens are visual (``vis``).
-    The reference of :func:`_select_loop`'s own computation of it."""
+    Both paths of :func:`macs_group` call it."""
     cap = np.full(E, float(capacity_base))
     if dynamic_capacity and classes is not None:
         total = w.sum() if w.shape[0] else 0.0
         r_v = float(w[vis].sum() / total) if total > 0 else 0.0
         cap = cap * (1.0 + float(rho) * np.asarray(classes, np.float64) * (r_v - 0.5))
     return np.maximum(cap, float(min_capacity))
+
+
+def _same_rank_of(rank_of_expert: np.ndarray | None, E: int) -> np.ndarray:
+    """:func:`_same_rank` of the placement's ranks (None: every expert on one rank)."""
+    return _same_rank(np.zeros(E, np.int64) if rank_of_expert is None
+                      else np.asarray(rank_of_expert))
 
 
 def _check_selection(selection: str) -> None:
@@ -384,8 +390,7 @@ def _reroute_inputs(T: int, E: int, reroute: bool, rank_of_expert: np.ndarray | 
         else np.ascontiguousarray(gates, np.float64)
     same_rank = score_all = np.zeros((0, 0))
     if reroute:
-        same_rank = _same_rank(np.zeros(E, np.int64) if rank_of_expert is None
-                               else np.asarray(rank_of_expert))  # [E, E]
+        same_rank = _same_rank_of(rank_of_expert, E)
         score_all = (1.0 - eta) * (gates if gates is not None else g_all)
         if affinity is not None:
             score_all = score_all + eta * affinity
@@ -417,8 +422,7 @@ def _group_compiled(ids, gate_w, w, vis, classes, capacity_base, rho, dynamic_ca
         g_all = np.ascontiguousarray(gates)
         score_all = (np.zeros((0, 0), np.float32) if affinity is None
                      else np.ascontiguousarray(affinity))
-        same_rank = _same_rank(np.zeros(E, np.int64) if rank_of_expert is None
-                               else np.asarray(rank_of_expert))
+        same_rank = _same_rank_of(rank_of_expert, E)
         mode, c1, c2 = 1 if affinity is None else 2, np.float32(1.0 - eta), np.float32(eta)
     else:
         g_all, same_rank, score_all = _reroute_inputs(T, E, reroute, rank_of_expert, gates,

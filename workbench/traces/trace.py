@@ -368,10 +368,7 @@ class Trace:
         S = self.num_steps
         if S == 0:
             return []
-        routed_per_step, _ = _group_kernels()
-        routed = np.zeros(S, np.int64)
-        routed_per_step(self.topk_ids, self.token_step, routed)
-        ends = np.cumsum(routed)
+        ends = np.cumsum(routed_per_step(self.topk_ids, self.token_step, S))
         cuts = np.searchsorted(ends, np.arange(accesses, int(ends[-1]), accesses), "right") + 1
         bounds = np.unique(np.r_[0, np.minimum(cuts, S), S])
         return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -444,6 +441,15 @@ class Trace:
         return Groups(step=step, layer=layer, ptr=ptr, expert=expert, expert_tokens=ntok,
                       step_tokens=step_tokens, num_layers=L, num_experts=E,
                       layer_tokens=layer_tokens)
+
+
+def routed_per_step(topk_ids: np.ndarray, token_step: np.ndarray, steps: int) -> np.ndarray:
+    """int64 [steps]: the routed (id ≥ 0) (token, layer, k) slots of each step, ``topk_ids``
+    int16 [T, L, K] and ``token_step`` int32 [T] in 0 … steps − 1 (unchecked: a trace's, or
+    a caller's checked batch). One compiled pass (:func:`_routed_per_step`)."""
+    routed = np.zeros(steps, np.int64)
+    _group_kernels()[0](topk_ids, token_step, routed)
+    return routed
 
 
 def _routed_per_step(ids, token_step, routed):
