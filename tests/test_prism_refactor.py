@@ -529,6 +529,113 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
                     assert outs[0][1][q].tolist() == np.argsort(-score[q])[:ka].tolist()
 
 
+def test_the_bounded_choice_is_the_tensor_choice(embedded):
+    """The proxy gate's choice from the routed experts' rows with error bounds
+    (:func:`~workbench.prism.execute._bounded_loop`) is the float32 tensor path's bit for
+    bit wherever it answers: on random calls of every fourth layer, N 2 and 4, every k_active
+    < N, r 1 to 3 gate neurons a sub-expert, magnitudes from tiny to huge, and near ties —
+    a sub-expert's rows made those of another times (1 + ε), ε from 1e-9 to 1e-2, so the
+    float32 order is decided by rounding near the bound. It refuses (None) exact ties,
+    NaN, overflow and underflow, another dtype, another activation, a lower matmul
+    precision, a trained gate and calls past DENSE_MACS; typical calls take it. Its Python
+    source gives what the compiled loop gives."""
+    from workbench.prism.execute import PrismView, _bounded_loop, _compiled
+    from workbench.runtime.slots import ExpertsView
+
+    E = embedded.layout.num_experts
+    taken = refused_near = 0
+    for layer in range(0, embedded.layout.num_layers, 4):
+        for N in (2, 4):
+            b, perm, gates, gu, _, x, idx, g = _a_layer_call(embedded, layer, layer, layer, 8, N)
+            idx[3, 1] = E  # routed nowhere
+            ex = b.experts
+            for r in (1, 2, 3):  # each sub-expert's first r neurons its gate
+                gts = perm.reshape(*perm.shape[:2], N, -1)[..., :r].contiguous()
+                for ka in range(1, N):
+                    v = PrismView(ExpertsView(ex, b.expert_params), perm, gts, b.index, N,
+                                  ka, ex.act_fn)
+                    v.capture_gates(gu, x.device)
+                    for scale in (1e-30, 1e-3, 1.0, 8.0, 1e30):
+                        want = v._choose_tensors(x * scale, idx, None, E)
+                        got = v._choose_bounded(x * scale, idx.numpy(), E)
+                        if got is not None:
+                            assert torch.equal(got, want), (layer, N, r, ka, scale)
+                            taken += 1
+                        else:  # (large inputs saturate gates to 0: ties)
+                            assert scale != 1.0, (layer, N, r, ka, "typical inputs take it")
+                    # near ties: sub-expert 1's rows are sub-expert 0's times (1 + ε)
+                    rows = v._gu_rows.clone()
+                    G = rows.shape[1] // 2
+                    rr = G // N
+                    for eps in (1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2):
+                        near = rows.clone()
+                        for half in (0, G):
+                            near[:, half + rr:half + 2 * rr] = (
+                                rows[:, half:half + rr] * (1 + eps))
+                        v._gu_rows, v._gu_np, v._dense_w = near, None, None
+                        for _ in range(3):
+                            xs = torch.randn(x.shape, generator=g)
+                            want = v._choose_tensors(xs, idx, None, E)
+                            got = v._choose_bounded(xs, idx.numpy(), E)
+                            if got is not None:
+                                assert torch.equal(got, want), (layer, N, r, ka, eps)
+                                taken += 1
+                            elif eps <= 1e-6:
+                                refused_near += 1
+                    # an exact tie (sub-expert 1 = sub-expert 0) is never let through
+                    same = rows.clone()
+                    for half in (0, G):
+                        same[:, half + rr:half + 2 * rr] = rows[:, half:half + rr]
+                    v._gu_rows, v._gu_np, v._dense_w = same, None, None
+                    assert v._choose_bounded(x, idx.numpy(), E) is None
+                    v._gu_rows, v._gu_np, v._dense_w = rows, None, None
+            # refused where the bounds are not known to hold, or a call is past DENSE_MACS
+            v = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1,
+                          ex.act_fn)
+            v.capture_gates(gu, x.device)
+            assert v._choose_bounded(x, idx.numpy(), E) is not None
+            nan = x.clone()
+            nan[2, 0] = float("nan")
+            assert v._choose_bounded(nan, idx.numpy(), E) is None
+            assert v._choose_bounded(x.double(), idx.numpy(), E) is None
+            bad = idx.clone()
+            bad[1, 1] = -1
+            assert v._choose_bounded(x, bad.numpy(), E) is None
+            v.DENSE_MACS = 0
+            assert v._choose_bounded(x, idx.numpy(), E) is None
+            v.DENSE_MACS = PrismView.DENSE_MACS
+            old = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("medium")
+            try:
+                assert v._choose_bounded(x, idx.numpy(), E) is None
+            finally:
+                torch.set_float32_matmul_precision(old)
+            gelu = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1,
+                             torch.nn.GELU())
+            gelu.capture_gates(gu, x.device)
+            assert gelu._choose_bounded(x, idx.numpy(), E) is None
+    assert taken >= 200 and refused_near >= 20, (taken, refused_near)
+    # the Python source is the compiled loop
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        T, H, N, r = (int(rng.integers(0, 5)), int(rng.integers(1, 11)),
+                      int(rng.choice([2, 3, 4])), int(rng.integers(1, 3)))
+        Ex = 5
+        w = rng.standard_normal((Ex, 2 * N * r, H)).astype(np.float32)
+        if trial % 4 == 0:
+            w[:, r:2 * r] = w[:, :r]  # ties
+            w[:, N * r + r:N * r + 2 * r] = w[:, N * r:N * r + r]
+        wn = np.linalg.norm(w.astype(np.float64), axis=-1)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        ids = rng.integers(0, Ex + 1, (T, 3)).astype(np.int64)  # Ex: routed nowhere
+        ka = int(rng.integers(1, N))
+        outs = []
+        for fn in (_bounded_loop, _compiled(_bounded_loop)):
+            out = np.full((T, 3, ka), 9, np.int64)
+            outs.append((fn(x, w, wn, ids, Ex, N, ka, out), out))
+        assert outs[0][0] == outs[1][0] and (not outs[0][0] or (outs[0][1] == outs[1][1]).all())
+
+
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):
     """subexpert_tokens: each routed (token, expert) counts once per sub-expert it ran — k_active
     of N, the run's own tally — so ds.moe sees the compute done; without prism each expert is

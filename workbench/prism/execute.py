@@ -322,6 +322,132 @@ def _choose_loop(act, gu, ids, dest, E, N, ka, chosen):
     return True
 
 
+#: float32's unit roundoff (half an ulp of 1)
+_U32 = 2.0 ** -24
+#: an absolute slack for each float32 operation the exact path makes (an underflow, the
+#: activation's exp overflowing where |act| < 1e-36)
+_ABS = 1e-36
+#: the relative error allowed to the model's float32 activation (SiLU: exp, an addition, a
+#: division; ≈ 3 roundings, taken as 16)
+_ACT_ERR = 16 * _U32
+#: |d silu / dx| ≤ 1.0998 everywhere
+_SILU_LIP = 1.1
+#: past this a float32 sum or product may overflow (float32's largest is 3.4e38)
+_BIG = 1e37
+
+
+def _bounded_loop(x, w, wnorm, ids, E, N, ka, chosen):
+    """The proxy gate's choice for a call's slots with every score *bounded*, not
+    reproduced (:meth:`PrismView._choose_bounded`; compiled: :func:`_compiled`): where it
+    returns True, ``chosen`` is the choice the float32 tensor path makes, proven so by error
+    bounds; False: some order is not certain — ``chosen`` unfinished, the exact paths choose.
+
+    ``x`` float32 [T, H] the tokens, ``w`` float32 [E, 2G, H] each expert's gate-neuron rows
+    (gate rows, then up rows; G = N·r), ``wnorm`` float64 [E, 2G] their Euclidean norms,
+    ``ids`` int64 [T, k] the routing (≥ ``E``: routed nowhere, written -1; < 0: False),
+    ``chosen`` int64 [T, k, ka]. For each routed slot each sub-expert's score — the mean over
+    its r neurons of |silu(x·g)·(x·u)| — is computed in float64 from the rows of that slot's
+    expert only, with a bound B on its distance to the float32 path's score:
+
+    - each product x·w differs from the float32 one by at most γ_H·‖x‖·‖w‖ (any summation
+      order, FMA or not: γ_H = H·u / (1 − H·u), u = 2⁻²⁴, with Σ|x_i w_i| ≤ ‖x‖‖w‖; +1 %
+      for this loop's own float64 rounding);
+    - silu moves by at most 1.1× its input's error, and the model's float32 silu is within
+      ``_ACT_ERR`` of silu (relative) or ``_ABS``;
+    - the product, the |·|, the sum of r terms and the mean add (r + 2) roundings;
+    - nothing the float32 path computes may overflow: a sum Σ|x_i w_i| (≤ ‖x‖‖w‖), a
+      product or a score that could reach ``_BIG`` returns False.
+
+    The float32 path takes its ``topk`` (best first) from those scores, so the choice is
+    certain when each of the ka best intervals [score − B, score + B] lies strictly above
+    every interval after it (no tie can then exist, nor a NaN). That is checked per slot;
+    any slot where it fails returns False."""
+    T, H = x.shape
+    k = ids.shape[1]
+    G = w.shape[1] // 2
+    r = G // N
+    gam = 1.01 * H * _U32 / (1.0 - H * _U32)
+    score = np.empty(N)
+    bound = np.empty(N)
+    order = np.empty(N, np.int64)
+    for t in range(T):
+        xn = 0.0
+        for h in range(H):
+            xn += np.float64(x[t, h]) * np.float64(x[t, h])
+        xn = np.sqrt(xn)
+        if not (xn < np.inf):
+            return False
+        for j in range(k):
+            e = ids[t, j]
+            if e >= E:
+                for i in range(ka):
+                    chosen[t, j, i] = -1
+                continue
+            if e < 0:
+                return False
+            for s in range(N):
+                tot = 0.0
+                err = 0.0
+                for q in range(r):
+                    rg = s * r + q
+                    ru = G + rg
+                    # two dot products, four running sums each (float64: any order is far
+                    # inside the bound)
+                    g0 = g1 = g2 = g3 = 0.0
+                    u0 = u1 = u2 = u3 = 0.0
+                    h = 0
+                    while h + 4 <= H:
+                        a0, a1 = np.float64(x[t, h]), np.float64(x[t, h + 1])
+                        a2, a3 = np.float64(x[t, h + 2]), np.float64(x[t, h + 3])
+                        g0 += a0 * w[e, rg, h]
+                        g1 += a1 * w[e, rg, h + 1]
+                        g2 += a2 * w[e, rg, h + 2]
+                        g3 += a3 * w[e, rg, h + 3]
+                        u0 += a0 * w[e, ru, h]
+                        u1 += a1 * w[e, ru, h + 1]
+                        u2 += a2 * w[e, ru, h + 2]
+                        u3 += a3 * w[e, ru, h + 3]
+                        h += 4
+                    while h < H:
+                        g0 += np.float64(x[t, h]) * w[e, rg, h]
+                        u0 += np.float64(x[t, h]) * w[e, ru, h]
+                        h += 1
+                    g = (g0 + g1) + (g2 + g3)
+                    u = (u0 + u1) + (u2 + u3)
+                    sg, su = xn * wnorm[e, rg], xn * wnorm[e, ru]  # ≥ Σ|x_i w_i|
+                    if not (sg < _BIG and su < _BIG):  # float32 may overflow (or NaN)
+                        return False
+                    dg = gam * sg + _ABS
+                    du = gam * su + _ABS
+                    a = g / (1.0 + np.exp(-g))
+                    da = _SILU_LIP * dg + _ACT_ERR * (abs(a) + _SILU_LIP * dg) + _ABS
+                    big = (abs(a) + da) * (abs(u) + du)
+                    if not (big < _BIG):
+                        return False
+                    tot += abs(a * u)
+                    err += (abs(a) + da) * du + abs(u) * da + 2 * _U32 * big + _ABS
+                sc = tot / r
+                b = err / r + (r + 2) * _U32 * (sc + err / r) + _ABS
+                if not (sc + b < _BIG):  # (NaN too)
+                    return False
+                score[s] = sc
+                bound[s] = b
+            # the sub-experts by score, best first (insertion sort: N is small)
+            for s in range(N):
+                i = s
+                while i > 0 and score[order[i - 1]] < score[s]:
+                    order[i] = order[i - 1]
+                    i -= 1
+                order[i] = s
+            for i in range(ka):
+                lo = score[order[i]] - bound[order[i]]
+                for m in range(i + 1, N):
+                    if not (lo > score[order[m]] + bound[order[m]]):
+                        return False
+                chosen[t, j, i] = order[i]
+    return True
+
+
 def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
     """Sub-expert offloading's keys of a layer call (:meth:`PrismView.subexpert_keys`). For
     each expert ``experts[i]`` (int64 [n]) and each of its sub-experts s that runs
@@ -460,6 +586,23 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
 
 
+def _is_silu(act_fn) -> bool:
+    """Whether ``act_fn`` is SiLU (torch's module, or transformers' ``silu``/``swish``)."""
+    if isinstance(act_fn, torch.nn.SiLU) or act_fn is torch.nn.functional.silu:
+        return True
+    t = type(act_fn)
+    return t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations"
+
+
+def _exact_f32_matmul() -> bool:
+    """Whether float32 matrix products on the CPU are float32 throughout (no TF32 or bf16
+    allowed by ``torch.set_float32_matmul_precision`` or oneDNN's ``fp32_precision``)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    prec = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    return prec in ("none", "ieee")
+
+
 class PrismView:
     """An :class:`ExpertsView` over sub-experts (module docstring). ``perm`` [L, E, I] and
     ``gates`` [L, E, N, r] (a :class:`~workbench.prism.refactor.Refactoring`'s), ``layer``
@@ -519,6 +662,8 @@ class PrismView:
         self._gu_rows: torch.Tensor | None = None
         self._gu_w = None  # [E, H, 2·N·r]: the same, one grouped product's operand
         self._dense_w = None  # [H, E·2·N·r]: every expert's, one dense product's operand
+        #: (numpy [E, 2·N·r, H] rows, float64 [E, 2·N·r] their norms): the bounded choice's
+        self._gu_np: tuple[np.ndarray, np.ndarray] | None = None
 
     #: the proxy gate computes every expert's gate-neuron outputs by one dense product when it
     #: costs at most this many multiply-adds (T·E·2G·H); else only the routed slots', grouped
@@ -542,7 +687,7 @@ class PrismView:
             E, device=rows.device)[:, None] * two_i
         self._gu_rows = gate_up.reshape(E * two_i, H).index_select(0, flat.reshape(-1)).view(
             E, -1, H).to(device)
-        self._gu_w = self._dense_w = None
+        self._gu_w = self._dense_w = self._gu_np = None
 
     def choose(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -555,8 +700,13 @@ class PrismView:
         N, ka, dev = self.N, self.k_active, top_k_index.device
         # the choice in one compiled pass where it is exactly the tensor path's (a decode
         # call is bound by its number of tensor operations; None: the tensors choose)
-        chosen = (self._choose_compiled(hidden_states, top_k_index, num_experts)
-                  if self.global_k is None and ka < N else None)
+        chosen = None
+        if self.global_k is None and ka < N:
+            # from the routed experts' rows with proven bounds (a decode call), else by
+            # the float32 product itself in one compiled pass
+            chosen = self._choose_bounded(hidden_states, _host(top_k_index), num_experts)
+            if chosen is None:
+                chosen = self._choose_compiled(hidden_states, top_k_index, num_experts)
         if chosen is None and self.global_k is None and ka >= N and dev.type == "cpu":
             # every sub-expert of each routed slot, in order (the tensor path's, built on
             # the host: four tensor operations cost ≈ 40 µs a call in a run)
@@ -577,6 +727,38 @@ class PrismView:
         self.asked += routed_slots * N  # every routed slot runs once, in some call
         self.ran += runs
         return chosen
+
+    def _choose_bounded(self, hidden_states: torch.Tensor, ids: np.ndarray,
+                        num_experts: int) -> torch.Tensor | None:
+        """The k_active best sub-experts of each slot (long [T, k, k_active], -1 for a slot
+        routed nowhere; ``ids`` int64 [T, k] the routing on the host) by one compiled pass
+        over the routed experts' gate-neuron rows only (:func:`_bounded_loop`): each score
+        computed in float64 with a proven bound on its distance to the float32 path's, so
+        the choice is that path's wherever the bounds separate the order. None where they do
+        not (a near-tie), and where the bound is not known to hold: not float32 on the CPU,
+        an activation other than SiLU, float32 matrix products allowed a lower precision
+        (``torch.set_float32_matmul_precision``, oneDNN's ``fp32_precision``), a call past
+        :attr:`DENSE_MACS` (a prefill: the grouped product is faster there), a trained gate.
+
+        A decode call's dense product reads every expert's rows (≈ 256 KiB a layer on the
+        embedded model, cold in a run) to use a quarter or less of them; this reads the
+        routed ones only, in one call (BENCHMARKS.md, issue 41 §1, stop 61)."""
+        rows = self._gu_rows
+        if (self.router is not None or rows is None or hidden_states.dtype != torch.float32
+                or hidden_states.device.type != "cpu" or rows.device.type != "cpu"
+                or not _is_silu(self.act_fn) or not _exact_f32_matmul()):
+            return None
+        T, k = ids.shape
+        E, G2, H = rows.shape
+        if T * E * G2 * H > self.DENSE_MACS or G2 % (2 * self.N):
+            return None
+        if self._gu_np is None:  # the rows and their norms, on the host, once
+            self._gu_np = (rows.numpy(), rows.double().norm(dim=-1).numpy())
+        w, wnorm = self._gu_np
+        chosen = np.empty((T, k, self.k_active), np.int64)
+        ok = _compiled(_bounded_loop)(hidden_states.detach().numpy(), w, wnorm, ids,
+                                      num_experts, self.N, self.k_active, chosen)
+        return torch.from_numpy(chosen) if ok else None
 
     def _choose_tensors(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
