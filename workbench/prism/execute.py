@@ -698,19 +698,19 @@ class PrismView:
         weight (w = N, the others -1)."""
         T, k = top_k_index.shape
         N, ka, dev = self.N, self.k_active, top_k_index.device
+        ids = _host(top_k_index)  # [T, k] on the host: the compiled passes read it
         # the choice in one compiled pass where it is exactly the tensor path's (a decode
         # call is bound by its number of tensor operations; None: the tensors choose)
         chosen = None
         if self.global_k is None and ka < N:
             # from the routed experts' rows with proven bounds (a decode call), else by
             # the float32 product itself in one compiled pass
-            chosen = self._choose_bounded(hidden_states, _host(top_k_index), num_experts)
+            chosen = self._choose_bounded(hidden_states, ids, num_experts)
             if chosen is None:
                 chosen = self._choose_compiled(hidden_states, top_k_index, num_experts)
         if chosen is None and self.global_k is None and ka >= N and dev.type == "cpu":
             # every sub-expert of each routed slot, in order (the tensor path's, built on
             # the host: four tensor operations cost ≈ 40 µs a call in a run)
-            ids = _host(top_k_index)
             all_n = np.empty((T, k, N), np.int64)
             all_n[...] = np.arange(N)
             all_n[ids >= num_experts] = -1
@@ -723,7 +723,7 @@ class PrismView:
         self._ran_call = torch.full(chosen.shape, -1, dtype=torch.int16, device=dev)
         # the call's counts in one compiled pass on the host (a decode call is bound by
         # operation count: this replaced 11 small tensor operations here and in pricing)
-        routed_slots, runs = self._count(top_k_index, chosen, num_experts)
+        routed_slots, runs = self._count(ids, chosen, num_experts)
         self.asked += routed_slots * N  # every routed slot runs once, in some call
         self.ran += runs
         return chosen
@@ -884,16 +884,16 @@ class PrismView:
                                "take)")
         return self._per_sub, self._code, self._sub_ids
 
-    def _count(self, top_k_index: torch.Tensor, chosen: torch.Tensor, num_experts: int
+    def _count(self, ids: np.ndarray, chosen: torch.Tensor, num_experts: int
                ) -> tuple[int, int]:
-        """Count the call (:func:`_count_loop`) into the view's arrays; returns (routed slots,
-        sub-expert runs)."""
+        """Count the call (:func:`_count_loop`; ``ids`` int64 [T, k] its routing on the host)
+        into the view's arrays; returns (routed slots, sub-expert runs)."""
         T, k, w = chosen.shape
         self._per_sub = np.zeros((num_experts, self.N), np.int64)
         self._code = np.empty(num_experts, np.int64)
         self._sub_ids = np.empty((T, k * w), np.int64)
-        return _compiled(_count_loop)(_host(top_k_index), _host(chosen), num_experts,
-                                      self._per_sub, self._code, self._sub_ids)
+        return _compiled(_count_loop)(ids, _host(chosen), num_experts, self._per_sub,
+                                      self._code, self._sub_ids)
 
     def subexpert_ids(self, top_k_index: torch.Tensor) -> np.ndarray:
         """int64 [T, k·w] (after :meth:`choose`): the sub-expert id e·N + s of each (slot,
