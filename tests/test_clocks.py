@@ -112,3 +112,49 @@ def test_target_cost_spec_uses_the_target_sizes():
     t = get_target_model("qwen3-vl-30b-a3b")
     c = CostSpec.from_target(t)
     assert c.expert_bytes == 17.3e6 and c.dense_bytes_per_layer == pytest.approx(4.1e9 / 48)
+
+
+@pytest.mark.parametrize("prism_offload", [False, True], ids=["experts", "sub-expert keys"])
+def test_a_run_without_a_store_builds_no_spans_and_keeps_every_total(embedded, tmp_path,
+                                                                     prism_offload):
+    """A run without a store books no timeline spans (nothing reads them), yet its modeled
+    clock, stalls, transfer bytes and counters are those of the same run recorded, whose
+    store holds both clocks' spans — whole experts and sub-expert keys alike."""
+    import workbench
+    from workbench.prism import refactor as R
+    from workbench.runtime import session as S
+
+    R.save(R.random_refactoring(embedded, subexperts=4, seed=2), tmp_path / "p")
+    kw = dict(prism=True, prism_offload=True, prism_shortcut=False, prism_k_active=2,
+              prism_refactoring=str(tmp_path / "p")) if prism_offload else {}
+    rt = workbench.Runtime(embedded, max_new_tokens=4)
+    reqs = workbench.mixed_batch(2, seed=3)
+    seen = []
+    ended = S.RunSession._step_ended
+
+    def spy(self, *a):
+        ended(self, *a)
+        seen.append((self.recorder is not None, self.offloader.sim.record_spans,
+                     len(self.pending[-1].spans)))
+
+    S.RunSession._step_ended = spy
+    try:
+        bare = rt.run(reqs, record=False, pinned_layers=1, cache_slots=32, **kw)
+        kept = rt.run(reqs, store=str(tmp_path / "r.zarr"), pinned_layers=1, cache_slots=32,
+                      **kw)
+    finally:
+        S.RunSession._step_ended = ended
+    assert {(r, keep) for r, keep, _ in seen} == {(False, False), (True, True)}
+    assert all(n == 0 for r, _, n in seen if not r) and all(n > 0 for r, _, n in seen if r)
+    a, b = bare.to_json(), kept.to_json()
+    for name in ("token_ids", "hits", "misses", "loads", "evictions", "latency_modeled_s",
+                 "stall_modeled_s", "prefill_modeled_s", "transfer_bytes",
+                 "transfer_bytes_modeled", "steps"):
+        assert a[name] == b[name], name
+    assert bare.transfer_bytes > 0 and bare.stall_modeled_s > 0
+    from workbench.telemetry.events import CLOCKS, LANES
+
+    ds = workbench.open_run(tmp_path / "r.zarr")
+    clocks = set(ds["span_clock"].values.tolist())
+    assert clocks == {CLOCKS.index("modeled"), CLOCKS.index("measured")}
+    assert LANES.index("transfer") in set(ds["span_lane"].values.tolist())

@@ -30,7 +30,11 @@ Which sub-experts run (:meth:`PrismView.choose`, router-side, before the cache i
 the proxy gate scores each sub-expert on the token by the mean |activation| of its r gate
 neurons, from resident copies of their rows (:meth:`PrismView.capture_gates`); per routed
 expert its ``k_active`` best run, or, with a global K, the token's K best (expert, sub-expert)
-pairs by score × routing weight. The router's expert choice is kept (seed §4.3.1: "the model's
+pairs by score × routing weight. The float32 tensor operations define the choice; a decode
+call takes it without them where it can prove it the same (:meth:`PrismView._choose_bounded`:
+each score from the routed experts' rows only, in float64, with a bound on its distance to
+the float32 score; a near tie falls back), and otherwise in one compiled pass after the
+float32 product (:meth:`PrismView._choose_compiled`). The router's expert choice is kept (seed §4.3.1: "the model's
 top-level router can then use these lightweight scores to select which sub-experts to
 execute"); each sub-expert's output is weighted by its expert's routing weight. A trained gate
 (:mod:`workbench.prism.finetune`, ``prism_router``) may score instead of the proxy.
@@ -599,8 +603,9 @@ def _exact_f32_matmul() -> bool:
     allowed by ``torch.set_float32_matmul_precision`` or oneDNN's ``fp32_precision``)."""
     if torch.get_float32_matmul_precision() != "highest":
         return False
-    prec = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
-    return prec in ("none", "ieee")
+    precs = (getattr(torch.backends, "fp32_precision", "none"),
+             getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none"))
+    return all(p in ("none", "ieee") for p in precs)
 
 
 class PrismView:
@@ -745,6 +750,7 @@ class PrismView:
         routed ones only, in one call (BENCHMARKS.md, issue 41 §1, stop 61)."""
         rows = self._gu_rows
         if (self.router is not None or rows is None or hidden_states.dtype != torch.float32
+                or rows.dtype != torch.float32
                 or hidden_states.device.type != "cpu" or rows.device.type != "cpu"
                 or not _is_silu(self.act_fn) or not _exact_f32_matmul()):
             return None

@@ -38,11 +38,18 @@ def layout_cost_spec(layout: MoELayout, dtype_bytes: int) -> CostSpec:
     )
 
 
-def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float) -> None:
+def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float, *,
+                   spans: bool = True) -> None:
     """Fill the step's measured lanes: compute = the step minus its stalls and host runs;
     transfer = the copy engine's busy intervals (a CPU copy job's transfers each report the
     job's interval: they land together); stall and host (hybrid mode: an expert run on
-    the host copy) = as recorded. ``t0`` is the run start (perf_counter)."""
+    the host copy) = as recorded. ``t0`` is the run start (perf_counter). The step's
+    ``transfer_bytes`` and ``stall_measured_s`` are summed either way; ``spans`` False
+    appends no span (a run without a store: nothing reads them)."""
+    ev.stall_measured_s = sum(s.end - s.start for s in stalls if s.lane == _STALL)
+    if not spans:
+        ev.transfer_bytes += sum(tr.nbytes for tr in transfers)
+        return
     start, end = ev.step_start_s, ev.step_start_s + ev.latency_measured_s
     cursor = start
     for s in sorted(stalls, key=lambda s: s.start):
@@ -57,4 +64,3 @@ def measured_spans(ev: StepEvent, stalls: list[Span], transfers: list, t0: float
         ev.spans.append(Span(_MEASURED, _TRANSFER, ev.step, layer, expert,
                              tr.start - t0, tr.end - t0))
         ev.transfer_bytes += tr.nbytes
-    ev.stall_measured_s = sum(s.end - s.start for s in stalls if s.lane == _STALL)

@@ -298,6 +298,11 @@ class Offloader:
         if ROUTER_LOGITS in self.needs:
             self._router_hooks.post(b.router, self._keep_logits(b.index), with_kwargs=True)
 
+    def keep_spans(self, keep: bool) -> None:
+        """Whether the core books its modeled spans (the timelines a store keeps; False: a
+        run without a store — the modeled clock, stalls and counters are the same)."""
+        self.sim.record_spans = bool(keep)
+
     def begin_step(self, step: int) -> None:
         """Step ``step`` (0: the prefill) starts: :attr:`step_needs` is what its stages need
         (:meth:`~workbench.runtime.stages.Stage.needs_at`), and the routers keep their logits

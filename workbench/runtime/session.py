@@ -195,6 +195,9 @@ class RunSession:
         try:
             self._install()
             self._open_store()  # inside the try: a failure from here on closes it
+            # the timelines' spans are written to the store only: a run without one does
+            # not build them (per key and step: ≈ 1 % of a run, 4× with sub-expert keys)
+            self.offloader.keep_spans(self.recorder is not None)
             model = self.runtime.lm.model
             # the declared order of the model's hooks (workbench.models.hooks): offloader,
             # the stages' own (token compression), predictor, step boundaries; removed in
@@ -286,7 +289,7 @@ class RunSession:
         if self.predictor is not None:  # what the predictor said, for replay
             ev.predicted_ids, ev.predicted_scores = self.predictor.step_predictions(step)
         transfers = off.engine.drain() if off.engine is not None else []
-        measured_spans(ev, probe.stalls, transfers, self.t0)
+        measured_spans(ev, probe.stalls, transfers, self.t0, spans=self.recorder is not None)
         # the modeled clock: the core priced every layer of the step as it ran
         ev.spans.extend(probe.modeled)
         ev.latency_modeled_s = off.sim.lanes.compute - probe.modeled_start
