@@ -529,21 +529,49 @@ def test_the_compiled_choice_is_the_tensor_choice(embedded):
                     assert outs[0][1][q].tolist() == np.argsort(-score[q])[:ka].tolist()
 
 
+def _f32_choice(x, w, ids, E, N, ka):
+    """The float32 tensor path's scores and choice (``PrismView._choose_tensors`` on the
+    dense product) of a call given as the bounded loop's arrays: ``(scores [T, k, N], chosen
+    [T, k, ka])``."""
+    T, k = ids.shape
+    G2 = w.shape[1]
+    G = G2 // 2
+    prod = (torch.from_numpy(x) @ torch.from_numpy(w).reshape(-1, w.shape[2]).T).view(T, E, G2)
+    gu = torch.gather(prod, 1, torch.from_numpy(ids).clamp(max=E - 1)[..., None].expand(
+        T, k, G2))
+    score = (torch.nn.functional.silu(gu[..., :G]) * gu[..., G:]).abs().unflatten(
+        -1, (N, -1)).mean(-1)
+    chosen = score.topk(ka, dim=-1).indices.masked_fill(
+        torch.from_numpy(ids >= E)[..., None], -1)
+    return score.double().numpy(), chosen.numpy()
+
+
+def _bounded(x, w, ids, E, N, ka, fn=None):
+    """The bounded loop on a call: ``(answered, chosen, scores, bounds)``."""
+    from workbench.prism.execute import _bounded_loop, _compiled
+
+    T, k = ids.shape
+    out = np.full((T, k, ka), 9, np.int64)
+    sc, bd = np.full((T, k, N), np.nan), np.full((T, k, N), np.nan)
+    ok = (fn or _compiled(_bounded_loop))(x, w, np.linalg.norm(w.astype(np.float64), axis=-1),
+                                          ids, E, N, ka, out, sc, bd)
+    return ok, out, sc, bd
+
+
 def test_the_bounded_choice_is_the_tensor_choice(embedded):
     """The proxy gate's choice from the routed experts' rows with error bounds
     (:func:`~workbench.prism.execute._bounded_loop`) is the float32 tensor path's bit for
     bit wherever it answers: on random calls of every fourth layer, N 2 and 4, every k_active
-    < N, r 1 to 3 gate neurons a sub-expert, magnitudes from tiny to huge, and near ties —
-    a sub-expert's rows made those of another times (1 + ε), ε from 1e-9 to 1e-2, so the
-    float32 order is decided by rounding near the bound. It refuses (None) exact ties,
-    NaN, overflow and underflow, another dtype, another activation, a lower matmul
-    precision, a trained gate and calls past DENSE_MACS; typical calls take it. Its Python
-    source gives what the compiled loop gives."""
-    from workbench.prism.execute import PrismView, _bounded_loop, _compiled
+    < N, r 1 to 3 gate neurons a sub-expert, magnitudes from tiny to huge, and near ties (a
+    sub-expert's rows those of another times 1 + ε, ε from one float32 ulp to 1e-2). Every
+    float32 score lies inside its bound. It refuses (None) exact ties, NaN, subnormal
+    inputs, another dtype or activation, a lower matmul precision (no error either), a
+    trained gate and calls past DENSE_MACS; typical calls take it."""
+    from workbench.prism.execute import PrismView
     from workbench.runtime.slots import ExpertsView
 
     E = embedded.layout.num_experts
-    taken = refused_near = 0
+    taken = refused_near = inside = 0
     for layer in range(0, embedded.layout.num_layers, 4):
         for N in (2, 4):
             b, perm, gates, gu, _, x, idx, g = _a_layer_call(embedded, layer, layer, layer, 8, N)
@@ -563,11 +591,21 @@ def test_the_bounded_choice_is_the_tensor_choice(embedded):
                             taken += 1
                         else:  # (large inputs saturate gates to 0: ties)
                             assert scale != 1.0, (layer, N, r, ka, "typical inputs take it")
+                    # every float32 score inside its bound (the routed slots')
+                    w = v._gu_rows.numpy()
+                    for scale in (1e-3, 1.0, 8.0):
+                        xs = (x * scale).numpy()
+                        ok, _, sc, bd = _bounded(xs, w, idx.numpy(), E, N, ka)
+                        exact = v._scores(torch.from_numpy(xs), idx, E).double().numpy()
+                        routed = idx.numpy() < E
+                        assert np.isfinite(sc[routed]).all() and (bd[routed] > 0).all()
+                        assert (np.abs(exact - sc)[routed] <= bd[routed]).all()
+                        inside += int(routed.sum())
                     # near ties: sub-expert 1's rows are sub-expert 0's times (1 + ε)
                     rows = v._gu_rows.clone()
                     G = rows.shape[1] // 2
                     rr = G // N
-                    for eps in (1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2):
+                    for eps in (2 ** -23, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2):
                         near = rows.clone()
                         for half in (0, G):
                             near[:, half + rr:half + 2 * rr] = (
@@ -597,7 +635,11 @@ def test_the_bounded_choice_is_the_tensor_choice(embedded):
             nan = x.clone()
             nan[2, 0] = float("nan")
             assert v._choose_bounded(nan, idx.numpy(), E) is None
+            sub = x.clone()
+            sub[2, 0] = 1e-40  # subnormal: read as 0 in flush-to-zero mode
+            assert v._choose_bounded(sub, idx.numpy(), E) is None
             assert v._choose_bounded(x.double(), idx.numpy(), E) is None
+            assert v._choose_bounded(x[:, :-1], idx.numpy(), E) is None
             bad = idx.clone()
             bad[1, 1] = -1
             assert v._choose_bounded(x, bad.numpy(), E) is None
@@ -610,30 +652,95 @@ def test_the_bounded_choice_is_the_tensor_choice(embedded):
                 assert v._choose_bounded(x, idx.numpy(), E) is None
             finally:
                 torch.set_float32_matmul_precision(old)
-            gelu = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1,
-                             torch.nn.GELU())
-            gelu.capture_gates(gu, x.device)
-            assert gelu._choose_bounded(x, idx.numpy(), E) is None
-    assert taken >= 200 and refused_near >= 20, (taken, refused_near)
-    # the Python source is the compiled loop
-    rng = np.random.default_rng(1)
-    for trial in range(40):
-        T, H, N, r = (int(rng.integers(0, 5)), int(rng.integers(1, 11)),
-                      int(rng.choice([2, 3, 4])), int(rng.integers(1, 3)))
-        Ex = 5
-        w = rng.standard_normal((Ex, 2 * N * r, H)).astype(np.float32)
-        if trial % 4 == 0:
-            w[:, r:2 * r] = w[:, :r]  # ties
-            w[:, N * r + r:N * r + 2 * r] = w[:, N * r:N * r + r]
-        wn = np.linalg.norm(w.astype(np.float64), axis=-1)
+            mm = torch.backends.mkldnn.matmul
+            mm.fp32_precision = "bf16"  # the new API: the legacy getter would raise
+            try:
+                assert v._choose_bounded(x, idx.numpy(), E) is None
+            finally:
+                mm.fp32_precision = "none"
+            assert v._choose_bounded(x, idx.numpy(), E) is not None
+            for act in (torch.nn.GELU(), type("MySiLU", (torch.nn.SiLU,), {
+                    "forward": lambda self, t: torch.nn.functional.silu(t) * 1.5})()):
+                other = PrismView(ExpertsView(ex, b.expert_params), perm, gates, b.index, N, 1,
+                                  act)
+                other.capture_gates(gu, x.device)
+                assert other._choose_bounded(x, idx.numpy(), E) is None
+            rows = v._gu_rows.clone()
+            rows[0, 0, 0] = 1e-40  # a subnormal weight
+            v._gu_rows, v._gu_np = rows, None
+            assert v._choose_bounded(x, idx.numpy(), E) is None
+    assert taken >= 200 and refused_near >= 20 and inside >= 2000, (taken, refused_near,
+                                                                    inside)
+
+
+def test_the_bounded_choice_on_hostile_calls():
+    """The bounded loop on synthetic calls built to break its bounds — r up to 40 terms of
+    huge scores (the float32 sum overflows before the mean), values near float32's range
+    and its smallest normal numbers, subnormal tokens under flush-to-zero, ties, rows
+    routed nowhere — answers only with the float32 tensor path's choice, every float32
+    score inside its bound; its Python source gives what the compiled loop gives."""
+    from workbench.prism.execute import _bounded_loop
+
+    rng = np.random.default_rng(7)
+    answered = 0
+    for trial in range(400):
+        T, H = int(rng.integers(1, 5)), int(rng.choice([1, 3, 8, 64]))
+        N, r = int(rng.choice([2, 3, 4])), int(rng.choice([1, 2, 5, 40]))
+        E, ka = 5, int(rng.integers(1, N))
+        kind = trial % 5
+        w = rng.standard_normal((E, 2 * N * r, H)).astype(np.float32)
         x = rng.standard_normal((T, H)).astype(np.float32)
-        ids = rng.integers(0, Ex + 1, (T, 3)).astype(np.int64)  # Ex: routed nowhere
-        ka = int(rng.integers(1, N))
-        outs = []
-        for fn in (_bounded_loop, _compiled(_bounded_loop)):
-            out = np.full((T, 3, ka), 9, np.int64)
-            outs.append((fn(x, w, wn, ids, Ex, N, ka, out), out))
-        assert outs[0][0] == outs[1][0] and (not outs[0][0] or (outs[0][1] == outs[1][1]).all())
+        if kind == 1:  # huge: products near float32's largest, sums past it
+            w *= np.float32(10.0 ** rng.uniform(15, 19))
+            x *= np.float32(10.0 ** rng.uniform(0, 2))
+        elif kind == 2:  # tiny: products underflow
+            x *= np.float32(10.0 ** rng.uniform(-30, -18))
+        elif kind == 3:  # ties
+            w[:, r:2 * r] = w[:, :r]
+            w[:, N * r + r:N * r + 2 * r] = w[:, N * r:N * r + r]
+        ids = rng.integers(0, E + 1, (T, 3)).astype(np.int64)  # E: routed nowhere
+        with np.errstate(all="ignore"):
+            scores, want = _f32_choice(x, w, ids, E, N, ka)
+        with np.errstate(all="ignore"):
+            outs = [_bounded(x, w, ids, E, N, ka, fn) for fn in (_bounded_loop, None)]
+        assert outs[0][0] == outs[1][0]
+        ok, got, sc, bd = outs[1]
+        if ok:
+            answered += 1
+            assert (got == outs[0][1]).all() and (got == want).all(), trial
+            routed = ids < E
+            assert (np.abs(scores - sc)[routed] <= bd[routed]).all(), trial
+    assert answered >= 100, answered
+    # r = 40 terms just under the largest product allowed: the mean is in range, the
+    # float32 sum before it overflows (both scores inf, topk's order its own): refused
+    x = np.ones((1, 1), np.float32)
+    w = np.empty((1, 160, 1), np.float32)  # N = 2, r = 40: gate rows, then up rows
+    w[0, :40], w[0, 40:80] = 3e18, 3.146e18
+    w[0, 80:120], w[0, 120:] = 3e18, 3.146e18
+    with np.errstate(all="ignore"):
+        scores, want = _f32_choice(x, w, np.zeros((1, 1), np.int64), 1, 2, 1)
+    assert np.isinf(scores).all()
+    assert not _bounded(x, w, np.zeros((1, 1), np.int64), 1, 2, 1)[0]
+    # the float32 SiLU the bounds allow for: within _ACT_ERR (relative) or _ABS of SiLU
+    from workbench.prism.execute import _ABS, _ACT_ERR
+
+    v = np.concatenate([np.geomspace(1e-38, 3e38, 200_000), np.linspace(-120, 120, 200_001)])
+    v = np.concatenate([v, -v]).astype(np.float32)
+    f32 = torch.nn.functional.silu(torch.from_numpy(v)).double().numpy()
+    v64 = v.astype(np.float64)
+    with np.errstate(over="ignore"):
+        f64 = v64 / (1 + np.exp(-v64))
+    assert (np.abs(f32 - f64) <= _ACT_ERR * np.abs(f64) + _ABS).all()
+    # subnormal tokens under flush-to-zero: refused (the float32 product reads them as 0)
+    x = np.array([[1e-39, 0, 0, 0]], np.float32)
+    w = np.zeros((1, 4, 4), np.float32)
+    w[0, :, 0] = [1e30, 2e30, 1e30, 2e30]
+    was = torch.set_flush_denormal(True)
+    try:
+        assert not _bounded(x, w, np.zeros((1, 1), np.int64), 1, 2, 1)[0]
+    finally:
+        torch.set_flush_denormal(False)
+    assert was in (True, False)
 
 
 def test_the_store_records_which_sub_experts_ran(embedded, tmp_path):

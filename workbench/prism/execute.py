@@ -48,6 +48,7 @@ and modeled clock as the sub-expert path (tested), at the unmodified runtime's c
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, NamedTuple
 
@@ -328,11 +329,13 @@ def _choose_loop(act, gu, ids, dest, E, N, ka, chosen):
 
 #: float32's unit roundoff (half an ulp of 1)
 _U32 = 2.0 ** -24
-#: an absolute slack for each float32 operation the exact path makes (an underflow, the
-#: activation's exp overflowing where |act| < 1e-36)
+#: float32's smallest normal number: below it a CPU in flush-to-zero mode reads or writes 0
+_TINY32 = 2.0 ** -126
+#: an absolute slack for each float32 operation the exact path makes after the products (an
+#: underflow, flushed or not; the activation's exp overflowing where |act| < 3e-37)
 _ABS = 1e-36
 #: the relative error allowed to the model's float32 activation (SiLU: exp, an addition, a
-#: division; ≈ 3 roundings, taken as 16)
+#: division; ≈ 3 roundings, measured ≤ 2.9 u; taken as 16 u)
 _ACT_ERR = 16 * _U32
 #: |d silu / dx| ≤ 1.0998 everywhere
 _SILU_LIP = 1.1
@@ -340,44 +343,55 @@ _SILU_LIP = 1.1
 _BIG = 1e37
 
 
-def _bounded_loop(x, w, wnorm, ids, E, N, ka, chosen):
+def _bounded_loop(x, w, wnorm, ids, E, N, ka, chosen, scores, bounds):
     """The proxy gate's choice for a call's slots with every score *bounded*, not
     reproduced (:meth:`PrismView._choose_bounded`; compiled: :func:`_compiled`): where it
     returns True, ``chosen`` is the choice the float32 tensor path makes, proven so by error
-    bounds; False: some order is not certain — ``chosen`` unfinished, the exact paths choose.
+    bounds; False: some order is not certain, or an input is outside what the bounds cover
+    — ``chosen`` unfinished, the exact paths choose.
 
     ``x`` float32 [T, H] the tokens, ``w`` float32 [E, 2G, H] each expert's gate-neuron rows
     (gate rows, then up rows; G = N·r), ``wnorm`` float64 [E, 2G] their Euclidean norms,
-    ``ids`` int64 [T, k] the routing (≥ ``E``: routed nowhere, written -1; < 0: False),
-    ``chosen`` int64 [T, k, ka]. For each routed slot each sub-expert's score — the mean over
-    its r neurons of |silu(x·g)·(x·u)| — is computed in float64 from the rows of that slot's
-    expert only, with a bound B on its distance to the float32 path's score:
+    ``ids`` int64 [T, k] the routing (≥ ``E``: routed nowhere, written -1 and never read;
+    < 0: False), ``chosen`` int64 [T, k, ka]; ``scores`` and ``bounds`` float64 [T, k, N]
+    get each routed slot's scores and their bounds (for tests; unset where False returned
+    early). For each routed slot each sub-expert's score — the mean over its r neurons of
+    |silu(x·g)·(x·u)| — is computed in float64 from the rows of that slot's expert only,
+    with a bound B on its distance to the float32 path's score:
 
     - each product x·w differs from the float32 one by at most γ_H·‖x‖·‖w‖ (any summation
       order, FMA or not: γ_H = H·u / (1 − H·u), u = 2⁻²⁴, with Σ|x_i w_i| ≤ ‖x‖‖w‖; +1 %
-      for this loop's own float64 rounding);
+      for this loop's own float64 rounding) plus H·2⁻¹²⁵ (products and partial sums flushed
+      to zero below float32's smallest normal number, on a CPU in flush-to-zero mode; a
+      nonzero |x_i| below it returns False, and :meth:`PrismView._choose_bounded` refuses
+      such rows);
     - silu moves by at most 1.1× its input's error, and the model's float32 silu is within
       ``_ACT_ERR`` of silu (relative) or ``_ABS``;
-    - the product, the |·|, the sum of r terms and the mean add (r + 2) roundings;
+    - the product rounds once (``|·|`` is exact), the sum of r terms and the mean by at
+      most γ_{r+1} of the sum;
     - nothing the float32 path computes may overflow: a sum Σ|x_i w_i| (≤ ‖x‖‖w‖), a
-      product or a score that could reach ``_BIG`` returns False.
+      product or the sum of a sub-expert's r terms that could reach ``_BIG`` returns False.
 
     The float32 path takes its ``topk`` (best first) from those scores, so the choice is
     certain when each of the ka best intervals [score − B, score + B] lies strictly above
-    every interval after it (no tie can then exist, nor a NaN). That is checked per slot;
-    any slot where it fails returns False."""
+    every interval after it (no tie can then exist, nor a NaN). A slot where that fails
+    makes the call return False (the other slots' scores still computed)."""
     T, H = x.shape
     k = ids.shape[1]
     G = w.shape[1] // 2
     r = G // N
     gam = 1.01 * H * _U32 / (1.0 - H * _U32)
-    score = np.empty(N)
-    bound = np.empty(N)
+    flush = H * 2.0 * _TINY32
+    gam_r = (r + 1) * _U32 / (1.0 - (r + 1) * _U32)
     order = np.empty(N, np.int64)
+    certain = True
     for t in range(T):
         xn = 0.0
         for h in range(H):
-            xn += np.float64(x[t, h]) * np.float64(x[t, h])
+            v = np.float64(x[t, h])
+            if v != 0.0 and abs(v) < _TINY32:  # subnormal: flushed to 0 in FTZ mode
+                return False
+            xn += v * v
         xn = np.sqrt(xn)
         if not (xn < np.inf):
             return False
@@ -421,35 +435,34 @@ def _bounded_loop(x, w, wnorm, ids, E, N, ka, chosen):
                     sg, su = xn * wnorm[e, rg], xn * wnorm[e, ru]  # ≥ Σ|x_i w_i|
                     if not (sg < _BIG and su < _BIG):  # float32 may overflow (or NaN)
                         return False
-                    dg = gam * sg + _ABS
-                    du = gam * su + _ABS
+                    dg = gam * sg + flush
+                    du = gam * su + flush
                     a = g / (1.0 + np.exp(-g))
                     da = _SILU_LIP * dg + _ACT_ERR * (abs(a) + _SILU_LIP * dg) + _ABS
                     big = (abs(a) + da) * (abs(u) + du)
                     if not (big < _BIG):
                         return False
                     tot += abs(a * u)
-                    err += (abs(a) + da) * du + abs(u) * da + 2 * _U32 * big + _ABS
-                sc = tot / r
-                b = err / r + (r + 2) * _U32 * (sc + err / r) + _ABS
-                if not (sc + b < _BIG):  # (NaN too)
+                    err += (abs(a) + da) * du + abs(u) * da + _U32 * big + _ABS
+                if not (tot + err < _BIG):  # the float32 sum of the r terms (NaN too)
                     return False
-                score[s] = sc
-                bound[s] = b
+                sc = tot / r
+                scores[t, j, s] = sc
+                bounds[t, j, s] = err / r + gam_r * (tot + err) / r + _ABS
             # the sub-experts by score, best first (insertion sort: N is small)
             for s in range(N):
                 i = s
-                while i > 0 and score[order[i - 1]] < score[s]:
+                while i > 0 and scores[t, j, order[i - 1]] < scores[t, j, s]:
                     order[i] = order[i - 1]
                     i -= 1
                 order[i] = s
             for i in range(ka):
-                lo = score[order[i]] - bound[order[i]]
+                lo = scores[t, j, order[i]] - bounds[t, j, order[i]]
                 for m in range(i + 1, N):
-                    if not (lo > score[order[m]] + bound[order[m]]):
-                        return False
+                    if not (lo > scores[t, j, order[m]] + bounds[t, j, order[m]]):
+                        certain = False
                 chosen[t, j, i] = order[i]
-    return True
+    return certain
 
 
 def _key_loop(per_sub, experts, compute_s, keys, tokens, share):
@@ -591,21 +604,40 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def _is_silu(act_fn) -> bool:
-    """Whether ``act_fn`` is SiLU (torch's module, or transformers' ``silu``/``swish``)."""
-    if isinstance(act_fn, torch.nn.SiLU) or act_fn is torch.nn.functional.silu:
+    """Whether ``act_fn`` is SiLU as torch computes it: ``F.silu``, an ``nn.SiLU`` (not a
+    subclass), or transformers' ``SiLUActivation`` with its own forward (a hub kernel may
+    replace that forward: then not)."""
+    if act_fn is torch.nn.functional.silu:
         return True
+    if "forward" in getattr(act_fn, "__dict__", {}):
+        return False  # a forward set on the instance
     t = type(act_fn)
-    return t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations"
+    if t is torch.nn.SiLU:
+        return t.forward is torch.nn.SiLU.forward
+    fwd = getattr(t, "forward", None)
+    return (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations"
+            and getattr(fwd, "__module__", None) == "transformers.activations"
+            and getattr(fwd, "__qualname__", None) == "SiLUActivation.forward")
 
 
 def _exact_f32_matmul() -> bool:
-    """Whether float32 matrix products on the CPU are float32 throughout (no TF32 or bf16
-    allowed by ``torch.set_float32_matmul_precision`` or oneDNN's ``fp32_precision``)."""
-    if torch.get_float32_matmul_precision() != "highest":
+    """Whether float32 matrix products on the CPU are float32 throughout: no bf16 or TF32
+    allowed by torch's ``fp32_precision`` settings (the global one, oneDNN's, oneDNN's
+    matmul), ``torch.set_float32_matmul_precision`` or oneDNN's ``*_DEFAULT_FPMATH_MODE``
+    environment variables."""
+    mk = torch.backends.mkldnn
+    for prec in (getattr(torch.backends, "fp32_precision", "none"),
+                 getattr(mk, "fp32_precision", "none"),
+                 getattr(getattr(mk, "matmul", None), "fp32_precision", "none")):
+        if prec not in ("none", "ieee"):
+            return False
+    for var in ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE"):
+        if os.environ.get(var, "").strip().upper() not in ("", "STRICT"):
+            return False
+    try:  # (raises once the settings above were used: the legacy and new APIs mixed)
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
         return False
-    precs = (getattr(torch.backends, "fp32_precision", "none"),
-             getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none"))
-    return all(p in ("none", "ieee") for p in precs)
 
 
 class PrismView:
@@ -667,8 +699,9 @@ class PrismView:
         self._gu_rows: torch.Tensor | None = None
         self._gu_w = None  # [E, H, 2·N·r]: the same, one grouped product's operand
         self._dense_w = None  # [H, E·2·N·r]: every expert's, one dense product's operand
-        #: (numpy [E, 2·N·r, H] rows, float64 [E, 2·N·r] their norms): the bounded choice's
-        self._gu_np: tuple[np.ndarray, np.ndarray] | None = None
+        #: (numpy [E, 2·N·r, H] rows, float64 [E, 2·N·r] their norms, whether a row holds a
+        #: subnormal number): the bounded choice's
+        self._gu_np: tuple[np.ndarray, np.ndarray, bool] | None = None
 
     #: the proxy gate computes every expert's gate-neuron outputs by one dense product when it
     #: costs at most this many multiply-adds (T·E·2G·H); else only the routed slots', grouped
@@ -756,14 +789,22 @@ class PrismView:
             return None
         T, k = ids.shape
         E, G2, H = rows.shape
-        if T * E * G2 * H > self.DENSE_MACS or G2 % (2 * self.N):
+        if (T * E * G2 * H > self.DENSE_MACS or G2 % (2 * self.N)
+                or hidden_states.shape != (T, H)):
             return None
-        if self._gu_np is None:  # the rows and their norms, on the host, once
-            self._gu_np = (rows.numpy(), rows.double().norm(dim=-1).numpy())
-        w, wnorm = self._gu_np
+        if self._gu_np is None:  # the rows, their norms and whether any is subnormal, once
+            w = rows.numpy()
+            a = np.abs(w)
+            self._gu_np = (w, rows.double().norm(dim=-1).numpy(),
+                           bool(((a > 0) & (a < _TINY32)).any()))
+        w, wnorm, subnormal = self._gu_np
+        if subnormal:  # (a CPU in flush-to-zero mode reads them as 0: not bounded here)
+            return None
         chosen = np.empty((T, k, self.k_active), np.int64)
+        scores = np.empty((T, k, self.N))
         ok = _compiled(_bounded_loop)(hidden_states.detach().numpy(), w, wnorm, ids,
-                                      num_experts, self.N, self.k_active, chosen)
+                                      num_experts, self.N, self.k_active, chosen, scores,
+                                      np.empty_like(scores))
         return torch.from_numpy(chosen) if ok else None
 
     def _choose_tensors(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -112,8 +112,9 @@ class Simulator:
     spans groups (which resident experts a prefetch brought in and whether they were used).
 
     ``policy_factory()`` makes one eviction policy per pool. ``record_spans`` keeps the modeled
-    spans of each group in its :class:`Outcome` (the live runtime stores them; replay does not
-    need them). ``transfer_order``: ``fifo`` or ``demand-first`` (:mod:`workbench.sim.lane`).
+    spans of each group in its :class:`Outcome` (a live run with a store writes them; replay
+    and a run without a store do not need them: nothing else the core computes depends on
+    it). ``transfer_order``: ``fifo`` or ``demand-first`` (:mod:`workbench.sim.lane`).
     ``offload_unit``: ``expert``, ``layerwise`` or ``layerwise-prefetch``
     (:mod:`workbench.sim.unit`; every pool must hold the unit's slots)."""
 
