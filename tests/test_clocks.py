@@ -3,6 +3,7 @@ profiles' figures."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from workbench.errors import KnobError
@@ -158,3 +159,19 @@ def test_a_run_without_a_store_builds_no_spans_and_keeps_every_total(embedded, t
     clocks = set(ds["span_clock"].values.tolist())
     assert clocks == {CLOCKS.index("modeled"), CLOCKS.index("measured")}
     assert LANES.index("transfer") in set(ds["span_lane"].values.tolist())
+
+
+def test_prices_are_shared_per_profile_and_cost():
+    """``Prices.shared`` hands every run of one (profile, cost) pair the same instance, so
+    its memos carry over; another pair gets its own; the prices are a fresh instance's."""
+    from dataclasses import replace
+
+    a100, h100 = get_profile("a100-40gb"), get_profile("h200")
+    p = Prices.shared(a100, COST)
+    assert Prices.shared(a100, replace(COST)) is p  # equal pair, another object
+    assert Prices.shared(h100, COST) is not p and Prices.shared(a100, None) is not p
+    fresh = Prices(a100, COST)
+    assert p.expert(7) == fresh.expert(7) and p.dense(3) == fresh.dense(3)
+    assert p.subexpert_op(5, 2, 4) == fresh.subexpert_op(5, 2, 4)
+    code = np.array([0, 7, 11, 3])
+    assert (p.subexperts_coded(code, 4) == fresh.subexperts_coded(code, 4)).all()

@@ -646,18 +646,22 @@ def test_the_bounded_choice_is_the_tensor_choice(embedded):
             v.DENSE_MACS = 0
             assert v._choose_bounded(x, idx.numpy(), E) is None
             v.DENSE_MACS = PrismView.DENSE_MACS
+            # (the settings are read when a view first chooses: a view lives one run)
             old = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision("medium")
             try:
+                v._gu_np = None
                 assert v._choose_bounded(x, idx.numpy(), E) is None
             finally:
                 torch.set_float32_matmul_precision(old)
             mm = torch.backends.mkldnn.matmul
             mm.fp32_precision = "bf16"  # the new API: the legacy getter would raise
             try:
+                v._gu_np = None
                 assert v._choose_bounded(x, idx.numpy(), E) is None
             finally:
                 mm.fp32_precision = "none"
+            v._gu_np = None
             assert v._choose_bounded(x, idx.numpy(), E) is not None
             for act in (torch.nn.GELU(), type("MySiLU", (torch.nn.SiLU,), {
                     "forward": lambda self, t: torch.nn.functional.silu(t) * 1.5})()):

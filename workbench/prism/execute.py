@@ -699,9 +699,8 @@ class PrismView:
         self._gu_rows: torch.Tensor | None = None
         self._gu_w = None  # [E, H, 2·N·r]: the same, one grouped product's operand
         self._dense_w = None  # [H, E·2·N·r]: every expert's, one dense product's operand
-        #: (numpy [E, 2·N·r, H] rows, float64 [E, 2·N·r] their norms, whether a row holds a
-        #: subnormal number): the bounded choice's
-        self._gu_np: tuple[np.ndarray, np.ndarray, bool] | None = None
+        #: the bounded choice's operands (:meth:`_bounded_operands`; None: not read yet)
+        self._gu_np: tuple[np.ndarray, np.ndarray] | bool | None = None
 
     #: the proxy gate computes every expert's gate-neuron outputs by one dense product when it
     #: costs at most this many multiply-adds (T·E·2G·H); else only the routed slots', grouped
@@ -781,24 +780,15 @@ class PrismView:
         A decode call's dense product reads every expert's rows (≈ 256 KiB a layer on the
         embedded model, cold in a run) to use a quarter or less of them; this reads the
         routed ones only, in one call (BENCHMARKS.md, issue 41 §1, stop 61)."""
-        rows = self._gu_rows
-        if (self.router is not None or rows is None or hidden_states.dtype != torch.float32
-                or rows.dtype != torch.float32
-                or hidden_states.device.type != "cpu" or rows.device.type != "cpu"
-                or not _is_silu(self.act_fn) or not _exact_f32_matmul()):
+        if self._gu_np is None:  # once a view (a view lives one run): whether it can
+            self._gu_np = self._bounded_operands()
+        if (self._gu_np is False or hidden_states.dtype != torch.float32
+                or hidden_states.device.type != "cpu"):
             return None
+        w, wnorm = self._gu_np
         T, k = ids.shape
-        E, G2, H = rows.shape
-        if (T * E * G2 * H > self.DENSE_MACS or G2 % (2 * self.N)
-                or hidden_states.shape != (T, H)):
-            return None
-        if self._gu_np is None:  # the rows, their norms and whether any is subnormal, once
-            w = rows.numpy()
-            a = np.abs(w)
-            self._gu_np = (w, rows.double().norm(dim=-1).numpy(),
-                           bool(((a > 0) & (a < _TINY32)).any()))
-        w, wnorm, subnormal = self._gu_np
-        if subnormal:  # (a CPU in flush-to-zero mode reads them as 0: not bounded here)
+        E, G2, H = w.shape
+        if T * E * G2 * H > self.DENSE_MACS or hidden_states.shape != (T, H):
             return None
         chosen = np.empty((T, k, self.k_active), np.int64)
         scores = np.empty((T, k, self.N))
@@ -806,6 +796,23 @@ class PrismView:
                                       num_experts, self.N, self.k_active, chosen, scores,
                                       np.empty_like(scores))
         return torch.from_numpy(chosen) if ok else None
+
+    def _bounded_operands(self) -> tuple[np.ndarray, np.ndarray] | bool:
+        """The bounded choice's operands — the resident rows as numpy [E, 2G, H] and their
+        float64 norms [E, 2G] — or False where its bounds are not known to hold: a trained
+        gate, rows not float32 on the CPU, an activation other than SiLU, a float32 product
+        allowed a lower precision (:func:`_exact_f32_matmul`, read when the view first
+        chooses), a subnormal weight (a CPU in flush-to-zero mode reads it as 0)."""
+        rows = self._gu_rows
+        if (self.router is not None or rows is None or rows.dtype != torch.float32
+                or rows.device.type != "cpu" or rows.shape[1] % (2 * self.N)
+                or not _is_silu(self.act_fn) or not _exact_f32_matmul()):
+            return False
+        w = rows.numpy()
+        a = np.abs(w)
+        if ((a > 0) & (a < _TINY32)).any():
+            return False
+        return w, rows.double().norm(dim=-1).numpy()
 
     def _choose_tensors(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -120,7 +120,7 @@ class RunSession:
         self.live_plan.check()
         self.modeled_plan.check()
         self.cost = runtime.cost_spec(knobs)
-        self.prices = Prices(get_profile(knobs.profile), self.cost)
+        self.prices = Prices.shared(get_profile(knobs.profile), self.cost)
         self.t0 = time.perf_counter()
         self.probe = StepProbe(self.t0)
         self.pinned = [b.index < knobs.pinned_layers for b in lm.layout.blocks]

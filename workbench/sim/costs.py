@@ -118,6 +118,18 @@ class Prices:
         self.on_host = functools.lru_cache(maxsize=4096)(self._on_host)
         self.subexpert_op = functools.lru_cache(maxsize=4096)(self._subexpert_op)
 
+    @staticmethod
+    def shared(profile: HardwareProfile, cost: CostSpec | None) -> "Prices":
+        """The prices of (``profile``, ``cost``), one instance per pair for the process (the
+        last 16 pairs used): every run of the same model and profile reads the memos the
+        runs before it filled, instead of pricing each token count and sub-expert code
+        again. A price is a pure function of the pair (both frozen), so sharing changes no
+        figure; concurrent runs may fill a memo entry twice, with the same value."""
+        try:
+            return _shared_prices(profile, cost)
+        except TypeError:  # (a pair that cannot be hashed: its own instance)
+            return Prices(profile, cost)
+
     def _dense(self, tokens: int) -> float:
         c = self.cost
         if c is None:
@@ -255,3 +267,10 @@ class Prices:
             return table[counts]
         vals, inv = np.unique(counts, return_inverse=True)
         return np.array([fn(int(v)) for v in vals], dtype)[inv.reshape(-1)]
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_prices(profile: HardwareProfile, cost: CostSpec | None) -> Prices:
+    """:meth:`Prices.shared`'s instances."""
+    return Prices(profile, cost)
+
