@@ -289,7 +289,7 @@ class RunSession:
         if self.predictor is not None:  # what the predictor said, for replay
             ev.predicted_ids, ev.predicted_scores = self.predictor.step_predictions(step)
         transfers = off.engine.drain() if off.engine is not None else []
-        measured_spans(ev, probe.stalls, transfers, self.t0, spans=self.recorder is not None)
+        measured_spans(ev, probe.stalls, transfers, self.t0, spans=off.sim.record_spans)
         # the modeled clock: the core priced every layer of the step as it ran
         ev.spans.extend(probe.modeled)
         ev.latency_modeled_s = off.sim.lanes.compute - probe.modeled_start
