@@ -36,12 +36,6 @@ def record(setting: str) -> tuple:
 
     rt = workbench.Runtime()
     lay = rt.lm.layout
-    kw: dict = {}
-    if setting == "subexperts":
-        work = Path(tempfile.mkdtemp(prefix="core-step-"))
-        R.save(R.random_refactoring(rt.lm, subexperts=4), work / "p")
-        kw = dict(prism=True, prism_offload=True, prism_shortcut=False, prism_k_active=4,
-                  prism_refactoring=str(work / "p"))
     got: dict = {"start": None, "accesses": []}
     step = Simulator.step
 
@@ -51,12 +45,19 @@ def record(setting: str) -> tuple:
         got["accesses"].append(copy.deepcopy(acc))
         return step(sim, acc)
 
-    Simulator.step = rec
-    try:
-        rt.run(workbench.mixed_batch(8, seed=5), max_new_tokens=16, record=False,
-               pinned_layers=1, cache_slots=lay.num_experts * 4, **kw)
-    finally:
-        Simulator.step = step
+    # the refactoring is read during the run only: scratch, removed on return
+    with tempfile.TemporaryDirectory(prefix="core-step-") as work:
+        kw: dict = {}
+        if setting == "subexperts":
+            R.save(R.random_refactoring(rt.lm, subexperts=4), Path(work) / "p")
+            kw = dict(prism=True, prism_offload=True, prism_shortcut=False, prism_k_active=4,
+                      prism_refactoring=str(Path(work) / "p"))
+        Simulator.step = rec
+        try:
+            rt.run(workbench.mixed_batch(8, seed=5), max_new_tokens=16, record=False,
+                   pinned_layers=1, cache_slots=lay.num_experts * 4, **kw)
+        finally:
+            Simulator.step = step
     return got["start"], got["accesses"]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +22,36 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+
+_SCRATCH: dict[str, str | None] = {}
+
+
+def pytest_sessionstart(session):
+    """Each pytest process (the xdist controller and every worker) keeps its scratch files in a
+    directory of its own, removed when the session passes (kept for a look when it fails, as
+    pytest keeps a failed test's ``tmp_path``): notebooks (``tempfile.mkdtemp``),
+    subprocesses, served dashboards and browsers inherit ``TMPDIR``. Before, every suite run
+    left ≈ 50 MB of notebook stores in /tmp, and CI machines share their disk (a CI run
+    once died of a full disk)."""
+    _SCRATCH["before"] = os.environ.get("TMPDIR")
+    _SCRATCH["dir"] = tempfile.mkdtemp(prefix="wb-suite-")
+    os.environ["TMPDIR"] = _SCRATCH["dir"]
+    tempfile.tempdir = None  # tempfile caches its directory; read TMPDIR again
+
+
+def pytest_sessionfinish(session, exitstatus):
+    scratch = _SCRATCH.pop("dir", None)
+    if scratch is None:
+        return
+    before = _SCRATCH.pop("before", None)
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    if exitstatus == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

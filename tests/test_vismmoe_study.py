@@ -3,6 +3,7 @@ pruned-token accounting, accuracy at β = 1, the calibration flow, and the verdi
 
 from __future__ import annotations
 
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -173,6 +174,21 @@ def test_characterisation_counts_kept_tokens_only(rt, scenes, tmp_path):
         V.pruning_table(ch, "middle")
     assert set(ch["run"].values) == {"none", "affinity"}
     assert ch.attrs["modeled"] == "nothing"
+    assert ch.attrs["workdir"] == str(tmp_path) and any(tmp_path.glob("*.zarr"))
+
+
+def test_characterisation_without_a_workdir_leaves_nothing_behind(rt, scenes, tmp_path,
+                                                                   monkeypatch):
+    """The stores of a study called without ``workdir`` are scratch: the same result, and
+    the temporary directory is gone on return (notebooks and CI once leaked one a call)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    ch = V.characterise_pruning(rt, scenes[:1], policies=("random",), beta=0.25)
+    assert list(scratch.iterdir()) == []
+    assert "workdir" not in ch.attrs
+    kept = ch["tokens"].sel(group="visual (kept: random)").isel(request=0).values
+    np.testing.assert_array_equal(kept, 16)
 
 
 def test_accuracy_at_beta_one_equals_no_compression(rt, scenes):

@@ -75,11 +75,22 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
     - per (run, request): ``prefill_loads`` and ``prefill_hits`` on the offloaded layers.
 
     All of it is measured (counted on the real model's routing); nothing is modeled.
+    ``workdir`` keeps the run stores there (attr ``workdir``); without it they go to a
+    temporary directory removed before the call returns.
     """
     lay = rt.lm.layout
     budget = expert_budget_slots(lay.num_layers, lay.num_experts) if budget_slots is None \
         else int(budget_slots)
-    wd = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="vismmoe-"))
+    if workdir is None:
+        # The result is loaded into memory: the run stores are scratch, removed on return
+        # (a study never leaves bytes behind that the caller did not ask to keep).
+        with tempfile.TemporaryDirectory(prefix="vismmoe-") as tmp:
+            out = characterise_pruning(rt, requests, policies=policies, beta=beta,
+                                       pinned_layers=pinned_layers, budget_slots=budget_slots,
+                                       workdir=tmp)
+        out.attrs.pop("workdir")
+        return out
+    wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     knobs = {**base_knobs(1), "max_new_tokens": 1, "pinned_layers": int(pinned_layers),
              "cache_slots": pinned_cache_slots(lay, budget, pinned_layers)}
