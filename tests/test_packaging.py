@@ -49,3 +49,23 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     assert "torch==2.13.0" in cmds[1] and "pytest" in cmds[1]
     ci = (REPO / ".ci" / "run").read_text()
     assert cmds[1] in ci, "the CI script must run the README's test command verbatim"
+
+
+def test_the_suite_keeps_its_scratch_in_a_directory_of_its_own():
+    """conftest's ``pytest_sessionstart``: this process's scratch (``tempfile``, and every
+    subprocess and notebook kernel through ``TMPDIR``) lives in a ``wb-suite-*`` directory
+    removed when the suite passes, and a passing test's ``tmp_path`` goes as it ends (a CI
+    run once died of a full disk)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    here = Path(tempfile.gettempdir())
+    assert here.name.startswith("wb-suite-") and here.is_dir()
+    assert os.environ["TMPDIR"] == str(here)
+    child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert child.stdout.strip() == str(here)
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert ini["tmp_path_retention_policy"] == "failed"
