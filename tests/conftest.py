@@ -29,12 +29,17 @@ _SCRATCH: dict[str, str | None] = {}
 
 def pytest_sessionstart(session):
     """Each pytest process (the xdist controller and every worker) keeps its scratch files in a
-    directory of its own, removed when the session passes (kept for a look when it fails, as
-    pytest keeps a failed test's ``tmp_path``): notebooks (``tempfile.mkdtemp``),
-    subprocesses, served dashboards and browsers inherit ``TMPDIR``. Before, every suite run
-    left ≈ 50 MB of notebook stores in /tmp, and CI machines share their disk (a CI run
-    once died of a full disk)."""
-    _SCRATCH["before"] = os.environ.get("TMPDIR")
+    directory of its own, removed when the session ends, failed or not: notebooks
+    (``tempfile.mkdtemp``), subprocesses, served dashboards and browsers inherit ``TMPDIR``.
+    pytest's own base folder stays where pytest puts it (``PYTEST_DEBUG_TEMPROOT``, the
+    temporary directory before this one), with pytest's retention: a failed test's
+    ``tmp_path`` kept, the last three runs' folders at most. Before, every suite run left
+    ≈ 50 MB of notebook stores in /tmp, and CI machines share their disk (a CI run once
+    died of a full disk)."""
+    for name in ("TMPDIR", "PYTEST_DEBUG_TEMPROOT"):
+        _SCRATCH[name] = os.environ.get(name)
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = _SCRATCH["PYTEST_DEBUG_TEMPROOT"] or \
+        tempfile.gettempdir()
     _SCRATCH["dir"] = tempfile.mkdtemp(prefix="wb-suite-")
     os.environ["TMPDIR"] = _SCRATCH["dir"]
     tempfile.tempdir = None  # tempfile caches its directory; read TMPDIR again
@@ -44,14 +49,14 @@ def pytest_sessionfinish(session, exitstatus):
     scratch = _SCRATCH.pop("dir", None)
     if scratch is None:
         return
-    before = _SCRATCH.pop("before", None)
-    if before is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = before
+    for name in ("TMPDIR", "PYTEST_DEBUG_TEMPROOT"):
+        before = _SCRATCH.pop(name, None)
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
     tempfile.tempdir = None
-    if exitstatus == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -51,11 +51,12 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     assert cmds[1] in ci, "the CI script must run the README's test command verbatim"
 
 
-def test_the_suite_keeps_its_scratch_in_a_directory_of_its_own():
+def test_the_suite_keeps_its_scratch_in_a_directory_of_its_own(tmp_path):
     """conftest's ``pytest_sessionstart``: this process's scratch (``tempfile``, and every
     subprocess and notebook kernel through ``TMPDIR``) lives in a ``wb-suite-*`` directory
-    removed when the suite passes, and a passing test's ``tmp_path`` goes as it ends (a CI
-    run once died of a full disk)."""
+    removed when the session ends; pytest's own base folder (``tmp_path``) is outside it,
+    under pytest's retention, and a passing test's ``tmp_path`` goes as it ends (a CI run
+    once died of a full disk)."""
     import os
     import subprocess
     import sys
@@ -64,6 +65,7 @@ def test_the_suite_keeps_its_scratch_in_a_directory_of_its_own():
     here = Path(tempfile.gettempdir())
     assert here.name.startswith("wb-suite-") and here.is_dir()
     assert os.environ["TMPDIR"] == str(here)
+    assert not tmp_path.resolve().is_relative_to(here.resolve())
     child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
                            capture_output=True, text=True, check=True, timeout=60)
     assert child.stdout.strip() == str(here)
