@@ -78,9 +78,6 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
     ``workdir`` keeps the run stores there (attr ``workdir``); without it they go to a
     temporary directory removed before the call returns.
     """
-    lay = rt.lm.layout
-    budget = expert_budget_slots(lay.num_layers, lay.num_experts) if budget_slots is None \
-        else int(budget_slots)
     if workdir is None:
         # The result is loaded into memory: the run stores are scratch, removed on return
         # (a study never leaves bytes behind that the caller did not ask to keep).
@@ -90,6 +87,9 @@ def characterise_pruning(rt, requests: Sequence[tuple[Any, str, str]], *,
                                        workdir=tmp)
         out.attrs.pop("workdir")
         return out
+    lay = rt.lm.layout
+    budget = expert_budget_slots(lay.num_layers, lay.num_experts) if budget_slots is None \
+        else int(budget_slots)
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     knobs = {**base_knobs(1), "max_new_tokens": 1, "pinned_layers": int(pinned_layers),
